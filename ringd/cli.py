@@ -1,0 +1,137 @@
+"""``ringd serve | local | demo``: the daemon's command line.
+
+``serve`` runs one daemon until SIGINT/SIGTERM. ``local`` runs a ring of
+daemon processes on this machine (``local.py``). ``demo`` is ``local`` with
+three nodes and a tiny real model generated once into a cache folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from . import config as config_mod
+
+DEMO_NODES = 3
+# The demo model: a real qwen3 architecture with a real tokenizer and random
+# weights, big enough that its output varies, small enough to make in seconds.
+DEMO_MODEL = dict(arch="qwen3", layers=9, hidden_size=128, heads=4, kv_heads=2, dtype="bfloat16", seed=0)
+DEMO_MODEL_ID = "tiny-qwen3"
+# How often a `ringd local` node checks that its launcher is still alive.
+PARENT_CHECK_S = 1.0
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RINGD_CACHE", Path.home() / ".cache" / "ringd"))
+
+
+def _setup_logging(node: str, level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format=f"%(asctime)s {node} %(levelname).1s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # Third-party chatter at info level drowns the ring's own lines.
+    for noisy in ("aiohttp.access", "huggingface_hub", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+async def _serve(cfg: config_mod.Config) -> int:
+    from .daemon import Daemon
+    from .shard import ModelError
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    parent = os.environ.get("RINGD_EXIT_WITH_PARENT")
+    if parent:
+        # Started by `ringd local`: don't outlive the launcher if it is killed.
+        async def watch_parent():
+            while os.getppid() == int(parent):
+                await asyncio.sleep(PARENT_CHECK_S)
+            stop.set()
+
+        watcher = loop.create_task(watch_parent())
+    daemon = Daemon(cfg)
+    try:
+        await daemon.start()
+    except (config_mod.ConfigError, ModelError, OSError) as e:
+        print(f"ringd serve: {e}", file=sys.stderr)
+        await daemon.stop()
+        return 1
+    await stop.wait()
+    logging.getLogger("ringd").info("stopping")
+    await daemon.stop()
+    if parent:
+        watcher.cancel()
+    return 0
+
+
+def _run(coro) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # uvloop is a dependency; this only guards odd platforms
+        return asyncio.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ringd", description="Run one LLM across several machines in a ring.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run one daemon")
+    config_mod.add_flags(serve)
+
+    local = sub.add_parser("local", help="run a ring of N daemon processes on this machine")
+    local.add_argument("--nodes", type=int, required=True, help="number of daemon processes")
+    local.add_argument("--model", required=True, help="mlx-lm model directory or Hugging Face repo id")
+    local.add_argument("--port", type=int, default=8100, help="the API's port (0: a free one); default 8100")
+    local.add_argument("--host", default="127.0.0.1", help="the API's address; default 127.0.0.1")
+    local.add_argument("--split", help="layers per node, e.g. 10,9,9 (default: even, low stages take the extra)")
+    local.add_argument("--model-id", help="model name the API serves")
+    local.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    demo = sub.add_parser("demo", help="`local` with 3 nodes and a tiny generated model")
+    demo.add_argument("--port", type=int, default=8100, help="the API's port (0: a free one); default 8100")
+    demo.add_argument("--nodes", type=int, default=DEMO_NODES, help=f"number of nodes; default {DEMO_NODES}")
+    demo.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            cfg = config_mod.load(args)
+        except config_mod.ConfigError as e:
+            print(f"ringd serve: config error: {e}", file=sys.stderr)
+            return 2
+        _setup_logging(cfg.name, cfg.log_level)
+        return _run(_serve(cfg))
+
+    from .local import run_local
+    from .placement import PlacementError, parse_split
+
+    if args.command == "local":
+        try:
+            split = parse_split(args.split) if args.split else None
+        except PlacementError as e:
+            parser.error(f"--split: {e}")
+        return run_local(args.nodes, args.model, args.port, split, args.host, args.model_id, args.log_level)
+
+    from .tinymodel import ensure_tiny_model
+
+    print(f"ringd demo: preparing the demo model in {cache_dir() / 'models'} ...", flush=True)
+    model = ensure_tiny_model(cache_dir() / "models", **DEMO_MODEL)
+    print(f'ringd demo: try  curl -s localhost:{args.port}/v1/chat/completions -H "Content-Type: application/json" '
+          f"-d '{{\"model\": \"{DEMO_MODEL_ID}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 40}}'",
+          flush=True)  # fmt: skip
+    return run_local(args.nodes, str(model), args.port, None, "127.0.0.1", DEMO_MODEL_ID, args.log_level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

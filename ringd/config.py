@@ -1,0 +1,259 @@
+"""One validated Config from a YAML file, ``RINGD_*`` environment variables and flags.
+
+Later sources win: file, then environment, then flags. Every key is declared
+once in ``KEYS`` (type, default, check, help); the YAML schema, the environment
+names and the command-line flags all come from that table, so they cannot
+drift apart. Unknown keys and impossible values are errors that name the key,
+where it came from, and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+DEFAULT_RING_PORT = 50051
+DEFAULT_HTTP_PORT = 8100
+# The secret authenticates every ring connection; shorter ones are guessable.
+MIN_SECRET_BYTES = 16
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """A bad key or value; the message says which, from where, and why."""
+
+
+def _port(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 65535:
+        raise ValueError("must be a port number from 0 to 65535 (0: pick a free one)")
+    return v
+
+
+def _positive_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError("must be a positive integer")
+    return v
+
+
+def _name(v: Any) -> str:
+    if not isinstance(v, str) or not _NAME.match(v):
+        raise ValueError("must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return v
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise ValueError("must be a non-empty string")
+    return v
+
+
+def _host(v: Any) -> str:
+    v = _str(v)
+    try:
+        ipaddress.ip_address(v)
+    except ValueError:
+        raise ValueError("must be an IP address (names are not resolved: .local lookups fail on many networks)") from None
+    return v
+
+
+def parse_hostport(v: Any) -> tuple[str, int]:
+    if not isinstance(v, str) or ":" not in v:
+        raise ValueError(f"{v!r} must be IP:PORT, like 192.168.1.20:50051")
+    host, _, port = v.rpartition(":")
+    host = host.strip("[]")
+    _host(host)
+    try:
+        return host, _port(int(port))
+    except ValueError:
+        raise ValueError(f"{v!r}: the port must be a number from 1 to 65535") from None
+
+
+def _peers(v: Any) -> list[str]:
+    if isinstance(v, str):
+        v = [p for p in v.split(",") if p.strip()]
+    if not isinstance(v, list):
+        raise ValueError("must be a list of IP:PORT entries")
+    out = []
+    for p in v:
+        parse_hostport(p.strip() if isinstance(p, str) else p)
+        out.append(p.strip())
+    return out
+
+
+def _split(v: Any) -> list[int] | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        try:
+            v = [int(x) for x in v.split(",")]
+        except ValueError:
+            raise ValueError("must be comma-separated layer counts like 10,9,9") from None
+    if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
+        raise ValueError("must be a list of positive layer counts like [10, 9, 9]")
+    return v
+
+
+def _log_level(v: Any) -> str:
+    if not isinstance(v, str) or v.lower() not in ("debug", "info", "warning", "error"):
+        raise ValueError("must be one of debug, info, warning, error")
+    return v.lower()
+
+
+def _optional(check: Callable) -> Callable:
+    return lambda v: None if v is None else check(v)
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    check: Callable[[Any], Any]
+    default: Any
+    help: str
+    kind: type = str  # how a flag or environment string is parsed before the check
+
+
+KEYS: list[Key] = [
+    Key("name", _name, None, "this node's id in the cluster (default: the host name)"),
+    Key("cluster", _name, "ringd", "cluster name; daemons of other clusters are ignored"),
+    Key("secret_file", _optional(_str), None, "file holding the cluster secret (at least 16 bytes)"),
+    Key("model", _optional(_str), None, "mlx-lm model directory or Hugging Face repo id"),
+    Key("model_id", _optional(_str), None, "model name the API serves (default: the model's directory or repo name)"),
+    Key("host", _host, "0.0.0.0", "address the ring port listens on"),
+    Key("advertise", _optional(_host), None, "address peers dial to reach this node (default: the host's LAN address)"),
+    Key("ring_port", _port, DEFAULT_RING_PORT, "TCP port for ring traffic between daemons", int),
+    Key("http_host", _host, "0.0.0.0", "address the HTTP API listens on"),
+    Key("http_port", _port, DEFAULT_HTTP_PORT, "TCP port of the OpenAI-compatible HTTP API", int),
+    Key("peers", _peers, [], "peers to dial, IP:PORT (repeatable flag --peer)"),
+    Key("leader", _optional(_name), None, "name of the node that leads (default: this node when it has no peers)"),
+    Key("nodes", _optional(_positive_int), None, "ring size the leader waits for (default: peers + 1)", int),
+    Key("split", _split, None, "layers per stage in ring order, e.g. 10,9,9 (default: even)"),
+    Key("prefill_chunk_tokens", _positive_int, 512, "prompt tokens per prefill frame", int),
+    Key("log_level", _log_level, "info", "debug, info, warning or error"),
+]
+_BY_NAME = {k.name: k for k in KEYS}
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    cluster: str
+    secret_file: str | None
+    model: str | None
+    model_id: str | None
+    host: str
+    advertise: str | None
+    ring_port: int
+    http_host: str
+    http_port: int
+    peers: list[str] = field(default_factory=list)
+    leader: str | None = None
+    nodes: int | None = None
+    split: list[int] | None = None
+    prefill_chunk_tokens: int = 512
+    log_level: str = "info"
+
+    @property
+    def is_leader(self) -> bool:
+        return (self.leader or self.name) == self.name
+
+    @property
+    def expected_nodes(self) -> int:
+        return self.nodes if self.nodes is not None else len(self.peers) + 1
+
+    def read_secret(self) -> bytes:
+        if self.secret_file is None:
+            raise ConfigError("secret_file: no cluster secret configured; set secret_file (or RINGD_SECRET_FILE, --secret-file)")
+        path = Path(self.secret_file).expanduser()
+        try:
+            secret = path.read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"secret_file: cannot read {path}: {e.strerror}") from None
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ConfigError(f"secret_file: {path} holds {len(secret)} bytes; at least {MIN_SECRET_BYTES} are needed")
+        return secret
+
+
+def _from_string(key: Key, raw: str) -> Any:
+    if key.kind is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{raw!r} is not an integer") from None
+    return raw
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per key; ``--peer`` is repeatable."""
+    parser.add_argument("--config", metavar="FILE", help="YAML config file (see config/cluster.example.yaml)")
+    for key in KEYS:
+        if key.name == "peers":
+            parser.add_argument("--peer", dest="peers", action="append", metavar="IP:PORT", help=key.help)
+        else:
+            parser.add_argument("--" + key.name.replace("_", "-"), dest=key.name, metavar=key.name.upper(), help=key.help)
+
+
+def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None = None) -> Config:
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    path = getattr(args, "config", None) or environ.get("RINGD_CONFIG")
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).expanduser().read_text())
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: the top level must be a mapping of keys")
+        for k, v in data.items():
+            if k not in _BY_NAME:
+                raise ConfigError(f"config file {path}: unknown key {k!r}; known keys: {', '.join(_BY_NAME)}")
+            values[k], sources[k] = v, f"config file {path}"
+
+    for key in KEYS:
+        env = "RINGD_" + key.name.upper()
+        if env in environ:
+            try:
+                values[key.name] = _from_string(key, environ[env])
+            except ValueError as e:
+                raise ConfigError(f"{env}: {e}") from None
+            sources[key.name] = f"environment variable {env}"
+
+    for key in KEYS:
+        raw = getattr(args, key.name, None) if args is not None else None
+        if raw is None:
+            continue
+        flag = "--peer" if key.name == "peers" else "--" + key.name.replace("_", "-")
+        try:
+            values[key.name] = raw if key.name == "peers" else _from_string(key, raw)
+        except ValueError as e:
+            raise ConfigError(f"{flag}: {e}") from None
+        sources[key.name] = f"flag {flag}"
+
+    checked: dict[str, Any] = {}
+    for key in KEYS:
+        v = values.get(key.name, key.default)
+        try:
+            checked[key.name] = key.check(v) if v is not None or key.default is not None else None
+        except ValueError as e:
+            raise ConfigError(f"{key.name} ({sources.get(key.name, 'default')}): {e}; got {v!r}") from None
+    if checked["name"] is None:
+        checked["name"] = _name(re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname().split(".")[0]) or "node")
+    cfg = Config(**checked)
+    if cfg.nodes is not None and cfg.nodes < 1:
+        raise ConfigError("nodes: must be at least 1")
+    if cfg.split is not None and len(cfg.split) != cfg.expected_nodes:
+        raise ConfigError(f"split: {cfg.split} has {len(cfg.split)} entries for a ring of {cfg.expected_nodes} nodes")
+    return cfg

@@ -1,0 +1,367 @@
+"""One ringd daemon: links, its stage, and on the leader the plan, engine and API.
+
+This is the composition root. It routes each frame from the links to the
+part that owns it (stage, engine, plan bookkeeping, status), and it turns
+membership into a plan on the leader: once the expected nodes are linked the
+leader splits the layers, sends the PLAN to every member, and serves once all
+of them answer LOADED. A member that leaves takes the ring down until it is
+back (re-planning over survivors comes with elections). Frames to this node
+itself never touch a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import time
+from pathlib import Path
+
+from mlx_lm.utils import load_tokenizer
+
+from wire.frames import Frame, MsgType
+
+from .api import Api
+from .compute import ComputeThread
+from .config import Config, parse_hostport
+from .engine import Engine
+from .membership import LinkError, Links
+from .metrics import Metrics
+from .pipeline import StageRunner
+from .placement import Plan, PlacementError, make_plan, natural_key
+from .shard import ModelError, ModelInfo, Shard, model_info
+
+log = logging.getLogger(__name__)
+
+# How long /cluster/status waits for each node's answer before listing it as silent.
+STATUS_TIMEOUT_S = 2.0
+# How often idle sessions are looked for; their timeout is SESSION_IDLE_TIMEOUT_S.
+EXPIRE_INTERVAL_S = 30.0
+
+
+def lan_address() -> str:
+    """The address this host uses to reach the LAN, without sending anything."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: routing only, no packet leaves
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class Daemon:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.name = cfg.name
+        self.started = int(time.time())
+        self.compute = ComputeThread()
+        self.metrics = Metrics(self.name, self.local_status)
+        self.api = Api(self)
+        self.info: ModelInfo | None = None
+        self.tokenizer = None
+        self.model_id = cfg.model_id or ""
+        self.links: Links | None = None
+        self.engine: Engine | None = None
+        self.plan: Plan | None = None  # the plan this node runs (or, on the leader, is bringing up)
+        self.shard: Shard | None = None
+        self.stage: StageRunner | None = None
+        self.loaded: dict[str, dict] = {}  # leader: LOADED answers for self.plan
+        self.ready = False
+        self.reason = "starting"
+        self.addr = ""
+        self.http_addr = ""
+        self._term = 0
+        self._members_changed = asyncio.Event()
+        self._plan_lock = asyncio.Lock()
+        self._status_ids = itertools.count(1)
+        self._status_waiters: dict[int, asyncio.Future] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        if cfg.model is None:
+            raise ModelError("model: no model configured; set model (or RINGD_MODEL, --model)")
+        secret = cfg.read_secret()
+        loop = asyncio.get_running_loop()
+        self.info = await loop.run_in_executor(None, model_info, cfg.model)
+        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.info.path)
+        self.model_id = cfg.model_id or (cfg.model if not Path(cfg.model).expanduser().exists() else self.info.name)
+
+        http_port = await self.api.start(cfg.http_host, cfg.http_port)
+        advertise = cfg.advertise or (cfg.host if cfg.host not in ("0.0.0.0", "::") else lan_address())
+        handshake_info: dict = {"model": self.info.fingerprint}
+        self.links = Links(self.name, cfg.cluster, secret, handshake_info, self._on_frame, self._on_members_changed)
+        ring_port = await self.links.listen(cfg.host, cfg.ring_port)
+        self.addr = f"{advertise}:{ring_port}"
+        self.http_addr = f"{advertise if cfg.http_host in ('0.0.0.0', '::') else cfg.http_host}:{http_port}"
+        # Peers learn these in the handshake; filled in now that the ports are bound.
+        handshake_info.update(addr=self.addr, http=self.http_addr)
+        for peer in cfg.peers:
+            self.links.dial(*parse_hostport(peer))
+        if cfg.is_leader:
+            self.engine = Engine(self.name, self.tokenizer, self.send, cfg.prefill_chunk_tokens)
+            self._spawn(self._plan_loop())
+            self._members_changed.set()
+        else:
+            self.reason = f"waiting for a plan from leader {cfg.leader}"
+        self._spawn(self._expire_loop())
+        log.info(
+            "ringd node %s up: ring %s, http %s, model %s (%d layers), %s",
+            self.name, self.addr, self.http_addr, self.model_id, self.info.num_layers,
+            "leader" if cfg.is_leader else f"follower of {cfg.leader}",
+        )  # fmt: skip
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.api.stop()
+        if self.links is not None:
+            await self.links.close()
+        self.compute.shutdown()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # --- routing ----------------------------------------------------------------------
+
+    def send(self, node: str, frame: Frame) -> None:
+        """Deliver to ``node``: over its link, or straight to our own parts."""
+        if node == self.name:
+            self._on_frame(self.name, frame)
+        else:
+            self.links.send(node, frame)
+
+    def _send_from_stage(self, node: str, frame: Frame) -> None:
+        try:
+            self.send(node, frame)
+        except LinkError as e:
+            log.warning("req=%x: cannot pass %s on: %s", frame.request_id, frame.type.name, e)
+            if frame.type == MsgType.FORWARD and self.plan is not None and node != self.plan.leader:
+                self._report(frame.request_id, f"{e}; the ring is broken")
+
+    def _report(self, rid: int, message: str) -> None:
+        try:
+            self.send(self.plan.leader, Frame(MsgType.ERROR, rid, {"node": self.name, "message": message}))
+        except LinkError:
+            log.warning("req=%x: leader unreachable to report: %s", rid, message)
+
+    def _on_frame(self, peer: str, frame: Frame) -> None:
+        try:
+            self._dispatch(peer, frame)
+        except Exception:  # one bad frame must not end the link or the node
+            log.exception("error handling %s frame from %s", frame.type.name, peer)
+
+    def _dispatch(self, peer: str, frame: Frame) -> None:
+        t = frame.type
+        if t in (MsgType.FORWARD, MsgType.RELEASE):
+            if self.stage is not None:
+                self.stage.handle(frame)
+            elif t == MsgType.FORWARD:
+                self.send(peer, Frame(MsgType.ERROR, frame.request_id, {"node": self.name, "message": "no stage loaded here"}))
+        elif t in (MsgType.TOKEN, MsgType.ERROR):
+            if self.engine is not None:
+                self.engine.on_frame(frame)
+        elif t == MsgType.PLAN:
+            self._spawn(self._on_plan(peer, frame.descriptor))
+        elif t == MsgType.LOADED:
+            self._on_loaded(peer, frame.descriptor)
+        elif t == MsgType.STATUS:
+            self.send(peer, Frame(MsgType.STATUS_REPLY, 0, {"id": frame.descriptor.get("id"), "status": self.local_status()}))
+        elif t == MsgType.STATUS_REPLY:
+            waiter = self._status_waiters.pop(frame.descriptor.get("id"), None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(frame.descriptor.get("status"))
+        elif t == MsgType.PING:
+            self.send(peer, Frame(MsgType.PONG, 0, frame.descriptor))
+        else:
+            log.debug("ignoring %s frame from %s", t.name, peer)
+
+    # --- plan: leader side --------------------------------------------------------------
+
+    def _on_members_changed(self) -> None:
+        self._members_changed.set()
+        plan = self.plan
+        if plan is None or self.links is None:
+            return
+        gone = [s.node for s in plan.stages if s.node != self.name and s.node not in self.links.peers]
+        if gone and self.ready:
+            self.ready = False
+            self.reason = f"node {gone[0]} left the ring"
+            log.warning("ring down: %s", self.reason)
+            if self.engine is not None:
+                self.engine.fail_all(self.reason)
+
+    async def _plan_loop(self) -> None:
+        while True:
+            await self._members_changed.wait()
+            self._members_changed.clear()
+            peers = sorted(self.links.peers, key=natural_key)
+            need = self.cfg.expected_nodes
+            if len(peers) + 1 < need:
+                self.ready = False
+                self.reason = f"waiting for {need - 1 - len(peers)} more node(s) of {need} (linked: {', '.join(peers) or 'none'})"
+                continue
+            members = [(self.name, self.addr)] + [(p, self.links.addr_of(p) or "") for p in peers[: need - 1]]
+            if self.plan is not None and [s.node for s in self.plan.stages] == [m for m, _ in members]:
+                continue  # the same ring; nothing to do
+            self._term += 1
+            try:
+                plan = make_plan(self._term, self.name, self.info.fingerprint, self.info.num_layers, members, self.cfg.split)
+            except PlacementError as e:
+                self.ready, self.reason = False, f"cannot place the model: {e}"
+                log.error(self.reason)
+                continue
+            self.ready, self.reason = False, f"loading plan term {plan.term}"
+            self.engine.plan = None
+            self.plan, self.loaded = plan, {}
+            log.info("plan term %d: %s", plan.term, ", ".join(f"{s.node}[{s.start},{s.end})" for s in plan.stages))
+            for s in plan.stages:
+                try:
+                    self.send(s.node, Frame(MsgType.PLAN, 0, plan.to_wire()))
+                except LinkError as e:
+                    log.warning("could not send the plan to %s: %s", s.node, e)
+
+    def _on_loaded(self, peer: str, d: dict) -> None:
+        plan = self.plan
+        if self.engine is None or plan is None or d.get("term") != plan.term:
+            return
+        self.loaded[peer] = d
+        if d.get("error"):
+            self.ready, self.reason = False, f"node {peer} could not load its layers: {d['error']}"
+            log.error(self.reason)
+            return
+        missing = [s.node for s in plan.stages if s.node not in self.loaded]
+        if missing:
+            self.reason = f"loading plan term {plan.term}; waiting for {', '.join(missing)}"
+            return
+        self.engine.plan = plan
+        self.ready, self.reason = True, ""
+        log.info("ring ready: term %d, %d stages, split %s", plan.term, len(plan.stages), plan.split)
+
+    # --- plan: every node ----------------------------------------------------------------
+
+    async def _on_plan(self, peer: str, d: dict) -> None:
+        try:
+            plan = Plan.from_wire(d)
+        except PlacementError as e:
+            log.warning("ignoring a malformed plan from %s: %s", peer, e)
+            return
+        if peer != plan.leader or (self.cfg.leader is not None and plan.leader != self.cfg.leader):
+            log.warning("ignoring a plan from %s: the leader here is %s", peer, self.cfg.leader)
+            return
+        async with self._plan_lock:
+            answer = {"term": plan.term}
+            try:
+                answer.update(await self._load(plan))
+            except Exception as e:  # a load failure is reported to the leader, the node stays up
+                log.exception("could not load plan term %d", plan.term)
+                answer["error"] = f"{type(e).__name__}: {e}"
+            try:
+                self.send(plan.leader, Frame(MsgType.LOADED, 0, answer))
+            except LinkError as e:
+                log.warning("could not answer the plan: %s", e)
+
+    async def _load(self, plan: Plan) -> dict:
+        if plan.model != self.info.fingerprint:
+            raise ModelError(
+                f"the leader serves model {plan.model}, this node has {self.info.fingerprint} "
+                f"({self.cfg.model}); every node needs the same model"
+            )
+        i = plan.index_of(self.name)
+        if self.stage is not None:
+            self.stage.close()
+            self.stage = None
+        self.plan = plan
+        if i is None:
+            self.shard = None
+            self.reason = f"not in the ring of term {plan.term}"
+            return {}
+        want = plan.stages[i]
+        if self.shard is None or (self.shard.start, self.shard.end) != (want.start, want.end):
+            self.shard = None  # free the old layers before loading new ones
+            self.reason = f"loading layers [{want.start}, {want.end})"
+            t0 = time.monotonic()
+            self.shard = await self.compute.run(Shard.load, self.cfg.model, want.start, want.end)
+            log.info(
+                "loaded layers [%d, %d) in %.1f s: %.1f MiB of parameters",
+                want.start, want.end, time.monotonic() - t0, self.shard.parameter_bytes / 2**20,
+            )  # fmt: skip
+        self.stage = StageRunner(self.name, plan, self.shard, self.compute, self._send_from_stage)
+        successor = plan.successor(self.name)
+        if successor is not None and successor.node not in self.links.peers and successor.addr:
+            self.links.dial(*parse_hostport(successor.addr))
+        if not self.cfg.is_leader:
+            self.ready, self.reason = True, ""
+        return {"parameter_bytes": self.shard.parameter_bytes}
+
+    # --- status ----------------------------------------------------------------------------
+
+    def readiness(self) -> tuple[bool, str]:
+        return self.ready, self.reason
+
+    def leader_http(self) -> str | None:
+        leader = self.plan.leader if self.plan else self.cfg.leader
+        if leader is None or self.links is None:
+            return None
+        peer = self.links.peers.get(leader)
+        return f"http://{peer.info['http']}" if peer and peer.info.get("http") else None
+
+    def local_status(self) -> dict:
+        stage = self.stage
+        plan = self.plan
+        return {
+            "node": self.name,
+            "role": "leader" if self.cfg.is_leader else "follower",
+            "ready": self.ready,
+            "term": plan.term if plan else 0,
+            "addr": self.addr,
+            "http": self.http_addr,
+            "model": self.model_id,
+            "stage": plan.index_of(self.name) if plan else None,
+            "layers": [stage.shard.start, stage.shard.end] if stage else None,
+            "sessions": len(stage.sessions) if stage else 0,
+            "kv_bytes": stage.sessions.kv_bytes if stage else 0,
+            "parameter_bytes": self.shard.parameter_bytes if self.shard else 0,
+            "active_requests": self.engine.active if self.engine else 0,
+            "peers": sorted(self.links.peers, key=natural_key) if self.links else [],
+        }
+
+    async def cluster_status(self) -> dict:
+        nodes = [s.node for s in self.plan.stages] if self.plan else [self.name]
+        statuses = await asyncio.gather(*(self._status_of(n) for n in nodes))
+        ready, reason = self.readiness()
+        return {
+            "node": self.name,
+            "leader": self.plan.leader if self.plan else self.cfg.leader,
+            "ready": ready,
+            "reason": reason,
+            "plan": self.plan.to_wire() if self.plan else None,
+            "nodes": statuses,
+        }
+
+    async def _status_of(self, node: str) -> dict:
+        if node == self.name:
+            return self.local_status()
+        sid = next(self._status_ids)
+        waiter = asyncio.get_running_loop().create_future()
+        self._status_waiters[sid] = waiter
+        try:
+            self.send(node, Frame(MsgType.STATUS, 0, {"id": sid}))
+            return await asyncio.wait_for(waiter, STATUS_TIMEOUT_S)
+        except (LinkError, asyncio.TimeoutError) as e:
+            return {"node": node, "ready": False, "error": f"no answer: {e or 'timed out'}"}
+        finally:
+            self._status_waiters.pop(sid, None)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRE_INTERVAL_S)
+            if self.stage is not None:
+                self.stage.expire_idle()

@@ -1,0 +1,140 @@
+"""``ringd local``: a ring of N daemon processes on this machine.
+
+Each node is a separate OS process running ``ringd serve`` on 127.0.0.1 with
+ports of its own and a cluster secret made for this run. This module starts
+them, waits until the leader's ``/health`` says the ring is ready, prints the
+API address, and on SIGINT or SIGTERM (or when any node dies) stops them all.
+It is the launcher, not the daemon: everything it does goes through the same
+``ringd serve`` a real cluster runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+# Loading a model and linking N processes takes seconds; a minute of no
+# progress means something is wrong, and the user should hear what.
+READY_TIMEOUT_S = 180.0
+READY_POLL_S = 0.2
+# Grace for nodes to exit on SIGTERM before they are killed.
+STOP_GRACE_S = 5.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _health(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read())
+        except ValueError:
+            return e.code, {}
+    except (OSError, ValueError):
+        return 0, {}
+
+
+def run_local(
+    nodes: int,
+    model: str,
+    port: int = 8100,
+    split: list[int] | None = None,
+    host: str = "127.0.0.1",
+    model_id: str | None = None,
+    log_level: str = "info",
+) -> int:
+    if nodes < 1:
+        print("ringd local: --nodes must be at least 1", file=sys.stderr)
+        return 2
+    if split is not None and len(split) != nodes:
+        print(f"ringd local: --split has {len(split)} entries for {nodes} nodes", file=sys.stderr)
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="ringd-local-"))
+    secret_file = workdir / "secret"
+    secret_file.write_text(secrets.token_hex(32))
+    secret_file.chmod(0o600)
+
+    ring_ports = [free_port() for _ in range(nodes)]
+    http_ports = [port if port else free_port(host)] + [free_port(host) for _ in range(nodes - 1)]
+    env = dict(os.environ, RINGD_EXIT_WITH_PARENT=str(os.getpid()))
+    procs: list[subprocess.Popen] = []
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    try:
+        for i in range(nodes):
+            cmd = [
+                sys.executable, "-m", "ringd", "serve",
+                "--name", f"node{i}",
+                "--host", "127.0.0.1", "--advertise", "127.0.0.1",
+                "--ring-port", str(ring_ports[i]),
+                "--http-host", host, "--http-port", str(http_ports[i]),
+                "--model", model, "--secret-file", str(secret_file),
+                "--leader", "node0", "--nodes", str(nodes),
+                "--log-level", log_level,
+            ]  # fmt: skip
+            for j in range(nodes):
+                if j != i:
+                    cmd += ["--peer", f"127.0.0.1:{ring_ports[j]}"]
+            if split:
+                cmd += ["--split", ",".join(map(str, split))]
+            if model_id:
+                cmd += ["--model-id", model_id]
+            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+
+        url = f"http://{host}:{http_ports[0]}"
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        reason = ""
+        while not stop.is_set():
+            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+            if dead:
+                print(f"ringd local: node{dead[0]} exited with code {procs[dead[0]].returncode}", file=sys.stderr)
+                return 1
+            status, body = _health(url + "/health")
+            if status == 200:
+                break
+            reason = body.get("reason", reason)
+            if time.monotonic() > deadline:
+                print(f"ringd local: the ring was not ready after {READY_TIMEOUT_S:.0f} s: {reason}", file=sys.stderr)
+                return 1
+            stop.wait(READY_POLL_S)
+        if stop.is_set():
+            return 130
+        print(f"ringd: {nodes} node(s) ready; OpenAI API at {url}/v1 (model {body.get('model')})", flush=True)
+        while not stop.wait(0.5):
+            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+            if dead:
+                print(f"ringd local: node{dead[0]} exited with code {procs[dead[0]].returncode}; stopping", file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        end = time.monotonic() + STOP_GRACE_S
+        for p in procs:
+            try:
+                p.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        secret_file.unlink(missing_ok=True)
+        workdir.rmdir()

@@ -1,0 +1,165 @@
+"""The peer table: one authenticated link per peer, by node id.
+
+A node listens on its ring port and dials the peers it is told about; every
+connection starts with the cluster-secret handshake (``wire.handshake``), which
+also tells each side the other's node id. When two nodes dial each other at
+once, both keep the connection dialed by the node with the smaller id, so they
+agree without talking about it. A dialed peer that goes away is dialed again
+with backoff; every attempt has a deadline.
+
+Frames from any link go to one ``on_frame(peer, frame)`` callback in arrival
+order. ``on_change`` is called when a peer joins or leaves. This module knows
+nothing of plans or models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from wire import stream as wire_stream
+from wire.frames import Frame
+
+log = logging.getLogger(__name__)
+
+# Redial backoff for a peer that is down: fast at first (daemons of one cluster
+# usually start within seconds of each other), then every few seconds.
+DIAL_BACKOFF_INITIAL_S = 0.1
+DIAL_BACKOFF_MAX_S = 3.0
+
+
+class LinkError(ConnectionError):
+    """No usable link to a peer."""
+
+
+@dataclass
+class Peer:
+    node: str
+    stream: "wire_stream.FrameStream"
+    outbound: bool
+    info: dict
+
+
+class Links:
+    def __init__(
+        self,
+        node: str,
+        cluster: str,
+        secret: bytes,
+        info: dict,
+        on_frame: Callable[[str, Frame], None],
+        on_change: Callable[[], None] = lambda: None,
+    ):
+        self.node = node
+        self.cluster = cluster
+        self._secret = secret
+        self.info = info
+        self.on_frame = on_frame
+        self.on_change = on_change
+        self.peers: dict[str, Peer] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._dialing: set[tuple[str, int]] = set()
+        self._closing = False
+
+    async def listen(self, host: str, port: int) -> int:
+        """Start accepting peers; returns the bound port (useful with port 0)."""
+        self._server = await wire_stream.serve(
+            host, port, self._accepted, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info
+        )
+        return self._server.sockets[0].getsockname()[1]
+
+    def dial(self, host: str, port: int) -> None:
+        """Keep a link to host:port, redialing with backoff whenever it is down."""
+        if (host, port) in self._dialing:
+            return
+        self._dialing.add((host, port))
+        self._spawn(self._dial_loop(host, port))
+
+    def send(self, node: str, frame: Frame) -> None:
+        """Queue ``frame`` on the link to ``node`` without waiting; order is kept per link."""
+        peer = self.peers.get(node)
+        if peer is None or peer.stream.closed:
+            raise LinkError(f"no link to node {node!r}")
+        peer.stream.write(frame)
+
+    def addr_of(self, node: str) -> str | None:
+        peer = self.peers.get(node)
+        return peer.info.get("addr") if peer else None
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        for peer in list(self.peers.values()):
+            peer.stream.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # --- internals --------------------------------------------------------------
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _accepted(self, stream) -> None:
+        await self._run_link(stream, outbound=False)
+
+    async def _dial_loop(self, host: str, port: int) -> None:
+        backoff = DIAL_BACKOFF_INITIAL_S
+        while not self._closing:
+            try:
+                stream = await wire_stream.connect(
+                    host, port, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info
+                )
+            except (OSError, asyncio.TimeoutError, wire_stream.HandshakeError) as e:
+                log.debug("dial %s:%d failed: %s", host, port, e)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, DIAL_BACKOFF_MAX_S)
+                continue
+            backoff = DIAL_BACKOFF_INITIAL_S
+            peer_id = stream.peer_id
+            await self._run_link(stream, outbound=True)
+            # The link ended. If another link to the same node is up (the one it
+            # dialed to us won the tie), wait for that one to end before redialing.
+            while not self._closing and peer_id in self.peers:
+                await self.peers[peer_id].stream.wait_closed()
+            await asyncio.sleep(backoff)
+
+    def _prefer(self, new_outbound: bool, peer_id: str) -> bool:
+        # Both ends keep the connection dialed by the smaller node id.
+        dialed_by_us_wins = self.node < peer_id
+        return new_outbound == dialed_by_us_wins
+
+    async def _run_link(self, stream, outbound: bool) -> None:
+        peer_id = stream.peer_id
+        if peer_id == self.node:
+            log.warning("dropping a link to ourselves (a peer address points at this node)")
+            stream.close()
+            return
+        current = self.peers.get(peer_id)
+        if current is not None and not current.stream.closed:
+            if not self._prefer(outbound, peer_id):
+                stream.close()
+                return
+            current.stream.close()
+        peer = Peer(peer_id, stream, outbound, dict(stream.peer_info or {}))
+        self.peers[peer_id] = peer
+        log.info("linked with %s (%s)", peer_id, "dialed" if outbound else "accepted")
+        self.on_change()
+        try:
+            while True:
+                frame = await stream.recv(timeout=None)
+                self.on_frame(peer_id, frame)
+        except (ConnectionError, asyncio.IncompleteReadError, wire_stream.FrameError) as e:
+            log.info("link to %s closed: %s", peer_id, e or type(e).__name__)
+        finally:
+            stream.close()
+            if self.peers.get(peer_id) is peer:
+                del self.peers[peer_id]
+                self.on_change()

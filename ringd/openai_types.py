@@ -1,0 +1,242 @@
+"""OpenAI request parsing and response shapes, as pure functions.
+
+Bodies of ``/v1/chat/completions`` and ``/v1/completions`` become a
+``CompletionRequest``; anything malformed becomes an ``ApiError`` carrying the
+HTTP status and OpenAI's error shape (``{"error": {"message", "type",
+"param", "code"}}``), naming the field at fault. Fields the API documents but
+ringd cannot honour (``n`` > 1, ``best_of``, ``echo``, ``suffix``) are refused,
+not ignored; unknown fields are ignored, as clients send many.
+
+No HTTP, no tokenizer: ``api.py`` does the I/O, this module the shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams
+
+# OpenAI accepts up to 4 stop sequences; a few more costs nothing here.
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+# Legacy completions take logprobs as a count, at most 5 (OpenAI's limit).
+MAX_COMPLETION_LOGPROBS = 5
+# Messages in one chat request; beyond this the body is an attack or a bug.
+MAX_MESSAGES = 4096
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, type_: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            413: "invalid_request_error",
+            429: "rate_limit_error",
+            503: "service_unavailable",
+        }.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class CompletionRequest:
+    chat: bool
+    model: str
+    messages: list[dict] | None  # chat
+    prompt: str | list[int] | None  # completions: text or token ids
+    max_tokens: int | None
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _bad(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    return body
+
+
+def _text_content(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"{where}[{i}] must be a text part {{'type': 'text', 'text': ...}}; only text is supported", where)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(f"{where} must be a string or a list of text parts", where)
+
+
+def _messages(v: Any) -> list[dict]:
+    if not isinstance(v, list) or not v:
+        raise _bad("messages must be a non-empty list", "messages")
+    if len(v) > MAX_MESSAGES:
+        raise _bad(f"at most {MAX_MESSAGES} messages are accepted", "messages")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"{where} must be an object", where)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise _bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{where}.role")
+        # Chat templates know "system"; "developer" is OpenAI's newer name for it.
+        out.append({"role": "system" if role == "developer" else role, "content": _text_content(m.get("content"), f"{where}.content")})
+    return out
+
+
+def _prompt(v: Any) -> str | list[int]:
+    # A string, token ids, or a batch of one of either.
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]
+    if isinstance(v, str):
+        if not v:
+            raise _bad("prompt must not be empty", "prompt")
+        return v
+    if isinstance(v, list) and v and all(_is_int(t) and t >= 0 for t in v):
+        return v
+    if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
+        raise _bad("only one prompt per request is supported", "prompt")
+    raise _bad("prompt must be a non-empty string or a list of token ids", "prompt")
+
+
+def _stop(v: Any) -> list[str]:
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise _bad(f"stop must be a string or a list of non-empty strings of at most {MAX_STOP_CHARS} characters", "stop")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise _bad(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported", "stop")
+    return stops
+
+
+def parse_request(body: dict, chat: bool) -> CompletionRequest:
+    def opt(name: str, check, rule: str):
+        v = body.get(name)
+        if v is not None and not check(v):
+            raise _bad(f"{name} must be {rule}; got {v!r}", name)
+        return v
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model is required and must be a string", "model")
+    n = opt("n", _is_int, "an integer")
+    if n is not None and n != 1:
+        raise _bad("only n=1 is supported", "n")
+    for name, default in (("best_of", 1), ("echo", False), ("suffix", None)):
+        if not chat and body.get(name) not in (None, default):
+            raise _bad(f"{name} is not supported", name)
+
+    max_tokens = opt("max_completion_tokens", _is_int, "an integer")
+    if max_tokens is None:
+        max_tokens = opt("max_tokens", _is_int, "an integer")
+    if max_tokens is not None and max_tokens < 1:
+        raise _bad("max_tokens must be at least 1", "max_tokens")
+
+    stream = opt("stream", lambda v: isinstance(v, bool), "a boolean") or False
+    stream_options = opt("stream_options", lambda v: isinstance(v, dict), "an object") or {}
+    include_usage = stream_options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise _bad("stream_options.include_usage must be a boolean", "stream_options.include_usage")
+
+    if chat:
+        logprobs = opt("logprobs", lambda v: isinstance(v, bool), "a boolean") or False
+        top = opt("top_logprobs", _is_int, "an integer") or 0
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise _bad(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
+    else:
+        count = opt("logprobs", _is_int, "an integer")
+        if count is not None and not 0 <= count <= MAX_COMPLETION_LOGPROBS:
+            raise _bad(f"logprobs must be from 0 to {MAX_COMPLETION_LOGPROBS}", "logprobs")
+        logprobs, top = count is not None, count or 0
+
+    sampling: dict[str, Any] = {"logprobs": logprobs, "top_logprobs": top}
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        v = opt(name, _is_number, "a number")
+        if v is not None:
+            sampling[name] = v
+    for name in ("top_k", "seed"):
+        v = opt(name, _is_int, "an integer")
+        if v is not None:
+            sampling[name] = v
+    if sampling.get("top_k", 0) < 0:  # OpenAI-style clients send -1 for "off"
+        sampling["top_k"] = 0
+    bias = opt("logit_bias", lambda v: isinstance(v, dict), "an object mapping token ids to biases")
+    if bias:
+        try:
+            sampling["logit_bias"] = {int(k): v for k, v in bias.items()}
+        except ValueError:
+            raise _bad("logit_bias keys must be token ids", "logit_bias") from None
+    if "seed" in sampling and sampling["seed"] < 0:
+        sampling["seed"] %= 2**63
+    try:
+        params = SamplingParams(**sampling)
+    except SamplingError as e:
+        raise _bad(str(e), str(e).split(" ", 1)[0]) from None
+
+    return CompletionRequest(
+        chat=chat,
+        model=model,
+        messages=_messages(body.get("messages")) if chat else None,
+        prompt=None if chat else _prompt(body.get("prompt")),
+        max_tokens=max_tokens,
+        params=params,
+        stop=_stop(body.get("stop")),
+        stream=stream,
+        include_usage=include_usage and stream,
+    )
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def envelope(req: CompletionRequest, rid: str, created: int, model: str, chunk: bool) -> dict:
+    obj = ("chat.completion" if req.chat else "text_completion") + (".chunk" if chunk and req.chat else "")
+    return {"id": rid, "object": obj, "created": created, "model": model}
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,182 @@
+"""This node's stage of the ring: receive a request's frame, compute, forward.
+
+A FORWARD frame carries one step of one request: a prompt chunk or a fed-back
+token (their ids), the position of the first of them, and, past stage 0, the
+hidden states of those positions. The stage runs its layers over them on the
+compute thread, keeping the request's KV caches in its ``Sessions``, then
+either forwards the new hidden states to the next stage or, on the last stage,
+samples and sends the token to the leader. RELEASE frees the request's caches
+here and travels on, behind the request's last FORWARD, so it frees every stage.
+
+Frames are applied in arrival order on the one compute thread and their
+results leave in that order. A frame that does not fit (wrong term, unknown
+request, wrong position, a tensor of the wrong shape) fails that request only:
+an ERROR goes to the leader and the node carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+from wire.frames import Frame, FrameError, MsgType
+from wire.tensors import tensor_descriptor, tensor_from_buffer, tensor_to_buffer
+
+from .compute import ComputeThread
+from .placement import Plan
+from .sampling import RequestSampler, SamplingError, SamplingParams
+from .sessions import SessionError, Sessions
+from .shard import Shard
+
+log = logging.getLogger(__name__)
+
+# Largest number of token positions one FORWARD frame may carry. The leader
+# chunks prefill far below this; it bounds what a peer can make us compute.
+MAX_CHUNK_TOKENS = 8192
+
+Send = Callable[[str, Frame], None]
+
+
+@dataclass(frozen=True)
+class Step:
+    """A parsed FORWARD descriptor."""
+
+    term: int
+    offset: int
+    tokens: list[int]
+    sample: bool
+    open: dict | None
+
+    @classmethod
+    def parse(cls, d: dict, vocab_size: int) -> "Step":
+        def get(name: str, kind: type):
+            v = d.get(name)
+            if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+                raise FrameError(f"FORWARD descriptor field {name!r} must be {kind.__name__}, got {v!r}")
+            return v
+
+        tokens = get("tokens", list)
+        if not 1 <= len(tokens) <= MAX_CHUNK_TOKENS:
+            raise FrameError(f"FORWARD carries {len(tokens)} tokens; 1 to {MAX_CHUNK_TOKENS} allowed")
+        if not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
+            raise FrameError(f"FORWARD tokens must be ids in [0, {vocab_size})")
+        offset = get("offset", int)
+        if offset < 0:
+            raise FrameError(f"FORWARD offset {offset} is negative")
+        open_ = d.get("open")
+        if open_ is not None and not isinstance(open_, dict):
+            raise FrameError("FORWARD field 'open' must be an object")
+        return cls(get("term", int), offset, tokens, get("sample", bool), open_)
+
+    def to_descriptor(self) -> dict:
+        d = {"term": self.term, "offset": self.offset, "tokens": self.tokens, "sample": self.sample}
+        if self.open is not None:
+            d["open"] = self.open
+        return d
+
+
+class StageRunner:
+    """Runs ``shard`` as stage ``plan.index_of(node)`` of ``plan``."""
+
+    def __init__(self, node: str, plan: Plan, shard: Shard, compute: ComputeThread, send: Send):
+        self.node = node
+        self.plan = plan
+        self.shard = shard
+        self.compute = compute
+        self.send = send
+        self.sessions = Sessions()
+        successor = plan.successor(node)
+        self.next_node = successor.node if successor else None
+        self.leader = plan.leader
+        self._loop = asyncio.get_running_loop()
+
+    def handle(self, frame: Frame) -> None:
+        """Called on the event loop, in arrival order, for FORWARD and RELEASE frames."""
+        self.compute.submit(self._apply, frame)
+
+    def expire_idle(self) -> None:
+        self.compute.submit(self._expire)
+
+    def close(self) -> None:
+        self.compute.submit(self.sessions.clear)
+
+    # --- compute thread -------------------------------------------------------
+
+    def _apply(self, frame: Frame) -> None:
+        rid = frame.request_id
+        try:
+            if frame.type == MsgType.RELEASE:
+                self.sessions.release(rid)
+                out = [(self.next_node, frame)] if self.next_node else []
+            else:
+                out = self._forward(frame)
+        except (FrameError, SessionError, SamplingError) as e:
+            out = self._fail(rid, str(e))
+        except Exception as e:  # MLX errors (memory, shapes) fail the request, not the node
+            log.exception("req=%x: stage computation failed", rid)
+            out = self._fail(rid, f"{type(e).__name__}: {e}")
+        if out:
+            self._loop.call_soon_threadsafe(self._deliver, out)
+
+    def _fail(self, rid: int, reason: str) -> list:
+        self.sessions.release(rid)
+        log.warning("req=%x: failed on this stage: %s", rid, reason)
+        return [(self.leader, Frame(MsgType.ERROR, rid, {"node": self.node, "message": reason}))]
+
+    def _forward(self, frame: Frame) -> list:
+        shard, rid = self.shard, frame.request_id
+        step = Step.parse(frame.descriptor, shard.info.vocab_size)
+        if step.term != self.plan.term:
+            raise SessionError(f"frame of plan term {step.term}, but this stage runs term {self.plan.term}")
+        if step.open is not None:
+            params = SamplingParams.from_wire(step.open)
+            params.check_vocab(shard.info.vocab_size)
+            sampler = RequestSampler(params) if shard.is_last else None
+            session = self.sessions.open(rid, shard.make_cache(), sampler)
+        else:
+            session = self.sessions.get(rid)
+        if step.offset != session.offset:
+            raise SessionError(
+                f"frame for position {step.offset}, but this stage's cache holds {session.offset} tokens"
+            )
+        n = len(step.tokens)
+        if shard.is_first:
+            x = mx.array(step.tokens, dtype=mx.int32)[None]
+        else:
+            x = tensor_from_buffer(frame.descriptor.get("tensor") or {}, frame.payload)
+            want = (1, n, shard.info.hidden_size)
+            if tuple(x.shape) != want or not mx.issubdtype(x.dtype, mx.floating):
+                raise FrameError(f"hidden states of shape {tuple(x.shape)} {x.dtype}; expected {want}, floating")
+        h = shard(x, session.cache)
+        session.offset += n
+
+        if not shard.is_last:
+            mx.eval(h, [c.state for c in session.cache])
+            desc = step.to_descriptor()
+            desc["tensor"] = tensor_descriptor(h)
+            return [(self.next_node, Frame(MsgType.FORWARD, rid, desc, tensor_to_buffer(h)))]
+
+        session.sampler.observe(mx.array(step.tokens, dtype=mx.int32))
+        if not step.sample:
+            mx.eval([c.state for c in session.cache])
+            return []
+        # As mlx-lm's generate_step: the head over the step's positions, then the last.
+        s = session.sampler.sample(shard.logits(h)[:, -1, :])
+        desc = {"offset": session.offset, "token": s.token, "logprob": s.logprob}
+        if s.top_logprobs:
+            desc["top"] = s.top_logprobs
+        return [(self.leader, Frame(MsgType.TOKEN, rid, desc))]
+
+    def _expire(self) -> None:
+        for rid in self.sessions.expire():
+            log.info("req=%x: session expired after %.0f s idle", rid, self.sessions.idle_timeout_s)
+
+    # --- event loop -----------------------------------------------------------
+
+    def _deliver(self, out: list) -> None:
+        for dest, frame in out:
+            self.send(dest, frame)

@@ -1,0 +1,182 @@
+"""Turn the last stage's logits into tokens, one request at a time.
+
+The parameters travel with a request's first frame as a plain dict
+(``SamplingParams.to_wire`` / ``from_wire``); the last stage keeps a
+``RequestSampler`` per request. The arithmetic is mlx-lm's ``generate_step``:
+logits processors over the token history, then log-softmax, then the sampler,
+with mlx-lm's own processors and filters. The one departure is the random key:
+mlx-lm draws from MLX's global generator, which requests interleaved on one
+compute thread would share, so each request here carries a key of its own
+(from its ``seed``, or random) and a seeded request is reproducible whatever
+else the ring is doing.
+
+It knows nothing of the network or of text.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import asdict, dataclass, fields
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+# OpenAI allows at most 20 alternatives per position; more would bloat every
+# TOKEN frame for no use.
+MAX_TOP_LOGPROBS = 20
+# mlx-lm's penalties look at the last 20 tokens by default; keep its behaviour.
+PENALTY_CONTEXT_TOKENS = 20
+# Largest logit_bias map OpenAI accepts.
+MAX_LOGIT_BIAS_ENTRIES = 300
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; the message names it."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+
+    def __post_init__(self):
+        def need(ok: bool, name: str, rule: str):
+            if not ok:
+                raise SamplingError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        def number(name: str) -> bool:
+            v = getattr(self, name)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        need(number("temperature") and 0 <= self.temperature <= 2, "temperature", "between 0 and 2")
+        need(number("top_p") and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0")
+        need(number("min_p") and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        need(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            "seed",
+            "an integer in [0, 2^63)",
+        )
+        need(isinstance(self.logprobs, bool), "logprobs", "a boolean")
+        need(
+            isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            "top_logprobs",
+            f"an integer from 0 to {MAX_TOP_LOGPROBS}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            need(number(name) and -2 <= getattr(self, name) <= 2, name, "between -2 and 2")
+        need(
+            number("repetition_penalty") and 0 <= self.repetition_penalty <= 10,
+            "repetition_penalty",
+            "between 0 and 10 (0 or 1 for none)",
+        )
+        if self.logit_bias is not None:
+            need(
+                isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES,
+                "logit_bias",
+                f"a map of at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases",
+            )
+            for k, v in self.logit_bias.items():
+                if not (isinstance(k, int) and k >= 0 and isinstance(v, (int, float)) and -100 <= v <= 100):
+                    raise SamplingError(f"logit_bias entry {k!r}: {v!r} must map a token id to a bias in [-100, 100]")
+
+    def to_wire(self) -> dict:
+        d = asdict(self)
+        if self.logit_bias is not None:
+            d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return d
+
+    @classmethod
+    def from_wire(cls, d: object) -> "SamplingParams":
+        """Parse parameters that came over the network; any flaw is a SamplingError."""
+        if not isinstance(d, dict):
+            raise SamplingError("sampling parameters must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise SamplingError(f"unknown sampling parameters: {sorted(unknown)}")
+        d = dict(d)
+        if isinstance(d.get("logit_bias"), dict):
+            try:
+                d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
+            except ValueError as e:
+                raise SamplingError(f"logit_bias keys must be token ids: {e}") from None
+        return cls(**d)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        for k in self.logit_bias or {}:
+            if k >= vocab_size:
+                raise SamplingError(f"logit_bias token id {k} is outside the vocabulary of {vocab_size}")
+
+
+@dataclass(frozen=True)
+class Sample:
+    token: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
+class RequestSampler:
+    """The last stage's sampling state for one request: history, processors, key."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self._processors = make_logits_processors(
+            logit_bias=params.logit_bias,
+            repetition_penalty=params.repetition_penalty or None,
+            repetition_context_size=PENALTY_CONTEXT_TOKENS,
+            presence_penalty=params.presence_penalty or None,
+            presence_context_size=PENALTY_CONTEXT_TOKENS,
+            frequency_penalty=params.frequency_penalty or None,
+            frequency_context_size=PENALTY_CONTEXT_TOKENS,
+        )
+        # mlx-lm's make_sampler chain, in its order: top_p, min_p, top_k.
+        self._filters = []
+        if 0 < params.top_p < 1.0:
+            self._filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p != 0.0:
+            self._filters.append(lambda x: apply_min_p(x, params.min_p, 1))
+        if params.top_k > 0:
+            self._filters.append(lambda x: apply_top_k(x, params.top_k))
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._key = mx.random.key(seed)
+        self._history: mx.array | None = None
+
+    def observe(self, tokens: mx.array) -> None:
+        """Tokens that entered the model (prompt chunks, then each fed-back token)."""
+        if self._processors:
+            self._history = tokens if self._history is None else mx.concatenate([self._history, tokens])
+
+    def sample(self, logits: mx.array) -> Sample:
+        """logits: [1, V] for the newest position."""
+        for processor in self._processors:
+            logits = processor(self._history, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        if self.params.temperature == 0:
+            token = mx.argmax(logprobs, axis=-1)
+        else:
+            self._key, key = mx.random.split(self._key)
+            filtered = logprobs
+            for f in self._filters:
+                filtered = f(filtered)
+            token = mx.random.categorical(filtered * (1 / self.params.temperature), key=key)
+        k = self.params.top_logprobs if self.params.logprobs else 0
+        top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k] if k else None
+        mx.eval(token, logprobs, top) if top is not None else mx.eval(token, logprobs)
+        t = token.item()
+        top_pairs: list[tuple[int, float]] = []
+        if top is not None:
+            ids = top[0].tolist()
+            values = logprobs[0, top[0]].astype(mx.float32).tolist()
+            top_pairs = sorted(zip(ids, values), key=lambda p: -p[1])
+        return Sample(t, logprobs[0, t].astype(mx.float32).item(), top_pairs)
