@@ -231,7 +231,7 @@ class _Logprobs:
         self.entries: list = []
 
     def _text(self, token: int) -> str:
-        return self.tok.decode([token])
+        return f"token_id:{token}" if self.req.tokens_as_ids else self.tok.decode([token])
 
     def _entry(self, ev) -> dict:
         text = self._text(ev.token)

@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 # usually start within seconds of each other), then every few seconds.
 DIAL_BACKOFF_INITIAL_S = 0.1
 DIAL_BACKOFF_MAX_S = 3.0
+# When two nodes dial each other at once, the losing connection is still read
+# this long before it is closed: frames the peer sent on it before it learned
+# of the winner must not be lost.
+LINK_SWAP_GRACE_S = 2.0
 
 
 class LinkError(ConnectionError):
@@ -142,22 +146,24 @@ class Links:
             log.warning("dropping a link to ourselves (a peer address points at this node)")
             stream.close()
             return
-        current = self.peers.get(peer_id)
-        if current is not None and not current.stream.closed:
-            if not self._prefer(outbound, peer_id):
-                stream.close()
-                return
-            current.stream.close()
         peer = Peer(peer_id, stream, outbound, dict(stream.peer_info or {}))
-        self.peers[peer_id] = peer
-        log.info("linked with %s (%s)", peer_id, "dialed" if outbound else "accepted")
-        self.on_change()
+        current = self.peers.get(peer_id)
+        later = asyncio.get_running_loop().call_later
+        if current is not None and not current.stream.closed and not self._prefer(outbound, peer_id):
+            later(LINK_SWAP_GRACE_S, stream.close)  # the other link wins; drain this one
+        else:
+            if current is not None:
+                later(LINK_SWAP_GRACE_S, current.stream.close)
+            self.peers[peer_id] = peer
+            log.info("linked with %s (%s)", peer_id, "dialed" if outbound else "accepted")
+            self.on_change()
         try:
             while True:
                 frame = await stream.recv(timeout=None)
                 self.on_frame(peer_id, frame)
         except (ConnectionError, asyncio.IncompleteReadError, wire_stream.FrameError) as e:
-            log.info("link to %s closed: %s", peer_id, e or type(e).__name__)
+            current = self.peers.get(peer_id) is peer
+            log.log(logging.INFO if current else logging.DEBUG, "link to %s closed: %s", peer_id, e or type(e).__name__)
         finally:
             stream.close()
             if self.peers.get(peer_id) is peer:

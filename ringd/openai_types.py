@@ -61,6 +61,8 @@ class CompletionRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    # vLLM's extension: logprobs name tokens "token_id:123", exact where text is not.
+    tokens_as_ids: bool = False
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -218,6 +220,7 @@ def parse_request(body: dict, chat: bool) -> CompletionRequest:
         stop=_stop(body.get("stop")),
         stream=stream,
         include_usage=include_usage and stream,
+        tokens_as_ids=opt("return_tokens_as_token_ids", lambda v: isinstance(v, bool), "a boolean") or False,
     )
 
 

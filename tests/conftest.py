@@ -1,0 +1,147 @@
+"""Shared fixtures: tiny real models, real `ringd local` rings, mlx-lm references.
+
+Rings are real OS processes talking real TCP on 127.0.0.1; models are real
+mlx-lm directories written by ``ringd.tinymodel``. Starting a ring costs a few
+seconds of imports, so rings are cached per test session by their shape and
+stopped at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# Prefill chunk used by test rings and by the mlx-lm reference alike: small, so
+# ordinary prompts already span several chunks.
+TEST_PREFILL_CHUNK = 16
+RING_START_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_cache):
+    """tiny_model(arch=..., dtype=..., layers=...) -> path, written once per session."""
+    from ringd.tinymodel import ensure_tiny_model
+
+    def make(**kwargs) -> Path:
+        return ensure_tiny_model(model_cache, **kwargs)
+
+    return make
+
+
+class Ring:
+    """A `ringd local` process tree: N daemons and their launcher."""
+
+    def __init__(self, model: Path, nodes: int, split: list[int] | None = None, env: dict | None = None, model_id: str = "tiny"):
+        self.model, self.nodes, self.split, self.model_id = model, nodes, split, model_id
+        self.log = tempfile.NamedTemporaryFile(prefix="ringd-test-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "ringd", "local", "--nodes", str(nodes), "--model", str(model), "--port", "0", "--model-id", model_id]
+        if split:
+            cmd += ["--split", ",".join(map(str, split))]
+        full_env = dict(os.environ, RINGD_PREFILL_CHUNK_TOKENS=str(TEST_PREFILL_CHUNK), **(env or {}))
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
+        self.url = self._wait_ready()
+
+    def _wait_ready(self) -> str:
+        deadline = time.monotonic() + RING_START_TIMEOUT_S
+        out = ""
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line = self.proc.stdout.readline()
+                out += line
+                if "OpenAI API at " in line:
+                    return line.split("OpenAI API at ", 1)[1].split()[0].removesuffix("/v1")
+        self.stop()
+        raise RuntimeError(f"ring of {self.nodes} did not start:\n{out}\n{self.logs()[-4000:]}")
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key="not-needed", max_retries=0, timeout=120, **kwargs)
+
+    def logs(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+@pytest.fixture(scope="session")
+def ring_pool():
+    """ring_pool(model, nodes, split=None) -> a running Ring, shared by shape."""
+    rings: dict = {}
+
+    def get(model: Path, nodes: int, split: list[int] | None = None, **kwargs) -> Ring:
+        key = (str(model), nodes, tuple(split or ()), tuple(sorted(kwargs.items())))
+        ring = rings.get(key)
+        if ring is None or ring.proc.poll() is not None:
+            ring = rings[key] = Ring(model, nodes, split, **kwargs)
+        return ring
+
+    yield get
+    for ring in rings.values():
+        ring.stop()
+
+
+_references: dict = {}
+
+
+def reference(model_path: Path, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from single-process mlx-lm (generate_step)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    key = (str(model_path), tuple(prompt), max_tokens)
+    if key not in _references:
+        model, _ = _load_cached(str(model_path))
+        tokens, logprobs = [], []
+        steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, prefill_step_size=TEST_PREFILL_CHUNK)
+        for token, lp in steps:
+            tokens.append(token)
+            logprobs.append(lp[token].astype(mx.float32).item())
+        _references[key] = (tokens, logprobs)
+    return _references[key]
+
+
+_models: dict = {}
+
+
+def _load_cached(path: str):
+    from mlx_lm import load
+
+    if path not in _models:
+        _models[path] = load(path)
+    return _models[path]
+
+
+def tokenizer_of(model_path: Path):
+    return _load_cached(str(model_path))[1]
