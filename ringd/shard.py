@@ -213,6 +213,12 @@ class Shard:
         if files is not None and not all((path / f).exists() for f in files):
             # A Hub model: fetch this stage's files only.
             path = resolve_model_path(path_or_repo, NON_WEIGHT_PATTERNS + files)
+            absent = [f for f in files if not (path / f).exists()]
+            if absent:
+                raise ModelError(
+                    f"{path}: weight files {', '.join(absent)} holding layers [{start}, {end}) are "
+                    "missing; is the download complete?"
+                )
 
         # Lazy: mx.load maps the files and reads a tensor only when it is evaluated,
         # so the layers other stages hold are never read into memory.
