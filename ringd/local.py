@@ -63,8 +63,15 @@ def run_local(
     if nodes < 1:
         print("ringd local: --nodes must be at least 1", file=sys.stderr)
         return 2
-    if split is not None and len(split) != nodes:
-        print(f"ringd local: --split has {len(split)} entries for {nodes} nodes", file=sys.stderr)
+    from .placement import PlacementError, make_plan
+    from .shard import ModelError, model_info
+
+    try:
+        info = model_info(model)
+        # The leader makes this same plan; checking it here fails fast and plainly.
+        make_plan(0, "node0", info.fingerprint, info.num_layers, [(f"node{i}", "") for i in range(nodes)], split)
+    except (ModelError, PlacementError) as e:
+        print(f"ringd local: {e}", file=sys.stderr)
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="ringd-local-"))
     secret_file = workdir / "secret"
