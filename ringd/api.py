@@ -122,7 +122,8 @@ class Api:
         ready, reason = self.d.readiness()
         if not ready:
             raise ApiError(503, f"the ring is not ready: {reason}")
-        prompt = self._tokenize(req)
+        # Templates and tokenizers take milliseconds per long prompt: not on the loop.
+        prompt = await asyncio.get_running_loop().run_in_executor(None, self._tokenize, req)
         try:
             req.params.check_vocab(self.d.info.vocab_size)
         except ValueError as e:
@@ -139,13 +140,17 @@ class Api:
                 "context_length_exceeded",
             )
         self.d.metrics.prompt_tokens.inc(len(prompt))
+        events = engine.generate(prompt, req.params, max_tokens, req.stop)
         try:
-            events = engine.generate(prompt, req.params, max_tokens, req.stop)
             if req.stream:
                 return await self._stream(request, req, events, len(prompt))
             return await self._whole(req, events, len(prompt))
         except EngineError as e:
             raise ApiError(e.status, str(e)) from None
+        finally:
+            # However the handler ends (done, failed, cancelled by a disconnect),
+            # closing the generator sends the RELEASE that frees every stage.
+            await events.aclose()
 
     def _tokenize(self, req: CompletionRequest) -> list[int]:
         tok = self.d.tokenizer
@@ -215,7 +220,6 @@ class Api:
             # The stream has started: report the failure in-band, as OpenAI does.
             await send(ApiError(e.status, str(e)).body())
         finally:
-            await events.aclose()
             self.d.metrics.completion_tokens.inc(n)
         await resp.write_eof()
         return resp

@@ -42,6 +42,19 @@ def tiny_model(model_cache):
     return make
 
 
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> str:
+    """The first line of proc's stdout containing needle; AssertionError with the output otherwise."""
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while time.monotonic() < deadline and proc.poll() is None:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            line = proc.stdout.readline()
+            seen += line
+            if needle in line:
+                return line
+    raise AssertionError(f"no {needle!r} within {timeout} s (exit code {proc.poll()}); output so far:\n{seen}")
+
+
 class Ring:
     """A `ringd local` process tree: N daemons and their launcher."""
 
@@ -56,19 +69,12 @@ class Ring:
         self.url = self._wait_ready()
 
     def _wait_ready(self) -> str:
-        deadline = time.monotonic() + RING_START_TIMEOUT_S
-        out = ""
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if ready:
-                line = self.proc.stdout.readline()
-                out += line
-                if "OpenAI API at " in line:
-                    return line.split("OpenAI API at ", 1)[1].split()[0].removesuffix("/v1")
-        self.stop()
-        raise RuntimeError(f"ring of {self.nodes} did not start:\n{out}\n{self.logs()[-4000:]}")
+        try:
+            line = wait_for_line(self.proc, "OpenAI API at ", RING_START_TIMEOUT_S)
+        except AssertionError as e:
+            self.stop()
+            raise RuntimeError(f"ring of {self.nodes} did not start: {e}\n{self.logs()[-4000:]}") from None
+        return line.split("OpenAI API at ", 1)[1].split()[0].removesuffix("/v1")
 
     @property
     def base_url(self) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -12,19 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, Ring
-
-
-def _wait_line(proc: subprocess.Popen, needle: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    seen = ""
-    while time.monotonic() < deadline and proc.poll() is None:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            seen += line
-            if needle in line:
-                return line
-    raise AssertionError(f"no {needle!r} within {timeout} s; output so far:\n{seen}")
+from conftest import REPO, Ring, wait_for_line
 
 
 def _children(pid: int) -> list[int]:
@@ -42,6 +29,13 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
+def _wait_dead(pids: list[int], timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "a node outlived its launcher"
+
+
 def test_uv_run_ringd_demo_answers_a_chat_completion(tmp_path):
     """The README's first command, literally: `uv run ringd demo` (on port 0 to stay out of the way)."""
     uv = shutil.which("uv")
@@ -52,7 +46,7 @@ def test_uv_run_ringd_demo_answers_a_chat_completion(tmp_path):
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     try:
-        line = _wait_line(proc, "OpenAI API at ", 180)
+        line = wait_for_line(proc, "OpenAI API at ", 180)
         base_url = line.split("OpenAI API at ", 1)[1].split()[0]
         import openai
 
@@ -73,10 +67,7 @@ def test_sigterm_stops_every_node(tiny_model):
         assert len(nodes) == 3
         ring.proc.send_signal(signal.SIGTERM)  # the launcher only, as a service manager would
         assert ring.proc.wait(30) == 0
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_alive(p) for p in nodes):
-            time.sleep(0.2)
-        assert not any(_alive(p) for p in nodes)
+        _wait_dead(nodes)
     finally:
         ring.stop()
 
@@ -87,10 +78,7 @@ def test_nodes_exit_when_the_launcher_is_killed(tiny_model):
         nodes = _children(ring.proc.pid)
         ring.proc.kill()  # no chance to clean up: the nodes notice on their own
         ring.proc.wait()
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_alive(p) for p in nodes):
-            time.sleep(0.2)
-        assert not any(_alive(p) for p in nodes)
+        _wait_dead(nodes)
     finally:
         ring.stop()
 
