@@ -43,6 +43,12 @@ def _positive_int(v: Any) -> int:
     return v
 
 
+def _positive_float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ValueError("must be a positive number")
+    return float(v)
+
+
 def _name(v: Any) -> str:
     if not isinstance(v, str) or not _NAME.match(v):
         raise ValueError("must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
@@ -136,6 +142,9 @@ KEYS: list[Key] = [
     Key("nodes", _optional(_positive_int), None, "ring size the leader waits for (default: peers + 1)", int),
     Key("split", _split, None, "layers per stage in ring order, e.g. 10,9,9 (default: even)"),
     Key("prefill_chunk_tokens", _positive_int, 512, "prompt tokens per prefill frame", int),
+    Key("memory_budget_gb", _optional(_positive_float), None, "GiB of model weights this node may hold (default: no limit)", float),
+    Key("heartbeat_interval_s", _positive_float, 0.5, "seconds between heartbeats on each link", float),
+    Key("dead_after_s", _positive_float, 2.0, "seconds of silence after which a peer is dead", float),
     Key("log_level", _log_level, "info", "debug, info, warning or error"),
 ]
 _BY_NAME = {k.name: k for k in KEYS}
@@ -158,7 +167,14 @@ class Config:
     nodes: int | None = None
     split: list[int] | None = None
     prefill_chunk_tokens: int = 512
+    memory_budget_gb: float | None = None
+    heartbeat_interval_s: float = 0.5
+    dead_after_s: float = 2.0
     log_level: str = "info"
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        return None if self.memory_budget_gb is None else int(self.memory_budget_gb * 2**30)
 
     @property
     def is_leader(self) -> bool:
@@ -182,11 +198,11 @@ class Config:
 
 
 def _from_string(key: Key, raw: str) -> Any:
-    if key.kind is int:
+    if key.kind in (int, float):
         try:
-            return int(raw)
+            return key.kind(raw)
         except ValueError:
-            raise ValueError(f"{raw!r} is not an integer") from None
+            raise ValueError(f"{raw!r} is not {'an integer' if key.kind is int else 'a number'}") from None
     return raw
 
 
@@ -254,6 +270,11 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
     cfg = Config(**checked)
     if cfg.nodes is not None and cfg.nodes < 1:
         raise ConfigError("nodes: must be at least 1")
+    if cfg.dead_after_s <= cfg.heartbeat_interval_s:
+        raise ConfigError(
+            f"dead_after_s ({cfg.dead_after_s}) must be longer than heartbeat_interval_s ({cfg.heartbeat_interval_s}), "
+            "or every peer looks dead between two heartbeats"
+        )
     if cfg.split is not None and len(cfg.split) != cfg.expected_nodes:
         raise ConfigError(f"split: {cfg.split} has {len(cfg.split)} entries for a ring of {cfg.expected_nodes} nodes")
     return cfg

@@ -4,9 +4,11 @@ This is the composition root. It routes each frame from the links to the
 part that owns it (stage, engine, plan bookkeeping, status), and it turns
 membership into a plan on the leader: once the expected nodes are linked the
 leader splits the layers, sends the PLAN to every member, and serves once all
-of them answer LOADED. A member that leaves takes the ring down until it is
-back (re-planning over survivors comes with elections). Frames to this node
-itself never touch a socket.
+of them answer LOADED. When a member dies (or joins) the leader suspends the
+requests in flight, plans a new ring over the live members, and replays them
+on it once it is loaded; if the live members cannot hold the model within
+their memory budgets, requests fail with a 503 that says by how much. Frames
+to this node itself never touch a socket.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .engine import Engine
 from .membership import LinkError, Links
 from .metrics import Metrics
 from .pipeline import StageRunner
-from .placement import Plan, PlacementError, make_plan, natural_key
+from .placement import Plan, PlacementError, check_budgets, make_plan, natural_key
 from .shard import ModelError, ModelInfo, Shard, model_info
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,9 @@ log = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 2.0
 # How often idle sessions are looked for; their timeout is SESSION_IDLE_TIMEOUT_S.
 EXPIRE_INTERVAL_S = 30.0
+# Membership changes come in bursts (a node and its links, a restart); wait this
+# long after one before planning, so a burst makes one plan, not several.
+PLAN_SETTLE_S = 0.3
 
 
 def lan_address() -> str:
@@ -92,8 +97,11 @@ class Daemon:
 
         http_port = await self.api.start(cfg.http_host, cfg.http_port)
         advertise = cfg.advertise or (cfg.host if cfg.host not in ("0.0.0.0", "::") else lan_address())
-        handshake_info: dict = {"model": self.info.fingerprint}
-        self.links = Links(self.name, cfg.cluster, secret, handshake_info, self._on_frame, self._on_members_changed)
+        handshake_info: dict = {"model": self.info.fingerprint, "budget": cfg.memory_budget_bytes}
+        self.links = Links(
+            self.name, cfg.cluster, secret, handshake_info, self._on_frame, self._on_members_changed,
+            heartbeat=self._heartbeat, heartbeat_interval_s=cfg.heartbeat_interval_s, dead_after_s=cfg.dead_after_s,
+        )  # fmt: skip
         ring_port = await self.links.listen(cfg.host, cfg.ring_port)
         self.addr = f"{advertise}:{ring_port}"
         self.http_addr = f"{advertise if cfg.http_host in ('0.0.0.0', '::') else cfg.http_host}:{http_port}"
@@ -144,11 +152,11 @@ class Daemon:
         except LinkError as e:
             log.warning("req=%x: cannot pass %s on: %s", frame.request_id, frame.type.name, e)
             if frame.type == MsgType.FORWARD and self.plan is not None and node != self.plan.leader:
-                self._report(frame.request_id, f"{e}; the ring is broken")
+                self._report(frame.request_id, frame.descriptor.get("term"), f"{e}; the ring is broken")
 
-    def _report(self, rid: int, message: str) -> None:
+    def _report(self, rid: int, term, message: str) -> None:
         try:
-            self.send(self.plan.leader, Frame(MsgType.ERROR, rid, {"node": self.name, "message": message}))
+            self.send(self.plan.leader, Frame(MsgType.ERROR, rid, {"node": self.name, "message": message, "term": term}))
         except LinkError:
             log.warning("req=%x: leader unreachable to report: %s", rid, message)
 
@@ -164,7 +172,8 @@ class Daemon:
             if self.stage is not None:
                 self.stage.handle(frame)
             elif t == MsgType.FORWARD:
-                self.send(peer, Frame(MsgType.ERROR, frame.request_id, {"node": self.name, "message": "no stage loaded here"}))
+                error = {"node": self.name, "message": "no stage loaded here", "term": frame.descriptor.get("term")}
+                self.send(peer, Frame(MsgType.ERROR, frame.request_id, error))
         elif t in (MsgType.TOKEN, MsgType.ERROR):
             if self.engine is not None:
                 self.engine.on_frame(frame)
@@ -179,11 +188,18 @@ class Daemon:
             if waiter is not None and not waiter.done():
                 waiter.set_result(frame.descriptor.get("status"))
         elif t == MsgType.PING:
-            self.send(peer, Frame(MsgType.PONG, 0, frame.descriptor))
+            self._on_heartbeat(peer, frame.descriptor)
         else:
             log.debug("ignoring %s frame from %s", t.name, peer)
 
     # --- plan: leader side --------------------------------------------------------------
+
+    def _heartbeat(self) -> dict:
+        """What every peer hears from us each heartbeat."""
+        return {}
+
+    def _on_heartbeat(self, peer: str, d: dict) -> None:
+        pass
 
     def _on_members_changed(self) -> None:
         self._members_changed.set()
@@ -193,33 +209,41 @@ class Daemon:
         gone = [s.node for s in plan.stages if s.node != self.name and s.node not in self.links.peers]
         if gone and self.ready:
             self.ready = False
-            self.reason = f"node {gone[0]} left the ring"
+            self.reason = f"node {gone[0]} left the ring; re-planning over the survivors"
             log.warning("ring down: %s", self.reason)
             if self.engine is not None:
-                self.engine.fail_all(self.reason)
+                self.engine.suspend_all(self.reason)
 
     async def _plan_loop(self) -> None:
+        planned = False
         while True:
             await self._members_changed.wait()
+            await asyncio.sleep(PLAN_SETTLE_S)
             self._members_changed.clear()
             peers = sorted(self.links.peers, key=natural_key)
             need = self.cfg.expected_nodes
-            if len(peers) + 1 < need:
+            if not planned and len(peers) + 1 < need:
                 self.ready = False
                 self.reason = f"waiting for {need - 1 - len(peers)} more node(s) of {need} (linked: {', '.join(peers) or 'none'})"
                 continue
-            members = [(self.name, self.addr)] + [(p, self.links.addr_of(p) or "") for p in peers[: need - 1]]
+            members = [(self.name, self.addr)] + [(p, self.links.addr_of(p) or "") for p in peers]
             if self.plan is not None and [s.node for s in self.plan.stages] == [m for m, _ in members]:
                 continue  # the same ring; nothing to do
             self._term += 1
+            budgets = {self.name: self.cfg.memory_budget_bytes}
+            budgets.update({p: self.links.peers[p].info.get("budget") for p in peers})
+            split = self.cfg.split if len(members) == self.cfg.expected_nodes else None
             try:
-                plan = make_plan(self._term, self.name, self.info.fingerprint, self.info.num_layers, members, self.cfg.split)
+                plan = make_plan(self._term, self.name, self.info.fingerprint, self.info.num_layers, members, split)
+                check_budgets(plan, self.info.weights.stage, budgets)
             except PlacementError as e:
                 self.ready, self.reason = False, f"cannot place the model: {e}"
                 log.error(self.reason)
+                self.engine.fail_all(self.reason)
                 continue
+            planned = True
             self.ready, self.reason = False, f"loading plan term {plan.term}"
-            self.engine.plan = None
+            self.engine.suspend_all(self.reason)
             self.plan, self.loaded = plan, {}
             log.info("plan term %d: %s", plan.term, ", ".join(f"{s.node}[{s.start},{s.end})" for s in plan.stages))
             for s in plan.stages:
@@ -241,9 +265,9 @@ class Daemon:
         if missing:
             self.reason = f"loading plan term {plan.term}; waiting for {', '.join(missing)}"
             return
-        self.engine.plan = plan
         self.ready, self.reason = True, ""
         log.info("ring ready: term %d, %d stages, split %s", plan.term, len(plan.stages), plan.split)
+        self.engine.set_plan(plan)
 
     # --- plan: every node ----------------------------------------------------------------
 

@@ -9,6 +9,14 @@ again, before anyone reads it: the ring never waits on HTTP. The consumer of
 When the consumer stops listening, for any reason, a RELEASE frees the
 request's caches on every stage.
 
+When the ring breaks (a stage died), requests in flight are suspended, not
+failed; once the leader has a new ring they are replayed on it: the same
+prompt chunks, then every token already produced fed back one at a time and
+sampled silently (so a seeded sampler's key advances exactly as before), so
+the new ring's caches are bit for bit the old ones and the stream carries on
+with the next token, none missing, none repeated. Frames of an older ring
+(its term) are ignored.
+
 The engine knows nothing of HTTP; ``api.py`` turns its events into OpenAI
 responses.
 """
@@ -69,10 +77,16 @@ class _Flight:
 
     rid: int
     prompt: list[int]
+    params: SamplingParams
     max_tokens: int
     queue: asyncio.Queue
     generated: list[int] = field(default_factory=list)
     finished: bool = False
+    term: int | None = None  # the ring computing it; None while suspended
+
+    @property
+    def done(self) -> bool:
+        return self.finished or len(self.generated) >= self.max_tokens
 
 
 class Engine:
@@ -113,15 +127,14 @@ class Engine:
             raise EngineError("the prompt is empty", 400)
         if len(self._flights) >= self.max_active:
             raise EngineError(f"{self.max_active} requests are already generating; retry shortly", 429)
-        first = self._first_stage()
-        term = self.plan.term
-        flight = _Flight(next(self._ids), list(prompt), max_tokens, asyncio.Queue())
+        self._first_stage()  # 503 now if there is no ring
+        flight = _Flight(next(self._ids), list(prompt), params, max_tokens, asyncio.Queue())
         self._flights[flight.rid] = flight
         rid = flight.rid
         log.info("req=%x: %d prompt tokens, max_tokens=%d", rid, len(prompt), max_tokens)
         try:
             try:
-                self._send_prompt(first, term, flight, params)
+                self._start(flight)
             except ConnectionError as e:
                 raise EngineError(f"cannot reach the ring's first stage: {e}", 503) from None
             detokenizer = self.tokenizer.detokenizer
@@ -166,26 +179,38 @@ class Engine:
         finally:
             flight.finished = True
             del self._flights[rid]
-            try:
-                self.send(first, Frame(MsgType.RELEASE, rid, {}))
-            except Exception as e:  # the ring may be gone; stages expire idle sessions
-                log.warning("req=%x: could not send RELEASE: %s", rid, e)
+            if flight.term is not None and self.plan is not None and flight.term == self.plan.term:
+                try:
+                    self.send(self.plan.stages[0].node, Frame(MsgType.RELEASE, rid, {"term": flight.term}))
+                except Exception as e:  # the ring may be gone; stages expire idle sessions
+                    log.warning("req=%x: could not send RELEASE: %s", rid, e)
 
-    def _send_prompt(self, first: str, term: int, flight: _Flight, params: SamplingParams) -> None:
+    def _start(self, flight: _Flight) -> None:
+        """Send the request to the current ring: its prompt, then (a replay) its tokens so far."""
+        plan = self.plan
+        first, term, rid = plan.stages[0].node, plan.term, flight.rid
+        flight.term = term
         # As generate_step: all but the last prompt token in chunks that only fill
-        # the caches, then the last token alone, which is sampled.
-        body, last = flight.prompt[:-1], flight.prompt[-1]
-        open_ = params.to_wire()
+        # the caches, then one token at a time, each sampled.
+        fed = flight.prompt + flight.generated
+        body = flight.prompt[:-1]
+        open_ = flight.params.to_wire()
         chunk = self.prefill_chunk_tokens
         for start in range(0, len(body), chunk):
-            self._send_step(first, term, flight.rid, start, body[start : start + chunk], False, open_)
+            self._send_step(first, term, rid, start, body[start : start + chunk], False, open_)
             open_ = None
-        self._send_step(first, term, flight.rid, len(body), [last], True, open_)
+        # A replay: tokens whose samples the client already has are sampled again silently.
+        for offset in range(len(body), len(fed) - 1):
+            self._send_step(first, term, rid, offset, [fed[offset]], True, open_, silent=True)
+            open_ = None
+        self._send_step(first, term, rid, len(fed) - 1, [fed[-1]], True, open_)
 
-    def _send_step(self, first, term, rid, offset, tokens, sample, open_) -> None:
+    def _send_step(self, first, term, rid, offset, tokens, sample, open_, silent=False) -> None:
         d = {"term": term, "offset": offset, "tokens": tokens, "sample": sample}
         if open_ is not None:
             d["open"] = open_
+        if silent:
+            d["silent"] = True
         self.send(first, Frame(MsgType.FORWARD, rid, d))
 
     def on_frame(self, frame: Frame) -> None:
@@ -193,11 +218,13 @@ class Engine:
         flight = self._flights.get(frame.request_id)
         if flight is None or flight.finished:
             return  # released already: a token in flight when the client left
+        d = frame.descriptor
+        if d.get("term") != flight.term:
+            return  # from a ring this request has left (suspended, or replayed elsewhere)
         if frame.type != MsgType.TOKEN:
             flight.finished = True
             flight.queue.put_nowait(frame)
             return
-        d = frame.descriptor
         token, offset = d.get("token"), d.get("offset")
         expected = len(flight.prompt) + len(flight.generated)
         if type(token) is not int or offset != expected or not isinstance(d.get("logprob"), (int, float)):
@@ -205,7 +232,7 @@ class Engine:
             return
         flight.generated.append(token)
         flight.queue.put_nowait(frame)
-        if token in self.eos_ids or len(flight.generated) >= flight.max_tokens or self.plan is None:
+        if token in self.eos_ids or flight.done or self.plan is None:
             return
         # Feed the token back now; the consumer reads it when it can.
         try:
@@ -215,10 +242,33 @@ class Engine:
 
     def _error(self, flight: _Flight, message: str, status: int = 503) -> Frame:
         flight.finished = True
-        return Frame(MsgType.ERROR, flight.rid, {"node": self.node, "message": message, "status": status})
+        return Frame(MsgType.ERROR, flight.rid, {"node": self.node, "message": message, "status": status, "term": flight.term})
+
+    def suspend_all(self, reason: str) -> None:
+        """The ring broke: hold every request until ``set_plan`` gives a new one."""
+        self.plan = None
+        for flight in self._flights.values():
+            if not flight.finished:
+                flight.term = None
+        if self._flights:
+            log.warning("%d request(s) suspended: %s", len(self._flights), reason)
+
+    def set_plan(self, plan: Plan) -> None:
+        """A ring is ready: serve new requests on it and replay the suspended ones."""
+        self.plan = plan
+        for flight in list(self._flights.values()):
+            if flight.finished or flight.term == plan.term:
+                continue
+            if flight.generated and (flight.generated[-1] in self.eos_ids or flight.done):
+                continue  # it has every token it will get; its consumer is finishing
+            log.info("req=%x: replaying %d tokens on ring term %d", flight.rid, len(flight.prompt) + len(flight.generated), plan.term)
+            try:
+                self._start(flight)
+            except ConnectionError as e:
+                flight.queue.put_nowait(self._error(flight, f"cannot reach the ring's first stage: {e}"))
 
     def fail_all(self, reason: str) -> None:
-        """The ring broke: every request in flight ends with a 503."""
+        """No ring can serve: every request in flight ends with a 503."""
         self.plan = None
         for flight in self._flights.values():
             if not flight.finished:

@@ -126,10 +126,15 @@ def run_local(
         if stop.is_set():
             return 130
         print(f"ringd: {nodes} node(s) ready; OpenAI API at {url}/v1 (model {body.get('model')})", flush=True)
+        # A node that dies now is the ring's business: it re-plans over the others.
+        reported: set[int] = set()
         while not stop.wait(0.5):
-            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
-            if dead:
-                print(f"ringd local: node{dead[0]} exited with code {procs[dead[0]].returncode}; stopping", file=sys.stderr)
+            for i, p in enumerate(procs):
+                if p.poll() is not None and i not in reported:
+                    reported.add(i)
+                    print(f"ringd local: node{i} exited with code {p.returncode}", file=sys.stderr, flush=True)
+            if len(reported) == len(procs):
+                print("ringd local: every node has exited", file=sys.stderr)
                 return 1
         return 0
     finally:

@@ -7,6 +7,13 @@ once, both keep the connection dialed by the node with the smaller id, so they
 agree without talking about it. A dialed peer that goes away is dialed again
 with backoff; every attempt has a deadline.
 
+Every link carries a PING every ``heartbeat_interval_s``, with whatever the
+daemon wants its peers to hear that often (``heartbeat()``: election state,
+whom it knows). A peer silent for ``dead_after_s`` is dead: its link is
+closed, which a closed socket does at once anyway. A dead peer that comes back
+(a SIGSTOP'd process resumed, a cable replugged) is linked again by the dial
+loops and counts as a new arrival.
+
 Frames from any link go to one ``on_frame(peer, frame)`` callback in arrival
 order. ``on_change`` is called when a peer joins or leaves. This module knows
 nothing of plans or models.
@@ -16,11 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 from wire import stream as wire_stream
-from wire.frames import Frame
+from wire.frames import Frame, MsgType
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +40,11 @@ DIAL_BACKOFF_MAX_S = 3.0
 # this long before it is closed: frames the peer sent on it before it learned
 # of the winner must not be lost.
 LINK_SWAP_GRACE_S = 2.0
+# Heartbeats: a PING per link every half second; two seconds of silence (four
+# missed beats) is a dead peer. Fast enough that a ring recovers within a few
+# seconds, slow enough that a busy event loop never trips it.
+HEARTBEAT_INTERVAL_S = 0.5
+DEAD_AFTER_S = 2.0
 
 
 class LinkError(ConnectionError):
@@ -44,6 +57,7 @@ class Peer:
     stream: "wire_stream.FrameStream"
     outbound: bool
     info: dict
+    last_heard: float = field(default_factory=time.monotonic)
 
 
 class Links:
@@ -55,6 +69,9 @@ class Links:
         info: dict,
         on_frame: Callable[[str, Frame], None],
         on_change: Callable[[], None] = lambda: None,
+        heartbeat: Callable[[], dict] = dict,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        dead_after_s: float = DEAD_AFTER_S,
     ):
         self.node = node
         self.cluster = cluster
@@ -62,6 +79,9 @@ class Links:
         self.info = info
         self.on_frame = on_frame
         self.on_change = on_change
+        self.heartbeat = heartbeat
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.dead_after_s = dead_after_s
         self.peers: dict[str, Peer] = {}
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -73,6 +93,7 @@ class Links:
         self._server = await wire_stream.serve(
             host, port, self._accepted, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info
         )
+        self._spawn(self._heartbeat_loop())
         return self._server.sockets[0].getsockname()[1]
 
     def dial(self, host: str, port: int) -> None:
@@ -104,6 +125,28 @@ class Links:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # --- internals --------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            now = time.monotonic()
+            beat = Frame(MsgType.PING, 0, self.heartbeat())
+            for peer in list(self.peers.values()):
+                silent = now - peer.last_heard
+                if silent > self.dead_after_s:
+                    log.warning("%s silent for %.1f s (dead_after_s %.1f): declaring it dead", peer.node, silent, self.dead_after_s)
+                    peer.stream.close()
+                    self._forget(peer)
+                    continue
+                try:
+                    peer.stream.write(beat)
+                except ConnectionError:
+                    pass  # its reader notices and forgets it
+
+    def _forget(self, peer: Peer) -> None:
+        if self.peers.get(peer.node) is peer:
+            del self.peers[peer.node]
+            self.on_change()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -160,12 +203,11 @@ class Links:
         try:
             while True:
                 frame = await stream.recv(timeout=None)
+                peer.last_heard = time.monotonic()
                 self.on_frame(peer_id, frame)
         except (ConnectionError, asyncio.IncompleteReadError, wire_stream.FrameError) as e:
             current = self.peers.get(peer_id) is peer
             log.log(logging.INFO if current else logging.DEBUG, "link to %s closed: %s", peer_id, e or type(e).__name__)
         finally:
             stream.close()
-            if self.peers.get(peer_id) is peer:
-                del self.peers[peer_id]
-                self.on_change()
+            self._forget(peer)

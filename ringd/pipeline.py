@@ -50,6 +50,7 @@ class Step:
     tokens: list[int]
     sample: bool
     open: dict | None
+    silent: bool = False  # a replayed step: sample (the key advances) but send nothing
 
     @classmethod
     def parse(cls, d: dict, vocab_size: int) -> "Step":
@@ -70,12 +71,17 @@ class Step:
         open_ = d.get("open")
         if open_ is not None and not isinstance(open_, dict):
             raise FrameError("FORWARD field 'open' must be an object")
-        return cls(get("term", int), offset, tokens, get("sample", bool), open_)
+        silent = d.get("silent", False)
+        if not isinstance(silent, bool):
+            raise FrameError("FORWARD field 'silent' must be a boolean")
+        return cls(get("term", int), offset, tokens, get("sample", bool), open_, silent)
 
     def to_descriptor(self) -> dict:
         d = {"term": self.term, "offset": self.offset, "tokens": self.tokens, "sample": self.sample}
         if self.open is not None:
             d["open"] = self.open
+        if self.silent:
+            d["silent"] = True
         return d
 
 
@@ -110,22 +116,28 @@ class StageRunner:
         rid = frame.request_id
         try:
             if frame.type == MsgType.RELEASE:
+                # A RELEASE of an older ring must not free this ring's session of the same id.
+                if frame.descriptor.get("term") != self.plan.term:
+                    return
                 self.sessions.release(rid)
                 out = [(self.next_node, frame)] if self.next_node else []
             else:
                 out = self._forward(frame)
         except (FrameError, SessionError, SamplingError) as e:
-            out = self._fail(rid, str(e))
+            out = self._fail(rid, frame, str(e))
         except Exception as e:  # MLX errors (memory, shapes) fail the request, not the node
             log.exception("req=%x: stage computation failed", rid)
-            out = self._fail(rid, f"{type(e).__name__}: {e}")
+            out = self._fail(rid, frame, f"{type(e).__name__}: {e}")
         if out:
             self._loop.call_soon_threadsafe(self._deliver, out)
 
-    def _fail(self, rid: int, reason: str) -> list:
-        self.sessions.release(rid)
+    def _fail(self, rid: int, frame: Frame, reason: str) -> list:
+        # The error names the frame's term: the leader ignores errors of a ring it has left.
+        term = frame.descriptor.get("term") if isinstance(frame.descriptor, dict) else None
+        if term == self.plan.term:
+            self.sessions.release(rid)
         log.warning("req=%x: failed on this stage: %s", rid, reason)
-        return [(self.leader, Frame(MsgType.ERROR, rid, {"node": self.node, "message": reason}))]
+        return [(self.leader, Frame(MsgType.ERROR, rid, {"node": self.node, "message": reason, "term": term}))]
 
     def _forward(self, frame: Frame) -> list:
         shard, rid = self.shard, frame.request_id
@@ -166,7 +178,9 @@ class StageRunner:
             return []
         # As mlx-lm's generate_step: the head over the step's positions, then the last.
         s = session.sampler.sample(shard.logits(h)[:, -1, :])
-        desc = {"offset": session.offset, "token": s.token, "logprob": s.logprob}
+        if step.silent:
+            return []
+        desc = {"term": step.term, "offset": session.offset, "token": s.token, "logprob": s.logprob}
         if s.top_logprobs:
             desc["top"] = s.top_logprobs
         return [(self.leader, Frame(MsgType.TOKEN, rid, desc))]

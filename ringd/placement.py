@@ -132,6 +132,31 @@ def make_plan(
     return Plan(term, leader, model, num_layers, tuple(stages))
 
 
+GIB = 2**30
+
+
+def check_budgets(plan: Plan, stage_bytes, budgets: dict[str, int | None]) -> None:
+    """Raise PlacementError naming every node whose stage exceeds its memory budget.
+
+    ``stage_bytes(start, end)`` is what a stage holding those layers
+    materializes; a budget of None is no limit.
+    """
+    short = []
+    for s in plan.stages:
+        budget = budgets.get(s.node)
+        need = stage_bytes(s.start, s.end)
+        if budget is not None and need > budget:
+            short.append(
+                f"{s.node} needs {need / GIB:.2f} GiB for layers [{s.start}, {s.end}) but its memory budget is "
+                f"{budget / GIB:.2f} GiB (short by {(need - budget) / GIB:.2f} GiB)"
+            )
+    if short:
+        raise PlacementError(
+            f"the model does not fit these {len(plan.stages)} node(s): " + "; ".join(short)
+            + ". Add a node or raise memory_budget_gb."
+        )
+
+
 def natural_key(name: str) -> list:
     """Order node names as people do: node2 before node10."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]

@@ -59,6 +59,26 @@ class ModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class WeightBytes:
+    """Bytes of the checkpoint's tensors, by the part of the model they belong to."""
+
+    layers: tuple[int, ...]
+    embed: int
+    norm: int
+    head: int  # 0 with tied embeddings: the last stage then holds `embed` again
+
+    def stage(self, start: int, end: int) -> int:
+        """What a stage holding layers [start, end) materializes."""
+        n = sum(self.layers[start:end])
+        last = end == len(self.layers)
+        if start == 0:
+            n += self.embed
+        if last:
+            n += self.norm + (self.head or (self.embed if start != 0 else 0))
+        return n
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What every node and the leader need to know about a model without loading it."""
 
@@ -70,6 +90,7 @@ class ModelInfo:
     vocab_size: int
     context_length: int
     fingerprint: str
+    weights: WeightBytes
 
     @property
     def name(self) -> str:
@@ -128,7 +149,36 @@ def model_info(path_or_repo: str) -> ModelInfo:
         vocab_size=config["vocab_size"],
         context_length=int(config.get("max_position_embeddings") or 4096),
         fingerprint=fingerprint,
+        weights=weight_bytes(path, config["num_hidden_layers"]),
     )
+
+
+def weight_bytes(path: Path, num_layers: int) -> WeightBytes:
+    """Tensor sizes from the safetensors headers (no tensor is read).
+
+    A Hub model whose weight files are not here yet has only its index: its
+    total is spread evenly over the layers, which is what placement needs.
+    """
+    files = sorted(path.glob("model*.safetensors"))
+    layers = [0] * num_layers
+    parts = {"embed": 0, "norm": 0, "head": 0}
+    if not files:
+        index = path / "model.safetensors.index.json"
+        total = json.loads(index.read_text()).get("metadata", {}).get("total_size", 0) if index.is_file() else 0
+        return WeightBytes(tuple([total // max(num_layers, 1)] * num_layers), 0, 0, 0)
+    for file in files:
+        for key, size in _safetensors_sizes(file).items():
+            m = _LAYER_KEY.search(key)
+            if m is not None:
+                if int(m.group(1)) < num_layers:  # extra layers (MTP heads) are dropped on load
+                    layers[int(m.group(1))] += size
+            elif "embed_tokens" in key:
+                parts["embed"] += size
+            elif key.startswith("lm_head"):
+                parts["head"] += size
+            elif "norm" in key:
+                parts["norm"] += size
+    return WeightBytes(tuple(layers), parts["embed"], parts["norm"], parts["head"])
 
 
 def _model_module(config: dict) -> str:
@@ -141,14 +191,23 @@ def _model_module(config: dict) -> str:
     return model_class.__module__.rsplit(".", 1)[-1]
 
 
-def safetensors_keys(file: Path) -> set[str]:
-    """The tensor names in a safetensors file, read from its header only."""
+def _safetensors_header(file: Path) -> dict:
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > _MAX_SAFETENSORS_HEADER_BYTES:
             raise ModelError(f"{file}: safetensors header of {n} bytes is implausible")
         header = json.loads(f.read(n))
-    return {k for k in header if k != "__metadata__"}
+    header.pop("__metadata__", None)
+    return header
+
+
+def safetensors_keys(file: Path) -> set[str]:
+    """The tensor names in a safetensors file, read from its header only."""
+    return set(_safetensors_header(file))
+
+
+def _safetensors_sizes(file: Path) -> dict[str, int]:
+    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in _safetensors_header(file).items()}
 
 
 def weight_files_for(path: Path, start: int, end: int) -> list[str] | None:

@@ -1,0 +1,107 @@
+"""A stage dies mid-generation: the leader re-plans over the survivors and the stream carries on.
+
+Real `ringd local` rings, real kill -9 of a node process, the real openai client.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from conftest import Ring
+
+TOKENS = 400
+
+
+def node_pid(ring: Ring, name: str) -> int:
+    out = subprocess.run(["pgrep", "-P", str(ring.proc.pid), "-f", f"ringd serve --name {name} "], capture_output=True, text=True).stdout.split()
+    assert len(out) == 1, f"expected one process for {name}, got {out}"
+    return int(out[0])
+
+
+def stream_text(ring: Ring, messages, on_chunk=None) -> tuple[str, str]:
+    stream = ring.client().chat.completions.create(
+        model=ring.model_id, messages=messages, max_tokens=TOKENS, temperature=0, stream=True
+    )
+    parts, finish = [], None
+    for i, chunk in enumerate(stream):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if on_chunk:
+            on_chunk(i)
+    return "".join(parts), finish
+
+
+def cluster(ring: Ring) -> dict:
+    with urllib.request.urlopen(ring.url + "/cluster/status", timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.parametrize("victim", ["node1", "node2"], ids=["middle-stage", "last-stage"])
+def test_kill_9_of_a_stage_mid_stream_loses_nothing(tiny_model, victim):
+    model = tiny_model(arch="llama", layers=7, dtype="bfloat16")
+    messages = [{"role": "user", "content": "Tell me everything about rings."}]
+    ring = Ring(model, nodes=3)
+    try:
+        whole, finish = stream_text(ring, messages)
+        assert finish == "length"
+        pid = node_pid(ring, victim)
+        killed = threading.Event()
+
+        def kill_at(i):
+            if i == 30 and not killed.is_set():
+                subprocess.run(["kill", "-9", str(pid)], check=True)
+                killed.set()
+
+        t0 = time.monotonic()
+        again, finish = stream_text(ring, messages, on_chunk=kill_at)
+        assert killed.is_set()
+        assert finish == "length"
+        assert again == whole, "the stream after failover differs from the uninterrupted run"
+        status = cluster(ring)
+        assert [s[0] for s in status["plan"]["stages"]] == ["node0", sorted({"node1", "node2"} - {victim})[0]]
+        assert status["plan"]["term"] >= 2
+        print(f"stream with {victim} killed at chunk 30 took {time.monotonic() - t0:.2f} s")
+    finally:
+        ring.stop()
+
+
+def test_survivors_too_small_get_a_503_naming_the_shortfall(tiny_model):
+    model = tiny_model(arch="llama", layers=8, hidden_size=128, dtype="float32")
+    from ringd.shard import model_info
+
+    weights = model_info(str(model)).weights
+    # Each node can hold a little more than half the model: two fit, one does not.
+    budget_gb = (weights.stage(0, 8) * 0.6) / 2**30
+    ring = Ring(model, nodes=2, env={"RINGD_MEMORY_BUDGET_GB": f"{budget_gb:.9f}"})
+    try:
+        client = ring.client()
+        r = client.chat.completions.create(model=ring.model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        assert r.choices[0].message.content is not None
+        subprocess.run(["kill", "-9", str(node_pid(ring, "node1"))], check=True)
+        deadline = time.monotonic() + 15
+        body = {}
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(ring.url + "/health", timeout=5)
+            except urllib.error.HTTPError as e:
+                body = json.loads(e.read())
+                if "does not fit" in body.get("reason", ""):
+                    break
+            time.sleep(0.2)
+        assert "node0 needs" in body["reason"] and "short by" in body["reason"], body
+        import openai
+
+        with pytest.raises(openai.APIStatusError) as e:
+            client.chat.completions.create(model=ring.model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        assert e.value.status_code == 503
+        assert "short by" in e.value.response.json()["error"]["message"]
+    finally:
+        ring.stop()
