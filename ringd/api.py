@@ -14,6 +14,7 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -27,6 +28,14 @@ log = logging.getLogger(__name__)
 
 # Largest request body: a long chat history is a few MB of JSON; more is abuse.
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# A follower forwards /v1/* to the leader: a leader that does not accept the
+# connection this fast is down; once connected, it may take as long between two
+# streamed chunks as the engine itself allows a step.
+PROXY_CONNECT_TIMEOUT_S = 5.0
+PROXY_READ_TIMEOUT_S = 130.0
+# Set on a forwarded request, so that two nodes that each think the other leads
+# (for the moment an election takes) never bounce a request between them.
+FORWARDED_HEADER = "X-Ringd-Forwarded-By"
 
 
 def _error(e: ApiError) -> web.Response:
@@ -66,10 +75,13 @@ class Api:
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
                 web.get("/cluster/status", self.cluster_status),
+                web.post("/cluster/leader", self.set_leader),
+                web.post("/cluster/drain", self.drain),
                 web.get("/metrics", self.metrics),
             ]
         )
         self._runner: web.AppRunner | None = None
+        self._client: aiohttp.ClientSession | None = None
 
     async def start(self, host: str, port: int) -> int:
         # handler_cancellation: a client that disconnects cancels its handler at
@@ -83,6 +95,56 @@ class Api:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._client is not None:
+            await self._client.close()
+
+    # --- forwarding to the leader ---------------------------------------------------
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        """Answer a /v1 request on a follower by passing it to the leader, streams included."""
+        leader = self.d.leader_http()
+        if leader is None or request.headers.get(FORWARDED_HEADER):
+            raise ApiError(503, "no leader is elected right now (an election is under way); retry in a moment")
+        if self._client is None:
+            self._client = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, connect=PROXY_CONNECT_TIMEOUT_S, sock_read=PROXY_READ_TIMEOUT_S)
+            )
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json"), FORWARDED_HEADER: self.d.name}
+        try:
+            async with self._client.request(request.method, leader + request.path_qs, data=await request.read(), headers=headers) as up:
+                resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers.get("Content-Type", "application/json")})
+                if "Retry-After" in up.headers:
+                    resp.headers["Retry-After"] = up.headers["Retry-After"]
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            raise ApiError(503, f"the leader at {leader} did not answer ({type(e).__name__}); retry in a moment") from None
+
+    async def set_leader(self, request: web.Request) -> web.Response:
+        """`ringctl leader set NODE` ({"node": NODE}) or `leader auto` ({"node": null})."""
+        body = parse_json(await request.read())
+        node = body.get("node")
+        known = set(self.d.election.members)
+        if node is not None and node not in known:
+            raise ApiError(400, f"node {node!r} is not a live member; live: {', '.join(sorted(known))}", "node")
+        self.d.set_pin(node)
+        return web.json_response({"pin": self.d.election.pin.to_wire(), "leader": self.d.election.leader})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """`ringctl drain NODE`: the leader plans rings without it ({"undo": true} takes it back)."""
+        if not self.d.leading:
+            return await self._forward(request)
+        body = parse_json(await request.read())
+        node, undo = body.get("node"), body.get("undo", False)
+        if not isinstance(node, str) or not isinstance(undo, bool):
+            raise ApiError(400, "drain takes {\"node\": NAME, \"undo\": false}", "node")
+        if node == self.d.name and not undo:
+            raise ApiError(400, f"{node} leads; move leadership first (ringctl leader set OTHER), then drain it", "node")
+        self.d.drain(node, undo)
+        return web.json_response({"drained": sorted(self.d.drained)})
 
     # --- status -------------------------------------------------------------------
 
@@ -114,8 +176,7 @@ class Api:
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         engine = self.d.engine
         if engine is None:
-            leader = self.d.leader_http()
-            raise ApiError(503, f"this node is not the leader; send API requests to {leader or 'the leader'}")
+            return await self._forward(request)
         req = parse_request(parse_json(await request.read()), chat)
         if req.model != self.d.model_id:
             raise ApiError(404, f"model {req.model!r} is not served here; this ring serves {self.d.model_id!r}", "model", "model_not_found")

@@ -43,6 +43,12 @@ def _positive_int(v: Any) -> int:
     return v
 
 
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or abs(v) > 2**31:
+        raise ValueError("must be an integer")
+    return v
+
+
 def _positive_float(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
         raise ValueError("must be a positive number")
@@ -138,8 +144,9 @@ KEYS: list[Key] = [
     Key("http_host", _host, "0.0.0.0", "address the HTTP API listens on"),
     Key("http_port", _port, DEFAULT_HTTP_PORT, "TCP port of the OpenAI-compatible HTTP API", int),
     Key("peers", _peers, [], "peers to dial, IP:PORT (repeatable flag --peer)"),
-    Key("leader", _optional(_name), None, "name of the node that leads (default: this node when it has no peers)"),
-    Key("nodes", _optional(_positive_int), None, "ring size the leader waits for (default: peers + 1)", int),
+    Key("priority", _int, 0, "election priority: the live node with the highest leads (ties: smallest name)", int),
+    Key("state_dir", _str, "~/.local/state/ringd", "where the node keeps its election state (a manual leader pin survives restarts)"),
+    Key("nodes", _optional(_positive_int), None, "ring size the first plan waits for (default: peers + 1)", int),
     Key("split", _split, None, "layers per stage in ring order, e.g. 10,9,9 (default: even)"),
     Key("prefill_chunk_tokens", _positive_int, 512, "prompt tokens per prefill frame", int),
     Key("memory_budget_gb", _optional(_positive_float), None, "GiB of model weights this node may hold (default: no limit)", float),
@@ -163,7 +170,8 @@ class Config:
     http_host: str
     http_port: int
     peers: list[str] = field(default_factory=list)
-    leader: str | None = None
+    priority: int = 0
+    state_dir: str = "~/.local/state/ringd"
     nodes: int | None = None
     split: list[int] | None = None
     prefill_chunk_tokens: int = 512
@@ -175,10 +183,6 @@ class Config:
     @property
     def memory_budget_bytes(self) -> int | None:
         return None if self.memory_budget_gb is None else int(self.memory_budget_gb * 2**30)
-
-    @property
-    def is_leader(self) -> bool:
-        return (self.leader or self.name) == self.name
 
     @property
     def expected_nodes(self) -> int:

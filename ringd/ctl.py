@@ -1,9 +1,12 @@
 """``ringctl``: look at a running ring from any node's HTTP port.
 
-``ringctl status`` prints the leader's view: every node, its role, stage and
-layers, parameter and KV memory, live sessions and readiness (``--json`` for
-the raw document). It talks HTTP to one node (``--node HOST:PORT``, default
-the local daemon) and never to the ring port.
+``ringctl status`` prints the cluster as the node asked sees it: every node, its
+role, stage and layers, parameter and KV memory, live sessions and readiness
+(``--json`` for the raw document); ``plan`` the ring's order and layer ranges;
+``leader set NODE`` pins the leader (the pin outlives restarts) and ``leader
+auto`` unpins; ``drain NODE`` keeps a node out of the ring (``--undo`` takes it
+back). It talks HTTP to any one node (``--node HOST:PORT``, default the local
+daemon) and never to the ring port.
 """
 
 from __future__ import annotations
@@ -23,13 +26,20 @@ class CtlError(Exception):
     pass
 
 
-def fetch(node: str, path: str) -> dict:
+def fetch(node: str, path: str, body: dict | None = None) -> dict:
     url = f"http://{node}{path}"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as r:
+        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
-        raise CtlError(f"{url} answered {e.code}: {e.read()[:300].decode(errors='replace')}") from None
+        raw = e.read()
+        try:
+            message = json.loads(raw)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = raw[:300].decode(errors="replace")
+        raise CtlError(f"{url} answered {e.code}: {message}") from None
     except (OSError, ValueError) as e:
         raise CtlError(f"cannot read {url}: {e}; is ringd running there? (--node HOST:PORT)") from None
 
@@ -66,22 +76,47 @@ def print_status(doc: dict) -> None:
         console.print(f"[bold red]not serving:[/] {doc.get('reason') or 'unknown'}")
 
 
+def print_plan(doc: dict) -> None:
+    plan = doc.get("plan")
+    if not plan:
+        print(f"no plan yet: {doc.get('reason') or 'waiting'}")
+        return
+    print(f"plan {plan['term']} by {plan['leader']}, model {plan['model']}, {plan['num_layers']} layers")
+    for i, (node, addr, start, end) in enumerate(plan["stages"]):
+        print(f"  stage {i}: {node:<16} {addr:<22} layers [{start}, {end})  ({end - start})")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ringctl", description="Inspect a ringd cluster.")
+    parser = argparse.ArgumentParser(prog="ringctl", description="Inspect and steer a ringd cluster.")
     parser.add_argument("--node", default=DEFAULT_NODE, help=f"any node's HTTP address, HOST:PORT (default {DEFAULT_NODE})")
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="nodes, roles, layers, memory, health")
     status.add_argument("--json", action="store_true", help="print the raw status document")
+    sub.add_parser("plan", help="the ring's order and layer ranges")
+    leader = sub.add_parser("leader", help="pin the leader (set NODE) or let the election decide (auto)")
+    leader_sub = leader.add_subparsers(dest="action", required=True)
+    leader_sub.add_parser("set", help="pin NODE as leader").add_argument("target", metavar="NODE")
+    leader_sub.add_parser("auto", help="unpin: priority and name decide")
+    drain = sub.add_parser("drain", help="keep NODE out of the ring")
+    drain.add_argument("target", metavar="NODE")
+    drain.add_argument("--undo", action="store_true", help="let NODE back into the ring")
     args = parser.parse_args(argv)
     try:
-        doc = fetch(args.node, "/cluster/status")
+        if args.command == "status":
+            doc = fetch(args.node, "/cluster/status")
+            print(json.dumps(doc, indent=2)) if args.json else print_status(doc)
+        elif args.command == "plan":
+            print_plan(fetch(args.node, "/cluster/status"))
+        elif args.command == "leader":
+            target = args.target if args.action == "set" else None
+            answer = fetch(args.node, "/cluster/leader", {"node": target})
+            print(f"pinned {target}" if target else "unpinned: the election decides", f"(pin epoch {answer['pin'][0]})")
+        elif args.command == "drain":
+            answer = fetch(args.node, "/cluster/drain", {"node": args.target, "undo": args.undo})
+            print(f"drained: {', '.join(answer['drained']) or 'none'}")
     except CtlError as e:
         print(f"ringctl: {e}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        print_status(doc)
     return 0
 
 

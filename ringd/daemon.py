@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
+import os
 import socket
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ from wire.frames import Frame, MsgType
 
 from .api import Api
 from .compute import ComputeThread
+from .election import Announce, Election, ElectionError, Pin, Term
 from .config import Config, parse_hostport
 from .engine import Engine
 from .membership import LinkError, Links
@@ -43,6 +46,9 @@ EXPIRE_INTERVAL_S = 30.0
 # Membership changes come in bursts (a node and its links, a restart); wait this
 # long after one before planning, so a burst makes one plan, not several.
 PLAN_SETTLE_S = 0.3
+# Plan ids: the election term's number times this, plus the leader's plan count
+# in that term, so every plan of a later term has a larger id.
+PLANS_PER_TERM = 2**20
 
 
 def lan_address() -> str:
@@ -76,7 +82,11 @@ class Daemon:
         self.reason = "starting"
         self.addr = ""
         self.http_addr = ""
-        self._term = 0
+        self._plans_made = 0
+        self.drained: set[str] = set()  # leader: nodes `ringctl drain` keeps out of the ring
+        self.election = Election(self.name, cfg.priority, *self._restore_state())
+        self.leading = False
+        self._plan_task: asyncio.Task | None = None
         self._members_changed = asyncio.Event()
         self._plan_lock = asyncio.Lock()
         self._status_ids = itertools.count(1)
@@ -97,7 +107,7 @@ class Daemon:
 
         http_port = await self.api.start(cfg.http_host, cfg.http_port)
         advertise = cfg.advertise or (cfg.host if cfg.host not in ("0.0.0.0", "::") else lan_address())
-        handshake_info: dict = {"model": self.info.fingerprint, "budget": cfg.memory_budget_bytes}
+        handshake_info: dict = {"model": self.info.fingerprint, "budget": cfg.memory_budget_bytes, "priority": cfg.priority}
         self.links = Links(
             self.name, cfg.cluster, secret, handshake_info, self._on_frame, self._on_members_changed,
             heartbeat=self._heartbeat, heartbeat_interval_s=cfg.heartbeat_interval_s, dead_after_s=cfg.dead_after_s,
@@ -109,18 +119,12 @@ class Daemon:
         handshake_info.update(addr=self.addr, http=self.http_addr)
         for peer in cfg.peers:
             self.links.dial(*parse_hostport(peer))
-        if cfg.is_leader:
-            self.engine = Engine(self.name, self.tokenizer, self.send, cfg.prefill_chunk_tokens)
-            self._spawn(self._plan_loop())
-            self._members_changed.set()
-        else:
-            self.reason = f"waiting for a plan from leader {cfg.leader}"
         self._spawn(self._expire_loop())
         log.info(
-            "ringd node %s up: ring %s, http %s, model %s (%d layers), %s",
-            self.name, self.addr, self.http_addr, self.model_id, self.info.num_layers,
-            "leader" if cfg.is_leader else f"follower of {cfg.leader}",
+            "ringd node %s up: ring %s, http %s, model %s (%d layers), priority %d",
+            self.name, self.addr, self.http_addr, self.model_id, self.info.num_layers, cfg.priority,
         )  # fmt: skip
+        self._on_members_changed()
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -187,21 +191,97 @@ class Daemon:
             waiter = self._status_waiters.pop(frame.descriptor.get("id"), None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(frame.descriptor.get("status"))
-        elif t == MsgType.PING:
+        elif t in (MsgType.PING, MsgType.CONTROL):
             self._on_heartbeat(peer, frame.descriptor)
         else:
             log.debug("ignoring %s frame from %s", t.name, peer)
 
     # --- plan: leader side --------------------------------------------------------------
 
+    # --- election -------------------------------------------------------------------------
+
+    def _state_file(self) -> Path:
+        return Path(self.cfg.state_dir).expanduser() / f"{self.cfg.cluster}-{self.name}.json"
+
+    def _restore_state(self) -> tuple[Pin, Term | None]:
+        """The pin and term this node had before a restart (a pin outlives restarts)."""
+        try:
+            d = json.loads(self._state_file().read_text())
+            return Pin.from_wire(d["pin"]), Term.from_wire(d["term"])
+        except FileNotFoundError:
+            return Pin(), None
+        except (OSError, ValueError, KeyError, ElectionError) as e:
+            log.warning("ignoring unreadable state file %s: %s", self._state_file(), e)
+            return Pin(), None
+
+    def _save_state(self) -> None:
+        path = self._state_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pin": self.election.pin.to_wire(), "term": self.election.term.to_wire()}))
+        os.replace(tmp, path)
+
     def _heartbeat(self) -> dict:
-        """What every peer hears from us each heartbeat."""
-        return {}
+        """What every peer hears from us each heartbeat: a lost election message is repeated."""
+        return {"election": self.election.announcement().to_wire()}
 
     def _on_heartbeat(self, peer: str, d: dict) -> None:
-        pass
+        if "election" in d:
+            try:
+                msg = Announce.from_wire(d["election"])
+                self._elect(self.election.receive(peer, msg))
+            except ElectionError as e:
+                log.warning("ignoring a malformed election message from %s: %s", peer, e)
+
+    def set_pin(self, node: str | None) -> None:
+        """`ringctl leader set NODE` / `leader auto`, on whichever node it reached."""
+        self._elect(self.election.set_pin(self.election.pin.next(node)))
+
+    def _elect(self, msgs: list) -> None:
+        """Persist, announce, then act on what the election decided."""
+        if msgs:
+            self._save_state()  # before the messages: a term is on disk before anyone hears of it
+            for msg in msgs:
+                for peer in list(self.links.peers):
+                    try:
+                        self.links.send(peer, Frame(MsgType.CONTROL, 0, {"election": msg.to_wire()}))
+                    except LinkError:
+                        pass
+        leader = self.election.leader
+        if leader == self.name and not self.leading:
+            self._lead()
+        elif leader != self.name and self.leading:
+            self._follow(leader)
+
+    def _lead(self) -> None:
+        log.info("leading the cluster (term %s)", self.election.term.to_wire())
+        self.leading = True
+        self.engine = Engine(self.name, self.tokenizer, self.send, self.cfg.prefill_chunk_tokens)
+        self._plan_task = self._spawn(self._plan_loop())
+        self._members_changed.set()
+
+    def _follow(self, leader: str | None) -> None:
+        log.info("following %s", leader or "nobody yet")
+        self.leading = False
+        if self._plan_task is not None:
+            self._plan_task.cancel()
+            self._plan_task = None
+        if self.engine is not None:
+            self.engine.fail_all(f"leadership moved to {leader}; retry")
+            self.engine = None
+        self.ready, self.reason = False, f"waiting for a plan from {leader or 'a new leader'}"
+
+    def drain(self, node: str, undo: bool) -> None:
+        (self.drained.discard if undo else self.drained.add)(node)
+        log.info("%s %s", "undrained" if undo else "draining", node)
+        self._members_changed.set()
 
     def _on_members_changed(self) -> None:
+        members = {self.name: self.cfg.priority}
+        for p, peer in self.links.peers.items():
+            priority = peer.info.get("priority", 0)
+            members[p] = priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
+        self._elect(self.election.view(members))
         self._members_changed.set()
         plan = self.plan
         if plan is None or self.links is None:
@@ -215,26 +295,29 @@ class Daemon:
                 self.engine.suspend_all(self.reason)
 
     async def _plan_loop(self) -> None:
-        planned = False
+        # A leader taking over a running cluster plans at once over whoever is live;
+        # only the cluster's very first plan waits for the expected number of nodes.
+        planned = self.plan is not None
         while True:
             await self._members_changed.wait()
             await asyncio.sleep(PLAN_SETTLE_S)
             self._members_changed.clear()
-            peers = sorted(self.links.peers, key=natural_key)
+            peers = sorted((p for p in self.links.peers if p not in self.drained), key=natural_key)
             need = self.cfg.expected_nodes
             if not planned and len(peers) + 1 < need:
                 self.ready = False
                 self.reason = f"waiting for {need - 1 - len(peers)} more node(s) of {need} (linked: {', '.join(peers) or 'none'})"
                 continue
             members = [(self.name, self.addr)] + [(p, self.links.addr_of(p) or "") for p in peers]
-            if self.plan is not None and [s.node for s in self.plan.stages] == [m for m, _ in members]:
+            if self.plan is not None and self.plan.leader == self.name and [s.node for s in self.plan.stages] == [m for m, _ in members]:
                 continue  # the same ring; nothing to do
-            self._term += 1
+            self._plans_made += 1
+            plan_id = self.election.term.number * PLANS_PER_TERM + self._plans_made
             budgets = {self.name: self.cfg.memory_budget_bytes}
             budgets.update({p: self.links.peers[p].info.get("budget") for p in peers})
             split = self.cfg.split if len(members) == self.cfg.expected_nodes else None
             try:
-                plan = make_plan(self._term, self.name, self.info.fingerprint, self.info.num_layers, members, split)
+                plan = make_plan(plan_id, self.name, self.info.fingerprint, self.info.num_layers, members, split)
                 check_budgets(plan, self.info.weights.stage, budgets)
             except PlacementError as e:
                 self.ready, self.reason = False, f"cannot place the model: {e}"
@@ -277,9 +360,11 @@ class Daemon:
         except PlacementError as e:
             log.warning("ignoring a malformed plan from %s: %s", peer, e)
             return
-        if peer != plan.leader or (self.cfg.leader is not None and plan.leader != self.cfg.leader):
-            log.warning("ignoring a plan from %s: the leader here is %s", peer, self.cfg.leader)
+        if peer != plan.leader or plan.leader != self.election.leader:
+            log.warning("ignoring a plan from %s: the leader here is %s", peer, self.election.leader)
             return
+        if self.plan is not None and plan.leader == self.plan.leader and plan.term < self.plan.term:
+            return  # an older plan of the same leader, overtaken
         async with self._plan_lock:
             answer = {"term": plan.term}
             try:
@@ -321,7 +406,7 @@ class Daemon:
         successor = plan.successor(self.name)
         if successor is not None and successor.node not in self.links.peers and successor.addr:
             self.links.dial(*parse_hostport(successor.addr))
-        if not self.cfg.is_leader:
+        if not self.leading:
             self.ready, self.reason = True, ""
         return {"parameter_bytes": self.shard.parameter_bytes}
 
@@ -331,9 +416,11 @@ class Daemon:
         return self.ready, self.reason
 
     def leader_http(self) -> str | None:
-        leader = self.plan.leader if self.plan else self.cfg.leader
+        leader = self.election.leader
         if leader is None or self.links is None:
             return None
+        if leader == self.name:
+            return f"http://{self.http_addr}"
         peer = self.links.peers.get(leader)
         return f"http://{peer.info['http']}" if peer and peer.info.get("http") else None
 
@@ -342,7 +429,10 @@ class Daemon:
         plan = self.plan
         return {
             "node": self.name,
-            "role": "leader" if self.cfg.is_leader else "follower",
+            "role": "leader" if self.leading else "follower",
+            "leader": self.election.leader,
+            "election_term": self.election.term.to_wire(),
+            "pin": self.election.pin.node,
             "ready": self.ready,
             "term": plan.term if plan else 0,
             "addr": self.addr,
@@ -363,7 +453,7 @@ class Daemon:
         ready, reason = self.readiness()
         return {
             "node": self.name,
-            "leader": self.plan.leader if self.plan else self.cfg.leader,
+            "leader": self.election.leader,
             "ready": ready,
             "reason": reason,
             "plan": self.plan.to_wire() if self.plan else None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,6 +78,8 @@ def run_local(
     secret_file = workdir / "secret"
     secret_file.write_text(secrets.token_hex(32))
     secret_file.chmod(0o600)
+    # A cluster of its own: two `ringd local` runs on one machine never mix.
+    cluster = f"local-{secrets.token_hex(4)}"
 
     ring_ports = [free_port() for _ in range(nodes)]
     http_ports = [port if port else free_port(host)] + [free_port(host) for _ in range(nodes - 1)]
@@ -95,7 +98,7 @@ def run_local(
                 "--ring-port", str(ring_ports[i]),
                 "--http-host", host, "--http-port", str(http_ports[i]),
                 "--model", model, "--secret-file", str(secret_file),
-                "--leader", "node0", "--nodes", str(nodes),
+                "--cluster", cluster, "--state-dir", str(workdir), "--nodes", str(nodes),
                 "--log-level", log_level,
             ]  # fmt: skip
             for j in range(nodes):
@@ -148,5 +151,4 @@ def run_local(
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        secret_file.unlink(missing_ok=True)
-        workdir.rmdir()
+        shutil.rmtree(workdir, ignore_errors=True)

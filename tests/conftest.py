@@ -151,3 +151,107 @@ def _load_cached(path: str):
 
 def tokenizer_of(model_path: Path):
     return _load_cached(str(model_path))[1]
+
+
+class Cluster:
+    """N `ringd serve` daemons started one by one, so a test can kill, stop and restart each.
+
+    Ports are picked free on 127.0.0.1; every node gets every other as a static
+    peer; state (election term, pin) lives under the test's tmp dir.
+    """
+
+    def __init__(self, model: Path, n: int, tmp: Path, extra: list[str] | None = None):
+        from ringd.local import free_port
+
+        self.model, self.n, self.tmp, self.extra = model, n, tmp, extra or []
+        self.ring_ports = [free_port() for _ in range(n)]
+        self.http_ports = [free_port() for _ in range(n)]
+        self.secret = tmp / "secret"
+        self.secret.write_text("s" * 32)
+        self.cluster = f"test-{os.getpid()}-{tmp.name}"[:60]
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.logs: dict[int, Path] = {}
+        for i in range(n):
+            self.start(i)
+
+    def name(self, i: int) -> str:
+        return f"node{i}"
+
+    def url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.http_ports[i]}"
+
+    def command(self, i: int, secret: Path | None = None, name: str | None = None) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "ringd", "serve", "--name", name or self.name(i), "--cluster", self.cluster,
+            "--host", "127.0.0.1", "--advertise", "127.0.0.1", "--http-host", "127.0.0.1",
+            "--ring-port", str(self.ring_ports[i]), "--http-port", str(self.http_ports[i]),
+            "--model", str(self.model), "--model-id", "tiny", "--secret-file", str(secret or self.secret),
+            "--state-dir", str(self.tmp / "state"), "--nodes", str(self.n),
+        ]  # fmt: skip
+        for j in range(self.n):
+            if j != i:
+                cmd += ["--peer", f"127.0.0.1:{self.ring_ports[j]}"]
+        return cmd + self.extra
+
+    def start(self, i: int) -> None:
+        self.logs[i] = self.tmp / f"node{i}.log"
+        log = open(self.logs[i], "a")
+        env = dict(os.environ, RINGD_PREFILL_CHUNK_TOKENS=str(TEST_PREFILL_CHUNK))
+        self.procs[i] = subprocess.Popen(self.command(i), cwd=REPO, env=env, stdout=log, stderr=log, start_new_session=True)
+
+    def signal(self, i: int, sig: int) -> None:
+        self.procs[i].send_signal(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            self.procs[i].wait(30)
+
+    def status(self, i: int) -> dict | None:
+        import json
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url(i) + "/cluster/status", timeout=3) as r:
+                return json.loads(r.read())
+        except (OSError, ValueError):
+            return None
+
+    def wait(self, predicate, timeout: float = 60, what: str = "the cluster to settle"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n" + self.log_tails())
+
+    def log_tails(self) -> str:
+        return "\n".join(f"--- node{i}\n" + p.read_text(errors="replace")[-2500:] for i, p in self.logs.items())
+
+    def leader_ready(self, via: int) -> str | None:
+        """The leader's name once the node `via` reports a ready ring."""
+        s = self.status(via)
+        return s["leader"] if s and s.get("ready") and s.get("leader") else None
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path):
+    made: list[Cluster] = []
+
+    def make(model: Path, n: int, extra: list[str] | None = None) -> Cluster:
+        c = Cluster(model, n, tmp_path, extra)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()

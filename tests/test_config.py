@@ -21,7 +21,7 @@ def parse(argv: list[str], environ: dict | None = None) -> config.Config:
 def test_the_example_config_is_valid():
     cfg = parse(["--config", str(REPO / "config" / "cluster.example.yaml")])
     assert cfg.name == "mini1" and cfg.cluster == "home" and cfg.peers == ["10.0.0.2:50051", "10.0.0.3:50051"]
-    assert cfg.is_leader and cfg.expected_nodes == 3
+    assert cfg.priority == 10 and cfg.expected_nodes == 3
 
 
 def test_precedence_file_env_flag(tmp_path):

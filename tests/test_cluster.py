@@ -1,0 +1,147 @@
+"""Elections and failures on real `ringd serve` daemons: kill -9, SIGSTOP, pins, forwarding, intruders."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from conftest import REPO
+
+
+def post(url: str, body: dict, timeout: float = 30) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except OSError as e:
+        return 0, {"error": str(e)}
+
+
+def chat(url: str, text: str = "Tell me about rings.", max_tokens: int = 20, timeout: float = 30) -> tuple[int, dict]:
+    return post(url + "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0}, timeout)
+
+
+def health(c, i: int) -> dict | None:
+    try:
+        with urllib.request.urlopen(c.url(i) + "/health", timeout=3) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def serving_leader(c, nodes) -> str | None:
+    """The leader, once every node in `nodes` agrees on it and it answers /health with 200."""
+    leaders = {(health(c, i) or {}).get("leader") for i in nodes}
+    if len(leaders) != 1 or None in leaders:
+        return None
+    leader = leaders.pop()
+    h = health(c, int(leader.removeprefix("node")))
+    return leader if h and h["role"] == "leader" and h["ready"] else None
+
+
+def ringctl(c, i: int, *args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[i]}", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_followers_forward_the_api_to_the_leader(tiny_model, cluster_factory):
+    c = cluster_factory(tiny_model(arch="llama", layers=6), 3)
+    assert c.wait(lambda: serving_leader(c, range(3)), what="a serving leader") == "node0"
+    status, direct = chat(c.url(0))
+    assert status == 200
+    status, forwarded = chat(c.url(2))
+    assert status == 200 and forwarded["choices"][0]["message"] == direct["choices"][0]["message"]
+    # Streaming passes through a follower chunk by chunk.
+    req = urllib.request.Request(
+        c.url(1) + "/v1/completions",
+        data=json.dumps({"model": "tiny", "prompt": "Once", "max_tokens": 8, "temperature": 0, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        lines = [line for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) == 9
+    assert "plan" in ringctl(c, 2, "plan") and "node1" in ringctl(c, 2, "status")
+
+
+def test_kill_9_of_the_leader_a_new_leader_serves_within_5_s(tiny_model, cluster_factory):
+    c = cluster_factory(tiny_model(arch="llama", layers=6), 3)
+    c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
+    c.signal(0, signal.SIGKILL)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 30:
+        status, body = chat(c.url(1), timeout=5)
+        if status == 200:
+            break
+        time.sleep(0.05)
+    elapsed = time.monotonic() - t0
+    print(f"\nnew leader served a chat completion {elapsed:.2f} s after kill -9 of the leader")
+    assert status == 200, (status, body, c.log_tails())
+    assert elapsed < 5.0, f"took {elapsed:.2f} s"
+    assert serving_leader(c, [1, 2]) == "node1"
+
+
+def test_sigstop_past_dead_after_then_sigcont_heals(tiny_model, cluster_factory):
+    c = cluster_factory(tiny_model(arch="llama", layers=6), 3)
+    c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
+    c.signal(1, signal.SIGSTOP)
+    try:
+        # node1 is declared dead; the others re-plan without it and serve.
+        c.wait(lambda: (c.status(0) or {}).get("plan") and [s[0] for s in c.status(0)["plan"]["stages"]] == ["node0", "node2"], 20, "a ring without node1")
+        assert chat(c.url(0))[0] == 200
+    finally:
+        c.signal(1, signal.SIGCONT)
+    c.wait(lambda: (c.status(0) or {}).get("ready") and [s[0] for s in c.status(0)["plan"]["stages"]] == ["node0", "node1", "node2"], 30, "node1 back in the ring")
+    assert c.wait(lambda: serving_leader(c, range(3)), what="one leader") == "node0"
+    assert chat(c.url(1))[0] == 200
+
+
+def test_ringctl_leader_set_moves_the_api_and_auto_moves_it_back(tiny_model, cluster_factory):
+    c = cluster_factory(tiny_model(arch="llama", layers=6), 3)
+    c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
+    ringctl(c, 2, "leader", "set", "node1")
+    c.wait(lambda: serving_leader(c, range(3)) == "node1", what="node1 to lead")
+    assert [s[0] for s in c.status(1)["plan"]["stages"]][0] == "node1"
+    assert chat(c.url(0))[0] == 200  # node0 now forwards to node1
+
+    # The pin survives a restart: node0 comes back and, pinned away, does not take over.
+    c.signal(0, signal.SIGTERM)
+    c.start(0)
+    c.wait(lambda: (health(c, 0) or {}).get("ready"), what="node0 back as a follower")
+    assert serving_leader(c, range(3)) == "node1"
+
+    ringctl(c, 1, "leader", "auto")
+    c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead again")
+    assert chat(c.url(2))[0] == 200
+
+
+def test_a_daemon_with_the_wrong_secret_is_never_admitted(tiny_model, cluster_factory, tmp_path):
+    c = cluster_factory(tiny_model(arch="llama", layers=6), 2)
+    c.wait(lambda: serving_leader(c, range(2)) == "node0", what="node0 to lead")
+    bad_secret = tmp_path / "bad-secret"
+    bad_secret.write_text("x" * 32)
+    from ringd.local import free_port
+
+    c.ring_ports.append(free_port())
+    c.http_ports.append(free_port())
+    cmd = c.command(2, secret=bad_secret, name="intruder")
+    log = tmp_path / "intruder.log"
+    with open(log, "w") as f:
+        intruder = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=f, start_new_session=True)
+    try:
+        time.sleep(6)  # several dial attempts each way
+        for i in range(2):
+            assert (health(c, i) or {}).get("peers") == [f"node{1 - i}"], health(c, i)
+        assert "intruder" not in json.dumps(c.status(0))
+        assert "handshake" in c.logs[0].read_text() + c.logs[1].read_text()
+        assert chat(c.url(0))[0] == 200
+    finally:
+        intruder.terminate()
+        intruder.wait(15)
