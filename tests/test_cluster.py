@@ -85,7 +85,7 @@ def test_kill_9_of_the_leader_a_new_leader_serves_within_5_s(tiny_model, cluster
     print(f"\nnew leader served a chat completion {elapsed:.2f} s after kill -9 of the leader")
     assert status == 200, (status, body, c.log_tails())
     assert elapsed < 5.0, f"took {elapsed:.2f} s"
-    assert serving_leader(c, [1, 2]) == "node1"
+    assert c.wait(lambda: serving_leader(c, [1, 2]), what="the survivors to agree") == "node1"
 
 
 def test_sigstop_past_dead_after_then_sigcont_heals(tiny_model, cluster_factory):
