@@ -49,6 +49,9 @@ PLAN_SETTLE_S = 0.3
 # Plan ids: the election term's number times this, plus the leader's plan count
 # in that term, so every plan of a later term has a larger id.
 PLANS_PER_TERM = 2**20
+# Peers one heartbeat may tell us about: far above any real cluster (a dozen
+# Macs), low enough that a confused peer cannot make us dial thousands.
+MAX_GOSSIPED_PEERS = 64
 
 
 def lan_address() -> str:
@@ -222,10 +225,21 @@ class Daemon:
         os.replace(tmp, path)
 
     def _heartbeat(self) -> dict:
-        """What every peer hears from us each heartbeat: a lost election message is repeated."""
-        return {"election": self.election.announcement().to_wire()}
+        """What every peer hears from us each heartbeat: our election state (a lost
+        message is repeated) and whom we are linked with, so that one static peer is
+        enough to find the rest of the cluster."""
+        known = {p: peer.info["addr"] for p, peer in self.links.peers.items() if isinstance(peer.info.get("addr"), str)}
+        return {"election": self.election.announcement().to_wire(), "knows": known}
 
     def _on_heartbeat(self, peer: str, d: dict) -> None:
+        knows = d.get("knows")
+        if isinstance(knows, dict):
+            for node, addr in list(knows.items())[:MAX_GOSSIPED_PEERS]:
+                if node != self.name and node not in self.links.peers and isinstance(addr, str):
+                    try:
+                        self.links.dial(*parse_hostport(addr))
+                    except ValueError:
+                        log.debug("ignoring gossiped address %r of %s from %s", addr, node, peer)
         if "election" in d:
             try:
                 msg = Announce.from_wire(d["election"])

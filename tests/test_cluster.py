@@ -145,3 +145,31 @@ def test_a_daemon_with_the_wrong_secret_is_never_admitted(tiny_model, cluster_fa
     finally:
         intruder.terminate()
         intruder.wait(15)
+
+
+def test_one_static_peer_each_is_enough(tiny_model, tmp_path):
+    """No multicast: node1 and node2 know only node0; gossip tells them of each other."""
+    from conftest import Cluster
+
+    class OnePeer(Cluster):
+        def command(self, i, secret=None, name=None):
+            cmd = super().command(i, secret, name)
+            out, skip = [], False
+            for arg in cmd:  # drop every --peer, then add node0 (node0 itself gets none)
+                if skip:
+                    skip = False
+                    continue
+                if arg == "--peer":
+                    skip = True
+                    continue
+                out.append(arg)
+            return out + (["--peer", f"127.0.0.1:{self.ring_ports[0]}"] if i else [])
+
+    c = OnePeer(tiny_model(arch="llama", layers=6), 3, tmp_path)
+    try:
+        c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead a ring of three")
+        c.wait(lambda: (health(c, 1) or {}).get("peers") == ["node0", "node2"], 10, "node1 to link with node2 via gossip")
+        assert [s[0] for s in c.status(0)["plan"]["stages"]] == ["node0", "node1", "node2"]
+        assert chat(c.url(2))[0] == 200
+    finally:
+        c.stop()
