@@ -204,15 +204,19 @@ class Cluster:
         if sig in (signal.SIGKILL, signal.SIGTERM):
             self.procs[i].wait(30)
 
-    def status(self, i: int) -> dict | None:
+    def get(self, i: int, path: str) -> dict | None:
+        """Node i's JSON answer to GET path, or None if it is down or not answering 200."""
         import json
         import urllib.request
 
         try:
-            with urllib.request.urlopen(self.url(i) + "/cluster/status", timeout=3) as r:
+            with urllib.request.urlopen(self.url(i) + path, timeout=3) as r:
                 return json.loads(r.read())
         except (OSError, ValueError):
             return None
+
+    def status(self, i: int) -> dict | None:
+        return self.get(i, "/cluster/status")
 
     def wait(self, predicate, timeout: float = 60, what: str = "the cluster to settle"):
         deadline = time.monotonic() + timeout
