@@ -1,0 +1,185 @@
+"""N throwaway "hosts" on one Linux machine: network namespaces joined by a bridge.
+
+Each host is a network namespace with ``lo`` up and one veth, ``eth0``, holding
+its own address in a private test subnet (10.213.K.0/24, K from the pid). The
+other ends of the veths hang on a bridge in a namespace of its own, so nothing
+is added to the root namespace's links or routes, and packets can only reach the
+test's own hosts: there is no way out. ``eth0`` has multicast on and a route for
+224.0.0.0/4, so mDNS (224.0.0.251) crosses the bridge whichever way a program
+picks its multicast interface (python-zeroconf's ``InterfaceChoice.All`` sets
+it per socket and needs no route; ``InterfaceChoice.Default`` does).
+
+Needs root and iproute2. ``netns_available()`` says why not, for ``pytest.skip``.
+Everything is torn down on exit, on failure halfway through creation, and at
+interpreter exit if a caller forgot: processes started through ``popen`` (and
+any other process left inside the namespaces) are ended by id, then the
+namespaces are deleted, which deletes their veths and the bridge.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+# Every `ip` command is local configuration; one that takes longer is stuck.
+IP_COMMAND_TIMEOUT_S = 10.0
+# How long a process gets to exit after SIGTERM before SIGKILL.
+PROCESS_STOP_TIMEOUT_S = 5.0
+SUBNET = "10.213.{k}.0/24"  # private (RFC 1918), and only ever inside our namespaces
+BRIDGE = "br0"
+HOST_INTERFACE = "eth0"
+
+_runs = itertools.count()
+
+
+class NetnsError(RuntimeError):
+    """An `ip` command failed; the message has the command and its stderr."""
+
+
+def ip(*args: str) -> str:
+    """Run `ip ARGS`; its stdout, or NetnsError with its stderr."""
+    cmd = ["ip", *args]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=IP_COMMAND_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise NetnsError(f"`{' '.join(cmd)}` took over {IP_COMMAND_TIMEOUT_S} s") from None
+    if done.returncode != 0:
+        raise NetnsError(f"`{' '.join(cmd)}` failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str  # the network namespace
+    ip: str  # its address on HOST_INTERFACE
+    interface: str = HOST_INTERFACE
+
+
+class NetnsHosts:
+    """``with NetnsHosts(3) as net:`` three hosts on one bridge; see the module docstring."""
+
+    def __init__(self, n: int):
+        if not 1 <= n <= 250:
+            raise ValueError(f"{n} hosts; a /24 test subnet holds 1 to 250")
+        run = next(_runs)
+        pid = os.getpid()
+        tag = f"ringd-{pid}-{run}"  # unique per process and per use
+        k = (pid * 7 + run) % 254 + 1
+        self.subnet = SUBNET.format(k=k)
+        self.bridge_ns = f"{tag}-br"
+        self.hosts = [Host(f"{tag}-{i}", f"10.213.{k}.{i + 1}") for i in range(n)]
+        self._created: list[str] = []  # namespaces to delete, in creation order
+        self._procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> NetnsHosts:
+        atexit.register(self.close)
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def exec_prefix(self, i: int) -> list[str]:
+        """Prepend to a command to run it on host i."""
+        return ["ip", "netns", "exec", self.hosts[i].name]
+
+    def popen(self, i: int, argv: list[str], **kwargs) -> subprocess.Popen:
+        """Start argv on host i; it is ended (by pid) when the hosts are torn down."""
+        proc = subprocess.Popen(self.exec_prefix(i) + argv, start_new_session=True, **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        """End our processes, delete our namespaces. Safe to call twice."""
+        atexit.unregister(self.close)
+        for proc in self._procs:
+            _stop(proc)
+        self._procs.clear()
+        for ns in reversed(self._created):
+            self._end_processes_inside(ns)
+            try:
+                ip("netns", "del", ns)
+            except NetnsError as e:
+                print(f"netns cleanup: {e}", file=sys.stderr)
+        self._created.clear()
+
+    # --- internals ------------------------------------------------------------------
+
+    def _add_namespace(self, ns: str) -> None:
+        ip("netns", "add", ns)
+        self._created.append(ns)
+        ip("-n", ns, "link", "set", "lo", "up")
+
+    def _create(self) -> None:
+        br = self.bridge_ns
+        self._add_namespace(br)
+        # Snooping off: the bridge floods every multicast group to every port, so
+        # nothing depends on IGMP timing.
+        ip("-n", br, "link", "add", BRIDGE, "type", "bridge", "mcast_snooping", "0")
+        ip("-n", br, "link", "set", BRIDGE, "up")
+        for i, host in enumerate(self.hosts):
+            self._add_namespace(host.name)
+            port = f"h{i}"
+            # Created in the bridge's namespace with its peer born in the host's:
+            # no interface ever appears in the root namespace.
+            ip("-n", br, "link", "add", port, "type", "veth", "peer", "name", host.interface, "netns", host.name)
+            ip("-n", br, "link", "set", port, "master", BRIDGE, "up")
+            ip("-n", host.name, "addr", "add", f"{host.ip}/24", "dev", host.interface)
+            ip("-n", host.name, "link", "set", host.interface, "multicast", "on", "up")
+            ip("-n", host.name, "route", "add", "224.0.0.0/4", "dev", host.interface)
+
+    @staticmethod
+    def _end_processes_inside(ns: str) -> None:
+        # Processes the test started in the namespace some other way than popen.
+        try:
+            pids = [int(p) for p in ip("netns", "pids", ns).split()]
+        except NetnsError:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # the session popen started: the child and its children
+            proc.wait(PROCESS_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(PROCESS_STOP_TIMEOUT_S)
+        except ProcessLookupError:
+            pass
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+
+
+@functools.cache
+def netns_available() -> str | None:
+    """None when NetnsHosts works here, else the reason it does not."""
+    if not sys.platform.startswith("linux"):
+        return f"network namespaces need Linux; this is {sys.platform}"
+    if os.geteuid() != 0:
+        return "network namespaces need root (ip netns add)"
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` command is not installed"
+    try:
+        with NetnsHosts(1):
+            pass
+    except (NetnsError, OSError) as e:
+        return f"cannot build a test network: {e}"
+    return None
