@@ -24,7 +24,8 @@ DEFAULT_RING_PORT = 50051
 DEFAULT_HTTP_PORT = 8100
 # The secret authenticates every ring connection; shorter ones are guessable.
 MIN_SECRET_BYTES = 16
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+# Node and cluster names: also what election and discovery accept, so one rule everywhere.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
 
 class ConfigError(ValueError):
@@ -55,8 +56,8 @@ def _positive_float(v: Any) -> float:
     return float(v)
 
 
-def _name(v: Any) -> str:
-    if not isinstance(v, str) or not _NAME.match(v):
+def check_name(v: Any) -> str:
+    if not isinstance(v, str) or not _NAME.fullmatch(v):
         raise ValueError("must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
     return v
 
@@ -133,8 +134,8 @@ class Key:
 
 
 KEYS: list[Key] = [
-    Key("name", _name, None, "this node's id in the cluster (default: the host name)"),
-    Key("cluster", _name, "ringd", "cluster name; daemons of other clusters are ignored"),
+    Key("name", check_name, None, "this node's id in the cluster (default: the host name)"),
+    Key("cluster", check_name, "ringd", "cluster name; daemons of other clusters are ignored"),
     Key("secret_file", _optional(_str), None, "file holding the cluster secret (at least 16 bytes)"),
     Key("model", _optional(_str), None, "mlx-lm model directory or Hugging Face repo id"),
     Key("model_id", _optional(_str), None, "model name the API serves (default: the model's directory or repo name)"),
@@ -270,7 +271,7 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
         except ValueError as e:
             raise ConfigError(f"{key.name} ({sources.get(key.name, 'default')}): {e}; got {v!r}") from None
     if checked["name"] is None:
-        checked["name"] = _name(re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname().split(".")[0]) or "node")
+        checked["name"] = check_name(re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname().split(".")[0]) or "node")
     cfg = Config(**checked)
     if cfg.nodes is not None and cfg.nodes < 1:
         raise ConfigError("nodes: must be at least 1")

@@ -48,7 +48,7 @@ import ifaddr
 from zeroconf import InterfaceChoice, IPVersion, NonUniqueNameException, ServiceInfo, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
-from ringd.config import _name as check_name
+from ringd.config import check_name
 from wire.frames import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)

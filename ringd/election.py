@@ -61,11 +61,11 @@ restarted node's first claim is above every claim it ever made.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import total_ordering
 from typing import Mapping
 
+from ringd.config import check_name
 from ringd.placement import natural_key
 
 # Term numbers and pin epochs travel in JSON descriptors; beyond 2**53 - 1 some
@@ -73,7 +73,6 @@ from ringd.placement import natural_key
 MAX_TERM_NUMBER = 2**53 - 1
 MAX_PIN_EPOCH = 2**53 - 1
 # Node ids follow config's rule for ``name``: 1-63 letters, digits, '.', '_', '-'.
-_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
 
 class ElectionError(ValueError):
@@ -87,11 +86,13 @@ def _check_int(what: str, v: object, limit: int) -> int:
 
 
 def _check_node(what: str, v: object) -> str:
-    if not isinstance(v, str) or not _NODE_ID.fullmatch(v):
+    try:
+        check_name(v)
+    except ValueError:
         raise ElectionError(
             f"{what} must be a node id (1-63 letters, digits, '.', '_' or '-', "
             f"starting with a letter or digit), got {v!r}"
-        )
+        ) from None
     return v
 
 
