@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -46,6 +47,9 @@ async def _serve(cfg: config_mod.Config) -> int:
     from .shard import ModelError
 
     loop = asyncio.get_running_loop()
+    # `kill -USR1 <pid>` writes every thread's stack to the log: how an operator
+    # sees what a daemon that stopped answering is stuck on.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

@@ -58,6 +58,10 @@ class Peer:
     outbound: bool
     info: dict
     last_heard: float = field(default_factory=time.monotonic)
+    # Set once this link has left the peer table. (Not the stream's own
+    # wait_closed: a stream can be closed while its reader has not yet removed
+    # it, and waiting on an event that is already set never yields.)
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Links:
@@ -86,6 +90,8 @@ class Links:
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
         self._dialing: set[tuple[str, int]] = set()
+        # Every authenticated connection, current or draining after a lost tie.
+        self._streams: set = set()
         self._closing = False
 
     async def listen(self, host: str, port: int) -> int:
@@ -118,8 +124,8 @@ class Links:
         self._closing = True
         if self._server is not None:
             self._server.close()
-        for peer in list(self.peers.values()):
-            peer.stream.close()
+        for stream in list(self._streams):
+            stream.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -147,6 +153,7 @@ class Links:
         if self.peers.get(peer.node) is peer:
             del self.peers[peer.node]
             self.on_change()
+        peer.gone.set()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -174,8 +181,8 @@ class Links:
             await self._run_link(stream, outbound=True)
             # The link ended. If another link to the same node is up (the one it
             # dialed to us won the tie), wait for that one to end before redialing.
-            while not self._closing and peer_id in self.peers:
-                await self.peers[peer_id].stream.wait_closed()
+            while not self._closing and (other := self.peers.get(peer_id)) is not None:
+                await other.gone.wait()
             await asyncio.sleep(backoff)
 
     def _prefer(self, new_outbound: bool, peer_id: str) -> bool:
@@ -190,6 +197,7 @@ class Links:
             stream.close()
             return
         peer = Peer(peer_id, stream, outbound, dict(stream.peer_info or {}))
+        self._streams.add(stream)
         current = self.peers.get(peer_id)
         later = asyncio.get_running_loop().call_later
         if current is not None and not current.stream.closed and not self._prefer(outbound, peer_id):
@@ -210,4 +218,5 @@ class Links:
             log.log(logging.INFO if current else logging.DEBUG, "link to %s closed: %s", peer_id, e or type(e).__name__)
         finally:
             stream.close()
+            self._streams.discard(stream)
             self._forget(peer)
