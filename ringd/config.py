@@ -114,6 +114,27 @@ def _split(v: Any) -> list[int] | None:
     return v
 
 
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in _TRUE + _FALSE:
+        return v.lower() in _TRUE
+    raise ValueError("must be true or false (on/off, yes/no and 1/0 are accepted too)")
+
+
+def _patterns(v: Any) -> list[str]:
+    """Interface names, globs (``bridge*``) or IPv4 networks (``169.254.0.0/16``)."""
+    if isinstance(v, str):
+        v = [p.strip() for p in v.split(",") if p.strip()]
+    if not isinstance(v, list) or not all(isinstance(p, str) and p and len(p) <= 64 for p in v):
+        raise ValueError("must be a list of interface names, globs like bridge* or networks like 169.254.0.0/16")
+    return v
+
+
 def _log_level(v: Any) -> str:
     if not isinstance(v, str) or v.lower() not in ("debug", "info", "warning", "error"):
         raise ValueError("must be one of debug, info, warning, error")
@@ -140,14 +161,17 @@ KEYS: list[Key] = [
     Key("model", _optional(_str), None, "mlx-lm model directory or Hugging Face repo id"),
     Key("model_id", _optional(_str), None, "model name the API serves (default: the model's directory or repo name)"),
     Key("host", _host, "0.0.0.0", "address the ring port listens on"),
-    Key("advertise", _optional(_host), None, "address peers dial to reach this node (default: the host's LAN address)"),
+    Key("advertise", _optional(_host), None, "address peers dial to reach this node (default: this host's addresses, in prefer_interfaces order)"),
     Key("ring_port", _port, DEFAULT_RING_PORT, "TCP port for ring traffic between daemons", int),
     Key("http_host", _host, "0.0.0.0", "address the HTTP API listens on"),
     Key("http_port", _port, DEFAULT_HTTP_PORT, "TCP port of the OpenAI-compatible HTTP API", int),
     Key("peers", _peers, [], "peers to dial, IP:PORT (repeatable flag --peer)"),
+    Key("discovery", _bool, True, "find peers with Bonjour (mDNS) on the LAN; off: static peers and gossip only"),
+    Key("prefer_interfaces", _patterns, [], "interfaces (names, globs or networks) whose addresses peers should dial first, e.g. bridge0,en0"),
+    Key("mdns_interfaces", _optional(_patterns), None, "where Bonjour is spoken (names, globs or networks; default: every interface)"),
     Key("priority", _int, 0, "election priority: the live node with the highest leads (ties: smallest name)", int),
     Key("state_dir", _str, "~/.local/state/ringd", "where the node keeps its election state (a manual leader pin survives restarts)"),
-    Key("nodes", _optional(_positive_int), None, "ring size the first plan waits for (default: peers + 1)", int),
+    Key("nodes", _optional(_positive_int), None, "ring size the first plan waits for (default: peers + 1, or with discovery whoever is found within a few seconds)", int),
     Key("split", _split, None, "layers per stage in ring order, e.g. 10,9,9 (default: even)"),
     Key("prefill_chunk_tokens", _positive_int, 512, "prompt tokens per prefill frame", int),
     Key("memory_budget_gb", _optional(_positive_float), None, "GiB of model weights this node may hold (default: no limit)", float),
@@ -171,6 +195,9 @@ class Config:
     http_host: str
     http_port: int
     peers: list[str] = field(default_factory=list)
+    discovery: bool = True
+    prefer_interfaces: list[str] = field(default_factory=list)
+    mdns_interfaces: list[str] | None = None
     priority: int = 0
     state_dir: str = "~/.local/state/ringd"
     nodes: int | None = None
@@ -281,5 +308,8 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
             "or every peer looks dead between two heartbeats"
         )
     if cfg.split is not None and len(cfg.split) != cfg.expected_nodes:
-        raise ConfigError(f"split: {cfg.split} has {len(cfg.split)} entries for a ring of {cfg.expected_nodes} nodes")
+        raise ConfigError(
+            f"split: {cfg.split} has {len(cfg.split)} entries for a ring of {cfg.expected_nodes} nodes "
+            "(the ring size is `nodes`, or the number of peers + 1 when `nodes` is not set)"
+        )
     return cfg

@@ -30,6 +30,7 @@ from .api import Api
 from .compute import ComputeThread
 from .election import Announce, Election, ElectionError, Pin, Term
 from .config import Config, parse_hostport
+from .discovery import Advert, Discovery, DiscoveryError, dial_order, interface_matches, local_addresses, local_networks
 from .engine import Engine
 from .membership import LinkError, Links
 from .metrics import Metrics
@@ -49,6 +50,14 @@ PLAN_SETTLE_S = 0.3
 # Plan ids: the election term's number times this, plus the leader's plan count
 # in that term, so every plan of a later term has a larger id.
 PLANS_PER_TERM = 2**20
+# With discovery on and no `nodes` configured, the cluster's first plan waits
+# until DISCOVERY_WAIT_S after the node started and DISCOVERY_SETTLE_S after
+# the last node joined: registering an advert probes for 1-2 s, and daemons
+# started together (at boot) find each other within about a second of that.
+# A node found later joins with a re-plan; a one-node ring costs nothing to
+# replace, but loading the whole model on one node first would.
+DISCOVERY_WAIT_S = 2.5
+DISCOVERY_SETTLE_S = 1.5
 # Peers one heartbeat may tell us about: far above any real cluster (a dozen
 # Macs), low enough that a confused peer cannot make us dial thousands.
 MAX_GOSSIPED_PEERS = 64
@@ -62,6 +71,27 @@ def lan_address() -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def own_addresses(cfg: Config) -> list[str]:
+    """The addresses peers may dial us at, best first.
+
+    ``advertise`` if set, else the listen address if it is a specific one, else
+    this host's IPv4 addresses: those matching ``prefer_interfaces`` first,
+    then the one of the default route, then the rest (loopback only if alone).
+    """
+    if cfg.advertise:
+        return [cfg.advertise]
+    if cfg.host not in ("0.0.0.0", "::"):
+        return [cfg.host]
+    pairs = local_addresses(cfg.prefer_interfaces)
+    preferred = [ip for i, ip in pairs if any(interface_matches(p, i, ip) for p in cfg.prefer_interfaces)]
+    rest = [ip for _, ip in pairs if ip not in preferred]
+    route = lan_address()
+    if route in rest:
+        rest.remove(route)
+        rest.insert(0, route)
+    return preferred + rest or [route]
 
 
 class Daemon:
@@ -95,6 +125,11 @@ class Daemon:
         self._status_ids = itertools.count(1)
         self._status_waiters: dict[int, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.discovery: Discovery | None = None
+        self._networks = []  # this host's IPv4 networks, read at start
+        self._started = time.monotonic()
+        self._last_join = self._started
+        self._members_seen: set[str] = set()
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -103,13 +138,15 @@ class Daemon:
         if cfg.model is None:
             raise ModelError("model: no model configured; set model (or RINGD_MODEL, --model)")
         secret = cfg.read_secret()
+        self._networks = local_networks()
         loop = asyncio.get_running_loop()
         self.info = await loop.run_in_executor(None, model_info, cfg.model)
         self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.info.path)
         self.model_id = cfg.model_id or (cfg.model if not Path(cfg.model).expanduser().exists() else self.info.name)
 
         http_port = await self.api.start(cfg.http_host, cfg.http_port)
-        advertise = cfg.advertise or (cfg.host if cfg.host not in ("0.0.0.0", "::") else lan_address())
+        addresses = own_addresses(cfg)
+        advertise = addresses[0]
         handshake_info: dict = {"model": self.info.fingerprint, "budget": cfg.memory_budget_bytes, "priority": cfg.priority}
         self.links = Links(
             self.name, cfg.cluster, secret, handshake_info, self._on_frame, self._on_members_changed,
@@ -122,6 +159,8 @@ class Daemon:
         handshake_info.update(addr=self.addr, http=self.http_addr)
         for peer in cfg.peers:
             self.links.dial(*parse_hostport(peer))
+        if cfg.discovery:
+            self._spawn(self._discover(addresses, ring_port, http_port))
         self._spawn(self._expire_loop())
         log.info(
             "ringd node %s up: ring %s, http %s, model %s (%d layers), priority %d",
@@ -133,6 +172,8 @@ class Daemon:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.discovery is not None:
+            await self.discovery.stop()  # goodbyes, so peers' browsers forget us now
         await self.api.stop()
         if self.links is not None:
             await self.links.close()
@@ -143,6 +184,30 @@ class Daemon:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    # --- discovery --------------------------------------------------------------------
+
+    async def _discover(self, addresses: list[str], ring_port: int, http_port: int) -> None:
+        ipv4 = [a for a in addresses if ":" not in a]
+        if not ipv4:
+            log.warning("discovery off: no IPv4 address to advertise (%s); dialing static peers only", addresses)
+            return
+        try:
+            self.discovery = Discovery(
+                node=self.name, cluster=self.cfg.cluster, ring_port=ring_port, http_port=http_port,
+                addresses=ipv4, on_peer=self._on_advert, interfaces=self.cfg.mdns_interfaces,
+            )  # fmt: skip
+            await self.discovery.start()
+        except (DiscoveryError, ValueError) as e:
+            log.warning("discovery off: %s; dialing static peers only", e)
+            self.discovery = None
+
+    def _on_advert(self, advert: Advert) -> None:
+        if advert.node in self.links.peers:
+            return  # linked already (a static peer, gossip, or it dialed us)
+        host = dial_order(advert.addresses, self._networks)[0]
+        log.info("dialing %s at %s:%d (found by Bonjour)", advert.node, host, advert.ring_port)
+        self.links.dial(host, advert.ring_port)
 
     # --- routing ----------------------------------------------------------------------
 
@@ -291,6 +356,9 @@ class Daemon:
         self._members_changed.set()
 
     def _on_members_changed(self) -> None:
+        if self.links is not None and set(self.links.peers) - self._members_seen:
+            self._last_join = time.monotonic()
+        self._members_seen = set(self.links.peers) if self.links is not None else set()
         members = {self.name: self.cfg.priority}
         for p, peer in self.links.peers.items():
             priority = peer.info.get("priority", 0)
@@ -318,6 +386,14 @@ class Daemon:
             self._members_changed.clear()
             peers = sorted((p for p in self.links.peers if p not in self.drained), key=natural_key)
             need = self.cfg.expected_nodes
+            settle = max(self._started + DISCOVERY_WAIT_S, self._last_join + DISCOVERY_SETTLE_S) - time.monotonic()
+            if not planned and self.cfg.discovery and self.cfg.nodes is None and settle > 0:
+                # Bonjour finds nodes over a few seconds; plan once they stop arriving.
+                self.ready = False
+                self.reason = f"discovering nodes (linked: {', '.join(peers) or 'none'})"
+                await asyncio.sleep(settle)
+                self._members_changed.set()
+                continue
             if not planned and len(peers) + 1 < need:
                 self.ready = False
                 self.reason = f"waiting for {need - 1 - len(peers)} more node(s) of {need} (linked: {', '.join(peers) or 'none'})"
@@ -459,6 +535,15 @@ class Daemon:
             "parameter_bytes": self.shard.parameter_bytes if self.shard else 0,
             "active_requests": self.engine.active if self.engine else 0,
             "peers": sorted(self.links.peers, key=natural_key) if self.links else [],
+            "discovery": self._discovery_status(),
+        }
+
+    def _discovery_status(self) -> dict:
+        d = self.discovery
+        return {
+            "enabled": self.cfg.discovery,
+            "advertising": bool(d and d.advertising),
+            "found": sorted(d.peers, key=natural_key) if d else [],
         }
 
     async def cluster_status(self) -> dict:

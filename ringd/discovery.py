@@ -206,7 +206,7 @@ def _digest(node: str, cluster: str) -> str:
 # --- this host's addresses --------------------------------------------------------
 
 
-def _matches(pattern: str, interface: str, address: str) -> bool:
+def interface_matches(pattern: str, interface: str, address: str) -> bool:
     """An interface name, a glob over names (``bridge*``), or an IPv4 network
     (``169.254.0.0/16``) or address."""
     try:
@@ -244,7 +244,7 @@ def order_addresses(
     def rank(pair: tuple[str, ipaddress.IPv4Address]) -> tuple[int, int]:
         interface, ip = pair
         for k, pattern in enumerate(preference):
-            if _matches(pattern, interface, str(ip)):
+            if interface_matches(pattern, interface, str(ip)):
                 return (0, k)
         return (1, 2 if ip.is_loopback else 1 if ip.is_link_local else 0)
 
@@ -257,6 +257,30 @@ def local_addresses(preference: Sequence[str] = (), include_loopback: bool | Non
     return order_addresses(pairs, preference, include_loopback)
 
 
+def local_networks() -> list[ipaddress.IPv4Network]:
+    """The IPv4 networks this host has an address on."""
+    return [
+        ipaddress.IPv4Interface(f"{ip.ip}/{ip.network_prefix}").network
+        for a in ifaddr.get_adapters()
+        for ip in a.ips
+        if ip.is_IPv4
+    ]
+
+
+def dial_order(addresses: Sequence[str], networks: Iterable[ipaddress.IPv4Network]) -> list[str]:
+    """A peer's advertised addresses in the order to dial them.
+
+    Those on a network this host is on come first, in the peer's order of
+    preference; then the rest (reachable through a router, perhaps). A Mac
+    that lists its Thunderbolt bridge first is dialed there only by the Macs
+    on that bridge; the others use its LAN address instead of a dead one.
+    """
+    networks = list(networks)
+    ips = [ipaddress.IPv4Address(a) for a in addresses]
+    near = [ip for ip in ips if any(ip in n for n in networks)]
+    return [str(ip) for ip in near + [ip for ip in ips if ip not in near]]
+
+
 def _zeroconf_interfaces(interfaces: Sequence[str] | None) -> list[str] | InterfaceChoice:
     """python-zeroconf wants IPv4 addresses; accept interface names and globs too."""
     if interfaces is None:
@@ -265,7 +289,7 @@ def _zeroconf_interfaces(interfaces: Sequence[str] | None) -> list[str] | Interf
     chosen: list[str] = []
     for pattern in interfaces:
         for interface, address in pairs:
-            if _matches(pattern, interface, address) and address not in chosen:
+            if interface_matches(pattern, interface, address) and address not in chosen:
                 chosen.append(address)
     if not chosen:
         have = ", ".join(f"{i} ({a})" for i, a in pairs) or "none"

@@ -100,6 +100,8 @@ def run_local(
                 "--model", model, "--secret-file", str(secret_file),
                 "--cluster", cluster, "--state-dir", str(workdir), "--nodes", str(nodes),
                 "--log-level", log_level,
+                # Every node is listed as a peer; nothing to find, and nothing to tell the LAN.
+                "--discovery", "off",
             ]  # fmt: skip
             for j in range(nodes):
                 if j != i:

@@ -160,10 +160,12 @@ class Cluster:
     peer; state (election term, pin) lives under the test's tmp dir.
     """
 
-    def __init__(self, model: Path, n: int, tmp: Path, extra: list[str] | None = None):
+    def __init__(self, model: Path, n: int, tmp: Path, extra: list[str] | None = None, static_peers: bool = True):
         from ringd.local import free_port
 
         self.model, self.n, self.tmp, self.extra = model, n, tmp, extra or []
+        # Static peers (discovery off), or none and Bonjour on loopback only.
+        self.static_peers = static_peers
         self.ring_ports = [free_port() for _ in range(n)]
         self.http_ports = [free_port() for _ in range(n)]
         self.secret = tmp / "secret"
@@ -186,12 +188,20 @@ class Cluster:
             "--host", "127.0.0.1", "--advertise", "127.0.0.1", "--http-host", "127.0.0.1",
             "--ring-port", str(self.ring_ports[i]), "--http-port", str(self.http_ports[i]),
             "--model", str(self.model), "--model-id", "tiny", "--secret-file", str(secret or self.secret),
-            "--state-dir", str(self.tmp / "state"), "--nodes", str(self.n),
+            "--state-dir", str(self.tmp / "state"),
         ]  # fmt: skip
-        for j in range(self.n):
-            if j != i:
+        if self.static_peers:
+            cmd += ["--discovery", "off", "--nodes", str(self.n)]
+            for j in self.peers_of(i):
                 cmd += ["--peer", f"127.0.0.1:{self.ring_ports[j]}"]
+        else:
+            # Multicast on loopback only: a test never speaks mDNS on a real network.
+            cmd += ["--mdns-interfaces", "lo"]
         return cmd + self.extra
+
+    def peers_of(self, i: int) -> list[int]:
+        """The nodes node i is given as static peers: by default every other one."""
+        return [j for j in range(self.n) if j != i]
 
     def start(self, i: int) -> None:
         self.logs[i] = self.tmp / f"node{i}.log"
@@ -251,8 +261,8 @@ class Cluster:
 def cluster_factory(tmp_path):
     made: list[Cluster] = []
 
-    def make(model: Path, n: int, extra: list[str] | None = None) -> Cluster:
-        c = Cluster(model, n, tmp_path, extra)
+    def make(model: Path, n: int, extra: list[str] | None = None, static_peers: bool = True) -> Cluster:
+        c = Cluster(model, n, tmp_path, extra, static_peers)
         made.append(c)
         return c
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
 from conftest import REPO
 
 
@@ -143,23 +146,90 @@ def test_a_daemon_with_the_wrong_secret_is_never_admitted(tiny_model, cluster_fa
         intruder.wait(15)
 
 
+def test_three_daemons_with_no_peers_find_each_other_by_bonjour_and_serve_within_10_s(tiny_model, cluster_factory):
+    model = tiny_model(arch="llama", layers=6)
+    t0 = time.monotonic()
+    c = cluster_factory(model, 3, static_peers=False)  # no --peer, no --nodes: real mDNS on loopback
+    while time.monotonic() - t0 < 30:
+        status, body = chat(c.url(1), timeout=5)
+        if status == 200:
+            break
+        time.sleep(0.1)
+    elapsed = time.monotonic() - t0
+    print(f"\nthree daemons found each other by Bonjour and served {elapsed:.2f} s after start")
+    assert status == 200, (status, body, c.log_tails())
+    assert elapsed < 10.0, f"took {elapsed:.2f} s\n{c.log_tails()}"
+    status = c.status(0)
+    assert [s[0] for s in status["plan"]["stages"]] == ["node0", "node1", "node2"]
+    assert all(n["discovery"]["advertising"] and len(n["discovery"]["found"]) == 2 for n in status["nodes"]), status
+
+
+# Run inside a namespace host: wait for a chat completion from the API at argv[1],
+# then print it and the cluster status as one JSON line.
+NS_CLIENT = r"""
+import json, sys, time, urllib.request
+url = sys.argv[1]
+body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0}).encode()
+deadline, last = time.monotonic() + float(sys.argv[2]), None
+while time.monotonic() < deadline:
+    try:
+        req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            chat = json.loads(r.read())
+        with urllib.request.urlopen(url + "/cluster/status", timeout=5) as r:
+            print(json.dumps({"chat": chat, "status": json.loads(r.read())}))
+        sys.exit(0)
+    except Exception as e:
+        last = repr(e)
+        time.sleep(0.2)
+print(json.dumps({"error": last}))
+"""
+
+
+def test_three_daemons_in_three_network_namespaces_discover_each_other_and_serve(tiny_model, tmp_path):
+    from netns import NetnsHosts, netns_available
+
+    reason = netns_available()
+    if reason:
+        pytest.skip(reason)
+    model = tiny_model(arch="llama", layers=6)
+    secret = tmp_path / "secret"
+    secret.write_text("n" * 32)
+    cluster = f"ns-{os.getpid()}"
+    with NetnsHosts(3) as net, contextlib.ExitStack() as files:
+        logs = [tmp_path / f"host{i}.log" for i in range(3)]
+        for i in range(3):
+            # Nothing but a name, a cluster, a secret and a model: default ports
+            # (each host has its own), addresses from the host's interfaces.
+            out = files.enter_context(open(logs[i], "w"))
+            cmd = [
+                sys.executable, "-m", "ringd", "serve", "--name", f"host{i}", "--cluster", cluster,
+                "--secret-file", str(secret), "--model", str(model), "--model-id", "tiny",
+                "--state-dir", str(tmp_path / "state"),
+            ]  # fmt: skip
+            net.popen(i, cmd, cwd=REPO, stdout=out, stderr=out)
+        api = f"http://{net.hosts[2].ip}:8100"  # a follower's API, reached from host 0
+        done = subprocess.run(
+            net.exec_prefix(0) + [sys.executable, "-c", NS_CLIENT, api, "60"], capture_output=True, text=True, timeout=90
+        )
+        tails = "\n".join(f"--- host{i}\n{p.read_text()[-2500:]}" for i, p in enumerate(logs))
+        assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{tails}"
+        result = json.loads(done.stdout)
+        assert result["chat"]["choices"][0]["message"]["content"], tails
+        status = result["status"]
+        assert [s[0] for s in status["plan"]["stages"]] == ["host0", "host1", "host2"], status
+        for node, host in zip(status["nodes"], net.hosts):
+            assert node["addr"] == f"{host.ip}:50051", node  # its own address on the bridge, not loopback
+            assert node["discovery"]["advertising"] and len(node["discovery"]["found"]) == 2, node
+
+
 def test_one_static_peer_each_is_enough(tiny_model, tmp_path):
     """No multicast: node1 and node2 know only node0; gossip tells them of each other."""
     from conftest import Cluster
 
     class OnePeer(Cluster):
-        def command(self, i, secret=None, name=None):
-            cmd = super().command(i, secret, name)
-            out, skip = [], False
-            for arg in cmd:  # drop every --peer, then add node0 (node0 itself gets none)
-                if skip:
-                    skip = False
-                    continue
-                if arg == "--peer":
-                    skip = True
-                    continue
-                out.append(arg)
-            return out + (["--peer", f"127.0.0.1:{self.ring_ports[0]}"] if i else [])
+        def peers_of(self, i):
+            return [0] if i else []  # node0 itself gets none
 
     c = OnePeer(tiny_model(arch="llama", layers=6), 3, tmp_path)
     try:

@@ -24,6 +24,14 @@ def test_the_example_config_is_valid():
     assert cfg.priority == 10 and cfg.expected_nodes == 3
 
 
+def test_the_example_config_documents_every_key():
+    import re
+
+    text = (REPO / "config" / "cluster.example.yaml").read_text()
+    documented = set(re.findall(r"^#? ?([a-z_]+):", text, re.M))
+    assert {k.name for k in config.KEYS} <= documented, {k.name for k in config.KEYS} - documented
+
+
 def test_precedence_file_env_flag(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("name: a\nring_port: 1000\nhttp_port: 2000\n")
@@ -45,6 +53,8 @@ def test_precedence_file_env_flag(tmp_path):
         ("- just\n- a list\n", "must be a mapping"),
         ("log_level: loud\n", "log_level"),
         ("a: [unclosed\n", "not valid YAML"),
+        ("discovery: maybe\n", "discovery (config file"),
+        ("prefer_interfaces: bridge0\nmdns_interfaces: [3]\n", "mdns_interfaces"),
     ],
 )
 def test_bad_files_name_the_key(tmp_path, yaml_text, needle):
@@ -53,6 +63,16 @@ def test_bad_files_name_the_key(tmp_path, yaml_text, needle):
     with pytest.raises(config.ConfigError) as e:
         parse(["--config", str(f)])
     assert needle in str(e.value)
+
+
+def test_discovery_keys_from_file_env_and_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("discovery: false\nprefer_interfaces: [bridge0, 169.254.0.0/16]\n")
+    cfg = parse(["--config", str(f)])
+    assert cfg.discovery is False and cfg.prefer_interfaces == ["bridge0", "169.254.0.0/16"] and cfg.mdns_interfaces is None
+    cfg = parse(["--discovery", "on", "--mdns-interfaces", "en0, bridge*"], {"RINGD_DISCOVERY": "off"})
+    assert cfg.discovery is True and cfg.mdns_interfaces == ["en0", "bridge*"]
+    assert parse([]).discovery is True  # on unless turned off
 
 
 def test_bad_env_and_flags_name_their_source():

@@ -39,9 +39,11 @@ from ringd.discovery import (
     TXT_KEYS,
     Advert,
     Discovery,
+    dial_order,
     host_name,
     instance_label,
     local_addresses,
+    local_networks,
     order_addresses,
 )
 from wire.frames import PROTOCOL_VERSION
@@ -121,6 +123,16 @@ def test_an_address_on_two_interfaces_is_listed_once():
         ("en0", "10.0.0.5"),
         ("en2", "10.0.0.6"),
     ]
+
+
+def test_dial_order_puts_addresses_on_our_networks_first():
+    nets = [ipaddress.IPv4Network("192.168.1.0/24"), ipaddress.IPv4Network("127.0.0.0/8")]
+    # The peer prefers its bridge, but this host is not on it: its LAN address first.
+    assert dial_order(["169.254.10.2", "192.168.1.20"], nets) == ["192.168.1.20", "169.254.10.2"]
+    # Two on our networks keep the peer's order; none: the peer's order as is.
+    assert dial_order(["127.0.0.1", "192.168.1.20"], nets) == ["127.0.0.1", "192.168.1.20"]
+    assert dial_order(["10.0.0.5", "10.0.1.5"], nets) == ["10.0.0.5", "10.0.1.5"]
+    assert any(ipaddress.IPv4Address("127.0.0.1") in n for n in local_networks())
 
 
 def test_local_addresses_reads_this_host():
