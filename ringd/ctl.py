@@ -1,7 +1,8 @@
 """``ringctl``: look at a running ring from any node's HTTP port.
 
 ``ringctl status`` prints the cluster as the node asked sees it: every node, its
-role, stage and layers, parameter and KV memory, live sessions and readiness
+address, role, stage and layers, parameter and KV memory, live sessions, the
+plan term it runs and its readiness; linked nodes outside the ring too
 (``--json`` for the raw document); ``plan`` the ring's order and layer ranges;
 ``leader set NODE`` pins the leader (the pin outlives restarts) and ``leader
 auto`` unpins; ``drain NODE`` keeps a node out of the ring (``--undo`` takes it
@@ -55,8 +56,9 @@ def print_status(doc: dict) -> None:
     console = Console()
     title = f"ring term {doc['plan']['term']}" if doc.get("plan") else "no plan yet"
     table = Table(title=f"{title} — leader {doc.get('leader') or '?'}")
-    for col in ("node", "address", "role", "stage", "layers", "params MiB", "KV MiB", "sessions", "health"):
-        table.add_column(col, justify="right" if col in ("stage", "params MiB", "KV MiB", "sessions") else "left")
+    numeric = ("stage", "params MiB", "KV MiB", "sessions", "term")
+    for col in ("node", "address", "role", "stage", "layers", "params MiB", "KV MiB", "sessions", "term", "health"):
+        table.add_column(col, justify="right" if col in numeric else "left")
     for n in doc.get("nodes", []):
         layers = n.get("layers")
         health = "ready" if n.get("ready") else (n.get("error") or "not ready")
@@ -69,6 +71,7 @@ def print_status(doc: dict) -> None:
             _mib(n.get("parameter_bytes")),
             _mib(n.get("kv_bytes")),
             str(n.get("sessions", "-")),
+            str(n.get("term") or "-"),
             health,
         )
     console.print(table)

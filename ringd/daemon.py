@@ -116,7 +116,7 @@ class Daemon:
         self.addr = ""
         self.http_addr = ""
         self._plans_made = 0
-        self.drained: set[str] = set()  # leader: nodes `ringctl drain` keeps out of the ring
+        self.drained: set[str] = set()  # nodes `ringctl drain` keeps out of the ring (followers copy the leader's)
         self.election = Election(self.name, cfg.priority, *self._restore_state())
         self.leading = False
         self._plan_task: asyncio.Task | None = None
@@ -294,7 +294,11 @@ class Daemon:
         message is repeated) and whom we are linked with, so that one static peer is
         enough to find the rest of the cluster."""
         known = {p: peer.info["addr"] for p, peer in self.links.peers.items() if isinstance(peer.info.get("addr"), str)}
-        return {"election": self.election.announcement().to_wire(), "knows": known}
+        beat = {"election": self.election.announcement().to_wire(), "knows": known}
+        if self.leading:
+            # Followers keep the leader's drain list, so a new leader keeps it too.
+            beat["drained"] = sorted(self.drained, key=natural_key)
+        return beat
 
     def _on_heartbeat(self, peer: str, d: dict) -> None:
         knows = d.get("knows")
@@ -305,6 +309,9 @@ class Daemon:
                         self.links.dial(*parse_hostport(addr))
                     except ValueError:
                         log.debug("ignoring gossiped address %r of %s from %s", addr, node, peer)
+        drained = d.get("drained")
+        if peer == self.election.leader and peer != self.name and isinstance(drained, list):
+            self.drained = {n for n in drained[:MAX_GOSSIPED_PEERS] if isinstance(n, str)}
         if "election" in d:
             try:
                 msg = Announce.from_wire(d["election"])
@@ -419,11 +426,12 @@ class Daemon:
             self.engine.suspend_all(self.reason)
             self.plan, self.loaded = plan, {}
             log.info("plan term %d: %s", plan.term, ", ".join(f"{s.node}[{s.start},{s.end})" for s in plan.stages))
-            for s in plan.stages:
+            # Every linked node hears it: those left out (drained) drop their layers.
+            for node in [s.node for s in plan.stages] + [p for p in self.links.peers if plan.index_of(p) is None]:
                 try:
-                    self.send(s.node, Frame(MsgType.PLAN, 0, plan.to_wire()))
+                    self.send(node, Frame(MsgType.PLAN, 0, plan.to_wire()))
                 except LinkError as e:
-                    log.warning("could not send the plan to %s: %s", s.node, e)
+                    log.warning("could not send the plan to %s: %s", node, e)
 
     def _on_loaded(self, peer: str, d: dict) -> None:
         plan = self.plan
@@ -480,7 +488,7 @@ class Daemon:
         self.plan = plan
         if i is None:
             self.shard = None
-            self.reason = f"not in the ring of term {plan.term}"
+            self.ready, self.reason = False, f"not in the ring of term {plan.term} (drained?); the API is forwarded to {plan.leader}"
             return {}
         want = plan.stages[i]
         if self.shard is None or (self.shard.start, self.shard.end) != (want.start, want.end):
@@ -535,6 +543,7 @@ class Daemon:
             "parameter_bytes": self.shard.parameter_bytes if self.shard else 0,
             "active_requests": self.engine.active if self.engine else 0,
             "peers": sorted(self.links.peers, key=natural_key) if self.links else [],
+            "drained": sorted(self.drained, key=natural_key),
             "discovery": self._discovery_status(),
         }
 
@@ -547,7 +556,11 @@ class Daemon:
         }
 
     async def cluster_status(self) -> dict:
-        nodes = [s.node for s in self.plan.stages] if self.plan else [self.name]
+        # The ring's members in ring order, then everyone else linked (drained,
+        # joining, or outside a plan that could not be made).
+        nodes = [s.node for s in self.plan.stages] if self.plan else []
+        others = [self.name, *self.links.peers] if self.links else [self.name]
+        nodes += sorted(set(others) - set(nodes), key=natural_key)
         statuses = await asyncio.gather(*(self._status_of(n) for n in nodes))
         ready, reason = self.readiness()
         return {

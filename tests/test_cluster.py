@@ -121,6 +121,27 @@ def test_ringctl_leader_set_moves_the_api_and_auto_moves_it_back(tiny_model, clu
     assert chat(c.url(2))[0] == 200
 
 
+def test_ringctl_drain_keeps_a_node_out_and_a_new_leader_remembers_it(tiny_model, cluster_factory):
+    c = cluster_factory(tiny_model(arch="llama", layers=6), 3)
+    c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
+    assert "drained: node2" in ringctl(c, 1, "drain", "node2")  # through a follower
+    ring = lambda i: [s[0] for s in ((c.status(i) or {}).get("plan") or {}).get("stages", [])]  # noqa: E731
+    c.wait(lambda: ring(0) == ["node0", "node1"] and (c.status(0) or {}).get("ready"), 20, "a ring without node2")
+    table = ringctl(c, 0, "status")
+    assert "node2" in table and "term" in table  # listed, outside the ring
+    doc = json.loads(ringctl(c, 0, "status", "--json"))
+    assert [(n["node"], n["stage"]) for n in doc["nodes"]] == [("node0", 0), ("node1", 1), ("node2", None)]
+    assert chat(c.url(2))[0] == 200  # a drained node still forwards the API
+
+    # The leader dies: the new one keeps node2 out, and can let it back in.
+    c.wait(lambda: (health(c, 1) or {}).get("drained") == ["node2"], 10, "node1 to learn the drain list")
+    c.signal(0, signal.SIGKILL)
+    c.wait(lambda: ring(1) == ["node1"] and (c.status(1) or {}).get("ready"), 20, "node1 leading a ring without node2")
+    ringctl(c, 2, "drain", "node2", "--undo")
+    c.wait(lambda: ring(1) == ["node1", "node2"] and (c.status(1) or {}).get("ready"), 20, "node2 back in the ring")
+    assert chat(c.url(2))[0] == 200
+
+
 def test_a_daemon_with_the_wrong_secret_is_never_admitted(tiny_model, cluster_factory, tmp_path):
     c = cluster_factory(tiny_model(arch="llama", layers=6), 2)
     c.wait(lambda: serving_leader(c, range(2)) == "node0", what="node0 to lead")
