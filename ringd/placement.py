@@ -3,12 +3,19 @@
 A Plan is the ring order and each stage's contiguous layer range, stamped with
 the term of the leader that made it. Nothing here touches the network or MLX;
 the leader computes a plan and sends ``Plan.to_wire()`` to every member.
+
+How many layers each node gets is a placement strategy (``STRATEGIES``,
+``place``, ``plan_for``): every one is a pure function of the nodes (ring
+order, memory budgets, measured speeds) and the model's byte sizes, with no
+clocks and no randomness, so every node computing it gets the same plan.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 
 class PlacementError(ValueError):
@@ -146,10 +153,7 @@ def check_budgets(plan: Plan, stage_bytes, budgets: dict[str, int | None]) -> No
         budget = budgets.get(s.node)
         need = stage_bytes(s.start, s.end)
         if budget is not None and need > budget:
-            short.append(
-                f"{s.node} needs {need / GIB:.2f} GiB for layers [{s.start}, {s.end}) but its memory budget is "
-                f"{budget / GIB:.2f} GiB (short by {(need - budget) / GIB:.2f} GiB)"
-            )
+            short.append(_shortfall(s.node, s.start, s.end, need, budget))
     if short:
         raise PlacementError(
             f"the model does not fit these {len(plan.stages)} node(s): " + "; ".join(short)
@@ -160,3 +164,393 @@ def check_budgets(plan: Plan, stage_bytes, budgets: dict[str, int | None]) -> No
 def natural_key(name: str) -> list:
     """Order node names as people do: node2 before node10."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+# --- sizes in messages -------------------------------------------------------
+
+MIB = 2**20
+
+
+def _size(n: int) -> str:
+    """Bytes as GiB with 2 decimals, plus MiB below 1 GiB, where "0.00 GiB" would say nothing (tiny models)."""
+    text = f"{n / GIB:.2f} GiB"
+    if abs(n) < GIB:
+        text += f" ({n / MIB:.2f} MiB)"
+    return text
+
+
+def _shortfall(node: str, start: int, end: int, need: int, budget: int) -> str:
+    return (
+        f"{node} needs {_size(need)} for layers [{start}, {end}) but its memory budget is "
+        f"{_size(budget)}: short by {_size(need - budget)}"
+    )
+
+
+# --- placement strategies ----------------------------------------------------
+
+# uniform:  even layer counts, mlx-lm's own pipeline split; ignores memory and speed.
+# memory:   layers in proportion to each node's memory budget.
+# compute:  layers in proportion to each node's measured speed.
+# balanced: the default; the smallest possible slowest stage (a token's trip round
+#           the ring waits for every stage, so the slowest one sets the pace) that
+#           still fits every budget.
+# custom:   layers in proportion to the operator's per-node `proportion`.
+STRATEGIES = ("uniform", "memory", "compute", "balanced", "custom")
+
+DEFAULT_STRATEGY = "balanced"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One ring member as placement sees it, listed in ring order."""
+
+    node: str
+    addr: str
+    budget: int | None  # bytes this node may hold: weights + KV reserve; None = no limit
+    speed: float = 1.0  # relative compute speed, > 0 (a measured matmul GFLOP/s)
+    proportion: float | None = None  # for "custom": this node's share (> 0)
+    api_only: bool = False  # holds no layers (serves the API only); excluded from the stages
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What holding a range of layers costs a node, in bytes."""
+
+    layers: tuple[int, ...]  # weight bytes per transformer layer
+    embed: int  # embed_tokens bytes (first stage; also the last stage when tied and head == 0)
+    norm: int  # final norm bytes (last stage)
+    head: int  # lm_head bytes (last stage); 0 = tied embeddings
+    kv_per_layer: int = 0  # KV-cache bytes a stage must keep free per layer it holds (its KV reserve)
+
+    def stage_bytes(self, start: int, end: int) -> int:
+        """Weight bytes of a stage holding layers [start, end); the rule of ringd.shard.WeightBytes.stage."""
+        n = sum(self.layers[start:end])
+        if start == 0:
+            n += self.embed
+        if end == len(self.layers):
+            # With tied embeddings the last stage needs embed_tokens for as_linear,
+            # unless it is also the first stage and holds them already.
+            n += self.norm + (self.head or (self.embed if start != 0 else 0))
+        return n
+
+    def stage_need(self, start: int, end: int) -> int:
+        """What a stage holding layers [start, end) needs within its budget: weights plus KV reserve."""
+        return self.stage_bytes(start, end) + self.kv_per_layer * (end - start)
+
+
+class _Needs:
+    """ModelCost.stage_need in O(1) by prefix sums: the searches below ask it O(nodes * layers**2) times."""
+
+    def __init__(self, cost: ModelCost):
+        self.cost = cost
+        self.num_layers = len(cost.layers)
+        self.prefix = [0]
+        for b in cost.layers:
+            self.prefix.append(self.prefix[-1] + b + cost.kv_per_layer)
+
+    def __call__(self, start: int, end: int) -> int:
+        c = self.cost
+        n = self.prefix[end] - self.prefix[start]
+        if start == 0:
+            n += c.embed
+        if end == self.num_layers:
+            n += c.norm + (c.head or (c.embed if start != 0 else 0))
+        return n
+
+
+def apportion(total: int, weights: list) -> list[int]:
+    """``total`` layers in proportion to ``weights``, every node at least one.
+
+    Largest remainder (Hamilton): each node gets the floor of its exact quota,
+    the layers left over go to the largest remainders, ties to the earlier node
+    in the ring. A node whose quota is under one layer gets exactly one and
+    the others share the rest. Arithmetic is exact (Fractions), so the result
+    never depends on float rounding. Equal weights give ``even_split``.
+    """
+    n = len(weights)
+    if n < 1:
+        raise PlacementError("a ring needs at least one node holding layers")
+    if n > total:
+        raise PlacementError(f"{n} nodes cannot each hold a layer of a {total}-layer model")
+    w = [Fraction(x) for x in weights]
+    if any(x < 0 for x in w):
+        raise PlacementError(f"weights {list(weights)} must not be negative")
+    if sum(w) == 0:
+        w = [Fraction(1)] * n
+    fixed = [False] * n  # pinned at the one-layer minimum
+    while True:
+        free = [i for i in range(n) if not fixed[i]]
+        seats = total - (n - len(free))
+        weight = sum(w[i] for i in free)
+        quota = {i: seats * w[i] / weight for i in free}
+        low = [i for i in free if quota[i] < 1]
+        if not low:
+            break
+        for i in low:
+            fixed[i] = True
+    # `free` cannot run empty: the free quotas sum to seats >= len(free) as n <= total.
+    counts = [1 if fixed[i] else math.floor(quota[i]) for i in range(n)]
+    left = total - sum(counts)
+    by_remainder = sorted(free, key=lambda i: (-(quota[i] - math.floor(quota[i])), i))
+    for i in by_remainder[:left]:
+        counts[i] += 1
+    return counts
+
+
+def _fits(needs: _Needs, budgets: list[int | None], caps: list[int]) -> bool:
+    """Is there a contiguous split, each node at least one layer and at most caps[i], within every budget?
+
+    Forward reachability over the boundary between stages. A plain greedy
+    (each node takes the most it can) is not enough: with uneven layer sizes
+    taking more can hand the next, small node a layer too big for it.
+    """
+    n, total = len(budgets), needs.num_layers
+    reach = [False] * (total + 1)
+    reach[0] = True
+    for i in range(n):
+        later = n - 1 - i  # each later node still needs a layer
+        nxt = [False] * (total + 1)
+        for s in range(i, total - later):
+            if not reach[s]:
+                continue
+            for e in range(s + 1, min(s + caps[i], total - later) + 1):
+                if budgets[i] is not None and needs(s, e) > budgets[i]:
+                    break  # a stage's need only grows with its end
+                nxt[e] = True
+        reach = nxt
+    return reach[total]
+
+
+def _closest_fit(needs: _Needs, budgets: list[int | None], caps: list[int], target: list[int]) -> list[int] | None:
+    """The split within budgets and caps that moves the fewest layers away from ``target``, or None.
+
+    Exact, by dynamic programming over stage boundaries: cost is
+    sum |counts[i] - target[i]|; among equal costs earlier nodes take more
+    (as even_split's low stages take the extra), so the answer is deterministic.
+    """
+    n, total = len(budgets), needs.num_layers
+    best: list[list[int | None]] = [[None] * (total + 1) for _ in range(n + 1)]
+    best[n][total] = 0
+    ends: list[list[list[int]]] = [[[] for _ in range(total + 1)] for _ in range(n)]
+
+    for i in reversed(range(n)):
+        later = n - 1 - i
+        for s in range(i, total - later):
+            options = ends[i][s]
+            for e in range(s + 1, min(s + caps[i], total - later) + 1):
+                if budgets[i] is not None and needs(s, e) > budgets[i]:
+                    break
+                if best[i + 1][e] is not None:
+                    options.append(e)
+            if options:
+                best[i][s] = min(abs(e - s - target[i]) + best[i + 1][e] for e in options)
+    if best[0][0] is None:
+        return None
+    counts, s = [], 0
+    for i in range(n):
+        e = max(e for e in ends[i][s] if abs(e - s - target[i]) + best[i + 1][e] == best[i][s])
+        counts.append(e - s)
+        s = e
+    return counts
+
+
+def _least_short(needs: _Needs, budgets: list[int | None], target: list[int]) -> list[int]:
+    """The split with the least total memory shortfall (then closest to ``target``): what the error reports."""
+    n, total = len(budgets), needs.num_layers
+    inf = (math.inf, math.inf)
+    best = [[inf] * (total + 1) for _ in range(n + 1)]
+    best[n][total] = (0, 0)
+    choice = [[0] * (total + 1) for _ in range(n)]
+    for i in reversed(range(n)):
+        later = n - 1 - i
+        for s in range(i, total - later):
+            for e in range(s + 1, total - later + 1):
+                short = 0 if budgets[i] is None else max(0, needs(s, e) - budgets[i])
+                rest = best[i + 1][e]
+                c = (short + rest[0], abs(e - s - target[i]) + rest[1])
+                if c <= best[i][s]:  # `<=` with rising e: ties go to the larger earlier stage
+                    best[i][s], choice[i][s] = c, e
+    counts, s = [], 0
+    for i in range(n):
+        counts.append(choice[i][s] - s)
+        s = choice[i][s]
+    return counts
+
+
+def _does_not_fit(active: list[NodeSpec], needs: _Needs, counts: list[int], closest: bool) -> PlacementError:
+    """The error for ``counts``: each short node with need, budget and shortfall, and the ring's total."""
+    short, total_need, s = [], 0, 0
+    for spec, c in zip(active, counts):
+        need = needs(s, s + c)
+        total_need += need
+        if spec.budget is not None and need > spec.budget:
+            short.append(_shortfall(spec.node, s, s + c, need, spec.budget))
+        s += c
+    lead = (
+        f"the model does not fit these {len(active)} node(s) in any split; in the closest, {counts}, "
+        if closest
+        else f"split {counts} does not fit these {len(active)} node(s): "
+    )
+    text = lead + "; ".join(short)
+    budgets = [spec.budget for spec in active]
+    if closest and all(b is not None for b in budgets):
+        have = sum(budgets)
+        if have < total_need:
+            text += (
+                f". In all the model needs {_size(total_need)} (weights + KV reserve) and the budgets add up to "
+                f"{_size(have)}: short by {_size(total_need - have)}"
+            )
+        else:
+            text += (
+                f". The budgets add up to {_size(have)}, enough for the model's {_size(total_need)} in all, "
+                "but no contiguous split of its layers fits every node"
+            )
+    return PlacementError(text + ". Add a node or raise memory_budget_gb.")
+
+
+def _check_nodes(nodes: list[NodeSpec], cost: ModelCost) -> list[NodeSpec]:
+    """The nodes that hold layers, after refusing what no strategy can place."""
+    names = [n.node for n in nodes]
+    if len(set(names)) != len(names):
+        raise PlacementError(f"a node appears twice in the ring: {names}")
+    active = [n for n in nodes if not n.api_only]
+    if not active:
+        raise PlacementError(f"no node holds layers: all of {names} are api_only")
+    total = len(cost.layers)
+    if total < 1:
+        raise PlacementError("the model has no layers to place")
+    if len(active) > total:
+        raise PlacementError(
+            f"{len(active)} nodes cannot each hold a layer of a {total}-layer model; mark some api_only"
+        )
+    for n in active:
+        if not (isinstance(n.speed, (int, float)) and math.isfinite(n.speed) and n.speed > 0):
+            raise PlacementError(f"node {n.node} has speed {n.speed!r}; a speed must be a finite number > 0")
+    return active
+
+
+def _check_split(split: list[int], active: list[NodeSpec], total: int) -> None:
+    names = [n.node for n in active]
+    if len(split) != len(active):
+        raise PlacementError(
+            f"split {list(split)} has {len(split)} entries for the {len(active)} node(s) holding layers {names}"
+        )
+    if any(not isinstance(c, int) or c < 1 for c in split):
+        raise PlacementError(f"split {list(split)}: every node holding layers needs at least one")
+    if sum(split) != total:
+        raise PlacementError(f"split {list(split)} sums to {sum(split)}, but the model has {total} layers")
+
+
+def _weights(strategy: str, active: list[NodeSpec]) -> list:
+    """What each proportional strategy shares the layers by."""
+    if strategy == "uniform":
+        return [1] * len(active)
+    if strategy == "memory":
+        finite = [n.budget for n in active if n.budget is not None]
+        # No limit shares like the roomiest limited node; with no limits at all, evenly.
+        unlimited = max(finite) if finite else 1
+        return [unlimited if n.budget is None else max(n.budget, 0) for n in active]
+    if strategy in ("compute", "balanced"):
+        return [n.speed for n in active]
+    if strategy == "custom":
+        bad = [
+            n.node
+            for n in active
+            if not (isinstance(n.proportion, (int, float)) and math.isfinite(n.proportion) and n.proportion > 0)
+        ]
+        if bad:
+            raise PlacementError(
+                f"strategy custom needs a proportion > 0 for every node holding layers; missing or invalid for {bad}"
+            )
+        return [n.proportion for n in active]
+    raise PlacementError(f"unknown placement strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+def _balanced(needs: _Needs, active: list[NodeSpec], target: list[int]) -> list[int] | None:
+    """Smallest slowest-stage time within budgets, then the split closest to ``target`` at that time."""
+    total = needs.num_layers
+    budgets = [n.budget for n in active]
+    speeds = [Fraction(n.speed) for n in active]
+
+    def caps(t: Fraction) -> list[int]:
+        # The most layers node i can hold in time t: layers / speed <= t.
+        return [min(total, math.floor(t * v)) for v in speeds]
+
+    # The optimum is some stage's layers / speed, so it is one of these.
+    lower = Fraction(total) / sum(speeds)  # perfect sharing: no split beats it
+    candidates = sorted({Fraction(k) / v for v in speeds for k in range(1, total + 1)})
+    candidates = [t for t in candidates if t >= lower] or [candidates[-1]]
+    if not _fits(needs, budgets, caps(candidates[-1])):
+        return None  # not even with no regard for time: memory is the limit
+    lo, hi = 0, len(candidates) - 1  # feasibility only grows with time; find the first feasible
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _fits(needs, budgets, caps(candidates[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    return _closest_fit(needs, budgets, caps(candidates[lo]), target)
+
+
+def place(strategy: str, nodes: list[NodeSpec], cost: ModelCost, split: list[int] | None = None) -> list[int]:
+    """Layer counts per node in the given (ring) order; 0 for api_only nodes.
+
+    ``split``, counts for the nodes holding layers in order, overrides the
+    strategy; it is used as given and refused if a stage exceeds its budget.
+
+    - uniform, memory, compute, custom share the layers in proportion to
+      their weight (``apportion``: largest remainder, at least one layer each,
+      ties to the earlier node). When that split exceeds a budget, the split
+      within every budget that moves the fewest layers from it is used instead;
+      they raise only when no split fits.
+    - balanced minimizes the slowest stage's time, max(layers_i / speed_i),
+      subject to every budget; among the optimal splits it takes the one
+      closest to proportional-to-speed (equal nodes: exactly even_split).
+
+    Raises PlacementError when nothing fits, naming each node's shortfall in
+    the closest split and the ring's total when the budgets cannot add up.
+    Deterministic: exact arithmetic, no clocks, no randomness.
+    """
+    active = _check_nodes(nodes, cost)
+    total = len(cost.layers)
+    needs = _Needs(cost)
+    budgets = [n.budget for n in active]
+    if split is not None:
+        _check_split(split, active, total)
+        counts = list(split)
+        s = 0
+        for b, c in zip(budgets, counts):
+            if b is not None and needs(s, s + c) > b:
+                raise _does_not_fit(active, needs, counts, closest=False)
+            s += c
+    else:
+        target = even_split(total, len(active)) if strategy == "uniform" else apportion(total, _weights(strategy, active))
+        if strategy == "balanced":
+            found = _balanced(needs, active, target)
+        else:
+            found = _closest_fit(needs, budgets, [total] * len(active), target)
+        if found is None:
+            raise _does_not_fit(active, needs, _least_short(needs, budgets, target), closest=True)
+        counts = found
+    it = iter(counts)
+    return [0 if n.api_only else next(it) for n in nodes]
+
+
+def plan_for(
+    term: int,
+    leader: str,
+    model: str,
+    nodes: list[NodeSpec],
+    cost: ModelCost,
+    strategy: str = DEFAULT_STRATEGY,
+    split: list[int] | None = None,
+) -> Plan:
+    """place() then a Plan of the nodes holding layers (api_only ones left out), then check the budgets.
+
+    Raises PlacementError.
+    """
+    counts = place(strategy, nodes, cost, split)
+    holders = [(n, c) for n, c in zip(nodes, counts) if not n.api_only]
+    plan = make_plan(term, leader, model, len(cost.layers), [(n.node, n.addr) for n, _ in holders], [c for _, c in holders])
+    check_budgets(plan, cost.stage_need, {n.node: n.budget for n in nodes})
+    return plan
