@@ -39,7 +39,7 @@ FORWARDED_HEADER = "X-Ringd-Forwarded-By"
 
 
 def _error(e: ApiError) -> web.Response:
-    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+    headers = {"Retry-After": str(e.retry_after or 1)} if e.status in (429, 503) else None
     return web.json_response(e.body(), status=e.status, headers=headers)
 
 
@@ -207,7 +207,7 @@ class Api:
                 return await self._stream(request, req, events, len(prompt))
             return await self._whole(req, events, len(prompt))
         except EngineError as e:
-            raise ApiError(e.status, str(e)) from None
+            raise ApiError(e.status, str(e), retry_after=e.retry_after) from None
         finally:
             # However the handler ends (done, failed, cancelled by a disconnect),
             # closing the generator sends the RELEASE that frees every stage.
@@ -228,9 +228,10 @@ class Api:
         return tok.encode(req.prompt)
 
     async def _whole(self, req: CompletionRequest, events, prompt_tokens: int) -> web.Response:
-        text, logprobs, n, finish = [], _Logprobs(self.d.tokenizer, req), 0, None
+        text, logprobs, n, finish, cached = [], _Logprobs(self.d.tokenizer, req), 0, None, 0
         async for ev in events:
             n += 1
+            cached = ev.cached_tokens
             text.append(ev.text)
             logprobs.add(ev)
             finish = ev.finish_reason
@@ -242,7 +243,7 @@ class Api:
         else:
             choice["text"] = content
         body = envelope(req, new_id(req.chat), now(), self.d.model_id, chunk=False)
-        body.update(choices=[choice], usage=usage(prompt_tokens, n))
+        body.update(choices=[choice], usage=usage(prompt_tokens, n, cached))
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, req: CompletionRequest, events, prompt_tokens: int) -> web.StreamResponse:
@@ -269,13 +270,13 @@ class Api:
         try:
             if req.chat:
                 await send({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
-            ev = first
+            ev, cached = first, first.cached_tokens if first is not None else 0
             while ev is not None:
                 n += 1
                 await send({**head, "choices": [choice(ev, ev.finish_reason)]})
                 ev = await anext(events, None)
             if req.include_usage:
-                await send({**head, "choices": [], "usage": usage(prompt_tokens, n)})
+                await send({**head, "choices": [], "usage": usage(prompt_tokens, n, cached)})
             await resp.write(b"data: [DONE]\n\n")
         except EngineError as e:
             # The stream has started: report the failure in-band, as OpenAI does.

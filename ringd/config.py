@@ -135,6 +135,63 @@ def _patterns(v: Any) -> list[str]:
     return v
 
 
+def _mapping(v: Any) -> dict:
+    """A YAML mapping, or "key=value,key=value" from a flag or the environment."""
+    if isinstance(v, str):
+        out = {}
+        for part in filter(None, (p.strip() for p in v.split(","))):
+            key, sep, value = part.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"{part!r} must be key=value")
+            try:
+                out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else float(value)
+            except ValueError:
+                raise ValueError(f"{part!r}: the value must be a number") from None
+        return out
+    if not isinstance(v, dict):
+        raise ValueError("must be a mapping (key: value), or key=value,key=value on the command line")
+    return v
+
+
+def _placement_weights(v: Any) -> dict[str, float]:
+    v = _mapping(v)
+    for node, share in v.items():
+        check_name(node)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not share > 0:
+            raise ValueError(f"the share of {node!r} must be a positive number, got {share!r}")
+    return {k: float(x) for k, x in v.items()}
+
+
+def _capabilities(v: Any) -> dict:
+    from .device import check_capabilities
+
+    return check_capabilities(_mapping(v))
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if v not in options:
+            raise ValueError(f"must be one of {', '.join(options)}")
+        return v
+
+    return check
+
+
+def _int_in(*options: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if isinstance(v, bool) or v not in options:
+            raise ValueError(f"must be one of {', '.join(map(str, options))}")
+        return v
+
+    return check
+
+
+def _non_negative_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError("must be an integer >= 0")
+    return v
+
+
 def _log_level(v: Any) -> str:
     if not isinstance(v, str) or v.lower() not in ("debug", "info", "warning", "error"):
         raise ValueError("must be one of debug, info, warning, error")
@@ -174,7 +231,19 @@ KEYS: list[Key] = [
     Key("nodes", _optional(_positive_int), None, "ring size the first plan waits for (default: peers + 1, or with discovery whoever is found within a few seconds)", int),
     Key("split", _split, None, "layers per stage in ring order, e.g. 10,9,9 (default: even)"),
     Key("prefill_chunk_tokens", _positive_int, 512, "prompt tokens per prefill frame", int),
-    Key("memory_budget_gb", _optional(_positive_float), None, "GiB of model weights this node may hold (default: no limit)", float),
+    Key("memory_budget_gb", _optional(_positive_float), None, "GiB this node may use for weights and KV cache (default: what the machine can give)", float),
+    Key("capabilities", _optional(_capabilities), None, "override what was detected: memory_gb, gpu_cores (e.g. memory_gb=16)"),
+    Key("placement", _choice("balanced", "uniform", "memory", "compute", "custom"), "balanced", "how the leader splits the layers: balanced, uniform, memory, compute or custom"),
+    Key("placement_weights", _placement_weights, {}, "custom placement: each node's share, e.g. mini1=1,studio=3"),
+    Key("api_only", _bool, False, "hold no layers: only serve the API (and lead, if elected)"),
+    Key("kv_reserve_tokens", _positive_int, 2048, "KV-cache positions every stage keeps room for when layers are placed", int),
+    Key("max_kv_size", _optional(_positive_int), None, "mlx-lm max_kv_size: a rotating KV cache of this many positions (disables prefix reuse)", int),
+    Key("kv_bits", _optional(_int_in(2, 3, 4, 5, 6, 8)), None, "mlx-lm kv_bits: quantize the KV cache to this many bits", int),
+    Key("kv_group_size", _int_in(32, 64, 128), 64, "mlx-lm kv_group_size for a quantized KV cache", int),
+    Key("quantized_kv_start", _non_negative_int, 5000, "mlx-lm quantized_kv_start: positions kept unquantized", int),
+    Key("prefix_cache_entries", _non_negative_int, 8, "finished requests whose KV caches stay for prefix reuse (0: off)", int),
+    Key("max_queued_requests", _non_negative_int, 32, "requests that may wait for KV room before 429s", int),
+    Key("queue_timeout_s", _positive_float, 60.0, "longest wait for KV room before a 429", float),
     Key("heartbeat_interval_s", _positive_float, 0.5, "seconds between heartbeats on each link", float),
     Key("dead_after_s", _positive_float, 2.0, "seconds of silence after which a peer is dead", float),
     Key("log_level", _log_level, "info", "debug, info, warning or error"),
@@ -204,6 +273,18 @@ class Config:
     split: list[int] | None = None
     prefill_chunk_tokens: int = 512
     memory_budget_gb: float | None = None
+    capabilities: dict | None = None
+    placement: str = "balanced"
+    placement_weights: dict = field(default_factory=dict)
+    api_only: bool = False
+    kv_reserve_tokens: int = 2048
+    max_kv_size: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 5000
+    prefix_cache_entries: int = 8
+    max_queued_requests: int = 32
+    queue_timeout_s: float = 60.0
     heartbeat_interval_s: float = 0.5
     dead_after_s: float = 2.0
     log_level: str = "info"

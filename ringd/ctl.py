@@ -54,11 +54,14 @@ def print_status(doc: dict) -> None:
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # piped or captured: keep whole rows instead of rich's 80 columns
     title = f"ring term {doc['plan']['term']}" if doc.get("plan") else "no plan yet"
     table = Table(title=f"{title} — leader {doc.get('leader') or '?'}")
-    numeric = ("stage", "params MiB", "KV MiB", "sessions", "term")
-    for col in ("node", "address", "role", "stage", "layers", "params MiB", "KV MiB", "sessions", "term", "health"):
-        table.add_column(col, justify="right" if col in numeric else "left")
+    numeric = ("stage", "budget MiB", "params MiB", "KV MiB", "speed", "sessions", "term")
+    columns = ("node", "address", "role", "stage", "layers", "budget MiB", "params MiB", "KV MiB", "speed", "sessions", "term", "health")
+    for col in columns:
+        table.add_column(col, justify="right" if col in numeric else "left", no_wrap=col in ("node", "address"))
     for n in doc.get("nodes", []):
         layers = n.get("layers")
         health = "ready" if n.get("ready") else (n.get("error") or "not ready")
@@ -68,8 +71,10 @@ def print_status(doc: dict) -> None:
             n.get("role", "-"),
             "-" if n.get("stage") is None else str(n["stage"]),
             f"[{layers[0]}, {layers[1]})" if layers else "-",
+            _mib(n.get("budget")),
             _mib(n.get("parameter_bytes")),
-            _mib(n.get("kv_bytes")),
+            f"{_mib(n.get('kv_bytes'))} / {_mib(n.get('kv_capacity'))}",
+            "-" if n.get("speed") is None else f"{n['speed']:.1f}",
             str(n.get("sessions", "-")),
             str(n.get("term") or "-"),
             health,
@@ -84,9 +89,16 @@ def print_plan(doc: dict) -> None:
     if not plan:
         print(f"no plan yet: {doc.get('reason') or 'waiting'}")
         return
+    nodes = {n.get("node"): n for n in doc.get("nodes", [])}
     print(f"plan {plan['term']} by {plan['leader']}, model {plan['model']}, {plan['num_layers']} layers")
     for i, (node, addr, start, end) in enumerate(plan["stages"]):
-        print(f"  stage {i}: {node:<16} {addr:<22} layers [{start}, {end})  ({end - start})")
+        n = nodes.get(node, {})
+        speed = "-" if n.get("speed") is None else f"{n['speed']:.1f} GFLOP/s"
+        print(
+            f"  stage {i}: {node:<16} {addr:<22} layers [{start}, {end})  ({end - start})  "
+            f"budget {_mib(n.get('budget'))} MiB, weights {_mib(n.get('parameter_bytes'))} MiB, "
+            f"KV {_mib(n.get('kv_bytes'))} of {_mib(n.get('kv_capacity'))} MiB, speed {speed}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

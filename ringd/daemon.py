@@ -14,6 +14,7 @@ to this node itself never touch a socket.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -31,11 +32,13 @@ from .compute import ComputeThread
 from .election import Announce, Election, ElectionError, Pin, Term
 from .config import Config, parse_hostport
 from .discovery import Advert, Discovery, DiscoveryError, dial_order, interface_matches, local_addresses, local_networks
+from .admission import KvLedger, StageKv
+from .device import DeviceProfile, default_cache_dir, probe_speed, read_profile
 from .engine import Engine
 from .membership import LinkError, Links
 from .metrics import Metrics
-from .pipeline import StageRunner
-from .placement import Plan, PlacementError, check_budgets, make_plan, natural_key
+from .pipeline import KvOptions, StageRunner
+from .placement import ModelCost, NodeSpec, Plan, PlacementError, natural_key, plan_for
 from .shard import ModelError, ModelInfo, Shard, model_info
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,9 @@ PLANS_PER_TERM = 2**20
 # replace, but loading the whole model on one node first would.
 DISCOVERY_WAIT_S = 2.5
 DISCOVERY_SETTLE_S = 1.5
+# Placement counts a node whose speed is unknown (or tiny) as this fraction of
+# the fastest, so it still gets layers when it is the only one with room.
+SLOWEST_RELATIVE_SPEED = 0.1
 # Peers one heartbeat may tell us about: far above any real cluster (a dozen
 # Macs), low enough that a confused peer cannot make us dial thousands.
 MAX_GOSSIPED_PEERS = 64
@@ -126,6 +132,8 @@ class Daemon:
         self._status_waiters: dict[int, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
         self.discovery: Discovery | None = None
+        self.profile: DeviceProfile | None = None
+        self.budget: int | None = None  # bytes for weights + KV cache, from the profile and memory_budget_gb
         self._networks = []  # this host's IPv4 networks, read at start
         self._started = time.monotonic()
         self._last_join = self._started
@@ -143,11 +151,18 @@ class Daemon:
         self.info = await loop.run_in_executor(None, model_info, cfg.model)
         self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.info.path)
         self.model_id = cfg.model_id or (cfg.model if not Path(cfg.model).expanduser().exists() else self.info.name)
+        profile = await loop.run_in_executor(None, read_profile, cfg.capabilities)
+        speed = await self.compute.run(probe_speed, default_cache_dir())
+        self.profile = dataclasses.replace(profile, speed=speed)
+        self.budget = self.profile.budget(cfg.memory_budget_gb)
 
         http_port = await self.api.start(cfg.http_host, cfg.http_port)
         addresses = own_addresses(cfg)
         advertise = addresses[0]
-        handshake_info: dict = {"model": self.info.fingerprint, "budget": cfg.memory_budget_bytes, "priority": cfg.priority}
+        handshake_info: dict = {
+            "model": self.info.fingerprint, "budget": self.budget, "priority": cfg.priority,
+            "profile": self.profile.to_wire(), "api_only": cfg.api_only,
+        }  # fmt: skip
         self.links = Links(
             self.name, cfg.cluster, secret, handshake_info, self._on_frame, self._on_members_changed,
             heartbeat=self._heartbeat, heartbeat_interval_s=cfg.heartbeat_interval_s, dead_after_s=cfg.dead_after_s,
@@ -342,7 +357,15 @@ class Daemon:
     def _lead(self) -> None:
         log.info("leading the cluster (term %s)", self.election.term.to_wire())
         self.leading = True
-        self.engine = Engine(self.name, self.tokenizer, self.send, self.cfg.prefill_chunk_tokens)
+        cfg = self.cfg
+        kv = None
+        if cfg.max_kv_size is not None or cfg.kv_bits is not None:
+            kv = KvOptions(cfg.max_kv_size, cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
+        self.engine = Engine(
+            self.name, self.tokenizer, self.send, cfg.prefill_chunk_tokens, kv=kv,
+            prefix_cache_entries=cfg.prefix_cache_entries, max_queued=cfg.max_queued_requests,
+            queue_timeout_s=cfg.queue_timeout_s,
+        )  # fmt: skip
         self._plan_task = self._spawn(self._plan_loop())
         self._members_changed.set()
 
@@ -405,17 +428,17 @@ class Daemon:
                 self.ready = False
                 self.reason = f"waiting for {need - 1 - len(peers)} more node(s) of {need} (linked: {', '.join(peers) or 'none'})"
                 continue
-            members = [(self.name, self.addr)] + [(p, self.links.addr_of(p) or "") for p in peers]
-            if self.plan is not None and self.plan.leader == self.name and [s.node for s in self.plan.stages] == [m for m, _ in members]:
+            specs = self._node_specs(peers)
+            holders = [n.node for n in specs if not n.api_only]
+            if self.plan is not None and self.plan.leader == self.name and [s.node for s in self.plan.stages] == holders:
                 continue  # the same ring; nothing to do
             self._plans_made += 1
             plan_id = self.election.term.number * PLANS_PER_TERM + self._plans_made
-            budgets = {self.name: self.cfg.memory_budget_bytes}
-            budgets.update({p: self.links.peers[p].info.get("budget") for p in peers})
-            split = self.cfg.split if len(members) == self.cfg.expected_nodes else None
+            split = self.cfg.split if self.cfg.split is not None and len(self.cfg.split) == len(holders) else None
             try:
-                plan = make_plan(plan_id, self.name, self.info.fingerprint, self.info.num_layers, members, split)
-                check_budgets(plan, self.info.weights.stage, budgets)
+                plan = plan_for(
+                    plan_id, self.name, self.info.fingerprint, specs, self._model_cost(), self.cfg.placement, split
+                )  # fmt: skip
             except PlacementError as e:
                 self.ready, self.reason = False, f"cannot place the model: {e}"
                 log.error(self.reason)
@@ -448,7 +471,54 @@ class Daemon:
             return
         self.ready, self.reason = True, ""
         log.info("ring ready: term %d, %d stages, split %s", plan.term, len(plan.stages), plan.split)
-        self.engine.set_plan(plan)
+        self.engine.set_plan(plan, self._kv_ledger(plan))
+
+    def _node_specs(self, peers: list[str]) -> list[NodeSpec]:
+        """The live members as placement sees them, in ring order: the leader, then by name."""
+        infos = {self.name: {"addr": self.addr, "profile": self.profile.to_wire(), "api_only": self.cfg.api_only}}
+        infos.update({p: self.links.peers[p].info for p in peers if p in self.links.peers})
+        speeds = {}
+        for node, info in infos.items():
+            try:
+                speeds[node] = DeviceProfile.from_wire(info.get("profile")).speed or 0.0
+            except (TypeError, ValueError):
+                speeds[node] = 0.0  # an older or odd peer: the slowest bucket
+        fastest = max(speeds.values()) or 1.0
+        specs = []
+        for node, info in infos.items():
+            # Speeds in tenths of the fastest: the probe's own noise (~10% on a
+            # busy machine) must not split the layers of identical Macs unevenly.
+            speed = max(round(speeds[node] / fastest, 1), SLOWEST_RELATIVE_SPEED)
+            specs.append(
+                NodeSpec(
+                    node, (self.addr if node == self.name else self.links.addr_of(node)) or "",
+                    self._budget_of(node), speed, self.cfg.placement_weights.get(node), info.get("api_only") is True,
+                )  # fmt: skip
+            )
+        return specs
+
+    def _model_cost(self) -> ModelCost:
+        w, cfg = self.info.weights, self.cfg
+        kv_reserve = self.info.kv_bytes_per_token(cfg.kv_bits, cfg.kv_group_size) * cfg.kv_reserve_tokens
+        return ModelCost(tuple(w.layers), w.embed, w.norm, w.head, kv_reserve)
+
+    def _kv_ledger(self, plan: Plan) -> KvLedger:
+        """Each stage's KV capacity: what its budget leaves after its weights."""
+        cfg = self.cfg
+        per_layer = self.info.kv_bytes_per_token(cfg.kv_bits, cfg.kv_group_size)
+        stages = []
+        for s in plan.stages:
+            budget = self._budget_of(s.node)
+            capacity = None if budget is None else budget - self.info.weights.stage(s.start, s.end)
+            stages.append(StageKv(s.node, per_layer * s.layers, capacity))
+        return KvLedger(stages, cfg.max_kv_size)
+
+    def _budget_of(self, node: str) -> int | None:
+        if node == self.name:
+            return self.budget
+        peer = self.links.peers.get(node)
+        budget = peer.info.get("budget") if peer else None
+        return budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
 
     # --- plan: every node ----------------------------------------------------------------
 
@@ -541,6 +611,12 @@ class Daemon:
             "sessions": len(stage.sessions) if stage else 0,
             "kv_bytes": stage.sessions.kv_bytes if stage else 0,
             "parameter_bytes": self.shard.parameter_bytes if self.shard else 0,
+            "budget": self.budget,
+            "kv_capacity": (self.budget - self.info.weights.stage(stage.shard.start, stage.shard.end)) if stage else None,
+            "prefix_entries": stage.sessions.stored if stage else 0,
+            "speed": round(self.profile.speed, 2) if self.profile and self.profile.speed else None,
+            "device": self.profile.to_wire() if self.profile else None,
+            "queued_requests": self.engine.queued if self.engine else 0,
             "active_requests": self.engine.active if self.engine else 0,
             "peers": sorted(self.links.peers, key=natural_key) if self.links else [],
             "drained": sorted(self.drained, key=natural_key),

@@ -17,6 +17,15 @@ the new ring's caches are bit for bit the old ones and the stream carries on
 with the next token, none missing, none repeated. Frames of an older ring
 (its term) are ignored.
 
+Admission: a request's whole context (prompt plus max_tokens) is booked on
+every stage's KV capacity (``admission.KvLedger``) before it enters the ring.
+Cached prefixes are evicted first to make room; then it waits in a bounded
+FIFO queue, and a full queue or a wait past ``queue_timeout_s`` is a 429 with
+Retry-After. A context that could never fit is a 400.
+
+Prefix reuse: a request that ends normally leaves its caches on the stages
+(``prefix.PrefixIndex``); a later one sharing its prefix starts from them.
+
 The engine knows nothing of HTTP; ``api.py`` turns its events into OpenAI
 responses.
 """
@@ -24,6 +33,7 @@ responses.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import secrets
@@ -34,7 +44,10 @@ from mlx_lm.generate import TextStateMachine
 
 from wire.frames import Frame, MsgType
 
+from .admission import AdmissionError, KvLedger
+from .pipeline import KvOptions
 from .placement import Plan
+from .prefix import MIN_REUSE_TOKENS, PrefixIndex
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,17 +62,29 @@ STEP_TIMEOUT_S = 120.0
 # Prompt tokens per prefill frame. Smaller chunks let stage k+1 start on chunk
 # i while stage k computes chunk i+1; larger ones cost fewer frames.
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
+# Requests waiting for KV room. Past this a client is better off told to come
+# back (429) than kept waiting behind a long queue.
+MAX_QUEUED_REQUESTS = 32
+# Longest a request waits for KV room before a 429; generating a long answer
+# takes about this long, so waiting longer rarely pays off.
+QUEUE_TIMEOUT_S = 60.0
+# Finished requests whose caches the stages keep for prefix reuse.
+DEFAULT_PREFIX_CACHE_ENTRIES = 8
+# Retry-After for a 429: seconds until KV room is likely.
+RETRY_AFTER_S = 2
 
 
 class EngineError(Exception):
     """A request could not be served; ``status`` is the HTTP status to answer with."""
 
     status = 500
+    retry_after: int | None = None  # seconds, for a 429
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, retry_after: int | None = None):
         super().__init__(message)
         if status is not None:
             self.status = status
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -69,6 +94,7 @@ class TokenEvent:
     logprob: float
     top_logprobs: list[tuple[int, float]]
     finish_reason: str | None = None  # "stop" or "length" on the last event
+    cached_tokens: int = 0  # prompt tokens whose caches came from a cached prefix
 
 
 @dataclass
@@ -83,6 +109,10 @@ class _Flight:
     generated: list[int] = field(default_factory=list)
     finished: bool = False
     term: int | None = None  # the ring computing it; None while suspended
+    reuse: tuple[int, int] | None = None  # (cached prefix, positions kept) for its first ring
+    cached: int = 0  # prompt tokens served from a cached prefix
+    sent: int = 0  # positions sent to the current ring: what its caches will hold
+    failed: bool = False  # a stage reported an error: its caches are not whole
 
     @property
     def done(self) -> bool:
@@ -98,6 +128,10 @@ class Engine:
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         max_active: int = MAX_ACTIVE_REQUESTS,
         step_timeout_s: float = STEP_TIMEOUT_S,
+        kv: KvOptions | None = None,
+        prefix_cache_entries: int = DEFAULT_PREFIX_CACHE_ENTRIES,
+        max_queued: int = MAX_QUEUED_REQUESTS,
+        queue_timeout_s: float = QUEUE_TIMEOUT_S,
     ):
         self.node = node
         self.tokenizer = tokenizer
@@ -108,12 +142,94 @@ class Engine:
         self.plan: Plan | None = None
         self.eos_ids = set(tokenizer.eos_token_ids)
         self._flights: dict[int, _Flight] = {}
+        self.kv = kv
+        self.ledger: KvLedger | None = None
+        # A rotating cache that has wrapped cannot be trimmed to a prefix.
+        self.prefix = PrefixIndex(0 if kv is not None and kv.max_size is not None else prefix_cache_entries)
+        self._prefix_term: int | None = None  # the ring whose stages hold the indexed prefixes
+        self.max_queued = max_queued
+        self.queue_timeout_s = queue_timeout_s
+        self._waiting: collections.deque[tuple[int, int, asyncio.Future]] = collections.deque()
         # Random start: ids of a restarted leader never meet a stale session.
         self._ids = itertools.count(secrets.randbits(62) + 1)
 
     @property
     def active(self) -> int:
         return len(self._flights)
+
+    @property
+    def queued(self) -> int:
+        return sum(not f.done() for _, _, f in self._waiting)
+
+    # --- admission --------------------------------------------------------------------
+
+    async def _admit(self, rid: int, need: int) -> None:
+        """Book ``need`` positions on every stage, waiting in line for room if there is none."""
+        ledger = self.ledger
+        if ledger is None:
+            return
+        try:
+            ledger.check_possible(need)
+        except AdmissionError as e:
+            raise EngineError(str(e), 400) from None
+        if not self._waiting and self._make_room(need):
+            ledger.book(rid, need)
+            return
+        if self.queued >= self.max_queued:
+            raise EngineError(
+                f"the ring's KV cache is full and {self.max_queued} requests are already waiting; retry shortly",
+                429, RETRY_AFTER_S,
+            )  # fmt: skip
+        fut = asyncio.get_running_loop().create_future()
+        entry = (rid, need, fut)
+        self._waiting.append(entry)
+        log.info("req=%x: waiting for KV room (%d queued)", rid, self.queued)
+        try:
+            await asyncio.wait_for(fut, self.queue_timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineError(
+                f"no KV room for this request within {self.queue_timeout_s:.0f} s; retry shortly", 429, RETRY_AFTER_S
+            ) from None
+        except BaseException:
+            if fut.done() and not fut.cancelled() and self.ledger is ledger:
+                ledger.release(rid)  # booked just as the client left
+                self._wake()
+            raise
+        finally:
+            if entry in self._waiting:
+                self._waiting.remove(entry)
+
+    def _make_room(self, need: int) -> bool:
+        """Evict cached prefixes, oldest first, until ``need`` positions fit; False if they cannot."""
+        ledger = self.ledger
+        while not ledger.fits(need):
+            key = self.prefix.pop_oldest()
+            if key is None:
+                return False
+            self._evict(key)
+        return True
+
+    def _evict(self, key: int) -> None:
+        if self.ledger is not None:
+            self.ledger.release(key)
+        if self.plan is not None and self._prefix_term == self.plan.term:
+            try:
+                self.send(self.plan.stages[0].node, Frame(MsgType.RELEASE, key, {"term": self.plan.term, "evict": True}))
+            except Exception as e:  # the ring is breaking; its stores go with it
+                log.debug("could not evict cached prefix %x: %s", key, e)
+
+    def _wake(self) -> None:
+        """Admit waiting requests, in order, while they fit."""
+        while self._waiting and self.ledger is not None:
+            rid, need, fut = self._waiting[0]
+            if fut.done():
+                self._waiting.popleft()
+                continue
+            if not self._make_room(need):
+                return
+            self.ledger.book(rid, need)
+            fut.set_result(None)
+            self._waiting.popleft()
 
     def _first_stage(self) -> str:
         if self.plan is None:
@@ -126,12 +242,25 @@ class Engine:
         if not prompt:
             raise EngineError("the prompt is empty", 400)
         if len(self._flights) >= self.max_active:
-            raise EngineError(f"{self.max_active} requests are already generating; retry shortly", 429)
+            raise EngineError(f"{self.max_active} requests are already generating; retry shortly", 429, RETRY_AFTER_S)
         self._first_stage()  # 503 now if there is no ring
-        flight = _Flight(next(self._ids), list(prompt), params, max_tokens, asyncio.Queue())
+        rid = next(self._ids)
+        await self._admit(rid, len(prompt) + max_tokens)
+        if self.plan is None:  # the ring broke while we waited
+            if self.ledger is not None:
+                self.ledger.release(rid)
+            raise EngineError("the ring is not ready", 503)
+        flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue())
+        if self._prefix_term == self.plan.term:
+            flight.reuse = self.prefix.take(flight.prompt)
+            if flight.reuse is not None:
+                flight.cached = flight.reuse[1]
+                if self.ledger is not None:  # its positions are now part of this request's booking
+                    self.ledger.release(flight.reuse[0])
         self._flights[flight.rid] = flight
-        rid = flight.rid
-        log.info("req=%x: %d prompt tokens, max_tokens=%d", rid, len(prompt), max_tokens)
+        log.info(
+            "req=%x: %d prompt tokens (%d cached), max_tokens=%d", rid, len(prompt), flight.cached, max_tokens
+        )  # fmt: skip
         try:
             try:
                 self._start(flight)
@@ -173,17 +302,41 @@ class Engine:
                     elif finish is not None:
                         stop_state, rest, _ = TextStateMachine.flush(stop_state)
                         text += rest
-                yield TokenEvent(token, text, d["logprob"], [tuple(p) for p in d.get("top", [])], finish)
+                top = [tuple(p) for p in d.get("top", [])]
+                yield TokenEvent(token, text, d["logprob"], top, finish, flight.cached)
                 if finish is not None:
                     return
         finally:
             flight.finished = True
             del self._flights[rid]
-            if flight.term is not None and self.plan is not None and flight.term == self.plan.term:
-                try:
-                    self.send(self.plan.stages[0].node, Frame(MsgType.RELEASE, rid, {"term": flight.term}))
-                except Exception as e:  # the ring may be gone; stages expire idle sessions
-                    log.warning("req=%x: could not send RELEASE: %s", rid, e)
+            self._end(flight)
+
+    def _end(self, flight: _Flight) -> None:
+        """Free (or keep, as a cached prefix) the request's caches on every stage, and its booking."""
+        rid, plan = flight.rid, self.plan
+        on_ring = flight.term is not None and plan is not None and flight.term == plan.term
+        keep = (
+            on_ring
+            and not flight.failed
+            and self.prefix.max_entries > 0
+            and self._prefix_term == plan.term
+            and flight.sent >= MIN_REUSE_TOKENS
+        )
+        if on_ring:
+            try:
+                self.send(plan.stages[0].node, Frame(MsgType.RELEASE, rid, {"term": flight.term, "keep": keep}))
+            except Exception as e:  # the ring may be gone; stages expire idle sessions
+                log.warning("req=%x: could not send RELEASE: %s", rid, e)
+                keep = False
+        if keep:
+            tokens = (flight.prompt + flight.generated)[: flight.sent]
+            if self.ledger is not None:
+                self.ledger.book(rid, len(tokens))  # now the entry's, no longer the request's
+            for old in self.prefix.add(rid, tokens):
+                self._evict(old)
+        elif self.ledger is not None:
+            self.ledger.release(rid)
+        self._wake()
 
     def _start(self, flight: _Flight) -> None:
         """Send the request to the current ring: its prompt, then (a replay) its tokens so far."""
@@ -194,24 +347,35 @@ class Engine:
         # the caches, then one token at a time, each sampled.
         fed = flight.prompt + flight.generated
         body = flight.prompt[:-1]
-        open_ = flight.params.to_wire()
+        # The first frame opens the request on every stage: sampling, KV options,
+        # and (on its first ring only) the cached prefix it starts from.
+        open_ = {"open": flight.params.to_wire()}
+        if self.kv is not None:
+            open_["kv"] = self.kv.to_wire()
+        begin = 0
+        if flight.reuse is not None:
+            open_["reuse"] = list(flight.reuse)
+            begin = flight.reuse[1]
+            flight.reuse = None  # a replay on another ring starts cold
+        flight.sent = begin
         chunk = self.prefill_chunk_tokens
-        for start in range(0, len(body), chunk):
-            self._send_step(first, term, rid, start, body[start : start + chunk], False, open_)
+        for start in range(begin, len(body), chunk):
+            self._send_step(flight, first, term, start, body[start : start + chunk], False, open_)
             open_ = None
         # A replay: tokens whose samples the client already has are sampled again silently.
-        for offset in range(len(body), len(fed) - 1):
-            self._send_step(first, term, rid, offset, [fed[offset]], True, open_, silent=True)
+        for offset in range(max(len(body), begin), len(fed) - 1):
+            self._send_step(flight, first, term, offset, [fed[offset]], True, open_, silent=True)
             open_ = None
-        self._send_step(first, term, rid, len(fed) - 1, [fed[-1]], True, open_)
+        self._send_step(flight, first, term, len(fed) - 1, [fed[-1]], True, open_)
 
-    def _send_step(self, first, term, rid, offset, tokens, sample, open_, silent=False) -> None:
+    def _send_step(self, flight, first, term, offset, tokens, sample, open_, silent=False) -> None:
         d = {"term": term, "offset": offset, "tokens": tokens, "sample": sample}
         if open_ is not None:
-            d["open"] = open_
+            d.update(open_)
         if silent:
             d["silent"] = True
-        self.send(first, Frame(MsgType.FORWARD, rid, d))
+        self.send(first, Frame(MsgType.FORWARD, flight.rid, d))
+        flight.sent = offset + len(tokens)
 
     def on_frame(self, frame: Frame) -> None:
         """A TOKEN or ERROR frame from the ring (event loop)."""
@@ -222,7 +386,7 @@ class Engine:
         if d.get("term") != flight.term:
             return  # from a ring this request has left (suspended, or replayed elsewhere)
         if frame.type != MsgType.TOKEN:
-            flight.finished = True
+            flight.finished = flight.failed = True
             flight.queue.put_nowait(frame)
             return
         token, offset = d.get("token"), d.get("offset")
@@ -236,12 +400,12 @@ class Engine:
             return
         # Feed the token back now; the consumer reads it when it can.
         try:
-            self._send_step(self.plan.stages[0].node, self.plan.term, flight.rid, offset, [token], True, None)
+            self._send_step(flight, self.plan.stages[0].node, self.plan.term, offset, [token], True, None)
         except ConnectionError as e:
             flight.queue.put_nowait(self._error(flight, f"cannot reach the ring's first stage: {e}"))
 
     def _error(self, flight: _Flight, message: str, status: int = 503) -> Frame:
-        flight.finished = True
+        flight.finished = flight.failed = True
         return Frame(MsgType.ERROR, flight.rid, {"node": self.node, "message": message, "status": status, "term": flight.term})
 
     def suspend_all(self, reason: str) -> None:
@@ -253,9 +417,23 @@ class Engine:
         if self._flights:
             log.warning("%d request(s) suspended: %s", len(self._flights), reason)
 
-    def set_plan(self, plan: Plan) -> None:
-        """A ring is ready: serve new requests on it and replay the suspended ones."""
+    def set_plan(self, plan: Plan, ledger: KvLedger | None = None) -> None:
+        """A ring is ready: serve new requests on it and replay the suspended ones.
+
+        ``ledger`` is the new ring's KV capacity (None: unlimited); the requests
+        in flight are booked on it as they are, over capacity if need be.
+        """
         self.plan = plan
+        if self._prefix_term != plan.term:
+            self.prefix.clear()  # new stages, empty stores
+            self._prefix_term = plan.term
+        self.ledger = ledger
+        if ledger is not None:
+            for flight in self._flights.values():
+                ledger.book(flight.rid, len(flight.prompt) + flight.max_tokens)
+            for key in self.prefix.keys():
+                ledger.book(key, len(self.prefix.tokens(key)))
+        self._wake()
         for flight in list(self._flights.values()):
             if flight.finished or flight.term == plan.term:
                 continue

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
+from mlx_lm.generate import maybe_quantize_kv_cache
 
 from wire.frames import Frame, FrameError, MsgType
 from wire.tensors import tensor_descriptor, tensor_from_buffer, tensor_to_buffer
@@ -38,6 +39,12 @@ log = logging.getLogger(__name__)
 # chunks prefill far below this; it bounds what a peer can make us compute.
 MAX_CHUNK_TOKENS = 8192
 
+# What mlx.core.quantize supports for KV caches.
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+# Largest rotating KV window a request may ask for: 16 M positions, far past any context.
+MAX_KV_SIZE = 2**24
+
 Send = Callable[[str, Frame], None]
 
 
@@ -51,6 +58,8 @@ class Step:
     sample: bool
     open: dict | None
     silent: bool = False  # a replayed step: sample (the key advances) but send nothing
+    reuse: tuple[int, int] | None = None  # with open: (cached prefix, positions of it to keep)
+    kv: KvOptions | None = None  # with open: how this request's caches are made
 
     @classmethod
     def parse(cls, d: dict, vocab_size: int) -> "Step":
@@ -74,7 +83,19 @@ class Step:
         silent = d.get("silent", False)
         if not isinstance(silent, bool):
             raise FrameError("FORWARD field 'silent' must be a boolean")
-        return cls(get("term", int), offset, tokens, get("sample", bool), open_, silent)
+        reuse = d.get("reuse")
+        if reuse is not None:
+            if (
+                open_ is None
+                or not isinstance(reuse, list)
+                or len(reuse) != 2
+                or not all(type(v) is int and v >= 0 for v in reuse)
+                or reuse[1] != offset
+            ):
+                raise FrameError(f"FORWARD field 'reuse' must be [prefix id, positions == offset] with 'open'; got {reuse!r}")
+            reuse = (reuse[0], reuse[1])
+        kv = KvOptions.from_wire(d.get("kv")) if open_ is not None else None
+        return cls(get("term", int), offset, tokens, get("sample", bool), open_, silent, reuse, kv)
 
     def to_descriptor(self) -> dict:
         d = {"term": self.term, "offset": self.offset, "tokens": self.tokens, "sample": self.sample}
@@ -82,7 +103,44 @@ class Step:
             d["open"] = self.open
         if self.silent:
             d["silent"] = True
+        if self.reuse is not None:
+            d["reuse"] = list(self.reuse)
+        if self.kv is not None:
+            d["kv"] = self.kv.to_wire()
         return d
+
+
+@dataclass(frozen=True)
+class KvOptions:
+    """mlx-lm's KV-cache options for one request, the same on every stage.
+
+    ``max_size``: a RotatingKVCache of that many positions (mlx-lm's
+    max_kv_size); ``bits``: caches quantized once they hold more than ``start``
+    positions (mlx-lm's kv_bits, kv_group_size, quantized_kv_start).
+    """
+
+    max_size: int | None = None
+    bits: int | None = None
+    group_size: int = 64
+    start: int = 0
+
+    def to_wire(self) -> dict:
+        return {"max_size": self.max_size, "bits": self.bits, "group_size": self.group_size, "start": self.start}
+
+    @classmethod
+    def from_wire(cls, d: object) -> "KvOptions | None":
+        if d is None:
+            return None
+        if not isinstance(d, dict) or set(d) != {"max_size", "bits", "group_size", "start"}:
+            raise FrameError(f"FORWARD field 'kv' must have max_size, bits, group_size and start; got {d!r}")
+        max_size, bits, group, start = d["max_size"], d["bits"], d["group_size"], d["start"]
+        if max_size is not None and not (type(max_size) is int and 1 <= max_size <= MAX_KV_SIZE):
+            raise FrameError(f"kv max_size must be 1..{MAX_KV_SIZE} or null; got {max_size!r}")
+        if bits is not None and bits not in KV_BITS:
+            raise FrameError(f"kv bits must be one of {KV_BITS} or null; got {bits!r}")
+        if group not in KV_GROUP_SIZES or type(start) is not int or start < 0:
+            raise FrameError(f"kv group_size must be one of {KV_GROUP_SIZES} and start >= 0; got {group!r}, {start!r}")
+        return cls(max_size, bits, group, start)
 
 
 class StageRunner:
@@ -117,9 +175,15 @@ class StageRunner:
         try:
             if frame.type == MsgType.RELEASE:
                 # A RELEASE of an older ring must not free this ring's session of the same id.
-                if frame.descriptor.get("term") != self.plan.term:
+                d = frame.descriptor
+                if d.get("term") != self.plan.term:
                     return
-                self.sessions.release(rid)
+                if d.get("evict") is True:
+                    self.sessions.evict(rid)
+                elif d.get("keep") is True:
+                    self.sessions.keep(rid)
+                else:
+                    self.sessions.release(rid)
                 out = [(self.next_node, frame)] if self.next_node else []
             else:
                 out = self._forward(frame)
@@ -148,7 +212,14 @@ class StageRunner:
             params = SamplingParams.from_wire(step.open)
             params.check_vocab(shard.info.vocab_size)
             sampler = RequestSampler(params) if shard.is_last else None
-            session = self.sessions.open(rid, shard.make_cache(), sampler)
+            kv = step.kv or KvOptions()
+            if step.reuse is not None:
+                stored = self.sessions.take(*step.reuse)
+                session = self.sessions.open(rid, stored.cache, sampler, stored.tokens, kv)
+                if sampler is not None:  # penalties see the whole history, as in a cold run
+                    sampler.observe(mx.array(stored.tokens, dtype=mx.int32))
+            else:
+                session = self.sessions.open(rid, shard.make_cache(kv.max_size), sampler, kv=kv)
         else:
             session = self.sessions.get(rid)
         if step.offset != session.offset:
@@ -165,6 +236,11 @@ class StageRunner:
                 raise FrameError(f"hidden states of shape {tuple(x.shape)} {x.dtype}; expected {want}, floating")
         h = shard(x, session.cache)
         session.offset += n
+        session.tokens += step.tokens
+        kv = session.kv
+        if kv is not None and kv.bits is not None:
+            # As generate_step after every model call, so the caches match mlx-lm's.
+            maybe_quantize_kv_cache(session.cache, kv.start, kv.group_size, kv.bits)
 
         if not shard.is_last:
             mx.eval(h, [c.state for c in session.cache])

@@ -96,6 +96,29 @@ class ModelInfo:
     def name(self) -> str:
         return self.path.name
 
+    def kv_bytes_per_token(self, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
+        """KV-cache bytes one position costs in one layer (keys and values).
+
+        Activations, and so the cache, are in the checkpoint's dtype (a
+        quantized checkpoint's too: its scales' dtype); mlx-lm's
+        QuantizedKVCache holds ``kv_bits`` per element plus a scale and a bias
+        per group.
+        """
+        c = self.config
+        heads = c.get("num_attention_heads") or 1
+        kv_heads = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or self.hidden_size // heads
+        itemsize = _DTYPE_BYTES.get(str(c.get("torch_dtype") or c.get("dtype")), 2)
+        elements = kv_heads * head_dim
+        if kv_bits is None:
+            per = elements * itemsize
+        else:
+            per = elements * kv_bits // 8 + 2 * (elements // kv_group_size) * itemsize
+        return 2 * per
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
 
 def resolve_model_path(path_or_repo: str, allow_patterns: list[str] | None = None) -> Path:
     """A local model directory as is, or a Hugging Face repo id fetched into the hub cache.
@@ -250,6 +273,7 @@ class Shard:
         self.norm = norm
         self.lm_head = lm_head
         self._cache_factories = cache_factories
+        self.rotating_allowed = True
         self.sliding_window = info.config.get("sliding_window")
 
     @property
@@ -287,6 +311,9 @@ class Shard:
         # mlx-lm builds an lm_head only for untied checkpoints.
         tied = not hasattr(model, "lm_head")
         cache_factories = _cache_factories(model)[start:end]
+        # As mlx-lm's make_prompt_cache: max_kv_size applies only to models
+        # without a make_cache of their own.
+        model_makes_cache = hasattr(model, "make_cache")
         shard = cls(
             info,
             start,
@@ -297,6 +324,7 @@ class Shard:
             lm_head=(None if tied else model.lm_head) if last else None,
             cache_factories=cache_factories,
         )
+        shard.rotating_allowed = not model_makes_cache
         del model, inner  # drops every lazy tensor this stage does not keep
         shard._check_weights_present(path, files)
         mx.eval(shard.parameters())
@@ -339,7 +367,10 @@ class Shard:
     def parameter_bytes(self) -> int:
         return sum(v.nbytes for v in self.parameters())
 
-    def make_cache(self) -> list[Any]:
+    def make_cache(self, max_kv_size: int | None = None) -> list[Any]:
+        """This stage's caches for one request, as mlx-lm's make_prompt_cache makes them."""
+        if max_kv_size is not None and self.rotating_allowed:
+            return [RotatingKVCache(max_size=max_kv_size, keep=4) for _ in self._cache_factories]
         return [factory() for factory in self._cache_factories]
 
     def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:

@@ -106,7 +106,7 @@ def ring_pool():
     rings: dict = {}
 
     def get(model: Path, nodes: int, split: list[int] | None = None, **kwargs) -> Ring:
-        key = (str(model), nodes, tuple(split or ()), tuple(sorted(kwargs.items())))
+        key = (str(model), nodes, tuple(split or ()), repr(sorted(kwargs.items())))
         ring = rings.get(key)
         if ring is None or ring.proc.poll() is not None:
             ring = rings[key] = Ring(model, nodes, split, **kwargs)

@@ -80,7 +80,8 @@ def test_survivors_too_small_get_a_503_naming_the_shortfall(tiny_model):
     weights = model_info(str(model)).weights
     # Each node can hold a little more than half the model: two fit, one does not.
     budget_gb = (weights.stage(0, 8) * 0.6) / 2**30
-    ring = Ring(model, nodes=2, env={"RINGD_MEMORY_BUDGET_GB": f"{budget_gb:.9f}"})
+    # No KV reserve in placement: the budgets are about the weights here.
+    ring = Ring(model, nodes=2, env={"RINGD_MEMORY_BUDGET_GB": f"{budget_gb:.9f}", "RINGD_KV_RESERVE_TOKENS": "1"})
     try:
         client = ring.client()
         r = client.chat.completions.create(model=ring.model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=5)

@@ -244,3 +244,31 @@ def test_health_models_and_metrics(tiny_model, ring_pool):
     with urllib.request.urlopen(ring.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     assert "ringd_ring_ready" in text and "ringd_stage_parameter_bytes" in text
+
+
+@pytest.mark.parametrize(
+    "env,options",
+    [
+        ({"RINGD_KV_BITS": "8", "RINGD_KV_GROUP_SIZE": "32", "RINGD_QUANTIZED_KV_START": "24"}, {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 24}),
+        ({"RINGD_MAX_KV_SIZE": "48"}, {"max_kv_size": 48}),
+    ],
+    ids=["kv_bits", "max_kv_size"],
+)
+def test_mlx_lm_kv_cache_options_match_mlx_lm(tiny_model, ring_pool, env, options):
+    """Quantized and rotating KV caches, set on the leader, behave on the ring as in mlx-lm."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from conftest import _load_cached
+
+    # head_dim 32: the smallest that mlx's quantization groups fit.
+    model = tiny_model(arch="llama", dtype="float32", layers=4, hidden_size=128, heads=4, kv_heads=2)
+    ring = ring_pool(model, 2, env=env)
+    prompt = chat_prompt(model, "Tell me a story about a ring of small computers.")
+    assert len(prompt) > 24
+    mlx_model, _ = _load_cached(str(model))
+    steps = generate_step(mx.array(prompt), mlx_model, max_tokens=MAX_TOKENS, prefill_step_size=TEST_PREFILL_CHUNK, **options)
+    ref = [token for token, _ in steps]
+    assert len(set(ref)) >= 10
+    tokens, _, finish, _ = ring_greedy(ring, prompt)
+    assert tokens == ref
