@@ -46,7 +46,7 @@ def fetch(node: str, path: str, body: dict | None = None) -> dict:
 
 
 def _mib(n: int | None) -> str:
-    return "-" if not n else f"{n / 2**20:,.1f}"
+    return "-" if n is None else f"{n / 2**20:,.1f}"
 
 
 def print_status(doc: dict) -> None:

@@ -45,6 +45,15 @@ def serving_leader(c, nodes) -> str | None:
     return leader if h and h["role"] == "leader" and h["ready"] else None
 
 
+def first_chat_after(t0: float, url: str, within: float = 30) -> tuple[int, dict, float]:
+    """Chat with `url` until it answers 200 (or `within` s pass): (status, body, seconds since t0)."""
+    while True:
+        status, body = chat(url, timeout=5)
+        if status == 200 or time.monotonic() - t0 > within:
+            return status, body, time.monotonic() - t0
+        time.sleep(0.05)
+
+
 def ringctl(c, i: int, *args: str) -> str:
     r = subprocess.run([sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[i]}", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
@@ -74,13 +83,7 @@ def test_kill_9_of_the_leader_a_new_leader_serves_within_5_s(tiny_model, cluster
     c = cluster_factory(tiny_model(arch="llama", layers=6), 3)
     c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
     c.signal(0, signal.SIGKILL)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 30:
-        status, body = chat(c.url(1), timeout=5)
-        if status == 200:
-            break
-        time.sleep(0.05)
-    elapsed = time.monotonic() - t0
+    status, body, elapsed = first_chat_after(time.monotonic(), c.url(1))
     print(f"\nnew leader served a chat completion {elapsed:.2f} s after kill -9 of the leader")
     assert status == 200, (status, body, c.log_tails())
     assert elapsed < 5.0, f"took {elapsed:.2f} s"
@@ -171,12 +174,7 @@ def test_three_daemons_with_no_peers_find_each_other_by_bonjour_and_serve_within
     model = tiny_model(arch="llama", layers=6)
     t0 = time.monotonic()
     c = cluster_factory(model, 3, static_peers=False)  # no --peer, no --nodes: real mDNS on loopback
-    while time.monotonic() - t0 < 30:
-        status, body = chat(c.url(1), timeout=5)
-        if status == 200:
-            break
-        time.sleep(0.1)
-    elapsed = time.monotonic() - t0
+    status, body, elapsed = first_chat_after(t0, c.url(1))
     print(f"\nthree daemons found each other by Bonjour and served {elapsed:.2f} s after start")
     assert status == 200, (status, body, c.log_tails())
     assert elapsed < 10.0, f"took {elapsed:.2f} s\n{c.log_tails()}"

@@ -345,3 +345,30 @@ def test_a_model_too_big_names_every_short_node():
     # Enough in total but not in any contiguous split.
     with pytest.raises(PlacementError, match="no contiguous split"):
         place("balanced", _nodes(2, budgets=[1, 1000]), ModelCost((500, 2), 0, 0, 0))
+
+
+def test_an_api_only_leader_holds_no_layers_and_serves_the_ring(tiny_model, tmp_path):
+    """Real daemons: node0 leads and serves the API with no layers; node1 and node2 hold them all."""
+    import json
+    import urllib.request
+
+    from conftest import Cluster, reference
+
+    class FrontDoor(Cluster):
+        def command(self, i, secret=None, name=None):
+            return super().command(i, secret, name) + (["--api-only", "true"] if i == 0 else [])
+
+    model = tiny_model(arch="llama", layers=6)
+    c = FrontDoor(model, 3, tmp_path)
+    try:
+        status = c.wait(lambda: (s := c.status(0)) and s.get("ready") and s, 60, "a ring behind the API-only leader")
+        assert status["leader"] == "node0" and [s[0] for s in status["plan"]["stages"]] == ["node1", "node2"]
+        assert next(n for n in status["nodes"] if n["node"] == "node0")["parameter_bytes"] == 0
+        prompt = [(i * 37) % 500 + 3 for i in range(20)]
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 30, "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True}
+        req = urllib.request.Request(c.url(0) + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            tokens = [int(t.removeprefix("token_id:")) for t in json.loads(r.read())["choices"][0]["logprobs"]["tokens"]]
+        assert tokens == reference(model, prompt, 30)[0]
+    finally:
+        c.stop()
