@@ -508,10 +508,13 @@ class Daemon:
         per_layer = self.info.kv_bytes_per_token(cfg.kv_bits, cfg.kv_group_size)
         stages = []
         for s in plan.stages:
-            budget = self._budget_of(s.node)
-            capacity = None if budget is None else budget - self.info.weights.stage(s.start, s.end)
-            stages.append(StageKv(s.node, per_layer * s.layers, capacity))
+            stages.append(StageKv(s.node, per_layer * s.layers, self._kv_capacity(s.node, s.start, s.end)))
         return KvLedger(stages, cfg.max_kv_size)
+
+    def _kv_capacity(self, node: str, start: int, end: int) -> int | None:
+        """KV bytes ``node`` can hold holding layers [start, end): its budget less their weights."""
+        budget = self._budget_of(node)
+        return None if budget is None else budget - self.info.weights.stage(start, end)
 
     def _budget_of(self, node: str) -> int | None:
         if node == self.name:
@@ -612,7 +615,7 @@ class Daemon:
             "kv_bytes": stage.sessions.kv_bytes if stage else 0,
             "parameter_bytes": self.shard.parameter_bytes if self.shard else 0,
             "budget": self.budget,
-            "kv_capacity": (self.budget - self.info.weights.stage(stage.shard.start, stage.shard.end)) if stage else None,
+            "kv_capacity": self._kv_capacity(self.name, stage.shard.start, stage.shard.end) if stage else None,
             "prefix_entries": stage.sessions.stored if stage else 0,
             "speed": round(self.profile.speed, 2) if self.profile and self.profile.speed else None,
             "device": self.profile.to_wire() if self.profile else None,
