@@ -15,7 +15,9 @@ prompt chunks, then every token already produced fed back one at a time and
 sampled silently (so a seeded sampler's key advances exactly as before), so
 the new ring's caches are bit for bit the old ones and the stream carries on
 with the next token, none missing, none repeated. Frames of an older ring
-(its term) are ignored.
+(its term) are ignored. (A request that started from a cached prefix is
+replayed from its first token: correct, but its caches are then the cold
+run's rather than bit for bit the interrupted ring's.)
 
 Admission: a request's whole context (prompt plus max_tokens) is booked on
 every stage's KV capacity (``admission.KvLedger``) before it enters the ring.
