@@ -254,6 +254,17 @@ class Election:
         self._pin = max(self._pin, msg.pin)
         return self._update(before)
 
+    def next_term(self) -> list[Msg]:
+        """A fresh term for the leader's next plan (see ``reconcile``): every plan has a term of its own.
+
+        Only the leader may ask. The new term is above every term seen, so
+        followers take it as they take any claim of the node they follow.
+        """
+        if not self.is_leader:
+            raise ElectionError(f"{self.node} does not lead (it follows {self._leader}); only a leader claims terms for plans")
+        self._term = self._claimed = Term(self._term.number + 1, self.node)
+        return [self.announcement()]
+
     def set_pin(self, pin: Pin) -> list[Msg]:
         """A pin from ``ringctl`` (or from disk); ignored if an equal or higher pin is already known."""
         before = self.announcement()
