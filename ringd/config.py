@@ -3,18 +3,25 @@
 Later sources win: file, then environment, then flags. Every key is declared
 once in ``KEYS`` (type, default, check, help); the YAML schema, the environment
 names and the command-line flags all come from that table, so they cannot
-drift apart. Unknown keys and impossible values are errors that name the key,
-where it came from, and why.
+drift apart, and ``Config`` has no defaults of its own. Unknown keys, keys
+given twice and impossible values are errors that name the key, where it came
+from, and why.
+
+It also reads the two files whose contents are credentials, the cluster secret
+and the API keys, and never puts their contents in a message.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import ipaddress
 import os
 import re
+import shlex
 import socket
-from dataclasses import dataclass, field
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,8 +29,13 @@ import yaml
 
 DEFAULT_RING_PORT = 50051
 DEFAULT_HTTP_PORT = 8100
+# Where `ringd serve` and `ringctl` look for the cluster secret unless told
+# otherwise (the README has users put it there).
+DEFAULT_SECRET_FILE = "~/.config/ringd/secret"
 # The secret authenticates every ring connection; shorter ones are guessable.
 MIN_SECRET_BYTES = 16
+# API keys are bearer tokens anyone can try over HTTP; shorter ones are guessable.
+MIN_API_KEY_CHARS = 16
 # Node and cluster names: also what election and discovery accept, so one rule everywhere.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
@@ -214,7 +226,9 @@ class Key:
 KEYS: list[Key] = [
     Key("name", check_name, None, "this node's id in the cluster (default: the host name)"),
     Key("cluster", check_name, "ringd", "cluster name; daemons of other clusters are ignored"),
-    Key("secret_file", _optional(_str), None, "file holding the cluster secret (at least 16 bytes)"),
+    Key("secret_file", _str, DEFAULT_SECRET_FILE, "file holding the cluster secret (at least 16 bytes, readable by its owner only)"),
+    Key("api_keys_file", _optional(_str), None, "file of API keys, one a line, that /v1/* requires as a Bearer token (default: none, the API is open)"),
+    Key("ring_encryption", _bool, False, "encrypt ring links (AES-GCM) for networks you don't trust; integrity (HMAC) is always on"),
     Key("model", _optional(_str), None, "mlx-lm model directory or Hugging Face repo id"),
     Key("model_id", _optional(_str), None, "model name the API serves (default: the model's directory or repo name)"),
     Key("host", _host, "0.0.0.0", "address the ring port listens on"),
@@ -253,9 +267,13 @@ _BY_NAME = {k.name: k for k in KEYS}
 
 @dataclass(frozen=True)
 class Config:
+    """The validated settings; ``load`` makes one. The defaults are in ``KEYS`` only."""
+
     name: str
     cluster: str
-    secret_file: str | None
+    secret_file: str
+    api_keys_file: str | None
+    ring_encryption: bool
     model: str | None
     model_id: str | None
     host: str
@@ -263,31 +281,31 @@ class Config:
     ring_port: int
     http_host: str
     http_port: int
-    peers: list[str] = field(default_factory=list)
-    discovery: bool = True
-    prefer_interfaces: list[str] = field(default_factory=list)
-    mdns_interfaces: list[str] | None = None
-    priority: int = 0
-    state_dir: str = "~/.local/state/ringd"
-    nodes: int | None = None
-    split: list[int] | None = None
-    prefill_chunk_tokens: int = 512
-    memory_budget_gb: float | None = None
-    capabilities: dict | None = None
-    placement: str = "balanced"
-    placement_weights: dict = field(default_factory=dict)
-    api_only: bool = False
-    kv_reserve_tokens: int = 2048
-    max_kv_size: int | None = None
-    kv_bits: int | None = None
-    kv_group_size: int = 64
-    quantized_kv_start: int = 5000
-    prefix_cache_entries: int = 8
-    max_queued_requests: int = 32
-    queue_timeout_s: float = 60.0
-    heartbeat_interval_s: float = 0.5
-    dead_after_s: float = 2.0
-    log_level: str = "info"
+    peers: list[str]
+    discovery: bool
+    prefer_interfaces: list[str]
+    mdns_interfaces: list[str] | None
+    priority: int
+    state_dir: str
+    nodes: int | None
+    split: list[int] | None
+    prefill_chunk_tokens: int
+    memory_budget_gb: float | None
+    capabilities: dict | None
+    placement: str
+    placement_weights: dict
+    api_only: bool
+    kv_reserve_tokens: int
+    max_kv_size: int | None
+    kv_bits: int | None
+    kv_group_size: int
+    quantized_kv_start: int
+    prefix_cache_entries: int
+    max_queued_requests: int
+    queue_timeout_s: float
+    heartbeat_interval_s: float
+    dead_after_s: float
+    log_level: str
 
     @property
     def memory_budget_bytes(self) -> int | None:
@@ -298,16 +316,105 @@ class Config:
         return self.nodes if self.nodes is not None else len(self.peers) + 1
 
     def read_secret(self) -> bytes:
-        if self.secret_file is None:
-            raise ConfigError("secret_file: no cluster secret configured; set secret_file (or RINGD_SECRET_FILE, --secret-file)")
-        path = Path(self.secret_file).expanduser()
+        return read_secret_file(self.secret_file)
+
+    def read_api_keys(self) -> frozenset[str]:
+        """The API keys of ``api_keys_file``; empty when none is set, which leaves /v1/* open."""
+        return frozenset() if self.api_keys_file is None else read_api_keys_file(self.api_keys_file)
+
+
+def read_secret_file(path: str | os.PathLike = DEFAULT_SECRET_FILE) -> bytes:
+    """The cluster secret in ``path`` (surrounding whitespace stripped), checked.
+
+    ``ringctl`` reads it with this too, so both refuse the same files: one
+    missing, shorter than ``MIN_SECRET_BYTES``, or (on POSIX) one that group or
+    others may read or write, since whoever reads it can join the ring.
+    """
+    path = Path(path).expanduser()
+    quoted = shlex.quote(str(path))
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"secret_file: {path} is not a regular file")
+        if os.name == "posix" and st.st_mode & 0o077:
+            raise ConfigError(
+                f"secret_file: {path} can be read or written by other users (mode {stat.S_IMODE(st.st_mode):03o}); "
+                f"run: chmod 600 {quoted}"
+            )
+        secret = path.read_bytes().strip()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"secret_file: cannot read {path}: no such file; create it (the same secret on every node): "
+            f"mkdir -p {shlex.quote(str(path.parent))} && head -c 32 /dev/urandom | base64 > {quoted} && chmod 600 {quoted}"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"secret_file: cannot read {path}: {e.strerror}") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"secret_file: {path} holds {len(secret)} bytes; at least {MIN_SECRET_BYTES} are needed")
+    return secret
+
+
+def read_api_keys_file(path: str | os.PathLike) -> frozenset[str]:
+    """API keys, one a line; blank lines and lines starting with '#' are skipped.
+
+    Errors name the file and the line, never the key: they end up in logs.
+    """
+    path = Path(path).expanduser()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"api_keys_file: cannot read {path}: {e.strerror}") from None
+    keys = set()
+    # bytes.splitlines splits at \n, \r and \r\n only, so line numbers are an editor's.
+    for number, raw in enumerate(data.splitlines(), 1):
+        where = f"api_keys_file: {path}, line {number}"
         try:
-            secret = path.read_bytes().strip()
-        except OSError as e:
-            raise ConfigError(f"secret_file: cannot read {path}: {e.strerror}") from None
-        if len(secret) < MIN_SECRET_BYTES:
-            raise ConfigError(f"secret_file: {path} holds {len(secret)} bytes; at least {MIN_SECRET_BYTES} are needed")
-        return secret
+            line = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where}: not UTF-8 text") from None
+        if not line or line.startswith("#"):
+            continue
+        # Clients send keys in an HTTP header (Authorization: Bearer KEY), where
+        # only printable ASCII without spaces arrives intact.
+        if not (line.isascii() and line.isprintable()) or " " in line:
+            raise ConfigError(f"{where}: a key must be printable ASCII without spaces (the key is not shown here)")
+        if len(line) < MIN_API_KEY_CHARS:
+            raise ConfigError(
+                f"{where}: a key must be at least {MIN_API_KEY_CHARS} characters (the key is not shown here); "
+                "make one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        keys.add(line)
+    if not keys:
+        raise ConfigError(f"api_keys_file: {path} holds no keys (one a line; blank lines and # comments are skipped)")
+    return frozenset(keys)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int, first_line: int):
+        super().__init__(f"key {key!r} on line {line} was given on line {first_line}")
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping.
+
+    YAML requires unique keys, but PyYAML keeps the last one silently: a file
+    with two ``ring_port:`` lines would run on a port its reader did not expect.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_lines: dict[Any, int] = {}
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            # "<<: *defaults" merges are overridden on purpose; complex keys are
+            # left to PyYAML, which refuses the unhashable ones.
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1  # marks count from 0, editors from 1
+            if key in first_lines:
+                raise _DuplicateKey(key, line, first_lines[key])
+            first_lines[key] = line
+        return super().construct_mapping(node, deep)
 
 
 def _from_string(key: Key, raw: str) -> Any:
@@ -337,9 +444,13 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
     path = getattr(args, "config", None) or environ.get("RINGD_CONFIG")
     if path:
         try:
-            data = yaml.safe_load(Path(path).expanduser().read_text())
+            data = yaml.load(Path(path).expanduser().read_text(), Loader=_UniqueKeyLoader)
         except OSError as e:
             raise ConfigError(f"config file {path}: {e.strerror}") from None
+        except _DuplicateKey as e:
+            raise ConfigError(
+                f"config file {path}, line {e.line}: key {e.key!r} is given twice (first on line {e.first_line}); keep one"
+            ) from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if data is None:
@@ -373,7 +484,8 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
 
     checked: dict[str, Any] = {}
     for key in KEYS:
-        v = values.get(key.name, key.default)
+        # A copy, so that no Config shares (and could change) a default list.
+        v = values.get(key.name, copy.deepcopy(key.default))
         try:
             checked[key.name] = key.check(v) if v is not None or key.default is not None else None
         except ValueError as e:

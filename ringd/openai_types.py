@@ -4,8 +4,10 @@ Bodies of ``/v1/chat/completions`` and ``/v1/completions`` become a
 ``CompletionRequest``; anything malformed becomes an ``ApiError`` carrying the
 HTTP status and OpenAI's error shape (``{"error": {"message", "type",
 "param", "code"}}``), naming the field at fault. Fields the API documents but
-ringd cannot honour (``n`` > 1, ``best_of``, ``echo``, ``suffix``) are refused,
-not ignored; unknown fields are ignored, as clients send many.
+ringd cannot honour (``n`` > 1, ``best_of``, ``echo``, ``suffix``, tools,
+structured output, audio: ``UNSUPPORTED_FIELDS``) are refused, not ignored;
+unknown fields are ignored, as clients send many. Nothing a client sends makes
+these functions raise anything but ``ApiError``.
 
 No HTTP, no tokenizer: ``api.py`` does the I/O, this module the shapes.
 """
@@ -13,12 +15,13 @@ No HTTP, no tokenizer: ``api.py`` does the I/O, this module the shapes.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams
+from .sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr
 
 # OpenAI accepts up to 4 stop sequences; a few more costs nothing here.
 MAX_STOP_SEQUENCES = 16
@@ -27,7 +30,32 @@ MAX_STOP_CHARS = 256
 MAX_COMPLETION_LOGPROBS = 5
 # Messages in one chat request; beyond this the body is an attack or a bug.
 MAX_MESSAGES = 4096
+# Model names are Hugging Face repo ids (at most 96 characters there) or
+# directory names; the name is quoted back in a 404, so a longer one is refused.
+MAX_MODEL_CHARS = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# Fields of OpenAI's API that change what an answer means, which ringd does not
+# do yet: a client that sends one must hear so, not get an answer that ignored
+# it. Each maps to the values that ask for nothing beyond what ringd does anyway
+# (those are accepted); null, [] and {} count as absent, since clients send them.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "tools": (),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
+    "functions": (),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+}
+
+# A surrogate code point can only be alone in a str that came from JSON (the
+# decoder joins a valid \ud83d\ude00 pair into one character), and no tokenizer
+# can encode it: UTF-8 has no bytes for it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -86,27 +114,63 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+class _NotJson(ValueError):
+    pass
+
+
+def _refuse_constant(name: str) -> float:
+    # Python's json reads NaN and Infinity; JSON has no such numbers, and
+    # downstream arithmetic should never meet them.
+    raise _NotJson(f"{name} is not a JSON value")
+
+
 def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400 ``ApiError``; nothing else escapes.
+
+    Pure and thread-safe (it reads and changes no global state), so ``api.py``
+    may run it in an executor on bodies up to its 16 MiB cap. What ``json``
+    raises on hostile bodies becomes a 400: bytes that are not UTF-8 (or -16/-32),
+    syntax errors, nesting deeper than the interpreter's recursion limit
+    (``RecursionError``), an integer longer than Python's 4,300-digit
+    conversion limit, and NaN / Infinity.
+    """
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise _bad("the request body nests arrays or objects too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, _NotJson) as e:
         raise _bad(f"the request body is not valid JSON: {e}") from None
+    except ValueError:
+        # The only other ValueError json.loads raises: int() refusing a number
+        # of more digits than sys.get_int_max_str_digits() (4,300 by default),
+        # whose own message tells the reader to raise that limit.
+        raise _bad("the request body holds a number with too many digits to read") from None
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     return body
+
+
+def _valid_text(s: str, where: str, param: str | None = None) -> str:
+    """s, if every character of it can reach a tokenizer."""
+    if s.isascii():  # the common case, and O(1): CPython records it with the string
+        return s
+    m = _SURROGATE.search(s)
+    if m:
+        raise _bad(f"{where} contains a lone surrogate (U+{ord(m.group()):04X}); send valid Unicode", param or where)
+    return s
 
 
 def _text_content(content: Any, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return _valid_text(content, where)
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise _bad(f"{where}[{i}] must be a text part {{'type': 'text', 'text': ...}}; only text is supported", where)
-            parts.append(part["text"])
+            parts.append(_valid_text(part["text"], f"{where}[{i}].text"))
         return "".join(parts)
     raise _bad(f"{where} must be a string or a list of text parts", where)
 
@@ -123,7 +187,7 @@ def _messages(v: Any) -> list[dict]:
             raise _bad(f"{where} must be an object", where)
         role = m.get("role")
         if role not in CHAT_ROLES:
-            raise _bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{where}.role")
+            raise _bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {brief_repr(role)}", f"{where}.role")
         # Chat templates know "system"; "developer" is OpenAI's newer name for it.
         out.append({"role": "system" if role == "developer" else role, "content": _text_content(m.get("content"), f"{where}.content")})
     return out
@@ -136,7 +200,7 @@ def _prompt(v: Any) -> str | list[int]:
     if isinstance(v, str):
         if not v:
             raise _bad("prompt must not be empty", "prompt")
-        return v
+        return _valid_text(v, "prompt")
     if isinstance(v, list) and v and all(_is_int(t) and t >= 0 for t in v):
         return v
     if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
@@ -152,19 +216,36 @@ def _stop(v: Any) -> list[str]:
         raise _bad(f"stop must be a string or a list of non-empty strings of at most {MAX_STOP_CHARS} characters", "stop")
     if len(stops) > MAX_STOP_SEQUENCES:
         raise _bad(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported", "stop")
+    for i, s in enumerate(stops):
+        _valid_text(s, "stop" if isinstance(v, str) else f"stop[{i}]", "stop")
     return stops
 
 
+def _refuse_unsupported(body: dict) -> None:
+    for name, accepted in UNSUPPORTED_FIELDS.items():
+        v = body.get(name)
+        if v is None or v == [] or v == {} or any(v == a and type(v) is type(a) for a in accepted):
+            continue
+        also = f" (only {' or '.join(json.dumps(a) for a in accepted)} is accepted)" if accepted else ""
+        raise _bad(f"{name} is not supported by ringd yet{also}", name, "unsupported_parameter")
+
+
 def parse_request(body: dict, chat: bool) -> CompletionRequest:
+    """A JSON object (from ``parse_json``) as a request of either endpoint, or a 400."""
+
     def opt(name: str, check, rule: str):
         v = body.get(name)
         if v is not None and not check(v):
-            raise _bad(f"{name} must be {rule}; got {v!r}", name)
+            raise _bad(f"{name} must be {rule}; got {brief_repr(v)}", name)
         return v
 
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model is required and must be a string", "model")
+    if len(model) > MAX_MODEL_CHARS:
+        raise _bad(f"model must be a name of at most {MAX_MODEL_CHARS} characters; GET /v1/models lists it", "model")
+    _valid_text(model, "model")
+    _refuse_unsupported(body)
     n = opt("n", _is_int, "an integer")
     if n is not None and n != 1:
         raise _bad("only n=1 is supported", "n")
@@ -217,7 +298,7 @@ def parse_request(body: dict, chat: bool) -> CompletionRequest:
     try:
         params = SamplingParams(**sampling)
     except SamplingError as e:
-        raise _bad(str(e), str(e).split(" ", 1)[0]) from None
+        raise _bad(str(e), e.field) from None
 
     return CompletionRequest(
         chat=chat,
@@ -231,6 +312,21 @@ def parse_request(body: dict, chat: bool) -> CompletionRequest:
         include_usage=include_usage and stream,
         tokens_as_ids=opt("return_tokens_as_token_ids", lambda v: isinstance(v, bool), "a boolean") or False,
     )
+
+
+def prompt_chars(req: CompletionRequest) -> int:
+    """How much the tokenizer will be fed: characters (code points) of text, or token ids.
+
+    Chat: the characters of every message's content; the chat template adds
+    text of its own around them, so this is a lower bound of what gets encoded,
+    which is the safe side for refusing a prompt too long for the context before
+    paying to tokenize it. Completions: the prompt's characters, or, for a
+    prompt of token ids, their number (already tokens: compare it with the
+    context as it is).
+    """
+    if req.chat:
+        return sum(len(m["content"]) for m in req.messages or ())
+    return len(req.prompt or ())
 
 
 def new_id(chat: bool) -> str:

@@ -16,6 +16,7 @@ It knows nothing of the network or of text.
 from __future__ import annotations
 
 import math
+import reprlib
 import secrets
 from dataclasses import asdict, dataclass, fields
 
@@ -31,8 +32,40 @@ PENALTY_CONTEXT_TOKENS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300
 
 
+def _integer(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def number_value(v: object) -> bool:
+    """A JSON number that arithmetic can use: an int (not a bool) or a finite float.
+
+    Ints are finite whatever their size; ``math.isfinite`` would overflow
+    converting a 400-digit one to a float.
+    """
+    return _integer(v) or (isinstance(v, float) and math.isfinite(v))
+
+
+# Error messages quote what was sent; reprlib keeps a 16 MB string or a
+# 4,000-digit number from coming back whole.
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = _SHOW.maxlong = 60
+
+
+def brief_repr(v: object) -> str:
+    """repr(v), shortened: for error messages that quote what a client sent."""
+    return _SHOW.repr(v)
+
+
 class SamplingError(ValueError):
-    """A sampling parameter is out of range; the message names it."""
+    """A sampling parameter is out of range; the message names it, ``field`` too.
+
+    ``field`` is the request field at fault (``"top_k"``, ``"logit_bias"``), so
+    the API can answer 400 with OpenAI's ``param``; None when no single field is.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -52,24 +85,23 @@ class SamplingParams:
     def __post_init__(self):
         def need(ok: bool, name: str, rule: str):
             if not ok:
-                raise SamplingError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+                raise SamplingError(f"{name} must be {rule}, got {brief_repr(getattr(self, name))}", name)
 
         def number(name: str) -> bool:
-            v = getattr(self, name)
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            return number_value(getattr(self, name))
 
         need(number("temperature") and 0 <= self.temperature <= 2, "temperature", "between 0 and 2")
         need(number("top_p") and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
-        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0")
+        need(_integer(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0")
         need(number("min_p") and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
         need(
-            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            self.seed is None or (_integer(self.seed) and 0 <= self.seed < 2**63),
             "seed",
             "an integer in [0, 2^63)",
         )
         need(isinstance(self.logprobs, bool), "logprobs", "a boolean")
         need(
-            isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            _integer(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
             "top_logprobs",
             f"an integer from 0 to {MAX_TOP_LOGPROBS}",
         )
@@ -87,8 +119,11 @@ class SamplingParams:
                 f"a map of at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases",
             )
             for k, v in self.logit_bias.items():
-                if not (isinstance(k, int) and k >= 0 and isinstance(v, (int, float)) and -100 <= v <= 100):
-                    raise SamplingError(f"logit_bias entry {k!r}: {v!r} must map a token id to a bias in [-100, 100]")
+                if not (_integer(k) and k >= 0 and number_value(v) and -100 <= v <= 100):
+                    raise SamplingError(
+                        f"logit_bias entry {brief_repr(k)}: {brief_repr(v)} must map a token id to a bias in [-100, 100]",
+                        "logit_bias",
+                    )
 
     def to_wire(self) -> dict:
         d = asdict(self)
@@ -104,19 +139,26 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise SamplingError(f"unknown sampling parameters: {sorted(unknown)}")
+            raise SamplingError(f"unknown sampling parameters: {brief_repr(sorted(map(str, unknown)))}")
         d = dict(d)
         if isinstance(d.get("logit_bias"), dict):
             try:
                 d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
-            except ValueError as e:
-                raise SamplingError(f"logit_bias keys must be token ids: {e}") from None
+            except (TypeError, ValueError):
+                raise SamplingError("logit_bias keys must be token ids", "logit_bias") from None
         return cls(**d)
 
     def check_vocab(self, vocab_size: int) -> None:
+        """What only the model can tell: token ids and top_k against its vocabulary."""
+        # mlx-lm's apply_top_k raises for k >= V (k = V would keep every token,
+        # as 0 does): refused here, before the request reaches the last stage.
+        if self.top_k >= vocab_size:
+            raise SamplingError(
+                f"top_k must be below the vocabulary size {vocab_size} (0 turns it off), got {brief_repr(self.top_k)}", "top_k"
+            )
         for k in self.logit_bias or {}:
             if k >= vocab_size:
-                raise SamplingError(f"logit_bias token id {k} is outside the vocabulary of {vocab_size}")
+                raise SamplingError(f"logit_bias token id {k} is outside the vocabulary of {vocab_size}", "logit_bias")
 
 
 @dataclass(frozen=True)

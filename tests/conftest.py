@@ -170,6 +170,7 @@ class Cluster:
         self.http_ports = [free_port() for _ in range(n)]
         self.secret = tmp / "secret"
         self.secret.write_text("s" * 32)
+        self.secret.chmod(0o600)  # serve refuses a secret others can read
         self.cluster = f"test-{os.getpid()}-{tmp.name}"[:60]
         self.procs: dict[int, subprocess.Popen] = {}
         self.logs: dict[int, Path] = {}
