@@ -1,4 +1,4 @@
-"""The ring protocol between ringd daemons: frames, tensors, handshake, streams.
+"""The ring protocol between ringd daemons: frames, seals, tensors, handshake, streams.
 
 Knows nothing of models or HTTP, and never imports `ringd`.
 """

@@ -14,15 +14,23 @@ A frame on the wire:
                 descriptor length (u32), payload length (u32)
     descriptor  UTF-8 JSON object, compact; zero bytes stand for {}
     payload     raw bytes
+    trailer     sealed frames only (every frame after the handshake's PROOFs):
+                a MAC over all of the above, or with encryption the AEAD tag,
+                descriptor and payload then being ciphertext; see wire.seal
+
+The header never says whether a frame is sealed or how: both sides know it
+from the handshake, so a relay cannot strip a seal by rewriting a flag.
 """
 
 import enum
 import json
 import struct
 from dataclasses import dataclass, field
+from typing import Protocol
 
 MAGIC = b"RNGD"
-PROTOCOL_VERSION = 1
+# 2: HELLO without node info, INFO after the proofs, every later frame sealed.
+PROTOCOL_VERSION = 2
 
 HEADER = struct.Struct("<4sBBHQII")
 HEADER_BYTES = HEADER.size
@@ -56,10 +64,17 @@ class MsgType(enum.IntEnum):
     STATUS = 11
     STATUS_REPLY = 12
     CONTROL = 13  # misc control messages, e.g. membership gossip
+    INFO = 14  # handshake, first sealed frame: the node's info, once the peer proved the secret
 
 
 class FrameError(Exception):
     """Malformed frame. The stream it came from is out of sync: drop the connection."""
+
+
+class IntegrityError(FrameError):
+    """A sealed stream was tampered with: a frame failed its MAC or tag, or its header
+    was one no honest sender writes. Altered, injected, replayed, reordered or
+    dropped bytes all end here."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +86,7 @@ class Limits:
 
     def __post_init__(self):
         # Limits may tighten the protocol's maxima, never loosen them: the
-        # decoder's scratch buffer is sized for MAX_DESCRIPTOR_BYTES.
+        # maxima bound what any peer can make this node allocate for one frame.
         if not 0 <= self.max_descriptor_bytes <= MAX_DESCRIPTOR_BYTES:
             raise ValueError(
                 f"max_descriptor_bytes={self.max_descriptor_bytes} must be in "
@@ -84,9 +99,15 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
-# Before a peer has authenticated it may only send HELLO and PROOF: a few
-# hundred bytes of descriptor, never a payload.
+# Before a peer has proved the secret it may only send HELLO and PROOF, never a
+# payload. A PROOF is 76 bytes; a HELLO about 150 with ASCII names, and at most
+# some 900 with a 64-character node id of characters JSON escapes to 12 bytes.
 HANDSHAKE_LIMITS = Limits(max_descriptor_bytes=1024, max_payload_bytes=0)
+# INFO, the handshake's last frame, comes once the peer has proved the secret,
+# sealed. It carries the node's self-description (model fingerprint, memory
+# budget, device profile, addresses): a few hundred bytes today, so 4 KiB leaves
+# room to grow while the handshake stays small.
+INFO_LIMITS = Limits(max_descriptor_bytes=4 * 1024, max_payload_bytes=0)
 
 
 @dataclass(frozen=True)
@@ -94,15 +115,48 @@ class Frame:
     type: MsgType
     request_id: int = 0
     descriptor: dict = field(default_factory=dict)
+    # Decoded frames hold a bytearray, or with encryption a memoryview of the
+    # decrypted buffer: rely on the buffer protocol, not on the type.
     payload: bytes | bytearray | memoryview = b""
     flags: int = 0
+    # Set by the decoder: the sequence number a sealed frame was verified under
+    # (None: it came unsealed). Never sent; encode_frame ignores it.
+    seq: int | None = field(default=None, compare=False)
 
 
-def encode_frame(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> list:
-    """The buffers to write, in order: header+descriptor, then the payload if any.
+class Sealer(Protocol):
+    """What encode_frame needs of a wire.seal sealer."""
 
-    The payload is passed on as a memoryview of the caller's own buffer, never
-    copied, so the caller must not modify it until the transport has sent it.
+    def seal(self, header: bytes, descriptor: bytes, payload: memoryview) -> list: ...
+
+
+class Opener(Protocol):
+    """What FrameDecoder needs of a wire.seal opener.
+
+    With a MAC (`encrypted` false) the decoder calls begin(header+descriptor),
+    update(chunk) as payload bytes land, finish(trailer, name) -> seq; with
+    encryption, open(header, ciphertext+tag, name) -> (plaintext, seq). Every
+    one of them raises IntegrityError, never anything else, on a bad frame.
+    """
+
+    encrypted: bool
+    trailer_bytes: int
+
+
+def encode_frame(
+    frame: Frame, limits: Limits = DEFAULT_LIMITS, sealer: Sealer | None = None
+) -> list:
+    """The buffers to write, in order.
+
+    Unsealed: header+descriptor, then the payload if any. With a `sealer` (every
+    frame after the handshake's PROOFs), whatever it makes of them: with a MAC,
+    header+descriptor, payload, MAC; encrypted, header and ciphertext. The
+    sealer takes the frame's sequence number, so encode each frame once, in the
+    order it is written.
+
+    Unless encrypted, the payload is passed on as a memoryview of the caller's
+    own buffer, never copied, so the caller must not modify it until the
+    transport has sent it.
     """
     try:
         msg_type = MsgType(frame.type)
@@ -145,10 +199,12 @@ def encode_frame(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> list:
         len(descriptor),
         payload.nbytes,
     )
+    if payload.nbytes and (payload.format != "B" or payload.ndim != 1):
+        payload = payload.cast("B")
+    if sealer is not None:
+        return sealer.seal(header, descriptor, payload)
     if payload.nbytes == 0:
         return [header + descriptor]
-    if payload.format != "B" or payload.ndim != 1:
-        payload = payload.cast("B")
     return [header + descriptor, payload]
 
 
@@ -156,6 +212,8 @@ class _State(enum.Enum):
     HEADER = enum.auto()
     DESCRIPTOR = enum.auto()
     PAYLOAD = enum.auto()
+    TRAILER = enum.auto()  # sealed with a MAC: the MAC after the payload
+    BODY = enum.auto()  # encrypted: descriptor, payload and tag in one ciphertext
 
 
 def _reject_constant(name: str):
@@ -170,26 +228,62 @@ class FrameDecoder:
     the byte count to `buffer_updated()`.
 
     A view never reaches past the end of the part being read (header,
-    descriptor or payload), so a read never takes bytes of the next frame. Two
-    things follow: payload bytes land straight in the frame's own buffer, and
-    `limits` may be changed between frames and applies from the next header on
-    (a connection relaxes them right after its handshake's last frame).
+    descriptor, payload or trailer), so a read never takes bytes of the next
+    frame. Two things follow: payload bytes land straight in the frame's own
+    buffer, and `limits` and `opener` may be changed between frames and apply
+    from the next header on (a connection starts sealing after its handshake's
+    PROOF and relaxes the limits after its INFO).
+
+    With an `opener` (wire.seal), every frame must be sealed: its MAC or tag is
+    checked before the descriptor is parsed or the frame handed on, and the
+    frame comes out with the sequence number it was checked under.
+
+    Memory: a scratch buffer holds a header, a descriptor and a MAC, sized for
+    the current limits (about 1 KiB under HANDSHAKE_LIMITS) and grown when they
+    are relaxed; each frame's payload gets a buffer of its declared size.
 
     After a FrameError the decoder is dead: every later call raises.
     """
 
-    def __init__(self, limits: Limits = DEFAULT_LIMITS):
-        self.limits = limits
-        # Holds one header, then that frame's descriptor; allocated once.
-        self._scratch = bytearray(max(HEADER_BYTES, MAX_DESCRIPTOR_BYTES))
+    def __init__(self, limits: Limits = DEFAULT_LIMITS, opener: Opener | None = None):
+        self._limits = limits
+        self._opener = opener
+        self._scratch = bytearray()
         self._scratch_view = memoryview(self._scratch)
+        self._fit_scratch()
         self._failure: FrameError | None = None
         self._start_frame()
 
     @property
+    def limits(self) -> Limits:
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: Limits):
+        """Applies from the next header on."""
+        self._limits = limits
+        self._fit_scratch()
+
+    @property
+    def opener(self) -> Opener | None:
+        return self._opener
+
+    @opener.setter
+    def opener(self, opener: Opener | None):
+        if self._state is not _State.HEADER or self._have:
+            raise RuntimeError("a decoder's opener can only change between frames")
+        self._opener = opener
+        self._fit_scratch()
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes the decoder holds between frames: sized for the limits in force."""
+        return len(self._scratch)
+
+    @property
     def payload_capacity(self) -> int:
-        """Size of the payload buffer being filled (0 if none): never over the limit."""
-        return len(self._payload) if self._state is _State.PAYLOAD else 0
+        """Size of the payload being filled (0 if none): never over the limit."""
+        return self._payload_len if self._state in (_State.PAYLOAD, _State.BODY) else 0
 
     def feed(self, data: bytes) -> list[Frame]:
         """Decode `data`; returns the frames it completes."""
@@ -210,9 +304,9 @@ class FrameDecoder:
         is exactly what the current part still needs, at least one byte.
         """
         self._check_alive()
-        if self._state is _State.PAYLOAD:
-            return memoryview(self._payload)[self._have :]
-        return self._scratch_view[self._have : self._need]
+        if self._own is not None:
+            return memoryview(self._own)[self._have :]
+        return self._scratch_view[self._start + self._have : self._start + self._need]
 
     def buffer_updated(self, nbytes: int) -> list[Frame]:
         """Record `nbytes` written into the last view; returns the frame completed, if any."""
@@ -222,8 +316,11 @@ class FrameDecoder:
                 f"buffer_updated({nbytes}) but the last buffer had room for "
                 f"{self._need - self._have} bytes"
             )
-        self._have += nbytes
         try:
+            if nbytes and self._state is _State.PAYLOAD and self._opener is not None:
+                # Hash the payload as it lands, so its MAC is ready when the last byte is.
+                self._opener.update(memoryview(self._own)[self._have : self._have + nbytes])
+            self._have += nbytes
             return self._advance()
         except FrameError as e:
             self._failure = e
@@ -235,33 +332,86 @@ class FrameDecoder:
                 f"decoder stopped after an earlier error ({self._failure}); drop the connection"
             )
 
+    def _fit_scratch(self):
+        trailer = self._opener.trailer_bytes if self._opener is not None else 0
+        size = HEADER_BYTES + self._limits.max_descriptor_bytes + trailer
+        if size > len(self._scratch):
+            # Grown between frames, or mid-header at worst: keep what has arrived.
+            grown = bytearray(size)
+            grown[: len(self._scratch)] = self._scratch
+            self._scratch, self._scratch_view = grown, memoryview(grown)
+
     def _start_frame(self):
-        self._state = _State.HEADER
-        self._have, self._need = 0, HEADER_BYTES
-        self._payload = bytearray()  # let go of the last frame's payload, which may be large
+        self._enter(_State.HEADER, HEADER_BYTES)
+        self._own = None  # let go of the last frame's payload, which may be large
+
+    def _enter(self, state: _State, need: int, start: int = 0, own: bytearray | None = None):
+        """Read the next part: `need` bytes into scratch at `start`, or into `own`."""
+        self._state, self._have, self._need, self._start, self._own = state, 0, need, start, own
 
     def _advance(self) -> list[Frame]:
         # Each step consumes a complete part; a part of zero length is complete at once.
         while self._have == self._need:
-            if self._state is _State.HEADER:
-                self._read_header()
-                self._state, self._have, self._need = _State.DESCRIPTOR, 0, self._descriptor_len
-            elif self._state is _State.DESCRIPTOR:
-                self._descriptor = self._read_descriptor()
+            state, opener = self._state, self._opener
+            # Where the descriptor ends in scratch (the MAC's trailer follows it).
+            head_end = HEADER_BYTES + self._descriptor_len if state is not _State.HEADER else 0
+            if state is _State.HEADER:
+                try:
+                    self._read_header()
+                except FrameError as e:
+                    if opener is None:
+                        raise
+                    # Every header an honest sender seals passes these checks.
+                    raise IntegrityError(
+                        f"{e} (on a sealed link: bytes were altered or injected on the way)"
+                    ) from None
+                d, p = self._descriptor_len, self._payload_len
+                if opener is not None and opener.encrypted:
+                    # Sized from the header already checked against the limits.
+                    body = bytearray(d + p + opener.trailer_bytes)
+                    self._enter(_State.BODY, len(body), own=body)
+                else:
+                    self._enter(_State.DESCRIPTOR, d, start=HEADER_BYTES)
+            elif state is _State.DESCRIPTOR:
+                if opener is None:
+                    descriptor = self._scratch_view[HEADER_BYTES:head_end]
+                    self._descriptor = self._read_descriptor(descriptor)
+                else:  # parsed only once the MAC has checked out
+                    opener.begin(self._scratch_view[:head_end])
                 # Allocated once, sized from the header already checked against the limit.
-                self._payload = bytearray(self._payload_len)
-                self._state, self._have, self._need = _State.PAYLOAD, 0, self._payload_len
+                payload = bytearray(self._payload_len)
+                self._enter(_State.PAYLOAD, len(payload), own=payload)
+            elif state is _State.PAYLOAD:
+                self._payload = self._own
+                if opener is None:
+                    return [self._complete(None)]
+                self._enter(_State.TRAILER, opener.trailer_bytes, start=head_end)
+            elif state is _State.TRAILER:
+                trailer = self._scratch_view[head_end : head_end + opener.trailer_bytes]
+                seq = opener.finish(trailer, self._type.name)
+                self._descriptor = self._read_descriptor(self._scratch_view[HEADER_BYTES:head_end])
+                return [self._complete(seq)]
             else:
-                frame = Frame(
-                    type=self._type,
-                    request_id=self._request_id,
-                    descriptor=self._descriptor,
-                    payload=self._payload if self._payload_len else b"",
-                    flags=self._flags,
-                )
-                self._start_frame()
-                return [frame]
+                header = self._scratch_view[:HEADER_BYTES]
+                plaintext, seq = opener.open(header, self._own, self._type.name)
+                plain = memoryview(plaintext)
+                self._descriptor = self._read_descriptor(plain[: self._descriptor_len])
+                self._payload = plain[self._descriptor_len :]
+                return [self._complete(seq)]
         return []
+
+    def _complete(self, seq: int | None) -> Frame:
+        frame = Frame(
+            type=self._type,
+            request_id=self._request_id,
+            descriptor=self._descriptor,
+            payload=self._payload if self._payload_len else b"",
+            flags=self._flags,
+            seq=seq,
+        )
+        self._payload = None
+        self._start_frame()
+        return frame
 
     def _read_header(self):
         magic, version, msg_type, flags, request_id, descriptor_len, payload_len = (
@@ -284,26 +434,25 @@ class FrameDecoder:
         name = self._type.name
         if flags & ~KNOWN_FLAGS:
             raise FrameError(f"{name} frame has unknown flag bits set: flags=0x{flags:04x}")
-        if descriptor_len > self.limits.max_descriptor_bytes:
+        if descriptor_len > self._limits.max_descriptor_bytes:
             raise FrameError(
                 f"{name} frame declares a descriptor of {descriptor_len} bytes, over "
-                f"the limit of {self.limits.max_descriptor_bytes} bytes"
+                f"the limit of {self._limits.max_descriptor_bytes} bytes"
             )
-        if payload_len > self.limits.max_payload_bytes:
+        if payload_len > self._limits.max_payload_bytes:
             raise FrameError(
                 f"{name} frame declares a payload of {payload_len} bytes, over the "
-                f"limit of {self.limits.max_payload_bytes} bytes"
+                f"limit of {self._limits.max_payload_bytes} bytes"
             )
         self._flags, self._request_id = flags, request_id
         self._descriptor_len, self._payload_len = descriptor_len, payload_len
 
-    def _read_descriptor(self) -> dict:
-        if not self._descriptor_len:
+    def _read_descriptor(self, raw: memoryview) -> dict:
+        if not len(raw):
             return {}
         name = self._type.name
-        raw = bytes(self._scratch_view[: self._descriptor_len])
         try:
-            descriptor = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+            descriptor = json.loads(bytes(raw).decode("utf-8"), parse_constant=_reject_constant)
         # ValueError: bad UTF-8, bad JSON, NaN/Infinity, ints past Python's digit
         # limit; RecursionError: nesting deeper than the parser's stack.
         except (ValueError, RecursionError) as e:

@@ -3,13 +3,21 @@
 FrameProtocol plugs the sans-I/O FrameDecoder and Handshake into an asyncio
 BufferedProtocol: payloads land from the kernel straight into their frame's
 buffer, and outgoing payloads are handed to the transport as memoryviews, not
-joined to their header. (The selector loop of Python 3.11 still joins what it
-is given in writelines; uvloop and Python 3.12+ write the buffers as they are.)
+joined to their header (unless the link is encrypted: then as ciphertext). (The
+selector loop of Python 3.11 still joins what it is given in writelines;
+uvloop and Python 3.12+ write the buffers as they are.)
 
 FrameStream is what the daemon holds: send/recv with deadlines, the peer's
-authenticated identity. `connect` and `serve` hand one out only after the peer
-has proved the cluster secret; until then a connection runs under
-HANDSHAKE_LIMITS and nothing but the handshake is parsed.
+authenticated identity and info. `connect` and `serve` hand one out only once
+the handshake is complete: both proofs in and the peer's sealed INFO opened.
+Until then a connection runs under the handshake's tight limits and nothing
+but the handshake is parsed; after the PROOFs every frame both ways is sealed
+(wire.seal), and one that fails its check drops the link.
+
+Strangers are bounded: `serve` holds at most MAX_UNAUTHENTICATED connections in
+the handshake (MAX_UNAUTHENTICATED_PER_HOST from one address) and closes the
+rest at once, and warnings about failed handshakes and dropped links are rate
+limited, so a flood costs neither memory nor the log.
 
 What the frames mean (membership, plans, tensors) is for the layers above.
 """
@@ -23,13 +31,22 @@ from collections.abc import Awaitable, Callable
 
 from wire.frames import (
     DEFAULT_LIMITS,
-    HANDSHAKE_LIMITS,
     Frame,
     FrameDecoder,
     FrameError,
+    IntegrityError,
     encode_frame,
 )
 from wire.handshake import HANDSHAKE_TIMEOUT_S, Handshake, HandshakeError
+
+__all__ = [
+    "FrameError",
+    "FrameStream",
+    "HandshakeError",
+    "IntegrityError",
+    "connect",
+    "serve",
+]
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +63,121 @@ SEND_TIMEOUT_S = 30.0
 # socket, so TCP backpressure slows the sender instead of this process holding
 # an unbounded backlog (each frame is within the decoder's limits).
 RECV_QUEUE_FRAMES = 64
+# Connections `serve` holds in the handshake at once; more are closed at once.
+# An honest peer has one (two while both sides dial each other) and a ring is a
+# handful of nodes, so these only ever bind for strangers, whose hold they bound
+# to the cap times a ~1 KiB decoder for up to HANDSHAKE_TIMEOUT_S. Per address
+# there is room for a few nodes behind one NAT, and redials.
+MAX_UNAUTHENTICATED = 64
+MAX_UNAUTHENTICATED_PER_HOST = 8
+# Warnings about failed handshakes and dropped links: the first from each
+# address is logged as it happens, later ones are counted and summed up in one
+# line per interval, so a peer failing in a loop cannot flood the log.
+LOG_SUMMARY_INTERVAL_S = 60.0
+# At most this many first-from-an-address warnings per interval (the rest are
+# counted), and this many addresses remembered: bounds both lines and memory
+# when the failures come from many addresses.
+MAX_FIRST_WARNINGS_PER_INTERVAL = 10
+MAX_REMEMBERED_ADDRESSES = 1024
+
+
+class _RateLimitedLog:
+    """Warnings about misbehaving peers, first per address then summed per interval."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._warned: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._first_warnings = 0
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._sources: set[str] = set()
+        self._summary: asyncio.TimerHandle | None = None
+
+    def warn(self, kind: str, host: str, message: str):
+        """Log `message` if it is the first from `host`; else count it under `kind`."""
+        self._start_interval()
+        if host not in self._warned and self._first_warnings < MAX_FIRST_WARNINGS_PER_INTERVAL:
+            self._warned[host] = None
+            if len(self._warned) > MAX_REMEMBERED_ADDRESSES:
+                self._warned.popitem(last=False)  # forgotten: its next failure is logged again
+            self._first_warnings += 1
+            log.warning("%s", message)
+        else:
+            self.count(kind, host)
+
+    def count(self, kind: str, host: str):
+        """Count an event under `kind` for the next summary line, without logging it now."""
+        self._start_interval()
+        self._counts[kind] += 1
+        if len(self._sources) < MAX_REMEMBERED_ADDRESSES:
+            self._sources.add(host)
+
+    def _start_interval(self):
+        if self._summary is None:
+            self._summary = self.loop.call_later(LOG_SUMMARY_INTERVAL_S, self._summarize)
+
+    def _summarize(self):
+        if self._counts:
+            counted = ", ".join(f"{kind}: {n}" for kind, n in sorted(self._counts.items()))
+            log.warning(
+                "not logged one by one in the last %g s: %s (from %d address%s)",
+                LOG_SUMMARY_INTERVAL_S, counted, len(self._sources),
+                "" if len(self._sources) == 1 else "es",
+            )  # fmt: skip
+        self._summary = None
+        self._first_warnings = 0
+        self._counts.clear()
+        self._sources.clear()
+
+
+_log: _RateLimitedLog | None = None
+
+
+def _rate_limited_log() -> _RateLimitedLog:
+    """The running loop's rate-limited log: one per process in the daemon."""
+    global _log
+    loop = asyncio.get_running_loop()
+    if _log is None or _log.loop is not loop:
+        _log = _RateLimitedLog(loop)
+    return _log
+
+
+class _Gate:
+    """Counts a server's connections still in the handshake, in total and by address."""
+
+    def __init__(self):
+        self.total = 0
+        self.by_host: collections.Counter[str] = collections.Counter()
+
+    def admit(self, host: str) -> bool:
+        if self.total >= MAX_UNAUTHENTICATED or self.by_host[host] >= MAX_UNAUTHENTICATED_PER_HOST:
+            return False
+        self.total += 1
+        self.by_host[host] += 1
+        return True
+
+    def release(self, host: str):
+        self.total -= 1
+        self.by_host[host] -= 1
+        if not self.by_host[host]:
+            del self.by_host[host]
 
 
 class FrameProtocol(asyncio.BufferedProtocol):
-    """One connection: runs the handshake, then queues frames in and writes frames out."""
+    """One connection: runs the handshake, then queues frames in and writes frames out.
 
-    def __init__(self, handshake: Handshake):
+    With a `gate` (serve's), the connection counts against the caps on
+    unauthenticated connections and is closed at once if over them.
+    """
+
+    def __init__(self, handshake: Handshake, gate: _Gate | None = None):
         self.handshake = handshake
-        # Resolves once the peer has proved the secret; fails with why it did not.
+        # Resolves once the handshake is complete (the peer's INFO verified);
+        # fails with why it did not.
         self.authenticated: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._decoder = FrameDecoder(HANDSHAKE_LIMITS)
+        self._decoder = FrameDecoder(handshake.limits)
+        self._sealer = None  # the session's, from the peer's PROOF on
+        self._gate = gate
+        self.refused = False  # closed at once: over the gate's caps
         self._transport: asyncio.Transport | None = None
         self.peername: tuple[str, int] = ("", 0)
         self._handshake_deadline: asyncio.TimerHandle | None = None
@@ -81,7 +203,15 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.Transport):
         self._transport = transport
-        self.peername = transport.get_extra_info("peername")[:2]
+        self.peername = (transport.get_extra_info("peername") or ("", 0))[:2]
+        if self._gate is not None and not self._gate.admit(self.peername[0]):
+            self.refused = True
+            self._end(ConnectionRefusedError(
+                f"{self.address} refused: {MAX_UNAUTHENTICATED} connections in the handshake, "
+                f"or {MAX_UNAUTHENTICATED_PER_HOST} from its address, are already open"
+            ))  # fmt: skip
+            transport.close()
+            return
         # One small frame per generated token: Nagle's delay would stall the ring.
         transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         timeout = HANDSHAKE_TIMEOUT_S
@@ -90,7 +220,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.fail,
             TimeoutError(f"handshake with {self.address} took longer than {timeout} s"),
         )
-        self._write(self.handshake.start())
+        self._write_handshake(self.handshake.start())
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._decoder.get_buffer(sizehint)
@@ -102,11 +232,15 @@ class FrameProtocol(asyncio.BufferedProtocol):
                     self._deliver(frame)
                 else:
                     self._handshake_step(frame)
-        except FrameError as e:  # HandshakeError included
-            if self.handshake.done:
-                self.fail(FrameError(f"{self.address} sent a malformed frame: {e}"))
+        except FrameError as e:  # HandshakeError and IntegrityError included
+            if not self.handshake.done:
+                error = HandshakeError(f"handshake with {self.address} failed: {e}")
+            elif isinstance(e, IntegrityError):
+                error = IntegrityError(f"{self.address} sent a frame that failed its check: {e}")
             else:
-                self.fail(HandshakeError(f"handshake with {self.address} failed: {e}"))
+                error = FrameError(f"{self.address} sent a malformed frame: {e}")
+            error.__cause__ = e
+            self.fail(error)
 
     def eof_received(self) -> bool:
         return False  # the peer is done sending; close our side too
@@ -128,7 +262,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def write(self, frame: Frame):
         if self._error is not None:
             raise ConnectionError(str(self._error)) from self._error
-        self._write([frame])
+        # Sealing takes the frame's sequence number: encode and hand over in one go.
+        self._transport.writelines(encode_frame(frame, DEFAULT_LIMITS, self._sealer))
 
     async def drain(self):
         await self._can_write.wait()
@@ -157,7 +292,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
             return
         self._end(error)
         if self.handshake.done:
-            log.warning("dropping %s (%s): %s", self.handshake.peer_id, self.address, error)
+            _rate_limited_log().warn(
+                "dropped links", self.peername[0],
+                f"dropping {self.handshake.peer_id} ({self.address}): {error}",
+            )  # fmt: skip
             # Don't flush our backlog to a peer we gave up on: it may never read it.
             self._transport.abort()
         else:
@@ -174,16 +312,24 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     # -- internals
 
-    def _write(self, frames: list[Frame]):
+    def _write_handshake(self, frames: list[Frame]):
         for frame in frames:
-            self._transport.writelines(encode_frame(frame, self._decoder.limits))
+            # The handshake has checked its frames' sizes against their own limits.
+            self._transport.writelines(encode_frame(frame, DEFAULT_LIMITS, self._sealer))
 
     def _handshake_step(self, frame: Frame):
-        self._write(self.handshake.receive(frame))
-        if self.handshake.done:
-            # Only now may the peer send more than HELLO and PROOF. The decoder
-            # has read nothing past this frame, so the next header meets the new limits.
-            self._decoder.limits = DEFAULT_LIMITS
+        handshake = self.handshake
+        replies = handshake.receive(frame)
+        if self._sealer is None and (session := handshake.session) is not None:
+            # The peer's PROOF verified: from here on every frame both ways is
+            # sealed, our INFO (in `replies`) first. The decoder has read nothing
+            # past this frame, so the next header is the first sealed one.
+            self._sealer = session.sealer
+            self._decoder.opener = session.opener
+        # Tight until the peer's INFO is in, then the protocol's own.
+        self._decoder.limits = handshake.limits
+        self._write_handshake(replies)
+        if handshake.done:
             self._handshake_deadline.cancel()
             if not self.authenticated.done():  # connect() may have been cancelled
                 self.authenticated.set_result(None)
@@ -208,7 +354,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
 
 class FrameStream:
-    """An authenticated ring link: send and receive frames, every wait with a deadline."""
+    """An authenticated ring link: send and receive frames, every wait with a deadline.
+
+    Every frame is sealed (a MAC, or AES-GCM when `encrypted`); one that fails
+    its check ends the link, and recv() then raises ConnectionError whose
+    __cause__ is the IntegrityError.
+    """
 
     def __init__(self, protocol: FrameProtocol):
         self._protocol = protocol
@@ -222,7 +373,13 @@ class FrameStream:
 
     @property
     def peer_info(self) -> dict:
+        """What the peer said about itself in its INFO, after proving the secret."""
         return self._protocol.handshake.peer_info
+
+    @property
+    def encrypted(self) -> bool:
+        """True if frames are encrypted (either side asked), else only authenticated."""
+        return self._protocol.handshake.encrypted
 
     @property
     def peername(self) -> tuple[str, int]:
@@ -243,7 +400,8 @@ class FrameStream:
     async def send(self, frame: Frame, timeout: float = SEND_TIMEOUT_S):
         """Write `frame` and wait until the transport can take more.
 
-        The payload is not copied: leave its buffer untouched until it is sent.
+        Unless the link is encrypted the payload is not copied: leave its buffer
+        untouched until it is sent.
         If the peer does not take our bytes within `timeout`, the connection is
         dropped and TimeoutError raised.
         """
@@ -288,15 +446,18 @@ async def connect(
     node_id: str,
     cluster: str,
     info: dict | None = None,
+    encrypt: bool = False,
     timeout: float = CONNECT_TIMEOUT_S,
 ) -> FrameStream:
     """Dial a peer and authenticate as initiator.
 
+    `info` is read when it is sent, once the peer has proved the secret.
+    `encrypt` asks for AES-GCM on this link (the peer may ask too).
     `timeout` bounds the TCP connect, HANDSHAKE_TIMEOUT_S the handshake after it.
     Raises ConnectionError, TimeoutError or HandshakeError, naming the address.
     """
     handshake = Handshake(
-        secret=secret, node_id=node_id, cluster=cluster, initiator=True, info=info
+        secret=secret, node_id=node_id, cluster=cluster, initiator=True, info=info, encrypt=encrypt
     )
     loop = asyncio.get_running_loop()
     try:
@@ -325,28 +486,42 @@ async def serve(
     node_id: str,
     cluster: str,
     info: dict | None = None,
+    encrypt: bool = False,
 ) -> asyncio.AbstractServer:
-    """Listen for peers; run `on_stream` in a task for each one that authenticates.
+    """Listen for peers; run `on_stream` in a task for each one that completes the handshake.
+
+    `info` is read each time it is sent, once a peer has proved the secret.
+    `encrypt` makes every accepted link encrypted; without it a link is
+    encrypted if the dialer asks.
 
     A peer that fails the handshake, or does not finish it within
-    HANDSHAKE_TIMEOUT_S, is disconnected with one warning line.
+    HANDSHAKE_TIMEOUT_S, is disconnected, and a warning logged (rate limited:
+    see LOG_SUMMARY_INTERVAL_S). Connections over the caps on those still in
+    the handshake are closed at once and only counted.
     """
     new_handshake = functools.partial(
-        Handshake, secret=secret, node_id=node_id, cluster=cluster, initiator=False, info=info
-    )
+        Handshake, secret=secret, node_id=node_id, cluster=cluster, initiator=False, info=info,
+        encrypt=encrypt,
+    )  # fmt: skip
     new_handshake()  # bad arguments fail here, not at the first connection
     handlers: set[asyncio.Task] = set()  # strong references, so tasks are not collected
+    gate = _Gate()
 
     def on_handshake_over(protocol: FrameProtocol, authenticated: asyncio.Future):
-        if authenticated.exception() is not None:
-            log.warning("%s", authenticated.exception())
+        host, error = protocol.peername[0], authenticated.exception()
+        if protocol.refused:
+            _rate_limited_log().count("connections refused over the handshake caps", host)
+            return
+        gate.release(host)
+        if error is not None:
+            _rate_limited_log().warn("failed handshakes", host, str(error))
             return
         task = asyncio.create_task(_run_handler(on_stream, FrameStream(protocol)))
         handlers.add(task)
         task.add_done_callback(handlers.discard)
 
     def new_protocol() -> FrameProtocol:
-        protocol = FrameProtocol(new_handshake())
+        protocol = FrameProtocol(new_handshake(), gate)
         protocol.authenticated.add_done_callback(functools.partial(on_handshake_over, protocol))
         return protocol
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from wire.frames import (
     DEFAULT_LIMITS,
     HANDSHAKE_LIMITS,
+    INFO_LIMITS,
     HEADER,
     MAGIC,
     MAX_DESCRIPTOR_BYTES,
@@ -143,6 +144,7 @@ def test_encode_casts_typed_memoryviews_to_bytes():
         (Frame(MsgType.PING, descriptor={"x": float("nan")}), DEFAULT_LIMITS, "JSON"),
         (Frame(MsgType.PING, descriptor={"x": object()}), DEFAULT_LIMITS, "JSON"),
         (Frame(MsgType.HELLO, descriptor={"x": "a" * 2000}), HANDSHAKE_LIMITS, "limit of 1024"),
+        (Frame(MsgType.INFO, descriptor={"x": "a" * 5000}), INFO_LIMITS, "limit of 4096"),
         (Frame(MsgType.HELLO, payload=b"x"), HANDSHAKE_LIMITS, "limit of 0 bytes"),
     ],
 )
@@ -155,7 +157,8 @@ def test_encode_rejects(frame, limits, needle):
     "head, needle",
     [
         (header(magic=b"GET "), "bad magic b'GET '"),
-        (header(version=2), "protocol version 2"),
+        (header(version=1), "protocol version 1 is not supported"),
+        (header(version=PROTOCOL_VERSION + 1), f"protocol version {PROTOCOL_VERSION + 1}"),
         (header(msg_type=0), "unknown message type 0"),
         (header(msg_type=200), "unknown message type 200"),
         (header(flags=0x8000), "flags=0x8000"),
@@ -214,6 +217,28 @@ def test_limits_change_between_frames():
         data = data[1:]
     decoder.limits = DEFAULT_LIMITS
     assert decoder.feed(data) == [big]
+
+
+def test_scratch_is_sized_for_the_limits_in_force():
+    """A stranger still in the handshake costs about 1 KiB, not a 64 KiB descriptor buffer."""
+    decoder = FrameDecoder(HANDSHAKE_LIMITS)
+    assert decoder.scratch_bytes <= 2 * 1024
+    decoder.limits = INFO_LIMITS
+    assert INFO_LIMITS.max_descriptor_bytes < decoder.scratch_bytes <= 5 * 1024
+    decoder.limits = DEFAULT_LIMITS
+    assert decoder.scratch_bytes >= MAX_DESCRIPTOR_BYTES
+    # Grown, it decodes the big descriptor it was grown for.
+    big = Frame(MsgType.CONTROL, descriptor={"x": "a" * (MAX_DESCRIPTOR_BYTES - 10)})
+    assert decoder.feed(wire_bytes(big)) == [big]
+
+
+def test_limits_grown_mid_header_keep_the_bytes_already_read():
+    frame = Frame(MsgType.CONTROL, 5, {"k": "v" * 2000})
+    data = wire_bytes(frame)
+    decoder = FrameDecoder(HANDSHAKE_LIMITS)
+    assert decoder.feed(data[:10]) == []
+    decoder.limits = DEFAULT_LIMITS  # applies to this header: it is not complete yet
+    assert decoder.feed(data[10:]) == [frame]
 
 
 def test_limits_cannot_loosen_the_protocol_maxima():

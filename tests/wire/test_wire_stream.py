@@ -2,7 +2,9 @@
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import re
 import socket
 import time
 
@@ -13,8 +15,9 @@ import uvloop
 
 import wire.stream
 from wire.frames import (
-    HANDSHAKE_LIMITS,
+    DEFAULT_LIMITS,
     HEADER,
+    HEADER_BYTES,
     MAGIC,
     MAX_PAYLOAD_BYTES,
     PROTOCOL_VERSION,
@@ -24,6 +27,7 @@ from wire.frames import (
     encode_frame,
 )
 from wire.handshake import Handshake, HandshakeError
+from wire.seal import MAC_BYTES, TAG_BYTES, IntegrityError
 from wire.stream import FrameStream, connect, serve
 from wire.tensors import tensor_descriptor, tensor_from_buffer, tensor_to_buffer
 
@@ -39,7 +43,7 @@ def run(request):
 
 
 @contextlib.asynccontextmanager
-async def server(on_stream=None, *, secret=SECRET, cluster="lab"):
+async def server(on_stream=None, *, secret=SECRET, cluster="lab", encrypt=False):
     """A `serve` on an ephemeral port; yields (port, queue of accepted streams).
 
     With `on_stream` given, that handles the streams instead of the queue. On
@@ -60,6 +64,7 @@ async def server(on_stream=None, *, secret=SECRET, cluster="lab"):
         node_id="server",
         cluster=cluster,
         info={"ring_port": 1234},
+        encrypt=encrypt,
     )
     try:
         yield srv.sockets[0].getsockname()[1], accepted
@@ -84,19 +89,54 @@ def dial(port, **kwargs):
     return connect("127.0.0.1", port, **args)
 
 
-async def raw_handshake(port: int):
-    """A client that speaks the handshake by hand, then whatever the test likes."""
+async def raw_handshake(port: int, encrypt: bool = False):
+    """A client that speaks the handshake by hand, then whatever the test likes.
+
+    Returns the reader, the writer and the session, whose sealer seals what the
+    test sends next.
+    """
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    handshake = Handshake(secret=SECRET, node_id="raw", cluster="lab", initiator=True)
-    decoder = FrameDecoder(HANDSHAKE_LIMITS)
-    for frame in handshake.start():
-        writer.writelines(encode_frame(frame, HANDSHAKE_LIMITS))
+    handshake = Handshake(
+        secret=SECRET, node_id="raw", cluster="lab", initiator=True, encrypt=encrypt
+    )
+    decoder = FrameDecoder(handshake.limits)
+
+    def send(frames):
+        sealer = handshake.session.sealer if handshake.session else None
+        for frame in frames:
+            writer.writelines(encode_frame(frame, DEFAULT_LIMITS, sealer))
+
+    send(handshake.start())
     while not handshake.done:
-        # One byte at a time: read nothing past the server's PROOF.
-        for frame in decoder.feed(await reader.readexactly(1)):
-            for reply in handshake.receive(frame):
-                writer.writelines(encode_frame(reply, HANDSHAKE_LIMITS))
-    return reader, writer
+        buf = decoder.get_buffer()
+        # At most what the current part needs: read nothing past the server's INFO.
+        chunk = await reader.read(len(buf))
+        if not chunk:
+            raise ConnectionError("the server closed the connection in the handshake")
+        buf[: len(chunk)] = chunk
+        for frame in decoder.buffer_updated(len(chunk)):
+            replies = handshake.receive(frame)
+            if handshake.session is not None and decoder.opener is None:
+                decoder.opener = handshake.session.opener
+            decoder.limits = handshake.limits
+            send(replies)
+    return reader, writer, handshake.session
+
+
+async def until(condition, timeout: float = 10.0, what: str = "condition"):
+    """Wait for `condition()` to hold, checking often; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        await asyncio.sleep(0.01)
+
+
+def stream_warnings(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "wire.stream" and r.levelno >= logging.WARNING
+    ]
 
 
 async def read_until_eof(reader: asyncio.StreamReader, timeout: float) -> bytes:
@@ -108,7 +148,8 @@ async def read_until_eof(reader: asyncio.StreamReader, timeout: float) -> bytes:
     return data
 
 
-def test_tensor_frames_round_trip_bit_exactly(run):
+@pytest.mark.parametrize("encrypt", [False, True], ids=["integrity", "encryption"])
+def test_tensor_frames_round_trip_bit_exactly(run, encrypt):
     arrays = [
         mx.random.normal((1, 7, 64)).astype(mx.bfloat16),
         mx.array([[np.nan, -0.0], [np.inf, 1e-40]], dtype=mx.float32),
@@ -132,9 +173,10 @@ def test_tensor_frames_round_trip_bit_exactly(run):
 
     async def main():
         async with server(echo) as (port, _):
-            stream = await dial(port)
+            stream = await dial(port, encrypt=encrypt)
             assert (stream.peer_id, stream.peer_info) == ("server", {"ring_port": 1234})
             assert stream.peername == ("127.0.0.1", port)
+            assert stream.encrypted == encrypt
             for i, arr in enumerate(arrays):
                 desc = {"tensor": tensor_descriptor(arr)}
                 await stream.send(Frame(MsgType.FORWARD, i, desc, tensor_to_buffer(arr)))
@@ -152,13 +194,14 @@ def test_tensor_frames_round_trip_bit_exactly(run):
     run(main())
 
 
-def test_large_payload_arrives_intact(run):
+@pytest.mark.parametrize("encrypt", [False, True], ids=["integrity", "encryption"])
+def test_large_payload_arrives_intact(run, encrypt):
     payload = np.random.default_rng(0).integers(0, 256, 64 * 1024 * 1024, np.uint8).tobytes()
 
     async def main():
         async with server() as (port, accepted):
-            stream = await dial(port)
-            # Sent at once: the server may not have seen our PROOF yet.
+            stream = await dial(port, encrypt=encrypt)
+            # Sent at once: the server may not have seen our INFO yet.
             await stream.send(Frame(MsgType.FORWARD, 1, {"n": len(payload)}, payload))
             theirs = await accepted.get()
             frame = await theirs.recv(10)
@@ -206,14 +249,60 @@ def test_wrong_secret_is_refused_on_both_sides(caplog):
         async with server(called, secret=b"other") as (port, _):
             with pytest.raises(HandshakeError, match=f"127.0.0.1:{port}.*different cluster secret"):
                 await dial(port)
-            await asyncio.sleep(0.1)
+            await until(lambda: stream_warnings(caplog), what="the server's warning")
 
     with caplog.at_level(logging.WARNING, "wire.stream"):
         asyncio.run(main())
     assert called == []
-    [warning] = caplog.records
-    assert "handshake with 127.0.0.1:" in warning.message
-    assert "different cluster secret" in warning.message
+    [warning] = stream_warnings(caplog)
+    assert "handshake with 127.0.0.1:" in warning
+    assert "different cluster secret" in warning
+    assert SECRET.decode() not in warning and "other" not in warning
+
+
+def test_a_stranger_without_the_secret_learns_no_info():
+    """The server's INFO goes out only after the peer's PROOF has verified."""
+
+    async def main():
+        async with server(Recorder()) as (port, _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            stranger = Handshake(secret=b"guess", node_id="x", cluster="lab", initiator=True)
+            hello = stranger.start()
+            proof = stranger.receive(await read_hello(reader))
+            for frame in hello + proof:
+                writer.writelines(encode_frame(frame))
+            seen = await read_until_eof(reader, timeout=5)
+            writer.close()
+            with contextlib.suppress(ConnectionResetError):
+                await writer.wait_closed()
+            return seen
+
+    seen = asyncio.run(main())
+    assert seen  # the server's PROOF, before it read ours
+    assert b"ring_port" not in seen and b"1234" not in seen
+
+
+async def read_hello(reader: asyncio.StreamReader) -> Frame:
+    head = await reader.readexactly(HEADER_BYTES)
+    descriptor_len = HEADER.unpack(head)[5]
+    [hello] = FrameDecoder().feed(head + await reader.readexactly(descriptor_len))
+    return hello
+
+
+@pytest.mark.parametrize("dialer, listener", [(True, False), (False, True), (True, True)])
+def test_encryption_is_on_if_either_side_asks(dialer, listener):
+    async def main():
+        async with server(encrypt=listener) as (port, accepted):
+            stream = await dial(port, encrypt=dialer)
+            theirs = await accepted.get()
+            assert stream.encrypted and theirs.encrypted
+            await stream.send(Frame(MsgType.FORWARD, 1, {"k": "v"}, b"secret bytes"))
+            frame = await theirs.recv(5)
+            assert (frame.descriptor, bytes(frame.payload)) == ({"k": "v"}, b"secret bytes")
+            stream.close()
+            await stream.wait_closed()
+
+    asyncio.run(main())
 
 
 def test_other_cluster_is_refused():
@@ -253,8 +342,8 @@ def test_strangers_are_dropped_within_the_handshake_timeout(monkeypatch, caplog,
     with caplog.at_level(logging.WARNING, "wire.stream"):
         asyncio.run(main())
     assert called == []
-    [warning] = caplog.records
-    assert "127.0.0.1:" in warning.message and reason in warning.message
+    [warning] = stream_warnings(caplog)
+    assert "127.0.0.1:" in warning and reason in warning
 
 
 def test_connect_to_a_silent_server_times_out(monkeypatch):
@@ -289,7 +378,7 @@ def test_connect_to_a_closed_port_fails_fast():
 def test_oversized_header_after_the_handshake_drops_the_peer(caplog):
     async def main():
         async with server() as (port, accepted):
-            reader, writer = await raw_handshake(port)
+            reader, writer, _ = await raw_handshake(port)
             theirs = await accepted.get()
             # A header no honest node writes (encode_frame refuses it).
             too_big = MAX_PAYLOAD_BYTES + 1
@@ -330,7 +419,7 @@ def test_deadlines_and_closed_streams():
 def test_send_to_a_peer_that_stopped_reading_times_out():
     async def main():
         async with server() as (port, accepted):
-            _, writer = await raw_handshake(port)  # and then never reads again
+            _, writer, _ = await raw_handshake(port)  # and then never reads again
             theirs = await accepted.get()
             big = Frame(MsgType.FORWARD, 1, payload=bytes(64 * 1024 * 1024))
             with pytest.raises(TimeoutError, match=r"took longer than 0\.2 s"):
@@ -342,3 +431,311 @@ def test_send_to_a_peer_that_stopped_reading_times_out():
             await writer.wait_closed()
 
     asyncio.run(main())
+
+
+# -- a relay that knows no secret, between a real `connect` and a real `serve`
+
+
+@dataclasses.dataclass
+class Cut:
+    """A relay's answer: send `to_server`, close the dialer's side, pass nothing more."""
+
+    to_server: bytes = b""
+
+
+class Relay:
+    """A TCP proxy in the middle: dialer <-> relay <-> server, knowing no secret.
+
+    It splits each direction into frames (headers are in the clear; from the
+    third frame on, HELLO and PROOF being the first two, each carries a
+    `trailer`) and passes each one through `tamper(direction, index, frame,
+    seen)`, which returns the bytes to pass on or a Cut; `seen` is every frame
+    of that direction so far ("up" is dialer to server, "down" the other way).
+    """
+
+    def __init__(self, target_port: int, trailer: int, tamper=None):
+        self.target_port, self.trailer = target_port, trailer
+        self.tamper = tamper or (lambda direction, index, frame, seen: frame)
+        self.seen: dict[str, list[bytes]] = {"up": [], "down": []}
+        self.tasks: set[asyncio.Task] = set()
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> int:
+        self.listener = await asyncio.start_server(self._on_dialer, "127.0.0.1", 0)
+        return self.listener.sockets[0].getsockname()[1]
+
+    async def __aexit__(self, *exc):
+        self.listener.close()
+        await self.listener.wait_closed()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for writer in self.writers:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    async def _on_dialer(self, dialer_r, dialer_w):
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers += [dialer_w, server_w]
+        cut = asyncio.Event()
+        for args in ((dialer_r, server_w, "up"), (server_r, dialer_w, "down")):
+            task = asyncio.create_task(self._pump(*args, cut, dialer_w, server_w))
+            self.tasks.add(task)
+
+    async def _pump(self, reader, writer, direction, cut, dialer_w, server_w):
+        index = 0
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while not cut.is_set():
+                head = await reader.readexactly(HEADER_BYTES)
+                descriptor_len, payload_len = HEADER.unpack(head)[5:]
+                trailer = self.trailer if index >= 2 else 0
+                frame = head + await reader.readexactly(descriptor_len + payload_len + trailer)
+                self.seen[direction].append(frame)
+                out = self.tamper(direction, index, frame, self.seen[direction])
+                index += 1
+                if cut.is_set():
+                    return
+                if isinstance(out, Cut):
+                    cut.set()
+                    server_w.write(out.to_server)
+                    dialer_w.close()  # and hold the server's connection open, silent
+                    return
+                writer.write(out)
+        if not cut.is_set():
+            writer.close()  # a plain proxy passes an end on
+
+
+TRAILERS = {False: MAC_BYTES, True: TAG_BYTES}
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["integrity", "encryption"])
+def test_a_relay_passing_bytes_through_is_just_a_proxy(encrypt):
+    async def main():
+        async with server() as (port, accepted), Relay(port, TRAILERS[encrypt]) as relay_port:
+            stream = await dial(relay_port, encrypt=encrypt)
+            theirs = await accepted.get()
+            assert (stream.peer_id, theirs.peer_id, theirs.peer_info) == ("server", "client", {})
+            for i in range(3):
+                await stream.send(Frame(MsgType.FORWARD, i, {"i": i}, bytes([i]) * 1000))
+                await theirs.send(Frame(MsgType.TOKEN, i, {"token": i}))
+            for i in range(3):
+                assert (await theirs.recv(5)).descriptor == {"i": i}
+                assert (await stream.recv(5)).descriptor == {"token": i}
+            stream.close()
+            await stream.wait_closed()
+
+    asyncio.run(main())
+
+
+def flip_a_byte(frame: bytes) -> bytes:
+    middle = len(frame) // 2
+    return frame[:middle] + bytes([frame[middle] ^ 0x10]) + frame[middle + 1 :]
+
+
+def sealed_looking_ping(trailer: int) -> bytes:
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.PING, 0, 0, 0, 0) + bytes(trailer)
+
+
+# What the relay does to the data frames after the handshake: frame 2 of each
+# direction is INFO, so 3 and 4 are the two FORWARDs the test sends.
+TAMPERING = {
+    "inject a frame": lambda seen, i, f, t: sealed_looking_ping(t) + f if i == 3 else f,
+    "inject junk bytes": lambda seen, i, f, t: b"\0junk" + f if i == 4 else f,
+    "replay a frame": lambda seen, i, f, t: f + seen[3] if i == 4 else f,
+    "replay the INFO": lambda seen, i, f, t: seen[2] + f if i == 3 else f,
+    "flip one byte": lambda seen, i, f, t: flip_a_byte(f) if i == 3 else f,
+    "swap two frames": lambda seen, i, f, t: b"" if i == 3 else (f + seen[3] if i == 4 else f),
+    "drop a frame": lambda seen, i, f, t: b"" if i == 3 else f,
+}
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["integrity", "encryption"])
+@pytest.mark.parametrize("direction", ["up", "down"])
+@pytest.mark.parametrize("tampering", sorted(TAMPERING))
+def test_a_relay_that_tampers_after_the_handshake_gets_the_link_closed(
+    caplog, tampering, direction, encrypt
+):
+    change = TAMPERING[tampering]
+    trailer = TRAILERS[encrypt]
+
+    def tamper(way, index, frame, seen):
+        return change(seen, index, frame, trailer) if way == direction else frame
+
+    async def main():
+        async with server() as (port, accepted), Relay(port, trailer, tamper) as relay_port:
+            client = await dial(relay_port, encrypt=encrypt)
+            serving = await accepted.get()
+            sender, receiver = (client, serving) if direction == "up" else (serving, client)
+            sent = [Frame(MsgType.FORWARD, i, {"i": i}, bytes([i]) * 64) for i in (1, 2)]
+            for frame in sent:
+                await sender.send(frame)
+            got = []
+            with pytest.raises(ConnectionError) as closed:
+                while True:
+                    got.append(await receiver.recv(5))
+            assert isinstance(closed.value.__cause__, IntegrityError), closed.value
+            assert "failed its" in str(closed.value)
+            assert got == sent[: len(got)]  # what came through is what was sent
+            assert receiver.closed
+            # The other end sees the link go, too.
+            with pytest.raises(ConnectionError):
+                await sender.recv(5)
+
+    with caplog.at_level(logging.WARNING, "wire.stream"):
+        asyncio.run(main())
+    peer = "client" if direction == "up" else "server"
+    assert any(
+        f"dropping {peer} (127.0.0.1:" in w and "failed its" in w for w in stream_warnings(caplog)
+    )
+
+
+# What the relay sends the server in place of the dialer's INFO, and how the
+# server ends the handshake: waiting out its deadline, or on a failed MAC.
+FORGED_INFOS = {
+    "nothing": "took longer than 0.5 s",
+    "an unsealed INFO": "took longer than 0.5 s",  # the server waits for a MAC that never comes
+    "an INFO with a made-up MAC": "INFO frame failed its MAC check as frame 0",
+    "the dialer's INFO, altered": "INFO frame failed its MAC check as frame 0",
+}
+
+
+@pytest.mark.parametrize("forged", sorted(FORGED_INFOS))
+def test_a_relay_that_drops_the_dialer_after_the_proofs_gets_no_stream(monkeypatch, caplog, forged):
+    """The proofs pass through a relay; the INFO it needs cannot be made without the secret."""
+    monkeypatch.setattr(wire.stream, "HANDSHAKE_TIMEOUT_S", 0.5)
+    info = Frame(MsgType.INFO, descriptor={"info": {"addr": "10.6.6.6:1"}})
+    unsealed = b"".join(bytes(b) for b in encode_frame(info))
+
+    def tamper(direction, index, frame, seen):
+        if index < 2:
+            return frame  # HELLO and PROOF, both ways
+        if direction == "down":
+            return b""  # the server's INFO: the dialer is about to be dropped anyway
+        # The dialer's INFO, sent once it had the server's PROOF, is held back.
+        return Cut({
+            "nothing": b"",
+            "an unsealed INFO": unsealed,
+            "an INFO with a made-up MAC": unsealed + bytes(MAC_BYTES),
+            "the dialer's INFO, altered": flip_a_byte(frame),
+        }[forged])  # fmt: skip
+
+    called = Recorder()
+
+    async def main():
+        async with server(called) as (port, _), Relay(port, MAC_BYTES, tamper) as relay_port:
+            with pytest.raises((ConnectionError, HandshakeError)):
+                await dial(relay_port)
+            await until(lambda: stream_warnings(caplog), what="the server giving up")
+            assert called == []
+
+    with caplog.at_level(logging.WARNING, "wire.stream"):
+        asyncio.run(main())
+    [warning] = stream_warnings(caplog)
+    assert "handshake with 127.0.0.1:" in warning and FORGED_INFOS[forged] in warning, warning
+
+
+# -- bounds on strangers
+
+
+async def admitted(port: int, host: str) -> asyncio.StreamWriter:
+    """A silent connection from `host`, taken into the handshake (the server sent its HELLO)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(host, 0))
+    await read_hello(reader)
+    return writer
+
+
+async def refused(port: int, host: str) -> bool:
+    """Whether a connection from `host` is closed at once, without a HELLO."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(host, 0))
+    data = await read_until_eof(reader, timeout=5)
+    writer.close()
+    with contextlib.suppress(ConnectionError):
+        await writer.wait_closed()
+    return data == b""
+
+
+def test_connections_over_the_handshake_caps_are_closed_at_once(monkeypatch, caplog):
+    monkeypatch.setattr(wire.stream, "MAX_UNAUTHENTICATED", 3)
+    monkeypatch.setattr(wire.stream, "MAX_UNAUTHENTICATED_PER_HOST", 2)
+    monkeypatch.setattr(wire.stream, "LOG_SUMMARY_INTERVAL_S", 0.5)
+    monkeypatch.setattr(wire.stream, "HANDSHAKE_TIMEOUT_S", 30.0)  # strangers stay while we look
+
+    async def main():
+        async with server() as (port, accepted):
+            silent = [await admitted(port, "127.0.0.1"), await admitted(port, "127.0.0.1")]
+            assert await refused(port, "127.0.0.1")  # the per-address cap
+            silent.append(await admitted(port, "127.0.0.2"))
+            assert await refused(port, "127.0.0.3")  # the total cap
+            with pytest.raises(ConnectionError, match="closed the connection during the handshake"):
+                await dial(port)
+            assert not any("refused" in w for w in stream_warnings(caplog))  # counted, not logged
+
+            for writer in silent:
+                writer.close()
+                await writer.wait_closed()
+
+            # Once the strangers are gone, an honest peer gets in again.
+            async def honest_dial_works() -> FrameStream:
+                deadline = time.monotonic() + 10
+                while True:
+                    try:
+                        return await dial(port)
+                    except ConnectionError:
+                        assert time.monotonic() < deadline, "the caps were never released"
+
+            stream = await honest_dial_works()
+            assert stream.peer_id == "server" and (await accepted.get()).peer_id == "client"
+            stream.close()
+            await stream.wait_closed()
+            await until(
+                lambda: any("refused" in w for w in stream_warnings(caplog)), what="the summary"
+            )
+
+    with caplog.at_level(logging.WARNING, "wire.stream"):
+        asyncio.run(main())
+    [summary] = [w for w in stream_warnings(caplog) if "refused" in w]
+    refusals = int(re.search(r"connections refused over the handshake caps: (\d+)", summary)[1])
+    assert refusals >= 3  # 127.0.0.1, 127.0.0.3, the early dial (and retries of the last)
+
+
+def test_failed_handshakes_are_logged_rate_limited(monkeypatch, caplog):
+    monkeypatch.setattr(wire.stream, "LOG_SUMMARY_INTERVAL_S", 1.0)
+    attempts = {"127.0.0.1": 12, "127.0.0.2": 3}
+
+    async def main():
+        async with server(Recorder()) as (port, _):
+            start = time.monotonic()
+            for host, count in attempts.items():
+                for _ in range(count):
+                    reader, writer = await asyncio.open_connection(
+                        "127.0.0.1", port, local_addr=(host, 0)
+                    )
+                    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                    await read_until_eof(reader, timeout=5)
+                    writer.close()
+                    with contextlib.suppress(ConnectionError):
+                        await writer.wait_closed()
+            # The summary comes at the end of the interval; the events are all in by now.
+            suppressed = sum(attempts.values()) - len(attempts)  # all but one per address
+            await until(
+                lambda: sum(counted(w) for w in stream_warnings(caplog)) == suppressed,
+                what="the summary of suppressed failures",
+            )
+            return time.monotonic() - start
+
+    def counted(line: str) -> int:
+        match = re.search(r"failed handshakes: (\d+)", line)
+        return int(match[1]) if match and "not logged one by one" in line else 0
+
+    with caplog.at_level(logging.WARNING, "wire.stream"):
+        elapsed = asyncio.run(main())
+    lines = stream_warnings(caplog)
+    firsts = [w for w in lines if "not logged one by one" not in w]
+    assert len(firsts) == 2  # one per address
+    assert {re.search(r"handshake with (127\.0\.0\.\d):", w)[1] for w in firsts} == set(attempts)
+    assert all("bad magic" in w for w in firsts)
+    summaries = [w for w in lines if "not logged one by one" in w]
+    # At most one summary line per interval, however many failures.
+    assert 1 <= len(summaries) <= elapsed / wire.stream.LOG_SUMMARY_INTERVAL_S + 1
+    assert all(SECRET.decode() not in w for w in lines)
