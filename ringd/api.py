@@ -1,10 +1,21 @@
-"""The HTTP face of a node, with aiohttp: OpenAI endpoints, health, status, metrics.
+"""The HTTP face of a node, with aiohttp: OpenAI endpoints, health, status, control, metrics.
 
-The leader serves ``/v1/*`` through its ``Engine``; every node answers
-``/health``, ``/cluster/status`` and ``/metrics`` about itself. Errors have
-OpenAI's shape and status; a malformed request is answered and forgotten, and
-nothing a client sends can take the node down. A client that goes away
-mid-stream cancels its request, which frees its caches on every stage.
+The leader serves ``/v1/*`` through its ``Engine``; a follower forwards them
+(``proxy.py``). Every node answers ``/health``, ``/cluster/status`` and
+``/metrics`` about itself. Errors have OpenAI's shape and status; a malformed
+request is answered and forgotten, and nothing a client sends can take the
+node down. A client that goes away mid-stream cancels its request, which frees
+its caches on every stage.
+
+Who may do what (``auth.py``): with ``api_keys_file`` set, ``/v1/*`` needs a
+key on every node, and ``/cluster/status`` a key or a request signed with the
+cluster secret; ``/health`` stays open. Control routes (leader pin, drain)
+always need a request signed with the cluster secret.
+
+Work per request is bounded before it is paid for (``http_guard.py``): a body's
+bytes are booked against the node's budget before it is read, it is parsed off
+the event loop, its character count is checked against the model's context
+before it is tokenized, and tokenizing runs off the loop a few at a time.
 """
 
 from __future__ import annotations
@@ -12,30 +23,70 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .auth import AuthError, ControlAuth, check_api_key, is_signed, sign
+from .config import check_name
 from .engine import EngineError
-from .openai_types import ApiError, CompletionRequest, envelope, new_id, now, parse_json, parse_request, usage
+from .http_guard import BODY_READ_TIMEOUT_S, HTTP_IDLE_TIMEOUT_S, BodyBudget, listen, raise_fd_limit
+from .openai_types import ApiError, CompletionRequest, envelope, new_id, now, parse_json, parse_request, prompt_chars, usage
+from .proxy import FORWARDED_HEADER, RESUME_FIELD, TOKEN_COMMENT, Proxy
+from .sampling import SamplingError
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
+    from .engine import Engine
+    from .shard import ModelInfo
 
 log = logging.getLogger(__name__)
 
+# The routes described for clients and for the HTTP fuzz test.
+OPENAPI = Path(__file__).with_name("openapi.json")
+
 # Largest request body: a long chat history is a few MB of JSON; more is abuse.
 MAX_BODY_BYTES = 16 * 1024 * 1024
-# A follower forwards /v1/* to the leader: a leader that does not accept the
-# connection this fast is down; once connected, it may take as long between two
-# streamed chunks as the engine itself allows a step.
-PROXY_CONNECT_TIMEOUT_S = 5.0
-PROXY_READ_TIMEOUT_S = 130.0
-# Set on a forwarded request, so that two nodes that each think the other leads
-# (for the moment an election takes) never bounce a request between them.
-FORWARDED_HEADER = "X-Ringd-Forwarded-By"
+# Bodies parsed and prompts tokenized at once: each is CPU-bound work off the
+# event loop that holds a copy of the body (json holds the GIL while it parses),
+# so a burst of giant requests waits its turn instead of taking all memory.
+MAX_CONCURRENT_PARSES = 2
+MAX_CONCURRENT_TOKENIZATIONS = 2
+# A resumed stream (a follower carrying it over to a new leader) names at most
+# this many tokens already streamed: no stream is longer than a context.
+MAX_RESUME_TOKENS = 1 << 20
+
+
+class ApiNode(Protocol):
+    """What the HTTP face needs of its node (``daemon.Daemon`` provides it)."""
+
+    name: str
+    model_id: str
+    started: int
+    info: "ModelInfo"
+    tokenizer: object
+    secret: bytes
+    api_keys: frozenset[str]
+    metrics: object
+
+    @property
+    def engine(self) -> "Engine | None": ...
+    @property
+    def leading(self) -> bool: ...
+    @property
+    def drained(self) -> set[str]: ...
+    @property
+    def leader(self) -> str | None: ...
+    def readiness(self) -> tuple[bool, str]: ...
+    def local_status(self) -> dict: ...
+    async def cluster_status(self) -> dict: ...
+    def leader_http(self) -> str | None: ...
+    async def leader_changed(self) -> None: ...
+    def members(self) -> set[str]: ...
+    def set_pin(self, node: str | None) -> dict: ...
+    def drain(self, node: str, undo: bool) -> None: ...
 
 
 def _error(e: ApiError) -> web.Response:
@@ -49,6 +100,8 @@ async def _errors(request: web.Request, handler):
         return await handler(request)
     except ApiError as e:
         return _error(e)
+    except AuthError as e:
+        return _error(ApiError(e.status, str(e), code="invalid_api_key" if e.status == 401 else "forbidden", type_="authentication_error"))
     except web.HTTPRequestEntityTooLarge:
         return _error(ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes"))
     except web.HTTPException as e:
@@ -64,9 +117,23 @@ async def _errors(request: web.Request, handler):
         return _error(ApiError(500, "internal error; the node's log has the details"))
 
 
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters one token can stand for: its longest vocabulary entry.
+
+    A text of n characters cannot encode to fewer than n / this tokens, so a
+    prompt whose characters exceed context x this cannot fit, and is refused
+    before it is tokenized. (Byte-level BPE entries spell one byte a character,
+    which is at least one character of text; special tokens count with theirs.)
+    """
+    try:
+        return max(1, max(len(t) for t in tokenizer.get_vocab()))
+    except (AttributeError, TypeError, ValueError):
+        return 1 << 16  # unknown tokenizer: the check still stops the absurd
+
+
 class Api:
-    def __init__(self, daemon: "Daemon"):
-        self.d = daemon
+    def __init__(self, node: ApiNode):
+        self.d = node
         self.app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
         self.app.add_routes(
             [
@@ -78,89 +145,131 @@ class Api:
                 web.post("/cluster/leader", self.set_leader),
                 web.post("/cluster/drain", self.drain),
                 web.get("/metrics", self.metrics),
+                web.get("/openapi.json", self.openapi),
             ]
         )
         self._runner: web.AppRunner | None = None
-        self._client: aiohttp.ClientSession | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self.proxy = Proxy(node)
+        self.bodies = BodyBudget()
+        self._parses = asyncio.Semaphore(MAX_CONCURRENT_PARSES)
+        self._tokenizations = asyncio.Semaphore(MAX_CONCURRENT_TOKENIZATIONS)
+        self._control: ControlAuth | None = None
+        self._chars_per_token: int | None = None
 
     async def start(self, host: str, port: int) -> int:
+        raise_fd_limit()
         # handler_cancellation: a client that disconnects cancels its handler at
         # once, which releases its request's caches instead of generating on.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # keepalive_timeout also bounds how long a new connection may take to
+        # send its request (aiohttp arms it when the connection opens).
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, keepalive_timeout=HTTP_IDLE_TIMEOUT_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]
+        self._server, _ = await listen(self._runner, host, port)
+        return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._client is not None:
-            await self._client.close()
+        await self.proxy.close()
 
-    # --- forwarding to the leader ---------------------------------------------------
+    # --- who may ------------------------------------------------------------------
 
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
-        """Answer a /v1 request on a follower by passing it to the leader, streams included."""
-        leader = self.d.leader_http()
-        if leader is None or request.headers.get(FORWARDED_HEADER):
-            raise ApiError(503, "no leader is elected right now (an election is under way); retry in a moment")
-        if self._client is None:
-            self._client = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, connect=PROXY_CONNECT_TIMEOUT_S, sock_read=PROXY_READ_TIMEOUT_S)
-            )
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/json"), FORWARDED_HEADER: self.d.name}
-        try:
-            async with self._client.request(request.method, leader + request.path_qs, data=await request.read(), headers=headers) as up:
-                resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers.get("Content-Type", "application/json")})
-                if "Retry-After" in up.headers:
-                    resp.headers["Retry-After"] = up.headers["Retry-After"]
-                await resp.prepare(request)
-                async for chunk in up.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
-                return resp
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-            raise ApiError(503, f"the leader at {leader} did not answer ({type(e).__name__}); retry in a moment") from None
+    def _need_key(self, request: web.Request) -> None:
+        check_api_key(request.headers.get("Authorization"), self.d.api_keys)
+
+    async def _need_secret(self, request: web.Request, body: bytes) -> None:
+        if self._control is None:
+            self._control = ControlAuth(self.d.secret, self.d.name)
+        self._control.verify(request.method, request.path_qs, request.headers, body, time.time())
+
+    # --- reading a request ------------------------------------------------------------
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body, its bytes booked against the node's budget and read within a deadline."""
+        declared = request.content_length
+        if declared is not None and declared > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is {declared} bytes; at most {MAX_BODY_BYTES} are accepted")
+        with self.bodies.book(declared if declared is not None else MAX_BODY_BYTES) as booked:
+            if not booked:
+                raise ApiError(503, "this node is reading too many large requests right now; retry in a moment", retry_after=2)
+            try:
+                async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                    return await request.read()
+            except TimeoutError:
+                raise ApiError(408, f"the request body did not arrive within {BODY_READ_TIMEOUT_S:.0f} s") from None
+
+    async def _json(self, raw: bytes) -> dict:
+        async with self._parses:
+            return await asyncio.get_running_loop().run_in_executor(None, parse_json, raw)
+
+    # --- control --------------------------------------------------------------------
 
     async def set_leader(self, request: web.Request) -> web.Response:
         """`ringctl leader set NODE` ({"node": NODE}) or `leader auto` ({"node": null})."""
-        body = parse_json(await request.read())
+        raw = await self._read(request)
+        await self._need_secret(request, raw)
+        body = await self._json(raw)
         node = body.get("node")
-        known = set(self.d.election.members)
+        if node is not None and not isinstance(node, str):
+            raise ApiError(400, 'leader takes {"node": NAME} or {"node": null} for auto', "node")
+        known = self.d.members()
         if node is not None and node not in known:
-            raise ApiError(400, f"node {node!r} is not a live member; live: {', '.join(sorted(known))}", "node")
-        self.d.set_pin(node)
-        return web.json_response({"pin": self.d.election.pin.to_wire(), "leader": self.d.election.leader})
+            raise ApiError(400, f"node {node!r:.80} is not a live member; live: {', '.join(sorted(known))}", "node")
+        return web.json_response(self.d.set_pin(node))
 
     async def drain(self, request: web.Request) -> web.Response:
         """`ringctl drain NODE`: the leader plans rings without it ({"undo": true} takes it back)."""
-        if not self.d.leading:
-            return await self._forward(request)
-        body = parse_json(await request.read())
+        raw = await self._read(request)
+        await self._need_secret(request, raw)
+        body = await self._json(raw)
         node, undo = body.get("node"), body.get("undo", False)
-        if not isinstance(node, str) or not isinstance(undo, bool):
-            raise ApiError(400, "drain takes {\"node\": NAME, \"undo\": false}", "node")
+        if not isinstance(undo, bool):
+            raise ApiError(400, 'drain takes {"node": NAME, "undo": false}', "undo")
+        try:
+            check_name(node)
+        except ValueError as e:
+            raise ApiError(400, f"node {node!r:.80} is not a node name: {e}", "node") from None
+        if not self.d.leading:
+            url, leader = self.d.leader_http(), self.d.leader
+            if url is None or leader is None:
+                raise ApiError(503, "no leader is elected right now; retry in a moment")
+            signed = sign(self.d.secret, request.method, request.path_qs, leader, raw, time.time())
+            return await self.proxy.control(request, url, raw, signed)
         if node == self.d.name and not undo:
             raise ApiError(400, f"{node} leads; move leadership first (ringctl leader set OTHER), then drain it", "node")
-        self.d.drain(node, undo)
+        try:
+            self.d.drain(node, undo)
+        except ValueError as e:
+            raise ApiError(400, str(e), "node") from None
         return web.json_response({"drained": sorted(self.d.drained)})
 
     # --- status -------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
         ready, reason = self.d.readiness()
-        body = {"status": "ok" if ready else "unavailable", "reason": reason, **self.d.local_status()}
+        body = {"status": "ok" if ready else "unavailable", **self.d.local_status(), "reason": reason}
         return web.json_response(body, status=200 if ready else 503)
 
     async def cluster_status(self, request: web.Request) -> web.Response:
+        if self.d.api_keys:
+            if is_signed(request.headers):
+                await self._need_secret(request, b"")
+            else:
+                self._need_key(request)
         return web.json_response(await self.d.cluster_status())
 
     async def metrics(self, request: web.Request) -> web.Response:
         self.d.metrics.refresh()
         return web.Response(body=generate_latest(self.d.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=OPENAPI.read_bytes(), content_type="application/json")
+
     async def models(self, request: web.Request) -> web.Response:
+        self._need_key(request)
         return web.json_response(
             {"object": "list", "data": [{"id": self.d.model_id, "object": "model", "created": self.d.started, "owned_by": "ringd"}]}
         )
@@ -174,24 +283,42 @@ class Api:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        self._need_key(request)
+        raw = await self._read(request)
+        body = await self._json(raw)
         engine = self.d.engine
         if engine is None:
-            return await self._forward(request)
-        req = parse_request(parse_json(await request.read()), chat)
+            return await self.proxy.forward(request, raw, body.get("stream") is True)
+        req = parse_request(body, chat)
+        forwarded = bool(request.headers.get(FORWARDED_HEADER))
+        resume = _resume(body.get(RESUME_FIELD), self.d.info.vocab_size) if forwarded else None
         if req.model != self.d.model_id:
             raise ApiError(404, f"model {req.model!r} is not served here; this ring serves {self.d.model_id!r}", "model", "model_not_found")
         ready, reason = self.d.readiness()
         if not ready:
             raise ApiError(503, f"the ring is not ready: {reason}")
-        # Templates and tokenizers take milliseconds per long prompt: not on the loop.
-        prompt = await asyncio.get_running_loop().run_in_executor(None, self._tokenize, req)
         try:
             req.params.check_vocab(self.d.info.vocab_size)
-        except ValueError as e:
-            raise ApiError(400, str(e), "logit_bias") from None
+        except SamplingError as e:
+            raise ApiError(400, str(e), e.field) from None
         context = self.d.info.context_length
+        where = "messages" if chat else "prompt"
+        chars = prompt_chars(req)
+        if self._chars_per_token is None:
+            self._chars_per_token = max_chars_per_token(self.d.tokenizer)
+        if chars > context * self._chars_per_token:
+            raise ApiError(
+                400,
+                f"the prompt is {chars} characters, which cannot fit the model's context of {context} tokens "
+                f"(a token here spans at most {self._chars_per_token} characters)",
+                where,
+                "context_length_exceeded",
+            )
+        async with self._tokenizations:
+            # Templates and tokenizers take milliseconds per long prompt: not on the loop.
+            prompt = await asyncio.get_running_loop().run_in_executor(None, self._tokenize, req)
         if len(prompt) >= context:
-            raise ApiError(400, f"the prompt is {len(prompt)} tokens; the model's context is {context}", "messages" if chat else "prompt", "context_length_exceeded")
+            raise ApiError(400, f"the prompt is {len(prompt)} tokens; the model's context is {context}", where, "context_length_exceeded")
         max_tokens = req.max_tokens if req.max_tokens is not None else context - len(prompt)
         if len(prompt) + max_tokens > context:
             raise ApiError(
@@ -200,11 +327,14 @@ class Api:
                 "max_tokens",
                 "context_length_exceeded",
             )
+        resumed = resume["tokens"] if resume else []
+        if len(resumed) >= max_tokens:
+            raise ApiError(400, f"{RESUME_FIELD} already holds max_tokens ({max_tokens}) tokens", RESUME_FIELD)
         self.d.metrics.prompt_tokens.inc(len(prompt))
-        events = engine.generate(prompt, req.params, max_tokens, req.stop)
+        events = engine.generate(prompt, req.params, max_tokens, req.stop, resumed)
         try:
             if req.stream:
-                return await self._stream(request, req, events, len(prompt))
+                return await self._stream(request, req, events, len(prompt), forwarded, resume)
             return await self._whole(req, events, len(prompt))
         except EngineError as e:
             raise ApiError(e.status, str(e), retry_after=e.retry_after) from None
@@ -225,7 +355,10 @@ class Api:
             if any(t >= vocab for t in req.prompt):
                 raise ApiError(400, f"prompt token ids must be below the vocabulary size {vocab}", "prompt")
             return req.prompt
-        return tok.encode(req.prompt)
+        try:
+            return tok.encode(req.prompt)
+        except (UnicodeError, ValueError) as e:
+            raise ApiError(400, f"the tokenizer could not encode the prompt: {e}", "prompt") from None
 
     async def _whole(self, req: CompletionRequest, events, prompt_tokens: int) -> web.Response:
         text, logprobs, n, finish, cached = [], _Logprobs(self.d.tokenizer, req), 0, None, 0
@@ -246,17 +379,24 @@ class Api:
         body.update(choices=[choice], usage=usage(prompt_tokens, n, cached))
         return web.json_response(body)
 
-    async def _stream(self, request: web.Request, req: CompletionRequest, events, prompt_tokens: int) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, req: CompletionRequest, events, prompt_tokens: int, forwarded: bool, resume: dict | None) -> web.StreamResponse:
         # Pull the first event before answering 200, so a ring that fails at once
         # still gets a proper error status.
         first = await anext(events, None)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         head = envelope(req, new_id(req.chat), now(), self.d.model_id, chunk=True)
+        if resume is not None:  # the same response, carried over: keep its id
+            head.update({k: resume[k] for k in ("id", "created") if resume.get(k) is not None})
         lp = _Logprobs(self.d.tokenizer, req)
 
-        async def send(obj: dict) -> None:
-            await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+        async def send(obj: dict, token: int | None = None) -> None:
+            data = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+            if forwarded and token is not None:
+                # For the follower that proxies this stream: the token's id, so it can
+                # carry the stream over to another leader (proxy.py strips the line).
+                data = TOKEN_COMMENT + str(token).encode() + b"\n" + data
+            await resp.write(data)
 
         def choice(ev, finish):
             c = {"index": 0, "logprobs": lp.chunk(ev), "finish_reason": finish}
@@ -266,25 +406,40 @@ class Api:
                 c["text"] = ev.text if ev is not None else ""
             return c
 
-        n = 0
+        n = len(resume["tokens"]) if resume else 0
         try:
-            if req.chat:
+            if req.chat and resume is None:
                 await send({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
             ev, cached = first, first.cached_tokens if first is not None else 0
             while ev is not None:
                 n += 1
-                await send({**head, "choices": [choice(ev, ev.finish_reason)]})
+                await send({**head, "choices": [choice(ev, ev.finish_reason)]}, ev.token)
                 ev = await anext(events, None)
             if req.include_usage:
                 await send({**head, "choices": [], "usage": usage(prompt_tokens, n, cached)})
             await resp.write(b"data: [DONE]\n\n")
         except EngineError as e:
-            # The stream has started: report the failure in-band, as OpenAI does.
+            # The stream has started: report the failure in-band, as OpenAI does, and end it properly.
             await send(ApiError(e.status, str(e)).body())
+            await resp.write(b"data: [DONE]\n\n")
         finally:
-            self.d.metrics.completion_tokens.inc(n)
+            self.d.metrics.completion_tokens.inc(n - (len(resume["tokens"]) if resume else 0))
         await resp.write_eof()
         return resp
+
+
+def _resume(v, vocab_size: int) -> dict | None:
+    """A follower's RESUME_FIELD: the ids a stream already carried, and its id and time."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or set(v) != {"tokens", "id", "created"}:
+        raise ApiError(400, f"{RESUME_FIELD} must hold tokens, id and created", RESUME_FIELD)
+    tokens, rid, created = v["tokens"], v["id"], v["created"]
+    if not isinstance(tokens, list) or len(tokens) > MAX_RESUME_TOKENS or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
+        raise ApiError(400, f"{RESUME_FIELD}.tokens must be token ids below {vocab_size}", RESUME_FIELD)
+    if not (rid is None or isinstance(rid, str) and len(rid) <= 64) or not (created is None or type(created) is int):
+        raise ApiError(400, f"{RESUME_FIELD}.id must be a short string and created an integer", RESUME_FIELD)
+    return v
 
 
 class _Logprobs:

@@ -8,15 +8,26 @@ plan term it runs and its readiness; linked nodes outside the ring too
 auto`` unpins; ``drain NODE`` keeps a node out of the ring (``--undo`` takes it
 back). It talks HTTP to any one node (``--node HOST:PORT``, default the local
 daemon) and never to the ring port.
+
+Control verbs (leader, drain) change the cluster, so ringctl signs them with
+the cluster secret (``--secret-file``, by default where ``ringd serve`` looks;
+``auth.py`` has the scheme); without it a node refuses them. ``status`` and
+``plan`` on a node with API keys need a key (``--api-key`` or RINGD_API_KEY) or
+the secret.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 import urllib.error
 import urllib.request
+
+from .auth import sign
+from .config import DEFAULT_SECRET_FILE, ConfigError, read_secret_file
 
 DEFAULT_NODE = "127.0.0.1:8100"
 # A node answers status from memory; seconds of silence mean it is down or stuck.
@@ -27,15 +38,55 @@ class CtlError(Exception):
     pass
 
 
-def fetch(node: str, path: str, body: dict | None = None) -> dict:
+class Credentials:
+    """What ringctl proves itself with: the cluster secret (read when first needed), an API key."""
+
+    def __init__(self, secret_file: str | None, api_key: str | None):
+        self.secret_file = secret_file
+        self.api_key = api_key
+        self._secret: bytes | None = None
+        self._node_names: dict[str, str] = {}
+
+    def secret(self, required: bool) -> bytes | None:
+        if self._secret is None:
+            path = self.secret_file or DEFAULT_SECRET_FILE
+            try:
+                self._secret = read_secret_file(path)
+            except ConfigError as e:
+                if required or self.secret_file:
+                    raise CtlError(f"{e}; control commands are signed with the cluster secret (--secret-file FILE)") from None
+                return None
+        return self._secret
+
+    def node_name(self, node: str) -> str:
+        """The name of the node at ``node`` (signatures are for one node): its open /health says."""
+        if node not in self._node_names:
+            self._node_names[node] = str(fetch(node, "/health", allow_error=True).get("node", ""))
+        return self._node_names[node]
+
+
+def fetch(node: str, path: str, body: dict | None = None, creds: Credentials | None = None, sign_with_secret: bool = False, allow_error: bool = False) -> dict:
     url = f"http://{node}{path}"
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if creds is not None:
+        secret = creds.secret(required=sign_with_secret)
+        if secret is not None:
+            method = "GET" if data is None else "POST"
+            headers.update(sign(secret, method, path, creds.node_name(node), data or b"", time.time()))
+        elif creds.api_key:
+            headers["Authorization"] = f"Bearer {creds.api_key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
         raw = e.read()
+        if allow_error:
+            try:
+                return json.loads(raw)
+            except ValueError:
+                return {}
         try:
             message = json.loads(raw)["error"]["message"]
         except (ValueError, KeyError, TypeError):
@@ -104,6 +155,11 @@ def print_plan(doc: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ringctl", description="Inspect and steer a ringd cluster.")
     parser.add_argument("--node", default=DEFAULT_NODE, help=f"any node's HTTP address, HOST:PORT (default {DEFAULT_NODE})")
+    parser.add_argument(
+        "--secret-file", default=os.environ.get("RINGD_SECRET_FILE"),
+        help=f"the cluster secret, to sign control commands (default: RINGD_SECRET_FILE, else {DEFAULT_SECRET_FILE})",
+    )  # fmt: skip
+    parser.add_argument("--api-key", default=os.environ.get("RINGD_API_KEY"), help="an API key, for status on a node that requires keys (default: RINGD_API_KEY)")
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="nodes, roles, layers, memory, health")
     status.add_argument("--json", action="store_true", help="print the raw status document")
@@ -116,18 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     drain.add_argument("target", metavar="NODE")
     drain.add_argument("--undo", action="store_true", help="let NODE back into the ring")
     args = parser.parse_args(argv)
+    creds = Credentials(args.secret_file, args.api_key)
     try:
         if args.command == "status":
-            doc = fetch(args.node, "/cluster/status")
+            doc = fetch(args.node, "/cluster/status", creds=creds)
             print(json.dumps(doc, indent=2)) if args.json else print_status(doc)
         elif args.command == "plan":
-            print_plan(fetch(args.node, "/cluster/status"))
+            print_plan(fetch(args.node, "/cluster/status", creds=creds))
         elif args.command == "leader":
             target = args.target if args.action == "set" else None
-            answer = fetch(args.node, "/cluster/leader", {"node": target})
+            answer = fetch(args.node, "/cluster/leader", {"node": target}, creds, sign_with_secret=True)
             print(f"pinned {target}" if target else "unpinned: the election decides", f"(pin epoch {answer['pin'][0]})")
         elif args.command == "drain":
-            answer = fetch(args.node, "/cluster/drain", {"node": args.target, "undo": args.undo})
+            answer = fetch(args.node, "/cluster/drain", {"node": args.target, "undo": args.undo}, creds, sign_with_secret=True)
             print(f"drained: {', '.join(answer['drained']) or 'none'}")
     except CtlError as e:
         print(f"ringctl: {e}", file=sys.stderr)

@@ -281,6 +281,37 @@ def dial_order(addresses: Sequence[str], networks: Iterable[ipaddress.IPv4Networ
     return [str(ip) for ip in near + [ip for ip in ips if ip not in near]]
 
 
+def lan_address() -> str:
+    """The address this host uses to reach the LAN, without sending anything."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: routing only, no packet leaves
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def own_addresses(advertise: str | None, host: str, prefer_interfaces: Sequence[str]) -> list[str]:
+    """The addresses peers may dial this node at, best first.
+
+    ``advertise`` if set, else the listen address ``host`` if it is a specific
+    one, else this host's IPv4 addresses: those matching ``prefer_interfaces``
+    first, then the one of the default route, then the rest (loopback only if alone).
+    """
+    if advertise:
+        return [advertise]
+    if host not in ("0.0.0.0", "::"):
+        return [host]
+    pairs = local_addresses(prefer_interfaces)
+    preferred = [ip for i, ip in pairs if any(interface_matches(p, i, ip) for p in prefer_interfaces)]
+    rest = [ip for _, ip in pairs if ip not in preferred]
+    route = lan_address()
+    if route in rest:
+        rest.remove(route)
+        rest.insert(0, route)
+    return preferred + rest or [route]
+
+
 def _zeroconf_interfaces(interfaces: Sequence[str] | None) -> list[str] | InterfaceChoice:
     """python-zeroconf wants IPv4 addresses; accept interface names and globs too."""
     if interfaces is None:

@@ -121,6 +121,41 @@ class _Flight:
         return self.finished or len(self.generated) >= self.max_tokens
 
 
+class _Text:
+    """A request's text, token by token: detokenized, stop strings held back until they cannot match."""
+
+    def __init__(self, detokenizer, stop: list[str], eos_ids: set[int], max_tokens: int):
+        self.detokenizer = detokenizer
+        self.stops = TextStateMachine({"normal": [(s, None) for s in stop]}) if stop else None
+        self.state = self.stops.make_state() if self.stops else None
+        self.eos_ids = eos_ids
+        self.max_tokens = max_tokens
+        self.produced = 0
+
+    def next(self, token: int) -> tuple[str, str | None]:
+        """The text to emit for ``token``, and the finish reason if it ends the request."""
+        self.produced += 1
+        finish = None
+        if token in self.eos_ids:
+            finish, text = "stop", ""
+        else:
+            self.detokenizer.add_token(token)
+            text = self.detokenizer.last_segment
+            if self.produced >= self.max_tokens:
+                finish = "length"
+        if finish is not None:
+            self.detokenizer.finalize()
+            text += self.detokenizer.last_segment
+        if self.stops is not None:
+            self.state, text, state_name = TextStateMachine.step(self.state, text)
+            if state_name is None:
+                finish = "stop"
+            elif finish is not None:
+                self.state, rest, _ = TextStateMachine.flush(self.state)
+                text += rest
+        return text, finish
+
+
 class Engine:
     def __init__(
         self,
@@ -187,8 +222,11 @@ class Engine:
         self._waiting.append(entry)
         log.info("req=%x: waiting for KV room (%d queued)", rid, self.queued)
         try:
-            await asyncio.wait_for(fut, self.queue_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.queue_timeout_s):
+                await fut
+        except TimeoutError:
+            if fut.done() and not fut.cancelled():
+                return  # booked just as the time ran out
             raise EngineError(
                 f"no KV room for this request within {self.queue_timeout_s:.0f} s; retry shortly", 429, RETRY_AFTER_S
             ) from None
@@ -239,8 +277,14 @@ class Engine:
         return self.plan.stages[0].node
 
     async def generate(
-        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: list[str] = ()
+        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: list[str] = (), resume: list[int] = ()
     ) -> AsyncIterator[TokenEvent]:
+        """Generate up to ``max_tokens`` after ``prompt``.
+
+        ``resume``: tokens already generated and streamed to the client by an
+        earlier leader (a follower carries the stream over): they are replayed
+        like a failover replay and not yielded again; the stream goes on after them.
+        """
         if not prompt:
             raise EngineError("the prompt is empty", 400)
         if len(self._flights) >= self.max_active:
@@ -252,7 +296,7 @@ class Engine:
             if self.ledger is not None:
                 self.ledger.release(rid)
             raise EngineError("the ring is not ready", 503)
-        flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue())
+        flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue(), generated=list(resume))
         if self._prefix_term == self.plan.term:
             flight.reuse = self.prefix.take(flight.prompt)
             if flight.reuse is not None:
@@ -261,21 +305,22 @@ class Engine:
                     self.ledger.release(flight.reuse[0])
         self._flights[flight.rid] = flight
         log.info(
-            "req=%x: %d prompt tokens (%d cached), max_tokens=%d", rid, len(prompt), flight.cached, max_tokens
+            "req=%x: %d prompt tokens (%d cached), max_tokens=%d%s", rid, len(prompt), flight.cached, max_tokens,
+            f", resuming after {len(resume)} tokens" if resume else "",
         )  # fmt: skip
         try:
             try:
                 self._start(flight)
             except ConnectionError as e:
                 raise EngineError(f"cannot reach the ring's first stage: {e}", 503) from None
-            detokenizer = self.tokenizer.detokenizer
-            stops = TextStateMachine({"normal": [(s, None) for s in stop]}) if stop else None
-            stop_state = stops.make_state() if stops else None
-            produced = 0
+            text = _Text(self.tokenizer.detokenizer, stop, self.eos_ids, flight.max_tokens)
+            for token in resume:  # the client has their text: bring the state to where it was
+                text.next(token)
             while True:
                 try:
-                    frame = await asyncio.wait_for(flight.queue.get(), self.step_timeout_s)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.step_timeout_s):
+                        frame = await flight.queue.get()
+                except TimeoutError:
                     raise EngineError(
                         f"the ring did not answer within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)", 503
                     ) from None
@@ -285,27 +330,9 @@ class Engine:
                     raise EngineError(f"node {d.get('node', '?')}: {d.get('message', '?')}", status)
                 d = frame.descriptor
                 token = d["token"]
-                produced += 1
-                finish = None
-                if token in self.eos_ids:
-                    finish, text = "stop", ""
-                else:
-                    detokenizer.add_token(token)
-                    text = detokenizer.last_segment
-                    if produced >= flight.max_tokens:
-                        finish = "length"
-                if finish is not None:
-                    detokenizer.finalize()
-                    text += detokenizer.last_segment
-                if stops is not None:
-                    stop_state, text, state_name = TextStateMachine.step(stop_state, text)
-                    if state_name is None:
-                        finish = "stop"
-                    elif finish is not None:
-                        stop_state, rest, _ = TextStateMachine.flush(stop_state)
-                        text += rest
+                piece, finish = text.next(token)
                 top = [tuple(p) for p in d.get("top", [])]
-                yield TokenEvent(token, text, d["logprob"], top, finish, flight.cached)
+                yield TokenEvent(token, piece, d["logprob"], top, finish, flight.cached)
                 if finish is not None:
                     return
         finally:
@@ -379,14 +406,20 @@ class Engine:
         self.send(first, Frame(MsgType.FORWARD, flight.rid, d))
         flight.sent = offset + len(tokens)
 
-    def on_frame(self, frame: Frame) -> None:
-        """A TOKEN or ERROR frame from the ring (event loop)."""
+    def on_frame(self, peer: str, frame: Frame) -> None:
+        """A TOKEN or ERROR frame from ``peer`` (event loop)."""
         flight = self._flights.get(frame.request_id)
         if flight is None or flight.finished:
             return  # released already: a token in flight when the client left
         d = frame.descriptor
-        if d.get("term") != flight.term:
+        plan = self.plan
+        if plan is None or d.get("term") != flight.term or flight.term != plan.term:
             return  # from a ring this request has left (suspended, or replayed elsewhere)
+        # Tokens come from the last stage only; errors from any stage of this ring.
+        senders = [plan.stages[-1].node] if frame.type == MsgType.TOKEN else [s.node for s in plan.stages]
+        if peer not in senders:
+            log.warning("req=%x: ignoring %s from %s, which is not %s in plan term %d", frame.request_id, frame.type.name, peer, "its last stage" if frame.type == MsgType.TOKEN else "a stage", plan.term)
+            return
         if frame.type != MsgType.TOKEN:
             flight.finished = flight.failed = True
             flight.queue.put_nowait(frame)

@@ -22,6 +22,7 @@ nothing of plans or models.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from typing import Callable
 
 from wire import stream as wire_stream
 from wire.frames import Frame, MsgType
+
+from .tasks import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,10 @@ class Peer:
     stream: "wire_stream.FrameStream"
     outbound: bool
     info: dict
+    # A number of its own for every link ever made: a peer that re-linked (a
+    # dropped socket re-made, a process stalled past dead_after) has a new one,
+    # which tells the leader that frames on the old link may be lost.
+    number: int = 0
     last_heard: float = field(default_factory=time.monotonic)
     # Set once this link has left the peer table. (Not the stream's own
     # wait_closed: a stream can be closed while its reader has not yet removed
@@ -76,6 +83,8 @@ class Links:
         heartbeat: Callable[[], dict] = dict,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         dead_after_s: float = DEAD_AFTER_S,
+        encrypt: bool = False,
+        supervisor: Supervisor | None = None,
     ):
         self.node = node
         self.cluster = cluster
@@ -86,9 +95,12 @@ class Links:
         self.heartbeat = heartbeat
         self.heartbeat_interval_s = heartbeat_interval_s
         self.dead_after_s = dead_after_s
+        self.encrypt = encrypt
         self.peers: dict[str, Peer] = {}
         self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor or Supervisor(log)
+        self._numbers = itertools.count(1)
         self._dialing: set[tuple[str, int]] = set()
         # Every authenticated connection, current or draining after a lost tie.
         self._streams: set = set()
@@ -97,9 +109,10 @@ class Links:
     async def listen(self, host: str, port: int) -> int:
         """Start accepting peers; returns the bound port (useful with port 0)."""
         self._server = await wire_stream.serve(
-            host, port, self._accepted, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info
-        )
-        self._spawn(self._heartbeat_loop())
+            host, port, self._accepted, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info,
+            encrypt=self.encrypt,
+        )  # fmt: skip
+        self._supervisor.forever("heartbeats", self._heartbeat_loop)
         return self._server.sockets[0].getsockname()[1]
 
     def dial(self, host: str, port: int) -> None:
@@ -107,7 +120,7 @@ class Links:
         if (host, port) in self._dialing:
             return
         self._dialing.add((host, port))
-        self._spawn(self._dial_loop(host, port))
+        self._supervisor.forever(f"dial {host}:{port}", lambda: self._dial_loop(host, port), restart_on_return=False)
 
     def send(self, node: str, frame: Frame) -> None:
         """Queue ``frame`` on the link to ``node`` without waiting; order is kept per link."""
@@ -126,9 +139,8 @@ class Links:
             self._server.close()
         for stream in list(self._streams):
             stream.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._own_supervisor:
+            await self._supervisor.stop()
 
     # --- internals --------------------------------------------------------------
 
@@ -155,12 +167,6 @@ class Links:
             self.on_change()
         peer.gone.set()
 
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     async def _accepted(self, stream) -> None:
         await self._run_link(stream, outbound=False)
 
@@ -169,8 +175,9 @@ class Links:
         while not self._closing:
             try:
                 stream = await wire_stream.connect(
-                    host, port, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info
-                )
+                    host, port, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info,
+                    encrypt=self.encrypt,
+                )  # fmt: skip
             except (OSError, asyncio.TimeoutError, wire_stream.HandshakeError) as e:
                 log.debug("dial %s:%d failed: %s", host, port, e)
                 await asyncio.sleep(backoff)
@@ -196,7 +203,7 @@ class Links:
             log.warning("dropping a link to ourselves (a peer address points at this node)")
             stream.close()
             return
-        peer = Peer(peer_id, stream, outbound, dict(stream.peer_info or {}))
+        peer = Peer(peer_id, stream, outbound, dict(stream.peer_info or {}), next(self._numbers))
         self._streams.add(stream)
         current = self.peers.get(peer_id)
         later = asyncio.get_running_loop().call_later

@@ -63,6 +63,8 @@ class Step:
 
     @classmethod
     def parse(cls, d: dict, vocab_size: int) -> "Step":
+        if not isinstance(d, dict):
+            raise FrameError(f"FORWARD descriptor must be an object, got {type(d).__name__}")
         def get(name: str, kind: type):
             v = d.get(name)
             if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
@@ -108,6 +110,20 @@ class Step:
         if self.kv is not None:
             d["kv"] = self.kv.to_wire()
         return d
+
+
+def parse_release(d: object) -> tuple[int, str]:
+    """A RELEASE descriptor: the term of the ring it is for, and "release", "keep" or "evict".
+
+    ``{"term": T}`` frees a request's caches; ``"keep": true`` keeps them as a
+    cached prefix; ``"evict": true`` drops a cached prefix. Anything else is a FrameError.
+    """
+    if not isinstance(d, dict) or not {"term"} <= set(d) <= {"term", "keep", "evict"}:
+        raise FrameError(f"RELEASE descriptor must be {{term, keep?, evict?}}, got {d!r:.200}")
+    term, keep, evict = d["term"], d.get("keep", False), d.get("evict", False)
+    if type(term) is not int or not isinstance(keep, bool) or not isinstance(evict, bool) or keep and evict:
+        raise FrameError(f"RELEASE needs an integer term and at most one of keep/evict true, got {d!r:.200}")
+    return term, "evict" if evict else "keep" if keep else "release"
 
 
 @dataclass(frozen=True)
@@ -156,6 +172,9 @@ class StageRunner:
         successor = plan.successor(node)
         self.next_node = successor.node if successor else None
         self.leader = plan.leader
+        i = plan.index_of(node)
+        # The only node this stage takes FORWARD and RELEASE frames from.
+        self.predecessor = plan.leader if i == 0 else plan.stages[i - 1].node
         self._loop = asyncio.get_running_loop()
 
     def handle(self, frame: Frame) -> None:
@@ -174,16 +193,11 @@ class StageRunner:
         rid = frame.request_id
         try:
             if frame.type == MsgType.RELEASE:
+                term, action = parse_release(frame.descriptor)
                 # A RELEASE of an older ring must not free this ring's session of the same id.
-                d = frame.descriptor
-                if d.get("term") != self.plan.term:
+                if term != self.plan.term:
                     return
-                if d.get("evict") is True:
-                    self.sessions.evict(rid)
-                elif d.get("keep") is True:
-                    self.sessions.keep(rid)
-                else:
-                    self.sessions.release(rid)
+                {"evict": self.sessions.evict, "keep": self.sessions.keep, "release": self.sessions.release}[action](rid)
                 out = [(self.next_node, frame)] if self.next_node else []
             else:
                 out = self._forward(frame)

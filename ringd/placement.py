@@ -18,6 +18,15 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 
+# Bounds on a plan from the network (checked before anything is built from it):
+# far above any real model or cluster, low enough that a bad plan is cheap to refuse.
+MAX_LAYERS = 10_000  # the deepest mlx-lm models have about 100
+MAX_STAGES = 256  # a ring of a dozen Macs, with room to spare
+MAX_TERM = 2**53 - 1  # terms travel in JSON; beyond this not every reader holds them exactly
+MAX_FINGERPRINT_CHARS = 256
+MAX_ADDR_CHARS = 64  # "[ipv6]:port"
+
+
 class PlacementError(ValueError):
     """No valid plan for these members and this model; the message says why."""
 
@@ -87,11 +96,37 @@ class Plan:
 
     @classmethod
     def from_wire(cls, d: object) -> "Plan":
-        try:
-            stages = tuple(Stage(str(n), str(a), int(s), int(e)) for n, a, s, e in d["stages"])
-            return cls(int(d["term"]), str(d["leader"]), str(d["model"]), int(d["num_layers"]), stages)
-        except (KeyError, TypeError, ValueError) as e:
-            raise PlacementError(f"malformed plan {d!r}: {e}") from None
+        """A plan from the network: every field checked, any flaw a PlacementError."""
+        from .config import check_name  # config -> device -> ... ; placement stays importable alone
+
+        def count(what: str, v: object, limit: int) -> int:
+            if type(v) is not int or not 0 <= v <= limit:
+                raise PlacementError(f"plan {what} must be an integer from 0 to {limit}, got {v!r:.40}")
+            return v
+
+        def name(what: str, v: object) -> str:
+            try:
+                return check_name(v)
+            except ValueError as e:
+                raise PlacementError(f"plan {what} {v!r:.80}: {e}") from None
+
+        if not isinstance(d, dict) or set(d) != {"term", "leader", "model", "num_layers", "stages"}:
+            raise PlacementError(f"a plan has exactly term, leader, model, num_layers and stages; got {d!r:.200}")
+        model, stages = d["model"], d["stages"]
+        if not isinstance(model, str) or len(model) > MAX_FINGERPRINT_CHARS:
+            raise PlacementError(f"plan model must be a fingerprint of at most {MAX_FINGERPRINT_CHARS} characters")
+        if not isinstance(stages, list) or not 1 <= len(stages) <= MAX_STAGES:
+            raise PlacementError(f"plan stages must be a list of 1 to {MAX_STAGES} stages")
+        num_layers = count("num_layers", d["num_layers"], MAX_LAYERS)
+        parsed = []
+        for i, stage in enumerate(stages):
+            if not isinstance(stage, list) or len(stage) != 4:
+                raise PlacementError(f"plan stage {i} must be [node, address, start, end], got {stage!r:.100}")
+            node, addr, start, end = stage
+            if not isinstance(addr, str) or len(addr) > MAX_ADDR_CHARS:
+                raise PlacementError(f"plan stage {i}: the address must be a string of at most {MAX_ADDR_CHARS} characters")
+            parsed.append(Stage(name(f"stage {i} node", node), addr, count(f"stage {i} start", start, num_layers), count(f"stage {i} end", end, num_layers)))
+        return cls(count("term", d["term"], MAX_TERM), name("leader", d["leader"]), model, num_layers, tuple(parsed))
 
 
 def even_split(num_layers: int, num_stages: int) -> list[int]:

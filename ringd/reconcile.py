@@ -61,7 +61,12 @@ LOADING = "loading"  # loading (or about to load) the layers the plan gives it
 LOADED = "loaded"  # its layers are loaded; it serves the plan
 FAILED = "failed"  # it could not load them; ``error`` says why
 OUTSIDE = "outside"  # the plan gives it no layers (drained, api_only)
-STATES = (IDLE, LOADING, LOADED, FAILED, OUTSIDE)
+# It loaded them, but since then a link to a neighbour in the ring dropped (or a
+# frame could not be passed on): frames may be lost, so the ring needs a fresh
+# plan and the requests in flight a replay. ``error`` says which link. The
+# leader sees its own links drop; this is how it hears of the others.
+BROKEN = "broken"
+STATES = (IDLE, LOADING, LOADED, FAILED, OUTSIDE, BROKEN)
 
 
 class ReportError(ValueError):
@@ -85,7 +90,7 @@ class Report:
             raise ReportError(f"report error must be a string of at most {MAX_ERROR_CHARS} characters")
 
     def runs(self, term: Term) -> bool:
-        return self.plan == term and self.state in (LOADING, LOADED, FAILED, OUTSIDE)
+        return self.plan == term and self.state != IDLE
 
     def to_wire(self) -> dict:
         return {"plan": self.plan.to_wire() if self.plan else None, "state": self.state, "error": self.error}
@@ -241,6 +246,10 @@ class Reconciler:
                 return f"node {s} left the ring"
             if members[s].link != plan.links[s]:
                 return f"the link to {s} was re-made (frames on the old one may be lost)"
+        for s in plan.stages:
+            report = members[s].report
+            if report is not None and report.plan == plan.term and report.state == BROKEN:
+                return f"node {s} lost a link of the ring ({report.error or 'no detail'})"
         if frozenset(holders) != plan.over:
             joined = sorted(frozenset(holders) - plan.over, key=natural_key)
             left = sorted(plan.over - frozenset(holders), key=natural_key)
@@ -286,7 +295,8 @@ def follower_readiness(leader: str | None, leader_linked: bool, serving: Term | 
     if serving is None:
         return False, f"the leader {leader} does not serve: {leader_reason or 'no reason given'}"
     if mine.plan == serving and mine.state not in (LOADED, OUTSIDE):
-        return False, f"this node is {mine.state} its layers of plan term {serving.number}"
+        doing = {LOADING: "still loading its layers", FAILED: "could not load its layers", BROKEN: "lost a link of the ring"}
+        return False, f"this node {doing.get(mine.state, mine.state)} in plan term {serving.number}"
     if mine.plan != serving:
         return False, f"this node has not taken plan term {serving.number} yet"
     return True, ""

@@ -55,7 +55,10 @@ def first_chat_after(t0: float, url: str, within: float = 30) -> tuple[int, dict
 
 
 def ringctl(c, i: int, *args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[i]}", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[i]}", "--secret-file", str(c.secret), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
     return r.stdout
 
@@ -96,7 +99,7 @@ def test_sigstop_past_dead_after_then_sigcont_heals(tiny_model, cluster_factory)
     c.signal(1, signal.SIGSTOP)
     try:
         # node1 is declared dead; the others re-plan without it and serve.
-        c.wait(lambda: (c.status(0) or {}).get("plan") and [s[0] for s in c.status(0)["plan"]["stages"]] == ["node0", "node2"], 20, "a ring without node1")
+        c.wait(lambda: (c.status(0) or {}).get("ready") and [s[0] for s in c.status(0)["plan"]["stages"]] == ["node0", "node2"], 20, "a ring without node1")
         assert chat(c.url(0))[0] == 200
     finally:
         c.signal(1, signal.SIGCONT)
@@ -150,6 +153,7 @@ def test_a_daemon_with_the_wrong_secret_is_never_admitted(tiny_model, cluster_fa
     c.wait(lambda: serving_leader(c, range(2)) == "node0", what="node0 to lead")
     bad_secret = tmp_path / "bad-secret"
     bad_secret.write_text("x" * 32)
+    bad_secret.chmod(0o600)
     from ringd.local import free_port
 
     c.ring_ports.append(free_port())
@@ -214,6 +218,7 @@ def test_three_daemons_in_three_network_namespaces_discover_each_other_and_serve
     model = tiny_model(arch="llama", layers=6)
     secret = tmp_path / "secret"
     secret.write_text("n" * 32)
+    secret.chmod(0o600)
     cluster = f"ns-{os.getpid()}"
     with NetnsHosts(3) as net, contextlib.ExitStack() as files:
         logs = [tmp_path / f"host{i}.log" for i in range(3)]

@@ -1,0 +1,233 @@
+"""Who is in the cluster and who leads: links, election, the pin and term on disk, drains, gossip.
+
+This node's view of the cluster, from the links up: ``Links`` says who is live,
+``Election`` turns that into a leader, and heartbeats carry what every peer
+should hear often (election state, whom we know, our stage's report, and from
+the leader the drain list and whether it serves). The pin and the term are
+kept on disk, so a manual pin and the term a node claimed outlive a restart.
+
+It knows nothing of plans or models beyond the ``Report`` its owner hands it,
+and it decides nothing about them: ``on_leadership`` tells the owner when this
+node starts or stops leading, ``on_change`` when anything the leader
+reconciles against may have changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+from wire.frames import Frame, MsgType
+
+from .config import parse_hostport
+from .election import Election, ElectionError, Pin, Term
+from .membership import LinkError, Links
+from .messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, Heartbeat, MessageError, clip, parse_control
+from .placement import natural_key
+from .reconcile import Report
+from .tasks import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+class DrainError(ValueError):
+    """A drain request that cannot be honoured; the message says why."""
+
+
+class Cluster:
+    def __init__(
+        self,
+        *,
+        node: str,
+        cluster: str,
+        priority: int,
+        secret: bytes,
+        info: dict,
+        state_file: Path,
+        heartbeat_interval_s: float,
+        dead_after_s: float,
+        encrypt: bool,
+        supervisor: Supervisor,
+        on_frame: Callable[[str, Frame], None],
+        on_leadership: Callable[[bool], None],
+        on_change: Callable[[], None],
+        report: Callable[[], Report],
+        serving: Callable[[], tuple[Term | None, str]],
+    ):
+        self.node = node
+        self.priority = priority
+        self._state_file = state_file
+        self._on_leadership = on_leadership
+        self._on_change = on_change
+        self._report = report
+        self._serving = serving
+        self._dispatch = on_frame
+        self.election = Election(node, priority, *self._restore_state())
+        self.leading = False
+        self.drained: set[str] = set()  # nodes `ringctl drain` keeps out of the ring (followers copy the leader's)
+        self.reports: dict[str, Report] = {}  # what each linked peer last said of its stage
+        self.leader_serving: tuple[Term | None, str] = (None, "no word from the leader yet")
+        self._leader_moved = asyncio.Event()  # set, then replaced, whenever the leader changes
+        self._last_leader: str | None = None
+        self.links = Links(
+            node, cluster, secret, info, self._on_frame, self.view_changed,
+            heartbeat=self._heartbeat, heartbeat_interval_s=heartbeat_interval_s, dead_after_s=dead_after_s,
+            encrypt=encrypt, supervisor=supervisor,
+        )  # fmt: skip
+
+    # --- views ------------------------------------------------------------------------
+
+    @property
+    def peers(self) -> dict:
+        return self.links.peers
+
+    @property
+    def leader(self) -> str | None:
+        return self.election.leader
+
+    async def leader_changed(self) -> None:
+        """Returns once the node this node follows (or leads as) changes."""
+        await self._leader_moved.wait()
+
+    def leader_linked(self) -> bool:
+        leader = self.election.leader
+        return leader == self.node or (leader is not None and leader in self.links.peers)
+
+    def info_of(self, node: str) -> dict:
+        peer = self.links.peers.get(node)
+        return peer.info if peer else {}
+
+    # --- sending ----------------------------------------------------------------------
+
+    def send(self, node: str, frame: Frame) -> None:
+        """Deliver to ``node``: over its link, or straight back in for this node itself."""
+        if node == self.node:
+            self._dispatch(self.node, frame)
+        else:
+            self.links.send(node, frame)
+
+    # --- pin and drain ------------------------------------------------------------------
+
+    def set_pin(self, node: str | None) -> None:
+        """`ringctl leader set NODE` / `leader auto`, on whichever node it reached."""
+        self._elect(self.election.set_pin(self.election.pin.next(node)))
+
+    def drain(self, node: str, undo: bool) -> None:
+        if not undo and node not in self.drained and len(self.drained) >= MAX_DRAINED:
+            raise DrainError(f"{MAX_DRAINED} nodes are drained already (the most a heartbeat carries); undo one first")
+        (self.drained.discard if undo else self.drained.add)(node)
+        log.info("%s %s", "undrained" if undo else "draining", node)
+        self._on_change()
+
+    # --- incoming -------------------------------------------------------------------------
+
+    def _on_frame(self, peer: str, frame: Frame) -> None:
+        try:
+            if frame.type == MsgType.PING:
+                self._on_heartbeat(peer, Heartbeat.from_wire(frame.descriptor))
+            elif frame.type == MsgType.CONTROL:
+                self._elect(self.election.receive(peer, parse_control(frame.descriptor)))
+            else:
+                self._dispatch(peer, frame)
+        except MessageError as e:
+            log.warning("ignoring a malformed %s frame from %s: %s", frame.type.name, peer, e)
+        except Exception:  # one bad frame must not end the link or the node
+            log.exception("error handling %s frame from %s", frame.type.name, peer)
+
+    def _on_heartbeat(self, peer: str, beat: Heartbeat) -> None:
+        for node, addr in beat.knows.items():
+            if node != self.node and node not in self.links.peers:
+                self.links.dial(*parse_hostport(addr))
+        if peer == self.election.leader and beat.drained is not None:
+            self.drained = set(beat.drained)
+            self.leader_serving = (beat.serving, beat.reason)
+        changed = self.reports.get(peer) != beat.report
+        self.reports[peer] = beat.report
+        self._elect(self.election.receive(peer, beat.election))
+        if changed:
+            self._on_change()
+
+    def take_report(self, peer: str, report: Report) -> None:
+        """A LOADED frame: the same word a heartbeat carries, sent at once."""
+        if self.reports.get(peer) != report:
+            self.reports[peer] = report
+            self._on_change()
+
+    def view_changed(self) -> None:
+        for gone in set(self.reports) - set(self.links.peers):
+            del self.reports[gone]
+        members = {self.node: self.priority}
+        for p, peer in self.links.peers.items():
+            priority = peer.info.get("priority", 0)
+            members[p] = priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
+        self._elect(self.election.view(members))
+        self._on_change()
+
+    # --- outgoing -------------------------------------------------------------------------
+
+    def _heartbeat(self) -> dict:
+        known = {}
+        for p, peer in self.links.peers.items():
+            addr = peer.info.get("addr")
+            if isinstance(addr, str) and len(known) < MAX_GOSSIPED_PEERS:
+                known[p] = addr
+        beat = Heartbeat(self.election.announcement(), self._report(), known)
+        if self.leading:
+            serving, reason = self._serving()
+            drained = tuple(sorted(self.drained, key=natural_key))
+            beat = Heartbeat(beat.election, beat.report, known, drained, serving, clip(reason))
+        return beat.to_wire()
+
+    def claim_plan_term(self) -> Term:
+        """A fresh term for the leader's next plan, persisted and announced before the plan goes out."""
+        self._elect(self.election.next_term())
+        return self.election.term
+
+    def _elect(self, msgs: list) -> None:
+        """Persist, announce, then act on what the election decided."""
+        if msgs:
+            self._save_state()  # before the messages: a term is on disk before anyone hears of it
+            for msg in msgs:
+                for peer in list(self.links.peers):
+                    try:
+                        self.links.send(peer, Frame(MsgType.CONTROL, 0, {"election": msg.to_wire()}))
+                    except LinkError:
+                        pass
+        leader = self.election.leader
+        if leader == self.node and not self.leading:
+            log.info("leading the cluster (term %s)", self.election.term.to_wire())
+            self.leading = True
+            self._on_leadership(True)
+        elif leader != self.node and self.leading:
+            log.info("following %s", leader or "nobody yet")
+            self.leading = False
+            self._on_leadership(False)
+        if leader != self._last_leader:
+            self._last_leader = leader
+            self.leader_serving = (None, f"waiting for word from {leader or 'a new leader'}")
+            self._leader_moved.set()
+            self._leader_moved = asyncio.Event()
+
+    # --- state on disk ----------------------------------------------------------------------
+
+    def _restore_state(self) -> tuple[Pin, Term | None]:
+        """The pin and term this node had before a restart (a pin outlives restarts)."""
+        try:
+            d = json.loads(self._state_file.read_text())
+            return Pin.from_wire(d["pin"]), Term.from_wire(d["term"])
+        except FileNotFoundError:
+            return Pin(), None
+        except (OSError, ValueError, KeyError, TypeError, ElectionError) as e:
+            log.warning("ignoring unreadable state file %s: %s", self._state_file, e)
+            return Pin(), None
+
+    def _save_state(self) -> None:
+        path = self._state_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pin": self.election.pin.to_wire(), "term": self.election.term.to_wire()}))
+        os.replace(tmp, path)

@@ -1,0 +1,127 @@
+"""What a node says about itself and the cluster: /health, /cluster/status, STATUS frames.
+
+``local`` is this node's own status document; ``cluster`` gathers every
+linked node's (over STATUS frames, each answer waited for at most
+STATUS_TIMEOUT_S) into the document ``ringctl status`` prints. ``readiness``
+is what /health answers: on the leader, whether its ring serves; on a
+follower, whether it can serve by forwarding (``reconcile.follower_readiness``):
+a follower no longer says "ok" while the cluster cannot serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Callable
+
+from wire.frames import Frame, MsgType
+
+from .cluster import Cluster
+from .membership import LinkError
+from .placement import natural_key
+from .reconcile import follower_readiness
+from .stagehost import StageHost
+
+log = logging.getLogger(__name__)
+
+# How long /cluster/status waits for each node's answer before listing it as silent.
+STATUS_TIMEOUT_S = 2.0
+
+
+class Status:
+    def __init__(
+        self,
+        node: str,
+        cluster: Cluster,
+        stage: StageHost,
+        facts: Callable[[], dict],
+        coordinator: Callable[[], object],
+        kv_capacity: Callable[[int, int], int | None],
+    ):
+        self.node = node
+        self.cluster = cluster
+        self.stage = stage
+        self._facts = facts  # what the daemon knows of itself: addresses, model, device, budget
+        self._coordinator = coordinator
+        self._kv_capacity = kv_capacity  # KV bytes this node can hold beside layers [start, end)
+        self._ids = itertools.count(1)
+        self._waiters: dict[int, asyncio.Future] = {}
+
+    def readiness(self) -> tuple[bool, str]:
+        coordinator = self._coordinator()
+        if coordinator is not None:
+            return coordinator.ready, coordinator.reason
+        serving, reason = self.cluster.leader_serving
+        return follower_readiness(self.cluster.leader, self.cluster.leader_linked(), serving, reason, self.stage.report)
+
+    def local(self) -> dict:
+        cluster, coordinator = self.cluster, self._coordinator()
+        ready, reason = self.readiness()
+        plan = self.stage.plan
+        facts = self._facts()
+        stage = self.stage.status()
+        layers = stage["layers"]
+        return {
+            "node": self.node,
+            "role": "leader" if coordinator is not None else "follower",
+            "leader": cluster.leader,
+            "election_term": cluster.election.term.to_wire(),
+            "pin": cluster.election.pin.node,
+            "ready": ready,
+            "reason": reason,
+            "term": plan.term if plan else 0,
+            **facts,
+            **stage,
+            "kv_capacity": None if layers is None else self._kv_capacity(*layers),
+            "queued_requests": coordinator.engine.queued if coordinator else 0,
+            "active_requests": coordinator.engine.active if coordinator else 0,
+            "peers": sorted(cluster.peers, key=natural_key),
+            "drained": sorted(cluster.drained, key=natural_key),
+        }
+
+    async def cluster_status(self) -> dict:
+        # The ring's members in ring order, then everyone else linked (drained,
+        # joining, or outside a plan that could not be made).
+        coordinator = self._coordinator()
+        plan = coordinator.plan if coordinator is not None else self.stage.plan
+        nodes = [s.node for s in plan.stages] if plan else []
+        nodes += sorted({self.node, *self.cluster.peers} - set(nodes), key=natural_key)
+        statuses = await asyncio.gather(*(self._status_of(n) for n in nodes))
+        ready, reason = self.readiness()
+        return {
+            "node": self.node,
+            "leader": self.cluster.leader,
+            "ready": ready,
+            "reason": reason,
+            "plan": plan.to_wire() if plan else None,
+            "nodes": statuses,
+        }
+
+    async def _status_of(self, node: str) -> dict:
+        if node == self.node:
+            return self.local()
+        sid = next(self._ids)
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[sid] = waiter
+        try:
+            self.cluster.send(node, Frame(MsgType.STATUS, 0, {"id": sid}))
+            async with asyncio.timeout(STATUS_TIMEOUT_S):
+                return await waiter
+        except (LinkError, TimeoutError) as e:
+            return {"node": node, "ready": False, "error": f"no answer: {e or 'timed out'}"}
+        finally:
+            self._waiters.pop(sid, None)
+
+    def on_frame(self, peer: str, frame: Frame) -> None:
+        d = frame.descriptor
+        if frame.type == MsgType.STATUS:
+            self.cluster.send(peer, Frame(MsgType.STATUS_REPLY, 0, {"id": d.get("id"), "status": self.local()}))
+            return
+        waiter = self._waiters.pop(d.get("id"), None) if isinstance(d.get("id"), int) else None
+        status = d.get("status")
+        if waiter is not None and not waiter.done():
+            if isinstance(status, dict) and status.get("node") == peer:
+                waiter.set_result(status)
+            else:
+                waiter.set_result({"node": peer, "ready": False, "error": "answered with a malformed status"})
