@@ -270,3 +270,137 @@ def cluster_factory(tmp_path):
     yield make
     for c in made:
         c.stop()
+
+
+class Stream:
+    """A streamed chat completion read in a thread of its own, as a client would, recording how it ended.
+
+    ``text`` is what the client saw; it ended cleanly when ``done`` (``data:
+    [DONE]`` arrived, after the last token or after an OpenAI error event, which
+    ``error`` holds) and ``broken`` (a connection or chunking error, a stall
+    past ``read_timeout``) is None.
+    """
+
+    def __init__(self, url: str, messages: list, max_tokens: int, read_timeout: float = 90.0, headers: dict | None = None):
+        import http.client
+        import json
+        import threading
+        from urllib.parse import urlsplit
+
+        self.text, self.chunks, self.finish, self.error, self.done, self.broken, self.status = "", 0, None, None, False, None, None
+        self.ended_at: float | None = None
+        self._started = threading.Event()
+        u = urlsplit(url)
+        body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True})
+
+        def run():
+            try:
+                conn = http.client.HTTPConnection(u.hostname, u.port, timeout=read_timeout)
+                conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json", **(headers or {})})
+                resp = conn.getresponse()
+                self.status = resp.status
+                if resp.status != 200:
+                    self.error = json.loads(resp.read()).get("error")
+                    self.done = True
+                    return
+                while True:
+                    line = resp.readline()
+                    if not line:
+                        break
+                    line = line.strip()
+                    if not line.startswith(b"data: "):
+                        continue
+                    if line == b"data: [DONE]":
+                        self.done = True
+                        continue
+                    obj = json.loads(line[6:])
+                    if "error" in obj:
+                        self.error = obj["error"]
+                        continue
+                    for choice in obj.get("choices", []):
+                        self.text += (choice.get("delta") or {}).get("content") or ""
+                        self.finish = choice.get("finish_reason") or self.finish
+                    self.chunks += 1
+                    self._started.set()
+                if not self.done:
+                    self.broken = "the stream ended without data: [DONE]"
+            except Exception as e:  # what a client would see: a broken stream
+                self.broken = f"{type(e).__name__}: {e}"
+            finally:
+                self.ended_at = time.monotonic()
+                self._started.set()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def wait_started(self, chunks: int = 3, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.chunks < chunks and self.ended_at is None:
+            assert time.monotonic() < deadline, "the stream did not start"
+            time.sleep(0.02)
+
+    def join(self, timeout: float) -> bool:
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    @property
+    def clean(self) -> bool:
+        return self.done and self.broken is None
+
+    def __repr__(self) -> str:
+        return f"<Stream chunks={self.chunks} finish={self.finish} done={self.done} error={self.error} broken={self.broken}>"
+
+
+def ring_links(pid_a: int, port_a: int, pid_b: int, port_b: int) -> list[tuple[str, str]]:
+    """The TCP connections of the ring link between two daemons: (local, peer) address pairs of a's sockets."""
+    out = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True, text=True, check=True).stdout
+    pairs = []
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) < 5 or f"pid={pid_a}," not in line:
+            continue
+        local, peer = fields[2], fields[3]
+        local_port, peer_port = int(local.rsplit(":", 1)[1]), int(peer.rsplit(":", 1)[1])
+        if peer_port == port_b:  # a dialed b
+            pairs.append((local, peer))
+        elif local_port == port_a:  # b dialed a: is the peer end b's?
+            if f"pid={pid_b}," in _socket_owner(out, peer, local):
+                pairs.append((local, peer))
+    return pairs
+
+
+def _socket_owner(ss_out: str, local: str, peer: str) -> str:
+    for line in ss_out.splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and fields[2] == local and fields[3] == peer:
+            return line
+    return ""
+
+
+def drop_ring_link(pid_a: int, port_a: int, pid_b: int, port_b: int) -> int:
+    """Destroy the link's sockets in the kernel (`ss -K`), as a Wi-Fi drop or a NAT timeout ends a
+    connection: both processes see it reset. Their dial loops make a new one. Returns how many."""
+    pairs = ring_links(pid_a, port_a, pid_b, port_b)
+    for local, peer in pairs:
+        lh, lp = local.rsplit(":", 1)
+        ph, pp = peer.rsplit(":", 1)
+        subprocess.run(["ss", "-K", "src", lh, "sport", "=", lp, "dst", ph, "dport", "=", pp], capture_output=True, check=True)
+    return len(pairs)
+
+
+def block_event_loop(pid: int, seconds: float) -> None:
+    """Block a live daemon's event loop (its main thread) for ``seconds``, from outside, with gdb:
+    the compute and executor threads run on, as when a blocking call stalls the loop."""
+    script = f"import time; time.sleep({seconds})"
+    r = subprocess.run(
+        ["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "call (int)PyGILState_Ensure()",
+         "-ex", f"call (int)PyRun_SimpleString({json_quote(script)})", "-ex", "call (void)PyGILState_Release($1)"],
+        capture_output=True, text=True, timeout=seconds + 60,
+    )  # fmt: skip
+    assert r.returncode == 0 and "$2 = 0" in r.stdout, f"gdb could not block the loop of {pid}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+
+
+def json_quote(s: str) -> str:
+    import json
+
+    return json.dumps(s)

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from ringd.election import Election, Term, rank
 from ringd.placement import natural_key
 from ringd.reconcile import (
+    BROKEN,
     FAILED,
     IDLE,
     LOADED,
@@ -73,6 +74,16 @@ def test_a_relinked_stage_means_a_fresh_plan_even_with_the_same_members():
     relinked = {**members, "b": Member(8, True, loaded(T(3, "a")))}
     d = r.tick(1.5, relinked)
     assert d.plan_over == ("a", "b") and "re-made" in d.reason
+
+
+def test_a_stage_that_lost_a_ring_link_means_a_fresh_plan():
+    r = Reconciler("a")
+    members = {n: Member(i, True, loaded(T(3, "a"))) for i, n in enumerate("abc")}
+    r.planned(0.0, T(3, "a"), ("a", "b", "c"), ("a", "b", "c"), members)
+    assert r.tick(0.5, members).ready
+    broken = {**members, "b": Member(1, True, Report(T(3, "a"), BROKEN, "link to c re-made"))}
+    d = r.tick(0.6, broken)
+    assert d.plan_over == ("a", "b", "c") and "node b lost a link of the ring (link to c re-made)" in d.reason
 
 
 def test_a_stage_on_another_leaders_plan_is_noticed_after_the_delivery_timeout():
@@ -152,7 +163,8 @@ def test_follower_readiness():
     assert "no link" in follower_readiness("a", False, t, "", loaded(t))[1]
     assert "does not serve: loading" in follower_readiness("a", True, None, "loading", loaded(t))[1]
     assert "has not taken plan term 4" in follower_readiness("a", True, t, "", loaded(T(3, "a")))[1]
-    assert "loading its layers" in follower_readiness("a", True, t, "", Report(t, LOADING))[1]
+    assert "still loading its layers" in follower_readiness("a", True, t, "", Report(t, LOADING))[1]
+    assert "lost a link" in follower_readiness("a", True, t, "", Report(t, BROKEN, "link to b"))[1]
     assert "has not taken" in follower_readiness("a", True, t, "", loaded(T(5, "b")))[1]
 
 
@@ -211,6 +223,7 @@ class Node:
     view: dict[str, int] = field(default_factory=dict)  # peer -> link number, as this node last saw
     heard: dict[str, int] = field(default_factory=dict)  # peer -> round last heard from
     ready: Term | None = None  # the plan this node serves, as leader
+    ring_links: dict[str, int] = field(default_factory=dict)  # neighbour in the ring -> link number, once seen
 
 
 class Sim:
@@ -302,6 +315,7 @@ class Sim:
             if peer not in view:
                 del node.reports[peer]
                 node.serving.pop(peer, None)
+        self.watch_ring_links(node)
         # Frames in arrival order, per link.
         for peer in list(view):
             q = self.queues.get((peer, node.name))
@@ -315,6 +329,21 @@ class Sim:
         self.lead(node, now)
         for peer in node.view:
             self.send(node, peer, ("beat", node.election.announcement(), node.report, node.ready))
+
+    def watch_ring_links(self, node: Node) -> None:
+        """As StageHost does: a loaded stage whose link to a ring neighbour drops or is re-made is broken."""
+        if node.report.state != LOADED or node.plan is None:
+            return
+        term, stages = node.plan
+        i = stages.index(node.name)
+        neighbours = {term.node if i == 0 else stages[i - 1]} | ({stages[i + 1]} if i + 1 < len(stages) else set())
+        for n in neighbours - {node.name}:
+            if n in node.view and n not in node.ring_links:
+                node.ring_links[n] = node.view[n]
+            elif n in node.ring_links and node.view.get(n) != node.ring_links[n]:
+                node.report = Report(term, BROKEN, f"link to {n} lost")
+                self.send(node, term.node, ("loaded", node.report))
+                return
 
     def lead(self, node: Node, now: float) -> None:
         e = node.election
@@ -364,6 +393,7 @@ class Sim:
                 self.send(node, sender, ("loaded", node.report))
             return
         node.plan = (term, stages)
+        node.ring_links = {}
         if node.name in stages:
             node.report = Report(term, LOADING)
             node.loaded_at = self.round + self.rng.randint(0, 2)
