@@ -249,12 +249,27 @@ class Api:
     # --- status -------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
+        """Open to all (load balancers, launchd checks); with API keys set, the node's details
+        (addresses, device, memory) only for a caller with a key or the secret."""
         ready, reason = self.d.readiness()
-        body = {"status": "ok" if ready else "unavailable", **self.d.local_status(), "reason": reason}
+        status = self.d.local_status()
+        if self.d.api_keys and not await self._authorized(request):
+            status = {k: status.get(k) for k in ("node", "role", "leader", "ready")}
+        body = {"status": "ok" if ready else "unavailable", **status, "reason": reason}
         return web.json_response(body, status=200 if ready else 503)
 
+    async def _authorized(self, request: web.Request) -> bool:
+        try:
+            if is_signed(request.headers):
+                await self._need_secret(request, b"")
+            else:
+                self._need_key(request)
+        except AuthError:
+            return False
+        return True
+
     async def cluster_status(self, request: web.Request) -> web.Response:
-        if self.d.api_keys:
+        if self.d.api_keys:  # a key, or a request signed with the cluster secret (ringctl)
             if is_signed(request.headers):
                 await self._need_secret(request, b"")
             else:

@@ -117,7 +117,7 @@ class Daemon:
         # Peers learn these after the handshake; filled in now that the ports are bound.
         own.update(addr=self.addr, http=self.http_addr)
         for peer in cfg.peers:
-            self.cluster.links.dial(*parse_hostport(peer))
+            self.cluster.links.dial(*parse_hostport(peer), persistent=True)
         if cfg.discovery:
             self.supervisor.once("discovery", self._discover(addresses, ring_port, http_port))
         self.supervisor.forever("session expiry", self._expire_loop)

@@ -48,6 +48,18 @@ LINK_SWAP_GRACE_S = 2.0
 # seconds, slow enough that a busy event loop never trips it.
 HEARTBEAT_INTERVAL_S = 0.5
 DEAD_AFTER_S = 2.0
+# Addresses learned from the network (Bonjour adverts, gossip, plans) that are
+# dialed at once: a dozen Macs with a few addresses each, with room to spare.
+# Any device on the LAN can advertise; it must not make us dial thousands.
+MAX_LEARNED_DIALS = 64
+# A learned address whose handshakes fail this many times in a row holds no node
+# of this cluster (another secret, another cluster, a stranger): stop dialing it.
+MAX_FAILED_HANDSHAKES = 3
+# A learned address with no link this long is given up; its node, when back,
+# advertises again (or a member gossips it), which starts a new dial.
+LEARNED_DIAL_GIVE_UP_S = 600.0
+# How often the log may say that learned dials were refused.
+REFUSAL_LOG_INTERVAL_S = 60.0
 
 
 class LinkError(ConnectionError):
@@ -101,6 +113,8 @@ class Links:
         self._own_supervisor = supervisor is None
         self._supervisor = supervisor or Supervisor(log)
         self._numbers = itertools.count(1)
+        self._learned = 0  # dial loops of learned (not configured) addresses
+        self._last_refusal_log = -REFUSAL_LOG_INTERVAL_S
         self._dialing: set[tuple[str, int]] = set()
         # Every authenticated connection, current or draining after a lost tie.
         self._streams: set = set()
@@ -115,12 +129,32 @@ class Links:
         self._supervisor.forever("heartbeats", self._heartbeat_loop)
         return self._server.sockets[0].getsockname()[1]
 
-    def dial(self, host: str, port: int) -> None:
-        """Keep a link to host:port, redialing with backoff whenever it is down."""
+    def dial(self, host: str, port: int, persistent: bool = False) -> None:
+        """Keep a link to host:port, redialing with backoff whenever it is down.
+
+        ``persistent`` (a configured peer): for as long as the node runs. Otherwise
+        (an address learned from an advert, a peer's gossip or a plan, which anyone
+        on the LAN can make us learn) at most MAX_LEARNED_DIALS at once, each given
+        up after MAX_FAILED_HANDSHAKES failed handshakes in a row (not one of ours)
+        or LEARNED_DIAL_GIVE_UP_S without a link; a later advert or gossip starts it again.
+        """
         if (host, port) in self._dialing:
             return
+        if not persistent and self._learned >= MAX_LEARNED_DIALS:
+            now = time.monotonic()
+            if now - self._last_refusal_log >= REFUSAL_LOG_INTERVAL_S:
+                self._last_refusal_log = now
+                log.warning("not dialing %s:%d: %d learned addresses are being dialed already (MAX_LEARNED_DIALS)", host, port, self._learned)
+            return
         self._dialing.add((host, port))
-        self._supervisor.forever(f"dial {host}:{port}", lambda: self._dial_loop(host, port), restart_on_return=False)
+        self._learned += not persistent
+
+        def done(_task):
+            self._dialing.discard((host, port))
+            self._learned -= not persistent
+
+        task = self._supervisor.forever(f"dial {host}:{port}", lambda: self._dial_loop(host, port, persistent), restart_on_return=False)
+        task.add_done_callback(done)
 
     def send(self, node: str, frame: Frame) -> None:
         """Queue ``frame`` on the link to ``node`` without waiting; order is kept per link."""
@@ -170,9 +204,13 @@ class Links:
     async def _accepted(self, stream) -> None:
         await self._run_link(stream, outbound=False)
 
-    async def _dial_loop(self, host: str, port: int) -> None:
+    async def _dial_loop(self, host: str, port: int, persistent: bool) -> None:
         backoff = DIAL_BACKOFF_INITIAL_S
+        failed_handshakes, linked_at = 0, time.monotonic()
         while not self._closing:
+            if not persistent and time.monotonic() - linked_at > LEARNED_DIAL_GIVE_UP_S:
+                log.info("giving up dialing %s:%d: no link for %.0f s", host, port, LEARNED_DIAL_GIVE_UP_S)
+                return
             try:
                 stream = await wire_stream.connect(
                     host, port, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info,
@@ -180,16 +218,22 @@ class Links:
                 )  # fmt: skip
             except (OSError, asyncio.TimeoutError, wire_stream.HandshakeError) as e:
                 log.debug("dial %s:%d failed: %s", host, port, e)
+                if isinstance(e, wire_stream.HandshakeError):
+                    failed_handshakes += 1
+                    if not persistent and failed_handshakes >= MAX_FAILED_HANDSHAKES:
+                        log.info("giving up dialing %s:%d: %d handshakes failed (%s)", host, port, failed_handshakes, e)
+                        return
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, DIAL_BACKOFF_MAX_S)
                 continue
-            backoff = DIAL_BACKOFF_INITIAL_S
+            backoff, failed_handshakes = DIAL_BACKOFF_INITIAL_S, 0
             peer_id = stream.peer_id
             await self._run_link(stream, outbound=True)
             # The link ended. If another link to the same node is up (the one it
             # dialed to us won the tie), wait for that one to end before redialing.
             while not self._closing and (other := self.peers.get(peer_id)) is not None:
                 await other.gone.wait()
+            linked_at = time.monotonic()
             await asyncio.sleep(backoff)
 
     def _prefer(self, new_outbound: bool, peer_id: str) -> bool:
@@ -207,7 +251,11 @@ class Links:
         self._streams.add(stream)
         current = self.peers.get(peer_id)
         later = asyncio.get_running_loop().call_later
-        if current is not None and not current.stream.closed and not self._prefer(outbound, peer_id):
+        # Two live links in opposite directions (both nodes dialed at once): both ends keep the
+        # one dialed by the smaller id. In the same direction, the newer wins: the dialing side
+        # dialed again because it gave the older one up, even if this side has not noticed yet.
+        tie = current is not None and not current.stream.closed and current.outbound != outbound
+        if tie and not self._prefer(outbound, peer_id):
             later(LINK_SWAP_GRACE_S, stream.close)  # the other link wins; drain this one
         else:
             if current is not None:

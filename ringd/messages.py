@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from .config import check_name, parse_hostport
 from .election import Announce, ElectionError, Term
+from .placement import MAX_ADDR_CHARS
 from .reconcile import Report, ReportError
 
 # Peers one heartbeat may tell of: far above any real cluster (a dozen Macs),
@@ -28,8 +29,6 @@ MAX_GOSSIPED_PEERS = 64
 MAX_DRAINED = 64
 # Why the leader does not serve, as followers repeat it in /health: one line.
 MAX_REASON_CHARS = 300
-# "[ipv6]:port" at most.
-MAX_ADDR_CHARS = 64
 
 
 class MessageError(ValueError):

@@ -194,11 +194,15 @@ class Cluster:
         if self.static_peers:
             cmd += ["--discovery", "off", "--nodes", str(self.n)]
             for j in self.peers_of(i):
-                cmd += ["--peer", f"127.0.0.1:{self.ring_ports[j]}"]
+                cmd += ["--peer", self.peer_address(i, j)]
         else:
             # Multicast on loopback only: a test never speaks mDNS on a real network.
             cmd += ["--mdns-interfaces", "lo"]
         return cmd + self.extra
+
+    def peer_address(self, i: int, j: int) -> str:
+        """Where node i dials node j."""
+        return f"127.0.0.1:{self.ring_ports[j]}"
 
     def peers_of(self, i: int) -> list[int]:
         """The nodes node i is given as static peers: by default every other one."""

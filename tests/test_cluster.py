@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -263,3 +264,57 @@ def test_one_static_peer_each_is_enough(tiny_model, tmp_path):
         assert chat(c.url(2))[0] == 200
     finally:
         c.stop()
+
+
+def test_a_relay_without_the_secret_between_two_nodes_gets_nothing_it_can_use(tiny_model, tmp_path):
+    """node1 reaches node0 only through a relay that knows no secret (as if it had dialed a
+    stranger's Bonjour advert). Hijacked after the proofs, the relay's connection is never
+    admitted; a link it tampers with (a frame injected, a frame replayed, a byte flipped) is
+    closed at the first bad frame; the relay is never planned into the ring; and each time
+    the cluster recovers and serves."""
+    from conftest import Cluster
+    from relay import Relay
+
+    modes = ["hijack", "inject", "replay", "flip"]
+
+    class Relayed(Cluster):
+        relay = None
+
+        def peers_of(self, i):
+            return [0] if i == 1 else []  # node0 dials nobody; node1 only "node0", via the relay
+
+        def peer_address(self, i, j):
+            if self.relay is None:
+                self.relay = Relay(self.ring_ports[0], modes)
+            return f"127.0.0.1:{self.relay.port}"
+
+        def command(self, i, **kw):
+            cmd = super().command(i, **kw)
+            if i == 1:  # an address node0 cannot dial (node1 listens on 127.0.0.1): every link goes through the relay
+                cmd[cmd.index("--advertise") + 1] = "127.0.0.2"
+            return cmd
+
+    c = Relayed(tiny_model(arch="llama", layers=4), 2, tmp_path)
+    try:
+        # Every trick is tried (node1 dials again after each), then the relay passes bytes through.
+        c.wait(lambda: len(c.relay.used) > len(modes), 90, "node1 to get past every trick of the relay")
+        assert c.relay.used[: len(modes)] == modes, c.relay.used
+        print(f"\nrelay connections: {c.relay.used}")
+        c.wait(lambda: serving_leader(c, range(2)) == "node0", 60, "node0 to serve a ring of two through the relay")
+        assert chat(c.url(1))[0] == 200
+        # Hijacked: node0 waited for an INFO the relay could not forge, and never admitted the
+        # connection; every other connection through the relay became a link.
+        admitted = lambda: c.logs[0].read_text().count("linked with node1 (accepted)")  # noqa: E731
+        c.wait(lambda: admitted() == len(c.relay.used) - 1, 30, f"every connection but the hijacked one admitted ({c.relay.used})")
+        log0, log1 = c.logs[0].read_text(), c.logs[1].read_text()
+        assert "linked with node1 (dialed)" not in log0
+        # Each tampered link was dropped by the side that got the bad frame.
+        closed = [line for line in (log0 + log1).splitlines() if "link to node" in line and "failed its MAC check" in line]
+        assert len(closed) >= 3, "\n".join(closed) + c.log_tails()
+        # Only the two real nodes were ever planned.
+        planned = {n for line in log0.splitlines() if "ringd.coordinator: plan term" in line for n in re.findall(r"([\w.-]+)\[\d+,\d+\)", line)}
+        assert planned == {"node0", "node1"}, planned
+    finally:
+        c.stop()
+        if c.relay is not None:
+            c.relay.close()

@@ -10,7 +10,10 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
+
+import openai
 
 import pytest
 
@@ -73,36 +76,42 @@ def test_kill_9_of_a_stage_mid_stream_loses_nothing(tiny_model, victim):
         ring.stop()
 
 
-def test_survivors_too_small_get_a_503_naming_the_shortfall(tiny_model):
+def test_survivors_too_small_get_a_503_naming_the_shortfall_on_every_node(tiny_model, tmp_path):
+    from conftest import Cluster
+    from test_cluster import serving_leader
+
     model = tiny_model(arch="llama", layers=8, hidden_size=128, dtype="float32")
     from ringd.shard import model_info
 
     weights = model_info(str(model)).weights
-    # Each node can hold a little more than half the model: two fit, one does not.
-    budget_gb = (weights.stage(0, 8) * 0.6) / 2**30
+    # Each node can hold a little less than half the model: three fit, two do not.
+    budget_gb = (weights.stage(0, 8) * 0.45) / 2**30
     # No KV reserve in placement: the budgets are about the weights here.
-    ring = Ring(model, nodes=2, env={"RINGD_MEMORY_BUDGET_GB": f"{budget_gb:.9f}", "RINGD_KV_RESERVE_TOKENS": "1"})
+    c = Cluster(model, 3, tmp_path, extra=["--memory-budget-gb", f"{budget_gb:.9f}", "--kv-reserve-tokens", "1"])
     try:
-        client = ring.client()
-        r = client.chat.completions.create(model=ring.model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to serve a ring of three")
+        client = openai.OpenAI(base_url=c.url(0) + "/v1", api_key="not-needed", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
         assert r.choices[0].message.content is not None
-        subprocess.run(["kill", "-9", str(node_pid(ring, "node1"))], check=True)
-        deadline = time.monotonic() + 15
-        body = {}
-        while time.monotonic() < deadline:
+        c.signal(2, signal.SIGKILL)
+
+        def refused(i):
             try:
-                urllib.request.urlopen(ring.url + "/health", timeout=5)
+                urllib.request.urlopen(c.url(i) + "/health", timeout=5)
             except urllib.error.HTTPError as e:
                 body = json.loads(e.read())
-                if "does not fit" in body.get("reason", ""):
-                    break
-            time.sleep(0.2)
-        assert "node0 needs" in body["reason"] and "short by" in body["reason"], body
-        import openai
+                return body if "does not fit" in body.get("reason", "") else None
+            return None
 
-        with pytest.raises(openai.APIStatusError) as e:
-            client.chat.completions.create(model=ring.model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
-        assert e.value.status_code == 503
-        assert "short by" in e.value.response.json()["error"]["message"]
+        body = c.wait(lambda: refused(0), 20, "the leader to say the model does not fit")
+        assert "node0 needs" in body["reason"] and "short by" in body["reason"], body
+        # A follower does not say "ok" while the cluster cannot serve: it says why.
+        follower = c.wait(lambda: refused(1), 20, "the follower to say so too")
+        assert follower["status"] == "unavailable" and "the leader node0 does not serve" in follower["reason"], follower
+        for url in (c.url(0), c.url(1)):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="not-needed", max_retries=0, timeout=60)
+            with pytest.raises(openai.APIStatusError) as e:
+                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+            assert e.value.status_code == 503
     finally:
-        ring.stop()
+        c.stop()

@@ -96,3 +96,41 @@ def test_a_silent_peer_is_declared_dead_and_its_link_closed():
         await a.close()
 
     uvloop.run(main())
+
+
+def test_a_learned_address_whose_handshakes_fail_is_given_up_and_a_configured_one_is_not():
+    async def main():
+        stranger = Links("x", "lab", b"another-secret-0123456789abcdef", {}, on_frame=lambda p, f: None)
+        port = await stranger.listen("127.0.0.1", 0)
+        a = links("a")
+        a.dial("127.0.0.1", port)  # learned: from an advert or gossip
+        await until(lambda: ("127.0.0.1", port) not in a._dialing, 10.0, "the learned dial to be given up")
+        assert a._learned == 0
+        a.dial("127.0.0.1", port, persistent=True)  # configured: keeps trying
+        await asyncio.sleep(1.0)
+        assert ("127.0.0.1", port) in a._dialing
+        await a.close()
+        await stranger.close()
+
+    uvloop.run(main())
+
+
+def test_learned_dials_are_capped(monkeypatch, caplog):
+    import logging
+
+    import ringd.membership as membership
+
+    monkeypatch.setattr(membership, "MAX_LEARNED_DIALS", 2)
+
+    async def main():
+        a = links("a")
+        for port in (1, 2, 3):  # nothing listens there: the loops keep trying
+            a.dial("127.0.0.1", port)
+        assert len(a._dialing) == 2 and a._learned == 2
+        a.dial("127.0.0.1", 4, persistent=True)  # configured peers are never refused
+        assert len(a._dialing) == 3
+        await a.close()
+
+    with caplog.at_level(logging.WARNING, "ringd.membership"):
+        uvloop.run(main())
+    assert "not dialing 127.0.0.1:3: 2 learned addresses are being dialed already" in caplog.text

@@ -219,6 +219,15 @@ def test_bad_requests_get_openai_errors_and_the_ring_keeps_serving(tiny_model, r
         (ring.url + "/v1/completions", {"model": ring.model_id, "prompt": [10**7]}, 400, "prompt"),
         (ring.url + "/v1/completions", {"model": ring.model_id, "prompt": "x", "echo": True}, 400, "echo"),
         (ring.url + "/v1/nothing", good, 404, None),
+        # Issue 7, finding 6: each of these answered 500 once.
+        (chat, b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+        (chat, b'{"model": "tiny", "messages": [], "max_tokens": ' + b"9" * 5000 + b"}", 400, None),
+        (chat, json.dumps({**good, "messages": [{"role": "user", "content": "\ud800"}]}).encode(), 400, "messages[0].content"),
+        (ring.url + "/v1/completions", {"model": ring.model_id, "prompt": "hi\udfff"}, 400, "prompt"),
+        (chat, {**good, "top_k": 10**6}, 400, "top_k"),
+        (chat, {**good, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        (chat, {**good, "tool_choice": "required"}, 400, "tool_choice"),
+        (chat, {**good, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ]
     for url, body, status, param in cases:
         got, answer = _post(url, body)

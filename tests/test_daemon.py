@@ -1,0 +1,39 @@
+"""Starting `ringd serve`: what a user sees when the start cannot work, named so they can fix it."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def serve(tmp_path, model, *extra: str, secret_mode: int = 0o600) -> subprocess.CompletedProcess:
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(secret_mode)
+    cmd = [
+        sys.executable, "-m", "ringd", "serve", "--name", "solo", "--cluster", "t", "--model", str(model),
+        "--secret-file", str(secret), "--state-dir", str(tmp_path / "state"), "--discovery", "off",
+        "--host", "127.0.0.1", "--http-host", "127.0.0.1", *extra,
+    ]  # fmt: skip
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_a_port_in_use_is_named(tiny_model, tmp_path):
+    model = tiny_model(arch="llama", layers=2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for key in ("http-port", "ring-port"):
+            other = "ring-port" if key == "http-port" else "http-port"
+            r = serve(tmp_path, model, f"--{key}", str(port), f"--{other}", "0")
+            assert r.returncode == 1, r.stderr
+            assert f"{key.replace('-', '_')}: port {port} on 127.0.0.1 is in use" in r.stderr and f"--{key}" in r.stderr, r.stderr
+
+
+def test_a_secret_file_others_can_read_is_refused_with_the_fix(tiny_model, tmp_path):
+    r = serve(tmp_path, tiny_model(arch="llama", layers=2), "--http-port", "0", "--ring-port", "0", secret_mode=0o644)
+    assert r.returncode == 1 and "chmod 600" in r.stderr and str(tmp_path / "secret") in r.stderr, r.stderr

@@ -1,0 +1,76 @@
+"""A stream outlives its leader (proxy.py): a follower carries it over, or ends it cleanly.
+
+Real `ringd serve` processes, kill -9 of the leader while a client streams
+through a follower, the real openai client reading the stream.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import openai
+import pytest
+from conftest import Cluster, Stream
+from test_cluster import serving_leader
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Tell me everything about rings."}]
+TOKENS = 300
+
+
+def stream_text(url: str, on_chunk=None) -> tuple[str, str | None]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="not-needed", max_retries=0, timeout=120)
+    parts, finish = [], None
+    for i, chunk in enumerate(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=TOKENS, temperature=0, stream=True)):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if on_chunk:
+            on_chunk(i)
+    return "".join(parts), finish
+
+
+def test_kill_9_of_the_leader_mid_stream_through_a_follower_loses_nothing(tiny_model, tmp_path):
+    c = Cluster(tiny_model(arch="llama", layers=6), 3, tmp_path)
+    try:
+        c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
+        whole, finish = stream_text(c.url(2))
+        assert finish == "length"
+        killed = []
+
+        def kill_at(i):
+            if i == 40 and not killed:
+                c.signal(0, signal.SIGKILL)
+                killed.append(time.monotonic())
+
+        again, finish = stream_text(c.url(2), on_chunk=kill_at)
+        assert killed and finish == "length"
+        assert again == whole, "the stream carried over to the new leader differs from the uninterrupted run"
+        assert c.wait(lambda: serving_leader(c, [1, 2]), what="the survivors to agree") == "node1"
+        assert "carrying it over to the next leader" in c.logs[2].read_text()
+    finally:
+        c.stop()
+
+
+def test_with_no_leader_to_carry_it_over_a_stream_ends_with_an_error_event_and_done(tiny_model, tmp_path):
+    from ringd.shard import model_info
+
+    model = tiny_model(arch="llama", layers=8, hidden_size=128, dtype="float32")
+    # Each node can hold a little more than half the model: when node0 dies,
+    # node1 alone cannot serve, and no leader will within failover_wait_s.
+    budget_gb = model_info(str(model)).weights.stage(0, 8) * 0.6 / 2**30
+    extra = ["--memory-budget-gb", f"{budget_gb:.9f}", "--kv-reserve-tokens", "1", "--failover-wait-s", "3"]
+    c = Cluster(model, 2, tmp_path, extra=extra)
+    try:
+        c.wait(lambda: serving_leader(c, range(2)) == "node0", what="node0 to lead")
+        s = Stream(c.url(1), MESSAGES, 200)  # a context the small budgets leave KV room for
+        s.wait_started(5)
+        c.signal(0, signal.SIGKILL)
+        assert s.join(60), s
+        assert s.status == 200 and s.clean and s.error is not None, s  # an OpenAI error event, then data: [DONE]
+        assert s.error["type"] == "service_unavailable" and "no new one served within 3 s" in s.error["message"], (s.error, c.log_tails())
+        assert s.finish is None and s.chunks >= 5
+    finally:
+        c.stop()
