@@ -312,7 +312,7 @@ class Engine:
             try:
                 self._start(flight)
             except ConnectionError as e:
-                raise EngineError(f"cannot reach the ring's first stage: {e}", 503) from None
+                self._wait_for_ring(flight, e)
             text = _Text(self.tokenizer.detokenizer, stop, self.eos_ids, flight.max_tokens)
             for token in resume:  # the client has their text: bring the state to where it was
                 text.next(token)
@@ -370,7 +370,7 @@ class Engine:
     def _start(self, flight: _Flight) -> None:
         """Send the request to the current ring: its prompt, then (a replay) its tokens so far."""
         plan = self.plan
-        first, term, rid = plan.stages[0].node, plan.term, flight.rid
+        first, term = plan.stages[0].node, plan.term
         flight.term = term
         # As generate_step: all but the last prompt token in chunks that only fill
         # the caches, then one token at a time, each sampled.
@@ -437,7 +437,13 @@ class Engine:
         try:
             self._send_step(flight, self.plan.stages[0].node, self.plan.term, offset, [token], True, None)
         except ConnectionError as e:
-            flight.queue.put_nowait(self._error(flight, f"cannot reach the ring's first stage: {e}"))
+            self._wait_for_ring(flight, e)
+
+    def _wait_for_ring(self, flight: _Flight, e: Exception) -> None:
+        """The first stage cannot be reached: the ring is breaking, and the leader re-plans
+        (reconcile.py). Hold the request for the next ring, which replays it, instead of failing it."""
+        log.warning("req=%x: cannot reach the ring's first stage (%s); holding it for the next ring", flight.rid, e)
+        flight.term = None
 
     def _error(self, flight: _Flight, message: str, status: int = 503) -> Frame:
         flight.finished = flight.failed = True
@@ -478,7 +484,7 @@ class Engine:
             try:
                 self._start(flight)
             except ConnectionError as e:
-                flight.queue.put_nowait(self._error(flight, f"cannot reach the ring's first stage: {e}"))
+                self._wait_for_ring(flight, e)
 
     def fail_all(self, reason: str) -> None:
         """No ring can serve: every request in flight ends with a 503."""

@@ -123,7 +123,6 @@ _references: dict = {}
 def reference(model_path: Path, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
     """Greedy tokens and their logprobs from single-process mlx-lm (generate_step)."""
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.generate import generate_step
 
     key = (str(model_path), tuple(prompt), max_tokens)
@@ -274,6 +273,25 @@ def cluster_factory(tmp_path):
     yield make
     for c in made:
         c.stop()
+
+
+def stream_text(base_url: str, messages: list, max_tokens: int, on_chunk=None, model: str = "tiny") -> tuple[str, str | None]:
+    """A greedy streamed chat completion through the real openai client: (text, finish_reason).
+
+    ``on_chunk(i)`` runs after the i-th chunk arrives (to kill a node mid-stream, say).
+    """
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="not-needed", max_retries=0, timeout=120)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True)
+    parts, finish = [], None
+    for i, chunk in enumerate(stream):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if on_chunk:
+            on_chunk(i)
+    return "".join(parts), finish
 
 
 class Stream:

@@ -17,7 +17,7 @@ import openai
 
 import pytest
 
-from conftest import Ring
+from conftest import Ring, stream_text
 
 TOKENS = 400
 
@@ -26,20 +26,6 @@ def node_pid(ring: Ring, name: str) -> int:
     out = subprocess.run(["pgrep", "-P", str(ring.proc.pid), "-f", f"ringd serve --name {name} "], capture_output=True, text=True).stdout.split()
     assert len(out) == 1, f"expected one process for {name}, got {out}"
     return int(out[0])
-
-
-def stream_text(ring: Ring, messages, on_chunk=None) -> tuple[str, str]:
-    stream = ring.client().chat.completions.create(
-        model=ring.model_id, messages=messages, max_tokens=TOKENS, temperature=0, stream=True
-    )
-    parts, finish = [], None
-    for i, chunk in enumerate(stream):
-        if chunk.choices:
-            parts.append(chunk.choices[0].delta.content or "")
-            finish = chunk.choices[0].finish_reason or finish
-        if on_chunk:
-            on_chunk(i)
-    return "".join(parts), finish
 
 
 def cluster(ring: Ring) -> dict:
@@ -53,7 +39,7 @@ def test_kill_9_of_a_stage_mid_stream_loses_nothing(tiny_model, victim):
     messages = [{"role": "user", "content": "Tell me everything about rings."}]
     ring = Ring(model, nodes=3)
     try:
-        whole, finish = stream_text(ring, messages)
+        whole, finish = stream_text(ring.base_url, messages, TOKENS, model=ring.model_id)
         assert finish == "length"
         pid = node_pid(ring, victim)
         killed = threading.Event()
@@ -64,7 +50,7 @@ def test_kill_9_of_a_stage_mid_stream_loses_nothing(tiny_model, victim):
                 killed.set()
 
         t0 = time.monotonic()
-        again, finish = stream_text(ring, messages, on_chunk=kill_at)
+        again, finish = stream_text(ring.base_url, messages, TOKENS, kill_at, model=ring.model_id)
         assert killed.is_set()
         assert finish == "length"
         assert again == whole, "the stream after failover differs from the uninterrupted run"

@@ -154,7 +154,7 @@ def test_2100_half_sent_requests_do_not_stop_a_normal_completion(node):
     port = node.http_ports[0]
     socks = []
     try:
-        for i in range(HALF_SENT):
+        for _ in range(HALF_SENT):
             s = socket.create_connection(("127.0.0.1", port), timeout=10)
             # A request line and some headers, never the blank line that ends them.
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")

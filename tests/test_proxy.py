@@ -9,9 +9,8 @@ from __future__ import annotations
 import signal
 import time
 
-import openai
 import pytest
-from conftest import Cluster, Stream
+from conftest import Cluster, Stream, stream_text
 from test_cluster import serving_leader
 
 pytestmark = pytest.mark.slow
@@ -20,23 +19,11 @@ MESSAGES = [{"role": "user", "content": "Tell me everything about rings."}]
 TOKENS = 300
 
 
-def stream_text(url: str, on_chunk=None) -> tuple[str, str | None]:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="not-needed", max_retries=0, timeout=120)
-    parts, finish = [], None
-    for i, chunk in enumerate(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=TOKENS, temperature=0, stream=True)):
-        if chunk.choices:
-            parts.append(chunk.choices[0].delta.content or "")
-            finish = chunk.choices[0].finish_reason or finish
-        if on_chunk:
-            on_chunk(i)
-    return "".join(parts), finish
-
-
 def test_kill_9_of_the_leader_mid_stream_through_a_follower_loses_nothing(tiny_model, tmp_path):
     c = Cluster(tiny_model(arch="llama", layers=6), 3, tmp_path)
     try:
         c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
-        whole, finish = stream_text(c.url(2))
+        whole, finish = stream_text(c.url(2) + "/v1", MESSAGES, TOKENS)
         assert finish == "length"
         killed = []
 
@@ -45,7 +32,7 @@ def test_kill_9_of_the_leader_mid_stream_through_a_follower_loses_nothing(tiny_m
                 c.signal(0, signal.SIGKILL)
                 killed.append(time.monotonic())
 
-        again, finish = stream_text(c.url(2), on_chunk=kill_at)
+        again, finish = stream_text(c.url(2) + "/v1", MESSAGES, TOKENS, kill_at)
         assert killed and finish == "length"
         assert again == whole, "the stream carried over to the new leader differs from the uninterrupted run"
         assert c.wait(lambda: serving_leader(c, [1, 2]), what="the survivors to agree") == "node1"
