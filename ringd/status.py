@@ -77,6 +77,8 @@ class Status:
             "queued_requests": coordinator.engine.queued if coordinator else 0,
             "active_requests": coordinator.engine.active if coordinator else 0,
             "peers": sorted(cluster.peers, key=natural_key),
+            # Each link: its number (a new one each time it is re-made) and whether it is encrypted.
+            "links": {p: {"number": peer.number, "encrypted": peer.stream.encrypted} for p, peer in sorted(cluster.peers.items())},
             "drained": sorted(cluster.drained, key=natural_key),
         }
 

@@ -56,7 +56,12 @@ def cluster(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("auth")
     keys = tmp / "api-keys"
     keys.write_text(f"# one key a line\n\n{KEY}\n")
-    c = Cluster(tiny_model(arch="llama", layers=4), 2, tmp, extra=["--api-keys-file", str(keys)])
+    # ring_encryption on one node is enough: a link is encrypted if either end asks.
+    class Encrypting(Cluster):
+        def command(self, i, **kw):
+            return super().command(i, **kw) + (["--ring-encryption", "on"] if i == 1 else [])
+
+    c = Encrypting(tiny_model(arch="llama", layers=4), 2, tmp, extra=["--api-keys-file", str(keys)])
     try:
         c.wait(lambda: serving_leader(c, range(2)) == "node0", what="node0 to lead")
         yield c
@@ -153,3 +158,10 @@ def test_a_70000_character_drain_name_is_refused_and_the_cluster_keeps_serving(c
     assert call(cluster.url(1) + "/health")[0] == 200
     r = client(cluster, 1, KEY).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert r.choices[0].message.content is not None
+
+
+def test_the_ring_links_are_encrypted_when_one_end_asks(cluster):
+    for i, peer in ((0, "node1"), (1, "node0")):
+        health = call(cluster.url(i) + "/health", headers=AUTH)[1]
+        assert health["links"][peer]["encrypted"] is True, health["links"]
+    assert call(cluster.url(1) + "/health", headers=AUTH)[1]["ring_encryption"] is True
