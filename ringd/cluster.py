@@ -27,11 +27,20 @@ from .config import parse_hostport
 from .election import Election, ElectionError, Pin, Term
 from .membership import LinkError, Links
 from .messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, Heartbeat, MessageError, clip, parse_control
-from .placement import natural_key
+from .placement import MAX_ADDR_CHARS, natural_key
 from .reconcile import Report
 from .tasks import Supervisor
 
 log = logging.getLogger(__name__)
+
+
+def _dialable(addr: object) -> bool:
+    """An address a heartbeat may carry: one whose receivers will not refuse the whole heartbeat."""
+    try:
+        parse_hostport(addr)
+    except ValueError:
+        return False
+    return isinstance(addr, str) and len(addr) <= MAX_ADDR_CHARS
 
 
 class DrainError(ValueError):
@@ -173,7 +182,7 @@ class Cluster:
         known = {}
         for p, peer in self.links.peers.items():
             addr = peer.info.get("addr")
-            if isinstance(addr, str) and len(known) < MAX_GOSSIPED_PEERS:
+            if len(known) < MAX_GOSSIPED_PEERS and _dialable(addr):
                 known[p] = addr
         beat = Heartbeat(self.election.announcement(), self._report(), known)
         if self.leading:
