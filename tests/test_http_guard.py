@@ -104,9 +104,10 @@ def node(tiny_model, tmp_path_factory):
     from conftest import Cluster
     from test_cluster import serving_leader
 
-    c = Cluster(tiny_model(arch="llama", layers=4), 1, tmp_path_factory.mktemp("guard"))
+    # Two nodes: a leader that stalled would be replaced by the other, which the tests would see.
+    c = Cluster(tiny_model(arch="llama", layers=4), 2, tmp_path_factory.mktemp("guard"))
     try:
-        c.wait(lambda: serving_leader(c, [0]) == "node0", what="node0 to serve")
+        c.wait(lambda: serving_leader(c, [0, 1]) == "node0", what="node0 to serve")
         yield c
     finally:
         c.stop()
@@ -117,6 +118,7 @@ def test_four_concurrent_15_mib_prompts_are_refused_fast_and_cheaply(node):
     url = node.url(0) + "/v1/chat/completions"
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "word " * (GIANT_PROMPT_BYTES // 5)}], "max_tokens": 5}).encode()
     assert GIANT_PROMPT_BYTES <= len(body) < 16 * 1024 * 1024
+    term = json.loads(urllib.request.urlopen(node.url(1) + "/health", timeout=10).read())["election_term"]
     before, peak, results = rss_bytes(pid), [0], []
     stop = threading.Event()
 
@@ -144,6 +146,8 @@ def test_four_concurrent_15_mib_prompts_are_refused_fast_and_cheaply(node):
     assert grew < 600 * 2**20, f"RSS grew by {grew / 2**20:.0f} MiB"
     health = json.loads(urllib.request.urlopen(node.url(0) + "/health", timeout=10).read())
     assert health["role"] == "leader" and health["ready"]
+    follower = json.loads(urllib.request.urlopen(node.url(1) + "/health", timeout=10).read())
+    assert follower["leader"] == "node0" and follower["election_term"] == term  # no election happened
 
 
 def test_2100_half_sent_requests_do_not_stop_a_normal_completion(node):
