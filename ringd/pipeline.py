@@ -241,14 +241,15 @@ class StageRunner:
                 f"frame for position {step.offset}, but this stage's cache holds {session.offset} tokens"
             )
         n = len(step.tokens)
-        if shard.is_first:
-            x = mx.array(step.tokens, dtype=mx.int32)[None]
-        else:
-            x = tensor_from_buffer(frame.descriptor.get("tensor") or {}, frame.payload)
+        tokens = mx.array(step.tokens, dtype=mx.int32)[None]
+        hidden = None
+        if not shard.is_first:
+            hidden = tensor_from_buffer(frame.descriptor.get("tensor") or {}, frame.payload)
             want = (1, n, shard.info.hidden_size)
-            if tuple(x.shape) != want or not mx.issubdtype(x.dtype, mx.floating):
-                raise FrameError(f"hidden states of shape {tuple(x.shape)} {x.dtype}; expected {want}, floating")
-        h = shard(x, session.cache)
+            if tuple(hidden.shape) != want or not mx.issubdtype(hidden.dtype, mx.floating):
+                raise FrameError(f"hidden states of shape {tuple(hidden.shape)} {hidden.dtype}; expected {want}, floating")
+        # The last stage gets the model's logits (computed only if sampled: MLX is lazy).
+        h = shard(tokens, hidden, session.cache)
         session.offset += n
         session.tokens += step.tokens
         kv = session.kv
@@ -267,7 +268,7 @@ class StageRunner:
             mx.eval([c.state for c in session.cache])
             return []
         # As mlx-lm's generate_step: the head over the step's positions, then the last.
-        s = session.sampler.sample(shard.logits(h)[:, -1, :])
+        s = session.sampler.sample(h[:, -1, :])
         if step.silent:
             return []
         desc = {"term": step.term, "offset": session.offset, "token": s.token, "logprob": s.logprob}

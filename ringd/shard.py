@@ -15,6 +15,8 @@ computes. It ignores sampling (``sampling.py``) and the network (``pipeline.py``
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import re
 import struct
@@ -25,15 +27,23 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 from mlx_lm.utils import load_config, load_model
 
-# mlx-lm modules whose inner model is exactly `embed -> layer(h, mask, cache)...
-# -> norm`, checked by reading their source. Others (gemma scales the embeddings,
-# hybrid and MoE models keep other cache kinds, ...) would compute garbage if
-# cut here, which is the failure that sank earlier attempts, so they are refused.
-PLAIN_DECODER_MODULES = frozenset({"llama", "qwen2", "qwen3"})
+# The mlx-lm architectures (module names) a ring runs, bit for bit as one process does:
+# decided by tests/test_archs.py, which splits a tiny model of each at every cut and
+# compares with single-process mlx-lm (and checks that this list is what passed).
+# Another architecture is refused at start, naming this list.
+SUPPORTED_ARCHITECTURES = frozenset(
+    {
+        "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mistral3",  # dense
+        "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax",  # MoE
+        "qwen3_next",  # hybrid: linear and full attention, MoE
+    }
+)  # fmt: skip
+# Weight digests read this many slices of this many bytes from each weight file.
+SAMPLES_PER_FILE = 16
+SAMPLE_BYTES = 16 * 1024
 
 # Files a stage needs besides weights: config, tokenizer, chat template.
 NON_WEIGHT_PATTERNS = [
@@ -144,36 +154,68 @@ def resolve_model_path(path_or_repo: str, allow_patterns: list[str] | None = Non
         raise ModelError(f"could not fetch {path_or_repo!r} from the Hugging Face Hub: {e}") from e
 
 
+def text_config(config: dict) -> dict:
+    """The decoder's settings: a multimodal checkpoint keeps them under ``text_config``."""
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
 def model_info(path_or_repo: str) -> ModelInfo:
     """Read a model's config and check that it can be split into a ring."""
-    import hashlib
-
     path = resolve_model_path(path_or_repo)
     config = load_config(path)
     model_type = config.get("model_type", "?")
     module = _model_module(config)
-    if module not in PLAIN_DECODER_MODULES:
+    if module not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
             f"model_type {model_type!r} (mlx_lm.models.{module}) is not supported by the ring; "
-            f"supported: {', '.join(sorted(PLAIN_DECODER_MODULES))}"
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))} (README.md lists the models each covers)"
         )
+    text = text_config(config)
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
-        if not isinstance(config.get(key), int) or config[key] <= 0:
+        if not isinstance(text.get(key), int) or text[key] <= 0:
             raise ModelError(f"{path / 'config.json'}: {key} must be a positive integer")
-    fingerprint = hashlib.sha256(
-        json.dumps(config, sort_keys=True, default=str).encode()
-    ).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(weights_digest(path).encode())
     return ModelInfo(
         path=path,
         config=config,
         model_type=model_type,
-        num_layers=config["num_hidden_layers"],
-        hidden_size=config["hidden_size"],
-        vocab_size=config["vocab_size"],
-        context_length=int(config.get("max_position_embeddings") or 4096),
-        fingerprint=fingerprint,
-        weights=weight_bytes(path, config["num_hidden_layers"]),
+        num_layers=text["num_hidden_layers"],
+        hidden_size=text["hidden_size"],
+        vocab_size=text["vocab_size"],
+        context_length=int(text.get("max_position_embeddings") or 4096),
+        fingerprint=digest.hexdigest()[:16],
+        weights=weight_bytes(path, text["num_hidden_layers"]),
     )
+
+
+def weights_digest(path: Path) -> str:
+    """What identifies the weights, so that a fine-tune and its base model never share a ring.
+
+    A Hugging Face snapshot is named by its commit, which fixes every file (and a
+    node that fetched only its own layers' files still knows it). A local directory:
+    each weight file's name, size and header, and SAMPLES_PER_FILE slices of its
+    data spread over the file: a fine-tune changes nearly every weight, and reading
+    a few hundred KiB per file keeps this instant on a model of hundreds of GB.
+    """
+    parts = path.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return f"hub:{parts[-3]}@{parts[-1]}"
+    h = hashlib.sha256()
+    for file in sorted(path.glob("model*.safetensors")):
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}:".encode())
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > _MAX_SAFETENSORS_HEADER_BYTES:
+                raise ModelError(f"{file}: safetensors header of {n} bytes is implausible")
+            h.update(f.read(n))
+            data = 8 + n
+            for i in range(SAMPLES_PER_FILE):
+                f.seek(data + (size - data) * i // SAMPLES_PER_FILE)
+                h.update(f.read(SAMPLE_BYTES))
+    return "local:" + h.hexdigest()
 
 
 def weight_bytes(path: Path, num_layers: int) -> WeightBytes:
@@ -214,13 +256,14 @@ def _model_module(config: dict) -> str:
     return model_class.__module__.rsplit(".", 1)[-1]
 
 
-def _safetensors_header(file: Path) -> dict:
+def _safetensors_header(file: Path, keep_metadata: bool = False) -> dict:
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > _MAX_SAFETENSORS_HEADER_BYTES:
             raise ModelError(f"{file}: safetensors header of {n} bytes is implausible")
         header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
+    if not keep_metadata:
+        header.pop("__metadata__", None)
     return header
 
 
@@ -252,29 +295,130 @@ def weight_files_for(path: Path, start: int, end: int) -> list[str] | None:
     return sorted(files)
 
 
-class Shard:
-    """Layers [start, end) of a model, ready to run on this node's compute thread."""
+class _StageOutput(Exception):
+    """Raised by the last layer of a stage that is not the ring's last: its output is the stage's."""
 
-    def __init__(
-        self,
-        info: ModelInfo,
-        start: int,
-        end: int,
-        layers: list[nn.Module],
-        embed_tokens: nn.Module | None,
-        norm: nn.Module | None,
-        lm_head: nn.Module | None,
-        cache_factories: list,
-    ):
+    def __init__(self, value: mx.array):
+        self.value = value
+
+
+class _Wrapped(nn.Module):
+    """One of the model's own layers, called through a wrapper; reads its attributes through too."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "layer" not in self:
+                raise
+            return getattr(self["layer"], name)
+
+    def set_hidden(self, hidden: mx.array | None) -> None:
+        # Not an attribute MLX tracks: it is no parameter of the model.
+        object.__setattr__(self, "_hidden", hidden)
+
+
+class _FirstLayer(_Wrapped):
+    """The stage's first layer: it takes the hidden states the ring brought, not what the
+    model's own code computed in front of it (embeddings, and whatever follows them)."""
+
+    def __call__(self, x, *args, **kwargs):
+        return self.layer(self._hidden, *args, **kwargs)
+
+
+class _LastLayer(_Wrapped):
+    """The stage's last layer when more stages follow: its output leaves the model's code there."""
+
+    def __call__(self, *args, **kwargs):
+        raise _StageOutput(self.layer(*args, **kwargs))
+
+
+class _FirstAndLastLayer(_Wrapped):
+    """A one-layer stage in the middle of the ring."""
+
+    def __call__(self, x, *args, **kwargs):
+        raise _StageOutput(self.layer(self._hidden, *args, **kwargs))
+
+
+class _Absent(nn.Module):
+    """A layer another stage holds, in its place in the list: the model's own code still counts
+    absolute layer indices (sliding-window patterns, layer types, full-attention intervals)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        # Its plain attributes (use_sliding, is_linear, layer_idx, ...): the model's loop may read them.
+        for k, v in vars(layer).items():
+            if isinstance(v, (bool, int, float, str, type(None))) and not k.startswith("_"):
+                object.__setattr__(self, k, v)
+
+    def __call__(self, x, *args, **kwargs):
+        return x
+
+
+def _cache_kind(c: Any) -> tuple:
+    """What makes two caches interchangeable for building a mask: their class and shape rules."""
+    if isinstance(c, CacheList):
+        return ("CacheList", tuple(_cache_kind(x) for x in c.caches))
+    size = len(c.cache) if isinstance(c, ArraysCache) else None
+    return (type(c).__name__, getattr(c, "max_size", None), getattr(c, "keep", None), size)
+
+
+def _inner_model(model: nn.Module) -> tuple[str, nn.Module]:
+    """The text decoder inside an mlx-lm Model (``model``, or ``language_model.model`` for a
+    multimodal checkpoint's text path), and its parameter prefix."""
+    for path in ("model", "language_model.model", "language_model", "transformer"):
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None) if isinstance(obj, nn.Module) else None
+        if isinstance(obj, nn.Module) and isinstance(getattr(obj, "layers", None), list):
+            return path + ".", obj
+    raise ModelError(f"{type(model).__module__}: no decoder with a list of layers found in the model")
+
+
+class Shard:
+    """Layers [start, end) of a model, run by the model's own code, on this node's compute thread.
+
+    The model is mlx-lm's own ``Model`` object, loaded lazily, with its layer list cut:
+    the layers before ``start`` are stand-ins that keep every index where it was (a
+    layer's absolute index decides its attention kind, window, mask), the layers after
+    ``end`` are gone, the first kept layer takes the hidden states the ring brought (so
+    whatever the model computes in front of it, embeddings and their scaling included,
+    is not used and, MLX being lazy, not computed), and on every stage but the last the
+    last kept layer ends the call. The last stage runs the rest of the model's own code:
+    its final norm and head, soft-capping, tied embeddings. Masks are built by the model's
+    own code from the caches it is given: in the places of the absent layers, the stage's
+    own cache of the same kind, which holds the same positions.
+    """
+
+    def __init__(self, info: ModelInfo, start: int, end: int, model: nn.Module, protos: list, kept: list[tuple[str, mx.array]]):
         self.info = info
         self.start, self.end = start, end
-        self.layers = layers
-        self.embed_tokens = embed_tokens
-        self.norm = norm
-        self.lm_head = lm_head
-        self._cache_factories = cache_factories
-        self.rotating_allowed = True
-        self.sliding_window = info.config.get("sliding_window")
+        self.model = model
+        self._protos = protos  # one empty cache per layer of the whole model, as the model makes them
+        self._kept = kept  # (checkpoint name, array) of every parameter this stage materializes
+        self.rotating_allowed = not hasattr(model, "make_cache")
+        _, inner = _inner_model(model)
+        layers = list(inner.layers)
+        first = None
+        wrapped = []
+        for i in range(start, end):
+            layer = layers[i]
+            head, tail = i == start and not self.is_first, i == end - 1 and not self.is_last
+            if head and tail:
+                layer = first = _FirstAndLastLayer(layer)
+            elif head:
+                layer = first = _FirstLayer(layer)
+            elif tail:
+                layer = _LastLayer(layer)
+            wrapped.append(layer)
+        inner.layers = [_Absent(layers[i]) for i in range(start)] + wrapped
+        self._first = first
+        # The kind of cache of every layer of the model, for the stand-ins of the absent ones.
+        self._kinds = [_cache_kind(p) for p in protos]
 
     @property
     def is_first(self) -> bool:
@@ -306,62 +450,21 @@ class Shard:
         # Lazy: mx.load maps the files and reads a tensor only when it is evaluated,
         # so the layers other stages hold are never read into memory.
         model, _ = load_model(path, lazy=True, strict=False)
-        inner = model.model
-        first, last = start == 0, end == info.num_layers
-        # mlx-lm builds an lm_head only for untied checkpoints.
-        tied = not hasattr(model, "lm_head")
-        cache_factories = _cache_factories(model)[start:end]
-        # As mlx-lm's make_prompt_cache: max_kv_size applies only to models
-        # without a make_cache of their own.
-        model_makes_cache = hasattr(model, "make_cache")
-        shard = cls(
-            info,
-            start,
-            end,
-            layers=list(inner.layers[start:end]),
-            embed_tokens=inner.embed_tokens if first or (last and tied) else None,
-            norm=inner.norm if last else None,
-            lm_head=(None if tied else model.lm_head) if last else None,
-            cache_factories=cache_factories,
-        )
-        shard.rotating_allowed = not model_makes_cache
-        del model, inner  # drops every lazy tensor this stage does not keep
-        shard._check_weights_present(path, files)
-        mx.eval(shard.parameters())
+        # The model's own caches, made before its layer list is cut (make_cache reads it).
+        protos = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+        if len(protos) != info.num_layers:
+            raise ModelError(f"the model makes {len(protos)} caches for {info.num_layers} layers")
+        kept = _stage_parameters(model, info, start, end)
+        _check_weights_present(path, files, kept, start, end)
+        shard = cls(info, start, end, model, protos, kept)
+        mx.eval([v for _, v in kept])
         return shard
 
-    def _check_weights_present(self, path: Path, files: list[str] | None) -> None:
-        # strict=False lets a stage load with only its own files present; then a
-        # missing tensor would silently stay randomly initialized, so check by name.
-        names = files if files is not None else [p.name for p in sorted(path.glob("model*.safetensors"))]
-        if not names:
-            raise ModelError(f"no model*.safetensors in {path}")
-        present: set[str] = set()
-        for name in names:
-            present |= safetensors_keys(path / name)
-        missing = [k for k, _ in self._named_parameters() if k not in present]
-        if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ModelError(
-                f"{path}: {len(missing)} weights of layers [{self.start}, {self.end}) are "
-                f"missing from the checkpoint ({shown}); is the download complete?"
-            )
+    def parameters(self) -> list[mx.array]:
+        return [v for _, v in self._kept]
 
     def _named_parameters(self) -> list[tuple[str, mx.array]]:
-        named = []
-        for i, layer in enumerate(self.layers, start=self.start):
-            named += [(f"model.layers.{i}.{k}", v) for k, v in tree_flatten(layer.parameters())]
-        for prefix, module in (
-            ("model.embed_tokens", self.embed_tokens),
-            ("model.norm", self.norm),
-            ("lm_head", self.lm_head),
-        ):
-            if module is not None:
-                named += [(f"{prefix}.{k}", v) for k, v in tree_flatten(module.parameters())]
-        return named
-
-    def parameters(self) -> list[mx.array]:
-        return [v for _, v in self._named_parameters()]
+        return list(self._kept)
 
     @property
     def parameter_bytes(self) -> int:
@@ -370,42 +473,92 @@ class Shard:
     def make_cache(self, max_kv_size: int | None = None) -> list[Any]:
         """This stage's caches for one request, as mlx-lm's make_prompt_cache makes them."""
         if max_kv_size is not None and self.rotating_allowed:
-            return [RotatingKVCache(max_size=max_kv_size, keep=4) for _ in self._cache_factories]
-        return [factory() for factory in self._cache_factories]
+            return [RotatingKVCache(max_size=max_kv_size, keep=4) for _ in range(self.start, self.end)]
+        return [copy.deepcopy(p) for p in self._protos[self.start : self.end]]
 
-    def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
-        """Token ids [B, L] (first stage) or hidden states [B, L, D] -> hidden states.
+    def _all_caches(self, cache: list[Any]) -> list[Any]:
+        """A cache for every layer of the model, at its index: the stage's own, and for each absent
+        layer a stand-in, the stage's own cache of the same kind (the model builds masks from
+        whichever index it likes, and that one holds the same positions), else an empty one of
+        that kind (then no layer of this stage uses the mask built from it)."""
+        by_kind = {}
+        for c in cache:
+            by_kind.setdefault(_cache_kind(c), c)
 
-        The last stage returns the final-normed hidden states; ``logits`` turns
-        them into vocabulary scores.
+        def stand_in(i: int) -> Any:
+            c = by_kind.get(self._kinds[i])
+            return c if c is not None else copy.deepcopy(self._protos[i])
+
+        n = len(self._kinds)
+        return [stand_in(i) for i in range(self.start)] + list(cache) + [stand_in(i) for i in range(self.end, n)]
+
+    def __call__(self, tokens: mx.array, hidden: mx.array | None, cache: list[Any]) -> mx.array:
+        """One step of the ring on this stage.
+
+        ``tokens``: the step's token ids [B, L] (every stage gets them: some models use
+        them beyond the embedding). ``hidden``: the previous stage's output [B, L, D]
+        (None on the first stage). Returns this stage's hidden states, or on the last
+        stage the model's logits.
         """
-        h = self.embed_tokens(x) if self.is_first else x
-        # One mask per attention kind, built from this stage's own caches exactly
-        # as the full model builds it from layer 0's (all layers share an offset).
-        masks: dict[int | None, Any] = {}
-        for layer, c in zip(self.layers, cache):
-            window = self.sliding_window if getattr(layer, "use_sliding", False) else None
-            if window not in masks:
-                masks[window] = create_attention_mask(h, c, window_size=window)
-            h = layer(h, masks[window], c)
-        return self.norm(h) if self.is_last else h
-
-    def logits(self, h: mx.array) -> mx.array:
-        if self.lm_head is not None:
-            return self.lm_head(h)
-        return self.embed_tokens.as_linear(h)
+        if self._first is not None:
+            self._first.set_hidden(hidden)
+        try:
+            return self.model(tokens, cache=self._all_caches(cache))
+        except _StageOutput as out:
+            return out.value
+        finally:
+            if self._first is not None:
+                self._first.set_hidden(None)
 
 
-def _cache_factories(model: nn.Module) -> list:
-    """One constructor per layer making the cache mlx-lm would make for it."""
-    protos = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
-    factories = []
-    for proto in protos:
-        if type(proto) is KVCache:
-            factories.append(KVCache)
-        elif type(proto) is RotatingKVCache:
-            max_size, keep = proto.max_size, proto.keep
-            factories.append(lambda m=max_size, k=keep: RotatingKVCache(max_size=m, keep=k))
-        else:
-            raise ModelError(f"cache kind {type(proto).__name__} is not supported by the ring")
-    return factories
+def _stage_parameters(model: nn.Module, info: ModelInfo, start: int, end: int) -> list[tuple[str, mx.array]]:
+    """The parameters a stage materializes, by name: its layers; the embeddings on the first
+    stage; everything else that is not a layer (final norm, head, tied embeddings) on the last.
+
+    Anything else the model's own code touches loads on first use (it is lazy), so a stage
+    never computes with weights it lacks; this list is what it reads up front and counts.
+    """
+    prefix, inner = _inner_model(model)
+    layer_key = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
+    params = tree_flatten(model.parameters())
+    first, last = start == 0, end == info.num_layers
+    untied = any("lm_head" in name for name, _ in params)
+    kept = []
+    for name, value in params:
+        m = layer_key.match(name)
+        if m is not None:
+            if start <= int(m.group(1)) < end:
+                kept.append((name, value))
+        elif "embed_tokens" in name or name.startswith(prefix + "embed"):
+            if first or (last and not untied):
+                kept.append((name, value))
+        elif last:
+            kept.append((name, value))
+    return kept
+
+
+def _check_weights_present(path: Path, files: list[str] | None, kept: list[tuple[str, mx.array]], start: int, end: int) -> None:
+    """strict=False lets a stage load with only its own files present; then a missing tensor
+    would silently stay randomly initialized. So: in an MLX-format checkpoint (what mlx-lm
+    converts to, names as the model has them) every kept name must be there; in another
+    (the loader renames and stacks, e.g. experts) every kept layer must have weights."""
+    names = files if files is not None else [p.name for p in sorted(path.glob("model*.safetensors"))]
+    if not names:
+        raise ModelError(f"no model*.safetensors in {path}")
+    present: set[str] = set()
+    mlx_format = True
+    for name in names:
+        header = _safetensors_header(path / name, keep_metadata=True)
+        mlx_format &= (header.pop("__metadata__", None) or {}).get("format") == "mlx"
+        present |= set(header)
+    if mlx_format:
+        missing = [k for k, _ in kept if k not in present]
+    else:
+        layers = {int(m.group(1)) for k in present if (m := _LAYER_KEY.search(k))}
+        missing = [f"layer {i}" for i in range(start, end) if i not in layers]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelError(
+            f"{path}: {len(missing)} weights of layers [{start}, {end}) are missing from the "
+            f"checkpoint ({shown}); is the download complete?"
+        )

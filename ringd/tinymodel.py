@@ -24,6 +24,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,11 +34,17 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-# Bump when the bytes written for the same arguments change (cache folder names use it).
-GENERATOR_VERSION = 1
+from .tinyarchs import ARCHS, Base, config_for
 
-ARCHITECTURES = ("llama", "qwen3", "qwen2")
+# Bump when the bytes written for the same arguments change (cache folder names use it).
+GENERATOR_VERSION = 2
+
+ARCHITECTURES = tuple(ARCHS)
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+# mlx-lm quantization a tiny model can be written with (bits); group size 32 divides
+# every tiny matrix's input dimension.
+QUANT_BITS = (4, 8)
+QUANT_GROUP_SIZE = 32
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -61,19 +68,14 @@ DEFAULT_WEIGHT_SCALE = 0.08
 # next token stops depending on the current one and greedy decoding settles on one
 # token whatever weight_scale is. Trained models attend sharply; at ~6 these do too.
 ATTENTION_LOGIT_STD = 6.0
-NORM_NOISE = 0.05  # RMSNorm weights are 1 + N(0, NORM_NOISE)
-BIAS_SCALE = 0.02  # qwen2's attention biases
+NORM_NOISE = 0.05  # RMSNorm weights are their center (1, or 0 for Gemma's 1 + w) + N(0, NORM_NOISE)
+BIAS_SCALE = 0.02  # attention and expert biases
 # Output rows of the special tokens are shrunk by this factor so their logits sit
 # near zero while hundreds of ordinary tokens compete: an end-of-turn (or a stray
 # <|im_start|>) is possible when sampling but is practically never the greedy pick.
 SPECIAL_ROW_SCALE = 0.1
-
-_ARCH = {
-    # model_type: (HF class, tied embeddings by default, rope_theta, rms_norm_eps)
-    "llama": ("LlamaForCausalLM", False, 500000.0, 1e-5),
-    "qwen3": ("Qwen3ForCausalLM", True, 1000000.0, 1e-6),
-    "qwen2": ("Qwen2ForCausalLM", True, 1000000.0, 1e-6),
-}
+# Routers: scaled up so that different tokens pick different experts.
+ROUTER_SCALE = 1.0
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -255,56 +257,6 @@ def _default_intermediate_size(hidden_size: int) -> int:
     return max(16, round(hidden_size * 2.75 / 16) * 16)
 
 
-def _config(
-    arch: str,
-    *,
-    layers: int,
-    hidden_size: int,
-    heads: int,
-    kv_heads: int,
-    intermediate_size: int,
-    vocab_size: int,
-    dtype: str,
-    tie_embeddings: bool,
-    max_position_embeddings: int,
-    eos_token_id: int,
-    pad_token_id: int,
-) -> dict:
-    """A config.json like the ones the Hub ships for `arch`."""
-    hf_class, _, rope_theta, rms_norm_eps = _ARCH[arch]
-    config = {
-        "architectures": [hf_class],
-        "model_type": arch,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": hidden_size // heads,
-        "hidden_act": "silu",
-        "vocab_size": vocab_size,
-        "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": rms_norm_eps,
-        "rope_theta": rope_theta,
-        "rope_scaling": None,
-        "attention_bias": arch == "qwen2",  # qwen2 always has q/k/v biases
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": tie_embeddings,
-        "bos_token_id": None,
-        "eos_token_id": eos_token_id,
-        "pad_token_id": pad_token_id,
-        "torch_dtype": dtype,
-        "dtype": dtype,
-        "use_cache": True,
-    }
-    if arch == "llama":
-        config.update(mlp_bias=False, pretraining_tp=1)
-    else:
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
-    return config
-
-
 def _normal(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
     # One stream per (seed, parameter name): a layer's weights do not depend on how
     # many layers there are, and numpy's PCG64 gives the same numbers on every
@@ -319,30 +271,47 @@ def _init_weights(
     *,
     seed: int,
     weight_scale: float,
-    tied: bool,
+    norm_center: float,
+    norm_centers: dict[str, float],
     special_ids: list[int],
     tokenizer_size: int,
     dtype: mx.Dtype,
 ) -> dict[str, mx.array]:
-    """Seeded values for every parameter, by checkpoint name, cast to dtype."""
-    output_rows = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    """Seeded values for every parameter, by checkpoint name, cast to dtype.
+
+    By what a parameter is (its name): norms around their center, biases small,
+    routers strong enough to route, the linear-attention decay (A_log, dt_bias) in
+    the range a trained model has, everything else N(0, weight_scale).
+    """
+    names = [n for n, _ in names_and_shapes]
+    heads_out = [n for n in names if n.endswith("lm_head.weight")]
+    output_rows = heads_out[0] if heads_out else next(n for n in names if n.endswith("embed_tokens.weight"))
     # Queries and keys get per-component rms sqrt(ATTENTION_LOGIT_STD), so that
     # q.k / sqrt(head_dim) has that std whatever the sizes: through q_norm/k_norm
     # where the architecture has them (qwen3), else through q_proj/k_proj (their
     # input is RMS-normalized, so a std of sqrt(T / fan_in) gives rms sqrt(T)).
-    has_qk_norm = any(name.endswith(".q_norm.weight") for name, _ in names_and_shapes)
+    has_qk_norm = any(name.endswith((".q_norm.weight", ".k_norm.weight")) for name in names)
     qk_rms = ATTENTION_LOGIT_STD**0.5
     weights = {}
     for name, shape in names_and_shapes:
         x = _normal(seed, name, shape)
-        module = name.split(".")[-2]
-        if module in ("q_norm", "k_norm"):
-            x = qk_rms * (1.0 + NORM_NOISE * x)
-        elif name.endswith("norm.weight"):
-            x = 1.0 + NORM_NOISE * x
+        parts = name.split(".")
+        module, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
+        if module in ("q_norm", "k_norm") and len(shape) == 1:
+            x = (qk_rms - 1.0 + norm_center) + qk_rms * NORM_NOISE * x
+        elif name.endswith(("norm.weight", "layernorm.weight")):
+            x = norm_centers.get(module, norm_center) + NORM_NOISE * x
+        elif leaf == "A_log":  # a decay per head, exp(-exp(A_log) * dt) inside (0, 1)
+            x = np.log(np.linspace(1.0, 16.0, shape[0], dtype=np.float32))
+        elif leaf == "dt_bias" or leaf == "e_score_correction_bias":
+            x = np.zeros(shape, dtype=np.float32)
+        elif leaf == "sinks":
+            x = BIAS_SCALE * x
         elif name.endswith(".bias"):
             x = BIAS_SCALE * x
-        elif module in ("q_proj", "k_proj") and not has_qk_norm:
+        elif module in ("gate", "router") and len(shape) == 2 and shape[0] < 64:
+            x = ROUTER_SCALE * x / shape[1] ** 0.5
+        elif module in ("q_proj", "k_proj") and not has_qk_norm and len(shape) == 2:
             x = (qk_rms / shape[1] ** 0.5) * x
         else:
             x = weight_scale * x
@@ -355,13 +324,16 @@ def _init_weights(
     return weights
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
 def _unit_of(name: str) -> tuple[int, int]:
     """Sort key of the unit a weight belongs to: the embeddings, layer i, then the
     head (final norm and lm_head, which the last stage loads together)."""
-    parts = name.split(".")
-    if parts[:2] == ["model", "layers"]:
-        return (1, int(parts[2]))
-    if parts[:2] == ["model", "embed_tokens"]:
+    m = _LAYER.search(name)
+    if m is not None:
+        return (1, int(m.group(1)))
+    if "embed_tokens" in name:
         return (0, 0)
     return (2, 0)
 
@@ -413,20 +385,27 @@ def write_tiny_model(
     kv_heads: int = 2,
     intermediate_size: int | None = None,
     vocab_size: int | None = None,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     seed: int = 0,
-    weight_scale: float = DEFAULT_WEIGHT_SCALE,
+    weight_scale: float | None = None,
     tie_embeddings: bool | None = None,
     max_position_embeddings: int = 4096,
     shard_bytes: int | None = None,
+    quantize_bits: int | None = None,
 ) -> Path:
     """Write a model directory that `mlx_lm.load(out_dir)` loads; return its path.
 
-    Same arguments, same bytes. `shard_bytes` splits the weights into several
-    `model-0000i-of-0000n.safetensors` at layer boundaries; the index
-    (`model.safetensors.index.json`) is written either way.
+    Same arguments, same bytes. `arch` is any of ARCHITECTURES (``tinyarchs.py``);
+    `dtype`, `tie_embeddings` and `weight_scale` default to what suits it.
+    `shard_bytes` splits the weights into several `model-0000i-of-0000n.safetensors`
+    at layer boundaries; the index (`model.safetensors.index.json`) is written either
+    way. `quantize_bits` (4 or 8) quantizes it as mlx-lm's converter does.
     """
-    _check(arch in _ARCH, "arch", f"unknown {arch!r}, expected one of {', '.join(_ARCH)}")
+    _check(arch in ARCHS, "arch", f"unknown {arch!r}, expected one of {', '.join(ARCHS)}")
+    spec = ARCHS[arch]
+    dtype = dtype or spec.dtype
+    if weight_scale is None:
+        weight_scale = spec.weight_scale or DEFAULT_WEIGHT_SCALE
     _check(dtype in DTYPES, "dtype", f"unknown {dtype!r}, expected one of {', '.join(DTYPES)}")
     for param, value in [
         ("layers", layers),
@@ -443,6 +422,7 @@ def write_tiny_model(
     head_dim = hidden_size // heads
     _check(head_dim % 2 == 0, "heads", f"head_dim {hidden_size}/{heads} = {head_dim} is odd (RoPE)")
     _check(heads % kv_heads == 0, "kv_heads", f"heads={heads} not divisible by kv_heads={kv_heads}")
+    _check(quantize_bits in (None, *QUANT_BITS), "quantize_bits", f"must be one of {QUANT_BITS}, got {quantize_bits}")
     if intermediate_size is None:
         intermediate_size = _default_intermediate_size(hidden_size)
 
@@ -456,29 +436,20 @@ def write_tiny_model(
         f"{vocab_size} is smaller than the tokenizer's {tokenizer_size} tokens",
     )
     if tie_embeddings is None:
-        tie_embeddings = _ARCH[arch][1]
+        tie_embeddings = spec.tied
     eos_id = tokenizer.token_to_id(IM_END)
     endoftext_id = tokenizer.token_to_id(ENDOFTEXT)
-
-    config = _config(
-        arch,
-        layers=layers,
-        hidden_size=hidden_size,
-        heads=heads,
-        kv_heads=kv_heads,
-        intermediate_size=intermediate_size,
-        vocab_size=vocab_size,
-        dtype=dtype,
-        tie_embeddings=tie_embeddings,
-        max_position_embeddings=max_position_embeddings,
-        eos_token_id=eos_id,
-        pad_token_id=endoftext_id,
-    )
-    # mlx-lm's own class gives the parameter names and shapes; for these
-    # architectures they are exactly the checkpoint keys its loader expects.
+    base = Base(
+        layers=layers, hidden_size=hidden_size, heads=heads, kv_heads=kv_heads, intermediate_size=intermediate_size,
+        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, tie=tie_embeddings, dtype=dtype,
+        eos_token_id=eos_id, pad_token_id=endoftext_id,
+    )  # fmt: skip
+    config = config_for(arch, base)
+    # mlx-lm's own class gives the parameter names and shapes: the checkpoint keys
+    # of an MLX-format model, which its loader takes as they are.
     # (Imported here: mlx_lm pulls in transformers, ~2 s, which neither the
     # argument checks above nor the tokenizer need.)
-    from mlx_lm.utils import _get_classes
+    from mlx_lm.utils import _get_classes, quantize_model
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -487,12 +458,17 @@ def write_tiny_model(
         names_and_shapes,
         seed=seed,
         weight_scale=weight_scale,
-        tied=tie_embeddings,
+        norm_center=spec.norm_center,
+        norm_centers=dict(spec.norm_centers),
         special_ids=[tokenizer.token_to_id(t) for t in SPECIAL_TOKENS],
         tokenizer_size=tokenizer_size,
         dtype=DTYPES[dtype],
     )
     model.load_weights(list(weights.items()), strict=True)  # names and shapes agree
+    if quantize_bits is not None:
+        model, config = quantize_model(model, config, QUANT_GROUP_SIZE, quantize_bits)
+        weights = dict(tree_flatten(model.parameters()))
+        mx.eval(weights)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -531,10 +507,12 @@ def summary(model_dir: str | os.PathLike) -> str:
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     size = sum((model_dir / f).stat().st_size for f in files)
+    text = config.get("text_config", config)
+    quantized = f", {config['quantization']['bits']}-bit" if "quantization" in config else ""
     return (
-        f"{config['model_type']}: {config['num_hidden_layers']} layers, "
-        f"hidden {config['hidden_size']}, {index['metadata']['total_parameters']:,} params, "
-        f"{config['torch_dtype']}, {size:,} bytes in {len(files)} file(s)"
+        f"{config['model_type']}: {text['num_hidden_layers']} layers, "
+        f"hidden {text['hidden_size']}, {index['metadata']['total_parameters']:,} params, "
+        f"{config['torch_dtype']}{quantized}, {size:,} bytes in {len(files)} file(s)"
     )
 
 
@@ -548,9 +526,16 @@ def ensure_tiny_model(cache_dir: str | os.PathLike, **kwargs) -> Path:
     bound = inspect.signature(write_tiny_model).bind(None, **kwargs)
     bound.apply_defaults()
     args = {k: v for k, v in bound.arguments.items() if k != "out_dir"}
+    spec = ARCHS.get(args["arch"])
+    if spec is not None:  # the architecture's defaults, so that the folder names what is in it
+        args["dtype"] = args["dtype"] or spec.dtype
+        if args["weight_scale"] is None:
+            args["weight_scale"] = spec.weight_scale or DEFAULT_WEIGHT_SCALE
+        args["tie_embeddings"] = spec.tied if args["tie_embeddings"] is None else args["tie_embeddings"]
     key = json.dumps({"generator": GENERATOR_VERSION, **args}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    name = f"tiny-{args['arch']}-{args['layers']}L-{args['hidden_size']}h-{args['dtype']}-{digest}"
+    quantized = f"-q{args['quantize_bits']}" if args.get("quantize_bits") else ""
+    name = f"tiny-{args['arch']}-{args['layers']}L-{args['hidden_size']}h-{args['dtype']}{quantized}-{digest}"
     cache = Path(cache_dir)
     final = cache / name
     if final.is_dir():
