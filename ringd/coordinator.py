@@ -21,7 +21,7 @@ import time
 
 from wire.frames import Frame, MsgType
 
-from .admission import KvLedger, StageKv
+from .admission import KvCost, KvLedger, StageKv
 from .cluster import Cluster
 from .config import Config
 from .device import DeviceProfile
@@ -186,7 +186,7 @@ class Coordinator:
         if decision.ready and not self.ready:
             self.ready, self.reason = True, ""
             log.info("ring ready: term %d, %d stages, split %s", plan.term, len(plan.stages), plan.split)
-            self.engine.set_plan(plan, self._kv_ledger(plan))
+            self.engine.set_plan(plan, self._kv_ledger(plan), _prefix_limit(self.stage_costs(plan)))
         elif not decision.ready:
             if self.ready:
                 self._down(decision.reason)
@@ -255,12 +255,23 @@ class Coordinator:
         kv_reserve = self.info.kv_bytes_per_token(cfg.kv_bits, cfg.kv_group_size) * cfg.kv_reserve_tokens
         return ModelCost(tuple(w.layers), w.embed, w.norm, w.head, kv_reserve)
 
+    def stage_costs(self, plan: Plan) -> list[KvCost]:
+        """What a request's caches cost on each stage: as the stage measured them from its own
+        caches at load (its report says), else the dense formula over the config."""
+        per_layer = self.info.kv_bytes_per_token()
+        costs = []
+        for s in plan.stages:
+            report = self.stage.report if s.node == self.node else self.cluster.reports.get(s.node)
+            costs.append(report.kv if report is not None and report.kv is not None else KvCost(per_token=per_layer * s.layers))
+        return costs
+
     def _kv_ledger(self, plan: Plan) -> KvLedger:
         """Each stage's KV capacity: what its budget leaves after its weights."""
         cfg = self.cfg
-        per_layer = self.info.kv_bytes_per_token(cfg.kv_bits, cfg.kv_group_size)
-        stages = [StageKv(s.node, per_layer * s.layers, self.kv_capacity(s.node, s.start, s.end)) for s in plan.stages]
-        return KvLedger(stages, cfg.max_kv_size)
+        stages = [
+            StageKv(s.node, cost, self.kv_capacity(s.node, s.start, s.end)) for s, cost in zip(plan.stages, self.stage_costs(plan))
+        ]
+        return KvLedger(stages, cfg.max_kv_size, cfg.kv_bits, cfg.kv_group_size)
 
     def kv_capacity(self, node: str, start: int, end: int) -> int | None:
         """KV bytes ``node`` can hold holding layers [start, end): its budget less their weights."""
@@ -272,3 +283,13 @@ class Coordinator:
             return self.budget
         budget = self.cluster.info_of(node).get("budget")
         return budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
+
+
+def _prefix_limit(costs: list[KvCost]) -> tuple[int | None, str]:
+    """How long a cached prefix may be for every stage to trim it back (None: any), and why."""
+    limits = [c.trim_limit for c in costs if c.trim_limit is not None]
+    if not limits:
+        return None, ""
+    if min(limits) == 0:
+        return 0, "prefix reuse is off: this model's linear-attention state cannot be trimmed back to a prefix"
+    return min(limits), f"prefix reuse is limited to {min(limits) - 1} tokens: a sliding-window cache cannot be trimmed once it has wrapped"

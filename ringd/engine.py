@@ -184,6 +184,10 @@ class Engine:
         # A rotating cache that has wrapped cannot be trimmed to a prefix.
         self.prefix = PrefixIndex(0 if kv is not None and kv.max_size is not None else prefix_cache_entries)
         self._prefix_term: int | None = None  # the ring whose stages hold the indexed prefixes
+        # The current ring's caches can be trimmed back only while they hold fewer positions
+        # than this (None: any; 0: never, prefix reuse is off); why, for the status.
+        self.prefix_limit: int | None = None
+        self.prefix_note = ""
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self._waiting: collections.deque[tuple[int, int, asyncio.Future]] = collections.deque()
@@ -350,6 +354,7 @@ class Engine:
             and self.prefix.max_entries > 0
             and self._prefix_term == plan.term
             and flight.sent >= MIN_REUSE_TOKENS
+            and (self.prefix_limit is None or flight.sent < self.prefix_limit)
         )
         if on_ring:
             try:
@@ -458,13 +463,18 @@ class Engine:
         if self._flights:
             log.warning("%d request(s) suspended: %s", len(self._flights), reason)
 
-    def set_plan(self, plan: Plan, ledger: KvLedger | None = None) -> None:
+    def set_plan(self, plan: Plan, ledger: KvLedger | None = None, prefix_limit: tuple[int | None, str] = (None, "")) -> None:
         """A ring is ready: serve new requests on it and replay the suspended ones.
 
         ``ledger`` is the new ring's KV capacity (None: unlimited); the requests
         in flight are booked on it as they are, over capacity if need be.
+        ``prefix_limit``: how long a cached prefix its caches can be trimmed back
+        from (None: any, 0: none), and why.
         """
         self.plan = plan
+        self.prefix_limit, self.prefix_note = prefix_limit
+        if self.prefix_note:
+            log.info("%s", self.prefix_note)
         if self._prefix_term != plan.term:
             self.prefix.clear()  # new stages, empty stores
             self._prefix_term = plan.term

@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 # chunks prefill far below this; it bounds what a peer can make us compute.
 MAX_CHUNK_TOKENS = 8192
 
+# mlx-lm's generate_step clears MLX's buffer cache every 256 tokens (and after each
+# prefill chunk); a stage does the same, counting the frames it computes.
+CLEAR_CACHE_EVERY_STEPS = 256
+
 # What mlx.core.quantize supports for KV caches.
 KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
@@ -173,6 +177,7 @@ class StageRunner:
         self.next_node = successor.node if successor else None
         self.leader = plan.leader
         i = plan.index_of(node)
+        self._steps = 0  # frames computed, for CLEAR_CACHE_EVERY_STEPS
         # The only node this stage takes FORWARD and RELEASE frames from.
         self.predecessor = plan.leader if i == 0 else plan.stages[i - 1].node
         self._loop = asyncio.get_running_loop()
@@ -201,6 +206,7 @@ class StageRunner:
                 out = [(self.next_node, frame)] if self.next_node else []
             else:
                 out = self._forward(frame)
+                self._tidy_memory(frame)
         except (FrameError, SessionError, SamplingError) as e:
             out = self._fail(rid, frame, str(e))
         except Exception as e:  # MLX errors (memory, shapes) fail the request, not the node
@@ -208,6 +214,14 @@ class StageRunner:
             out = self._fail(rid, frame, f"{type(e).__name__}: {e}")
         if out:
             self._loop.call_soon_threadsafe(self._deliver, out)
+
+    def _tidy_memory(self, frame: Frame) -> None:
+        """Give MLX's buffer cache back after each prefill chunk and every few hundred steps,
+        as mlx-lm's generate_step does: a big MoE stage must not page because freed
+        activations of a long prompt sit in the cache."""
+        self._steps += 1
+        if frame.descriptor.get("sample") is False or self._steps % CLEAR_CACHE_EVERY_STEPS == 0:
+            mx.clear_cache()
 
     def _fail(self, rid: int, frame: Frame, reason: str) -> list:
         # The error names the frame's term: the leader ignores errors of a ring it has left.

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from ringd.admission import KvCost, KvCostError
 from ringd.election import ElectionError, Term
 from ringd.placement import natural_key
 
@@ -75,11 +76,16 @@ class ReportError(ValueError):
 
 @dataclass(frozen=True)
 class Report:
-    """A node's word on its stage: which plan it took, and how far it got."""
+    """A node's word on its stage: which plan it took, and how far it got.
+
+    ``kv``: once loaded, what a request's caches cost on the stage (measured from
+    its own caches), for the leader's admission ledger.
+    """
 
     plan: Term | None = None
     state: str = IDLE
     error: str | None = None
+    kv: KvCost | None = None
 
     def __post_init__(self):
         if self.state not in STATES:
@@ -93,19 +99,23 @@ class Report:
         return self.plan == term and self.state != IDLE
 
     def to_wire(self) -> dict:
-        return {"plan": self.plan.to_wire() if self.plan else None, "state": self.state, "error": self.error}
+        d = {"plan": self.plan.to_wire() if self.plan else None, "state": self.state, "error": self.error}
+        if self.kv is not None:
+            d["kv"] = self.kv.to_wire()
+        return d
 
     @classmethod
     def from_wire(cls, d: object) -> "Report":
-        if not isinstance(d, dict) or set(d) != {"plan", "state", "error"}:
-            raise ReportError(f"a report is an object with keys plan, state and error, got {d!r:.200}")
+        if not isinstance(d, dict) or not {"plan", "state", "error"} <= set(d) <= {"plan", "state", "error", "kv"}:
+            raise ReportError(f"a report is an object with keys plan, state, error (and kv), got {d!r:.200}")
         try:
             plan = None if d["plan"] is None else Term.from_wire(d["plan"])
-        except ElectionError as e:
-            raise ReportError(f"report plan: {e}") from None
+            kv = KvCost.from_wire(d["kv"]) if d.get("kv") is not None else None
+        except (ElectionError, KvCostError) as e:
+            raise ReportError(f"report: {e}") from None
         if not isinstance(d["state"], str):
             raise ReportError(f"report state must be a string, got {d['state']!r:.40}")
-        return cls(plan, d["state"], d["error"])
+        return cls(plan, d["state"], d["error"], kv)
 
 
 def failure_report(term: Term, error: str) -> Report:

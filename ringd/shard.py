@@ -16,6 +16,7 @@ computes. It ignores sampling (``sampling.py``) and the network (``pipeline.py``
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import re
@@ -28,7 +29,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
-from mlx_lm.utils import load_config, load_model
+from mlx_lm.utils import load_config, load_model, maybe_set_recommended_wired_limit
+
+from .admission import KvCost
 
 # The mlx-lm architectures (module names) a ring runs, bit for bit as one process does:
 # decided by tests/test_archs.py, which splits a tiny model of each at every cut and
@@ -58,6 +61,8 @@ NON_WEIGHT_PATTERNS = [
 ]
 
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Checkpoint keys of parts of a multimodal model that are not its text decoder.
+_NOT_THE_DECODER = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector", "audio_tower")
 
 # safetensors: an 8-byte little-endian header length, then a JSON header.
 # A header over this size is not a safetensors file we should trust.
@@ -233,15 +238,17 @@ def weight_bytes(path: Path, num_layers: int) -> WeightBytes:
         return WeightBytes(tuple([total // max(num_layers, 1)] * num_layers), 0, 0, 0)
     for file in files:
         for key, size in _safetensors_sizes(file).items():
+            if any(part in key for part in _NOT_THE_DECODER):
+                continue  # a multimodal checkpoint's vision tower: the ring serves the text path
             m = _LAYER_KEY.search(key)
             if m is not None:
                 if int(m.group(1)) < num_layers:  # extra layers (MTP heads) are dropped on load
                     layers[int(m.group(1))] += size
             elif "embed_tokens" in key:
                 parts["embed"] += size
-            elif key.startswith("lm_head"):
+            elif "lm_head" in key:
                 parts["head"] += size
-            elif "norm" in key:
+            else:  # the final norm, and whatever else the last stage runs after the layers
                 parts["norm"] += size
     return WeightBytes(tuple(layers), parts["embed"], parts["norm"], parts["head"])
 
@@ -289,6 +296,8 @@ def weight_files_for(path: Path, start: int, end: int) -> list[str] | None:
     weight_map = json.loads(index.read_text())["weight_map"]
     files = set()
     for key, file in weight_map.items():
+        if any(part in key for part in _NOT_THE_DECODER):
+            continue
         m = _LAYER_KEY.search(key)
         if m is None or start <= int(m.group(1)) < end:
             files.add(file)
@@ -401,6 +410,7 @@ class Shard:
         self._protos = protos  # one empty cache per layer of the whole model, as the model makes them
         self._kept = kept  # (checkpoint name, array) of every parameter this stage materializes
         self.rotating_allowed = not hasattr(model, "make_cache")
+        self.kv_cost = KvCost()  # measured at load
         _, inner = _inner_model(model)
         layers = list(inner.layers)
         first = None
@@ -447,6 +457,7 @@ class Shard:
                     "missing; is the download complete?"
                 )
 
+        _wire_memory()
         # Lazy: mx.load maps the files and reads a tensor only when it is evaluated,
         # so the layers other stages hold are never read into memory.
         model, _ = load_model(path, lazy=True, strict=False)
@@ -458,7 +469,26 @@ class Shard:
         _check_weights_present(path, files, kept, start, end)
         shard = cls(info, start, end, model, protos, kept)
         mx.eval([v for _, v in kept])
+        shard.kv_cost = shard._measure_kv_cost()
         return shard
+
+    def _measure_kv_cost(self) -> KvCost:
+        """What a request's caches cost here, read off the stage's own caches after one position."""
+        caches = self.make_cache()
+        tokens = mx.zeros((1, 1), dtype=mx.int32)
+        hidden = None if self.is_first else mx.zeros((1, 1, self.info.hidden_size), dtype=self._activation_dtype())
+        self(tokens, hidden, caches)
+        mx.eval([c.state for c in caches])
+        cost = _kv_cost(caches)
+        mx.clear_cache()
+        return cost
+
+    def _activation_dtype(self) -> mx.Dtype:
+        # The hidden states are in the dtype of the model's norms (quantized models too).
+        for name, v in self._kept:
+            if "norm" in name and mx.issubdtype(v.dtype, mx.floating):
+                return v.dtype
+        return mx.float16
 
     def parameters(self) -> list[mx.array]:
         return [v for _, v in self._kept]
@@ -509,6 +539,33 @@ class Shard:
         finally:
             if self._first is not None:
                 self._first.set_hidden(None)
+
+
+@functools.cache
+def _wire_memory() -> None:
+    """On a Mac, wire MLX's memory up to the recommended working set, as mlx-lm's generate does,
+    so a stage's weights are not paged out. (There is nothing to wire on the CPU backend.)"""
+    if mx.metal.is_available():
+        maybe_set_recommended_wired_limit()
+
+
+def _kv_cost(caches: list[Any]) -> KvCost:
+    """Add up what each cache holds after one position: per position where it grows with the
+    context, per position up to its window where it rotates, as is where it is state."""
+    per_token, windows, fixed, itemsize, limits = 0, {}, 0, 2, []
+    for c in caches:
+        for leaf in (c.caches if isinstance(c, CacheList) else [c]):
+            if isinstance(leaf, RotatingKVCache):
+                per = (leaf.keys.nbytes + leaf.values.nbytes) // leaf.keys.shape[2]
+                windows[leaf.max_size] = windows.get(leaf.max_size, 0) + per
+                limits.append(leaf.max_size)
+            elif isinstance(leaf, KVCache):
+                per_token += (leaf.keys.nbytes + leaf.values.nbytes) // leaf.keys.shape[2]
+                itemsize = leaf.keys.dtype.size
+            else:  # state that does not grow with the context (linear attention), nor trims
+                fixed += leaf.nbytes
+                limits.append(0)
+    return KvCost(per_token, tuple((b, w) for w, b in sorted(windows.items())), fixed, itemsize, min(limits) if limits else None)
 
 
 def _stage_parameters(model: nn.Module, info: ModelInfo, start: int, end: int) -> list[tuple[str, mx.array]]:

@@ -112,7 +112,8 @@ class StageHost:
                     self._set(failure_report(term, f"{type(e).__name__}: {e}"))
             else:
                 if self.plan is plan:
-                    self._set(Report(term, LOADED if plan.index_of(self.node) is not None else OUTSIDE))
+                    holds = plan.index_of(self.node) is not None
+                    self._set(Report(term, LOADED, kv=self.shard.kv_cost) if holds else Report(term, OUTSIDE))
             if self.plan is plan:
                 self._answer(plan)
 
@@ -228,6 +229,8 @@ class StageHost:
             "kv_bytes": stage.sessions.kv_bytes if stage else 0,
             "parameter_bytes": self.shard.parameter_bytes if self.shard else 0,
             "prefix_entries": stage.sessions.stored if stage else 0,
+            # What a request's caches cost here, measured from this stage's own caches at load.
+            "kv_cost": self.shard.kv_cost.to_wire() if self.shard else None,
             "report": self.report.to_wire(),
         }
 

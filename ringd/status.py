@@ -74,6 +74,8 @@ class Status:
             **facts,
             **stage,
             "kv_capacity": None if layers is None else self._kv_capacity(*layers),
+            # Why cached prefixes are off or limited for this model (leader), else "".
+            "prefix_reuse": coordinator.engine.prefix_note if coordinator else "",
             "queued_requests": coordinator.engine.queued if coordinator else 0,
             "active_requests": coordinator.engine.active if coordinator else 0,
             "peers": sorted(cluster.peers, key=natural_key),

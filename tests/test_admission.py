@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 from conftest import reference
 
-from ringd.admission import KV_STEP_TOKENS, AdmissionError, KvLedger, StageKv, kv_tokens
+from ringd.admission import KV_STEP_TOKENS, AdmissionError, KvCost, KvCostError, KvLedger, StageKv, kv_tokens
 
 BUDGET_BYTES = 400_000
 BUDGET_FLAGS = ["--memory-budget-gb", f"{BUDGET_BYTES / 2**30:.12f}", "--kv-reserve-tokens", "256"]
@@ -33,7 +33,7 @@ def test_positions_grow_in_mlx_lm_steps_and_stop_at_max_kv_size():
 
 
 def test_the_ledger_books_every_stage_and_names_the_one_that_can_never_fit():
-    ledger = KvLedger([StageKv("a", 100, 40_000), StageKv("b", 10, None)])
+    ledger = KvLedger([StageKv("a", KvCost(per_token=100), 40_000), StageKv("b", KvCost(per_token=10), None)])
     assert ledger.need(300) == [51_200, 5_120]
     assert ledger.fits(200)
     ledger.book(1, 200)
@@ -44,6 +44,30 @@ def test_the_ledger_books_every_stage_and_names_the_one_that_can_never_fit():
     with pytest.raises(AdmissionError, match=r"on a, which has 0\.04 MiB left"):
         ledger.check_possible(1000)
     assert ledger.status()[0] == {"node": "a", "kv_used": 0, "kv_capacity": 40_000}
+
+
+def test_kv_costs_of_every_kind_of_cache():
+    dense = KvCost(per_token=128)
+    assert dense.bytes(1) == 128 * 256 and dense.bytes(1000) == 128 * 1024
+    assert dense.bytes(10_000, max_kv_size=1000) == 128 * 1024  # a rotating cache of max_kv_size
+    # kv_bits 8 of 64 two-byte elements a position, groups of 32: 64 bytes, plus a scale and a bias per group.
+    assert dense.bytes(256, kv_bits=8, group_size=32) == 256 * (64 + 2 * 2 * 2)
+    sliding = KvCost(per_token=100, windows=((50, 16),))
+    assert sliding.bytes(1000) == 100 * 1024 + 50 * 16  # the window stops growing
+    linear = KvCost(windows=(), fixed=4096, trim_limit=0)
+    assert linear.bytes(1) == linear.bytes(100_000) == 4096
+    for cost in (dense, sliding, linear, KvCost(per_token=1, windows=((2, 3), (4, 5)), fixed=6, itemsize=4, trim_limit=16)):
+        assert KvCost.from_wire(json.loads(json.dumps(cost.to_wire()))) == cost
+    for bad in (None, {}, {**dense.to_wire(), "per_token": -1}, {**dense.to_wire(), "windows": [[1]]}, {**dense.to_wire(), "x": 1}):
+        with pytest.raises(KvCostError):
+            KvCost.from_wire(bad)
+
+
+def test_a_ledger_of_windows_and_state_books_per_request():
+    ledger = KvLedger([StageKv("a", KvCost(windows=((100, 16),), fixed=1000), 10_000)])
+    ledger.book(1, 5000)
+    ledger.book(2, 10)
+    assert ledger.used() == [2 * (100 * 16 + 1000)]  # each request's window and state, whatever its length
 
 
 def post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict, dict]:

@@ -53,23 +53,33 @@ def model(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(model, tmp_path_factory):
-    """The text of an uninterrupted greedy stream, for comparisons."""
+def shared(model, tmp_path_factory):
+    """One cluster of three for the fault tests that follow: each leaves it healed, node0 leading."""
     from conftest import Cluster
 
-    c = Cluster(model, 3, tmp_path_factory.mktemp("reference"))
+    c = Cluster(model, 3, tmp_path_factory.mktemp("healing"))
     try:
-        c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
-        s = Stream(c.url(0), MESSAGES, STREAM_TOKENS)
-        assert s.join(120) and s.clean and s.finish == "length", s
-        return s.text
+        yield c
     finally:
         c.stop()
 
 
-def test_the_leader_stalls_for_10_s_with_streams_open(model, cluster_factory, uninterrupted):
-    c = cluster_factory(model, 3)
-    c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
+@pytest.fixture
+def c(shared):
+    shared.wait(lambda: serving_leader(shared, range(3)) == "node0", 60, "node0 to lead a ring of three")
+    return shared
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(shared):
+    """The text of an uninterrupted greedy stream, for comparisons."""
+    shared.wait(lambda: serving_leader(shared, range(3)) == "node0", 60, "node0 to lead")
+    s = Stream(shared.url(0), MESSAGES, STREAM_TOKENS)
+    assert s.join(120) and s.clean and s.finish == "length", s
+    return s.text
+
+
+def test_the_leader_stalls_for_10_s_with_streams_open(c, uninterrupted):
     direct, via_follower = Stream(c.url(0), MESSAGES, STREAM_TOKENS), Stream(c.url(2), MESSAGES, STREAM_TOKENS)
     direct.wait_started()
     via_follower.wait_started()
@@ -86,9 +96,7 @@ def test_the_leader_stalls_for_10_s_with_streams_open(model, cluster_factory, un
     assert c.wait(lambda: serving_leader(c, range(3)), what="one leader") == "node0"
 
 
-def test_a_follower_stalls_for_10_s_with_streams_open(model, cluster_factory, uninterrupted):
-    c = cluster_factory(model, 3)
-    c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
+def test_a_follower_stalls_for_10_s_with_streams_open(c, uninterrupted):
     streams = [Stream(c.url(0), MESSAGES, STREAM_TOKENS), Stream(c.url(2), MESSAGES, STREAM_TOKENS)]
     for s in streams:
         s.wait_started()
@@ -105,9 +113,7 @@ def test_a_follower_stalls_for_10_s_with_streams_open(model, cluster_factory, un
 
 
 @pytest.mark.parametrize("pair", [(1, 2), (0, 1)], ids=["between-followers", "leader-follower"])
-def test_a_link_dropped_and_remade_at_once(model, cluster_factory, uninterrupted, pair):
-    c = cluster_factory(model, 3)
-    c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
+def test_a_link_dropped_and_remade_at_once(c, uninterrupted, pair):
     term = c.status(0)["plan"]["term"]
     stream = Stream(c.url(0), MESSAGES, STREAM_TOKENS)
     stream.wait_started(10)
@@ -123,9 +129,7 @@ def test_a_link_dropped_and_remade_at_once(model, cluster_factory, uninterrupted
     assert stream.text == uninterrupted
 
 
-def test_the_leaders_event_loop_blocked_for_5_s(model, cluster_factory, uninterrupted):
-    c = cluster_factory(model, 3)
-    c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
+def test_the_leaders_event_loop_blocked_for_5_s(c, uninterrupted):
     streams = [Stream(c.url(0), MESSAGES, STREAM_TOKENS), Stream(c.url(1), MESSAGES, STREAM_TOKENS)]
     for s in streams:
         s.wait_started()

@@ -37,3 +37,17 @@ def test_a_port_in_use_is_named(tiny_model, tmp_path):
 def test_a_secret_file_others_can_read_is_refused_with_the_fix(tiny_model, tmp_path):
     r = serve(tmp_path, tiny_model(arch="llama", layers=2), "--http-port", "0", "--ring-port", "0", secret_mode=0o644)
     assert r.returncode == 1 and "chmod 600" in r.stderr and str(tmp_path / "secret") in r.stderr, r.stderr
+
+
+def test_an_unsupported_architecture_is_refused_at_start_with_the_supported_list(tiny_model, tmp_path):
+    import json
+    import shutil
+
+    model = tmp_path / "olmo2-model"
+    shutil.copytree(tiny_model(arch="llama", layers=2), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "olmo2"}))
+    r = serve(tmp_path, model, "--http-port", "0", "--ring-port", "0")
+    assert r.returncode == 1, r.stderr
+    assert "model_type 'olmo2' (mlx_lm.models.olmo2) is not supported by the ring" in r.stderr
+    assert "supported: deepseek_v2, deepseek_v3, gemma2, gemma3_text, glm4_moe, gpt_oss, llama" in r.stderr

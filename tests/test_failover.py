@@ -14,7 +14,6 @@ import urllib.error
 import urllib.request
 
 import openai
-
 import pytest
 
 from conftest import Ring, stream_text
@@ -33,9 +32,13 @@ def cluster(ring: Ring) -> dict:
         return json.loads(r.read())
 
 
-@pytest.mark.parametrize("victim", ["node1", "node2"], ids=["middle-stage", "last-stage"])
-def test_kill_9_of_a_stage_mid_stream_loses_nothing(tiny_model, victim):
-    model = tiny_model(arch="llama", layers=7, dtype="bfloat16")
+@pytest.mark.parametrize(
+    ("victim", "model_args"),
+    [("node1", dict(arch="qwen3_moe", layers=6)), ("node2", dict(arch="llama", layers=7, dtype="bfloat16"))],
+    ids=["middle-stage-moe", "last-stage"],
+)
+def test_kill_9_of_a_stage_mid_stream_loses_nothing(tiny_model, victim, model_args):
+    model = tiny_model(**model_args)
     messages = [{"role": "user", "content": "Tell me everything about rings."}]
     ring = Ring(model, nodes=3)
     try:

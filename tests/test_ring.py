@@ -21,7 +21,18 @@ from conftest import TEST_PREFILL_CHUNK, reference, tokenizer_of
 
 MAX_TOKENS = 40
 LAYERS = 7
-TOPOLOGIES = [(1, None), (2, None), (3, None), (4, None), (3, [1, 5, 1])]
+# Every architecture, split anywhere, equals mlx-lm in-process (tests/test_archs.py);
+# these rings prove the same through separate processes and TCP, bfloat16 bytes on the
+# wire included: one of each node count, an uneven split, both dtypes. Most shapes are
+# the ones the other tests here start anyway (ring_pool shares them).
+RINGS = [
+    ("qwen3", "bfloat16", 1, None),
+    ("llama", "bfloat16", 2, None),
+    ("llama", "bfloat16", 3, None),
+    ("qwen3", "bfloat16", 3, None),
+    ("llama", "float32", 3, [1, 5, 1]),
+    ("qwen3", "float32", 4, None),
+]
 
 
 def chat_prompt(model_path, text: str) -> list[int]:
@@ -55,15 +66,40 @@ def assert_matches_reference(model, ring, prompt, max_tokens=MAX_TOKENS):
         assert abs(a - b) <= 1e-3, f"logprob of token {i}: ring {a}, mlx-lm {b}"
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("nodes,split", TOPOLOGIES, ids=lambda v: ",".join(map(str, v)) if isinstance(v, list) else str(v))
+@pytest.mark.parametrize(("arch", "dtype", "nodes", "split"), RINGS, ids=[f"{a}-{d}-{n}{'-' + ','.join(map(str, s)) if s else ''}" for a, d, n, s in RINGS])
 def test_greedy_matches_mlx_lm(tiny_model, ring_pool, arch, dtype, nodes, split):
     model = tiny_model(arch=arch, dtype=dtype, layers=LAYERS)
     ring = ring_pool(model, nodes, split)
     prompt = chat_prompt(model, "Tell me a story about a ring of small computers.")
     assert len(prompt) > TEST_PREFILL_CHUNK
     assert_matches_reference(model, ring, prompt)
+
+
+# Architectures the issue names, as separate processes: splits that cut inside gemma3's
+# (global layers 2 and 5) and gpt-oss's (alternating) sliding/global patterns, one whose
+# middle stage is qwen3_next's full-attention layer 2 alone between linear ones, and a
+# 4-bit quantized MoE through two nodes.
+ARCH_RINGS = [
+    ("qwen3_moe", None, 3, None),
+    ("deepseek_v3", None, 3, None),
+    ("gpt_oss", None, 3, [1, 2, 3]),
+    ("gemma3_text", None, 3, [2, 2, 2]),
+    ("qwen3_next", None, 3, [2, 1, 3]),
+    ("qwen3_moe", 4, 2, None),
+]
+
+
+@pytest.mark.parametrize(("arch", "bits", "nodes", "split"), ARCH_RINGS, ids=[f"{a}{'-q' + str(b) if b else ''}-{n}{'-' + ','.join(map(str, s)) if s else ''}" for a, b, n, s in ARCH_RINGS])
+def test_moe_mla_sliding_and_hybrid_rings_match_mlx_lm(tiny_model, arch, bits, nodes, split):
+    from conftest import Ring
+
+    model = tiny_model(arch=arch, layers=6, quantize_bits=bits)
+    ring = Ring(model, nodes, split)
+    try:
+        prompt = chat_prompt(model, "Tell me a story about a ring of small computers.")
+        assert_matches_reference(model, ring, prompt)
+    finally:
+        ring.stop()
 
 
 def test_long_prompt_spans_many_prefill_chunks(tiny_model, ring_pool):

@@ -113,3 +113,65 @@ def test_hub_repo_id_resolves_through_the_hub_cache(tiny_model, tmp_path, monkey
     shard = Shard.load("ringd-test/tiny-llama", 0, 4)
     assert shard.is_first and shard.is_last
     assert shard.info.path == snapshot
+
+
+# --- what a stage really costs: weights and KV cache, per architecture -------------------------
+
+
+@pytest.mark.parametrize(
+    ("arch", "bits"),
+    [("qwen3_moe", None), ("deepseek_v3", None), ("gpt_oss", None), ("qwen3_next", None), ("gemma3_text", None), ("qwen3_moe", 4)],
+    ids=["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "gemma3_text", "qwen3_moe-4bit"],
+)
+def test_a_stage_materializes_what_the_checkpoint_says_its_layers_cost(tiny_model, arch, bits):
+    path = tiny_model(arch=arch, layers=6, quantize_bits=bits)
+    info = model_info(str(path))
+    # Dense first layers and MoE layers differ; placement sees each layer's own bytes.
+    if arch in ("qwen3_moe", "deepseek_v3"):
+        assert info.weights.layers[0] < info.weights.layers[1]
+    for a, b in ((0, 2), (2, 5), (5, 6), (0, 6)):
+        stage = Shard.load(str(path), a, b)
+        want = info.weights.stage(a, b)
+        assert stage.parameter_bytes == pytest.approx(want, rel=0.10), (a, b)
+
+
+def _run_prompt(stages, prompt: list[int], chunk: int) -> list[list]:
+    """Prefill ``prompt`` through the stages as the engine does (chunks, then the last token alone)."""
+    caches = [s.make_cache() for s in stages]
+    pieces = [prompt[i : i + chunk] for i in range(0, len(prompt) - 1, chunk)] + [prompt[-1:]]
+    for piece in pieces:
+        ids, h = mx.array(piece, dtype=mx.int32)[None], None
+        for s, c in zip(stages, caches):
+            h = s(ids, h, c)
+            mx.eval(h, [x.state for x in c])
+    return caches
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "gemma3_text", "qwen3_next"], ids=["dense", "mla", "sliding-window", "linear-attention"])
+def test_the_ledger_books_what_the_caches_hold_after_a_1000_token_prompt(tiny_model, arch):
+    from ringd.admission import KvLedger, StageKv
+
+    path = tiny_model(arch=arch, layers=6)
+    stages = [Shard.load(str(path), 0, 3), Shard.load(str(path), 3, 6)]
+    prompt = [int(t) for t in mx.random.randint(3, 600, (1000,), key=mx.random.key(0)).tolist()]
+    caches = _run_prompt(stages, prompt, chunk=512)
+    ledger = KvLedger([StageKv(f"s{i}", s.kv_cost, None) for i, s in enumerate(stages)])
+    for stage, cache, booked in zip(stages, caches, ledger.need(len(prompt))):
+        real = sum(c.nbytes for c in cache)
+        assert booked == pytest.approx(real, rel=0.05), (arch, stage.kv_cost, booked, real)
+    if arch == "deepseek_v3":  # the compressed latent, far below what the dense formula says
+        assert stages[0].kv_cost.per_token < model_info(str(path)).kv_bytes_per_token() * 3
+    if arch == "gemma3_text":  # the sliding layers' caches stopped growing at their window
+        assert stages[0].kv_cost.windows and stages[0].kv_cost.trim_limit == 16
+    if arch == "qwen3_next":
+        assert stages[0].kv_cost.fixed > 0 and stages[0].kv_cost.trim_limit == 0
+
+
+def test_the_fingerprint_covers_the_weights_not_only_the_config(tiny_model, tmp_path):
+    a = model_info(str(tiny_model(arch="llama", layers=2, seed=0)))
+    b = model_info(str(tiny_model(arch="llama", layers=2, seed=1)))  # a "fine-tune": same config, other weights
+    assert json.loads((a.path / "config.json").read_text()) == json.loads((b.path / "config.json").read_text())
+    assert a.fingerprint != b.fingerprint
+    copy = tmp_path / "copy"
+    shutil.copytree(a.path, copy)
+    assert model_info(str(copy)).fingerprint == a.fingerprint  # the same weights anywhere
