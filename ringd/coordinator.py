@@ -184,6 +184,13 @@ class Coordinator:
         for node in decision.inform:
             self._send_plan(node, plan)
         if decision.ready and not self.ready:
+            unusable = self._kv_options_unusable(plan)
+            if unusable:
+                if self.reason != unusable:
+                    log.error("ring loaded but cannot serve: %s", unusable)
+                    self.engine.fail_all(unusable)
+                self.reason = unusable
+                return
             self.ready, self.reason = True, ""
             log.info("ring ready: term %d, %d stages, split %s", plan.term, len(plan.stages), plan.split)
             self.engine.set_plan(plan, self._kv_ledger(plan), _prefix_limit(self.stage_costs(plan)))
@@ -191,6 +198,22 @@ class Coordinator:
             if self.ready:
                 self._down(decision.reason)
             self.reason = decision.reason
+
+    def _kv_options_unusable(self, plan: Plan) -> str:
+        """Why this model cannot run with the configured KV options ("" if it can).
+
+        mlx-lm quantizes only caches that grow with the context: its rotating
+        (sliding-window) caches raise when asked to, and linear-attention state has no
+        quantized form. Every request would fail on a stage; better one clear reason.
+        """
+        if self.cfg.kv_bits is None:
+            return ""
+        if any(cost.windows for cost in self.stage_costs(plan)):
+            return (
+                f"kv_bits {self.cfg.kv_bits} is set, but {self.info.model_type} has sliding-window caches, "
+                "which mlx-lm cannot quantize; unset kv_bits (or RINGD_KV_BITS) for this model"
+            )
+        return ""
 
     def _down(self, reason: str) -> None:
         self.ready, self.reason = False, reason

@@ -98,6 +98,16 @@ def test_moe_mla_sliding_and_hybrid_rings_match_mlx_lm(tiny_model, arch, bits, n
     try:
         prompt = chat_prompt(model, "Tell me a story about a ring of small computers.")
         assert_matches_reference(model, ring, prompt)
+        # Prefix reuse: off where caches cannot be trimmed, limited where they stop at a window, and the status says so.
+        note = _get(ring.url + "/health")[1]["prefix_reuse"]
+        if arch == "qwen3_next":
+            assert "off" in note and "linear-attention state" in note, note
+            again = ring_greedy(ring, prompt, 5)[3]
+            assert again.prompt_tokens_details.cached_tokens == 0
+        elif arch in ("gemma3_text", "gpt_oss"):
+            assert "limited to 15 tokens" in note and "sliding-window" in note, note
+        else:
+            assert note == "", note
     finally:
         ring.stop()
 

@@ -175,3 +175,24 @@ def test_the_fingerprint_covers_the_weights_not_only_the_config(tiny_model, tmp_
     copy = tmp_path / "copy"
     shutil.copytree(a.path, copy)
     assert model_info(str(copy)).fingerprint == a.fingerprint  # the same weights anywhere
+
+
+def test_layers_past_num_hidden_layers_are_neither_fetched_loaded_nor_counted(tiny_model, tmp_path):
+    """DeepSeek-V3's checkpoints carry a multi-token-prediction layer after the last one."""
+    src = tiny_model(arch="deepseek_v3", layers=4)
+    path = tmp_path / "with-mtp"
+    shutil.copytree(src, path)
+    weights = mx.load(str(path / "model.safetensors"))
+    mtp = {k.replace("model.layers.3.", "model.layers.4."): v for k, v in weights.items() if k.startswith("model.layers.3.")}
+    mx.save_safetensors(str(path / "model-mtp.safetensors"), mtp, metadata={"format": "mlx"})
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(mtp, "model-mtp.safetensors"))
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    with_mtp, without = model_info(str(path)), model_info(str(src))
+    assert with_mtp.weights == without.weights  # not counted
+    for a, b in ((0, 2), (2, 4), (0, 4)):
+        assert "model-mtp.safetensors" not in weight_files_for(path, a, b)  # not fetched
+    stage = Shard.load(str(path), 2, 4)  # loaded without it, and computes as before
+    assert not any(".layers.4." in n for n, _ in stage._named_parameters())
+    assert stage.parameter_bytes == Shard.load(str(src), 2, 4).parameter_bytes
