@@ -40,7 +40,7 @@ from .sampling import SamplingError
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .shard import ModelInfo
+    from .checkpoint import ModelInfo
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ def _setup_logging(node: str, level: str) -> None:
 
 async def _serve(cfg: config_mod.Config) -> int:
     from .daemon import Daemon
-    from .shard import ModelError
+    from .checkpoint import ModelError
 
     loop = asyncio.get_running_loop()
     # `kill -USR1 <pid>` writes every thread's stack to the log: how an operator

@@ -31,7 +31,7 @@ from .membership import LinkError
 from .pipeline import KvOptions
 from .placement import ModelCost, NodeSpec, Plan, PlacementError, natural_key, plan_for
 from .reconcile import Member, Reconciler
-from .shard import ModelInfo
+from .checkpoint import ModelInfo
 from .stagehost import StageHost
 from .tasks import Supervisor
 

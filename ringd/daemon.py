@@ -37,7 +37,7 @@ from .discovery import Advert, Discovery, DiscoveryError, dial_order, local_netw
 from .engine import Engine
 from .messages import MessageError, parse_loaded
 from .metrics import Metrics
-from .shard import ModelError, ModelInfo, model_info
+from .checkpoint import ModelError, ModelInfo, model_info
 from .stagehost import StageHost
 from .status import Status
 from .tasks import Supervisor

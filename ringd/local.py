@@ -65,7 +65,7 @@ def run_local(
         print("ringd local: --nodes must be at least 1", file=sys.stderr)
         return 2
     from .placement import PlacementError, make_plan
-    from .shard import ModelError, model_info
+    from .checkpoint import ModelError, model_info
 
     try:
         info = model_info(model)

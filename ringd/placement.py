@@ -258,7 +258,7 @@ class ModelCost:
     kv_per_layer: int = 0  # KV-cache bytes a stage must keep free per layer it holds (its KV reserve)
 
     def stage_bytes(self, start: int, end: int) -> int:
-        """Weight bytes of a stage holding layers [start, end); the rule of ringd.shard.WeightBytes.stage."""
+        """Weight bytes of a stage holding layers [start, end); the rule of ringd.checkpoint.WeightBytes.stage."""
         n = sum(self.layers[start:end])
         if start == 0:
             n += self.embed

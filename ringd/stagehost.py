@@ -27,7 +27,8 @@ from .election import Term
 from .placement import Plan, PlacementError
 from .reconcile import BROKEN, LOADED, LOADING, OUTSIDE, Report, failure_report, plan_refusal
 from .pipeline import StageRunner
-from .shard import ModelError, ModelInfo, Shard
+from .checkpoint import ModelError, ModelInfo
+from .shard import Shard
 
 log = logging.getLogger(__name__)
 

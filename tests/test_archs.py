@@ -23,7 +23,8 @@ from mlx_lm import load
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from ringd.shard import SUPPORTED_ARCHITECTURES, ModelError, Shard, _model_module
+from ringd.checkpoint import SUPPORTED_ARCHITECTURES, ModelError, _model_module
+from ringd.shard import Shard
 from ringd.tinyarchs import ARCHS
 
 LAYERS = 6
@@ -128,7 +129,7 @@ def test_an_untested_architecture_is_refused_with_the_list(tiny_model, tmp_path)
     import json
     import shutil
 
-    from ringd.shard import model_info
+    from ringd.checkpoint import model_info
 
     path = tmp_path / "olmo"
     shutil.copytree(tiny_model(arch="llama", layers=2), path)

@@ -1,0 +1,317 @@
+"""A model on disk: what it is, what its weights cost per layer, which files hold what.
+
+Everything a node and the leader need to know about a model before (or without)
+loading it: the config and the architecture (and whether the ring supports it),
+the bytes of each layer and of the embeddings and head from the safetensors
+headers (no tensor is read), a fingerprint that covers config and weights, and
+which weight files a stage holding some layers needs, for a Hugging Face repo id
+whose files are fetched stage by stage. Running a stage is ``shard.py``'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlx_lm.utils import load_config
+
+# The mlx-lm architectures (module names) a ring runs, bit for bit as one process does:
+# decided by tests/test_archs.py, which splits a tiny model of each at every cut and
+# compares with single-process mlx-lm (and checks that this list is what passed).
+# Another architecture is refused at start, naming this list.
+SUPPORTED_ARCHITECTURES = frozenset(
+    {
+        "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mistral3",  # dense
+        "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax",  # MoE
+        "qwen3_next",  # hybrid: linear and full attention, MoE
+    }
+)  # fmt: skip
+# Weight digests read this many slices of this many bytes from each weight file.
+SAMPLES_PER_FILE = 16
+SAMPLE_BYTES = 16 * 1024
+
+# Files a stage needs besides weights: config, tokenizer, chat template.
+NON_WEIGHT_PATTERNS = [
+    "*.json",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
+
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Checkpoint keys of parts of a multimodal model that are not its text decoder.
+_NOT_THE_DECODER = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector", "audio_tower")
+
+# safetensors: an 8-byte little-endian header length, then a JSON header.
+# A header over this size is not a safetensors file we should trust.
+_MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
+
+
+class ModelError(ValueError):
+    """The model cannot be served by a ring: unsupported, incomplete, bad range."""
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Bytes of the checkpoint's tensors, by the part of the model they belong to."""
+
+    layers: tuple[int, ...]
+    embed: int
+    norm: int
+    head: int  # 0 with tied embeddings: the last stage then holds `embed` again
+
+    def stage(self, start: int, end: int) -> int:
+        """What a stage holding layers [start, end) materializes."""
+        n = sum(self.layers[start:end])
+        last = end == len(self.layers)
+        if start == 0:
+            n += self.embed
+        if last:
+            n += self.norm + (self.head or (self.embed if start != 0 else 0))
+        return n
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What every node and the leader need to know about a model without loading it."""
+
+    path: Path
+    config: dict
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    context_length: int
+    fingerprint: str
+    weights: WeightBytes
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def kv_bytes_per_token(self, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
+        """KV-cache bytes one position costs in one layer (keys and values).
+
+        Activations, and so the cache, are in the checkpoint's dtype (a
+        quantized checkpoint's too: its scales' dtype); mlx-lm's
+        QuantizedKVCache holds ``kv_bits`` per element plus a scale and a bias
+        per group.
+        """
+        c = self.config
+        heads = c.get("num_attention_heads") or 1
+        kv_heads = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or self.hidden_size // heads
+        itemsize = _DTYPE_BYTES.get(str(c.get("torch_dtype") or c.get("dtype")), 2)
+        elements = kv_heads * head_dim
+        if kv_bits is None:
+            per = elements * itemsize
+        else:
+            per = elements * kv_bits // 8 + 2 * (elements // kv_group_size) * itemsize
+        return 2 * per
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def resolve_model_path(path_or_repo: str, allow_patterns: list[str] | None = None) -> Path:
+    """A local model directory as is, or a Hugging Face repo id fetched into the hub cache.
+
+    Only the files matching ``allow_patterns`` are fetched, so a stage can ask for
+    the weight files of its own layers and nothing else.
+    """
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} has no config.json; is it an mlx-lm model directory?")
+        return path
+    if path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1:
+        raise ModelError(
+            f"model {path_or_repo!r} is neither an existing directory nor a Hugging Face "
+            "repo id of the form owner/name"
+        )
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path_or_repo, allow_patterns=allow_patterns or NON_WEIGHT_PATTERNS))
+    except Exception as e:  # the hub raises many kinds; all mean the same to the user
+        raise ModelError(f"could not fetch {path_or_repo!r} from the Hugging Face Hub: {e}") from e
+
+
+def text_config(config: dict) -> dict:
+    """The decoder's settings: a multimodal checkpoint keeps them under ``text_config``."""
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
+def model_info(path_or_repo: str) -> ModelInfo:
+    """Read a model's config and check that it can be split into a ring."""
+    path = resolve_model_path(path_or_repo)
+    config = load_config(path)
+    model_type = config.get("model_type", "?")
+    module = _model_module(config)
+    if module not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"model_type {model_type!r} (mlx_lm.models.{module}) is not supported by the ring; "
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))} (README.md lists the models each covers)"
+        )
+    text = text_config(config)
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if not isinstance(text.get(key), int) or text[key] <= 0:
+            raise ModelError(f"{path / 'config.json'}: {key} must be a positive integer")
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(weights_digest(path).encode())
+    return ModelInfo(
+        path=path,
+        config=config,
+        model_type=model_type,
+        num_layers=text["num_hidden_layers"],
+        hidden_size=text["hidden_size"],
+        vocab_size=text["vocab_size"],
+        context_length=int(text.get("max_position_embeddings") or 4096),
+        fingerprint=digest.hexdigest()[:16],
+        weights=weight_bytes(path, text["num_hidden_layers"]),
+    )
+
+
+def weights_digest(path: Path) -> str:
+    """What identifies the weights, so that a fine-tune and its base model never share a ring.
+
+    A Hugging Face snapshot is named by its commit, which fixes every file (and a
+    node that fetched only its own layers' files still knows it). A local directory:
+    each weight file's name, size and header, and SAMPLES_PER_FILE slices of its
+    data spread over the file: a fine-tune changes nearly every weight, and reading
+    a few hundred KiB per file keeps this instant on a model of hundreds of GB.
+    """
+    parts = path.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return f"hub:{parts[-3]}@{parts[-1]}"
+    h = hashlib.sha256()
+    for file in sorted(path.glob("model*.safetensors")):
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}:".encode())
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > _MAX_SAFETENSORS_HEADER_BYTES:
+                raise ModelError(f"{file}: safetensors header of {n} bytes is implausible")
+            h.update(f.read(n))
+            data = 8 + n
+            for i in range(SAMPLES_PER_FILE):
+                f.seek(data + (size - data) * i // SAMPLES_PER_FILE)
+                h.update(f.read(SAMPLE_BYTES))
+    return "local:" + h.hexdigest()
+
+
+def weight_bytes(path: Path, num_layers: int) -> WeightBytes:
+    """Tensor sizes from the safetensors headers (no tensor is read).
+
+    A Hub model whose weight files are not here yet has only its index: its
+    total is spread evenly over the layers, which is what placement needs.
+    """
+    files = sorted(path.glob("model*.safetensors"))
+    layers = [0] * num_layers
+    parts = {"embed": 0, "norm": 0, "head": 0}
+    if not files:
+        index = path / "model.safetensors.index.json"
+        total = json.loads(index.read_text()).get("metadata", {}).get("total_size", 0) if index.is_file() else 0
+        return WeightBytes(tuple([total // max(num_layers, 1)] * num_layers), 0, 0, 0)
+    for file in files:
+        for key, size in _safetensors_sizes(file).items():
+            if any(part in key for part in _NOT_THE_DECODER):
+                continue  # a multimodal checkpoint's vision tower: the ring serves the text path
+            m = _LAYER_KEY.search(key)
+            if m is not None:
+                if int(m.group(1)) < num_layers:  # extra layers (MTP heads) are dropped on load
+                    layers[int(m.group(1))] += size
+            elif "embed_tokens" in key:
+                parts["embed"] += size
+            elif "lm_head" in key:
+                parts["head"] += size
+            else:  # the final norm, and whatever else the last stage runs after the layers
+                parts["norm"] += size
+    return WeightBytes(tuple(layers), parts["embed"], parts["norm"], parts["head"])
+
+
+def _model_module(config: dict) -> str:
+    from mlx_lm.utils import _get_classes
+
+    try:
+        model_class, _ = _get_classes(config)
+    except ValueError as e:
+        raise ModelError(str(e)) from e
+    return model_class.__module__.rsplit(".", 1)[-1]
+
+
+def _safetensors_header(file: Path, keep_metadata: bool = False) -> dict:
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > _MAX_SAFETENSORS_HEADER_BYTES:
+            raise ModelError(f"{file}: safetensors header of {n} bytes is implausible")
+        header = json.loads(f.read(n))
+    if not keep_metadata:
+        header.pop("__metadata__", None)
+    return header
+
+
+def safetensors_keys(file: Path) -> set[str]:
+    """The tensor names in a safetensors file, read from its header only."""
+    return set(_safetensors_header(file))
+
+
+def _safetensors_sizes(file: Path) -> dict[str, int]:
+    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in _safetensors_header(file).items()}
+
+
+def weight_files_for(path: Path, start: int, end: int) -> list[str] | None:
+    """The weight files holding layers [start, end) and the non-layer weights.
+
+    None when the model has no index (a single file, fetched whole). Every stage
+    takes the non-layer files: they are small next to the layers, and which of
+    embeddings, norm and head a stage needs is decided after loading.
+    """
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    weight_map = json.loads(index.read_text())["weight_map"]
+    files = set()
+    for key, file in weight_map.items():
+        if any(part in key for part in _NOT_THE_DECODER):
+            continue
+        m = _LAYER_KEY.search(key)
+        if m is None or start <= int(m.group(1)) < end:
+            files.add(file)
+    return sorted(files)
+
+
+def check_weights_present(path: Path, files: list[str] | None, kept: list[tuple[str, object]], start: int, end: int) -> None:
+    """strict=False lets a stage load with only its own files present; then a missing tensor
+    would silently stay randomly initialized. So: in an MLX-format checkpoint (what mlx-lm
+    converts to, names as the model has them) every kept name must be there; in another
+    (the loader renames and stacks, e.g. experts) every kept layer must have weights."""
+    names = files if files is not None else [p.name for p in sorted(path.glob("model*.safetensors"))]
+    if not names:
+        raise ModelError(f"no model*.safetensors in {path}")
+    present: set[str] = set()
+    mlx_format = True
+    for name in names:
+        header = _safetensors_header(path / name, keep_metadata=True)
+        mlx_format &= (header.pop("__metadata__", None) or {}).get("format") == "mlx"
+        present |= set(header)
+    if mlx_format:
+        missing = [k for k, _ in kept if k not in present]
+    else:
+        layers = {int(m.group(1)) for k in present if (m := _LAYER_KEY.search(k))}
+        missing = [f"layer {i}" for i in range(start, end) if i not in layers]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelError(
+            f"{path}: {len(missing)} weights of layers [{start}, {end}) are missing from the "
+            f"checkpoint ({shown}); is the download complete?"
+        )
