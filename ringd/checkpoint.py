@@ -19,6 +19,8 @@ from pathlib import Path
 
 from mlx_lm.utils import load_config
 
+from .progress import DOWNLOAD, LoadCancelled, LoadProgress
+
 # The mlx-lm architectures (module names) a ring runs, bit for bit as one process does:
 # decided by tests/test_archs.py, which splits a tiny model of each at every cut and
 # compares with single-process mlx-lm (and checks that this list is what passed).
@@ -121,11 +123,12 @@ class ModelInfo:
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def resolve_model_path(path_or_repo: str, allow_patterns: list[str] | None = None) -> Path:
+def resolve_model_path(path_or_repo: str, allow_patterns: list[str] | None = None, progress: LoadProgress | None = None) -> Path:
     """A local model directory as is, or a Hugging Face repo id fetched into the hub cache.
 
     Only the files matching ``allow_patterns`` are fetched, so a stage can ask for
-    the weight files of its own layers and nothing else.
+    the weight files of its own layers and nothing else. With ``progress``, the files
+    not in the cache yet are fetched one by one and reported to it (phase "download").
     """
     path = Path(path_or_repo).expanduser()
     if path.exists():
@@ -139,10 +142,100 @@ def resolve_model_path(path_or_repo: str, allow_patterns: list[str] | None = Non
         )
     from huggingface_hub import snapshot_download
 
+    patterns = allow_patterns or NON_WEIGHT_PATTERNS
     try:
-        return Path(snapshot_download(path_or_repo, allow_patterns=allow_patterns or NON_WEIGHT_PATTERNS))
+        if progress is None:
+            return Path(snapshot_download(path_or_repo, allow_patterns=patterns))
+        commit = _download_with_progress(path_or_repo, patterns, progress)
+        # Everything is in the cache now: this only names the snapshot's folder.
+        return Path(snapshot_download(path_or_repo, revision=commit, allow_patterns=patterns, tqdm_class=_hub_bar(None, "")))
+    except LoadCancelled:
+        raise
     except Exception as e:  # the hub raises many kinds; all mean the same to the user
         raise ModelError(f"could not fetch {path_or_repo!r} from the Hugging Face Hub: {e}") from e
+
+
+def _download_with_progress(repo: str, patterns: list[str], progress: LoadProgress) -> str | None:
+    """Fetch the files of ``repo`` matching ``patterns`` that the hub cache lacks, reporting each
+    file's bytes to ``progress``; the commit they were fetched at (None: the repo has no such file).
+
+    huggingface_hub's dry run says which files a download would fetch and their sizes; each is
+    then fetched with ``hf_hub_download`` into the normal cache (so mlx-lm and a second run find
+    it there), its progress bar feeding ``progress``. One file at a time: the progress names the
+    file being fetched, and hf_xet already fetches a file's chunks in parallel.
+    """
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    plan = snapshot_download(repo, allow_patterns=patterns, dry_run=True, tqdm_class=_hub_bar(None, ""))
+    if not plan:
+        return None
+    commit = plan[0].commit_hash
+    fetch = sorted((f for f in plan if f.will_download), key=lambda f: f.filename)
+    if not fetch:
+        return commit
+    progress.begin(DOWNLOAD, {f.filename: f.file_size for f in fetch})
+    for f in fetch:
+        progress.start_file(f.filename)
+        hf_hub_download(repo, f.filename, revision=commit, tqdm_class=_hub_bar(progress, f.filename))
+        progress.finish_file(f.filename)
+    progress.end()
+    return commit
+
+
+class _HubBar:
+    """The part of tqdm that huggingface_hub calls on a ``tqdm_class`` (per-file bars, xet's
+    reporter, snapshot_download's bars), passing a file's bytes to a LoadProgress, or nowhere."""
+
+    progress: LoadProgress | None = None
+    file = ""
+
+    def __init__(self, *args, total: int | None = None, initial: int = 0, **kwargs):
+        self.n, self.total = 0, total
+        if self.progress is not None and total is not None:
+            self.progress.set_size(self.file, total)
+        if initial:
+            self.update(initial)
+
+    def update(self, n: int | float | None = 1) -> None:
+        self.n += n or 0
+        if self.progress is not None and n:
+            self.progress.advance(self.file, int(n))
+
+    def update_transfer(self, n: int | float | None = 1) -> None:
+        pass  # bytes off the network (xet: compressed, deduplicated); ``update`` counts the file's own
+
+    def __enter__(self) -> "_HubBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    format_dict: dict = {}
+
+    def set_postfix_str(self, *args, **kwargs) -> None:
+        pass
+
+    set_transfer_postfix_str = set_description = set_description_str = set_postfix_str
+
+    def refresh(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _hub_bar(progress: LoadProgress | None, file: str) -> type[_HubBar]:
+    """A tqdm_class for huggingface_hub (it wants a class) reporting ``file`` to ``progress``."""
+    return type("_FileBar", (_HubBar,), {"progress": progress, "file": file})
+
+
+def weight_map(path: Path) -> dict[str, str]:
+    """Checkpoint key -> the weight file holding it: from the index, else from the headers of the
+    model*.safetensors files present (a checkpoint in one file needs no index)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    return {key: file.name for file in sorted(path.glob("model*.safetensors")) for key in safetensors_keys(file)}
 
 
 def text_config(config: dict) -> dict:

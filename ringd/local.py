@@ -2,7 +2,8 @@
 
 Each node is a separate OS process running ``ringd serve`` on 127.0.0.1 with
 ports of its own and a cluster secret made for this run. This module starts
-them, waits until the leader's ``/health`` says the ring is ready, prints the
+them, waits until the leader's ``/health`` says the ring is ready (printing the
+nodes' download and load progress meanwhile, from ``/cluster/status``), prints the
 API address, and on SIGINT or SIGTERM (or when any node dies) stops them all.
 It is the launcher, not the daemon: everything it does goes through the same
 ``ringd serve`` a real cluster runs.
@@ -31,6 +32,10 @@ READY_TIMEOUT_S = 180.0
 READY_POLL_S = 0.2
 # Grace for nodes to exit on SIGTERM before they are killed.
 STOP_GRACE_S = 5.0
+# While the ring gets ready, the leader's /cluster/status is read at most this often
+# for the nodes' download and load progress: a line a second per loading node is
+# as fast as a person reads, and the leader asks every node for each answer.
+PROGRESS_POLL_S = 1.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -50,6 +55,34 @@ def _health(url: str) -> tuple[int, dict]:
             return e.code, {}
     except (OSError, ValueError):
         return 0, {}
+
+
+def _cluster_status(url: str) -> dict:
+    status, body = _health(url)
+    return body if status == 200 and isinstance(body, dict) else {}
+
+
+def progress_lines(doc: dict, shown: dict[str, dict]) -> list[str]:
+    """A line for each node of a /cluster/status answer whose progress changed since ``shown``
+    (node -> the progress last printed, updated here); nothing for nodes not loading."""
+    from .progress import describe
+
+    lines = []
+    for n in doc.get("nodes") or []:
+        if not isinstance(n, dict):
+            continue
+        node, p = str(n.get("node", "?")), n.get("progress")
+        if not isinstance(p, dict):
+            shown.pop(node, None)
+            continue
+        if shown.get(node) != p:
+            try:
+                line = describe(p)
+            except (TypeError, ValueError):  # a malformed status is no reason to stop the launcher
+                continue
+            shown[node] = p
+            lines.append(f"ringd local: {node} {line}")
+    return lines
 
 
 def run_local(
@@ -115,6 +148,8 @@ def run_local(
         url = f"http://{host}:{http_ports[0]}"
         deadline = time.monotonic() + READY_TIMEOUT_S
         reason = ""
+        shown: dict[str, dict] = {}
+        polled_at = float("-inf")
         while not stop.is_set():
             dead = [i for i, p in enumerate(procs) if p.poll() is not None]
             if dead:
@@ -124,6 +159,10 @@ def run_local(
             if status == 200:
                 break
             reason = body.get("reason", reason)
+            if time.monotonic() - polled_at >= PROGRESS_POLL_S:
+                polled_at = time.monotonic()
+                for line in progress_lines(_cluster_status(url + "/cluster/status"), shown):
+                    print(line, flush=True)
             if time.monotonic() > deadline:
                 print(f"ringd local: the ring was not ready after {READY_TIMEOUT_S:.0f} s: {reason}", file=sys.stderr)
                 return 1

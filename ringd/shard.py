@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -37,7 +38,17 @@ from .checkpoint import (
     model_info,
     resolve_model_path,
     weight_files_for,
+    weight_map,
 )
+from .progress import LOAD, LoadProgress
+
+# A stage's parameters are read in groups of about this many bytes (a group ends with
+# the tensor that reaches it): progress then moves within a multi-GB weight file, and
+# a group is still large enough that its reads overlap as in one mx.eval of them all.
+LOAD_GROUP_BYTES = 256 * 2**20
+# A layer's number in a parameter or checkpoint key.
+_LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
 
 class _StageOutput(Exception):
     """Raised by the last layer of a stage that is not the ring's last: its output is the stage's."""
@@ -174,7 +185,13 @@ class Shard:
         return self.end == self.info.num_layers
 
     @classmethod
-    def load(cls, path_or_repo: str, start: int, end: int) -> "Shard":
+    def load(cls, path_or_repo: str, start: int, end: int, progress: LoadProgress | None = None) -> "Shard":
+        """Layers [start, end) of a model directory or Hugging Face repo id, read into memory.
+
+        ``progress`` hears how it goes: the download of this stage's weight files when a Hub
+        model lacks them, then the reading of its parameters, file by file.
+        """
+        progress = progress if progress is not None else LoadProgress(start, end)
         info = model_info(path_or_repo)
         if not (0 <= start < end <= info.num_layers):
             raise ModelError(
@@ -182,10 +199,10 @@ class Shard:
             )
         path = info.path
         files = weight_files_for(path, start, end)
-        if files is not None and not all((path / f).exists() for f in files):
-            # A Hub model: fetch this stage's files only.
-            path = resolve_model_path(path_or_repo, NON_WEIGHT_PATTERNS + files)
-            absent = [f for f in files if not (path / f).exists()]
+        if _weights_absent(path, files):
+            # A Hub model: fetch this stage's files only (without an index, the one weight file).
+            path = resolve_model_path(path_or_repo, NON_WEIGHT_PATTERNS + (files or ["model*.safetensors"]), progress)
+            absent = [f for f in files or () if not (path / f).exists()]
             if absent:
                 raise ModelError(
                     f"{path}: weight files {', '.join(absent)} holding layers [{start}, {end}) are "
@@ -203,7 +220,7 @@ class Shard:
         kept = _stage_parameters(model, info, start, end)
         check_weights_present(path, files, kept, start, end)
         shard = cls(info, start, end, model, protos, kept)
-        mx.eval([v for _, v in kept])
+        _materialize(path, kept, progress)
         shard.kv_cost = shard._measure_kv_cost()
         return shard
 
@@ -282,6 +299,62 @@ def _wire_memory() -> None:
     so a stage's weights are not paged out. (There is nothing to wire on the CPU backend.)"""
     if mx.metal.is_available():
         maybe_set_recommended_wired_limit()
+
+
+def _weights_absent(path: Path, files: list[str] | None) -> bool:
+    """Whether weight files this stage needs are missing from ``path`` (``files`` None: the model
+    has no index, and its one weight file is needed)."""
+    if files is None:
+        return not any(path.glob("model*.safetensors"))
+    return not all((path / f).exists() for f in files)
+
+
+def _materialize(path: Path, kept: list[tuple[str, mx.array]], progress: LoadProgress) -> None:
+    """Read the stage's parameters into memory, file by file, in groups of about
+    LOAD_GROUP_BYTES, telling ``progress`` each group's bytes (one ``mx.eval`` of them all
+    reads the same values; in groups, the reading can be counted)."""
+    by_file = _by_source_file(path, kept)
+    progress.begin(LOAD, {file: sum(v.nbytes for v in arrays) for file, arrays in by_file.items()})
+    for file, arrays in by_file.items():
+        progress.start_file(file)
+        group, size = [], 0
+        for v in arrays:
+            group.append(v)
+            size += v.nbytes
+            if size >= LOAD_GROUP_BYTES:
+                mx.eval(group)
+                progress.advance(file, size)
+                group, size = [], 0
+        if group:
+            mx.eval(group)
+            progress.advance(file, size)
+        progress.finish_file(file)
+    progress.end()
+
+
+def _by_source_file(path: Path, kept: list[tuple[str, mx.array]]) -> dict[str, list[mx.array]]:
+    """The kept parameters by the weight file they are read from, in file order.
+
+    A checkpoint in MLX format names them as the model does. In another, mlx-lm's
+    sanitize renames or stacks (experts), so a name the checkpoint lacks is counted
+    with the first file holding its layer, and a non-layer one with the last file.
+    """
+    source = weight_map(path)
+    files = sorted(set(source.values()))
+    layer_file: dict[int, str] = {}
+    for key, file in sorted(source.items(), key=lambda kv: kv[1]):
+        m = _LAYER_NUMBER.search(key)
+        if m is not None:
+            layer_file.setdefault(int(m.group(1)), file)
+    out: dict[str, list[mx.array]] = {}
+    for name, v in kept:
+        file = source.get(name)
+        if file is None:
+            m = _LAYER_NUMBER.search(name)
+            file = layer_file.get(int(m.group(1))) if m is not None else None
+            file = file or (files[-1] if files else "weights")
+        out.setdefault(file, []).append(v)
+    return dict(sorted(out.items()))
 
 
 def _kv_cost(caches: list[Any]) -> KvCost:

@@ -100,3 +100,44 @@ def test_local_flag_errors(tiny_model, argv, needle):
     # later flags win in argparse, so the bad one is appended
     r = subprocess.run([sys.executable, "-m", "ringd", "local", *args, *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and needle in r.stderr
+
+
+def test_progress_lines_name_each_loading_node_once_per_change():
+    from ringd.local import progress_lines
+
+    p = {"phase": "download", "file": "model-00002-of-00004.safetensors", "files_done": 1, "files_total": 4,
+         "bytes": 3 * 2**20, "total_bytes": 12 * 2**20, "rate_bytes_s": 2**20, "layers": [2, 4]}  # fmt: skip
+    doc = {"nodes": [{"node": "node0", "progress": None}, {"node": "node1", "progress": p}, "junk", {"node": "node2"},
+                     {"node": "node3", "progress": {"bytes": "many", "total_bytes": 1}}]}  # fmt: skip
+    shown: dict = {}
+    assert progress_lines(doc, shown) == [
+        "ringd local: node1 downloading layers [2, 4): 3.0 MiB of 12.0 MiB (25%), 1.0 MiB/s, "
+        "model-00002-of-00004.safetensors (2 of 4 files)"
+    ]
+    assert progress_lines(doc, shown) == []  # nothing changed: nothing printed
+    doc["nodes"][1]["progress"] = {**p, "phase": "load", "bytes": 12 * 2**20, "files_done": 4}
+    [line] = progress_lines(doc, shown)
+    assert line.startswith("ringd local: node1 loading layers [2, 4): 12.0 MiB of 12.0 MiB (100%)")
+    assert progress_lines({}, shown) == [] and progress_lines({"nodes": [{"node": "node1", "progress": None}]}, shown) == []
+
+
+def test_local_shows_the_download_of_a_hub_model_while_the_ring_gets_ready(tiny_model, tmp_path):
+    """`ringd local --model owner/name` from a Hub (tests/fakehub.py, throttled so the download
+    takes a few seconds): the launcher prints the nodes' progress before the ring is ready."""
+    from fakehub import FakeHub
+
+    src = tiny_model(arch="llama", layers=8, hidden_size=64, dtype="float32", shard_bytes=40_000)
+    # The model's ~1.8 MiB of weight files in 64 KiB chunks 0.1 s apart: about 3 s of download,
+    # which the launcher's polls (every PROGRESS_POLL_S) see whatever the machine's speed. One
+    # node: the cheapest ring that downloads (and stops promptly: the node gives the download up).
+    with FakeHub({"ringd-test/tiny": src}, chunk_bytes=64 * 1024, delay_s=0.1) as hub:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ringd", "local", "--nodes", "1", "--model", "ringd-test/tiny", "--port", "0"],
+            cwd=REPO, env=hub.env(tmp_path / "hf"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+        )  # fmt: skip
+        try:
+            line = wait_for_line(proc, "downloading layers", 120)
+            assert line.startswith("ringd local: node") and ".safetensors (" in line and "B/s" in line
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)

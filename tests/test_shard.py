@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 
 from ringd.checkpoint import ModelError, model_info, resolve_model_path, weight_files_for
+from ringd.progress import LoadProgress
 from ringd.shard import Shard
 
 
@@ -187,3 +188,139 @@ def test_layers_past_num_hidden_layers_are_neither_fetched_loaded_nor_counted(ti
     stage = Shard.load(str(path), 2, 4)  # loaded without it, and computes as before
     assert not any(".layers.4." in n for n, _ in stage._named_parameters())
     assert stage.parameter_bytes == Shard.load(str(src), 2, 4).parameter_bytes
+
+
+# --- progress: the load, file by file, and the download of a Hub model's stage ------------------
+
+
+class RecordingProgress(LoadProgress):
+    """A LoadProgress that keeps, after each update, the bytes of the file it was about."""
+
+    def __init__(self, start: int, end: int):
+        super().__init__(start, end)
+        self.events: list[tuple] = []
+
+    def begin(self, phase, sizes):
+        super().begin(phase, sizes)
+        self.events.append(("begin", phase, dict(sizes)))
+
+    def advance(self, file, n):
+        super().advance(file, n)
+        self.events.append(("advance", self.to_wire()["phase"], file, self.file_bytes()[file][0]))
+
+    def finish_file(self, file):
+        self.events.append(("finish", self.to_wire()["phase"], file))
+        super().finish_file(file)
+
+
+def _phase_events(events: list[tuple], phase: str) -> list[tuple]:
+    return [e for e in events if e[1] == phase]
+
+
+def test_a_load_reports_each_files_bytes_up_to_what_the_stage_keeps(tiny_model, monkeypatch):
+    import ringd.shard as shard_module
+
+    src = tiny_model(arch="llama", layers=8, hidden_size=64, dtype="float32", shard_bytes=40_000)
+    # Small groups: each file's parameters are read in several steps, and each step is counted.
+    monkeypatch.setattr(shard_module, "LOAD_GROUP_BYTES", 8 * 1024)
+    progress = RecordingProgress(2, 6)
+    stage = Shard.load(str(src), 2, 6, progress)
+
+    # Each file's share: the bytes of the parameters this stage keeps from it.
+    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    want: dict[str, int] = {}
+    for name, v in stage._named_parameters():
+        want[weight_map[name]] = want.get(weight_map[name], 0) + v.nbytes
+    assert len(want) >= 2 and set(want) <= set(weight_files_for(src, 2, 6))
+    [begin] = [e for e in progress.events if e[0] == "begin"]
+    assert begin == ("begin", "load", want)  # no download: the files are here
+
+    # File after file, each one's bytes growing in steps to its share before the next starts.
+    advances = [e for e in progress.events if e[0] == "advance"]
+    order = list(dict.fromkeys(e[2] for e in advances))
+    assert order == sorted(want)
+    for file in order:
+        steps = [e[3] for e in advances if e[2] == file]
+        assert steps == sorted(steps) and steps[-1] == want[file]
+        assert len(steps) >= 2 or want[file] <= 8 * 1024
+    assert progress.to_wire() | {"rate_bytes_s": 0} == {
+        "phase": "load", "file": order[-1], "files_done": len(want), "files_total": len(want),
+        "bytes": stage.parameter_bytes, "total_bytes": stage.parameter_bytes, "rate_bytes_s": 0, "layers": [2, 6],
+    }  # fmt: skip
+
+    # Read in steps, the same values as read at once.
+    whole = Shard.load(str(src), 2, 6)
+    for (ka, va), (kb, vb) in zip(stage._named_parameters(), whole._named_parameters()):
+        assert ka == kb and mx.array_equal(va, vb)
+
+
+# Run in a process of its own, as a node does: huggingface_hub reads HF_ENDPOINT and its
+# cache folders from the environment when it is imported. Loads a stage twice and prints
+# what each load reported and a digest of every parameter.
+_HUB_LOAD = """
+import hashlib, json, sys
+sys.path.insert(0, sys.argv[4])
+from test_shard import RecordingProgress
+from ringd.shard import Shard
+
+repo, start, end = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+runs = []
+for _ in range(2):
+    progress = RecordingProgress(start, end)
+    stage = Shard.load(repo, start, end, progress)
+    digests = {n: hashlib.sha256(memoryview(v)).hexdigest() for n, v in stage._named_parameters()}
+    runs.append({"events": progress.events, "path": str(stage.info.path), "params": digests})
+print(json.dumps(runs))
+"""
+
+
+def _digests(stage: Shard) -> dict[str, str]:
+    import hashlib
+
+    return {n: hashlib.sha256(memoryview(v)).hexdigest() for n, v in stage._named_parameters()}
+
+
+def test_a_hub_stage_downloads_only_its_files_with_progress_and_once(tiny_model, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fakehub import FakeHub
+
+    src = tiny_model(arch="llama", layers=8, hidden_size=64, dtype="float32", shard_bytes=40_000)
+    start, end = 3, 6
+    needed = weight_files_for(src, start, end)
+    sizes = {f: (src / f).stat().st_size for f in needed}
+    with FakeHub({"ringd-test/tiny": src}) as hub:
+        tests = str(Path(__file__).parent)
+        r = subprocess.run(
+            [sys.executable, "-c", _HUB_LOAD, "ringd-test/tiny", str(start), str(end), tests],
+            env=hub.env(tmp_path / "hf"), capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-4000:]
+        first, second = json.loads(r.stdout.splitlines()[-1])
+        fetched = hub.fetched()
+
+    # Only this stage's weight files came, each once; the other stages' files stayed on the hub.
+    weights = [f for f in fetched if f.endswith(".safetensors")]
+    assert sorted(weights) == needed and len(set(fetched)) == len(fetched)
+    assert set(needed) < {p.name for p in src.glob("model-*.safetensors")}
+
+    # The download phase: this stage's files and their sizes, each file's bytes growing to its size,
+    # as huggingface_hub's progress bar reports them (in reads of 10 MiB: these files take one each).
+    events = [tuple(e) for e in first["events"]]
+    download = _phase_events(events, "download")
+    assert download[0] == ("begin", "download", sizes)
+    for file, size in sizes.items():
+        steps = [e[3] for e in download if e[0] == "advance" and e[2] == file]
+        assert steps and steps == sorted(steps) and steps[-1] == size, (file, steps)
+    assert [e[2] for e in download if e[0] == "finish"] == needed
+    # Then the load phase, from the files just fetched.
+    assert _phase_events(events, "load")[0][:2] == ("begin", "load")
+
+    # Into the hub cache, where a second load finds everything: no download phase, nothing fetched.
+    assert "/models--ringd-test--tiny/snapshots/" in first["path"] and second["path"] == first["path"]
+    assert not _phase_events([tuple(e) for e in second["events"]], "download")
+
+    # And the stage is the one a local directory gives.
+    assert first["params"] == second["params"] == _digests(Shard.load(str(src), start, end))
