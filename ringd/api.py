@@ -25,27 +25,34 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.aiohttp import make_aiohttp_handler
 
+from . import logs
 from .auth import AuthError, ControlAuth, check_api_key, is_signed, sign
 from .config import check_name
 from .engine import EngineError
 from .http_guard import BODY_READ_TIMEOUT_S, HTTP_IDLE_TIMEOUT_S, BodyBudget, listen, raise_fd_limit
 from .openai_types import ApiError, CompletionRequest, envelope, new_id, now, parse_json, parse_request, prompt_chars, usage
-from .proxy import FORWARDED_HEADER, RESUME_FIELD, TOKEN_COMMENT, Proxy
+from .proxy import FORWARDED_HEADER, REQUEST_ID_HEADER, RESUME_FIELD, TOKEN_COMMENT, Proxy
 from .sampling import SamplingError
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .metrics import Metrics
     from .checkpoint import ModelInfo
 
 log = logging.getLogger(__name__)
 
 # The routes described for clients and for the HTTP fuzz test.
 OPENAPI = Path(__file__).with_name("openapi.json")
+# The dashboard's page, script and style.
+WEB_DIR = Path(__file__).with_name("web")
+
+# Where a request's id is kept on the aiohttp request.
+REQUEST_ID_KEY = "ringd_request_id"
 
 # Largest request body: a long chat history is a few MB of JSON; more is abuse.
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -69,7 +76,7 @@ class ApiNode(Protocol):
     tokenizer: object
     secret: bytes
     api_keys: frozenset[str]
-    metrics: object
+    metrics: "Metrics"
 
     @property
     def engine(self) -> "Engine | None": ...
@@ -92,6 +99,60 @@ class ApiNode(Protocol):
 def _error(e: ApiError) -> web.Response:
     headers = {"Retry-After": str(e.retry_after or 1)} if e.status in (429, 503) else None
     return web.json_response(e.body(), status=e.status, headers=headers)
+
+
+# The status counted for a request whose client went away before an answer (nginx's).
+CLIENT_CLOSED_STATUS = 499
+
+
+def _endpoint(request: web.Request) -> str:
+    """The route a request matched, as a metric label: few values, whatever the path."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def _context(metrics) -> Callable:
+    """Outermost middleware: the request's id (the client's x-request-id, or a new one) for
+    every line logged while serving it, and the request counted by endpoint and status."""
+
+    @web.middleware
+    async def context(request: web.Request, handler):
+        status = 500
+        try:
+            given = request.headers.get(REQUEST_ID_HEADER)
+            try:
+                request_id = logs.check_request_id(given) if given is not None else logs.new_request_id()
+            except logs.RequestIdError as e:
+                request_id = logs.new_request_id()
+                request[REQUEST_ID_KEY] = request_id
+                response = _error(ApiError(400, str(e), REQUEST_ID_HEADER.lower()))
+                status = response.status
+                return response
+            request[REQUEST_ID_KEY] = request_id
+            token = logs.REQUEST_ID.set(request_id)
+            try:
+                response = await handler(request)
+            finally:
+                logs.REQUEST_ID.reset(token)
+            status = response.status
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = CLIENT_CLOSED_STATUS
+            raise
+        finally:
+            metrics.request(_endpoint(request), status)
+
+    return context
+
+
+async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer names its request (streams too: this runs as their headers go out)."""
+    request_id = request.get(REQUEST_ID_KEY)
+    if request_id is not None:
+        response.headers[REQUEST_ID_HEADER] = request_id
 
 
 @web.middleware
@@ -134,7 +195,8 @@ def max_chars_per_token(tokenizer) -> int:
 class Api:
     def __init__(self, node: ApiNode):
         self.d = node
-        self.app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+        self.app = web.Application(middlewares=[_context(node.metrics), _errors], client_max_size=MAX_BODY_BYTES)
+        self.app.on_response_prepare.append(_send_request_id)
         self.app.add_routes(
             [
                 web.post("/v1/chat/completions", self.chat),
@@ -144,8 +206,12 @@ class Api:
                 web.get("/cluster/status", self.cluster_status),
                 web.post("/cluster/leader", self.set_leader),
                 web.post("/cluster/drain", self.drain),
-                web.get("/metrics", self.metrics),
+                web.get("/metrics", make_aiohttp_handler(node.metrics.registry)),
                 web.get("/openapi.json", self.openapi),
+                web.get("/", self.dashboard),
+                web.get("/dashboard", self.dashboard),
+                # The dashboard's own files, served by every node: no CDN, no build step.
+                web.static("/static", WEB_DIR, append_version=False, show_index=False, follow_symlinks=False),
             ]
         )
         self._runner: web.AppRunner | None = None
@@ -276,9 +342,10 @@ class Api:
                 self._need_key(request)
         return web.json_response(await self.d.cluster_status())
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        self.d.metrics.refresh()
-        return web.Response(body=generate_latest(self.d.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def dashboard(self, request: web.Request) -> web.Response:
+        """The page that draws the ring live (ringd/web/); it reads /cluster/status like ringctl does."""
+        return web.Response(body=(WEB_DIR / "index.html").read_bytes(), content_type="text/html", headers={"Cache-Control": "no-cache"})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=OPENAPI.read_bytes(), content_type="application/json")
@@ -346,7 +413,7 @@ class Api:
         if len(resumed) >= max_tokens:
             raise ApiError(400, f"{RESUME_FIELD} already holds max_tokens ({max_tokens}) tokens", RESUME_FIELD)
         self.d.metrics.prompt_tokens.inc(len(prompt))
-        events = engine.generate(prompt, req.params, max_tokens, req.stop, resumed)
+        events = engine.generate(prompt, req.params, max_tokens, req.stop, resumed, request[REQUEST_ID_KEY])
         try:
             if req.stream:
                 return await self._stream(request, req, events, len(prompt), forwarded, resume)

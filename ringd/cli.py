@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from . import config as config_mod
+from . import logs
 
 DEMO_NODES = 3
 # The demo model: a real qwen3 architecture with a real tokenizer and random
@@ -29,17 +30,6 @@ PARENT_CHECK_S = 1.0
 
 def cache_dir() -> Path:
     return Path(os.environ.get("RINGD_CACHE", Path.home() / ".cache" / "ringd"))
-
-
-def _setup_logging(node: str, level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format=f"%(asctime)s {node} %(levelname).1s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # Third-party chatter at info level drowns the ring's own lines.
-    for noisy in ("aiohttp.access", "huggingface_hub", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 async def _serve(cfg: config_mod.Config) -> int:
@@ -66,7 +56,7 @@ async def _serve(cfg: config_mod.Config) -> int:
     try:
         await daemon.start()
     except (config_mod.ConfigError, ModelError, OSError) as e:
-        print(f"ringd serve: {e}", file=sys.stderr)
+        logging.getLogger("ringd").error("ringd serve: %s", e)
         await daemon.stop()
         return 1
     await stop.wait()
@@ -114,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         except config_mod.ConfigError as e:
             print(f"ringd serve: config error: {e}", file=sys.stderr)
             return 2
-        _setup_logging(cfg.name, cfg.log_level)
+        logs.setup(cfg.name, cfg.log_level, cfg.log_format)
         return _run(_serve(cfg))
 
     from .local import run_local

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -66,6 +67,7 @@ class Cluster:
         on_change: Callable[[], None],
         report: Callable[[], Report],
         serving: Callable[[], tuple[Term | None, str]],
+        sent: Callable[[float], None] = lambda seconds: None,
     ):
         self.node = node
         self.priority = priority
@@ -75,6 +77,7 @@ class Cluster:
         self._report = report
         self._serving = serving
         self._dispatch = on_frame
+        self._sent = sent  # seconds each frame took to hand to its link (metrics)
         self.election = Election(node, priority, *self._restore_state())
         self.leading = False
         self.drained: set[str] = set()  # nodes `ringctl drain` keeps out of the ring (followers copy the leader's)
@@ -82,6 +85,7 @@ class Cluster:
         self.leader_serving: tuple[Term | None, str] = (None, "no word from the leader yet")
         self._leader_moved = asyncio.Event()  # set, then replaced, whenever the leader changes
         self._last_leader: str | None = None
+        self.leader_changes = 0  # elections this node saw decided (for metrics)
         self.links = Links(
             node, cluster, secret, info, self._on_frame, self.view_changed,
             heartbeat=self._heartbeat, heartbeat_interval_s=heartbeat_interval_s, dead_after_s=dead_after_s,
@@ -117,7 +121,9 @@ class Cluster:
         if node == self.node:
             self._dispatch(self.node, frame)
         else:
+            started = time.perf_counter()
             self.links.send(node, frame)
+            self._sent(time.perf_counter() - started)
 
     # --- pin and drain ------------------------------------------------------------------
 
@@ -217,6 +223,7 @@ class Cluster:
             self._on_leadership(False)
         if leader != self._last_leader:
             self._last_leader = leader
+            self.leader_changes += 1
             self.leader_serving = (None, f"waiting for word from {leader or 'a new leader'}")
             self._leader_moved.set()
             self._leader_moved = asyncio.Event()

@@ -27,6 +27,8 @@ from typing import Any, Callable
 
 import yaml
 
+from .logs import LOG_FORMATS
+
 DEFAULT_RING_PORT = 50051
 DEFAULT_HTTP_PORT = 8100
 # Where `ringd serve` and `ringctl` look for the cluster secret unless told
@@ -262,6 +264,7 @@ KEYS: list[Key] = [
     Key("heartbeat_interval_s", _positive_float, 0.5, "seconds between heartbeats on each link", float),
     Key("dead_after_s", _positive_float, 2.0, "seconds of silence after which a peer is dead", float),
     Key("log_level", _log_level, "info", "debug, info, warning or error"),
+    Key("log_format", _choice(*LOG_FORMATS), "text", "text (for people) or json (one object a line, for log search)"),
 ]
 _BY_NAME = {k.name: k for k in KEYS}
 
@@ -308,6 +311,7 @@ class Config:
     heartbeat_interval_s: float
     dead_after_s: float
     log_level: str
+    log_format: str
 
     @property
     def memory_budget_bytes(self) -> int | None:

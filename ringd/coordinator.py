@@ -27,7 +27,9 @@ from .config import Config
 from .device import DeviceProfile
 from .election import Term
 from .engine import Engine
+from .logs import about
 from .membership import LinkError
+from .metrics import Metrics
 from .pipeline import KvOptions
 from .placement import ModelCost, NodeSpec, Plan, PlacementError, natural_key, plan_for
 from .reconcile import Member, Reconciler
@@ -67,6 +69,7 @@ class Coordinator:
         own: dict,
         budget: int | None,
         started: float,
+        metrics: Metrics,
         planned_before: bool,
     ):
         self.cfg = cfg
@@ -76,6 +79,7 @@ class Coordinator:
         self.stage = stage
         self.own = own  # this node's handshake info: addr, profile, api_only
         self.budget = budget
+        self.metrics = metrics
         self.reconciler = Reconciler(self.node)
         self.plan: Plan | None = None
         self.ready = False
@@ -93,7 +97,7 @@ class Coordinator:
         self.engine = Engine(
             self.node, tokenizer, cluster.send, cfg.prefill_chunk_tokens, kv=kv,
             prefix_cache_entries=cfg.prefix_cache_entries, max_queued=cfg.max_queued_requests,
-            queue_timeout_s=cfg.queue_timeout_s,
+            queue_timeout_s=cfg.queue_timeout_s, metrics=metrics,
         )  # fmt: skip
         self._closed = False
         self._task = supervisor.forever("reconcile", self._loop, restart_on_return=False)
@@ -192,7 +196,7 @@ class Coordinator:
                 self.reason = unusable
                 return
             self.ready, self.reason = True, ""
-            log.info("ring ready: term %d, %d stages, split %s", plan.term, len(plan.stages), plan.split)
+            log.info("ring ready: term %d, %d stages, split %s", plan.term, len(plan.stages), plan.split, extra=about(term=plan.term))
             self.engine.set_plan(plan, self._kv_ledger(plan), _prefix_limit(self.stage_costs(plan)))
         elif not decision.ready:
             if self.ready:
@@ -236,11 +240,15 @@ class Coordinator:
         self._first = False
         self.reconciler.planned(now, term, tuple(s.node for s in plan.stages), over, members)
         self.plan = plan
+        self.metrics.plans.inc()
         if self.ready:
             self.ready = False
         self.reason = f"loading plan term {plan.term}"
         self.engine.suspend_all(self.reason)
-        log.info("plan term %d (%s): %s", plan.term, why, ", ".join(f"{s.node}[{s.start},{s.end})" for s in plan.stages))
+        log.info(
+            "plan term %d (%s): %s", plan.term, why, ", ".join(f"{s.node}[{s.start},{s.end})" for s in plan.stages),
+            extra=about(term=plan.term, why=why, split=plan.split, nodes=[s.node for s in plan.stages]),
+        )  # fmt: skip
         # Every member hears it, this node included: those left out drop their layers.
         for node in members:
             self._send_plan(node, plan)

@@ -36,7 +36,7 @@ from .device import DeviceProfile, default_cache_dir, probe_speed, read_profile
 from .discovery import Advert, Discovery, DiscoveryError, dial_order, local_networks, own_addresses
 from .engine import Engine
 from .messages import MessageError, parse_loaded
-from .metrics import Metrics
+from .metrics import Gauges, Metrics
 from .checkpoint import ModelError, ModelInfo, model_info
 from .stagehost import StageHost
 from .status import Status
@@ -55,7 +55,7 @@ class Daemon:
         self.started = int(time.time())
         self.supervisor = Supervisor(log)
         self.compute = ComputeThread()
-        self.metrics = Metrics(self.name, self.local_status)
+        self.metrics = Metrics(self.name, lambda: self.status.gauges() if self.status else Gauges())
         self.api = Api(self)
         self.info: ModelInfo | None = None
         self.tokenizer = None
@@ -101,16 +101,20 @@ class Daemon:
             "profile": self.profile.to_wire(), "api_only": cfg.api_only,
         }  # fmt: skip
         self._own = own
-        self.stage = StageHost(self.name, cfg.model, self.info, self.compute, self._send, self._on_change)
+        self.stage = StageHost(self.name, cfg.model, self.info, self.compute, self._send, self._on_change, self.metrics)
         self.cluster = Cluster(
             node=self.name, cluster=cfg.cluster, priority=cfg.priority, secret=self.secret, info=own,
             state_file=Path(cfg.state_dir).expanduser() / f"{cfg.cluster}-{self.name}.json",
             heartbeat_interval_s=cfg.heartbeat_interval_s, dead_after_s=cfg.dead_after_s, encrypt=cfg.ring_encryption,
             supervisor=self.supervisor, on_frame=self._route, on_leadership=self._on_leadership,
             on_change=self._on_change, report=lambda: self.stage.report, serving=self._serving,
+            sent=self.metrics.link_send.observe,
         )  # fmt: skip
         self.stage.dial = self.cluster.links.dial
-        self.status = Status(self.name, self.cluster, self.stage, self._facts, lambda: self.coordinator, self._kv_capacity)
+        self.status = Status(
+            self.name, self.cluster, self.stage, self._facts, lambda: self.coordinator, self._kv_capacity,
+            self.budget, self.supervisor, self.metrics,
+        )  # fmt: skip
         ring_port = await _bind("ring_port", cfg.host, cfg.ring_port, self.cluster.links.listen(cfg.host, cfg.ring_port))
         self.addr = f"{addresses[0]}:{ring_port}"
         self.http_addr = f"{addresses[0] if cfg.http_host in ('0.0.0.0', '::') else cfg.http_host}:{http_port}"
@@ -200,7 +204,7 @@ class Daemon:
         if leading:
             self.coordinator = Coordinator(
                 self.cfg, self.info, self.tokenizer, self.cluster, self.stage, self.supervisor, self._own,
-                self.budget, self._started, planned_before=self.stage.plan is not None,
+                self.budget, self._started, self.metrics, planned_before=self.stage.plan is not None,
             )  # fmt: skip
         elif self.coordinator is not None:
             self.coordinator.close(f"leadership moved to {self.cluster.leader or 'another node'}; retry")
@@ -281,7 +285,6 @@ class Daemon:
             "addr": self.addr,
             "http": self.http_addr,
             "model": self.model_id,
-            "budget": self.budget,
             "speed": round(self.profile.speed, 2) if self.profile and self.profile.speed else None,
             "device": self.profile.to_wire() if self.profile else None,
             "discovery": {
@@ -290,7 +293,6 @@ class Daemon:
                 "found": sorted(self.discovery.peers) if self.discovery else [],
             },
             "ring_encryption": self.cfg.ring_encryption,
-            "task_restarts": dict(self.supervisor.restarts),
         }
 
     def _kv_capacity(self, start: int, end: int) -> int | None:

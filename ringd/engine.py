@@ -39,6 +39,7 @@ import collections
 import itertools
 import logging
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -47,6 +48,8 @@ from mlx_lm.generate import TextStateMachine
 from wire.frames import Frame, MsgType
 
 from .admission import AdmissionError, KvLedger
+from .logs import about
+from .metrics import Metrics
 from .pipeline import KvOptions
 from .placement import Plan
 from .prefix import MIN_REUSE_TOKENS, PrefixIndex
@@ -115,6 +118,11 @@ class _Flight:
     cached: int = 0  # prompt tokens served from a cached prefix
     sent: int = 0  # positions sent to the current ring: what its caches will hold
     failed: bool = False  # a stage reported an error: its caches are not whole
+    request_id: str | None = None  # the client's name for it (logs.py)
+
+    def about(self, **fields) -> dict:
+        """``extra`` for a log line about this request."""
+        return about(self.request_id, self.term, rid=f"{self.rid:x}", **fields)
 
     @property
     def done(self) -> bool:
@@ -169,8 +177,10 @@ class Engine:
         prefix_cache_entries: int = DEFAULT_PREFIX_CACHE_ENTRIES,
         max_queued: int = MAX_QUEUED_REQUESTS,
         queue_timeout_s: float = QUEUE_TIMEOUT_S,
+        metrics: Metrics | None = None,
     ):
         self.node = node
+        self.metrics = metrics if metrics is not None else Metrics(node)
         self.tokenizer = tokenizer
         self.send = send
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -204,7 +214,7 @@ class Engine:
 
     # --- admission --------------------------------------------------------------------
 
-    async def _admit(self, rid: int, need: int) -> None:
+    async def _admit(self, rid: int, need: int, request_id: str | None) -> None:
         """Book ``need`` positions on every stage, waiting in line for room if there is none."""
         ledger = self.ledger
         if ledger is None:
@@ -224,7 +234,7 @@ class Engine:
         fut = asyncio.get_running_loop().create_future()
         entry = (rid, need, fut)
         self._waiting.append(entry)
-        log.info("req=%x: waiting for KV room (%d queued)", rid, self.queued)
+        log.info("req=%x: waiting for KV room (%d queued)", rid, self.queued, extra=about(request_id, rid=f"{rid:x}", queued=self.queued))
         try:
             async with asyncio.timeout(self.queue_timeout_s):
                 await fut
@@ -250,10 +260,13 @@ class Engine:
             key = self.prefix.pop_oldest()
             if key is None:
                 return False
-            self._evict(key)
+            self._evict(key, "room")
         return True
 
-    def _evict(self, key: int) -> None:
+    def _evict(self, key: int, why: str) -> None:
+        """Drop a cached prefix: ``why`` "room" (a request needed its KV room) or "entries"
+        (prefix_cache_entries are kept at most)."""
+        self.metrics.eviction(why)
         if self.ledger is not None:
             self.ledger.release(key)
         if self.plan is not None and self._prefix_term == self.plan.term:
@@ -281,26 +294,36 @@ class Engine:
         return self.plan.stages[0].node
 
     async def generate(
-        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: list[str] = (), resume: list[int] = ()
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stop: list[str] = (),
+        resume: list[int] = (),
+        request_id: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Generate up to ``max_tokens`` after ``prompt``.
 
         ``resume``: tokens already generated and streamed to the client by an
         earlier leader (a follower carries the stream over): they are replayed
         like a failover replay and not yielded again; the stream goes on after them.
+        ``request_id``: the client's name for the request, in every line about it
+        on every stage.
         """
+        arrived = time.monotonic()
         if not prompt:
             raise EngineError("the prompt is empty", 400)
         if len(self._flights) >= self.max_active:
             raise EngineError(f"{self.max_active} requests are already generating; retry shortly", 429, RETRY_AFTER_S)
         self._first_stage()  # 503 now if there is no ring
         rid = next(self._ids)
-        await self._admit(rid, len(prompt) + max_tokens)
+        await self._admit(rid, len(prompt) + max_tokens, request_id)
+        self.metrics.queue_wait.observe(time.monotonic() - arrived)
         if self.plan is None:  # the ring broke while we waited
             if self.ledger is not None:
                 self.ledger.release(rid)
             raise EngineError("the ring is not ready", 503)
-        flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue(), generated=list(resume))
+        flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue(), generated=list(resume), request_id=request_id)
         if self._prefix_term == self.plan.term:
             flight.reuse = self.prefix.take(flight.prompt)
             if flight.reuse is not None:
@@ -308,10 +331,18 @@ class Engine:
                 if self.ledger is not None:  # its positions are now part of this request's booking
                     self.ledger.release(flight.reuse[0])
         self._flights[flight.rid] = flight
+        if resume:
+            self.metrics.replays.inc()  # carried over from a leader that went away
         log.info(
             "req=%x: %d prompt tokens (%d cached), max_tokens=%d%s", rid, len(prompt), flight.cached, max_tokens,
             f", resuming after {len(resume)} tokens" if resume else "",
+            extra=about(
+                request_id, self.plan.term, rid=f"{rid:x}", prompt_tokens=len(prompt), cached_tokens=flight.cached,
+                max_tokens=max_tokens, resumed=len(resume),
+            ),
         )  # fmt: skip
+        produced, last, first_after = 0, None, None
+        outcome = "ended by its client"  # unless it finishes or fails
         try:
             try:
                 self._start(flight)
@@ -336,13 +367,35 @@ class Engine:
                 token = d["token"]
                 piece, finish = text.next(token)
                 top = [tuple(p) for p in d.get("top", [])]
+                now = time.monotonic()
+                if last is None:
+                    first_after = now - arrived
+                    if not resume:  # a carried-over stream's first token here is not its first
+                        self.metrics.first_token(first_after)
+                self.metrics.token(now - last if last is not None else None)
+                last = now
+                produced += 1
+                if finish is not None:
+                    outcome = f"finished ({finish})"
                 yield TokenEvent(token, piece, d["logprob"], top, finish, flight.cached)
                 if finish is not None:
                     return
+        except EngineError as e:
+            outcome = f"failed ({e.status}: {e})"
+            raise
         finally:
             flight.finished = True
             del self._flights[rid]
             self._end(flight)
+            duration = time.monotonic() - arrived
+            self.metrics.request_duration.observe(duration)
+            log.info(
+                "req=%x: %s after %d tokens in %.2f s", rid, outcome, produced, duration,
+                extra=flight.about(
+                    outcome=outcome, completion_tokens=produced, duration_s=round(duration, 4),
+                    ttft_s=round(first_after, 4) if first_after is not None else None,
+                ),
+            )  # fmt: skip
 
     def _end(self, flight: _Flight) -> None:
         """Free (or keep, as a cached prefix) the request's caches on every stage, and its booking."""
@@ -360,14 +413,14 @@ class Engine:
             try:
                 self.send(plan.stages[0].node, Frame(MsgType.RELEASE, rid, {"term": flight.term, "keep": keep}))
             except Exception as e:  # the ring may be gone; stages expire idle sessions
-                log.warning("req=%x: could not send RELEASE: %s", rid, e)
+                log.warning("req=%x: could not send RELEASE: %s", rid, e, extra=flight.about())
                 keep = False
         if keep:
             tokens = (flight.prompt + flight.generated)[: flight.sent]
             if self.ledger is not None:
                 self.ledger.book(rid, len(tokens))  # now the entry's, no longer the request's
             for old in self.prefix.add(rid, tokens):
-                self._evict(old)
+                self._evict(old, "entries")
         elif self.ledger is not None:
             self.ledger.release(rid)
         self._wake()
@@ -384,6 +437,8 @@ class Engine:
         # The first frame opens the request on every stage: sampling, KV options,
         # and (on its first ring only) the cached prefix it starts from.
         open_ = {"open": flight.params.to_wire()}
+        if flight.request_id is not None:
+            open_["request_id"] = flight.request_id
         if self.kv is not None:
             open_["kv"] = self.kv.to_wire()
         begin = 0
@@ -423,7 +478,10 @@ class Engine:
         # Tokens come from the last stage only; errors from any stage of this ring.
         senders = [plan.stages[-1].node] if frame.type == MsgType.TOKEN else [s.node for s in plan.stages]
         if peer not in senders:
-            log.warning("req=%x: ignoring %s from %s, which is not %s in plan term %d", frame.request_id, frame.type.name, peer, "its last stage" if frame.type == MsgType.TOKEN else "a stage", plan.term)
+            log.warning(
+                "req=%x: ignoring %s from %s, which is not %s in plan term %d", frame.request_id, frame.type.name, peer,
+                "its last stage" if frame.type == MsgType.TOKEN else "a stage", plan.term, extra=flight.about(peer=peer),
+            )  # fmt: skip
             return
         if frame.type != MsgType.TOKEN:
             flight.finished = flight.failed = True
@@ -447,7 +505,7 @@ class Engine:
     def _wait_for_ring(self, flight: _Flight, e: Exception) -> None:
         """The first stage cannot be reached: the ring is breaking, and the leader re-plans
         (reconcile.py). Hold the request for the next ring, which replays it, instead of failing it."""
-        log.warning("req=%x: cannot reach the ring's first stage (%s); holding it for the next ring", flight.rid, e)
+        log.warning("req=%x: cannot reach the ring's first stage (%s); holding it for the next ring", flight.rid, e, extra=flight.about())
         flight.term = None
 
     def _error(self, flight: _Flight, message: str, status: int = 503) -> Frame:
@@ -490,7 +548,11 @@ class Engine:
                 continue
             if flight.generated and (flight.generated[-1] in self.eos_ids or flight.done):
                 continue  # it has every token it will get; its consumer is finishing
-            log.info("req=%x: replaying %d tokens on ring term %d", flight.rid, len(flight.prompt) + len(flight.generated), plan.term)
+            self.metrics.replays.inc()
+            log.info(
+                "req=%x: replaying %d tokens on ring term %d", flight.rid, len(flight.prompt) + len(flight.generated), plan.term,
+                extra=about(flight.request_id, plan.term, rid=f"{flight.rid:x}", replayed_tokens=len(flight.prompt) + len(flight.generated)),
+            )  # fmt: skip
             try:
                 self._start(flight)
             except ConnectionError as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,6 +29,8 @@ from wire.frames import Frame, FrameError, MsgType
 from wire.tensors import tensor_descriptor, tensor_from_buffer, tensor_to_buffer
 
 from .compute import ComputeThread
+from .logs import RequestIdError, about, check_request_id
+from .metrics import Metrics
 from .placement import Plan
 from .sampling import RequestSampler, SamplingError, SamplingParams
 from .sessions import SessionError, Sessions
@@ -64,6 +67,7 @@ class Step:
     silent: bool = False  # a replayed step: sample (the key advances) but send nothing
     reuse: tuple[int, int] | None = None  # with open: (cached prefix, positions of it to keep)
     kv: KvOptions | None = None  # with open: how this request's caches are made
+    request_id: str | None = None  # with open: the client's id for the request, for this stage's log
 
     @classmethod
     def parse(cls, d: dict, vocab_size: int) -> "Step":
@@ -101,7 +105,15 @@ class Step:
                 raise FrameError(f"FORWARD field 'reuse' must be [prefix id, positions == offset] with 'open'; got {reuse!r}")
             reuse = (reuse[0], reuse[1])
         kv = KvOptions.from_wire(d.get("kv")) if open_ is not None else None
-        return cls(get("term", int), offset, tokens, get("sample", bool), open_, silent, reuse, kv)
+        request_id = d.get("request_id")
+        if request_id is not None:
+            try:
+                check_request_id(request_id if isinstance(request_id, str) else "")
+            except RequestIdError as e:
+                raise FrameError(f"FORWARD field 'request_id': {e}") from None
+            if open_ is None:
+                raise FrameError("FORWARD field 'request_id' comes with 'open' only")
+        return cls(get("term", int), offset, tokens, get("sample", bool), open_, silent, reuse, kv, request_id)
 
     def to_descriptor(self) -> dict:
         d = {"term": self.term, "offset": self.offset, "tokens": self.tokens, "sample": self.sample}
@@ -113,6 +125,8 @@ class Step:
             d["reuse"] = list(self.reuse)
         if self.kv is not None:
             d["kv"] = self.kv.to_wire()
+        if self.request_id is not None:
+            d["request_id"] = self.request_id
         return d
 
 
@@ -166,8 +180,9 @@ class KvOptions:
 class StageRunner:
     """Runs ``shard`` as stage ``plan.index_of(node)`` of ``plan``."""
 
-    def __init__(self, node: str, plan: Plan, shard: Shard, compute: ComputeThread, send: Send):
+    def __init__(self, node: str, plan: Plan, shard: Shard, compute: ComputeThread, send: Send, metrics: Metrics):
         self.node = node
+        self.metrics = metrics
         self.plan = plan
         self.shard = shard
         self.compute = compute
@@ -194,6 +209,18 @@ class StageRunner:
 
     # --- compute thread -------------------------------------------------------
 
+    def describe(self, rid: int, frame: Frame | None = None, **fields) -> dict:
+        """``extra`` for a line about request ``rid`` on this stage (named by its session,
+        or by the frame that failed to open it)."""
+        name = self.sessions.name_of(rid)
+        if name is None and frame is not None and isinstance(frame.descriptor, dict):
+            given = frame.descriptor.get("request_id")
+            try:
+                name = check_request_id(given) if isinstance(given, str) else None
+            except RequestIdError:
+                pass
+        return about(name, self.plan.term, rid=f"{rid:x}", **fields)
+
     def _apply(self, frame: Frame) -> None:
         rid = frame.request_id
         try:
@@ -202,15 +229,19 @@ class StageRunner:
                 # A RELEASE of an older ring must not free this ring's session of the same id.
                 if term != self.plan.term:
                     return
+                what = {"evict": "evicted", "keep": "kept for prefix reuse", "release": "released"}[action]
+                log.debug("req=%x: %s on this stage", rid, what, extra=self.describe(rid))
                 {"evict": self.sessions.evict, "keep": self.sessions.keep, "release": self.sessions.release}[action](rid)
                 out = [(self.next_node, frame)] if self.next_node else []
             else:
+                started = time.perf_counter()
                 out = self._forward(frame)
+                self.metrics.stage_compute(frame.descriptor.get("sample") is False, time.perf_counter() - started)
                 self._tidy_memory(frame)
         except (FrameError, SessionError, SamplingError) as e:
             out = self._fail(rid, frame, str(e))
         except Exception as e:  # MLX errors (memory, shapes) fail the request, not the node
-            log.exception("req=%x: stage computation failed", rid)
+            log.exception("req=%x: stage computation failed", rid, extra=self.describe(rid, frame))
             out = self._fail(rid, frame, f"{type(e).__name__}: {e}")
         if out:
             self._loop.call_soon_threadsafe(self._deliver, out)
@@ -226,9 +257,9 @@ class StageRunner:
     def _fail(self, rid: int, frame: Frame, reason: str) -> list:
         # The error names the frame's term: the leader ignores errors of a ring it has left.
         term = frame.descriptor.get("term") if isinstance(frame.descriptor, dict) else None
+        log.warning("req=%x: failed on this stage: %s", rid, reason, extra=self.describe(rid, frame, reason=reason))
         if term == self.plan.term:
             self.sessions.release(rid)
-        log.warning("req=%x: failed on this stage: %s", rid, reason)
         return [(self.leader, Frame(MsgType.ERROR, rid, {"node": self.node, "message": reason, "term": term}))]
 
     def _forward(self, frame: Frame) -> list:
@@ -243,11 +274,16 @@ class StageRunner:
             kv = step.kv or KvOptions()
             if step.reuse is not None:
                 stored = self.sessions.take(*step.reuse)
-                session = self.sessions.open(rid, stored.cache, sampler, stored.tokens, kv)
+                session = self.sessions.open(rid, stored.cache, sampler, stored.tokens, kv, step.request_id)
                 if sampler is not None:  # penalties see the whole history, as in a cold run
                     sampler.observe(mx.array(stored.tokens, dtype=mx.int32))
             else:
-                session = self.sessions.open(rid, shard.make_cache(kv.max_size), sampler, kv=kv)
+                session = self.sessions.open(rid, shard.make_cache(kv.max_size), sampler, kv=kv, name=step.request_id)
+            log.debug(
+                "req=%x: opened on layers [%d, %d)%s", rid, shard.start, shard.end,
+                f" from a cached prefix of {step.reuse[1]} positions" if step.reuse else "",
+                extra=self.describe(rid, reused=step.reuse[1] if step.reuse else 0),
+            )  # fmt: skip
         else:
             session = self.sessions.get(rid)
         if step.offset != session.offset:
@@ -291,8 +327,12 @@ class StageRunner:
         return [(self.leader, Frame(MsgType.TOKEN, rid, desc))]
 
     def _expire(self) -> None:
-        for rid in self.sessions.expire():
-            log.info("req=%x: session expired after %.0f s idle", rid, self.sessions.idle_timeout_s)
+        for session in self.sessions.expire():
+            rid = session.request_id
+            log.info(
+                "req=%x: session expired after %.0f s idle", rid, self.sessions.idle_timeout_s,
+                extra=about(session.name, self.plan.term, rid=f"{rid:x}"),
+            )  # fmt: skip
 
     # --- event loop -----------------------------------------------------------
 

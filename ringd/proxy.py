@@ -29,6 +29,7 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
+from . import logs
 from .openai_types import ApiError
 
 log = logging.getLogger(__name__)
@@ -97,12 +98,16 @@ class Proxy:
     def _headers(self, request: web.Request) -> dict:
         headers = {h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers}
         headers.setdefault("Content-Type", "application/json")
+        request_id = logs.REQUEST_ID.get()
+        if request_id is not None:  # the one this node gave it, when the client gave none
+            headers[REQUEST_ID_HEADER] = request_id
         headers[FORWARDED_HEADER] = self.node.name
         return headers
 
     async def forward(self, request: web.Request, body: bytes, stream: bool) -> web.StreamResponse:
         if request.headers.get(FORWARDED_HEADER):
             raise ApiError(503, "no leader is elected right now (an election is under way); retry in a moment")
+        log.debug("forwarding %s %s to the leader at %s", request.method, request.path, self.node.leader_http())
         if stream:
             return await _Stream(self, request, body).run()
         return await self._whole(request, body)

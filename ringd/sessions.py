@@ -52,6 +52,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)  # the ids whose positions the caches hold
     kv: Any = None  # pipeline.KvOptions the caches follow
+    name: str | None = None  # the client's request id (logs.py), for the lines about it
 
     @property
     def kv_bytes(self) -> int:
@@ -64,6 +65,7 @@ class Stored:
 
     cache: list[Any]
     tokens: list[int]
+    name: str | None = None  # the request id of the request that left it
 
     @property
     def kv_bytes(self) -> int:
@@ -87,6 +89,7 @@ class Sessions:
         sampler: RequestSampler | None,
         tokens: list[int] | None = None,
         kv: Any = None,
+        name: str | None = None,
     ) -> Session:
         """A new session; ``tokens`` are the positions ``cache`` already holds (a reused prefix)."""
         if request_id in self._live:
@@ -94,7 +97,7 @@ class Sessions:
         if len(self._live) >= self.max_sessions:
             raise SessionError(f"this stage already holds {self.max_sessions} requests (MAX_SESSIONS)")
         tokens = list(tokens or [])
-        session = Session(request_id, cache, sampler, offset=len(tokens), tokens=tokens, kv=kv)
+        session = Session(request_id, cache, sampler, offset=len(tokens), tokens=tokens, kv=kv, name=name)
         self._live[request_id] = session
         return session
 
@@ -115,7 +118,7 @@ class Sessions:
         session = self._live.pop(request_id, None)
         if session is None:
             return False
-        self._stored[request_id] = Stored(session.cache, session.tokens)
+        self._stored[request_id] = Stored(session.cache, session.tokens, session.name)
         while len(self._stored) > MAX_STORED:
             self._stored.popitem(last=False)
         return True
@@ -134,17 +137,23 @@ class Sessions:
         if excess and not can_trim_prompt_cache(stored.cache):
             raise SessionError("the cached prefix cannot be trimmed (a rotating KV cache that has wrapped)")
         trim_prompt_cache(stored.cache, excess)
-        return Stored(stored.cache, stored.tokens[:keep])
+        return Stored(stored.cache, stored.tokens[:keep], stored.name)
 
     @property
     def stored(self) -> int:
         return len(self._stored)
 
-    def expire(self, now: float | None = None) -> list[int]:
+    def name_of(self, request_id: int) -> str | None:
+        """The client's id of a live request or stored prefix here, if it gave one."""
+        entry = self._live.get(request_id) or self._stored.get(request_id)
+        return entry.name if entry is not None else None
+
+    def expire(self, now: float | None = None) -> list[Session]:
+        """Drop and return the sessions idle for longer than ``idle_timeout_s``."""
         now = time.monotonic() if now is None else now
-        dead = [rid for rid, s in self._live.items() if now - s.last_used > self.idle_timeout_s]
-        for rid in dead:
-            del self._live[rid]
+        dead = [s for s in self._live.values() if now - s.last_used > self.idle_timeout_s]
+        for s in dead:
+            del self._live[s.request_id]
         return dead
 
     def clear(self) -> None:

@@ -28,6 +28,8 @@ from .placement import Plan, PlacementError
 from .reconcile import BROKEN, LOADED, LOADING, OUTSIDE, Report, failure_report, plan_refusal
 from .pipeline import StageRunner
 from .checkpoint import ModelError, ModelInfo
+from .metrics import Metrics
+from .progress import LoadProgress
 from .shard import Shard
 
 log = logging.getLogger(__name__)
@@ -53,8 +55,10 @@ class StageHost:
         compute: ComputeThread,
         send: Callable[[str, Frame], None],
         on_report: Callable[[], None],
+        metrics: Metrics,
     ):
         self.node = node
+        self.metrics = metrics
         self.model = model
         self.info = info
         self.compute = compute
@@ -64,6 +68,7 @@ class StageHost:
         self.shard: Shard | None = None
         self.stage: StageRunner | None = None
         self.report = Report()
+        self.progress: LoadProgress | None = None  # the load under way, for status(); None when not loading
         self._lock = asyncio.Lock()  # one load at a time, in the order plans were taken
         self._ring_links: dict[str, int] = {}  # ring neighbour -> the number of our link to it, once seen
         self.dial: Callable[[str, int], None] = lambda host, port: None
@@ -145,12 +150,21 @@ class StageHost:
         if self.shard is None or (self.shard.start, self.shard.end) != (want.start, want.end):
             self.shard = None  # free the old layers before loading new ones
             t0 = time.monotonic()
-            self.shard = await self.compute.run(Shard.load, self.model, want.start, want.end)
+            progress = self.progress = LoadProgress(want.start, want.end)
+            try:
+                self.shard = await self.compute.run(Shard.load, self.model, want.start, want.end, progress)
+            except asyncio.CancelledError:
+                # The node is stopping: the compute thread gives the load up at its next step
+                # (a download's next chunk) instead of finishing many GB nobody will use.
+                progress.cancel()
+                raise
+            finally:
+                self.progress = None
             log.info(
                 "loaded layers [%d, %d) in %.1f s: %.1f MiB of parameters",
                 want.start, want.end, time.monotonic() - t0, self.shard.parameter_bytes / 2**20,
             )  # fmt: skip
-        self.stage = StageRunner(self.node, plan, self.shard, self.compute, self._pass_on)
+        self.stage = StageRunner(self.node, plan, self.shard, self.compute, self._pass_on, self.metrics)
         successor = plan.successor(self.node)
         if successor is not None and successor.node not in self._links:
             try:
@@ -172,7 +186,8 @@ class StageHost:
         try:
             self._send(node, frame)
         except ConnectionError as e:
-            log.warning("req=%x: cannot pass %s on to %s: %s", frame.request_id, frame.type.name, node, e)
+            extra = self.stage.describe(frame.request_id, frame) if self.stage is not None else None
+            log.warning("req=%x: cannot pass %s on to %s: %s", frame.request_id, frame.type.name, node, e, extra=extra)
             self._broken(f"could not pass a frame on to {node}")
 
     def check_links(self, links: dict[str, int]) -> None:
@@ -217,6 +232,7 @@ class StageHost:
             log.warning(
                 "req=%x: ignoring %s from %s: in plan term %d this stage hears only from %s",
                 frame.request_id, frame.type.name, peer, stage.plan.term, stage.predecessor,
+                extra=stage.describe(frame.request_id, frame, peer=peer),
             )  # fmt: skip
             return
         stage.handle(frame)
@@ -233,5 +249,7 @@ class StageHost:
             # What a request's caches cost here, measured from this stage's own caches at load.
             "kv_cost": self.shard.kv_cost.to_wire() if self.shard else None,
             "report": self.report.to_wire(),
+            # While this node downloads or reads its layers: how far (progress.py), else None.
+            "progress": self.progress.to_wire() if self.progress is not None else None,
         }
 

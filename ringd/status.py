@@ -19,9 +19,11 @@ from wire.frames import Frame, MsgType
 
 from .cluster import Cluster
 from .membership import LinkError
+from .metrics import Gauges, Metrics
 from .placement import natural_key
 from .reconcile import follower_readiness
 from .stagehost import StageHost
+from .tasks import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,14 @@ class Status:
         facts: Callable[[], dict],
         coordinator: Callable[[], object],
         kv_capacity: Callable[[int, int], int | None],
+        budget: int | None,
+        supervisor: Supervisor,
+        metrics: Metrics,
     ):
         self.node = node
+        self.budget = budget  # bytes for weights + KV cache
+        self.supervisor = supervisor
+        self.metrics = metrics
         self.cluster = cluster
         self.stage = stage
         self._facts = facts  # what the daemon knows of itself: addresses, model, device, budget
@@ -72,6 +80,8 @@ class Status:
             "reason": reason,
             "term": plan.term if plan else 0,
             **facts,
+            "budget": self.budget,
+            "task_restarts": dict(self.supervisor.restarts),
             **stage,
             "kv_capacity": None if layers is None else self._kv_capacity(*layers),
             # Why cached prefixes are off or limited for this model (leader), else "".
@@ -82,7 +92,30 @@ class Status:
             # Each link: its number (a new one each time it is re-made) and whether it is encrypted.
             "links": {p: {"number": peer.number, "encrypted": peer.stream.encrypted} for p, peer in sorted(cluster.peers.items())},
             "drained": sorted(cluster.drained, key=natural_key),
+            # The leader's live figures (tokens/s, time to first token), for the dashboard and `ringctl top`.
+            "stats": self.metrics.stats(coordinator.engine.active, coordinator.engine.queued) if coordinator else None,
         }
+
+    def gauges(self) -> Gauges:
+        """What /metrics reports of this node, read from the same parts ``local`` reads."""
+        coordinator, host = self._coordinator(), self.stage
+        stage, shard = host.stage, host.shard
+        engine = coordinator.engine if coordinator is not None else None
+        return Gauges(
+            ready=self.readiness()[0],
+            leading=coordinator is not None,
+            sessions=len(stage.sessions) if stage else 0,
+            kv_bytes=stage.sessions.kv_bytes if stage else 0,
+            kv_capacity=self._kv_capacity(shard.start, shard.end) if stage else None,
+            parameter_bytes=shard.parameter_bytes if shard else 0,
+            budget=self.budget,
+            active_requests=engine.active if engine else 0,
+            queued_requests=engine.queued if engine else 0,
+            linked_peers=len(self.cluster.peers),
+            prefix_entries=stage.sessions.stored if stage else 0,
+            leader_changes=self.cluster.leader_changes,
+            task_restarts=sum(self.supervisor.restarts.values()),
+        )
 
     async def cluster_status(self) -> dict:
         # The ring's members in ring order, then everyone else linked (drained,

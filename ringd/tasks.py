@@ -16,6 +16,7 @@ Cancellation (stopping the node) passes through both.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from typing import Awaitable, Callable
@@ -55,7 +56,9 @@ class Supervisor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
+        # A context of its own: a task started while serving a request (a dial, a
+        # load) must not name that request in every line it logs for the node's life.
+        task = asyncio.get_running_loop().create_task(coro, name=name, context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task

@@ -275,6 +275,21 @@ def cluster_factory(tmp_path):
         c.stop()
 
 
+@pytest.fixture(scope="session")
+def observed_ring(tiny_model, tmp_path_factory):
+    """Three nodes logging JSON at debug level, shared by the tests that watch a ring at
+    work (metrics, logs, the dashboard, `ringctl top`); each only adds requests to it."""
+    c = Cluster(
+        tiny_model(arch="llama", layers=6), 3, tmp_path_factory.mktemp("observed"),
+        ["--log-format", "json", "--log-level", "debug"],
+    )  # fmt: skip
+    try:
+        c.wait(lambda: all(c.leader_ready(i) for i in range(3)), RING_START_TIMEOUT_S, "the observed ring to serve")
+        yield c
+    finally:
+        c.stop()
+
+
 def stream_text(base_url: str, messages: list, max_tokens: int, on_chunk=None, model: str = "tiny") -> tuple[str, str | None]:
     """A greedy streamed chat completion through the real openai client: (text, finish_reason).
 

@@ -81,6 +81,12 @@ MAX_FIRST_WARNINGS_PER_INTERVAL = 10
 MAX_REMEMBERED_ADDRESSES = 1024
 
 
+# Every misbehaving-peer event of this process since it started, by kind ("failed
+# handshakes", "dropped links", "connections refused over the handshake caps"),
+# logged or not: what a node's metrics count.
+EVENTS: collections.Counter[str] = collections.Counter()
+
+
 class _RateLimitedLog:
     """Warnings about misbehaving peers, first per address then summed per interval."""
 
@@ -96,6 +102,7 @@ class _RateLimitedLog:
         """Log `message` if it is the first from `host`; else count it under `kind`."""
         self._start_interval()
         if host not in self._warned and self._first_warnings < MAX_FIRST_WARNINGS_PER_INTERVAL:
+            EVENTS[kind] += 1
             self._warned[host] = None
             if len(self._warned) > MAX_REMEMBERED_ADDRESSES:
                 self._warned.popitem(last=False)  # forgotten: its next failure is logged again
@@ -106,6 +113,7 @@ class _RateLimitedLog:
 
     def count(self, kind: str, host: str):
         """Count an event under `kind` for the next summary line, without logging it now."""
+        EVENTS[kind] += 1
         self._start_interval()
         self._counts[kind] += 1
         if len(self._sources) < MAX_REMEMBERED_ADDRESSES:
