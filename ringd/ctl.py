@@ -3,7 +3,8 @@
 ``ringctl status`` prints the cluster as the node asked sees it: every node, its
 address, role, stage and layers, parameter and KV memory, live sessions, the
 plan term it runs and its readiness; linked nodes outside the ring too
-(``--json`` for the raw document); ``plan`` the ring's order and layer ranges;
+the leader's throughput and any model download or load under way, with
+its file, bytes and rate (``--json`` for the raw document); ``plan`` the ring's order and layer ranges;
 ``leader set NODE`` pins the leader (the pin outlives restarts) and ``leader
 auto`` unpins; ``drain NODE`` keeps a node out of the ring (``--undo`` takes it
 back). It talks HTTP to any one node (``--node HOST:PORT``, default the local
@@ -14,6 +15,13 @@ the cluster secret (``--secret-file``, by default where ``ringd serve`` looks;
 ``auth.py`` has the scheme); without it a node refuses them. ``status`` and
 ``plan`` on a node with API keys need a key (``--api-key`` or RINGD_API_KEY) or
 the secret.
+
+``top`` is ``status`` redrawn live, with the leader's throughput and each
+node's model download/load progress when the node reports them.
+
+``install --config FILE`` makes ``ringd serve`` a service of this machine (a
+launchd job on macOS, a systemd unit on Linux; ``service.py`` builds it),
+``uninstall`` takes it out, ``logs`` shows its log.
 """
 
 from __future__ import annotations
@@ -21,17 +29,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import shutil
+import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
+from . import progress, service
 from .auth import sign
 from .config import DEFAULT_SECRET_FILE, ConfigError, read_secret_file
 
 DEFAULT_NODE = "127.0.0.1:8100"
 # A node answers status from memory; seconds of silence mean it is down or stuck.
 HTTP_TIMEOUT_S = 5.0
+# `top` redraws once a second by default: live enough for a person watching.
+TOP_INTERVAL_S = 1.0
+# Each poll asks every node over the ring for its status; faster than this shows
+# nothing a person can read and only loads the cluster.
+MIN_TOP_INTERVAL_S = 0.1
+# `logs` without -f: the last lines, about a screenful.
+LOG_LINES = 50
+# launchctl and systemctl answer in well under a second; a minute only trips on
+# a service manager that is wedged (bootout waits for the old daemon to stop).
+SERVICE_COMMAND_TIMEOUT_S = 60.0
 
 
 class CtlError(Exception):
@@ -96,8 +119,35 @@ def fetch(node: str, path: str, body: dict | None = None, creds: Credentials | N
         raise CtlError(f"cannot read {url}: {e}; is ringd running there? (--node HOST:PORT)") from None
 
 
-def _mib(n: int | None) -> str:
+def _number(v) -> float | None:
+    """A figure from a status document, or None if it is absent or not a number (fields come and go)."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _mib(n) -> str:
+    n = _number(n)
     return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def _layers(n: dict) -> str:
+    layers = n.get("layers")
+    return f"[{layers[0]}, {layers[1]})" if isinstance(layers, list) and len(layers) == 2 else "-"
+
+
+def _drained(doc: dict) -> set[str]:
+    # Every node keeps the leader's drain list; the union still holds when the leader is silent.
+    out: set[str] = set()
+    for n in doc.get("nodes", []):
+        if isinstance(n.get("drained"), list):
+            out.update(x for x in n["drained"] if isinstance(x, str))
+    return out
+
+
+def _health(n: dict, drained: set[str]) -> str:
+    # A drained node may well be ready (it forwards the API), but it holds no layers: say that.
+    if n.get("node") in drained:
+        return "drained"
+    return "ready" if n.get("ready") else n.get("error") or "not ready"
 
 
 def print_status(doc: dict) -> None:
@@ -113,24 +163,30 @@ def print_status(doc: dict) -> None:
     columns = ("node", "address", "role", "stage", "layers", "budget MiB", "params MiB", "KV MiB", "speed", "sessions", "term", "health")
     for col in columns:
         table.add_column(col, justify="right" if col in numeric else "left", no_wrap=col in ("node", "address"))
+    drained = _drained(doc)
     for n in doc.get("nodes", []):
-        layers = n.get("layers")
-        health = "ready" if n.get("ready") else (n.get("error") or "not ready")
         table.add_row(
             n.get("node", "?"),
             n.get("addr", "-"),
             n.get("role", "-"),
             "-" if n.get("stage") is None else str(n["stage"]),
-            f"[{layers[0]}, {layers[1]})" if layers else "-",
+            _layers(n),
             _mib(n.get("budget")),
             _mib(n.get("parameter_bytes")),
             f"{_mib(n.get('kv_bytes'))} / {_mib(n.get('kv_capacity'))}",
-            "-" if n.get("speed") is None else f"{n['speed']:.1f}",
+            "-" if _number(n.get("speed")) is None else f"{n['speed']:.1f}",
             str(n.get("sessions", "-")),
             str(n.get("term") or "-"),
-            health,
+            _health(n, drained),
         )
     console.print(table)
+    # What top shows live, once: the leader's figures and any download or load under way.
+    stats = _stats_line(doc)
+    if stats:
+        console.print(stats, markup=False)
+    loading = _progress_grid(doc)
+    if loading is not None:
+        console.print(loading)
     if not doc.get("ready"):
         console.print(f"[bold red]not serving:[/] {doc.get('reason') or 'unknown'}")
 
@@ -152,6 +208,268 @@ def print_plan(doc: dict) -> None:
         )
 
 
+# ---- top: the status, redrawn live ----
+
+# The leader's live figures ("stats" in its node entry), as top shows them.
+_STATS = (
+    ("tokens_per_s", "tokens/s", "{:,.1f}"),
+    ("ttft_s", "TTFT", "{:.2f} s"),
+    ("active_requests", "active", "{:,.0f}"),
+    ("queued_requests", "queued", "{:,.0f}"),
+    ("requests_total", "requests", "{:,.0f}"),
+    ("tokens_out_total", "tokens out", "{:,.0f}"),
+)
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def _stats_line(doc: dict) -> str | None:
+    leader = next((n for n in doc.get("nodes", []) if n.get("node") == doc.get("leader")), None)
+    stats = leader.get("stats") if leader else None
+    if not isinstance(stats, dict):
+        return None
+    parts = [f"{label} {fmt.format(_number(stats[key]))}" for key, label, fmt in _STATS if _number(stats.get(key)) is not None]
+    return " · ".join(parts) or None
+
+
+def _progress_grid(doc: dict):
+    """One line per node that is downloading or loading its layers, or None."""
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 1))
+    for n in doc.get("nodes", []):
+        p = n.get("progress")
+        if not isinstance(p, dict):
+            continue
+        done, total, rate = _number(p.get("bytes")), _number(p.get("total_bytes")), _number(p.get("rate_bytes_s"))
+        figures = [f"{done / total:.0%}" if done is not None and total else "", f"{_mib(done)} / {_mib(total)} MiB"]
+        if rate is not None:
+            figures.append(f"{_mib(rate)} MiB/s")
+        if isinstance(p.get("file"), str):
+            figures.append(p["file"])
+        # No total yet: rich draws an indeterminate bar.
+        bar = ProgressBar(total=total if total else None, completed=done or 0, width=24)
+        grid.add_row(str(n.get("node", "?")), progress.verb(p.get("phase")), bar, "  ".join(f for f in figures if f))
+    return grid if grid.row_count else None
+
+
+def top_view(node: str, doc: dict | None, error: str | None, seen_at: float | None, polls: int, interval: float):
+    """What `ringctl top` draws: the header, the nodes, live figures. ``doc`` is the last answer (kept when one fails)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list = []
+    header = Text()
+    if doc is not None:
+        header.append(f"leader {doc.get('leader') or '?'}", style="bold")
+        header.append(" · ")
+        if doc.get("ready"):
+            header.append("ready", style="bold green")
+        else:
+            header.append(f"not ready: {doc.get('reason') or 'unknown'}", style="bold red")
+        plan = doc.get("plan")
+        header.append(f" · term {plan.get('term')}" if isinstance(plan, dict) else " · no plan yet")
+    header.append(f"    {node} · {_clock(time.time())} · poll {polls}, every {interval:g} s", style="dim")
+    parts.append(header)
+    if error is not None:
+        parts.append(Text(error, style="bold red"))
+        since = f"; the table is the answer of {_clock(seen_at)}" if seen_at is not None else ""
+        parts.append(Text(f"retrying every {interval:g} s{since}", style="yellow"))
+    if doc is None:
+        return Group(*parts)
+
+    table = Table(expand=False)
+    columns = ("node", "role", "stage", "layers", "weights MiB", "KV MiB", "budget MiB", "sessions", "active", "queued", "term", "health")
+    numeric = ("stage", "weights MiB", "KV MiB", "budget MiB", "sessions", "active", "queued", "term")
+    for col in columns:
+        table.add_column(col, justify="right" if col in numeric else "left", no_wrap=col != "health")
+    drained = _drained(doc)
+    for n in doc.get("nodes", []):
+        health = _health(n, drained)
+        table.add_row(
+            str(n.get("node", "?")),
+            str(n.get("role", "-")),
+            "-" if n.get("stage") is None else str(n["stage"]),
+            _layers(n),
+            _mib(n.get("parameter_bytes")),
+            f"{_mib(n.get('kv_bytes'))} / {_mib(n.get('kv_capacity'))}",
+            _mib(n.get("budget")),
+            str(n.get("sessions", "-")),
+            str(n.get("active_requests", "-")),
+            str(n.get("queued_requests", "-")),
+            str(n.get("term") or "-"),
+            Text(health, style="green" if health == "ready" else "yellow" if health == "drained" else "red"),
+        )
+    parts.append(table)
+    stats = _stats_line(doc)
+    if stats:
+        parts.append(Text(stats))
+    loading = _progress_grid(doc)
+    if loading is not None:
+        parts.append(loading)
+    return Group(*parts)
+
+
+def top(node: str, creds: Credentials, interval: float) -> int:
+    """Poll the node's /cluster/status every ``interval`` s and redraw, until Ctrl-C."""
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    if not console.is_terminal:
+        raise CtlError("top draws in a terminal; for a script use: ringctl status --json")
+    creds.secret(required=False)  # a --secret-file that cannot be read is an error now, not on every poll
+    doc, error, seen_at, polls = None, None, None, 0
+    try:
+        # The alternate screen, as top(1): the shell's screen comes back on exit.
+        with Live(top_view(node, None, None, None, 0, interval), console=console, screen=True, auto_refresh=False) as live:
+            while True:
+                started = time.monotonic()
+                try:
+                    doc, error, seen_at = fetch(node, "/cluster/status", creds=creds), None, time.time()
+                except CtlError as e:
+                    error = str(e)  # keep the last answer on screen, and keep asking
+                polls += 1
+                live.update(top_view(node, doc, error, seen_at, polls, interval), refresh=True)
+                time.sleep(max(0.0, started + interval - time.monotonic()))
+    except KeyboardInterrupt:
+        return 0
+
+
+# ---- install, uninstall, logs: ringd serve as a service (service.py) ----
+
+
+def _service_command(svc: service.Service, argv: list[str], tolerate_not_loaded: bool = False) -> bool:
+    """Run a launchctl/systemctl command; False if it failed only because the service was not loaded."""
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=SERVICE_COMMAND_TIMEOUT_S)
+    except FileNotFoundError:
+        raise CtlError(f"{argv[0]} is not on PATH; {'launchd' if svc.platform == 'macos' else 'systemd'} runs services here") from None
+    except subprocess.TimeoutExpired:
+        raise CtlError(f"`{shlex.join(argv)}` did not finish within {SERVICE_COMMAND_TIMEOUT_S:g} s") from None
+    if r.returncode == 0:
+        return True
+    output = (r.stderr + r.stdout).strip()
+    if tolerate_not_loaded and svc.not_loaded(r.returncode, output):
+        return False
+    hint = ""
+    if svc.platform == "macos" and "bootstrap" in argv:
+        hint = f"; check the plist with: plutil -lint {shlex.quote(str(svc.file))}"
+        if not svc.system:
+            hint += "; a LaunchAgent needs its user logged in: for a Mac nobody logs in to, use sudo ringctl install --system"
+    elif svc.platform == "linux" and not svc.system and "bus" in output.lower():
+        hint = "; no systemd user manager is running for you: log in, or run sudo loginctl enable-linger $USER, or use --system"
+    raise CtlError(f"`{shlex.join(argv)}` failed (exit {r.returncode}): {output or 'no output'}{hint}")
+
+
+def _need_root(svc: service.Service, command: str) -> None:
+    if svc.system and os.geteuid() != 0:
+        ringctl = Path(os.path.abspath(sys.executable)).parent / "ringctl"
+        raise CtlError(f"--system changes {svc.file}: run it as root: sudo {shlex.quote(str(ringctl))} {command}")
+
+
+def _service_for(system: bool, user: str | None = None) -> tuple[service.Service, service.Account]:
+    platform = service.host_platform()
+    who = service.account(system, user)
+    return service.locate(platform, system, who), who
+
+
+def install(config: str, system: bool, user: str | None, print_only: bool) -> int:
+    svc, who = _service_for(system, user)
+    ringd = service.ringd_executable()
+    config_file = Path(os.path.abspath(Path(config).expanduser()))
+    env = service.environment(ringd.parent, who.home)
+    job = service.job(ringd, config_file, env, svc.log, who.name if system else None)
+    service.check_config(config_file, env, job.workdir)
+    data = service.render(svc, job)
+    if print_only:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+        return 0
+    _need_root(svc, f"install --system --config {shlex.quote(str(config_file))}" + (f" --user {who.name}" if user else ""))
+    if svc.file.exists():  # a reinstall: the old job goes first, or bootstrap finds the label taken
+        for argv in svc.stop_commands():
+            _service_command(svc, argv, tolerate_not_loaded=True)
+    svc.log.parent.mkdir(parents=True, exist_ok=True)
+    if system:  # the service's own account writes there
+        shutil.chown(svc.log.parent, who.name)
+    svc.file.parent.mkdir(parents=True, exist_ok=True)
+    partial = svc.file.with_name(svc.file.name + ".partial")
+    partial.write_bytes(data)
+    partial.chmod(0o644)  # launchd refuses a job file that group or others may write
+    os.replace(partial, svc.file)
+    try:
+        for argv in svc.start_commands():
+            _service_command(svc, argv)
+    except CtlError as e:
+        raise CtlError(f"{e}\n(the service file is in place at {svc.file}; fix that and run ringctl install again, or ringctl uninstall)") from None
+    kind = {("macos", False): "LaunchAgent", ("macos", True): "LaunchDaemon", ("linux", False): "systemd user unit", ("linux", True): "systemd unit"}
+    sudo = "sudo " if system else ""
+    flag = " --system" if system else ""
+    print(f"installed {service.LABEL if svc.platform == 'macos' else service.UNIT} ({kind[svc.platform, system]}): {svc.file}")
+    print(f"  runs    {shlex.join(job.program)}  (in {job.workdir}{f', as {who.name}' if system else ''})")
+    print(f"  log     {svc.log}  (ringctl logs{flag} -f)")
+    print(f"  remove  {sudo}ringctl uninstall{flag}")
+    if svc.platform == "linux" and not system:
+        print(f"  it runs while {who.name} is logged in; to start it at boot: sudo loginctl enable-linger {who.name} (or install --system)")
+    return 0
+
+
+def uninstall(system: bool) -> int:
+    svc, _ = _service_for(system)
+    _need_root(svc, "uninstall --system")
+    installed = svc.file.exists()
+    # launchd may still run a job whose plist was deleted by hand; systemd cannot disable a unit without its file.
+    if installed or svc.platform == "macos":
+        for argv in svc.stop_commands():
+            _service_command(svc, argv, tolerate_not_loaded=True)
+    if not installed:
+        print(f"not installed: there is no {svc.file}")
+        return 0
+    svc.file.unlink()
+    for argv in svc.cleanup_commands():
+        _service_command(svc, argv)
+    print(f"stopped and removed {svc.file}; its log stays at {svc.log}")
+    return 0
+
+
+def logs(system: bool, follow: bool, lines: int) -> int:
+    svc, _ = _service_for(system)
+    if not svc.log.exists():
+        flag = " --system" if system else ""
+        raise CtlError(
+            f"no log at {svc.log}: the service has not run here yet; install it with: ringctl install{flag} --config FILE"
+            + ("" if system else " (a --system service logs elsewhere: ringctl logs --system)")
+        )
+    argv = ["tail", "-n", str(lines), *(["-F"] if follow else []), str(svc.log)]
+    sys.stdout.flush()
+    try:
+        os.execvp(argv[0], argv)  # tail follows (and survives the file being replaced) better than we would
+    except OSError as e:
+        raise CtlError(f"cannot run tail to show {svc.log}: {e}") from None
+    return 0  # not reached
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= MIN_TOP_INTERVAL_S:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_TOP_INTERVAL_S} s (each poll asks every node)")
+    return value
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of lines")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ringctl", description="Inspect and steer a ringd cluster.")
     parser.add_argument("--node", default=DEFAULT_NODE, help=f"any node's HTTP address, HOST:PORT (default {DEFAULT_NODE})")
@@ -163,6 +481,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="nodes, roles, layers, memory, health")
     status.add_argument("--json", action="store_true", help="print the raw status document")
+    top_parser = sub.add_parser("top", help="the status, redrawn live, with throughput and loading progress (Ctrl-C quits)")
+    top_parser.add_argument(
+        "--interval", type=_interval, default=TOP_INTERVAL_S, metavar="SECONDS", help=f"seconds between polls (default {TOP_INTERVAL_S:g})"
+    )
     sub.add_parser("plan", help="the ring's order and layer ranges")
     leader = sub.add_parser("leader", help="pin the leader (set NODE) or let the election decide (auto)")
     leader_sub = leader.add_subparsers(dest="action", required=True)
@@ -171,12 +493,30 @@ def main(argv: list[str] | None = None) -> int:
     drain = sub.add_parser("drain", help="keep NODE out of the ring")
     drain.add_argument("target", metavar="NODE")
     drain.add_argument("--undo", action="store_true", help="let NODE back into the ring")
+
+    system_help = "the machine's boot-time service (a LaunchDaemon / system unit; needs sudo) instead of this user's"
+    install_parser = sub.add_parser(
+        "install", help="run `ringd serve --config FILE` as a service of this machine (launchd on macOS, systemd on Linux)"
+    )
+    install_parser.add_argument("--config", required=True, metavar="FILE", help="the node's YAML config (checked first)")
+    install_parser.add_argument("--system", action="store_true", help=system_help + "; starts at boot, before anyone logs in")
+    install_parser.add_argument("--user", metavar="NAME", help="with --system: the account ringd runs as (default: the user who ran sudo)")
+    install_parser.add_argument("--print", action="store_true", help="print the plist / unit and change nothing")
+    uninstall_parser = sub.add_parser("uninstall", help="stop the service and remove its file (the log stays)")
+    uninstall_parser.add_argument("--system", action="store_true", help=system_help)
+    logs_parser = sub.add_parser("logs", help="the service's log (ringd serve's output)")
+    logs_parser.add_argument("-f", "--follow", action="store_true", help="keep printing lines as they are written (Ctrl-C stops)")
+    logs_parser.add_argument("-n", "--lines", type=_positive, default=LOG_LINES, help=f"how many of the last lines (default {LOG_LINES})")
+    logs_parser.add_argument("--system", action="store_true", help="the log of the boot-time service (install --system)")
+
     args = parser.parse_args(argv)
     creds = Credentials(args.secret_file, args.api_key)
     try:
         if args.command == "status":
             doc = fetch(args.node, "/cluster/status", creds=creds)
             print(json.dumps(doc, indent=2)) if args.json else print_status(doc)
+        elif args.command == "top":
+            return top(args.node, creds, args.interval)
         elif args.command == "plan":
             print_plan(fetch(args.node, "/cluster/status", creds=creds))
         elif args.command == "leader":
@@ -186,7 +526,16 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "drain":
             answer = fetch(args.node, "/cluster/drain", {"node": args.target, "undo": args.undo}, creds, sign_with_secret=True)
             print(f"drained: {', '.join(answer['drained']) or 'none'}")
-    except CtlError as e:
+        elif args.command == "install":
+            return install(args.config, args.system, args.user, args.print)
+        elif args.command == "uninstall":
+            return uninstall(args.system)
+        elif args.command == "logs":
+            return logs(args.system, args.follow, args.lines)
+    except (CtlError, service.ServiceError) as e:
+        print(f"ringctl: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # writing the service file or its log folder
         print(f"ringctl: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,0 +1,171 @@
+"""`ringctl top` in a real terminal (tmux) against real daemons, and what it draws from a status document.
+
+The live test runs top in a tmux pane 160 columns wide, reads the pane with
+``tmux capture-pane``, and changes the cluster under it: a drain, an undrain, the
+node top asks going away and coming back. tmux runs on a socket of the test's
+own, so it never touches a user's sessions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO
+from test_cluster import serving_leader
+
+from ringd.ctl import print_status, top_view
+
+# Generous: a pane redraws every 0.5 s, but a node's restart loads its model and replans.
+PANE_TIMEOUT_S = 90.0
+
+
+class Pane:
+    """One tmux pane running a command, on a private tmux server; the pane stays after the command exits.
+
+    The command's exit status goes to a file: tmux's own #{pane_dead_status} is
+    sometimes left empty when a command exits on Ctrl-C.
+    """
+
+    def __init__(self, tmp, command: list[str]):
+        self.socket = tmp / "tmux.sock"
+        self.status_file = tmp / "exit-status"
+        conf = tmp / "tmux.conf"
+        conf.write_text("set -g remain-on-exit on\n")  # keep the pane (and what it shows) if the command dies early
+        env = {k: v for k, v in os.environ.items() if k != "TMUX"}
+        # The trap keeps the shell alive through Ctrl-C (the command still gets it: a trapped
+        # signal is the default again in a child) so that it can write the exit status.
+        shell = f"trap : INT; {shlex.join(command)}; echo $? > {shlex.quote(str(self.status_file))}"
+        self.tmux("-f", str(conf), "new-session", "-d", "-s", "top", "-x", "160", "-y", "40", shell, env=env)
+
+    def tmux(self, *args: str, env: dict | None = None) -> str:
+        r = subprocess.run(["tmux", "-S", str(self.socket), *args], capture_output=True, text=True, timeout=30, env=env)
+        assert r.returncode == 0, f"tmux {' '.join(args)}: {r.stderr}"
+        return r.stdout
+
+    def text(self) -> str:
+        return self.tmux("capture-pane", "-p", "-t", "top")
+
+    def wait(self, predicate, what: str, logs=lambda: "") -> str:
+        deadline = time.monotonic() + PANE_TIMEOUT_S
+        while True:
+            text = self.text()
+            if predicate(text):
+                return text
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {PANE_TIMEOUT_S} s waiting for {what}; the pane shows:\n{text}\n{logs()}")
+            time.sleep(0.1)
+
+    def exit_status(self) -> int | None:
+        """The command's exit status once it has exited (and the shell has written it), else None."""
+        text = self.status_file.read_text() if self.status_file.exists() else ""
+        return int(text) if text.endswith("\n") else None
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-S", str(self.socket), "kill-server"], capture_output=True, timeout=30)
+
+
+def row(text: str, node: str) -> str:
+    """The table row of ``node`` in the pane ('' if none)."""
+    return next((line for line in text.splitlines() if re.search(rf"│ {node}\s+│", line)), "")
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (.ci/run installs it); top needs a real terminal")
+def test_top_redraws_what_changes_keeps_trying_and_quits_on_ctrl_c(tiny_model, cluster_factory, tmp_path):
+    c = cluster_factory(tiny_model(arch="llama", layers=2), 2)
+    c.wait(lambda: serving_leader(c, range(2)) == "node0", what="node0 to lead a ring of two")
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[0]}", "--secret-file", str(c.secret), *args]
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30)
+
+    top = [sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[0]}", "--secret-file", str(c.secret), "top", "--interval", "0.5"]
+    pane = Pane(tmp_path, top)
+    try:
+        text = pane.wait(lambda t: "ready" in row(t, "node0") and "ready" in row(t, "node1"), "both nodes in the table", c.log_tails)
+        assert "leader node0 · ready · term" in text and "[0, 1)" in row(text, "node0") and "[1, 2)" in row(text, "node1")
+
+        assert ctl("drain", "node1").returncode == 0
+        text = pane.wait(lambda t: "drained" in row(t, "node1") and "[0, 2)" in row(t, "node0"), "node1 drained, node0 all layers", c.log_tails)
+        assert " - " in row(text, "node1")  # no stage, no layers
+        assert ctl("drain", "node1", "--undo").returncode == 0
+        pane.wait(lambda t: "[1, 2)" in row(t, "node1") and "ready" in row(t, "node1"), "node1 back in the ring", c.log_tails)
+
+        # The node top asks goes away: the header says so, the last table stays, top keeps asking.
+        c.signal(0, signal.SIGTERM)
+        text = pane.wait(lambda t: "retrying every 0.5 s" in t, "the error in the header", c.log_tails)
+        assert "cannot read http://127.0.0.1" in text and "node1" in row(text, "node1")
+        c.start(0)
+        pane.wait(lambda t: "retrying" not in t and "ready" in row(t, "node0") and "leader" in t, "top to see node0 again", c.log_tails)
+
+        assert pane.exit_status() is None
+        pane.tmux("send-keys", "-t", "top", "C-c")
+        deadline = time.monotonic() + PANE_TIMEOUT_S
+        while pane.exit_status() is None:
+            assert time.monotonic() < deadline, f"top still runs {PANE_TIMEOUT_S} s after Ctrl-C:\n{pane.text()}"
+            time.sleep(0.1)
+        assert pane.exit_status() == 0, pane.text()
+    finally:
+        pane.close()
+
+
+def test_top_refuses_a_pipe():
+    r = subprocess.run([sys.executable, "-m", "ringd.ctl", "top"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "ringctl status --json" in r.stderr
+
+
+def render(view) -> str:
+    from rich.console import Console
+
+    console = Console(width=160, record=True, file=open(os.devnull, "w"))
+    console.print(view)
+    return console.export_text()
+
+
+def test_top_draws_live_figures_and_loading_progress_when_the_document_has_them(capsys):
+    """A status document written here stands in for a node's: every live figure a node may report
+    (the daemon adds them as it learns to measure them), and odd values of them."""
+    doc = {
+        "leader": "mini1",
+        "ready": False,
+        "reason": "waiting for studio to load its layers",
+        "plan": {"term": 7},
+        "nodes": [
+            {
+                "node": "mini1", "role": "leader", "stage": 0, "layers": [0, 14], "ready": True,
+                "parameter_bytes": 3 * 2**30, "kv_bytes": 2**20, "kv_capacity": 4 * 2**30, "budget": 8 * 2**30,
+                "sessions": 2, "active_requests": 1, "queued_requests": 3, "term": 7,
+                "stats": {"tokens_per_s": 41.25, "ttft_s": None, "active_requests": 1, "queued_requests": 3, "requests_total": 1200, "tokens_out_total": 98765},
+            },
+            {
+                "node": "studio", "role": "follower", "stage": 1, "layers": [14, 28], "ready": False, "term": 7,
+                "progress": {"phase": "download", "bytes": 45 * 2**20, "total_bytes": 100 * 2**20, "rate_bytes_s": 12.5 * 2**20, "file": "model-00002.safetensors"},
+            },
+            {"node": "air", "ready": False, "error": "no answer: timed out", "progress": None, "stats": "not a mapping"},
+        ],
+    }  # fmt: skip
+    text = render(top_view("10.0.0.1:8100", doc, None, time.time(), 3, 1.0))
+    assert "leader mini1 · not ready: waiting for studio to load its layers · term 7" in text
+    assert "tokens/s 41.2 · active 1 · queued 3 · requests 1,200 · tokens out 98,765" in text and "TTFT" not in text
+    assert re.search(r"studio\s+downloading\s+\S+\s+45%\s+45\.0 / 100\.0 MiB\s+12\.5 MiB/s\s+model-00002\.safetensors", text), text
+    assert "no answer: timed out" in text and "3,072.0" in text and "1.0 / 4,096.0" in text
+
+    # `ringctl status` prints the same figures and progress once, under its table.
+    print_status(doc)
+    once = capsys.readouterr().out
+    assert "tokens/s 41.2 · active 1 · queued 3 · requests 1,200 · tokens out 98,765" in once
+    assert re.search(r"studio\s+downloading\s+\S+\s+45%\s+45\.0 / 100\.0 MiB\s+12\.5 MiB/s\s+model-00002\.safetensors", once), once
+
+    # Without the live fields nothing of them is drawn; a failed poll keeps the last answer under the error.
+    plain = {"leader": "mini1", "ready": True, "plan": None, "nodes": [{"node": "mini1", "ready": True}]}
+    text = render(top_view("10.0.0.1:8100", plain, "cannot read http://10.0.0.1:8100/cluster/status: refused", time.time() - 5, 9, 1.0))
+    assert "tokens/s" not in text and "downloading" not in text and "no plan yet" in text
+    assert "cannot read http://10.0.0.1:8100/cluster/status: refused\nretrying every 1 s; the table is the answer of" in text
+    assert "mini1" in text
