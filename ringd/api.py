@@ -222,6 +222,9 @@ class Api:
         self._tokenizations = asyncio.Semaphore(MAX_CONCURRENT_TOKENIZATIONS)
         self._control: ControlAuth | None = None
         self._chars_per_token: int | None = None
+        # Read once: no file I/O on the event loop per request.
+        self._page = (WEB_DIR / "index.html").read_bytes()
+        self._openapi = OPENAPI.read_bytes()
 
     async def start(self, host: str, port: int) -> int:
         raise_fd_limit()
@@ -345,10 +348,10 @@ class Api:
 
     async def dashboard(self, request: web.Request) -> web.Response:
         """The page that draws the ring live (ringd/web/); it reads /cluster/status like ringctl does."""
-        return web.Response(body=(WEB_DIR / "index.html").read_bytes(), content_type="text/html", headers={"Cache-Control": "no-cache"})
+        return web.Response(body=self._page, content_type="text/html", headers={"Cache-Control": "no-cache"})
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.Response(body=OPENAPI.read_bytes(), content_type="application/json")
+        return web.Response(body=self._openapi, content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
         self._need_key(request)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -298,7 +299,7 @@ def test_health_models_and_metrics(tiny_model, ring_pool):
     assert [n["layers"] for n in cluster["nodes"]] == [[0, 4], [4, 7]]
     with urllib.request.urlopen(ring.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    assert "ringd_ring_ready" in text and "ringd_stage_parameter_bytes" in text
+    assert re.search(r"^ringd_ready\{node=\"[^\"]+\"\} 1\.0$", text, re.M) and "ringd_parameter_bytes{" in text
 
 
 @pytest.mark.parametrize(
