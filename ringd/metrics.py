@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import statistics
-import threading
 import time
 from dataclasses import dataclass, fields
 from typing import Callable
@@ -129,37 +128,41 @@ class _Collector:
 
 
 class Live:
-    """The leader's live figures: decode tokens/s over a window, recent times to first token."""
+    """The leader's live figures: decode tokens/s over a window, recent times to first token.
+
+    The engine writes and the status reads, both on the event loop.
+    """
 
     def __init__(self):
-        self._lock = threading.Lock()  # engine on the loop, readers on the loop too; cheap insurance
-        self._tokens: collections.deque[float] = collections.deque()
+        self._tokens: collections.deque[float] = collections.deque()  # when each token left, within the window
         self._ttft: collections.deque[float] = collections.deque(maxlen=LIVE_TTFT_REQUESTS)
         self.requests_total = 0
         self.tokens_out_total = 0
 
+    def _forget_before(self, t: float) -> None:
+        while self._tokens and self._tokens[0] < t:
+            self._tokens.popleft()
+
     def token(self, now: float) -> None:
-        with self._lock:
-            self._tokens.append(now)
-            self.tokens_out_total += 1
+        # Pruned as tokens come, not only when read: a leader nobody watches keeps
+        # the window's tokens, not every token since it started.
+        self._forget_before(now - LIVE_WINDOW_S)
+        self._tokens.append(now)
+        self.tokens_out_total += 1
 
     def first_token(self, seconds: float) -> None:
-        with self._lock:
-            self._ttft.append(seconds)
-            self.requests_total += 1
+        self._ttft.append(seconds)
+        self.requests_total += 1
 
     def tokens_per_s(self, now: float) -> float:
-        with self._lock:
-            while self._tokens and self._tokens[0] < now - LIVE_WINDOW_S:
-                self._tokens.popleft()
-            if len(self._tokens) < 2:
-                return 0.0
-            span = max(now - self._tokens[0], 1e-3)
-            return round(len(self._tokens) / span, 2)
+        self._forget_before(now - LIVE_WINDOW_S)
+        if len(self._tokens) < 2:
+            return 0.0
+        span = max(now - self._tokens[0], 1e-3)
+        return round(len(self._tokens) / span, 2)
 
     def ttft_s(self) -> float | None:
-        with self._lock:
-            return round(statistics.median(self._ttft), 4) if self._ttft else None
+        return round(statistics.median(self._ttft), 4) if self._ttft else None
 
 
 class Metrics:

@@ -58,6 +58,15 @@ def test_live_tokens_per_second_counts_only_the_window(gaps):
     assert live.tokens_out_total == len(gaps)
 
 
+def test_live_keeps_only_the_windows_tokens_when_nobody_reads_it():
+    # A leader nobody watches (no dashboard, no top) streams for hours: memory stays one window's.
+    live, per_s = Live(), 100
+    for i in range(int(60 * LIVE_WINDOW_S) * per_s):
+        live.token(i / per_s)
+    assert len(live._tokens) <= LIVE_WINDOW_S * per_s + 1
+    assert live.tokens_out_total == int(60 * LIVE_WINDOW_S) * per_s
+
+
 def test_live_ttft_is_the_median_of_recent_requests():
     m = Metrics("mini1")
     assert m.stats(0, 0)["ttft_s"] is None
