@@ -6,6 +6,10 @@ the bytes of each layer and of the embeddings and head from the safetensors
 headers (no tensor is read), a fingerprint that covers config and weights, and
 which weight files a stage holding some layers needs, for a Hugging Face repo id
 whose files are fetched stage by stage. Running a stage is ``shard.py``'s.
+
+A model is named by an mlx-lm directory, a Hugging Face repo id, a GGUF file
+(``gguf.py`` reads it), or ``ollama:NAME[:TAG]``, a GGUF in the local Ollama store
+(``ollama.py`` finds it).
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ class WeightBytes:
 class ModelInfo:
     """What every node and the leader need to know about a model without loading it."""
 
-    path: Path
+    path: Path  # the mlx-lm directory, or the GGUF file
     config: dict
     model_type: str
     num_layers: int
@@ -94,10 +98,15 @@ class ModelInfo:
     context_length: int
     fingerprint: str
     weights: WeightBytes
+    label: str = ""  # what the API calls the model unless told otherwise
 
     @property
     def name(self) -> str:
-        return self.path.name
+        return self.label or self.path.name
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.is_file()
 
     def kv_bytes_per_token(self, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
         """KV-cache bytes one position costs in one layer (keys and values).
@@ -246,8 +255,67 @@ def text_config(config: dict) -> dict:
 
 def model_info(path_or_repo: str) -> ModelInfo:
     """Read a model's config and check that it can be split into a ring."""
+    gguf_file, label = gguf_source(path_or_repo)
+    if gguf_file is not None:
+        return _gguf_info(gguf_file, label)
     path = resolve_model_path(path_or_repo)
     config = load_config(path)
+    text = _check_supported(config, path / "config.json")
+    return ModelInfo(
+        path=path,
+        config=config,
+        model_type=config.get("model_type", "?"),
+        num_layers=text["num_hidden_layers"],
+        hidden_size=text["hidden_size"],
+        vocab_size=text["vocab_size"],
+        context_length=int(text.get("max_position_embeddings") or 4096),
+        fingerprint=_fingerprint(config, weights_digest(path)),
+        weights=weight_bytes(path, text["num_hidden_layers"]),
+        # A repo id names the model better than the snapshot folder it was fetched into.
+        label=path.name if Path(path_or_repo).expanduser().exists() else path_or_repo,
+    )
+
+
+def gguf_source(model: str) -> tuple[Path | None, str]:
+    """The GGUF file ``model`` names, and what to call it; (None, "") when it names no GGUF."""
+    from . import gguf
+
+    if model.startswith("ollama:"):
+        from . import ollama
+
+        return ollama.resolve(model), model.removeprefix("ollama:")
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" or path.is_file():
+        if not path.is_file():
+            raise ModelError(f"{path}: no such GGUF file")
+        if not gguf.is_gguf(path):
+            raise ModelError(f"{path}: not a GGUF file (it does not start with 'GGUF'); a model is an mlx-lm directory, a Hugging Face repo id, a .gguf file or ollama:NAME")
+        return path.resolve(), path.name.removesuffix(".gguf")
+    return None, ""
+
+
+def _gguf_info(file: Path, label: str) -> ModelInfo:
+    from .gguf import GgufFile
+
+    g = GgufFile.open(file)
+    text = _check_supported(g.config, file)
+    layers, embed, norm, head = g.part_bytes()
+    return ModelInfo(
+        path=g.path,
+        config=g.config,
+        model_type=g.config["model_type"],
+        num_layers=text["num_hidden_layers"],
+        hidden_size=text["hidden_size"],
+        vocab_size=text["vocab_size"],
+        context_length=int(text.get("max_position_embeddings") or 4096),
+        fingerprint=_fingerprint(g.config, g.fingerprint),
+        weights=WeightBytes(tuple(layers), embed, norm, head),
+        label=label,
+    )
+
+
+def _check_supported(config: dict, where: Path) -> dict:
+    """The decoder's settings, once the ring is known to run the model's architecture."""
     model_type = config.get("model_type", "?")
     module = _model_module(config)
     if module not in SUPPORTED_ARCHITECTURES:
@@ -258,20 +326,27 @@ def model_info(path_or_repo: str) -> ModelInfo:
     text = text_config(config)
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if not isinstance(text.get(key), int) or text[key] <= 0:
-            raise ModelError(f"{path / 'config.json'}: {key} must be a positive integer")
+            raise ModelError(f"{where}: {key} must be a positive integer")
+    return text
+
+
+def _fingerprint(config: dict, weights: str) -> str:
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    digest.update(weights_digest(path).encode())
-    return ModelInfo(
-        path=path,
-        config=config,
-        model_type=model_type,
-        num_layers=text["num_hidden_layers"],
-        hidden_size=text["hidden_size"],
-        vocab_size=text["vocab_size"],
-        context_length=int(text.get("max_position_embeddings") or 4096),
-        fingerprint=digest.hexdigest()[:16],
-        weights=weight_bytes(path, text["num_hidden_layers"]),
-    )
+    digest.update(weights.encode())
+    return digest.hexdigest()[:16]
+
+
+def load_tokenizer(info: ModelInfo, cache_dir: Path | None = None):
+    """mlx-lm's TokenizerWrapper for the model: from its directory, or for a GGUF file from the
+    config and tokenizer files its metadata makes (written once under ``cache_dir``)."""
+    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+
+    if not info.is_gguf:
+        return mlx_load_tokenizer(info.path)
+    from .device import default_cache_dir
+    from .gguf import GgufFile
+
+    return mlx_load_tokenizer(GgufFile.open(info.path).sidecar(cache_dir or default_cache_dir()))
 
 
 def weights_digest(path: Path) -> str:

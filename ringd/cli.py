@@ -1,8 +1,9 @@
-"""``ringd serve | local | demo``: the daemon's command line.
+"""``ringd serve | local | demo | convert``: the daemon's command line.
 
 ``serve`` runs one daemon until SIGINT/SIGTERM. ``local`` runs a ring of
 daemon processes on this machine (``local.py``). ``demo`` is ``local`` with
-three nodes and a tiny real model generated once into a cache folder.
+three nodes and a small real model fetched once into a cache folder.
+``convert`` writes a GGUF file as an mlx-lm checkpoint directory (``gguf.py``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,34 @@ async def _serve(cfg: config_mod.Config) -> int:
     return 0
 
 
+def _convert(model: str, out_dir: Path) -> int:
+    from .checkpoint import ModelError, gguf_source
+    from .gguf import GgufFile
+
+    try:
+        file, _ = gguf_source(model)
+        if file is None:
+            raise ModelError(f"{model}: not a GGUF file; convert takes a .gguf file or ollama:NAME")
+        if out_dir.exists() and any(out_dir.iterdir()):
+            raise ModelError(f"{out_dir} exists and is not empty; name a new directory")
+        g = GgufFile.open(file)
+        total = sum(t.mlx_bytes for t in g.tensors.values())
+        done = 0
+
+        def tensor_done(t) -> None:
+            nonlocal done
+            done += t.mlx_bytes
+            print(f"\rringd convert: {done / 2**20:,.0f} of {total / 2**20:,.0f} MiB", end="", flush=True)
+
+        g.convert(out_dir, tensor_done)
+    except (ModelError, OSError) as e:
+        print(f"ringd convert: {e}", file=sys.stderr)
+        return 1
+    print(f"\nringd convert: wrote {out_dir} ({g.config['model_type']}, {g.config['num_hidden_layers']} layers); "
+          f"mlx_lm.load({str(out_dir)!r}) reads it")  # fmt: skip
+    return 0
+
+
 def _run(coro) -> int:
     try:
         import uvloop
@@ -97,7 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--nodes", type=int, default=DEMO_NODES, help=f"number of nodes; default {DEMO_NODES}")
     demo.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
+    convert = sub.add_parser("convert", help="write a GGUF file (or ollama:NAME) as an mlx-lm checkpoint directory")
+    convert.add_argument("model", help="a .gguf file, or ollama:NAME[:TAG]")
+    convert.add_argument("out_dir", help="the directory to write (must not exist, or be empty)")
+
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        return _convert(args.model, Path(args.out_dir))
     if args.command == "serve":
         try:
             cfg = config_mod.load(args)

@@ -23,8 +23,6 @@ import logging
 import time
 from pathlib import Path
 
-from mlx_lm.utils import load_tokenizer
-
 from wire.frames import Frame, MsgType
 
 from .api import Api
@@ -37,7 +35,7 @@ from .discovery import Advert, Discovery, DiscoveryError, dial_order, local_netw
 from .engine import Engine
 from .messages import MessageError, parse_loaded
 from .metrics import Gauges, Metrics
-from .checkpoint import ModelError, ModelInfo, model_info
+from .checkpoint import ModelError, ModelInfo, load_tokenizer, model_info
 from .stagehost import StageHost
 from .status import Status
 from .tasks import Supervisor
@@ -87,8 +85,8 @@ class Daemon:
         self._networks = local_networks()
         loop = asyncio.get_running_loop()
         self.info = await loop.run_in_executor(None, model_info, cfg.model)
-        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.info.path)
-        self.model_id = cfg.model_id or (cfg.model if not Path(cfg.model).expanduser().exists() else self.info.name)
+        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.info)
+        self.model_id = cfg.model_id or self.info.name
         profile = await loop.run_in_executor(None, read_profile, cfg.capabilities)
         speed = await self.compute.run(probe_speed, default_cache_dir())
         self.profile = dataclasses.replace(profile, speed=speed)

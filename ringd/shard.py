@@ -40,6 +40,7 @@ from .checkpoint import (
     weight_files_for,
     weight_map,
 )
+from .gguf import GgufFile
 from .progress import LOAD, LoadProgress
 
 # A stage's parameters are read in groups of about this many bytes (a group ends with
@@ -197,6 +198,9 @@ class Shard:
             raise ModelError(
                 f"layer range [{start}, {end}) is not inside the model's {info.num_layers} layers"
             )
+        _wire_memory()
+        if info.is_gguf:
+            return cls._load_gguf(info, start, end, progress)
         path = info.path
         files = weight_files_for(path, start, end)
         if _weights_absent(path, files):
@@ -209,18 +213,34 @@ class Shard:
                     "missing; is the download complete?"
                 )
 
-        _wire_memory()
         # Lazy: mx.load maps the files and reads a tensor only when it is evaluated,
         # so the layers other stages hold are never read into memory.
         model, _ = load_model(path, lazy=True, strict=False)
-        # The model's own caches, made before its layer list is cut (make_cache reads it).
-        protos = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
-        if len(protos) != info.num_layers:
-            raise ModelError(f"the model makes {len(protos)} caches for {info.num_layers} layers")
+        protos = _protos(model, info)
         kept = _stage_parameters(model, info, start, end)
         check_weights_present(path, files, kept, start, end)
         shard = cls(info, start, end, model, protos, kept)
         _materialize(path, kept, progress)
+        shard.kv_cost = shard._measure_kv_cost()
+        return shard
+
+    @classmethod
+    def _load_gguf(cls, info: ModelInfo, start: int, end: int, progress: LoadProgress) -> "Shard":
+        """Layers [start, end) of a GGUF file: the model built from its config, and only the stage's
+        tensors read from the file (each memory-mapped, converted, unmapped)."""
+        source = GgufFile.open(info.path)
+        model = source.build_model()
+        protos = _protos(model, info)
+        names = [name for name, _ in _stage_parameters(model, info, start, end)]
+        tensors = {source.source(n)[0] for n in names}
+        file = info.path.name
+        progress.begin(LOAD, {file: sum(t.mlx_bytes for t in tensors)})
+        progress.start_file(file)
+        kept = source.read(names, on_tensor=lambda t: progress.advance(file, t.mlx_bytes))
+        model.load_weights(kept, strict=False)
+        progress.finish_file(file)
+        progress.end()
+        shard = cls(info, start, end, model, protos, kept)
         shard.kv_cost = shard._measure_kv_cost()
         return shard
 
@@ -299,6 +319,14 @@ def _wire_memory() -> None:
     so a stage's weights are not paged out. (There is nothing to wire on the CPU backend.)"""
     if mx.metal.is_available():
         maybe_set_recommended_wired_limit()
+
+
+def _protos(model: nn.Module, info: ModelInfo) -> list:
+    """The model's own caches, one per layer, made before its layer list is cut (make_cache reads it)."""
+    protos = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    if len(protos) != info.num_layers:
+        raise ModelError(f"the model makes {len(protos)} caches for {info.num_layers} layers")
+    return protos
 
 
 def _weights_absent(path: Path, files: list[str] | None) -> bool:

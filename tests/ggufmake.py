@@ -1,0 +1,443 @@
+"""GGUF files written from tiny mlx-lm model directories the way llama.cpp's own tools write them.
+
+``ringd.gguf`` reads GGUF files. Testing it on files it wrote itself would only prove
+that it agrees with itself, and there is one real GGUF here (SmolLM2, a llama). So this
+writes GGUFs of other architectures from the tiny models of ``ringd.tinymodel``, step
+by step as llama.cpp does, with llama.cpp's own Python package (gguf-py) and without
+looking at ringd's reader:
+
+- ``convert_hf_to_gguf.py`` (qtype f32, f16, bf16, q8_0, its ``--outtype``s): the
+  metadata (``TextModel.set_gguf_parameters`` plus what ``LlamaModel`` and
+  ``Qwen2MoeModel`` add), tensor names (gguf-py's ``TensorNameMap``), the Q/K
+  permutation of ``LlamaModel.modify_tensors``, expert stacking, the tensor types of
+  ``ModelBase.prepare_tensors`` and the vocabulary of ``_set_vocab_gpt2``;
+- ``llama-quantize`` (qtype q4_0, q4_1) on top of that: the type rules of
+  ``llama_tensor_get_type`` in ``src/llama-quant.cpp`` that apply to these types.
+
+Each step below names the function it follows. Where this departs from llama.cpp it
+says so: the tiny tokenizer's pre-tokenizer hash is unknown to the converter (which
+would stop), so ``tokenizer.ggml.pre`` is given (``pre=``, "gpt-2" by default, the
+name llama.cpp gives GPT-2's ByteLevel split); the tiny qwen3_moe has a dense first
+layer that llama.cpp's qwen3moe cannot name (see ``_stacked_experts``); rows that no
+block type fits fall back to F16 as the converter does, where llama-quantize would stop.
+
+What it deliberately ignores: SentencePiece vocabularies, rope scaling (refused),
+multimodal towers, split files, and any architecture not in ``CONVERTERS``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import MODEL_ARCH, MODEL_TENSOR, LlamaFileType
+from gguf import GGMLQuantizationType as Q
+
+# qtype -> (general.file_type, the type of the 2-D weights). The first four are
+# convert_hf_to_gguf.py's --outtype (ALL_F32 .. MOSTLY_Q8_0); the Q4s are llama-quantize's.
+QTYPES: dict[str, tuple[LlamaFileType, Q]] = {
+    "f32": (LlamaFileType.ALL_F32, Q.F32),
+    "f16": (LlamaFileType.MOSTLY_F16, Q.F16),
+    "bf16": (LlamaFileType.MOSTLY_BF16, Q.BF16),
+    "q8_0": (LlamaFileType.MOSTLY_Q8_0, Q.Q8_0),
+    "q4_0": (LlamaFileType.MOSTLY_Q4_0, Q.Q4_0),
+    "q4_1": (LlamaFileType.MOSTLY_Q4_1, Q.Q4_1),
+}
+LLAMA_QUANTIZE_QTYPES = ("q4_0", "q4_1")
+
+# The pre-tokenizer name llama.cpp's llama-vocab.cpp maps to LLAMA_VOCAB_PRE_TYPE_GPT2:
+# GPT-2's regex, which is the split of the tiny tokenizer's ByteLevel pre-tokenizer.
+DEFAULT_PRE = "gpt-2"
+
+# Weights a row of this many elements at least: the K-quants' super-block (QK_K in ggml).
+QK_K = 256
+
+
+@dataclass(frozen=True)
+class Converter:
+    """What convert_hf_to_gguf.py's class for one HF architecture does differently."""
+
+    arch: MODEL_ARCH
+    llama: bool = False  # LlamaModel: Q/K permuted, vocab_size and rope.dimension_count written
+    moe: bool = False  # Qwen2MoeModel: experts stacked, expert_feed_forward_length written
+
+
+# Registered by config.json's architectures[0], as ModelBase.register does.
+CONVERTERS: dict[str, Converter] = {
+    "LlamaForCausalLM": Converter(MODEL_ARCH.LLAMA, llama=True),
+    "MistralForCausalLM": Converter(MODEL_ARCH.LLAMA, llama=True),
+    "Qwen2ForCausalLM": Converter(MODEL_ARCH.QWEN2),
+    "Qwen3ForCausalLM": Converter(MODEL_ARCH.QWEN3),
+    "Qwen3MoeForCausalLM": Converter(MODEL_ARCH.QWEN3MOE, moe=True),
+}
+
+
+def write_gguf(
+    model_dir: Path,
+    out: Path,
+    *,
+    qtype: str = "f32",
+    types: dict[str, str] | None = None,
+    arch: str | None = None,
+    pre: str = DEFAULT_PRE,
+) -> Path:
+    """Write the unquantized mlx-lm model in ``model_dir`` to the GGUF file ``out``; return ``out``.
+
+    ``qtype`` is the file's type (``QTYPES``): 1-D tensors, norms and MoE routers stay
+    F32 whatever it is, as llama.cpp keeps them. ``types`` overrides the type of single
+    tensors by GGUF name (``{"token_embd.weight": "q8_0"}``); a type gguf-py cannot
+    quantize (the K-quants, IQ types) is written as zero blocks of the right size,
+    which needs rows that are a whole number of its blocks (256 weights for a K-quant).
+    ``arch`` overrides ``general.architecture`` (and so the prefix of its keys), to
+    make files of architectures a reader must refuse. ``pre`` is ``tokenizer.ggml.pre``.
+    """
+    model_dir, out = Path(model_dir), Path(out)
+    if qtype not in QTYPES:
+        raise ValueError(f"qtype {qtype!r}: expected one of {', '.join(QTYPES)}")
+    hparams = json.loads((model_dir / "config.json").read_text())
+    if "quantization" in hparams:
+        raise ValueError(f"{model_dir} is an mlx-lm quantized model; write the GGUF from an unquantized one")
+    if "text_config" in hparams:  # TextModel.__init__: the text config moved to the root
+        hparams = {**hparams, **hparams["text_config"]}
+    hf_arch = hparams["architectures"][0]
+    if hf_arch not in CONVERTERS:
+        raise ValueError(f"{model_dir}: {hf_arch} is not written by this helper (it writes {', '.join(CONVERTERS)})")
+    conv = CONVERTERS[hf_arch]
+    ftype, default_type = QTYPES[qtype]
+    overrides = {name: _qtype(t) for name, t in (types or {}).items()}
+
+    writer = gguf.GGUFWriter(str(out), arch or gguf.MODEL_ARCH_NAMES[conv.arch])
+    # ModelBase.write: prepare_tensors, then prepare_metadata (which counts the parameters).
+    written = _add_tensors(writer, model_dir, hparams, conv, qtype, default_type, overrides)
+    unknown = sorted(set(overrides) - written)
+    if unknown:
+        raise ValueError(f"types names tensors the file does not have: {', '.join(unknown)}")
+    _add_metadata(writer, model_dir, hparams, conv, ftype)
+    _add_vocab(writer, model_dir, hparams, conv, pre)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _qtype(name: str) -> Q:
+    try:
+        return Q[name.upper()]
+    except KeyError:
+        raise ValueError(f"unknown GGUF tensor type {name!r} (gguf-py's GGMLQuantizationType names)") from None
+
+
+# ------------------------------------------------------------------ tensors
+
+
+def permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """LlamaModel.permute: HF's rotate-half Q/K rows to the interleaved pairs llama.cpp's RoPE takes."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def _source_tensors(model_dir: Path):
+    """(name, float32 array) in the converter's order: part files sorted, names sorted within each
+    (ModelBase.index_tensors with gguf-py's SafetensorsLocal). Every dtype becomes float32 as in
+    prepare_tensors (it keeps F16 as is; quantizing its exact float32 copy gives the same bytes)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        parts = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        parts = sorted(p.name for p in model_dir.iterdir() if p.name.startswith("model") and p.name.endswith(".safetensors"))
+    for part in parts:
+        with gguf.utility.SafetensorsLocal(model_dir / part) as tensors:
+            for name, t in tensors.items():
+                raw = t.mmap_bytes()
+                if t.dtype == "BF16":  # bfloat16 is the top half of a float32
+                    x = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+                elif t.dtype in ("F16", "F32"):
+                    x = raw.view(np.float16 if t.dtype == "F16" else np.float32).astype(np.float32)
+                else:
+                    raise ValueError(f"{part}: {name} is {t.dtype}; only F32, F16 and BF16 checkpoints are written")
+                yield name, x.reshape(t.shape)
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+# mlx-lm's sanitize stacks a layer's experts into mlp.switch_mlp.<proj>; the converter
+# stacks HF's mlp.experts.<i>.<proj> into mlp.experts.<proj> (Qwen2MoeModel.modify_tensors).
+_MLX_EXPERTS = re.compile(r"^(.*\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight$")
+_HF_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_DENSE_FFN = {"gate_proj": MODEL_TENSOR.FFN_GATE, "up_proj": MODEL_TENSOR.FFN_UP, "down_proj": MODEL_TENSOR.FFN_DOWN}
+
+
+def _modified(model_dir: Path, hparams: dict, conv: Converter):
+    """(HF name, block id, array) after each converter's modify_tensors, in its order."""
+    n_head = hparams["num_attention_heads"]
+    n_kv_head = hparams["num_key_value_heads"]
+    experts: dict[int, dict[str, np.ndarray]] = {}
+    for name, x in _source_tensors(model_dir):
+        m = _LAYER.search(name)
+        bid = int(m.group(1)) if m else None  # prepare_tensors: the first number-like part
+        if conv.llama:
+            # LlamaModel.modify_tensors (undo_permute): q with n_head, k with n_head_kv.
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                x = permute(x, n_head, n_head)
+            if name.endswith(("k_proj.weight", "k_proj.bias")):
+                x = permute(x, n_head, n_kv_head)
+        if conv.moe and (m := _MLX_EXPERTS.match(name)):
+            yield f"{m.group(1)}.experts.{m.group(2)}.weight", bid, x  # already the stacked tensor
+            continue
+        if conv.moe and (m := _HF_EXPERT.match(name)):
+            layer = experts.setdefault(bid, {})
+            layer[name] = x
+            n_experts = hparams["num_experts"]
+            if len(layer) >= n_experts * 3:  # Qwen2MoeModel.modify_tensors: stack once all are in
+                for w_name in ("down_proj", "gate_proj", "up_proj"):
+                    stacked = np.stack([layer.pop(f"{m.group(1)}.experts.{i}.{w_name}.weight") for i in range(n_experts)])
+                    yield f"{m.group(1)}.experts.{w_name}.weight", bid, stacked
+            continue
+        yield name, bid, x
+    left = [k for layer in experts.values() for k in layer]
+    if left:
+        raise ValueError(f"unprocessed experts (not all {hparams['num_experts']} of a layer found): {left}")
+
+
+def _gguf_name(tensor_map: gguf.TensorNameMap, name: str, bid: int | None, conv: Converter) -> str:
+    """ModelBase.map_tensor_name, and the one name it has no answer for here.
+
+    The tiny qwen3_moe keeps layer 0 dense (mlp_only_layers=[0]); real Qwen3-MoE
+    checkpoints have no dense layer and gguf-py's QWEN3MOE has no dense FFN tensors, so
+    the converter would stop there. It is written under the names llama.cpp gives dense
+    FFNs in every other architecture (blk.0.ffn_gate.weight, ...), so that a reader can
+    still tell which layers are dense. llama.cpp itself would not load such a file.
+    """
+    new_name = tensor_map.get_name(key=name, try_suffixes=(".weight", ".bias"))
+    if new_name is not None:
+        return new_name
+    proj = name.rsplit(".", 2)[-2] if name.endswith(".weight") else None
+    if conv.moe and bid is not None and proj in _DENSE_FFN and ".mlp." in name:
+        return gguf.TENSOR_NAMES[_DENSE_FFN[proj]].format(bid=bid) + ".weight"
+    raise ValueError(f"Can not map tensor {name!r}")
+
+
+def _converter_type(new_name: str, x: np.ndarray, bid: int | None, arch: MODEL_ARCH, default: Q) -> Q:
+    """ModelBase.prepare_tensors' choice for one tensor (tensor_force_quant is False for these)."""
+    if x.ndim <= 1 or new_name.endswith("_norm.weight"):
+        return Q.F32  # "Most of the codebase that takes in 1D tensors or norms only handles F32 tensors"
+    if _is(new_name, MODEL_TENSOR.FFN_GATE_INP, bid, arch) or new_name[-7:] not in (".weight", ".lora_a", ".lora_b"):
+        return Q.F32  # the routers, as llama_model_quantize_internal keeps them
+    return default
+
+
+def _llama_quantize_type(new_name: str, x: np.ndarray, current: Q, default: Q, tied: bool, n_expert: int) -> Q:
+    """llama_tensor_get_type for Q4_0/Q4_1 files, from the converter's type ``current``.
+
+    tensor_allows_quantization: only 2-D and 3-D ``*weight`` tensors that are no norm and
+    no router are requantized. The output (or a tied token embedding) gets Q6_K where
+    its rows hold whole super-blocks, else Q8_0 (Q6_K's fallback); attn_k and attn_v go
+    to Q8_0 in 8-expert models. Everything else for Q4_0/Q4_1 is the default type.
+    """
+    quantizable = new_name.endswith("weight") and x.ndim >= 2
+    if not quantizable or "_norm.weight" in new_name or "ffn_gate_inp.weight" in new_name:
+        return current
+    if new_name == "output.weight" or (tied and new_name == "token_embd.weight"):
+        if x.shape[-1] % QK_K != 0:
+            return Q.Q8_0
+        raise ValueError(
+            f"llama-quantize would write {new_name} as Q6_K (rows of {x.shape[-1]} weights), which gguf-py "
+            f'cannot quantize; pass types={{"{new_name}": "q8_0"}} or a hidden size that is not a multiple of {QK_K}'
+        )
+    if n_expert == 8 and (".attn_v." in new_name or ".attn_k." in new_name):
+        return Q.Q8_0
+    return default
+
+
+def _is(name: str, key: MODEL_TENSOR, bid: int | None, arch: MODEL_ARCH) -> bool:
+    """ModelBase.match_model_tensor_name."""
+    if key not in gguf.MODEL_TENSORS[arch]:
+        return False
+    key_name = gguf.TENSOR_NAMES[key]
+    if "{bid}" in key_name:
+        if bid is None:
+            return False
+        key_name = key_name.format(bid=bid)
+    elif bid is not None:
+        return False
+    return name == key_name + ".weight"
+
+
+def _encode(x: np.ndarray, qtype: Q, *, asked: bool) -> tuple[np.ndarray, Q]:
+    """The tensor's bytes in ``qtype`` (gguf.quants.quantize), and the type they are in.
+
+    A row that is no whole number of blocks falls back to F16, as prepare_tensors does on
+    gguf.QuantError, unless the type was ``asked`` for by name (then it is an error). A
+    type gguf-py cannot quantize (K-quants, IQ types) is written as zero blocks.
+    """
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if x.shape[-1] % block != 0:
+        if asked:
+            raise ValueError(f"{qtype.name} needs rows that are a multiple of {block} weights; this tensor's are {x.shape[-1]}")
+        qtype = Q.F16
+    try:
+        return gguf.quants.quantize(x, qtype), qtype
+    except NotImplementedError:
+        return np.zeros((*x.shape[:-1], x.shape[-1] // block * type_size), dtype=np.uint8), qtype
+
+
+def _add_tensors(
+    writer, model_dir: Path, hparams: dict, conv: Converter, qtype: str, default: Q, overrides: dict[str, Q]
+) -> set[str]:
+    """ModelBase.prepare_tensors (and llama-quantize for the Q4s); the GGUF names written."""
+    block_count = hparams["num_hidden_layers"]
+    tensor_map = gguf.get_tensor_name_map(conv.arch, block_count)
+    tensors = [(_gguf_name(tensor_map, name, bid, conv), bid, x) for name, bid, x in _modified(model_dir, hparams, conv)]
+    tied = not any(name == "output.weight" for name, _, _ in tensors)
+    n_expert = hparams.get("num_local_experts") or hparams.get("num_experts") or 0
+    if qtype in LLAMA_QUANTIZE_QTYPES:
+        # llama-quantize reads a file the converter wrote (its f32 here: the same values
+        # as the bf16 source) and requantizes its tensors.
+        first = Q.F32
+    else:
+        first = default
+    for new_name, bid, x in tensors:
+        if new_name in overrides:
+            t = overrides[new_name]
+        else:
+            t = _converter_type(new_name, x, bid, conv.arch, first)
+            if qtype in LLAMA_QUANTIZE_QTYPES:
+                t = _llama_quantize_type(new_name, x, t, default, tied, n_expert)
+        data, t = _encode(x, t, asked=new_name in overrides)
+        writer.add_tensor(new_name, data, raw_dtype=t)
+    return {name for name, _, _ in tensors}
+
+
+# ----------------------------------------------------------------- metadata
+
+
+# The config keys TextModel.__init__ / set_gguf_parameters try, in order.
+_CONTEXT_KEYS = ["max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length", "model_max_length"]
+_ROPE_THETA_KEYS = ["global_rope_theta", "rope_global_theta", "rope_theta_global", "rope_theta", "rotary_emb_base"]
+
+
+def _find(hparams: dict, keys: list[str]):
+    """ModelBase.find_hparam(keys, optional=True)."""
+    return next((hparams[k] for k in keys if k in hparams), None)
+
+
+def _add_metadata(writer, model_dir: Path, hparams: dict, conv: Converter, ftype: LlamaFileType) -> None:
+    """ModelBase.prepare_metadata: general.*, set_gguf_parameters, quantization version."""
+    writer.add_type(gguf.GGUFType.MODEL)
+    total, shared, expert, expert_count = writer.get_total_parameter_count()
+    metadata = gguf.Metadata.load(None, model_dir, None, total)
+    if metadata.name is None:
+        metadata.name = model_dir.name
+    if metadata.size_label is None and total > 0:
+        metadata.size_label = gguf.size_label(total, shared, expert, expert_count)
+    metadata.set_gguf_meta_model(writer)
+    _set_gguf_parameters(writer, hparams, conv, ftype)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _set_gguf_parameters(writer, hparams: dict, conv: Converter, ftype: LlamaFileType) -> None:
+    """TextModel.set_gguf_parameters, then LlamaModel's or Qwen2MoeModel's additions (Qwen2Model
+    and Qwen3Model add only a pooling type, which a causal LM does not have)."""
+    writer.add_block_count(hparams["num_hidden_layers"])
+    if (n_ctx := _find(hparams, _CONTEXT_KEYS)) is not None:
+        writer.add_context_length(n_ctx)
+    if (n_embd := _find(hparams, ["hidden_size", "n_embd", "dim"])) is not None:
+        writer.add_embedding_length(n_embd)
+    if (n_ff := _find(hparams, ["intermediate_size", "n_inner", "hidden_dim"])) is not None:
+        writer.add_feed_forward_length(n_ff)
+    if (n_head := _find(hparams, ["num_attention_heads", "n_head", "n_heads"])) is not None:
+        writer.add_head_count(n_head)
+    if (n_head_kv := _find(hparams, ["num_key_value_heads", "n_kv_heads"])) is not None:
+        writer.add_head_count_kv(n_head_kv)
+    rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
+    if rope.get("rope_type", rope.get("type")) not in (None, "default"):
+        raise ValueError(f"rope scaling {rope} is not written by this helper")
+    if (rope_theta := rope.get("rope_theta", _find(hparams, _ROPE_THETA_KEYS))) is not None:
+        writer.add_rope_freq_base(rope_theta)
+    if (f_rms_eps := _find(hparams, ["rms_norm_eps", "norm_eps"])) is not None:
+        writer.add_layer_norm_rms_eps(f_rms_eps)
+    if (f_norm_eps := _find(hparams, ["layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"])) is not None:
+        writer.add_layer_norm_eps(f_norm_eps)
+    if (n_experts := _find(hparams, ["num_local_experts", "num_experts"])) is not None:
+        writer.add_expert_count(n_experts)
+    if (n_experts_used := _find(hparams, ["num_experts_per_tok", "num_experts_per_token", "top_k_experts"])) is not None:
+        writer.add_expert_used_count(n_experts_used)
+    if (head_dim := hparams.get("head_dim")) is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_file_type(ftype)
+    if conv.llama:
+        writer.add_vocab_size(hparams["vocab_size"])
+        if (rope_dim := hparams.get("head_dim")) is None:
+            rope_dim = hparams["hidden_size"] // hparams["num_attention_heads"]
+        writer.add_rope_dimension_count(rope_dim)
+    if conv.moe:
+        if (moe_ff := hparams.get("moe_intermediate_size")) is not None:
+            writer.add_expert_feed_forward_length(moe_ff)
+        if (shared_ff := hparams.get("shared_expert_intermediate_size")) is not None:
+            writer.add_expert_shared_feed_forward_length(shared_ff)
+
+
+# -------------------------------------------------------------------- vocab
+
+
+def _looks_special(token: str) -> bool:
+    """TextModel.does_token_look_special."""
+    return (
+        token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (token.startswith("<|") and token.endswith("|>"))
+        or (token.startswith("<｜") and token.endswith("｜>"))
+        or (token.startswith("<unused") and token.endswith(">"))
+    )
+
+
+def _add_vocab(writer, model_dir: Path, hparams: dict, conv: Converter, pre: str) -> None:
+    """TextModel._set_vocab_gpt2 (with get_vocab_base), where both LlamaModel.set_vocab and
+    Qwen2Model.set_vocab end for a byte-level BPE tokenizer.json without tokenizer.model.
+
+    get_vocab_base_pre would hash the tokenizer's split of a test string; the tiny
+    tokenizer's hash is in no list, so the converter would stop: ``pre`` stands in.
+    """
+    from transformers import AutoTokenizer  # ~2 s of imports, only when a file is written
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab_size = hparams.get("vocab_size", len(tokenizer.vocab))
+    assert max(tokenizer.vocab.values()) < vocab_size, f"{model_dir}: the tokenizer has ids past vocab_size {vocab_size}"
+    reverse_vocab = {id_: tok for tok, id_ in tokenizer.vocab.items()}
+    added_vocab = tokenizer.get_added_vocab()
+    added_tokens_decoder = tokenizer.added_tokens_decoder
+    tokens: list[str] = []
+    toktypes: list[int] = []
+    for i in range(vocab_size):
+        if i not in reverse_vocab:
+            tokens.append(f"[PAD{i}]")
+            toktypes.append(gguf.TokenType.UNUSED)
+            continue
+        token = reverse_vocab[i]
+        if token in added_vocab:
+            # llama.cpp takes CONTROL and USER_DEFINED tokens as pre-normalized
+            if not added_tokens_decoder[i].normalized:
+                token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
+            if added_tokens_decoder[i].special or _looks_special(token):
+                toktypes.append(gguf.TokenType.CONTROL)
+            else:
+                token = token.replace("\u2581", " ")  # pre-normalize user-defined spaces
+                toktypes.append(gguf.TokenType.USER_DEFINED)
+        else:
+            toktypes.append(gguf.TokenType.NORMAL)
+        tokens.append(token)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(toktypes)
+    # Merges, bos/eos/pad ids, add_bos_token and the chat template, from the directory's files.
+    gguf.SpecialVocab(model_dir, load_merges=True).add_to_gguf(writer, quiet=True)
+    if conv.llama:  # LlamaModel.set_vocab, after the vocab
+        config_file = model_dir / "tokenizer_config.json"
+        if config_file.is_file() and "add_prefix_space" in (tc := json.loads(config_file.read_text())):
+            writer.add_add_space_prefix(tc["add_prefix_space"])
