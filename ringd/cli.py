@@ -2,7 +2,7 @@
 
 ``serve`` runs one daemon until SIGINT/SIGTERM. ``local`` runs a ring of
 daemon processes on this machine (``local.py``). ``demo`` is ``local`` with
-three nodes and a small real model fetched once into a cache folder.
+three nodes and a small real model fetched once into a cache folder (``demo.py``).
 ``convert`` writes a GGUF file as an mlx-lm checkpoint directory (``gguf.py``).
 """
 
@@ -20,11 +20,6 @@ from pathlib import Path
 from . import config as config_mod
 from . import logs
 
-DEMO_NODES = 3
-# The demo model: a real qwen3 architecture with a real tokenizer and random
-# weights, big enough that its output varies, small enough to make in seconds.
-DEMO_MODEL = dict(arch="qwen3", layers=9, hidden_size=128, heads=4, kv_heads=2, dtype="bfloat16", seed=0)
-DEMO_MODEL_ID = "tiny-qwen3"
 # How often a `ringd local` node checks that its launcher is still alive.
 PARENT_CHECK_S = 1.0
 
@@ -114,16 +109,18 @@ def main(argv: list[str] | None = None) -> int:
 
     local = sub.add_parser("local", help="run a ring of N daemon processes on this machine")
     local.add_argument("--nodes", type=int, required=True, help="number of daemon processes")
-    local.add_argument("--model", required=True, help="mlx-lm model directory or Hugging Face repo id")
+    local.add_argument("--model", required=True, help="an mlx-lm model directory, a Hugging Face repo id, a .gguf file or ollama:NAME[:TAG]")
     local.add_argument("--port", type=int, default=8100, help="the API's port (0: a free one); default 8100")
     local.add_argument("--host", default="127.0.0.1", help="the API's address; default 127.0.0.1")
     local.add_argument("--split", help="layers per node, e.g. 10,9,9 (default: even, low stages take the extra)")
     local.add_argument("--model-id", help="model name the API serves")
     local.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
-    demo = sub.add_parser("demo", help="`local` with 3 nodes and a tiny generated model")
+    from . import demo as demo_mod
+
+    demo = sub.add_parser("demo", help=f"`local` with {demo_mod.NODES} nodes serving {demo_mod.MODEL_ID}, fetched once")
     demo.add_argument("--port", type=int, default=8100, help="the API's port (0: a free one); default 8100")
-    demo.add_argument("--nodes", type=int, default=DEMO_NODES, help=f"number of nodes; default {DEMO_NODES}")
+    demo.add_argument("--nodes", type=int, default=demo_mod.NODES, help=f"number of nodes; default {demo_mod.NODES}")
     demo.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
     convert = sub.add_parser("convert", help="write a GGUF file (or ollama:NAME) as an mlx-lm checkpoint directory")
@@ -152,14 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--split: {e}")
         return run_local(args.nodes, args.model, args.port, split, args.host, args.model_id, args.log_level)
 
-    from .tinymodel import ensure_tiny_model
-
-    print(f"ringd demo: preparing the demo model in {cache_dir() / 'models'} ...", flush=True)
-    model = ensure_tiny_model(cache_dir() / "models", **DEMO_MODEL)
-    print(f'ringd demo: try  curl -s localhost:{args.port}/v1/chat/completions -H "Content-Type: application/json" '
-          f"-d '{{\"model\": \"{DEMO_MODEL_ID}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 40}}'",
-          flush=True)  # fmt: skip
-    return run_local(args.nodes, str(model), args.port, None, "127.0.0.1", DEMO_MODEL_ID, args.log_level)
+    return demo_mod.run(cache_dir(), args.port, args.nodes, args.log_level)
 
 
 if __name__ == "__main__":

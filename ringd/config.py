@@ -231,7 +231,7 @@ KEYS: list[Key] = [
     Key("secret_file", _str, DEFAULT_SECRET_FILE, "file holding the cluster secret (at least 16 bytes, readable by its owner only)"),
     Key("api_keys_file", _optional(_str), None, "file of API keys, one a line, that /v1/* requires as a Bearer token (default: none, the API is open)"),
     Key("ring_encryption", _bool, False, "encrypt ring links (AES-GCM) for networks you don't trust; integrity (HMAC) is always on"),
-    Key("model", _optional(_str), None, "mlx-lm model directory or Hugging Face repo id"),
+    Key("model", _optional(_str), None, "mlx-lm model directory, Hugging Face repo id, .gguf file or ollama:NAME[:TAG]"),
     Key("model_id", _optional(_str), None, "model name the API serves (default: the model's directory or repo name)"),
     Key("host", _host, "0.0.0.0", "address the ring port listens on"),
     Key("advertise", _optional(_host), None, "address peers dial to reach this node (default: this host's addresses, in prefer_interfaces order)"),

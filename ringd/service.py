@@ -217,7 +217,7 @@ def check_config(path: Path, env: dict[str, str], workdir: Path) -> config_mod.C
         raise ServiceError(f"{e} (fix {path}, then run ringctl install again)") from None
     home = Path(env["HOME"])
     if cfg.model is None:
-        raise ServiceError(f"config file {path}: no model; add `model:` (an mlx-lm folder or a Hugging Face repo id)")
+        raise ServiceError(f"config file {path}: no model; add `model:` (an mlx-lm folder, a Hugging Face repo id, a .gguf file or ollama:NAME)")
     # A repo id looks like a relative path; only what is plainly a path is checked here.
     if cfg.model.startswith(("/", "~", ".")) and not _resolve(cfg.model, home, workdir).exists():
         raise ServiceError(f"config file {path}: model {cfg.model} is not there ({_resolve(cfg.model, home, workdir)})")

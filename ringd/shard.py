@@ -187,7 +187,7 @@ class Shard:
 
     @classmethod
     def load(cls, path_or_repo: str, start: int, end: int, progress: LoadProgress | None = None) -> "Shard":
-        """Layers [start, end) of a model directory or Hugging Face repo id, read into memory.
+        """Layers [start, end) of a model directory, Hugging Face repo id or GGUF file, read into memory.
 
         ``progress`` hears how it goes: the download of this stage's weight files when a Hub
         model lacks them, then the reading of its parameters, file by file.

