@@ -21,7 +21,10 @@ name llama.cpp gives GPT-2's ByteLevel split); the tiny qwen3_moe has a dense fi
 layer that llama.cpp's qwen3moe cannot name (see ``_stacked_experts``); rows that no
 block type fits fall back to F16 as the converter does, where llama-quantize would stop.
 
-What it deliberately ignores: SentencePiece vocabularies, rope scaling (refused),
+RoPE scaling: llama3's, as ``LlamaModel.generate_extra_tensors`` writes it (the
+``rope_freqs`` tensor, no metadata); any other is refused.
+
+What it deliberately ignores: SentencePiece vocabularies, other RoPE scalings,
 multimodal towers, split files, and any architecture not in ``CONVERTERS``.
 """
 
@@ -293,6 +296,8 @@ def _add_tensors(
     block_count = hparams["num_hidden_layers"]
     tensor_map = gguf.get_tensor_name_map(conv.arch, block_count)
     tensors = [(_gguf_name(tensor_map, name, bid, conv), bid, x) for name, bid, x in _modified(model_dir, hparams, conv)]
+    # prepare_tensors chains generate_extra_tensors() before the checkpoint's own.
+    tensors = _extra_tensors(hparams, conv) + tensors
     tied = not any(name == "output.weight" for name, _, _ in tensors)
     n_expert = hparams.get("num_local_experts") or hparams.get("num_experts") or 0
     if qtype in LLAMA_QUANTIZE_QTYPES:
@@ -311,6 +316,37 @@ def _add_tensors(
         data, t = _encode(x, t, asked=new_name in overrides)
         writer.add_tensor(new_name, data, raw_dtype=t)
     return {name for name, _, _ in tensors}
+
+
+def _extra_tensors(hparams: dict, conv: Converter) -> list:
+    """LlamaModel.generate_extra_tensors: for llama3's RoPE scaling, the factor each frequency is
+    divided by, as ``rope_freqs.weight`` (F32). Note ``old_context_len`` comes from the top-level
+    config there (default 8192), not from rope_scaling: followed as it is."""
+    import math
+
+    rope = hparams.get("rope_scaling") or {}
+    if not conv.llama or rope.get("rope_type", "").lower() != "llama3":
+        return []
+    base = hparams.get("rope_theta", 10000.0)
+    dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low_freq_factor = rope.get("low_freq_factor", 1.0)
+    high_freq_factor = rope.get("high_freq_factor", 4.0)
+    old_context_len = hparams.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return [("rope_freqs.weight", None, np.array(factors, dtype=np.float32))]
 
 
 # ----------------------------------------------------------------- metadata
@@ -355,7 +391,7 @@ def _set_gguf_parameters(writer, hparams: dict, conv: Converter, ftype: LlamaFil
     if (n_head_kv := _find(hparams, ["num_key_value_heads", "n_kv_heads"])) is not None:
         writer.add_head_count_kv(n_head_kv)
     rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
-    if rope.get("rope_type", rope.get("type")) not in (None, "default"):
+    if rope.get("rope_type", rope.get("type")) not in (None, "default", *(("llama3",) if conv.llama else ())):
         raise ValueError(f"rope scaling {rope} is not written by this helper")
     if (rope_theta := rope.get("rope_theta", _find(hparams, _ROPE_THETA_KEYS))) is not None:
         writer.add_rope_freq_base(rope_theta)

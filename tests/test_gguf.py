@@ -201,12 +201,25 @@ BLOCKS_FIT = {"intermediate_size": 128}
 PROMPT = "Tell me a short story about the river and the town."
 
 
-def _tiny_gguf(tiny_model, tmp_path_factory, arch: str, qtype: str, **kw) -> tuple[Path, Path]:
+# Llama 3.1's RoPE scaling (a GGUF carries it only as the rope_freqs tensor).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _tiny_gguf(tiny_model, tmp_path_factory, arch: str, qtype: str, rope_scaling: dict | None = None) -> tuple[Path, Path]:
+    import json
+    import shutil
+
     from ggufmake import write_gguf
 
     source = tiny_model(arch=arch, layers=LAYERS, dtype="float32", **BLOCKS_FIT)
+    if rope_scaling is not None:  # the same weights, another RoPE: a model of its own
+        scaled = tmp_path_factory.mktemp("rope") / source.name
+        shutil.copytree(source, scaled)
+        config = json.loads((scaled / "config.json").read_text())
+        (scaled / "config.json").write_text(json.dumps({**config, "rope_scaling": rope_scaling}))
+        source = scaled
     out = tmp_path_factory.mktemp("gguf") / f"tiny-{arch}-{qtype}.gguf"
-    return source, write_gguf(source, out, qtype=qtype, **kw)
+    return source, write_gguf(source, out, qtype=qtype)
 
 
 def _greedy(step, prompt: list[int]) -> tuple[list[int], list[mx.array]]:
@@ -254,14 +267,16 @@ def _convert(gguf_path: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_a_float_file_computes_what_the_original_model_computes(tiny_model, tmp_path_factory, arch):
-    """The mapping itself (config, names, llama's Q/K layout) against the model the file was made from."""
+@pytest.mark.parametrize(("arch", "rope_scaling"), [("llama", None), ("llama", LLAMA3_ROPE), ("qwen2", None), ("qwen3", None)], ids=["llama", "llama3-rope", "qwen2", "qwen3"])
+def test_a_float_file_computes_what_the_original_model_computes(tiny_model, tmp_path_factory, arch, rope_scaling):
+    """The mapping itself (config, names, llama's Q/K layout, llama3's RoPE) against the model the file was made from."""
     from mlx_lm import load
 
     from ringd.shard import Shard
 
-    source, path = _tiny_gguf(tiny_model, tmp_path_factory, arch, "f32")
+    source, path = _tiny_gguf(tiny_model, tmp_path_factory, arch, "f32", rope_scaling)
+    if rope_scaling is not None:
+        assert model_info(str(path)).config["rope_scaling"] == rope_scaling
     model, tokenizer = load(str(source))
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
     want, want_logits = _greedy(_reference(model), prompt)
