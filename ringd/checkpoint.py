@@ -280,10 +280,10 @@ def gguf_source(model: str) -> tuple[Path | None, str]:
     """The GGUF file ``model`` names, and what to call it; (None, "") when it names no GGUF."""
     from . import gguf
 
-    if model.startswith("ollama:"):
-        from . import ollama
+    from . import ollama
 
-        return ollama.resolve(model), model.removeprefix("ollama:")
+    if ollama.is_ollama_ref(model):
+        return ollama.resolve(model), model.removeprefix(ollama.PREFIX)
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf" or path.is_file():
         if not path.is_file():

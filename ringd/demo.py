@@ -47,7 +47,7 @@ def run(cache_dir: Path, port: int, nodes: int, log_level: str) -> int:
     path, model_id = model(cache_dir)
     question = "What is the capital of France?" if model_id == MODEL_ID else "Hello!"
     print(f'ringd demo: try  curl -s localhost:{port or "PORT"}/v1/chat/completions -H "Content-Type: application/json" '
-          f"-d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{question}\"}}], \"max_tokens\": 40}}'",
+          f"-d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{question}\"}}], \"max_tokens\": 40, \"temperature\": 0}}'",
           flush=True)  # fmt: skip
     return run_local(nodes, str(path), port, None, "127.0.0.1", model_id, log_level)
 
