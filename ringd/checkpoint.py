@@ -341,12 +341,15 @@ def load_tokenizer(info: ModelInfo, cache_dir: Path | None = None):
     config and tokenizer files its metadata makes (written once under ``cache_dir``)."""
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
+    # Every end token the config names, as mlx-lm's own load passes them (a chat model may
+    # end a turn with one token and the text with another).
+    eos = info.config.get("eos_token_id")
     if not info.is_gguf:
-        return mlx_load_tokenizer(info.path)
+        return mlx_load_tokenizer(info.path, eos_token_ids=eos)
     from .device import default_cache_dir
     from .gguf import GgufFile
 
-    return mlx_load_tokenizer(GgufFile.open(info.path).sidecar(cache_dir or default_cache_dir()))
+    return mlx_load_tokenizer(GgufFile.open(info.path).sidecar(cache_dir or default_cache_dir()), eos_token_ids=eos)
 
 
 def weights_digest(path: Path) -> str:

@@ -90,8 +90,9 @@ DIGEST_SAMPLE_BYTES = 16 * 1024
 # own save does (it caps files at 5 GB).
 CONVERT_FILE_BYTES = 5 * 2**30
 
-# Bump when what write_sidecar writes for the same file changes (the sidecar's folder
-# name carries it, so a new ringd never reads an old one).
+# Bump when the tokenizer files write_sidecar makes of the same file change (the
+# sidecar's folder name carries it, and a digest of the config, so a new ringd never
+# reads an old one).
 SIDECAR_VERSION = 1
 
 
@@ -322,7 +323,8 @@ class GgufFile:
     def sidecar(self, cache_dir: Path) -> Path:
         """The sidecar directory of this file under ``cache_dir``, written once (atomically: several
         nodes of one machine may start at the same moment)."""
-        directory = cache_dir / "gguf" / f"{self.name}-{self.fingerprint.removeprefix('gguf:')[:16]}-v{SIDECAR_VERSION}"
+        config = hashlib.sha256(json.dumps(self.mlx_config(), sort_keys=True).encode()).hexdigest()[:8]
+        directory = cache_dir / "gguf" / f"{self.name}-{self.fingerprint.removeprefix('gguf:')[:16]}-{config}-v{SIDECAR_VERSION}"
         if (directory / "config.json").is_file():
             return directory
         directory.parent.mkdir(parents=True, exist_ok=True)
@@ -473,12 +475,32 @@ def _config(g: GgufFile) -> dict:
     # Activations take the dtype of the norms (llama.cpp keeps them F32), and so the KV cache.
     norm = g.tensors.get("output_norm.weight")
     config["torch_dtype"] = {"F32": "float32", "BF16": "bfloat16"}.get(norm.type if norm else "", "float16")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    if eos is not None:
-        config["eos_token_id"] = int(eos)
+    ends = _end_of_generation_ids(meta)
+    if ends:
+        config["eos_token_id"] = ends[0] if len(ends) == 1 else ends
     if meta.get("tokenizer.ggml.bos_token_id") is not None:
         config["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
     return config
+
+
+# Tokens llama.cpp ends a generation on by their text, besides the ids the file names
+# (llama-vocab.cpp, where it builds special_eog_ids): files often name only one of a
+# chat model's end tokens (SmolLM2 names <|im_end|>, Llama 3.1 <|eot_id|> but not <|eom_id|>).
+_END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+})  # fmt: skip
+_CONTROL = 3  # tokenizer.ggml.token_type of a control token
+
+
+def _end_of_generation_ids(meta: dict) -> list[int]:
+    """The ids a generation ends on, as llama.cpp finds them: eos, eot and eom as the file names
+    them, then the control tokens spelled as a known end token."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    types = meta.get("tokenizer.ggml.token_type") or []
+    ids = [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom") if meta.get(f"tokenizer.ggml.{k}_token_id") is not None]
+    ids += [i for i, (t, k) in enumerate(zip(tokens, types)) if k == _CONTROL and t in _END_OF_GENERATION_TEXTS]
+    return [i for i in dict.fromkeys(ids) if 0 <= i < len(tokens)]
 
 
 def _rope_scaling(g: GgufFile, key: Callable[..., Any], dims: int, base: float) -> dict | None:

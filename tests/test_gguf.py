@@ -96,6 +96,11 @@ def test_the_config_is_the_models(smollm2_gguf):
     assert c["rope_theta"] == 100000.0 and c["rope_traditional"] is True  # llama.cpp's Q/K layout
     assert c["tie_word_embeddings"] is True and c["vocab_size"] == 49152
     assert c["max_position_embeddings"] == 8192
+    # It ends where llama.cpp ends it: the file names <|im_end|>, and <|endoftext|> is an end too.
+    assert c["eos_token_id"] == [2, 0]
+    from ringd.checkpoint import load_tokenizer
+
+    assert load_tokenizer(info).eos_token_ids == {0, 2}
     assert info.is_gguf and info.name == "SmolLM2-135M-Instruct.Q4_1"
     # Placement's figures: the layers and the embeddings, as the tensors will be in memory.
     assert info.weights.embed == 49152 * 576 + 2 * 2 * 49152 * 576 // 32  # Q8_0: a byte a weight, scale and bias per 32
