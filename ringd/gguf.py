@@ -439,28 +439,37 @@ def _config(g: GgufFile) -> dict:
     """mlx-lm's config for the file, from its metadata (llama.cpp's keys, as its converter writes them)."""
     meta, arch = g.meta, g.meta["general.architecture"]
 
-    def key(name: str, default: Any = ...) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is ...:
-            raise ModelError(f"{g.path}: metadata key {arch}.{name} is missing; is this a complete GGUF file?")
-        return value
+    def key(name: str, default: Any = ..., kind: type = int) -> Any:
+        """The metadata value ``{arch}.{name}`` as ``kind`` (a positive number), else ``default``."""
+        if f"{arch}.{name}" not in meta:
+            if default is ...:
+                raise ModelError(f"{g.path}: metadata key {arch}.{name} is missing; is this a complete GGUF file?")
+            return default
+        value = meta[f"{arch}.{name}"]
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not number > 0 or (kind is float and not math.isfinite(number)):
+            raise ModelError(f"{g.path}: metadata key {arch}.{name} is {value!r}; a positive {kind.__name__} was expected")
+        return number
 
     embed = g.tensors.get("token_embd.weight")
-    if embed is None:
-        raise ModelError(f"{g.path}: no token_embd.weight tensor; is this a complete GGUF file?")
-    heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
+    if embed is None or len(embed.shape) != 2:
+        raise ModelError(f"{g.path}: no token_embd.weight matrix; is this a complete GGUF file?")
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
     config: dict[str, Any] = {
         "model_type": g.arch.model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": int(key("block_count")),
-        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": key("block_count"),
+        "intermediate_size": key("feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(key("context_length")),
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", hidden // heads),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", kind=float),
+        "rope_theta": key("rope.freq_base", 10000.0, kind=float),
+        "max_position_embeddings": key("context_length"),
         "vocab_size": embed.shape[0],
         "tie_word_embeddings": "output.weight" not in g.tensors,
     }
@@ -469,7 +478,7 @@ def _config(g: GgufFile) -> dict:
     if g.arch.model_type == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
         config["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
-    scaling = _rope_scaling(g, key, int(key("rope.dimension_count", config["head_dim"])), config["rope_theta"])
+    scaling = _rope_scaling(g, key, key("rope.dimension_count", config["head_dim"]), config["rope_theta"])
     if scaling is not None:
         config["rope_scaling"] = scaling
     # Activations take the dtype of the norms (llama.cpp keeps them F32), and so the KV cache.
@@ -504,8 +513,8 @@ def _end_of_generation_ids(meta: dict) -> list[int]:
 
 
 def _rope_scaling(g: GgufFile, key: Callable[..., Any], dims: int, base: float) -> dict | None:
-    kind = key("rope.scaling.type", None)
-    factor = key("rope.scaling.factor", None)
+    kind = g.meta.get(f"{g.meta['general.architecture']}.rope.scaling.type")
+    factor = key("rope.scaling.factor", None, kind=float)
     if "rope_freqs.weight" in g.tensors:
         return _llama3_scaling(g, dims, base)
     if kind in (None, "none") or (kind == "linear" and not factor):
@@ -516,10 +525,10 @@ def _rope_scaling(g: GgufFile, key: Callable[..., Any], dims: int, base: float) 
         scaling = {"rope_type": "yarn", "factor": float(factor)}
         original = key("rope.scaling.original_context_length", None)
         if original:
-            scaling["original_max_position_embeddings"] = int(original)
+            scaling["original_max_position_embeddings"] = original
         for ours, theirs in (("beta_fast", "rope.scaling.yarn_beta_fast"), ("beta_slow", "rope.scaling.yarn_beta_slow")):
-            if key(theirs, None) is not None:
-                scaling[ours] = float(key(theirs))
+            if (value := key(theirs, None, kind=float)) is not None:
+                scaling[ours] = value
         return scaling
     raise ModelError(f"{g.path}: RoPE scaling {kind!r} is not mapped by ringd (linear, yarn and llama3 are)")
 

@@ -425,22 +425,52 @@ def drop_ring_link(pid_a: int, port_a: int, pid_b: int, port_b: int) -> int:
     return len(pairs)
 
 
+# ptrace(2) requests, and the syscalls (x86-64, aarch64) an idle uvloop thread waits in.
+_PTRACE_DETACH, _PTRACE_SEIZE, _PTRACE_INTERRUPT = 17, 0x4206, 0x4207
+_WALL = 0x40000000  # waitpid(2)'s __WALL: wait for a thread, not only a process
+_POLL_SYSCALLS = {"x86_64": {"232", "281", "441"}, "aarch64": {"22", "441"}}  # epoll_wait, epoll_pwait, epoll_pwait2
+# Catching the loop between two callbacks takes a few tries at most on an idle node.
+_FREEZE_ATTEMPTS = 500
+
+
 def block_event_loop(pid: int, seconds: float) -> None:
-    """Block a live daemon's event loop (its main thread) for ``seconds``, from outside, with gdb:
-    the compute and executor threads run on, as when a blocking call stalls the loop."""
-    script = f"import time; time.sleep({seconds})"
-    r = subprocess.run(
-        ["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "call (int)PyGILState_Ensure()",
-         "-ex", f"call (int)PyRun_SimpleString({json_quote(script)})", "-ex", "call (void)PyGILState_Release($1)"],
-        capture_output=True, text=True, timeout=seconds + 60,
-    )  # fmt: skip
-    assert r.returncode == 0 and "$2 = 0" in r.stdout, f"gdb could not block the loop of {pid}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    """Block a live daemon's event loop (its main thread) for ``seconds``, from outside: the compute
+    and executor threads run on, as when a blocking call (a sleep, a disk read) stalls the loop.
 
+    The main thread alone is stopped with ptrace (a thread is its own tracee, so the others
+    run on), caught while it waits in epoll, where uvloop has released the GIL: it stalls
+    as the loop does in a blocking call that releases the GIL. (gdb calling time.sleep in
+    the process did this before; its inferior calls fail on some VMs' CPUs, "Couldn't write
+    extended state status".) Returns when the loop runs again.
+    """
+    import ctypes
+    import platform
 
-def json_quote(s: str) -> str:
-    import json
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    libc.ptrace.restype = ctypes.c_long
 
-    return json.dumps(s)
+    def ptrace(request: int) -> None:
+        if libc.ptrace(request, pid, None, None) != 0:
+            raise OSError(ctypes.get_errno(), f"ptrace({request:#x}) of thread {pid}")
+
+    polls = _POLL_SYSCALLS[platform.machine()]
+    for _ in range(_FREEZE_ATTEMPTS):
+        ptrace(_PTRACE_SEIZE)
+        ptrace(_PTRACE_INTERRUPT)
+        os.waitpid(pid, _WALL)
+        with open(f"/proc/{pid}/task/{pid}/syscall") as f:
+            waiting = f.read().split()[0] in polls
+        if waiting:
+            break
+        ptrace(_PTRACE_DETACH)  # caught running Python (holding the GIL): let it go, try again
+        time.sleep(0.001)
+    else:
+        raise AssertionError(f"the event loop of {pid} was never caught waiting in epoll in {_FREEZE_ATTEMPTS} tries")
+    try:
+        time.sleep(seconds)
+    finally:
+        ptrace(_PTRACE_DETACH)
 
 
 @pytest.fixture(scope="session")

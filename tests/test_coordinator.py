@@ -3,8 +3,8 @@
 Three `ringd serve` processes on 127.0.0.1, the real tiny llama, streams read
 as a client reads them. The faults are the real thing: SIGSTOP and SIGCONT (a
 Mac asleep), `ss -K` destroying a link's TCP socket in the kernel (a Wi-Fi drop,
-a NAT timeout), gdb blocking a live daemon's event loop while its other threads
-run on. After each, the cluster must serve again within 20 s, and every
+a NAT timeout), ptrace stopping a live daemon's event loop thread while its other
+threads run on. After each, the cluster must serve again within 20 s, and every
 stream that was open must end (complete, or a clean OpenAI error and
 ``data: [DONE]``) within 30 s: no hang, no broken chunking.
 

@@ -24,7 +24,7 @@ import time
 import pytest
 from conftest import REPO
 
-from test_pkgindex import LocalIndex
+from localindex import LocalIndex
 
 START_TIMEOUT_S = 180.0
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

