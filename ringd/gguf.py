@@ -392,33 +392,48 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 
 def _parse(path: Path, size: int) -> tuple[dict[str, Any], dict[str, Tensor], int]:
-    """Metadata and tensor table, with gguf-py's reader; the reader (and its map of the file) is dropped."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    """Metadata and tensor table (``gguf_header.py``), from a map of the file: only the header's
+    pages are read."""
+    import mmap
 
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from .gguf_header import HeaderError, parse_header
+
+    header, why = None, ""
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # gguf-py raises ValueError, struct and numpy errors on a damaged header
-        raise ModelError(
-            f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); a file cut short (a download "
-            "still running or broken off) reads like this: fetch it again"
-        ) from e
-    try:
-        meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-        tensors = {}
-        for t in reader.tensors:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             try:
-                type_name = GGMLQuantizationType(t.tensor_type).name
-            except ValueError:
-                type_name = f"type {int(t.tensor_type)}"
-            # gguf-py gives each tensor's offset from the start of the file.
-            tensors[t.name] = Tensor(t.name, type_name, tuple(int(d) for d in reversed(t.shape)), int(t.data_offset), int(t.n_bytes))
-        data_offset = int(reader.data_offset)
-    finally:
-        del reader
-    for t in tensors.values():
-        if t.offset + t.nbytes > size:
-            raise ModelError(f"{path}: tensor {t.name} ends past the end of the file; is the download complete?")
-    return meta, tensors, data_offset
+                header = parse_header(mapped)
+            except HeaderError as e:
+                # Kept as text: the error's traceback holds views of the map, which must go before it closes.
+                why = str(e)
+    except (OSError, ValueError) as e:  # ValueError: mmap of an empty file
+        why = str(e)
+    if header is None:
+        raise ModelError(
+            f"{path}: not a readable GGUF file ({why}); a file cut short (a download still running "
+            "or broken off) reads like this: fetch it again"
+        )
+    tensors = {}
+    for info in header.tensors:
+        try:
+            qtype = GGMLQuantizationType(info.type)
+            name = qtype.name
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            name, block, block_bytes = f"type {info.type}", 1, 0  # refused by _check_types, by its number
+        elements = math.prod(info.dims)
+        if info.dims[0] % block:
+            raise ModelError(f"{path}: tensor {info.name} ({name}) has rows of {info.dims[0]} weights, not whole blocks of {block}")
+        offset = header.data_offset + info.offset
+        nbytes = elements // block * block_bytes
+        if info.name in tensors:
+            raise ModelError(f"{path}: tensor {info.name} is listed twice")
+        if offset + nbytes > size:
+            raise ModelError(f"{path}: tensor {info.name} ends past the end of the file; is the download complete?")
+        tensors[info.name] = Tensor(info.name, name, tuple(reversed(info.dims)), offset, nbytes)
+    return header.metadata, tensors, header.data_offset
 
 
 def _check_types(path: Path, tensors: dict[str, Tensor]) -> None:

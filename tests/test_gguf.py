@@ -183,8 +183,13 @@ def test_a_damaged_or_foreign_file_is_refused_in_one_line(smollm2_gguf, tmp_path
     truncated = tmp_path / "truncated.gguf"
     with open(smollm2_gguf, "rb") as f:
         truncated.write_bytes(f.read(40_000_000))
-    with pytest.raises(ModelError, match=r"not a readable GGUF file .* a file cut short"):
+    with pytest.raises(ModelError, match=r"ends past the end of the file; is the download complete\?"):
         model_info(str(truncated))
+    cut_in_header = tmp_path / "cut.gguf"
+    with open(smollm2_gguf, "rb") as f:
+        cut_in_header.write_bytes(f.read(100_000))
+    with pytest.raises(ModelError, match=r"not a readable GGUF file \(49152 strings of 'tokenizer.ggml.tokens' declared at byte \d+ cannot fit.*a file cut short"):
+        model_info(str(cut_in_header))
     text = tmp_path / "notes.gguf"
     text.write_text("hello")
     with pytest.raises(ModelError, match="not a GGUF file"):
