@@ -111,6 +111,7 @@ ARCHITECTURES = {
     "llama": Arch("llama", "LLAMA", rope_interleaved=True),  # Llama 2/3.x, Mistral 7B, SmolLM2, DeepSeek-R1-Distill-Llama
     "qwen2": Arch("qwen2", "QWEN2", rope_interleaved=False),  # Qwen2, Qwen2.5, QwQ, DeepSeek-R1-Distill-Qwen
     "qwen3": Arch("qwen3", "QWEN3", rope_interleaved=False),
+    "qwen3moe": Arch("qwen3_moe", "QWEN3MOE", rope_interleaved=False),  # Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder
 }
 
 # Llama 3.1+ GGUFs carry their RoPE scaling only as the ``rope_freqs`` tensor (the
@@ -175,7 +176,10 @@ class GgufFile:
         self.config = _config(self)
         from gguf import MODEL_ARCH, get_tensor_name_map
 
-        self._names = get_tensor_name_map(MODEL_ARCH[self.arch.gguf_arch], self.config["num_hidden_layers"])
+        blocks = self.config["num_hidden_layers"]
+        # The architecture's own names, then llama's for what it lacks (a dense feed-forward
+        # layer in a MoE model: llama.cpp's llama names for those are the common ones).
+        self._names = [get_tensor_name_map(MODEL_ARCH[a], blocks) for a in dict.fromkeys((self.arch.gguf_arch, "LLAMA"))]
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "GgufFile":
@@ -227,10 +231,14 @@ class GgufFile:
 
     # --- the model's parameters ----------------------------------------------------
 
+    def _gguf_name(self, module_path: str) -> str | None:
+        # mlx-lm stacks MoE experts under ``switch_mlp``; gguf-py knows the HF name ``experts``.
+        hf = module_path.replace(".switch_mlp.", ".experts.")
+        return next((n for names in self._names if (n := names.get_name(hf)) is not None), None)
+
     def tensor_of(self, module_path: str) -> Tensor | None:
         """The GGUF tensor holding the weight of the mlx-lm module at ``module_path``."""
-        # mlx-lm stacks MoE experts under ``switch_mlp``; gguf-py knows the HF name ``experts``.
-        name = self._names.get_name(module_path.replace(".switch_mlp.", ".experts."))
+        name = self._gguf_name(module_path)
         return self.tensors.get(f"{name}.weight") if name is not None else None
 
     def quantization(self, module_path: str) -> dict | None:
@@ -243,7 +251,7 @@ class GgufFile:
     def source(self, parameter: str) -> tuple[Tensor, str]:
         """The tensor and part ("", "scales", "biases") an mlx-lm parameter is read from."""
         module, leaf = parameter.rsplit(".", 1)
-        name = self._names.get_name(module.replace(".switch_mlp.", ".experts."))
+        name = self._gguf_name(module)
         part = leaf if leaf in ("scales", "biases") else ""
         t = None
         if name is not None:
@@ -478,7 +486,7 @@ def _config(g: GgufFile) -> dict:
         "model_type": g.arch.model_type,
         "hidden_size": hidden,
         "num_hidden_layers": key("block_count"),
-        "intermediate_size": key("feed_forward_length"),
+        "intermediate_size": key("feed_forward_length", None if g.arch.model_type == "qwen3_moe" else ...),
         "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": key("attention.key_length", hidden // heads),
@@ -488,6 +496,8 @@ def _config(g: GgufFile) -> dict:
         "vocab_size": embed.shape[0],
         "tie_word_embeddings": "output.weight" not in g.tensors,
     }
+    if g.arch.model_type == "qwen3_moe":
+        config.update(_qwen3_moe(g, key))
     if g.arch.rope_interleaved:
         config["rope_traditional"] = True
     if g.arch.model_type == "llama":
@@ -505,6 +515,26 @@ def _config(g: GgufFile) -> dict:
     if meta.get("tokenizer.ggml.bos_token_id") is not None:
         config["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
     return config
+
+
+def _qwen3_moe(g: GgufFile, key: Callable[..., Any]) -> dict:
+    """Qwen3-MoE's experts, as llama.cpp's qwen3moe reads them: every layer a mixture (llama.cpp
+    has no dense layers in this architecture; a layer holding a plain feed-forward instead is
+    taken as one, as mlx-lm's mlp_only_layers), the chosen experts' weights normalized (its
+    build_moe_ffn with norm_w, Qwen3's norm_topk_prob)."""
+    layers = key("block_count")
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in g.tensors and f"blk.{i}.ffn_gate.weight" in g.tensors]
+    experts = {
+        "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        "norm_topk_prob": True,
+    }
+    if key("feed_forward_length", None) is None:  # the dense size, which only dense layers use
+        experts["intermediate_size"] = experts["moe_intermediate_size"]
+    return experts
 
 
 # Tokens llama.cpp ends a generation on by their text, besides the ids the file names

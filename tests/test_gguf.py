@@ -278,7 +278,11 @@ def _convert(gguf_path: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize(("arch", "rope_scaling"), [("llama", None), ("llama", LLAMA3_ROPE), ("qwen2", None), ("qwen3", None)], ids=["llama", "llama3-rope", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    ("arch", "rope_scaling"),
+    [("llama", None), ("llama", LLAMA3_ROPE), ("qwen2", None), ("qwen3", None), ("qwen3_moe", None)],
+    ids=["llama", "llama3-rope", "qwen2", "qwen3", "qwen3_moe"],
+)
 def test_a_float_file_computes_what_the_original_model_computes(tiny_model, tmp_path_factory, arch, rope_scaling):
     """The mapping itself (config, names, llama's Q/K layout, llama3's RoPE) against the model the file was made from."""
     from mlx_lm import load
@@ -305,7 +309,7 @@ def test_a_float_file_computes_what_the_original_model_computes(tiny_model, tmp_
     assert list(rebuilt.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)) == prompt
 
 
-@pytest.mark.parametrize(("arch", "qtype"), [("llama", "q4_0"), ("qwen2", "q8_0"), ("qwen3", "q4_1"), ("qwen3", "bf16")])
+@pytest.mark.parametrize(("arch", "qtype"), [("llama", "q4_0"), ("qwen2", "q8_0"), ("qwen3", "q4_1"), ("qwen3", "bf16"), ("qwen3_moe", "q8_0")])
 def test_every_split_of_a_file_computes_what_mlx_lm_computes_on_its_conversion(tiny_model, tmp_path_factory, arch, qtype):
     from mlx_lm import load
 
@@ -337,7 +341,7 @@ def test_what_mlx_cannot_compute_as_is_is_refused_at_start(tiny_model, tmp_path_
     assert "Q6_K (2 tensors, e.g. blk.0.ffn_down.weight) cannot be served as they are" in message
     assert "F32, F16, BF16, Q4_0, Q4_1, Q8_0" in message
     mamba = write_gguf(source, tmp_path_factory.mktemp("arch") / "mamba.gguf", arch="mamba")
-    with pytest.raises(ModelError, match=r"GGUF architecture 'mamba' has no mapping to mlx-lm in ringd; GGUF files of llama, qwen2, qwen3 are served directly") as e:
+    with pytest.raises(ModelError, match=r"GGUF architecture 'mamba' has no mapping to mlx-lm in ringd; GGUF files of llama, qwen2, qwen3, qwen3moe are served directly") as e:
         model_info(str(mamba))
     assert "\n" not in str(e.value)
 
