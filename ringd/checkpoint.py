@@ -278,9 +278,7 @@ def model_info(path_or_repo: str) -> ModelInfo:
 
 def gguf_source(model: str) -> tuple[Path | None, str]:
     """The GGUF file ``model`` names, and what to call it; (None, "") when it names no GGUF."""
-    from . import gguf
-
-    from . import ollama
+    from . import gguf, ollama
 
     if ollama.is_ollama_ref(model):
         return ollama.resolve(model), model.removeprefix(ollama.PREFIX)

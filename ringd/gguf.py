@@ -350,33 +350,43 @@ class GgufFile:
 
     def convert(self, out_dir: Path, on_tensor: Callable[[Tensor], None] | None = None) -> None:
         """Write an mlx-lm checkpoint directory (config, tokenizer, safetensors in MLX's format) that
-        mlx-lm's ``load`` reads as the same model ringd serves from this file."""
-        out_dir.mkdir(parents=True, exist_ok=True)
+        mlx-lm's ``load`` reads as the same model ringd serves from this file.
+
+        Written beside ``out_dir`` under a temporary name and renamed when whole: a convert
+        that is stopped half-way leaves nothing that looks like a checkpoint.
+        """
         from mlx.utils import tree_flatten
 
-        names = [n for n, _ in tree_flatten(self.build_model().parameters())]
-        groups: list[list[str]] = [[]]
-        size = 0
-        for n in sorted(names, key=lambda n: self.source(n)[0].offset):
-            t = self.source(n)[0]
-            if groups[-1] and size + t.mlx_bytes > CONVERT_FILE_BYTES:
-                groups.append([])
-                size = 0
-            groups[-1].append(n)
-            size += t.mlx_bytes
-        weight_map = {}
-        total = 0
-        for i, group in enumerate(groups):
-            file = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            arrays = dict(self.read(group, on_tensor))
-            mx.save_safetensors(str(out_dir / file), arrays, metadata={"format": "mlx"})
-            total += sum(a.nbytes for a in arrays.values())
-            weight_map.update({n: file for n in arrays})
-            del arrays
-        if len(groups) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        self.write_sidecar(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+        try:
+            names = [n for n, _ in tree_flatten(self.build_model().parameters())]
+            groups: list[list[str]] = [[]]
+            size = 0
+            for n in sorted(names, key=lambda n: self.source(n)[0].offset):
+                t = self.source(n)[0]
+                if groups[-1] and size + t.mlx_bytes > CONVERT_FILE_BYTES:
+                    groups.append([])
+                    size = 0
+                groups[-1].append(n)
+                size += t.mlx_bytes
+            weight_map, total = {}, 0
+            for i, group in enumerate(groups):
+                file = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                arrays = dict(self.read(group, on_tensor))
+                mx.save_safetensors(str(tmp / file), arrays, metadata={"format": "mlx"})
+                total += sum(a.nbytes for a in arrays.values())
+                weight_map.update({n: file for n in arrays})
+                del arrays  # one file's arrays in memory at a time
+            if len(groups) > 1:
+                index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            self.write_sidecar(tmp)
+            if out_dir.is_dir():
+                out_dir.rmdir()  # empty (the caller checks): replaced by the finished one
+            os.rename(tmp, out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # Tensors of a GGUF that are not parameters of mlx-lm's model: it computes them from the config.

@@ -5,7 +5,9 @@ embeddings when it is the first stage and the final norm and LM head when it is
 the last (with tied embeddings the last stage also holds ``embed_tokens``, for
 ``as_linear``). Loading goes through mlx-lm's own loader lazily and then
 materializes only the parameters this stage keeps, so a node's memory is its
-share of the model, not the whole of it.
+share of the model, not the whole of it. A GGUF file is read the same way through
+``gguf.py``: the model built from the file's config, then only the stage's tensors
+read out of the file.
 
 The forward pass is mlx-lm's own ``Model.__call__`` with the layer list cut
 (``Shard``): same modules, same masks, same cache objects, whatever the

@@ -378,3 +378,17 @@ def test_metadata_that_lies_is_refused_with_the_key(smollm2_gguf, key, value, me
         g = GgufFile(smollm2_gguf, meta, tensors, data_offset)
         g.write_sidecar(tmp_path / "sidecar")  # the tokenizer is rebuilt here
     assert "\n" not in str(e.value)
+
+
+def test_a_convert_stopped_half_way_leaves_nothing_that_looks_like_a_checkpoint(smollm2_gguf, tmp_path):
+    g = GgufFile.open(smollm2_gguf)
+    seen = []
+
+    def stop_after_ten(tensor) -> None:
+        seen.append(tensor.name)
+        if len(seen) == 10:
+            raise KeyboardInterrupt  # as Ctrl-C would, between two tensors
+
+    with pytest.raises(KeyboardInterrupt):
+        g.convert(tmp_path / "out", stop_after_ten)
+    assert list(tmp_path.iterdir()) == []  # neither the directory nor its temporary twin
