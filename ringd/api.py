@@ -10,7 +10,8 @@ its caches on every stage.
 Who may do what (``auth.py``): with ``api_keys_file`` set, ``/v1/*`` needs a
 key on every node, and ``/cluster/status`` a key or a request signed with the
 cluster secret; ``/health`` stays open. Control routes (leader pin, drain)
-always need a request signed with the cluster secret.
+always need a request signed with the cluster secret, and a request marked as
+forwarded by a follower the follower's own proof of it (a client's mark is refused).
 
 Work per request is bounded before it is paid for (``http_guard.py``): a body's
 bytes are booked against the node's budget before it is read, it is parsed off
@@ -31,10 +32,10 @@ from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from . import logs
-from .auth import AuthError, ControlAuth, check_api_key, is_signed, sign
+from .auth import AuthError, ControlAuth, ForwardAuth, body_sha256, check_api_key, is_signed, sign
 from .config import check_name
 from .engine import EngineError
-from .http_guard import BODY_READ_TIMEOUT_S, HTTP_IDLE_TIMEOUT_S, BodyBudget, listen, raise_fd_limit
+from .http_guard import AIOHTTP_LOG, BODY_READ_TIMEOUT_S, HTTP_IDLE_TIMEOUT_S, BodyBudget, listen, raise_fd_limit, undecodable_header
 from .openai_types import ApiError, CompletionRequest, envelope, new_id, now, parse_json, parse_request, prompt_chars, usage
 from .proxy import FORWARDED_HEADER, REQUEST_ID_HEADER, RESUME_FIELD, TOKEN_COMMENT, Proxy
 from .sampling import SamplingError
@@ -45,6 +46,11 @@ if TYPE_CHECKING:
     from .checkpoint import ModelInfo
 
 log = logging.getLogger(__name__)
+
+# A node that stops gives its HTTP handlers this long to finish (their streams have
+# been told to end: an error event and data: [DONE] take milliseconds), then cancels
+# them. aiohttp's default, 60 s, kept a stopping node alive for as long as a stream ran.
+HTTP_SHUTDOWN_GRACE_S = 3.0
 
 # The routes described for clients and for the HTTP fuzz test.
 OPENAPI = Path(__file__).with_name("openapi.json")
@@ -158,6 +164,9 @@ async def _send_request_id(request: web.Request, response: web.StreamResponse) -
 @web.middleware
 async def _errors(request: web.Request, handler):
     try:
+        if (bad := undecodable_header(request.headers)) is not None:
+            # Named, never echoed: it may be an Authorization header, a key and all.
+            raise ApiError(400, f"the {bad} header is not text: it holds a byte that is not UTF-8; send it as ASCII", bad.lower(), "invalid_header")
         return await handler(request)
     except ApiError as e:
         return _error(e)
@@ -195,7 +204,8 @@ def max_chars_per_token(tokenizer) -> int:
 class Api:
     def __init__(self, node: ApiNode):
         self.d = node
-        self.app = web.Application(middlewares=[_context(node.metrics), _errors], client_max_size=MAX_BODY_BYTES)
+        self.app = web.Application(middlewares=[_context(node.metrics), _errors, self._while_stopping], client_max_size=MAX_BODY_BYTES)
+        self._stopping = ""  # why this node takes no more requests ("" while it serves)
         self.app.on_response_prepare.append(_send_request_id)
         self.app.add_routes(
             [
@@ -221,6 +231,7 @@ class Api:
         self._parses = asyncio.Semaphore(MAX_CONCURRENT_PARSES)
         self._tokenizations = asyncio.Semaphore(MAX_CONCURRENT_TOKENIZATIONS)
         self._control: ControlAuth | None = None
+        self._forwards: ForwardAuth | None = None
         self._chars_per_token: int | None = None
         # Read once: no file I/O on the event loop per request.
         self._page = (WEB_DIR / "index.html").read_bytes()
@@ -232,17 +243,40 @@ class Api:
         # once, which releases its request's caches instead of generating on.
         # keepalive_timeout also bounds how long a new connection may take to
         # send its request (aiohttp arms it when the connection opens).
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, keepalive_timeout=HTTP_IDLE_TIMEOUT_S)
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, keepalive_timeout=HTTP_IDLE_TIMEOUT_S,
+            shutdown_timeout=HTTP_SHUTDOWN_GRACE_S,
+            # What aiohttp logs of requests its parser refuses: one line, without their bytes.
+            logger=AIOHTTP_LOG,
+        )  # fmt: skip
         await self._runner.setup()
         self._server, _ = await listen(self._runner, host, port)
         return self._server.sockets[0].getsockname()[1]
+
+    def stop_serving(self, reason: str) -> None:
+        """The node is stopping: listen no more, refuse new requests on open connections (503,
+        ``reason``), end what this node forwards. What it serves itself the engine ends."""
+        self._stopping = reason
+        if self._server is not None:
+            self._server.close()
+        self.proxy.stop(reason)
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
         if self._runner is not None:
+            # Handlers have HTTP_SHUTDOWN_GRACE_S to write their last words (an error event and
+            # data: [DONE]); then they are cancelled.
             await self._runner.cleanup()
         await self.proxy.close()
+
+    @web.middleware
+    async def _while_stopping(self, request: web.Request, handler):
+        if self._stopping and request.path.startswith(("/v1/", "/cluster/")):
+            response = _error(ApiError(503, self._stopping))
+            response.force_close()  # no keep-alive: the client's next request goes to another node
+            return response
+        return await handler(request)
 
     # --- who may ------------------------------------------------------------------
 
@@ -253,6 +287,20 @@ class Api:
         if self._control is None:
             self._control = ControlAuth(self.d.secret, self.d.name)
         self._control.verify(request.method, request.path_qs, request.headers, body, time.time())
+
+    async def _forwarded_by(self, request: web.Request, body: bytes) -> str | None:
+        """The follower that forwarded this request, once its proof of the secret holds; None for a
+        client's own request. The mark lets a request carry a stream over (RESUME_FIELD): a client
+        that sends it without the proof is refused, not served as if it had not."""
+        if FORWARDED_HEADER not in request.headers:
+            return None
+        if self._forwards is None:
+            self._forwards = ForwardAuth(self.d.secret, self.d.name)
+        digest = await asyncio.get_running_loop().run_in_executor(None, body_sha256, body)  # up to 16 MiB: off the loop
+        try:
+            return self._forwards.verify_digest(request.method, request.path_qs, request.headers, digest, time.time())
+        except AuthError as e:
+            raise ApiError(e.status, str(e), FORWARDED_HEADER.lower(), "forwarding_not_proven", "authentication_error") from None
 
     # --- reading a request ------------------------------------------------------------
 
@@ -370,13 +418,19 @@ class Api:
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         self._need_key(request)
         raw = await self._read(request)
+        forwarded = await self._forwarded_by(request, raw) is not None
         body = await self._json(raw)
         engine = self.d.engine
         if engine is None:
             return await self.proxy.forward(request, raw, body.get("stream") is True)
         req = parse_request(body, chat)
-        forwarded = bool(request.headers.get(FORWARDED_HEADER))
-        resume = _resume(body.get(RESUME_FIELD), self.d.info.vocab_size) if forwarded else None
+        resume = None
+        if forwarded and body.get(RESUME_FIELD) is not None:
+            if not req.stream:  # followers carry streams over; anything else is sent again whole
+                raise ApiError(400, f"{RESUME_FIELD} carries a stream over; this request does not stream", RESUME_FIELD)
+            async with self._parses:
+                # Up to MAX_RESUME_TOKENS ids, each checked: tens of milliseconds, not on the loop.
+                resume = await asyncio.get_running_loop().run_in_executor(None, _resume, body[RESUME_FIELD], self.d.info.vocab_size)
         if req.model != self.d.model_id:
             raise ApiError(404, f"model {req.model!r} is not served here; this ring serves {self.d.model_id!r}", "model", "model_not_found")
         ready, reason = self.d.readiness()
@@ -507,9 +561,15 @@ class Api:
             # The stream has started: report the failure in-band, as OpenAI does, and end it properly.
             await send(ApiError(e.status, str(e)).body())
             await resp.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:  # aiohttp's "Cannot write to closing transport"
+            log.debug("the client closed the stream after %d token(s)", n)
+            return resp  # the caller's events.aclose() frees the ring
         finally:
             self.d.metrics.completion_tokens.inc(n - (len(resume["tokens"]) if resume else 0))
-        await resp.write_eof()
+        try:
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client closed once it had data: [DONE], before the last empty chunk: done all the same
         return resp
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -59,10 +61,22 @@ _NOT_THE_DECODER = ("vision_tower", "vision_model", "multi_modal_projector", "mm
 # safetensors: an 8-byte little-endian header length, then a JSON header.
 # A header over this size is not a safetensors file we should trust.
 _MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
+# Bytes per element of the safetensors dtypes, to check each tensor's byte range
+# against its shape; a dtype not listed here is left to the loader.
+_SAFETENSORS_ITEM_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
 
 
 class ModelError(ValueError):
     """The model cannot be served by a ring: unsupported, incomplete, bad range."""
+
+
+class ModelFileError(ModelError):
+    """A file of the model on this disk is not what it claims to be: invalid JSON, a corrupt
+    or truncated safetensors file. Trying again reads the same bytes: it is not transient,
+    and the message names the file and what is wrong with it."""
 
 
 @dataclass(frozen=True)
@@ -243,7 +257,7 @@ def weight_map(path: Path) -> dict[str, str]:
     model*.safetensors files present (a checkpoint in one file needs no index)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
+        return _index_weight_map(index)
     return {key: file.name for file in sorted(path.glob("model*.safetensors")) for key in safetensors_keys(file)}
 
 
@@ -259,7 +273,7 @@ def model_info(path_or_repo: str) -> ModelInfo:
     if gguf_file is not None:
         return _gguf_info(gguf_file, label)
     path = resolve_model_path(path_or_repo)
-    config = load_config(path)
+    config = _read_config(path)
     text = _check_supported(config, path / "config.json")
     return ModelInfo(
         path=path,
@@ -367,11 +381,9 @@ def weights_digest(path: Path) -> str:
         size = file.stat().st_size
         h.update(f"{file.name}:{size}:".encode())
         with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > _MAX_SAFETENSORS_HEADER_BYTES:
-                raise ModelError(f"{file}: safetensors header of {n} bytes is implausible")
-            h.update(f.read(n))
-            data = 8 + n
+            raw = _safetensors_header_bytes(f, file, size)
+            h.update(raw)
+            data = 8 + len(raw)
             for i in range(SAMPLES_PER_FILE):
                 f.seek(data + (size - data) * i // SAMPLES_PER_FILE)
                 h.update(f.read(SAMPLE_BYTES))
@@ -389,7 +401,10 @@ def weight_bytes(path: Path, num_layers: int) -> WeightBytes:
     parts = {"embed": 0, "norm": 0, "head": 0}
     if not files:
         index = path / "model.safetensors.index.json"
-        total = json.loads(index.read_text()).get("metadata", {}).get("total_size", 0) if index.is_file() else 0
+        metadata = _json_file(index).get("metadata") if index.is_file() else None
+        total = metadata.get("total_size", 0) if isinstance(metadata, dict) else 0
+        if not isinstance(total, int) or total < 0:
+            raise ModelFileError(f"{index}: metadata.total_size must be a byte count, got {total!r:.40}")
         return WeightBytes(tuple([total // max(num_layers, 1)] * num_layers), 0, 0, 0)
     for file in files:
         for key, size in _safetensors_sizes(file).items():
@@ -418,15 +433,85 @@ def _model_module(config: dict) -> str:
     return model_class.__module__.rsplit(".", 1)[-1]
 
 
+def _safetensors_header_bytes(f, file: Path, size: int) -> bytes:
+    """The JSON header of the safetensors file open as ``f`` (``size`` bytes), its length checked first."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise ModelFileError(f"{file}: not a safetensors file: {size} bytes, too short for a header; fetch or copy it again")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(_MAX_SAFETENSORS_HEADER_BYTES, size - 8):
+        raise ModelFileError(
+            f"{file}: corrupt safetensors file: it declares a header of {n} bytes in a file of {size} bytes; fetch or copy it again"
+        )
+    return f.read(n)
+
+
 def _safetensors_header(file: Path, keep_metadata: bool = False) -> dict:
+    """A safetensors file's header, checked against the file: every tensor's bytes lie within it.
+
+    mlx reads a tensor only when it is evaluated, so a file cut short or a header
+    that does not parse would otherwise fail deep in a stage's load, as a traceback.
+    """
     with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > _MAX_SAFETENSORS_HEADER_BYTES:
-            raise ModelError(f"{file}: safetensors header of {n} bytes is implausible")
-        header = json.loads(f.read(n))
+        size = os.fstat(f.fileno()).st_size
+        raw = _safetensors_header_bytes(f, file, size)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"{file}: corrupt safetensors file: its header is not JSON ({e}); fetch or copy it again") from None
+    if not isinstance(header, dict):
+        raise ModelFileError(f"{file}: corrupt safetensors file: its header is not a JSON object; fetch or copy it again")
+    data = size - 8 - len(raw)  # bytes of tensor data the file holds
+    end = 0  # bytes of tensor data the header describes
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = t.get("data_offsets") if isinstance(t, dict) else None
+        shape = t.get("shape") if isinstance(t, dict) else None
+        if not (
+            isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]
+            and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and isinstance(t.get("dtype"), str)
+        ):  # fmt: skip
+            raise ModelFileError(f"{file}: corrupt safetensors file: tensor {name!r:.120} has no valid dtype, shape and data_offsets; fetch or copy it again")
+        item = _SAFETENSORS_ITEM_BYTES.get(t["dtype"])
+        if item is not None and offsets[1] - offsets[0] != math.prod(shape) * item:
+            raise ModelFileError(
+                f"{file}: corrupt safetensors file: tensor {name!r:.120} of shape {shape} and dtype {t['dtype']} "
+                f"is said to take {offsets[1] - offsets[0]} bytes; fetch or copy it again"
+            )
+        end = max(end, offsets[1])
+    if end > data:
+        raise ModelFileError(
+            f"{file}: truncated: its header describes {end} bytes of tensors, the file holds {data} "
+            f"({size} bytes in all); is the download or copy complete? Fetch or copy it again"
+        )
     if not keep_metadata:
         header.pop("__metadata__", None)
     return header
+
+
+def _json_file(file: Path) -> dict:
+    """A JSON object from a model's file, or a ModelFileError naming the file."""
+    try:
+        value = json.loads(file.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"{file}: not valid JSON ({e}); fetch or copy the model again") from None
+    if not isinstance(value, dict):
+        raise ModelFileError(f"{file}: not a JSON object; fetch or copy the model again")
+    return value
+
+
+def _index_weight_map(index: Path) -> dict[str, str]:
+    weight_map = _json_file(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelFileError(f"{index}: weight_map must be an object naming a file for each tensor; fetch or copy the model again")
+    return weight_map
+
+
+def _read_config(path: Path) -> dict:
+    """config.json as mlx-lm reads it (with generation_config.json's end tokens), checked first."""
+    _json_file(path / "config.json")  # a ModelFileError naming the file, not mlx-lm's traceback
+    return load_config(path)
 
 
 def safetensors_keys(file: Path) -> set[str]:
@@ -448,7 +533,7 @@ def weight_files_for(path: Path, start: int, end: int) -> list[str] | None:
     index = path / "model.safetensors.index.json"
     if not index.is_file():
         return None
-    weight_map = json.loads(index.read_text())["weight_map"]
+    weight_map = _index_weight_map(index)
     files = set()
     for key, file in weight_map.items():
         if any(part in key for part in _NOT_THE_DECODER):

@@ -10,6 +10,12 @@ It knows nothing of plans or models beyond the ``Report`` its owner hands it,
 and it decides nothing about them: ``on_leadership`` tells the owner when this
 node starts or stops leading, ``on_change`` when anything the leader
 reconciles against may have changed.
+
+Leaving is a protocol step: a node that stops sends LEAVE on every link and from
+then on holds its view still (it neither elects, nor follows a new leader, nor
+dials). A peer that hears LEAVE takes the leaver out after LEAVE_SETTLE_S: long
+enough that when a whole cluster is stopped at once, every node is leaving itself
+before it would re-plan or elect over the others.
 """
 
 from __future__ import annotations
@@ -33,6 +39,13 @@ from .reconcile import Report
 from .tasks import Supervisor
 
 log = logging.getLogger(__name__)
+
+# A peer that said LEAVE is taken out this long after (its link closed, the view
+# recomputed, the leader re-planning): signals sent to every node of a ring at
+# once (Ctrl-C of `ringd local`, a shutdown) reach each within milliseconds, and
+# a node that starts leaving meanwhile re-plans nothing. Short next to a
+# heartbeat timeout (dead_after_s), which is what a leaver would otherwise cost.
+LEAVE_SETTLE_S = 0.3
 
 
 def _dialable(addr: object) -> bool:
@@ -86,6 +99,12 @@ class Cluster:
         self._leader_moved = asyncio.Event()  # set, then replaced, whenever the leader changes
         self._last_leader: str | None = None
         self.leader_changes = 0  # elections this node saw decided (for metrics)
+        self.leaving = False  # this node is stopping: its view holds still
+        # Peers that said LEAVE, by the number of the link they said it on (a node that
+        # comes back re-links with a new one, and counts again).
+        self.left: dict[str, int] = {}
+        self._settle: asyncio.TimerHandle | None = None  # a view change held back while a leaver settles
+        self._settle_until = 0.0
         self.links = Links(
             node, cluster, secret, info, self._on_frame, self.view_changed,
             heartbeat=self._heartbeat, heartbeat_interval_s=heartbeat_interval_s, dead_after_s=dead_after_s,
@@ -105,6 +124,11 @@ class Cluster:
     async def leader_changed(self) -> None:
         """Returns once the node this node follows (or leads as) changes."""
         await self._leader_moved.wait()
+
+    @property
+    def settling(self) -> float:
+        """Seconds until a peer that said LEAVE is taken out (0: none is settling)."""
+        return max(0.0, self._settle_until - asyncio.get_running_loop().time())
 
     def leader_linked(self) -> bool:
         leader = self.election.leader
@@ -131,6 +155,19 @@ class Cluster:
         """`ringctl leader set NODE` / `leader auto`, on whichever node it reached."""
         self._elect(self.election.set_pin(self.election.pin.next(node)))
 
+    def leave(self) -> None:
+        """This node is stopping: LEAVE on every link, then no more elections, dials or links."""
+        if self.leaving:
+            return
+        self.leaving = True
+        log.info("leaving the cluster: telling %s", ", ".join(sorted(self.links.peers, key=natural_key)) or "nobody (no links)")
+        for peer in list(self.links.peers):
+            try:
+                self.links.send(peer, Frame(MsgType.LEAVE, 0, {}))
+            except LinkError:
+                pass
+        self.links.leave()
+
     def drain(self, node: str, undo: bool) -> None:
         if not undo and node not in self.drained and len(self.drained) >= MAX_DRAINED:
             raise DrainError(f"{MAX_DRAINED} nodes are drained already (the most a heartbeat carries); undo one first")
@@ -142,7 +179,15 @@ class Cluster:
 
     def _on_frame(self, peer: str, frame: Frame) -> None:
         try:
-            if frame.type == MsgType.PING:
+            if self.leaving:
+                # A leaving node acts on nothing more: its view holds still, its stage computes
+                # no more steps (the leader replays them on the ring it plans without it).
+                return
+            if frame.type == MsgType.LEAVE:
+                self._on_leave(peer)
+            elif peer in self.left:
+                pass  # it is on its way out: its heartbeats and election notes no longer count
+            elif frame.type == MsgType.PING:
                 self._on_heartbeat(peer, Heartbeat.from_wire(frame.descriptor))
             elif frame.type == MsgType.CONTROL:
                 self._elect(self.election.receive(peer, parse_control(frame.descriptor)))
@@ -166,6 +211,26 @@ class Cluster:
         if changed:
             self._on_change()
 
+    def _on_leave(self, peer: str) -> None:
+        link = self.links.peers.get(peer)
+        if link is None or self.left.get(peer) == link.number:
+            return
+        self.left[peer] = link.number
+        log.info("%s is leaving the cluster", peer)
+        now = asyncio.get_running_loop().time()
+        self._settle_until = max(self._settle_until, now + LEAVE_SETTLE_S)
+        asyncio.get_running_loop().call_later(LEAVE_SETTLE_S, self._take_out, peer, link.number)
+
+    def _take_out(self, peer: str, number: int) -> None:
+        """LEAVE_SETTLE_S after a peer said LEAVE: close its link, unless this node is leaving too."""
+        if self.leaving:
+            return
+        link = self.links.peers.get(peer)
+        if link is not None and link.number == number:
+            self.links.forget(peer)  # on_change: the view without it
+        else:
+            self.view_changed()
+
     def take_report(self, peer: str, report: Report) -> None:
         """A LOADED frame: the same word a heartbeat carries, sent at once."""
         if self.reports.get(peer) != report:
@@ -173,6 +238,20 @@ class Cluster:
             self._on_change()
 
     def view_changed(self) -> None:
+        if self.leaving:
+            return  # a leaving node elects and re-plans nothing
+        loop = asyncio.get_running_loop()
+        wait = self.settling
+        if wait > 0:
+            # A leaver is settling (and may have closed its links already): act once it has,
+            # unless this node starts leaving by then.
+            if self._settle is None or self._settle.cancelled():
+                self._settle = loop.call_later(wait, self._settled)
+            return
+        for node, number in list(self.left.items()):
+            link = self.links.peers.get(node)
+            if link is not None and link.number != number:
+                del self.left[node]  # it came back: a new link, a member again
         for gone in set(self.reports) - set(self.links.peers):
             del self.reports[gone]
         members = {self.node: self.priority}
@@ -181,6 +260,10 @@ class Cluster:
             members[p] = priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
         self._elect(self.election.view(members))
         self._on_change()
+
+    def _settled(self) -> None:
+        self._settle = None
+        self.view_changed()
 
     # --- outgoing -------------------------------------------------------------------------
 
@@ -204,6 +287,8 @@ class Cluster:
 
     def _elect(self, msgs: list) -> None:
         """Persist, announce, then act on what the election decided."""
+        if self.leaving:
+            return  # a leaving node runs for nothing and follows no one new
         if msgs:
             self._save_state()  # before the messages: a term is on disk before anyone hears of it
             for msg in msgs:

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+# A node that stops waits this long for the MLX work under way (a forward pass is
+# milliseconds to seconds; a load is given up at its next step). MLX work still
+# running when the interpreter exits aborts the process (exit status 134).
+STOP_TIMEOUT_S = 10.0
 
 
 class ComputeThread:
@@ -27,3 +35,20 @@ class ComputeThread:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Drop what is queued, let the job that runs finish (within ``timeout_s``), then leave
+        MLX idle (its streams synchronized), so no MLX thread is busy as the interpreter exits."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.to_thread(self._executor.shutdown, True)  # joins the worker
+                await asyncio.to_thread(_synchronize)
+        except TimeoutError:
+            log.warning("MLX work still running after %.0f s of stopping; exiting anyway", timeout_s)
+
+
+def _synchronize() -> None:
+    import mlx.core as mx
+
+    mx.synchronize()

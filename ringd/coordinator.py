@@ -117,9 +117,12 @@ class Coordinator:
             self._burst = True
         self._seen = peers
         plan = self.plan
-        if plan is not None and self.ready:
+        if plan is not None and self.ready and not self.cluster.settling:
             gone = [s.node for s in plan.stages if s.node != self.node and s.node not in self.cluster.peers]
-            if gone:
+            if gone and all(g in self.cluster.left for g in gone):
+                # They said LEAVE (a Mac shutting down, an update): expected, not a fault.
+                self._down(f"{', '.join(gone)} left; re-planning over the rest", level=logging.INFO)
+            elif gone:
                 # Stop feeding a broken ring now; the next tick re-plans.
                 self._down(f"node {gone[0]} left the ring; re-planning over the survivors")
         self._changed.set()
@@ -150,6 +153,10 @@ class Coordinator:
             self._changed.clear()
             if self._closed:
                 return  # this node stopped leading
+            if self.cluster.settling:
+                # A peer said LEAVE: plan once it is out (the cluster calls changed() then),
+                # or not at all if this node is stopping too.
+                continue
             self._tick()
 
     def _members(self) -> dict[str, Member]:
@@ -219,9 +226,9 @@ class Coordinator:
             )
         return ""
 
-    def _down(self, reason: str) -> None:
+    def _down(self, reason: str, level: int = logging.WARNING) -> None:
         self.ready, self.reason = False, reason
-        log.warning("ring down: %s", reason)
+        log.log(level, "ring down: %s" if level >= logging.WARNING else "%s", reason)
         self.engine.suspend_all(reason)
 
     def _make_plan(self, now: float, over: tuple[str, ...], members: dict[str, Member], why: str) -> None:

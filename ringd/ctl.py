@@ -16,6 +16,13 @@ the cluster secret (``--secret-file``, by default where ``ringd serve`` looks;
 ``plan`` on a node with API keys need a key (``--api-key`` or RINGD_API_KEY) or
 the secret.
 
+A signature is for one node, by name. The name is the user's when given
+(``--node-name NAME``, or ``--node NAME@HOST:PORT``); otherwise ringctl takes
+what the node's open ``/health`` says the first time it signs for that
+address and pins it (``--known-nodes``, as ssh pins host keys). Either way, a
+node whose answer names another node gets nothing signed, and the error names
+both: a fake node cannot have ringctl sign for a node it is not.
+
 ``top`` is ``status`` redrawn live, with the leader's throughput and each
 node's model download/load progress when the node reports them.
 
@@ -40,9 +47,12 @@ from pathlib import Path
 
 from . import progress, service
 from .auth import sign
-from .config import DEFAULT_SECRET_FILE, ConfigError, read_secret_file
+from .config import DEFAULT_SECRET_FILE, ConfigError, check_name, read_secret_file
 
 DEFAULT_NODE = "127.0.0.1:8100"
+# Where ringctl pins the name of each node it has signed for (HOST:PORT -> name), beside
+# ringd's own state.
+DEFAULT_KNOWN_NODES = "~/.local/state/ringd/ringctl-nodes.json"
 # A node answers status from memory; seconds of silence mean it is down or stuck.
 HTTP_TIMEOUT_S = 5.0
 # `top` redraws once a second by default: live enough for a person watching.
@@ -61,12 +71,46 @@ class CtlError(Exception):
     pass
 
 
-class Credentials:
-    """What ringctl proves itself with: the cluster secret (read when first needed), an API key."""
+class KnownNodes:
+    """The name ringctl signs for at each address, pinned the first time (a JSON object, HOST:PORT -> name)."""
 
-    def __init__(self, secret_file: str | None, api_key: str | None):
+    def __init__(self, path: str):
+        self.path = Path(path).expanduser()
+
+    def _fix(self, why: str) -> CtlError:
+        return CtlError(f"cannot use {self.path} ({why}); ringctl pins node names there: fix the file or delete it")
+
+    def load(self) -> dict[str, str]:
+        try:
+            doc = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            raise self._fix(str(e)) from None
+        if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
+            raise self._fix("not a JSON object of HOST:PORT to a name")
+        return doc
+
+    def pin(self, node: str, name: str) -> None:
+        pins = {**self.load(), node: name}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(self.path.name + ".partial")
+            partial.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
+            os.replace(partial, self.path)  # never half a file
+        except OSError as e:
+            raise self._fix(str(e)) from None
+
+
+class Credentials:
+    """What ringctl proves itself with: the cluster secret (read when first needed), an API key;
+    and for which node it signs at each address (``named``: the user's word, else ``known``'s pin)."""
+
+    def __init__(self, secret_file: str | None, api_key: str | None, known: KnownNodes | None = None, named: dict[str, str] | None = None):
         self.secret_file = secret_file
         self.api_key = api_key
+        self.known = known or KnownNodes(DEFAULT_KNOWN_NODES)
+        self.named = named or {}
         self._secret: bytes | None = None
         self._node_names: dict[str, str] = {}
 
@@ -82,10 +126,41 @@ class Credentials:
         return self._secret
 
     def node_name(self, node: str) -> str:
-        """The name of the node at ``node`` (signatures are for one node): its open /health says."""
-        if node not in self._node_names:
-            self._node_names[node] = str(fetch(node, "/health", allow_error=True).get("node", ""))
-        return self._node_names[node]
+        """The name to sign for at ``node``: the user's, else the pinned one, else (first contact) what
+        the node says, then pinned. The node's open /health must say the same, or nothing is signed."""
+        if node in self._node_names:
+            return self._node_names[node]
+        claimed = fetch(node, "/health", allow_error=True).get("node")
+        claim = f"says it is {claimed!r:.80}" if isinstance(claimed, str) else "does not say which node it is"
+        pinned = self.known.load().get(node)
+        named = self.named.get(node)
+        if named is not None:
+            if claimed != named:
+                raise CtlError(f"the node at {node} {claim}, but you named {named!r}; nothing was signed: is --node the address you meant?")
+            if pinned is not None and pinned != named:
+                print(f"ringctl: {node} was pinned as {pinned!r}; it is {named!r} now, as you named it ({self.known.path})", file=sys.stderr)
+        elif pinned is not None:
+            if claimed != pinned:
+                raise CtlError(
+                    f"the node at {node} {claim}, but ringctl pinned it as {pinned!r} when it first signed for it "
+                    f"({self.known.path}); nothing was signed. If another node now answers there, say which you mean: "
+                    f"--node-name NAME (or --node NAME@{node})"
+                )
+        else:
+            try:
+                check_name(claimed)
+            except ValueError:
+                raise CtlError(f"the node at {node} {claim} (a node name); name it yourself: --node-name NAME") from None
+            print(
+                f"ringctl: first signed request to {node}, which says it is {claimed!r}: pinned in {self.known.path}; "
+                "ringctl will sign for no other name there",
+                file=sys.stderr,
+            )  # fmt: skip
+        name = named or pinned or claimed
+        if pinned != name:
+            self.known.pin(node, name)
+        self._node_names[node] = name
+        return name
 
 
 def fetch(node: str, path: str, body: dict | None = None, creds: Credentials | None = None, sign_with_secret: bool = False, allow_error: bool = False) -> dict:
@@ -322,7 +397,11 @@ def top(node: str, creds: Credentials, interval: float) -> int:
     console = Console()
     if not console.is_terminal:
         raise CtlError("top draws in a terminal; for a script use: ringctl status --json")
-    creds.secret(required=False)  # a --secret-file that cannot be read is an error now, not on every poll
+    if creds.secret(required=False) is not None:  # a --secret-file that cannot be read is an error now, not on every poll
+        try:
+            creds.node_name(node)  # first contact's note on the terminal, not under the live screen
+        except CtlError:
+            pass  # the node is down, or says it is another: top shows that and keeps asking
     doc, error, seen_at, polls = None, None, None, 0
     try:
         # The alternate screen, as top(1): the shell's screen comes back on exit.
@@ -470,9 +549,34 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _target(args) -> tuple[str, Credentials]:
+    """--node as HOST:PORT, and what ringctl proves itself with there (the node's name, if the user gave it)."""
+    node, name = args.node, args.node_name
+    if "@" in node:
+        given, node = node.split("@", 1)
+        if name is not None and name != given:
+            raise CtlError(f"--node says the node is {given!r:.80} and --node-name says {name!r:.80}: give one")
+        name = given
+    if name is not None:
+        try:
+            check_name(name)
+        except ValueError as e:
+            raise CtlError(f"{name!r:.80} is not a node name: {e}") from None
+    known = KnownNodes(args.known_nodes or DEFAULT_KNOWN_NODES)
+    return node, Credentials(args.secret_file, args.api_key, known, {node: name} if name is not None else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ringctl", description="Inspect and steer a ringd cluster.")
-    parser.add_argument("--node", default=DEFAULT_NODE, help=f"any node's HTTP address, HOST:PORT (default {DEFAULT_NODE})")
+    parser.add_argument(
+        "--node", default=DEFAULT_NODE, metavar="[NAME@]HOST:PORT",
+        help=f"any node's HTTP address (default {DEFAULT_NODE}); with NAME@, the node's name, as --node-name",
+    )  # fmt: skip
+    parser.add_argument("--node-name", metavar="NAME", help="the name of the node at --node: ringctl signs for it, and for no node that says it is another")
+    parser.add_argument(
+        "--known-nodes", default=os.environ.get("RINGD_KNOWN_NODES"), metavar="FILE",
+        help=f"where ringctl pins the name of each node it signs for (default: RINGD_KNOWN_NODES, else {DEFAULT_KNOWN_NODES})",
+    )  # fmt: skip
     parser.add_argument(
         "--secret-file", default=os.environ.get("RINGD_SECRET_FILE"),
         help=f"the cluster secret, to sign control commands (default: RINGD_SECRET_FILE, else {DEFAULT_SECRET_FILE})",
@@ -510,8 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     logs_parser.add_argument("--system", action="store_true", help="the log of the boot-time service (install --system)")
 
     args = parser.parse_args(argv)
-    creds = Credentials(args.secret_file, args.api_key)
     try:
+        args.node, creds = _target(args)
         if args.command == "status":
             doc = fetch(args.node, "/cluster/status", creds=creds)
             print(json.dumps(doc, indent=2)) if args.json else print_status(doc)

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 # How often idle sessions are looked for; their timeout is SESSION_IDLE_TIMEOUT_S.
 EXPIRE_INTERVAL_S = 30.0
+# What clients of a node that stops hear (a 503: retry elsewhere).
+STOPPING = "this node is stopping; retry the request (any other node of the cluster serves it)"
 
 
 class Daemon:
@@ -73,6 +75,7 @@ class Daemon:
         self._own: dict = {}  # what peers learn of this node once it has proved the secret
         self._networks = []  # this host's IPv4 networks, read at start
         self._started = time.monotonic()
+        self.stopping = False
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -131,15 +134,27 @@ class Daemon:
         self.cluster.view_changed()  # a node alone elects itself
 
     async def stop(self) -> None:
+        """Leave the cluster, in this order: the peers hear LEAVE (and plan without this node at
+        once); HTTP takes no more requests and ends what it forwards; the engine ends what it
+        serves; every task stops (a load under way is given up); the compute thread finishes
+        its step and MLX goes idle; the links close. Each step is bounded: it exits within seconds."""
+        self.stopping = True
+        if self.stage is not None:
+            self.stage.stop()
+        if self.cluster is not None:
+            self.cluster.leave()
+        self.api.stop_serving(STOPPING)
         if self.coordinator is not None:
-            self.coordinator.close("the node is stopping")
+            # A 503 "service unavailable": a follower forwarding the stream carries it over to
+            # the next leader; a client of this node's own gets the error event and [DONE].
+            self.coordinator.close(STOPPING)
+        await self.api.stop()
         await self.supervisor.stop()
         if self.discovery is not None:
             await self.discovery.stop()  # goodbyes, so peers' browsers forget us now
-        await self.api.stop()
+        await self.compute.stop()
         if self.cluster is not None:
             await self.cluster.links.close()
-        self.compute.shutdown()
 
     # --- discovery --------------------------------------------------------------------
 
@@ -237,6 +252,8 @@ class Daemon:
         return set(self.cluster.election.members) if self.cluster else {self.name}
 
     def readiness(self) -> tuple[bool, str]:
+        if self.stopping:
+            return False, STOPPING
         return self.status.readiness() if self.status else (False, "starting")
 
     def local_status(self) -> dict:

@@ -333,6 +333,9 @@ class Engine:
         self._flights[flight.rid] = flight
         if resume:
             self.metrics.replays.inc()  # carried over from a leader that went away
+            # Its ids cost this ring a decode step each, as they did where they were made
+            # (usage counts them as the response's completion tokens, which they are).
+            self.metrics.resumed_tokens.inc(len(resume))
         log.info(
             "req=%x: %d prompt tokens (%d cached), max_tokens=%d%s", rid, len(prompt), flight.cached, max_tokens,
             f", resuming after {len(resume)} tokens" if resume else "",

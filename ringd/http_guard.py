@@ -17,6 +17,18 @@ no word in the log; four 16 MiB bodies at once cost gigabytes.
     - Request bodies: ``BodyBudget`` books each body's bytes before reading it,
       out of BODY_BYTES_IN_FLIGHT for the whole node; a body that does not
       arrive within BODY_READ_TIMEOUT_S is dropped.
+    - Headers: a request line or header aiohttp's parser refuses (a control
+      byte, a bad name, a line over its limit) is answered 400 by aiohttp
+      before any route sees it; aiohttp logs each with a traceback that quotes
+      the offending line, which put a whole API key into the log, at the pace of
+      the client. ``MalformedRequests`` makes those records one line, no
+      traceback and no header bytes, at most once per LOG_INTERVAL_S with a
+      count (``AIOHTTP_LOG`` is the logger given to aiohttp). A header the
+      parser lets through but that is not UTF-8 (a byte 0xFF) is refused by the
+      routes with a 400 naming it (``undecodable_header``).
+
+What this ignores: which routes need which key (``auth.py``), the shape of
+an error (the API's), and what a body says (``openai_types.py``).
 """
 
 from __future__ import annotations
@@ -24,11 +36,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import resource
 import socket
 import time
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +61,11 @@ BODY_READ_TIMEOUT_S = 60.0
 # Request bodies being read at once, in bytes, across all connections: a dozen
 # of the largest allowed, a few hundred MiB at most, never gigabytes.
 BODY_BYTES_IN_FLIGHT = 256 * 1024 * 1024
-# Refused connections are counted and reported at most this often.
+# Refused connections and malformed requests are counted and reported at most this often.
 LOG_INTERVAL_S = 60.0
+# What of aiohttp's reason for refusing a request goes into the log: its leading
+# words ("Invalid header value char"), never the bytes it quotes after them.
+_REASON_WORDS = re.compile(r"[A-Za-z][A-Za-z ]{0,79}")
 
 
 def raise_fd_limit(need: int = MAX_HTTP_CONNECTIONS + FD_HEADROOM) -> int:
@@ -109,6 +126,76 @@ async def listen(runner: web.AppRunner, host: str, port: int, cap: int = MAX_HTT
     guard = ConnectionCap(runner.server, cap)
     server = await asyncio.get_running_loop().create_server(guard, host, port, reuse_address=True, backlog=1024, family=socket.AF_INET if ":" not in host else socket.AF_INET6)
     return server, guard
+
+
+class MalformedRequests(logging.Filter):
+    """On the logger aiohttp's server writes to: its records of a request its parser refused
+    become one line with a count, no traceback and none of the request's bytes, at most once
+    per ``interval_s``; every other record (a real server error) passes as aiohttp wrote it.
+
+    aiohttp logs a refused request with ``exc_info`` set to the parser's HttpProcessingError
+    ("Error handling request from %s", web_protocol.RequestHandler.handle_error), whose
+    message quotes the line it could not parse: a header's whole value, an API key too.
+    """
+
+    def __init__(self, interval_s: float = LOG_INTERVAL_S):
+        super().__init__()
+        self.interval_s = interval_s
+        self.refused = 0  # since the process started
+        self._unreported = 0
+        self._last_report = float("-inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        self.refused += 1
+        self._unreported += 1
+        now = time.monotonic()
+        if now - self._last_report < self.interval_s:
+            return False
+        peer = record.args[0] if isinstance(record.args, tuple) and record.args else "an unknown address"
+        record.msg = "refused %d malformed HTTP request(s) with 400 since the last report (%s), the latest from %s"
+        record.args = (self._unreported, _refusal_reason(exc), peer)
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        # aiohttp logs these at ERROR; they are a client's mistake, not the node's. (A
+        # first request that is not HTTP at all it logs at DEBUG, which stays so.)
+        if record.levelno > logging.WARNING:
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        self._last_report, self._unreported = now, 0
+        return True
+
+
+def _refusal_reason(exc: HttpProcessingError) -> str:
+    """What aiohttp found wrong with a request, without the bytes it quotes (they may hold a key)."""
+    if isinstance(exc, LineTooLong):
+        return f"a line over aiohttp's limit of {exc.args[1]} bytes"
+    words = _REASON_WORDS.match(exc.message or "")
+    return words.group(0).strip() if words else type(exc).__name__
+
+
+# The logger aiohttp's server is given (``logger=`` of web.AppRunner): what it logs of
+# requests its parser refused goes through MalformedRequests; its other lines, as they are.
+AIOHTTP_LOG = log.getChild("aiohttp")
+MALFORMED = MalformedRequests()
+AIOHTTP_LOG.addFilter(MALFORMED)
+
+
+def undecodable_header(headers) -> str | None:
+    """The name of the first header whose value is not UTF-8, else None.
+
+    aiohttp's parser lets any byte from 0x80 up through (RFC 9110's obs-text) and
+    hands it on as a lone surrogate ("\\xff" -> "\\udcff"), which every ``encode()``
+    after that raises on: a 500 and a traceback in the log, on routes open to all.
+    """
+    for name, value in headers.items():
+        if value.isascii():
+            continue
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return name
+    return None
 
 
 class BodyTooLarge(Exception):

@@ -15,8 +15,10 @@ closed, which a closed socket does at once anyway. A dead peer that comes back
 loops and counts as a new arrival.
 
 Frames from any link go to one ``on_frame(peer, frame)`` callback in arrival
-order. ``on_change`` is called when a peer joins or leaves. This module knows
-nothing of plans or models.
+order. ``on_change`` is called when a peer joins or leaves. A node that is
+stopping ``leave``s: it takes no more links and dials no more, and keeps the links
+it has (and their heartbeats) until ``close``. This module knows nothing of plans
+or models.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from typing import Callable
 
 from wire import stream as wire_stream
 from wire.frames import Frame, MsgType
+from wire.slots import canonical_host
 
+from .config import parse_hostport
 from .tasks import Supervisor
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,11 @@ MAX_FAILED_HANDSHAKES = 3
 LEARNED_DIAL_GIVE_UP_S = 600.0
 # How often the log may say that learned dials were refused.
 REFUSAL_LOG_INTERVAL_S = 60.0
+# Addresses of members linked before, whose dials our listener takes apart from
+# strangers' (wire.slots): a dozen Macs with a few addresses each, re-linking
+# from new ones (DHCP) over weeks. Only a secret holder adds one; past this
+# the one linked longest ago is forgotten (configured peers never are).
+MAX_KNOWN_HOSTS = 256
 
 
 class LinkError(ConnectionError):
@@ -119,12 +128,17 @@ class Links:
         # Every authenticated connection, current or draining after a lost tie.
         self._streams: set = set()
         self._closing = False
+        # Members' addresses: a flood of strangers on our port never keeps their dials out.
+        self._configured_hosts: set[str] = set()
+        self._linked_hosts: dict[str, None] = {}  # oldest link first, at most MAX_KNOWN_HOSTS
+        # Peers that left (said LEAVE): not dialed back, until one links again.
+        self._departed: set[str] = set()
 
     async def listen(self, host: str, port: int) -> int:
         """Start accepting peers; returns the bound port (useful with port 0)."""
         self._server = await wire_stream.serve(
             host, port, self._accepted, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info,
-            encrypt=self.encrypt,
+            encrypt=self.encrypt, trusted=self._known_host,
         )  # fmt: skip
         self._supervisor.forever("heartbeats", self._heartbeat_loop)
         return self._server.sockets[0].getsockname()[1]
@@ -137,9 +151,12 @@ class Links:
         on the LAN can make us learn) at most MAX_LEARNED_DIALS at once, each given
         up after MAX_FAILED_HANDSHAKES failed handshakes in a row (not one of ours)
         or LEARNED_DIAL_GIVE_UP_S without a link; a later advert or gossip starts it again.
+        A configured peer's address is a member's from the start (see ``_known_host``).
         """
-        if (host, port) in self._dialing:
-            return
+        if persistent:
+            self._configured_hosts.add(canonical_host(host))
+        if (host, port) in self._dialing or self._closing:
+            return  # dialed already, or this node is stopping: a leaving node never dials
         if not persistent and self._learned >= MAX_LEARNED_DIALS:
             now = time.monotonic()
             if now - self._last_refusal_log >= REFUSAL_LOG_INTERVAL_S:
@@ -167,10 +184,24 @@ class Links:
         peer = self.peers.get(node)
         return peer.info.get("addr") if peer else None
 
-    async def close(self) -> None:
+    def leave(self) -> None:
+        """This node is stopping: accept no link and dial no more (the dial loops end at their next
+        step); the links up stay, heart-beating, until ``close``."""
         self._closing = True
         if self._server is not None:
             self._server.close()
+
+    def forget(self, node: str) -> None:
+        """Close the link to ``node`` (it said it is leaving); on_change follows as it closes.
+        It is not dialed again (unless configured): it links again itself when it is back."""
+        self._departed.add(node)
+        peer = self.peers.get(node)
+        if peer is not None:
+            peer.stream.close()
+            self._forget(peer)
+
+    async def close(self) -> None:
+        self.leave()
         for stream in list(self._streams):
             stream.close()
         if self._own_supervisor:
@@ -203,6 +234,32 @@ class Links:
 
     async def _accepted(self, stream) -> None:
         await self._run_link(stream, outbound=False)
+        # A member that dialed us is dialed back once its link is lost, so the link is
+        # re-made from both ends: if a flood holds our listener, our dial out does
+        # not wait behind it (and theirs, if theirs is flooded too).
+        if self._closing or stream.peer_id in (self.node, *self.peers, *self._departed):
+            return
+        try:
+            self.dial(*parse_hostport((stream.peer_info or {}).get("addr")))
+        except ValueError:
+            pass  # it gave no address we can dial (a test's bare Links): it redials us
+
+    def _known_host(self, host: str) -> bool:
+        """Whether ``host`` (canonical) is a member's: a configured peer's, or one linked before."""
+        return host in self._configured_hosts or host in self._linked_hosts
+
+    def _remember(self, stream) -> None:
+        """A member linked: where it dials from and where it listens are members' addresses now."""
+        hosts = [stream.peername[0]]
+        try:
+            hosts.append(parse_hostport((stream.peer_info or {}).get("addr"))[0])
+        except ValueError:
+            pass
+        for host in map(canonical_host, hosts):
+            self._linked_hosts.pop(host, None)  # to the newest end
+            self._linked_hosts[host] = None
+            if len(self._linked_hosts) > MAX_KNOWN_HOSTS:
+                del self._linked_hosts[next(iter(self._linked_hosts))]
 
     async def _dial_loop(self, host: str, port: int, persistent: bool) -> None:
         backoff = DIAL_BACKOFF_INITIAL_S
@@ -229,6 +286,8 @@ class Links:
             backoff, failed_handshakes = DIAL_BACKOFF_INITIAL_S, 0
             peer_id = stream.peer_id
             await self._run_link(stream, outbound=True)
+            if not persistent and peer_id in self._departed:
+                return  # it left: it dials us when it is back
             # The link ended. If another link to the same node is up (the one it
             # dialed to us won the tie), wait for that one to end before redialing.
             while not self._closing and (other := self.peers.get(peer_id)) is not None:
@@ -243,10 +302,15 @@ class Links:
 
     async def _run_link(self, stream, outbound: bool) -> None:
         peer_id = stream.peer_id
+        if self._closing:  # a handshake that finished as this node began to leave
+            stream.close()
+            return
         if peer_id == self.node:
             log.warning("dropping a link to ourselves (a peer address points at this node)")
             stream.close()
             return
+        self._remember(stream)
+        self._departed.discard(peer_id)  # back
         peer = Peer(peer_id, stream, outbound, dict(stream.peer_info or {}), next(self._numbers))
         self._streams.add(stream)
         current = self.peers.get(peer_id)

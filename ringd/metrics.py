@@ -116,7 +116,7 @@ class _Collector:
         yield self._gauge("ringd_mlx_active_memory_bytes", "Memory MLX holds in arrays (on a Mac: unified memory the GPU uses)", float(mx.get_active_memory()))
         yield self._gauge("ringd_mlx_peak_memory_bytes", "Most memory MLX has held in arrays since the node started", float(mx.get_peak_memory()))
         yield self._gauge("ringd_mlx_cache_memory_bytes", "Memory MLX keeps cached for reuse", float(mx.get_cache_memory()))
-        events = CounterMetricFamily("ringd_ring_peer_events", "Ring-port events of misbehaving peers: failed handshakes, dropped links, connections refused", labels=["node", "kind"])
+        events = CounterMetricFamily("ringd_ring_peer_events", "Ring-port events of misbehaving peers: failed handshakes, dropped links, connections refused, handshakes closed to make room for members", labels=["node", "kind"])
         for kind, n in sorted(wire_stream.EVENTS.items()):
             events.add_metric([self.node, kind], n)
         yield events
@@ -183,6 +183,10 @@ class Metrics:
         self._requests = Counter("ringd_requests", "HTTP requests answered by this node, by endpoint and status", ["node", "endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("ringd_prompt_tokens", "Prompt tokens admitted by this node's API", n, registry=r).labels(node)
         self.completion_tokens = Counter("ringd_completion_tokens", "Tokens generated for this node's API", n, registry=r).labels(node)
+        self.resumed_tokens = Counter(
+            "ringd_resumed_tokens", "Tokens of streams carried over from a leader that went away, replayed through this leader's ring (a decode step each)",
+            n, registry=r,
+        ).labels(node)  # fmt: skip
         self.replays = Counter("ringd_replays", "Requests replayed on a new ring (a stage died, a link broke, a stream was carried over)", n, registry=r).labels(node)
         self._evictions = Counter("ringd_evictions", "Cached prefixes evicted from the ring's stages, by why", ["node", "why"], registry=r)
         self.plans = Counter("ringd_plan_changes", "Plans this node made as leader", n, registry=r).labels(node)

@@ -267,7 +267,10 @@ def parse_request(body: dict, chat: bool) -> CompletionRequest:
 
     if chat:
         logprobs = opt("logprobs", lambda v: isinstance(v, bool), "a boolean") or False
-        top = opt("top_logprobs", _is_int, "an integer") or 0
+        top = opt("top_logprobs", _is_int, "an integer")
+        if top is not None and not logprobs:  # OpenAI: "logprobs must be set to true if this parameter is used"
+            raise _bad("top_logprobs needs logprobs: true (without it no logprobs are returned)", "top_logprobs")
+        top = top or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise _bad(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
     else:

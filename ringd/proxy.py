@@ -2,10 +2,15 @@
 
 Any node answers the OpenAI API; a follower forwards to the leader, marking the
 request (FORWARDED_HEADER) so that two nodes that each think the other leads
-never bounce it between them. For a forwarded stream, the leader puts each
-token's id in an SSE comment line (``: ringd-token 123``) beside the chunk that
-carries its text; the follower keeps the ids and strips the comments, so the
-client sees OpenAI's stream and nothing else.
+never bounce it between them. The mark is a credential (it lets the request
+carry a stream over, RESUME_FIELD), so the follower signs each forward with the
+cluster secret for the leader it means (``auth.sign_forward``), afresh on
+every attempt, and the leader refuses a mark without that proof. For a
+forwarded stream, the leader puts each token's id in an SSE comment line
+(``: ringd-token 123``) beside the chunk that carries its text; the follower
+keeps the ids and strips the comments, so the client sees OpenAI's stream and
+nothing else. A client that hangs up (most often the moment it has
+``data: [DONE]``) ends the stream quietly: it is no leader lost.
 
 When the leader dies mid-stream (its connection breaks, or the election moves
 away from it: a stalled leader never closes its socket), the follower waits
@@ -15,7 +20,8 @@ stage failure is replayed (``engine.py``), so the client sees a pause, then the
 rest of the text, no token lost or repeated. A request whose response had not
 started is simply sent again. When no leader serves in time, a started stream
 ends with an OpenAI error event and ``data: [DONE]``, never broken chunking or
-a hang.
+a hang. So does every stream this node forwards when it stops (``stop``): it
+neither waits for a leader any more nor retries one.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import aiohttp
 from aiohttp import web
 
 from . import logs
+from .auth import FORWARDED_BY_HEADER, body_sha256, sign_forward
 from .openai_types import ApiError
 
 log = logging.getLogger(__name__)
@@ -44,7 +51,7 @@ FAILOVER_POLL_S = 0.1
 # An SSE event larger than this from the leader is not ringd's: drop the stream.
 MAX_SSE_EVENT_BYTES = 1024 * 1024
 
-FORWARDED_HEADER = "X-Ringd-Forwarded-By"
+FORWARDED_HEADER = FORWARDED_BY_HEADER  # with the proof auth.sign_forward adds
 REQUEST_ID_HEADER = "X-Request-Id"
 TOKEN_COMMENT = b": ringd-token "
 # The body field a follower adds to carry a stream over: the ids already
@@ -56,8 +63,11 @@ _PASSED_HEADERS = ("Authorization", "Content-Type", REQUEST_ID_HEADER)
 
 class ProxyNode(Protocol):
     name: str
+    secret: bytes  # the cluster secret: it signs each forward
     failover_wait_s: float  # how long to wait for a new leader that serves (config failover_wait_s)
 
+    @property
+    def leader(self) -> str | None: ...
     def leader_http(self) -> str | None: ...
     def readiness(self) -> tuple[bool, str]: ...
     async def leader_changed(self) -> None: ...
@@ -67,10 +77,22 @@ class _LeaderLost(Exception):
     """The leader went away (or stopped being the leader) mid-request."""
 
 
+class _Stopping(Exception):
+    """This node is stopping: what it forwards ends here, with the reason."""
+
+
 class Proxy:
     def __init__(self, node: ProxyNode):
         self.node = node
         self._client: aiohttp.ClientSession | None = None
+        self._stopping = asyncio.Event()  # set (once) when this node stops: every forward ends
+        self.stop_reason = ""
+
+    def stop(self, reason: str) -> None:
+        """This node is stopping: end what it forwards (a started stream with an error event and
+        ``data: [DONE]``, anything else with a 503) and wait for no leader any more."""
+        self.stop_reason = reason
+        self._stopping.set()
 
     async def close(self) -> None:
         if self._client is not None:
@@ -87,6 +109,8 @@ class Proxy:
     async def _leader(self, deadline: float | None) -> str | None:
         """The leader's URL once one serves; None if none does by ``deadline`` (no deadline: only now)."""
         while True:
+            if self._stopping.is_set():
+                raise _Stopping(self.stop_reason)
             url = self.node.leader_http()
             ready, _ = self.node.readiness()
             if url is not None and ready:
@@ -95,13 +119,19 @@ class Proxy:
                 return url if deadline is None else None
             await asyncio.sleep(FAILOVER_POLL_S)
 
-    def _headers(self, request: web.Request) -> dict:
+    def _headers(self, request: web.Request, url: str, digest: str) -> dict:
+        """The headers of one attempt to forward ``request`` to the leader at ``url``, signed for it
+        (``digest``: auth.body_sha256 of the body sent)."""
+        leader = self.node.leader
+        if leader is None or self.node.leader_http() != url:
+            # The proof names the leader; which one serves at ``url`` changed since it was chosen.
+            raise ConnectionError("the leader changed while the request was on its way")
         headers = {h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers}
         headers.setdefault("Content-Type", "application/json")
         request_id = logs.REQUEST_ID.get()
         if request_id is not None:  # the one this node gave it, when the client gave none
             headers[REQUEST_ID_HEADER] = request_id
-        headers[FORWARDED_HEADER] = self.node.name
+        headers.update(sign_forward(self.node.secret, request.method, request.path_qs, self.node.name, leader, digest, time.time()))
         return headers
 
     async def forward(self, request: web.Request, body: bytes, stream: bool) -> web.StreamResponse:
@@ -110,7 +140,10 @@ class Proxy:
         log.debug("forwarding %s %s to the leader at %s", request.method, request.path, self.node.leader_http())
         if stream:
             return await _Stream(self, request, body).run()
-        return await self._whole(request, body)
+        try:
+            return await self._whole(request, body)
+        except _Stopping as e:
+            raise ApiError(503, str(e)) from None
 
     async def control(self, request: web.Request, url: str, body: bytes, signed: dict[str, str]) -> web.Response:
         """A control request for the leader (drain): sent on once, with this node's own signature."""
@@ -122,6 +155,7 @@ class Proxy:
 
     async def _whole(self, request: web.Request, body: bytes) -> web.Response:
         deadline = None
+        digest = await asyncio.get_running_loop().run_in_executor(None, body_sha256, body)  # up to 16 MiB: off the loop
         while True:
             url = await self._leader(deadline)
             if url is None:
@@ -129,14 +163,14 @@ class Proxy:
                     raise ApiError(503, "no leader is elected right now (an election is under way); retry in a moment")
                 raise ApiError(503, f"the leader was lost and no new one served within {self.node.failover_wait_s:.0f} s; retry")
             try:
-                return await _race(self.node, self._post_whole(url, request, body))
+                return await _race(self, self._post_whole(url, request, body, self._headers(request, url, digest)))
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, _LeaderLost) as e:
                 log.warning("forwarding %s to %s failed (%s); waiting for a leader that serves", request.path, url, type(e).__name__)
                 deadline = deadline or time.monotonic() + self.node.failover_wait_s
                 await asyncio.sleep(FAILOVER_POLL_S)
 
-    async def _post_whole(self, url: str, request: web.Request, body: bytes, headers: dict | None = None) -> web.Response:
-        async with self._session().post(url + request.path_qs, data=body, headers=headers or self._headers(request)) as up:
+    async def _post_whole(self, url: str, request: web.Request, body: bytes, headers: dict) -> web.Response:
+        async with self._session().post(url + request.path_qs, data=body, headers=headers) as up:
             data = await up.read()
             headers = {"Content-Type": up.headers.get("Content-Type", "application/json")}
             for h in ("Retry-After", REQUEST_ID_HEADER):
@@ -145,21 +179,26 @@ class Proxy:
             return web.Response(status=up.status, body=data, headers=headers)
 
 
-async def _race(node: ProxyNode, coro):
-    """Run ``coro``; if the leader changes first, cancel it and raise _LeaderLost."""
+async def _race(proxy: Proxy, coro):
+    """Run ``coro``; if the leader changes first, cancel it and raise _LeaderLost; if this node
+    starts stopping, cancel it and raise _Stopping."""
     work = asyncio.ensure_future(coro)
-    moved = asyncio.ensure_future(node.leader_changed())
+    moved = asyncio.ensure_future(proxy.node.leader_changed())
+    stopping = asyncio.ensure_future(proxy._stopping.wait())
     try:
-        done, _ = await asyncio.wait({work, moved}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, moved, stopping}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         work.cancel()
         raise
     finally:
         moved.cancel()
+        stopping.cancel()
     if work in done:
         return work.result()
     work.cancel()
     await asyncio.gather(work, return_exceptions=True)
+    if proxy._stopping.is_set():
+        raise _Stopping(proxy.stop_reason)
     raise _LeaderLost()
 
 
@@ -178,6 +217,18 @@ class _Stream:
         self.done = False  # data: [DONE] went out
 
     async def run(self) -> web.StreamResponse:
+        try:
+            try:
+                return await self._run()
+            except _Stopping as e:
+                return await self._give_up(str(e))
+        except _ClientGone:
+            # Most often right after data: [DONE], which is all a client waits for: the
+            # normal end of a stream, nothing to log above debug.
+            log.debug("the client closed the stream after %d token(s)", len(self.tokens))
+            return self.resp
+
+    async def _run(self) -> web.StreamResponse:
         deadline = None
         while True:
             url = await self.proxy._leader(deadline)
@@ -188,7 +239,7 @@ class _Stream:
                     else f"the leader was lost mid-stream and no new one served within {self.proxy.node.failover_wait_s:.0f} s"
                 )
             try:
-                await _race(self.proxy.node, self._attempt(url))
+                await _race(self.proxy, self._attempt(url))
                 if self.done:
                     return await self._end()
                 raise ConnectionError("the leader's stream ended without data: [DONE]")
@@ -205,16 +256,22 @@ class _Stream:
                 deadline = deadline or time.monotonic() + self.proxy.node.failover_wait_s
                 await asyncio.sleep(FAILOVER_POLL_S)
 
-    def _body(self) -> bytes:
-        if not self.tokens:
-            return self.body
-        doc = json.loads(self.body)
-        doc[RESUME_FIELD] = {"tokens": self.tokens, "id": self.id, "created": self.created}
-        return json.dumps(doc).encode()
+    def _body(self) -> tuple[bytes, str]:
+        """The body to send (with the ids already streamed, once there are some) and its digest."""
+        body = self.body
+        if self.tokens:
+            doc = json.loads(self.body)
+            doc[RESUME_FIELD] = {"tokens": self.tokens, "id": self.id, "created": self.created}
+            body = json.dumps(doc).encode()
+        return body, body_sha256(body)
 
     async def _attempt(self, url: str) -> None:
         proxy = self.proxy
-        async with proxy._session().post(url + self.request.path_qs, data=self._body(), headers=proxy._headers(self.request)) as up:
+        # A long chat, or a long stream's ids, is megabytes of JSON: not on the loop (no
+        # token is relayed meanwhile, so the ids stay put).
+        body, digest = await asyncio.get_running_loop().run_in_executor(None, self._body)
+        headers = proxy._headers(self.request, url, digest)
+        async with proxy._session().post(url + self.request.path_qs, data=body, headers=headers) as up:
             if up.status != 200:
                 data = await up.read()
                 if self.resp is not None or up.status == 503:
@@ -270,10 +327,17 @@ class _Stream:
             self.tokens.append(token)  # after the chunk is out: the client has it
 
     async def _write(self, data: bytes) -> None:
-        await self.resp.write(data)
+        try:
+            await self.resp.write(data)
+        except ConnectionResetError:  # aiohttp's "Cannot write to closing transport"
+            # Not a ClientError of the leader's connection: no leader to carry it over to.
+            raise _ClientGone() from None
 
     async def _end(self) -> web.StreamResponse:
-        await self.resp.write_eof()
+        try:
+            await self.resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client closed once it had data: [DONE], before the last empty chunk: done all the same
         return self.resp
 
     async def _give_up(self, message: str) -> web.StreamResponse:
@@ -283,6 +347,10 @@ class _Stream:
         error = ApiError(503, message).body()
         await self._write(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
         return await self._end()
+
+
+class _ClientGone(Exception):
+    """The client of a forwarded stream closed its connection."""
 
 
 class _Relayed(Exception):

@@ -27,7 +27,7 @@ from .election import Term
 from .placement import Plan, PlacementError
 from .reconcile import BROKEN, LOADED, LOADING, OUTSIDE, Report, failure_report, plan_refusal
 from .pipeline import StageRunner
-from .checkpoint import ModelError, ModelInfo
+from .checkpoint import ModelError, ModelFileError, ModelInfo
 from .metrics import Metrics
 from .progress import LoadProgress
 from .shard import Shard
@@ -60,6 +60,7 @@ class StageHost:
         self.node = node
         self.metrics = metrics
         self.model = model
+        self.stopping = False
         self.info = info
         self.compute = compute
         self._send = send
@@ -69,6 +70,9 @@ class StageHost:
         self.stage: StageRunner | None = None
         self.report = Report()
         self.progress: LoadProgress | None = None  # the load under way, for status(); None when not loading
+        # Why a file of the model cannot be read, once a load found it (truncated, corrupt): the
+        # same bytes give the same error, so no later plan reads them again until a restart.
+        self.unreadable: str | None = None
         self._lock = asyncio.Lock()  # one load at a time, in the order plans were taken
         self._ring_links: dict[str, int] = {}  # ring neighbour -> the number of our link to it, once seen
         self.dial: Callable[[str, int], None] = lambda host, port: None
@@ -112,6 +116,14 @@ class StageHost:
             term = plan_term(plan)
             try:
                 await self._load(plan)
+            except ModelError as e:  # the message says what is wrong; a traceback adds nothing to it
+                if not isinstance(e, ModelFileError):
+                    log.error("could not load plan term %d: %s", plan.term, e)
+                elif self.unreadable is None:  # said once; later plans are refused with it, unread
+                    self.unreadable = str(e)
+                    log.error("could not load plan term %d: %s; this node loads no layers until the file is fixed and the node restarted", plan.term, e)
+                if self.plan is plan:
+                    self._set(failure_report(term, str(e)))
             except Exception as e:  # a load failure is reported to the leader; the node stays up
                 log.exception("could not load plan term %d", plan.term)
                 if self.plan is plan:
@@ -149,6 +161,8 @@ class StageHost:
         want = plan.stages[i]
         if self.shard is None or (self.shard.start, self.shard.end) != (want.start, want.end):
             self.shard = None  # free the old layers before loading new ones
+            if self.unreadable is not None:
+                raise ModelFileError(self.unreadable)
             t0 = time.monotonic()
             progress = self.progress = LoadProgress(want.start, want.end)
             try:
@@ -181,11 +195,21 @@ class StageHost:
                     f"no link to the next stage {successor.node} at {successor.addr} within {SUCCESSOR_LINK_TIMEOUT_S:.0f} s"
                 ) from None
 
+    def stop(self) -> None:
+        """The node is stopping: its stage takes no more steps, and what it can no longer pass on
+        breaks no ring (the leader plans without this node)."""
+        self.stopping = True
+        if self.stage is not None:
+            self.stage.close()
+
     def _pass_on(self, node: str, frame: Frame) -> None:
         """The stage's output, to the next stage or the leader. A frame that cannot go breaks the ring."""
         try:
             self._send(node, frame)
         except ConnectionError as e:
+            if self.stopping:
+                log.debug("req=%x: not passed on to %s as this node stops: %s", frame.request_id, node, e)
+                return
             extra = self.stage.describe(frame.request_id, frame) if self.stage is not None else None
             log.warning("req=%x: cannot pass %s on to %s: %s", frame.request_id, frame.type.name, node, e, extra=extra)
             self._broken(f"could not pass a frame on to {node}")
@@ -207,7 +231,7 @@ class StageHost:
 
     def _broken(self, why: str) -> None:
         plan = self.plan
-        if plan is None or self.report.state != LOADED:
+        if plan is None or self.report.state != LOADED or self.stopping:
             return
         log.warning("ring of plan term %d broken here: %s; telling %s", plan.term, why, plan.leader)
         self._set(Report(plan_term(plan), BROKEN, why))

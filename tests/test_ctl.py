@@ -1,13 +1,19 @@
-"""`ringctl top` in a real terminal (tmux) against real daemons, and what it draws from a status document.
+"""`ringctl top` in a real terminal (tmux) against real daemons, what it draws from a status document,
+and for which node ringctl signs.
 
 The live test runs top in a tmux pane 160 columns wide, reads the pane with
 ``tmux capture-pane``, and changes the cluster under it: a drain, an undrain, the
 node top asks going away and coming back. tmux runs on a socket of the test's
 own, so it never touches a user's sessions.
+
+A node's name comes from its open /health, which anything at an address can
+answer: the signing tests put an HTTP server there that says it is whichever
+node it is told to (what a device on the LAN can do) and record what reaches it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -15,7 +21,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from conftest import REPO
@@ -169,3 +177,120 @@ def test_top_draws_live_figures_and_loading_progress_when_the_document_has_them(
     assert "tokens/s" not in text and "downloading" not in text and "no plan yet" in text
     assert "cannot read http://10.0.0.1:8100/cluster/status: refused\nretrying every 1 s; the table is the answer of" in text
     assert "mini1" in text
+
+
+class FakeNode:
+    """An HTTP server on loopback that says it is node ``claim`` and answers ringctl as a node
+    would; ``requests`` holds (method, path, headers) of everything that reached it."""
+
+    def __init__(self, claim: str):
+        self.claim = claim
+        self.requests: list[tuple[str, str, dict]] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, doc: dict) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                fake.requests.append((self.command, self.path, dict(self.headers)))
+                data = json.dumps(doc).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                node = {"node": fake.claim, "role": "leader", "ready": True}
+                self._answer({"status": "ok", **node} if self.path == "/health" else {"leader": fake.claim, "ready": True, "plan": None, "nodes": [node]})
+
+            def do_POST(self):
+                self._answer({"drained": [], "pin": [9, None], "leader": fake.claim})
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.addr = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def signed(self) -> list[tuple[str, str, str]]:
+        """(method, path, the node it was signed for) of each signed request that reached it."""
+        return [(m, p, h.get("X-Ringd-Node")) for m, p, h in self.requests if "X-Ringd-Signature" in h]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_node():
+    made: list[FakeNode] = []
+
+    def make(claim: str) -> FakeNode:
+        made.append(FakeNode(claim))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def ringctl_at(node: str, secret, *args: str) -> subprocess.CompletedProcess:
+    """ringctl as a user runs it (the pin file: RINGD_KNOWN_NODES, a file of the test's own)."""
+    cmd = [sys.executable, "-m", "ringd.ctl", "--node", node, "--secret-file", str(secret), *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def secret(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text("s" * 32)
+    path.chmod(0o600)
+    return path
+
+
+def test_ringctl_signs_for_no_node_but_the_one_the_user_named(fake_node, secret, ringctl_known_nodes):
+    fake = fake_node("studio")  # asked to drain through node0, a node that says it is studio answers
+    for how in (["--node-name", "node0"], []):
+        node = fake.addr if how else f"node0@{fake.addr}"
+        r = ringctl_at(node, secret, *how, "drain", "mini")
+        assert r.returncode == 1, r
+        assert f"the node at {fake.addr} says it is 'studio', but you named 'node0'; nothing was signed" in r.stderr, r.stderr
+    assert fake.signed() == [] and [m for m, _, _ in fake.requests] == ["GET", "GET"]  # /health only
+    assert not ringctl_known_nodes.exists()
+
+    fake.claim = "node0"  # the node the user named: signed for it, and pinned
+    r = ringctl_at(fake.addr, secret, "--node-name", "node0", "drain", "mini")
+    assert r.returncode == 0 and "drained: none" in r.stdout, r
+    assert fake.signed() == [("POST", "/cluster/drain", "node0")]
+    assert json.loads(ringctl_known_nodes.read_text()) == {fake.addr: "node0"}
+    r = ringctl_at(f"node1@{fake.addr}", secret, "--node-name", "node0", "drain", "mini")
+    assert r.returncode == 1 and "'node1'" in r.stderr and "'node0'" in r.stderr and "give one" in r.stderr, r
+
+
+def test_ringctl_pins_the_name_it_first_signed_for_and_refuses_another(fake_node, secret, ringctl_known_nodes):
+    fake = fake_node("node0")
+    r = ringctl_at(fake.addr, secret, "status", "--json")  # signed with the secret: first contact
+    assert r.returncode == 0 and json.loads(r.stdout)["leader"] == "node0", r
+    assert f"says it is 'node0': pinned in {ringctl_known_nodes}" in r.stderr, r.stderr
+    assert json.loads(ringctl_known_nodes.read_text()) == {fake.addr: "node0"}
+    assert fake.signed() == [("GET", "/cluster/status", "node0")]
+
+    # Another node now answers there (or something that wants a signature for node1): nothing signed.
+    fake.claim = "node1"
+    for args in (["leader", "set", "node1"], ["drain", "node2"], ["status"]):
+        r = ringctl_at(fake.addr, secret, *args)
+        assert r.returncode == 1, r
+        assert f"the node at {fake.addr} says it is 'node1', but ringctl pinned it as 'node0'" in r.stderr, r.stderr
+        assert str(ringctl_known_nodes) in r.stderr and "--node-name NAME" in r.stderr
+    assert fake.signed() == [("GET", "/cluster/status", "node0")]
+
+    # The user says it is node1 now: their word wins, and the pin follows it.
+    r = ringctl_at(fake.addr, secret, "--node-name", "node1", "leader", "auto")
+    assert r.returncode == 0 and "unpinned" in r.stdout and "was pinned as 'node0'; it is 'node1' now" in r.stderr, r
+    assert fake.signed()[-1] == ("POST", "/cluster/leader", "node1")
+    assert json.loads(ringctl_known_nodes.read_text()) == {fake.addr: "node1"}
+    ringctl_known_nodes.write_text("[not a pin file")
+    r = ringctl_at(fake.addr, secret, "drain", "node2")
+    assert r.returncode == 1 and f"cannot use {ringctl_known_nodes}" in r.stderr and "delete it" in r.stderr, r

@@ -12,6 +12,7 @@ import json
 import logging
 import resource
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -173,3 +174,108 @@ def test_2100_half_sent_requests_do_not_stop_a_normal_completion(node):
     finally:
         for s in socks:
             s.close()
+
+
+# --- odd bytes in headers -------------------------------------------------------------------
+
+# A burst of malformed requests, as the issue sent (200 in 0.17 s gave 186 KB of tracebacks).
+BURST = 200
+
+
+def raw_request(port: int, path: str, headers: list[bytes], method: bytes = b"GET", body: bytes = b"") -> tuple[int, bytes]:
+    """(status, body) of one request written byte for byte: clients refuse to send these headers."""
+    head = b"%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" % (method, path.encode())
+    for h in headers:
+        head += h + b"\r\n"
+    if body:
+        head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head + b"\r\n" + body)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+CHAT = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).encode()
+# Every route family a client reaches: open, status, and /v1 (which a follower forwards).
+ROUTES = [(b"GET", "/health", b""), (b"GET", "/cluster/status", b""), (b"GET", "/v1/models", b""), (b"POST", "/v1/chat/completions", CHAT)]
+
+
+def log_of(c, i: int) -> str:
+    return c.logs[i].read_text(errors="replace")
+
+
+@pytest.mark.parametrize("i", [0, 1], ids=["leader", "follower"])
+def test_a_header_that_is_not_utf8_is_a_400_naming_it_on_every_route(node, i):
+    for method, path, body in ROUTES:
+        for header in (b"Authorization: Bearer \xff", b"X-Request-Id: req-\xff", b"User-Agent: caf\xe9"):
+            status, answer = raw_request(node.http_ports[i], path, [header], method, body)
+            name = header.split(b":")[0].decode()
+            assert status == 400, (path, header, status, answer)
+            error = json.loads(answer)["error"]
+            assert error["type"] == "invalid_request_error" and error["param"] == name.lower(), (path, error)
+            assert name.lower() in error["message"].lower() and "\udcff" not in error["message"], error
+    # UTF-8 that is text stays welcome (a browser's or an SDK's user agent may be).
+    assert raw_request(node.http_ports[i], "/health", ["User-Agent: café ☕".encode()])[0] == 200
+    assert "Traceback" not in log_of(node, i)
+
+
+def test_a_control_byte_in_any_header_is_a_400_and_one_log_line_without_the_header(node):
+    secret = "sk-header-secret-0123456789abcdef"
+    port = node.http_ports[0]
+    odd = [
+        f"Authorization: Bearer {secret}\x01", f"X-Note: {secret}\x00", f"X-Note: \x1b[31m{secret}", "X-Note: a\x7fb",
+        f"X-{secret}\x01: x",  # in a header's name
+        f"X-Note: {secret * 300}",  # a line over aiohttp's 8190 bytes
+    ]  # fmt: skip
+    for header in odd:
+        for method, path, body in ROUTES:
+            status, _ = raw_request(port, path, [header.encode()], method, body)
+            assert status == 400, (header[:40], path, status)
+    assert raw_request(port, f"/health?{secret}\x01", [])[0] == 400  # in the request line
+    before = log_of(node, 0).count("\n")
+    for _ in range(BURST):  # the issue's burst
+        assert raw_request(port, "/health", [f"X-Note: {secret}\x01".encode()])[0] == 400
+    # The log is written before each answer goes out: what the burst logged is there now.
+    text = log_of(node, 0)
+    new_lines = text.count("\n") - before
+    assert new_lines <= 2, f"{BURST} malformed requests logged {new_lines} lines:\n{text[-3000:]}"
+    assert secret not in text and "Traceback" not in text and "Error handling request" not in text
+    refusals = [line for line in text.splitlines() if "malformed HTTP request" in line]
+    print("\n" + "\n".join(refusals))
+    assert refusals and all("127.0.0.1" in line and "Invalid header value char" in line for line in refusals), refusals
+    # The node serves on as before.
+    assert raw_request(port, "/health", [])[0] == 200
+
+
+def test_aiohttps_refusals_become_one_line_and_real_server_errors_pass_as_they_are():
+    """MalformedRequests alone, on the records aiohttp makes (web_protocol.RequestHandler.handle_error)."""
+    from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+
+    from ringd.http_guard import MalformedRequests
+
+    guard = MalformedRequests(interval_s=3600)
+
+    def record(exc: BaseException, level: int = logging.ERROR) -> logging.LogRecord:
+        try:
+            raise exc
+        except BaseException:
+            return logging.LogRecord("aiohttp", level, __file__, 1, "Error handling request from %s", ("10.0.0.7",), sys.exc_info())
+
+    quoting = BadHttpMessage("Invalid header value char:\n\n  b'Authorization: Bearer sk-live-123\\x01'\n  ^")
+    first = record(quoting)
+    assert guard.filter(first)
+    line = first.getMessage()
+    assert "sk-live" not in line and first.exc_info is None and first.levelno == logging.WARNING
+    assert line == "refused 1 malformed HTTP request(s) with 400 since the last report (Invalid header value char), the latest from 10.0.0.7"
+    assert not any(guard.filter(record(quoting)) for _ in range(BURST))  # counted, not logged
+    assert guard.refused == BURST + 1
+    long = record(LineTooLong(b"X-Note: sk-live-123" * 1000, 8190))
+    guard._last_report = float("-inf")  # the interval has passed
+    assert guard.filter(long) and "8190 bytes" in long.getMessage() and f"refused {BURST + 1} " in long.getMessage()
+    assert "sk-live" not in long.getMessage()
+    # A real server error keeps its traceback, its level and its words.
+    bug = record(ZeroDivisionError("division by zero"))
+    assert guard.filter(bug) and bug.exc_info is not None and bug.levelno == logging.ERROR and bug.msg == "Error handling request from %s"

@@ -134,3 +134,46 @@ def test_learned_dials_are_capped(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, "ringd.membership"):
         uvloop.run(main())
     assert "not dialing 127.0.0.1:3: 2 learned addresses are being dialed already" in caplog.text
+
+
+def test_a_member_that_dialed_in_is_dialed_back_once_its_link_is_lost():
+    """If a flood holds this node's listener, the link must not wait for the peer's dial to get in."""
+
+    async def main():
+        a, b = links("a"), links("b")
+        pa, pb = await a.listen("127.0.0.1", 0), await b.listen("127.0.0.1", 0)
+        b.info["addr"] = f"127.0.0.1:{pb}"
+        # b's link to a, dialed by hand: nothing on b's side dials a again once it is gone.
+        inbound = await wire_stream.connect("127.0.0.1", pa, secret=SECRET, node_id="b", cluster="lab", info=b.info)
+        await until(lambda: "b" in a.peers and not a.peers["b"].outbound, what="a to accept b")
+        inbound.close()
+        await until(lambda: "b" in a.peers and a.peers["b"].outbound, 5.0, "a to dial b back")
+        assert "a" in b.peers and not b.peers["a"].outbound
+        await a.close()
+        await b.close()
+
+    uvloop.run(main())
+
+
+def test_members_addresses_are_configured_peers_and_addresses_linked_before(monkeypatch):
+    import ringd.membership as membership
+
+    monkeypatch.setattr(membership, "MAX_KNOWN_HOSTS", 2)
+
+    async def main():
+        a = links("a")
+        pa = await a.listen("127.0.0.1", 0)
+        a.dial("10.9.9.9", 1, persistent=True)  # a configured peer: known before any link
+        a.dial("10.8.8.8", 1)  # learned (an advert anyone can make): not until it links
+        assert a._known_host("10.9.9.9") and not a._known_host("10.8.8.8") and not a._known_host("127.0.0.1")
+        for name, addr in [("b", "::ffff:10.0.0.2:5"), ("c", "10.0.0.3:5")]:
+            peer = await wire_stream.connect("127.0.0.1", pa, secret=SECRET, node_id=name, cluster="lab", info={"addr": addr})
+            await until(lambda: name in a.peers, what=f"{name} linked")
+            peer.close()
+            await until(lambda: name not in a.peers, what=f"{name} gone")
+        # Where c dials from and where it listens; b's listening address, the oldest, forgotten.
+        assert a._known_host("127.0.0.1") and a._known_host("10.0.0.3") and not a._known_host("10.0.0.2")
+        assert a._known_host("10.9.9.9")  # configured peers never are
+        await a.close()
+
+    uvloop.run(main())

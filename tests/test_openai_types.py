@@ -191,6 +191,17 @@ def test_huge_and_out_of_range_numbers_are_400s_naming_the_field(field, value):
     assert refused({**CHAT, field: value}).param == field
 
 
+@pytest.mark.parametrize("logprobs", [None, False])
+def test_top_logprobs_without_logprobs_is_a_400_naming_it(logprobs):
+    """As OpenAI: "logprobs must be set to true if this parameter is used" (0 too: it was asked for)."""
+    body = {**CHAT, "top_logprobs": 2} | ({} if logprobs is None else {"logprobs": logprobs})
+    for top in (2, 0):
+        e = refused({**body, "top_logprobs": top})
+        assert e.status == 400 and e.param == "top_logprobs" and "logprobs: true" in e.message
+    assert request({**CHAT, "logprobs": True, "top_logprobs": 2}).params.top_logprobs == 2
+    assert request({**CHAT, "top_logprobs": None}).params.logprobs is False  # null is not asking
+
+
 def test_a_float_json_reads_as_infinity_is_a_400():
     raw = json.dumps(CHAT).encode()[:-1] + b', "temperature": 1e400}'
     assert refused(raw).param == "temperature"

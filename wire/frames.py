@@ -65,6 +65,7 @@ class MsgType(enum.IntEnum):
     STATUS_REPLY = 12
     CONTROL = 13  # misc control messages, e.g. membership gossip
     INFO = 14  # handshake, first sealed frame: the node's info, once the peer proved the secret
+    LEAVE = 15  # a node is stopping: take it out of the ring now, do not wait for its heartbeats to stop
 
 
 class FrameError(Exception):

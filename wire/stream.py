@@ -17,7 +17,9 @@ but the handshake is parsed; after the PROOFs every frame both ways is sealed
 Strangers are bounded: `serve` holds at most MAX_UNAUTHENTICATED connections in
 the handshake (MAX_UNAUTHENTICATED_PER_HOST from one address) and closes the
 rest at once, and warnings about failed handshakes and dropped links are rate
-limited, so a flood costs neither memory nor the log.
+limited, so a flood costs neither memory nor the log. Members' addresses (the
+caller's `trusted`) have slots of their own, MAX_UNAUTHENTICATED_KNOWN, and are
+never refused: a flood cannot keep a member out (wire.slots says how).
 
 What the frames mean (membership, plans, tensors) is for the layers above.
 """
@@ -38,6 +40,7 @@ from wire.frames import (
     encode_frame,
 )
 from wire.handshake import HANDSHAKE_TIMEOUT_S, Handshake, HandshakeError
+from wire.slots import HandshakeSlots, SlotLimits, canonical_host
 
 __all__ = [
     "FrameError",
@@ -63,13 +66,19 @@ SEND_TIMEOUT_S = 30.0
 # socket, so TCP backpressure slows the sender instead of this process holding
 # an unbounded backlog (each frame is within the decoder's limits).
 RECV_QUEUE_FRAMES = 64
-# Connections `serve` holds in the handshake at once; more are closed at once.
-# An honest peer has one (two while both sides dial each other) and a ring is a
-# handful of nodes, so these only ever bind for strangers, whose hold they bound
-# to the cap times a ~1 KiB decoder for up to HANDSHAKE_TIMEOUT_S. Per address
-# there is room for a few nodes behind one NAT, and redials.
+# Connections from strangers (addresses not known as members') `serve` holds in
+# the handshake at once; more are closed at once. They bound a flood's hold to
+# the cap times a ~1 KiB decoder for up to HANDSHAKE_TIMEOUT_S. Per address
+# there is room for a few nodes behind one NAT (new members are strangers until
+# first linked), and redials.
 MAX_UNAUTHENTICATED = 64
 MAX_UNAUTHENTICATED_PER_HOST = 8
+# Connections from members' addresses in the handshake at once, apart from the
+# strangers' (wire.slots): never refused, the oldest of the address holding the
+# most is closed instead. A ring is a handful of nodes with one or two dials
+# each; the rest is room for an attacker on a member's own address to lose
+# connections to before an honest handshake (milliseconds) is its oldest.
+MAX_UNAUTHENTICATED_KNOWN = 64
 # Warnings about failed handshakes and dropped links: the first from each
 # address is logged as it happens, later ones are counted and summed up in one
 # line per interval, so a peer failing in a loop cannot flood the log.
@@ -82,8 +91,9 @@ MAX_REMEMBERED_ADDRESSES = 1024
 
 
 # Every misbehaving-peer event of this process since it started, by kind ("failed
-# handshakes", "dropped links", "connections refused over the handshake caps"),
-# logged or not: what a node's metrics count.
+# handshakes", "dropped links", "connections refused over the handshake caps",
+# "handshakes closed to make room for members"), logged or not: what a node's
+# metrics count.
 EVENTS: collections.Counter[str] = collections.Counter()
 
 
@@ -150,31 +160,36 @@ def _rate_limited_log() -> _RateLimitedLog:
 
 
 class _Gate:
-    """Counts a server's connections still in the handshake, in total and by address."""
+    """A server's handshake slots (wire.slots), applied to its connections."""
 
-    def __init__(self):
-        self.total = 0
-        self.by_host: collections.Counter[str] = collections.Counter()
+    def __init__(self, trusted: Callable[[str], bool]):
+        self.trusted = trusted
+        self.slots: HandshakeSlots[FrameProtocol] = HandshakeSlots(
+            SlotLimits(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_HOST, MAX_UNAUTHENTICATED_KNOWN)
+        )
 
-    def admit(self, host: str) -> bool:
-        if self.total >= MAX_UNAUTHENTICATED or self.by_host[host] >= MAX_UNAUTHENTICATED_PER_HOST:
-            return False
-        self.total += 1
-        self.by_host[host] += 1
-        return True
+    def admit(self, protocol: "FrameProtocol") -> bool:
+        """Take a slot for `protocol`, closing the known connection it evicts, if any."""
+        host = canonical_host(protocol.peername[0])
+        admission = self.slots.admit(protocol, host, self.trusted(host))
+        if admission.evict is not None:
+            victim = admission.evict
+            victim.evicted = True
+            victim.fail(ConnectionRefusedError(
+                f"{victim.address} closed in the handshake to make room for a newer connection "
+                f"from a member's address ({MAX_UNAUTHENTICATED_KNOWN} were in the handshake)"
+            ))  # fmt: skip
+        return admission.admitted
 
-    def release(self, host: str):
-        self.total -= 1
-        self.by_host[host] -= 1
-        if not self.by_host[host]:
-            del self.by_host[host]
+    def release(self, protocol: "FrameProtocol"):
+        self.slots.release(protocol)
 
 
 class FrameProtocol(asyncio.BufferedProtocol):
     """One connection: runs the handshake, then queues frames in and writes frames out.
 
-    With a `gate` (serve's), the connection counts against the caps on
-    unauthenticated connections and is closed at once if over them.
+    With a `gate` (serve's), the connection holds a handshake slot until its
+    handshake ends, and is closed at once if it gets none.
     """
 
     def __init__(self, handshake: Handshake, gate: _Gate | None = None):
@@ -186,6 +201,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._sealer = None  # the session's, from the peer's PROOF on
         self._gate = gate
         self.refused = False  # closed at once: over the gate's caps
+        self.evicted = False  # closed in the handshake: its slot went to a newer member's dial
         self._transport: asyncio.Transport | None = None
         self.peername: tuple[str, int] = ("", 0)
         self._handshake_deadline: asyncio.TimerHandle | None = None
@@ -212,11 +228,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.Transport):
         self._transport = transport
         self.peername = (transport.get_extra_info("peername") or ("", 0))[:2]
-        if self._gate is not None and not self._gate.admit(self.peername[0]):
+        if self._gate is not None and not self._gate.admit(self):
             self.refused = True
             self._end(ConnectionRefusedError(
-                f"{self.address} refused: {MAX_UNAUTHENTICATED} connections in the handshake, "
-                f"or {MAX_UNAUTHENTICATED_PER_HOST} from its address, are already open"
+                f"{self.address} refused: {MAX_UNAUTHENTICATED} connections from strangers "
+                f"are in the handshake, or {MAX_UNAUTHENTICATED_PER_HOST} from its address"
             ))  # fmt: skip
             transport.close()
             return
@@ -339,8 +355,15 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._write_handshake(replies)
         if handshake.done:
             self._handshake_deadline.cancel()
+            self._leave_gate()
             if not self.authenticated.done():  # connect() may have been cancelled
                 self.authenticated.set_result(None)
+
+    def _leave_gate(self):
+        # At once, not in a callback later: a slot still held by a connection whose
+        # handshake is over could be picked for eviction, and that would drop a link.
+        if self._gate is not None:
+            self._gate.release(self)
 
     def _deliver(self, frame: Frame):
         self._frames.append(frame)
@@ -355,6 +378,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self._error = error
         if self._handshake_deadline is not None:
             self._handshake_deadline.cancel()
+        self._leave_gate()
         if not self.authenticated.done():
             self.authenticated.set_exception(self._error)
         self._frame_arrived.set()
@@ -495,17 +519,23 @@ async def serve(
     cluster: str,
     info: dict | None = None,
     encrypt: bool = False,
+    trusted: Callable[[str], bool] = lambda host: False,
 ) -> asyncio.AbstractServer:
     """Listen for peers; run `on_stream` in a task for each one that completes the handshake.
 
     `info` is read each time it is sent, once a peer has proved the secret.
     `encrypt` makes every accepted link encrypted; without it a link is
     encrypted if the dialer asks.
+    `trusted(host)`: whether a connection from `host` (an IP address, spelled
+    as wire.slots.canonical_host does) is a member's, asked as it arrives. Such
+    connections take slots of their own and are never refused (wire.slots).
+    It must be quick: it runs on the event loop for every connection.
 
     A peer that fails the handshake, or does not finish it within
     HANDSHAKE_TIMEOUT_S, is disconnected, and a warning logged (rate limited:
-    see LOG_SUMMARY_INTERVAL_S). Connections over the caps on those still in
-    the handshake are closed at once and only counted.
+    see LOG_SUMMARY_INTERVAL_S). Connections over the caps on strangers still
+    in the handshake are closed at once, and those closed to make room for a
+    member's, only counted.
     """
     new_handshake = functools.partial(
         Handshake, secret=secret, node_id=node_id, cluster=cluster, initiator=False, info=info,
@@ -513,14 +543,16 @@ async def serve(
     )  # fmt: skip
     new_handshake()  # bad arguments fail here, not at the first connection
     handlers: set[asyncio.Task] = set()  # strong references, so tasks are not collected
-    gate = _Gate()
+    gate = _Gate(trusted)
 
     def on_handshake_over(protocol: FrameProtocol, authenticated: asyncio.Future):
         host, error = protocol.peername[0], authenticated.exception()
         if protocol.refused:
             _rate_limited_log().count("connections refused over the handshake caps", host)
             return
-        gate.release(host)
+        if protocol.evicted:
+            _rate_limited_log().count("handshakes closed to make room for members", host)
+            return
         if error is not None:
             _rate_limited_log().warn("failed handshakes", host, str(error))
             return

@@ -43,11 +43,12 @@ def run(request):
 
 
 @contextlib.asynccontextmanager
-async def server(on_stream=None, *, secret=SECRET, cluster="lab", encrypt=False):
+async def server(on_stream=None, *, secret=SECRET, cluster="lab", encrypt=False, trusted=None):
     """A `serve` on an ephemeral port; yields (port, queue of accepted streams).
 
     With `on_stream` given, that handles the streams instead of the queue. On
     exit every accepted stream is closed, so no test leaks a socket.
+    `trusted`: the addresses `serve` takes for members' (none by default).
     """
     accepted: asyncio.Queue[FrameStream] = asyncio.Queue()
     streams: list[FrameStream] = []
@@ -65,6 +66,7 @@ async def server(on_stream=None, *, secret=SECRET, cluster="lab", encrypt=False)
         cluster=cluster,
         info={"ring_port": 1234},
         encrypt=encrypt,
+        trusted=lambda host: host in (trusted or ()),
     )
     try:
         yield srv.sockets[0].getsockname()[1], accepted
@@ -697,6 +699,58 @@ def test_connections_over_the_handshake_caps_are_closed_at_once(monkeypatch, cap
     [summary] = [w for w in stream_warnings(caplog) if "refused" in w]
     refusals = int(re.search(r"connections refused over the handshake caps: (\d+)", summary)[1])
     assert refusals >= 3  # 127.0.0.1, 127.0.0.3, the early dial (and retries of the last)
+
+
+async def stalled(port: int, host: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Like `admitted`, keeping the reader: whether the server closes it is what a test looks at."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(host, 0))
+    await read_hello(reader)
+    return reader, writer
+
+
+def test_a_members_address_gets_in_while_a_flood_holds_every_handshake_slot(run, monkeypatch):
+    """Strangers fill their slots, an attacker on the member's own address (one NAT) fills the
+    members' slots, and the member's dials still get in, each closing the flood's oldest."""
+    monkeypatch.setattr(wire.stream, "MAX_UNAUTHENTICATED", 4)
+    monkeypatch.setattr(wire.stream, "MAX_UNAUTHENTICATED_PER_HOST", 2)
+    monkeypatch.setattr(wire.stream, "MAX_UNAUTHENTICATED_KNOWN", 3)
+    monkeypatch.setattr(wire.stream, "HANDSHAKE_TIMEOUT_S", 30.0)  # the flood stays while we look
+    member = "127.0.0.1"  # where `dial` comes from
+    evictions = "handshakes closed to make room for members"
+
+    async def main():
+        before = wire.stream.EVENTS[evictions]
+        async with server(trusted={member}) as (port, accepted):
+            hosts = ["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"]
+            strangers = [await admitted(port, host) for host in hosts]
+            assert await refused(port, "127.0.0.4")  # the strangers' slots are all taken
+            flood = [await stalled(port, member) for _ in range(3)]  # and so are the members'
+
+            first = await dial(port)
+            assert first.peer_id == "server"
+            first_theirs = await accepted.get()
+            # The flood's oldest made room; a new flood connection takes the slot back.
+            assert await read_until_eof(flood[0][0], timeout=5) == b""
+            flood.append(await stalled(port, member))
+            second = await dial(port)
+            second_theirs = await accepted.get()
+            assert await read_until_eof(flood[1][0], timeout=5) == b""
+            await until(lambda: wire.stream.EVENTS[evictions] - before == 2, what="the evictions")
+            # Strangers got nothing from it: every slot of theirs is still taken.
+            assert await refused(port, "127.0.0.4")
+            # A link is never evicted, however the flood goes on: it left the slots at its end.
+            flood.append(await stalled(port, member))
+            flood.append(await stalled(port, member))  # the pool is full again: evicts flood[2]
+            assert await read_until_eof(flood[2][0], timeout=5) == b""
+            for ours, theirs in [(first, first_theirs), (second, second_theirs)]:
+                await ours.send(Frame(MsgType.CONTROL, 1, {"still": "linked"}))
+                assert (await theirs.recv(5)).descriptor == {"still": "linked"}
+                ours.close()
+                await ours.wait_closed()
+            for writer in strangers + [writer for _, writer in flood]:
+                writer.close()
+
+    run(main())
 
 
 def test_failed_handshakes_are_logged_rate_limited(monkeypatch, caplog):
