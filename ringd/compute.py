@@ -33,9 +33,6 @@ class ComputeThread:
         """Run ``fn`` after everything queued before it and await its result."""
         return await asyncio.wrap_future(self.submit(fn, *args))
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
     async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Drop what is queued, let the job that runs finish (within ``timeout_s``), then leave
         MLX idle (its streams synchronized), so no MLX thread is busy as the interpreter exits."""

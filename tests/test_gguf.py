@@ -20,6 +20,7 @@ import pytest
 
 from ringd.checkpoint import ModelError, model_info
 from ringd.gguf import NATIVE_TYPES, GgufFile, is_gguf, read_tensor
+from test_archs import reference, ring
 
 
 def _write(path: Path, arrays: dict[str, np.ndarray], types: dict[str, str], arch: str = "llama") -> Path:
@@ -245,32 +246,6 @@ def _greedy(step, prompt: list[int]) -> tuple[list[int], list[mx.array]]:
     return tokens, logits
 
 
-def _reference(model):
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-
-    def step(tokens, sample):
-        out = model(mx.array(tokens)[None], cache=cache)[:, -1, :]
-        mx.eval(out, [c.state for c in cache])
-        return out
-
-    return step
-
-
-def _ring(stages):
-    caches = [s.make_cache() for s in stages]
-
-    def step(tokens, sample):
-        ids, h = mx.array(tokens, dtype=mx.int32)[None], None
-        for stage, cache in zip(stages, caches):
-            h = stage(ids, h, cache)
-            mx.eval(h, [c.state for c in cache])  # what the ring sends on: evaluated
-        return h[:, -1, :]
-
-    return step
-
-
 def _convert(gguf_path: Path, out: Path) -> Path:
     r = subprocess.run([sys.executable, "-m", "ringd", "convert", str(gguf_path), str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -294,10 +269,10 @@ def test_a_float_file_computes_what_the_original_model_computes(tiny_model, tmp_
         assert model_info(str(path)).config["rope_scaling"] == rope_scaling
     model, tokenizer = load(str(source))
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
-    want, want_logits = _greedy(_reference(model), prompt)
+    want, want_logits = _greedy(reference(model), prompt)
     assert len(set(want)) >= 8, "the reference repeats itself: the test would prove little"
     stages = [Shard.load(str(path), a, b) for a, b in ((0, 1), (1, 3), (3, LAYERS))]
-    got, got_logits = _greedy(_ring(stages), prompt)
+    got, got_logits = _greedy(ring(stages), prompt)
     assert got == want
     # llama's interleaved RoPE sums the same products in another order: equal up to rounding.
     for a, b in zip(want_logits, got_logits):
@@ -319,11 +294,11 @@ def test_every_split_of_a_file_computes_what_mlx_lm_computes_on_its_conversion(t
     converted = _convert(path, tmp_path_factory.mktemp("converted") / "model")
     model, tokenizer = load(str(converted))  # mlx-lm's own loader, from the directory convert wrote
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
-    want, want_logits = _greedy(_reference(model), prompt)
+    want, want_logits = _greedy(reference(model), prompt)
     assert len(set(want)) >= 8, "the reference repeats itself: the test would prove little"
     for bounds in ([0, 2, LAYERS], [0, 1, 3, LAYERS], [0, LAYERS]):
         stages = [Shard.load(str(path), a, b) for a, b in zip(bounds, bounds[1:])]
-        got, got_logits = _greedy(_ring(stages), prompt)
+        got, got_logits = _greedy(ring(stages), prompt)
         for i, (a, b) in enumerate(zip(want_logits, got_logits)):
             assert mx.array_equal(a, b).item(), f"split {bounds}: logits differ at step {i}"
         assert got == want
