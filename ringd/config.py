@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import ipaddress
+import json
 import os
 import re
 import shlex
@@ -212,6 +213,18 @@ def _log_level(v: Any) -> str:
     return v.lower()
 
 
+def _template_kwargs(v: Any) -> dict:
+    # From a flag or the environment it comes as JSON text.
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError:
+            raise ValueError('must be a JSON object, e.g. {"enable_thinking": false}') from None
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise ValueError('must be a mapping of template variables, e.g. {"enable_thinking": false}')
+    return v
+
+
 def _optional(check: Callable) -> Callable:
     return lambda v: None if v is None else check(v)
 
@@ -257,6 +270,7 @@ KEYS: list[Key] = [
     Key("kv_bits", _optional(_int_in(2, 3, 4, 5, 6, 8)), None, "mlx-lm kv_bits: quantize the KV cache to this many bits", int),
     Key("kv_group_size", _int_in(32, 64, 128), 64, "mlx-lm kv_group_size for a quantized KV cache", int),
     Key("quantized_kv_start", _non_negative_int, 5000, "mlx-lm quantized_kv_start: positions kept unquantized", int),
+    Key("chat_template_kwargs", _template_kwargs, {}, 'variables every chat template gets unless a request sets them (chat_template_kwargs), e.g. {"enable_thinking": false}'),
     Key("prefix_cache_entries", _non_negative_int, 8, "finished requests whose KV caches stay for prefix reuse (0: off)", int),
     Key("max_queued_requests", _non_negative_int, 32, "requests that may wait for KV room before 429s", int),
     Key("queue_timeout_s", _positive_float, 60.0, "longest wait for KV room before a 429", float),
@@ -304,6 +318,7 @@ class Config:
     kv_bits: int | None
     kv_group_size: int
     quantized_kv_start: int
+    chat_template_kwargs: dict
     prefix_cache_entries: int
     max_queued_requests: int
     queue_timeout_s: float

@@ -56,6 +56,7 @@ class Daemon:
         self.supervisor = Supervisor(log)
         self.compute = ComputeThread()
         self.metrics = Metrics(self.name, lambda: self.status.gauges() if self.status else Gauges())
+        self.chat_template_kwargs = cfg.chat_template_kwargs
         self.api = Api(self)
         self.info: ModelInfo | None = None
         self.tokenizer = None
@@ -102,7 +103,9 @@ class Daemon:
             "profile": self.profile.to_wire(), "api_only": cfg.api_only,
         }  # fmt: skip
         self._own = own
-        self.stage = StageHost(self.name, cfg.model, self.info, self.compute, self._send, self._on_change, self.metrics)
+        self.stage = StageHost(
+            self.name, cfg.model, self.info, self.compute, self._send, self._on_change, self.metrics, tokenizer_source=lambda: self.tokenizer
+        )
         self.cluster = Cluster(
             node=self.name, cluster=cfg.cluster, priority=cfg.priority, secret=self.secret, info=own,
             state_file=Path(cfg.state_dir).expanduser() / f"{cfg.cluster}-{self.name}.json",

@@ -100,6 +100,7 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]]
     finish_reason: str | None = None  # "stop" or "length" on the last event
     cached_tokens: int = 0  # prompt tokens whose caches came from a cached prefix
+    resumed: bool = False  # a token an earlier leader streamed (emit_resumed), not a new one
 
 
 @dataclass
@@ -301,6 +302,7 @@ class Engine:
         stop: list[str] = (),
         resume: list[int] = (),
         request_id: str | None = None,
+        emit_resumed: bool = False,
     ) -> AsyncIterator[TokenEvent]:
         """Generate up to ``max_tokens`` after ``prompt``.
 
@@ -308,7 +310,9 @@ class Engine:
         earlier leader (a follower carries the stream over): they are replayed
         like a failover replay and not yielded again; the stream goes on after them.
         ``request_id``: the client's name for the request, in every line about it
-        on every stage.
+        on every stage. ``emit_resumed``: yield the ``resume`` tokens first, marked
+        ``resumed``, so a consumer that reads the text (tool calls, reasoning) can
+        bring its own state to where the stream was.
         """
         arrived = time.monotonic()
         if not prompt:
@@ -353,7 +357,9 @@ class Engine:
                 self._wait_for_ring(flight, e)
             text = _Text(self.tokenizer.detokenizer, stop, self.eos_ids, flight.max_tokens)
             for token in resume:  # the client has their text: bring the state to where it was
-                text.next(token)
+                piece, _ = text.next(token)
+                if emit_resumed:
+                    yield TokenEvent(token, piece, 0.0, [], None, 0, resumed=True)
             while True:
                 try:
                     async with asyncio.timeout(self.step_timeout_s):

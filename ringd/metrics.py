@@ -2,9 +2,10 @@
 
 Histograms and counters are observed where things happen: the engine (time to
 first token, the gaps between tokens, queue wait, request duration, replays,
-evictions), each stage (compute per frame, prefill or decode), the links (time
-to hand a frame to the transport), the API (requests by endpoint and status,
-tokens in and out), the leader (plans). Gauges are produced at
+evictions), each stage (compute per frame, prefill or decode; a grammar's mask
+per token), the links (time to hand a frame to the transport), the API
+(requests by endpoint and status, tokens in and out), the leader (plans).
+Gauges are produced at
 scrape time by a collector that reads the node's parts (``Gauges``, filled by
 the daemon from the objects themselves, not copied from a status document by
 string key), memory included: the process's resident memory everywhere, MLX's
@@ -46,6 +47,9 @@ REQUEST_DURATION_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 
 STAGE_COMPUTE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Handing a frame to the transport (encode, seal, queue): microseconds, milliseconds for big prefill frames.
 LINK_SEND_BUCKETS_S = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1)
+# A grammar's mask, per sampled token, as the last stage waits for it: tens of microseconds
+# when computed while MLX ran the step, milliseconds for a large vocabulary or a hard grammar.
+GRAMMAR_MASK_BUCKETS_S = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05, 0.1)
 # Live figures: tokens per second over this window; times to first token of this many requests.
 LIVE_WINDOW_S = 10.0
 LIVE_TTFT_REQUESTS = 20
@@ -179,6 +183,10 @@ class Metrics:
         self._stage_compute = Histogram("ringd_stage_compute_seconds", "Compute of one frame on this node's stage", ["node", "phase"], registry=r, buckets=STAGE_COMPUTE_BUCKETS_S)
         self.stage_prefill = self._stage_compute.labels(node, "prefill")
         self.stage_decode = self._stage_compute.labels(node, "decode")
+        self.grammar_mask = Histogram(
+            "ringd_grammar_mask_seconds", "Waiting for and applying a grammar's mask, per token sampled on this node's stage",
+            n, registry=r, buckets=GRAMMAR_MASK_BUCKETS_S,
+        ).labels(node)  # fmt: skip
         self.link_send = Histogram("ringd_link_send_seconds", "Handing one frame to a link's transport: encoding, sealing, queueing", n, registry=r, buckets=LINK_SEND_BUCKETS_S).labels(node)
         self._requests = Counter("ringd_requests", "HTTP requests answered by this node, by endpoint and status", ["node", "endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("ringd_prompt_tokens", "Prompt tokens admitted by this node's API", n, registry=r).labels(node)

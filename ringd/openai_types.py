@@ -4,8 +4,8 @@ Bodies of ``/v1/chat/completions`` and ``/v1/completions`` become a
 ``CompletionRequest``; anything malformed becomes an ``ApiError`` carrying the
 HTTP status and OpenAI's error shape (``{"error": {"message", "type",
 "param", "code"}}``), naming the field at fault. Fields the API documents but
-ringd cannot honour (``n`` > 1, ``best_of``, ``echo``, ``suffix``, tools,
-structured output, audio: ``UNSUPPORTED_FIELDS``) are refused, not ignored;
+ringd cannot honour (``n`` > 1, ``best_of``, ``echo``, ``suffix``, the old
+``functions``, audio: ``UNSUPPORTED_FIELDS``) are refused, not ignored;
 unknown fields are ignored, as clients send many. Nothing a client sends makes
 these functions raise anything but ``ApiError``.
 
@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .request import MAX_TOOLS, Request, ResponseFormat, Tool
 from .sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr
 
 # OpenAI accepts up to 4 stop sequences; a few more costs nothing here.
@@ -40,17 +41,19 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # it. Each maps to the values that ask for nothing beyond what ringd does anyway
 # (those are accepted); null, [] and {} count as absent, since clients send them.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "tools": (),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (),
     "functions": (),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
     "web_search_options": (),
 }
+
+# OpenAI's rule for function names: what templates and parsers can carry.
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# A JSON schema (a tool's parameters, a response format) nested deeper than
+# this is an attack on the grammar compiler, not a schema.
+MAX_SCHEMA_DEPTH = 64
 
 # A surrogate code point can only be alone in a str that came from JSON (the
 # decoder joins a valid \ud83d\ude00 pair into one character), and no tokenizer
@@ -100,6 +103,21 @@ class CompletionRequest:
     include_usage: bool = False
     # vLLM's extension: logprobs name tokens "token_id:123", exact where text is not.
     tokens_as_ids: bool = False
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str = "auto"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    template_kwargs: dict = field(default_factory=dict)
+
+    def to_request(self) -> Request:
+        """The internal request (``request.py``) that every API becomes."""
+        return Request(
+            model=self.model, params=self.params, max_tokens=self.max_tokens, messages=self.messages, prompt=self.prompt,
+            stop=self.stop, tools=self.tools, tool_choice=self.tool_choice, tool_name=self.tool_name,
+            parallel_tool_calls=self.parallel_tool_calls, response_format=self.response_format,
+            template_kwargs=self.template_kwargs,
+        )  # fmt: skip
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -181,6 +199,7 @@ def _messages(v: Any) -> list[dict]:
     if len(v) > MAX_MESSAGES:
         raise _bad(f"at most {MAX_MESSAGES} messages are accepted", "messages")
     out = []
+    names: dict[str, str] = {}  # tool call id -> function name, for the results that answer them
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -189,8 +208,142 @@ def _messages(v: Any) -> list[dict]:
         if role not in CHAT_ROLES:
             raise _bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {brief_repr(role)}", f"{where}.role")
         # Chat templates know "system"; "developer" is OpenAI's newer name for it.
-        out.append({"role": "system" if role == "developer" else role, "content": _text_content(m.get("content"), f"{where}.content")})
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _text_content(m.get("content"), f"{where}.content")}
+        if role == "assistant":
+            calls = m.get("tool_calls")
+            if calls:
+                msg["tool_calls"] = [_past_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(_list(calls, f"{where}.tool_calls"))]
+                names.update((c["id"], c["function"]["name"]) for c in msg["tool_calls"])
+            reasoning = m.get("reasoning_content", m.get("reasoning"))
+            if isinstance(reasoning, str) and reasoning:
+                msg["reasoning_content"] = _valid_text(reasoning, f"{where}.reasoning_content")
+        elif role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise _bad(f"{where}.tool_call_id is required: the id of the call this result answers", f"{where}.tool_call_id")
+            msg["tool_call_id"] = call_id
+            msg["name"] = m.get("name") if isinstance(m.get("name"), str) else names.get(call_id, "")
+        out.append(msg)
     return out
+
+
+def _list(v: Any, where: str) -> list:
+    if not isinstance(v, list):
+        raise _bad(f"{where} must be a list", where)
+    return v
+
+
+def _past_call(c: Any, where: str) -> dict:
+    """An assistant's earlier tool call, with its arguments as the object templates take."""
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _bad(f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}", where)
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise _bad(f"{where}.function.arguments must be a JSON object (as text); got {brief_repr(args)}", f"{where}.function.arguments") from None
+    if not isinstance(args, dict):
+        raise _bad(f"{where}.function.arguments must be a JSON object", f"{where}.function.arguments")
+    call_id = c.get("id") if isinstance(c.get("id"), str) else ""
+    return {"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def schema_depth(v: Any, depth: int = 0) -> int:
+    """How deeply ``v`` nests (iteratively bounded: a hostile schema cannot recurse us out)."""
+    deepest, stack = 0, [(v, 0)]
+    while stack:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_SCHEMA_DEPTH:
+            break
+        if isinstance(node, dict):
+            stack.extend((x, d + 1) for x in node.values())
+        elif isinstance(node, list):
+            stack.extend((x, d + 1) for x in node)
+    return deepest
+
+
+def check_schema(schema: Any, where: str) -> dict:
+    if not isinstance(schema, dict):
+        raise _bad(f"{where} must be a JSON schema object; got {brief_repr(schema)}", where)
+    if schema_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise _bad(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels", where)
+    return schema
+
+
+def check_tool_name(name: Any, where: str) -> str:
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise _bad(f"{where} must be 1 to 64 letters, digits, '_', '-' or '.'; got {brief_repr(name)}", where)
+    return name
+
+
+def _tools(v: Any) -> list[Tool]:
+    if v is None or v == []:
+        return []
+    tools = _list(v, "tools")
+    if len(tools) > MAX_TOOLS:
+        raise _bad(f"at most {MAX_TOOLS} tools are accepted", "tools")
+    out, seen = [], set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+            raise _bad(f"{where} must be {{'type': 'function', 'function': {{'name', 'description', 'parameters'}}}}; only function tools are supported", where)
+        fn = t["function"]
+        name = check_tool_name(fn.get("name"), f"{where}.function.name")
+        if name in seen:
+            raise _bad(f"{where}.function.name {name!r} is declared twice", f"{where}.function.name")
+        seen.add(name)
+        description = fn.get("description") or ""
+        if not isinstance(description, str):
+            raise _bad(f"{where}.function.description must be a string", f"{where}.function.description")
+        params = fn.get("parameters")
+        params = {"type": "object", "properties": {}} if params is None else check_schema(params, f"{where}.function.parameters")
+        is_strict = fn.get("strict") is True
+        out.append(Tool(name, _valid_text(description, f"{where}.function.description"), params, is_strict))
+    return out
+
+
+def _tool_choice(v: Any, tools: list[Tool]) -> tuple[str, str | None]:
+    if v is None:
+        return "auto", None
+    if v in ("auto", "none", "required"):
+        return v, None
+    if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict):
+        name = v["function"].get("name")
+        if name not in {t.name for t in tools}:
+            raise _bad(f"tool_choice names the function {brief_repr(name)}, which is not among the tools", "tool_choice")
+        return "function", name
+    raise _bad('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}', "tool_choice")
+
+
+def _response_format(v: Any) -> ResponseFormat | None:
+    if v is None or v == {} or v == {"type": "text"}:
+        return None
+    if not isinstance(v, dict):
+        raise _bad("response_format must be an object", "response_format")
+    kind = v.get("type")
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise _bad("response_format.json_schema must be {name, schema, strict?}", "response_format.json_schema")
+        name = spec.get("name")
+        schema = check_schema(spec["schema"], "response_format.json_schema.schema")
+        return ResponseFormat("json_schema", schema, name if isinstance(name, str) else None, spec.get("strict") is True)
+    raise _bad(f'response_format.type must be "text", "json_object" or "json_schema"; got {brief_repr(kind)}', "response_format.type")
+
+
+def template_kwargs(v: Any, where: str = "chat_template_kwargs") -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise _bad(f'{where} must be an object of template variables, e.g. {{"enable_thinking": false}}', where)
+    if schema_depth(v) > MAX_SCHEMA_DEPTH:
+        raise _bad(f"{where} nests too deeply", where)
+    return v
 
 
 def _prompt(v: Any) -> str | list[int]:
@@ -303,7 +456,18 @@ def parse_request(body: dict, chat: bool) -> CompletionRequest:
     except SamplingError as e:
         raise _bad(str(e), e.field) from None
 
+    if not chat and body.get("tools"):
+        raise _bad("tools are for /v1/chat/completions; completions take a prompt only", "tools")
+    tools = _tools(body.get("tools")) if chat else []
+    tool_choice, tool_name = _tool_choice(body.get("tool_choice"), tools) if chat else ("auto", None)
+    parallel = opt("parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean")
     return CompletionRequest(
+        tools=tools,
+        tool_choice=tool_choice,
+        tool_name=tool_name,
+        parallel_tool_calls=True if parallel is None else parallel,
+        response_format=_response_format(body.get("response_format")),
+        template_kwargs=template_kwargs(body.get("chat_template_kwargs")) if chat else {},
         chat=chat,
         model=model,
         messages=_messages(body.get("messages")) if chat else None,
@@ -315,21 +479,6 @@ def parse_request(body: dict, chat: bool) -> CompletionRequest:
         include_usage=include_usage and stream,
         tokens_as_ids=opt("return_tokens_as_token_ids", lambda v: isinstance(v, bool), "a boolean") or False,
     )
-
-
-def prompt_chars(req: CompletionRequest) -> int:
-    """How much the tokenizer will be fed: characters (code points) of text, or token ids.
-
-    Chat: the characters of every message's content; the chat template adds
-    text of its own around them, so this is a lower bound of what gets encoded,
-    which is the safe side for refusing a prompt too long for the context before
-    paying to tokenize it. Completions: the prompt's characters, or, for a
-    prompt of token ids, their number (already tokens: compare it with the
-    context as it is).
-    """
-    if req.chat:
-        return sum(len(m["content"]) for m in req.messages or ())
-    return len(req.prompt or ())
 
 
 def new_id(chat: bool) -> str:

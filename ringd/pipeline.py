@@ -5,7 +5,8 @@ token (their ids), the position of the first of them, and, past stage 0, the
 hidden states of those positions. The stage runs its layers over them on the
 compute thread, keeping the request's KV caches in its ``Sessions``, then
 either forwards the new hidden states to the next stage or, on the last stage,
-samples and sends the token to the leader. RELEASE frees the request's caches
+samples (within the request's grammar, if it has one) and sends the token to
+the leader. RELEASE frees the request's caches
 here and travels on, behind the request's last FORWARD, so it frees every stage.
 
 Frames are applied in arrival order on the one compute thread and their
@@ -20,7 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
@@ -35,6 +36,9 @@ from .placement import Plan
 from .sampling import RequestSampler, SamplingError, SamplingParams
 from .sessions import SessionError, Sessions
 from .shard import Shard
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +182,25 @@ class KvOptions:
 
 
 class StageRunner:
-    """Runs ``shard`` as stage ``plan.index_of(node)`` of ``plan``."""
+    """Runs ``shard`` as stage ``plan.index_of(node)`` of ``plan``.
 
-    def __init__(self, node: str, plan: Plan, shard: Shard, compute: ComputeThread, send: Send, metrics: Metrics):
+    ``grammar_tokenizer``: on the last stage, llguidance's tokenizer for the model, asked
+    for (on the compute thread) by the first request with a grammar; without it such a
+    request fails here.
+    """
+
+    def __init__(
+        self,
+        node: str,
+        plan: Plan,
+        shard: Shard,
+        compute: ComputeThread,
+        send: Send,
+        metrics: Metrics,
+        grammar_tokenizer: Callable[[], LLTokenizer] | None = None,
+    ):
         self.node = node
+        self.grammar_tokenizer = grammar_tokenizer
         self.metrics = metrics
         self.plan = plan
         self.shard = shard
@@ -270,7 +289,7 @@ class StageRunner:
         if step.open is not None:
             params = SamplingParams.from_wire(step.open)
             params.check_vocab(shard.info.vocab_size)
-            sampler = RequestSampler(params) if shard.is_last else None
+            sampler = RequestSampler(params, self.grammar_tokenizer) if shard.is_last else None
             kv = step.kv or KvOptions()
             if step.reuse is not None:
                 stored = self.sessions.take(*step.reuse)
@@ -319,6 +338,8 @@ class StageRunner:
             return []
         # As mlx-lm's generate_step: the head over the step's positions, then the last.
         s = session.sampler.sample(h[:, -1, :])
+        if s.mask_s is not None:
+            self.metrics.grammar_mask.observe(s.mask_s)
         if step.silent:
             return []
         desc = {"term": step.term, "offset": session.offset, "token": s.token, "logprob": s.logprob}

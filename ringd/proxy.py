@@ -57,8 +57,8 @@ TOKEN_COMMENT = b": ringd-token "
 # The body field a follower adds to carry a stream over: the ids already
 # streamed, and the response's id and creation time so the chunks keep them.
 RESUME_FIELD = "ringd_resume"
-# Headers a follower passes to the leader: the API key goes along.
-_PASSED_HEADERS = ("Authorization", "Content-Type", REQUEST_ID_HEADER)
+# Headers a follower passes to the leader: the API key goes along (as Bearer or x-api-key).
+_PASSED_HEADERS = ("Authorization", "x-api-key", "anthropic-version", "Content-Type", REQUEST_ID_HEADER)
 
 
 class ProxyNode(Protocol):
@@ -134,12 +134,22 @@ class Proxy:
         headers.update(sign_forward(self.node.secret, request.method, request.path_qs, self.node.name, leader, digest, time.time()))
         return headers
 
-    async def forward(self, request: web.Request, body: bytes, stream: bool) -> web.StreamResponse:
+    async def forward(self, request: web.Request, body: bytes, stream: bool, resumable: bool = True) -> web.StreamResponse:
+        """Send the request to the leader and answer with what it answers.
+
+        ``resumable``: the stream is OpenAI's chat or completions SSE, which a new
+        leader can carry on (RESUME_FIELD). Other streams (Anthropic's and
+        Responses' events, Ollama's NDJSON) are relayed byte for byte; a leader
+        lost before they start is waited for as for a whole answer, and one lost
+        midway ends the stream (``_Relay``).
+        """
         if request.headers.get(FORWARDED_HEADER):
             raise ApiError(503, "no leader is elected right now (an election is under way); retry in a moment")
         log.debug("forwarding %s %s to the leader at %s", request.method, request.path, self.node.leader_http())
-        if stream:
+        if stream and resumable:
             return await _Stream(self, request, body).run()
+        if stream:
+            return await _Relay(self, request, body).run()
         try:
             return await self._whole(request, body)
         except _Stopping as e:
@@ -347,6 +357,70 @@ class _Stream:
         error = ApiError(503, message).body()
         await self._write(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
         return await self._end()
+
+
+class _Relay:
+    """A stream passed through as it is, from whichever leader first answers it."""
+
+    def __init__(self, proxy: Proxy, request: web.Request, body: bytes):
+        self.proxy = proxy
+        self.request = request
+        self.body = body
+        self.resp: web.StreamResponse | None = None
+
+    async def run(self) -> web.StreamResponse:
+        digest = await asyncio.get_running_loop().run_in_executor(None, body_sha256, self.body)
+        deadline = None
+        while True:
+            url = await self.proxy._leader(deadline)
+            if url is None:
+                raise ApiError(503, "no leader served this request in time; retry in a moment")
+            try:
+                await _race(self.proxy, self._attempt(url, digest))
+                return await self._end()
+            except _Relayed as r:
+                return r.response
+            except _ClientGone:
+                log.debug("the client closed a relayed stream")
+                return self.resp
+            except _Stopping as e:
+                if self.resp is None:
+                    raise ApiError(503, str(e)) from None
+                return await self._end()
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, _LeaderLost) as e:
+                if self.resp is not None:
+                    # Started: these formats cannot be carried over; the client sees the stream end early.
+                    log.warning("relayed stream via %s broke (%s); ending it", url, type(e).__name__)
+                    return await self._end()
+                deadline = deadline or time.monotonic() + self.proxy.node.failover_wait_s
+                await asyncio.sleep(FAILOVER_POLL_S)
+
+    async def _attempt(self, url: str, digest: str) -> None:
+        headers = self.proxy._headers(self.request, url, digest)
+        async with self.proxy._session().post(url + self.request.path_qs, data=self.body, headers=headers) as up:
+            if up.status != 200:
+                data = await up.read()
+                if up.status == 503:
+                    raise ConnectionError(f"the leader answered {up.status}")
+                out = {"Content-Type": up.headers.get("Content-Type", "application/json")}
+                for h in ("Retry-After", REQUEST_ID_HEADER):
+                    if h in up.headers:
+                        out[h] = up.headers[h]
+                raise _Relayed(web.Response(status=up.status, body=data, headers=out))
+            self.resp = web.StreamResponse(headers={"Content-Type": up.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+            await self.resp.prepare(self.request)
+            async for chunk in up.content.iter_any():
+                try:
+                    await self.resp.write(chunk)
+                except ConnectionResetError:
+                    raise _ClientGone() from None
+
+    async def _end(self) -> web.StreamResponse:
+        try:
+            await self.resp.write_eof()
+        except ConnectionResetError:
+            pass
+        return self.resp
 
 
 class _ClientGone(Exception):

@@ -4,11 +4,18 @@ The parameters travel with a request's first frame as a plain dict
 (``SamplingParams.to_wire`` / ``from_wire``); the last stage keeps a
 ``RequestSampler`` per request. The arithmetic is mlx-lm's ``generate_step``:
 logits processors over the token history, then log-softmax, then the sampler,
-with mlx-lm's own processors and filters. The one departure is the random key:
+with mlx-lm's own processors and filters, and between the two, for a request
+with a grammar, ``grammar.Constraint``'s mask (so logprobs are those of the
+constrained distribution). The one departure is the random key:
 mlx-lm draws from MLX's global generator, which requests interleaved on one
 compute thread would share, so each request here carries a key of its own
 (from its ``seed``, or random) and a seeded request is reproducible whatever
 else the ring is doing.
+
+A grammar follows the tokens generated: those observed after the first
+``sample``. Tokens observed before it are the prompt (or a reused prefix). So a
+failover replay, which sends the prompt and then every generated token as a
+silent sampling step, rebuilds the grammar's state exactly.
 
 It knows nothing of the network or of text.
 """
@@ -18,10 +25,15 @@ from __future__ import annotations
 import math
 import reprlib
 import secrets
+import time
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
 
 # OpenAI allows at most 20 alternatives per position; more would bloat every
 # TOKEN frame for no use.
@@ -81,6 +93,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    grammar: str | None = None  # llguidance's grammar (grammar.py) the answer must follow
 
     def __post_init__(self):
         def need(ok: bool, name: str, rule: str):
@@ -124,11 +137,21 @@ class SamplingParams:
                         f"logit_bias entry {brief_repr(k)}: {brief_repr(v)} must map a token id to a bias in [-100, 100]",
                         "logit_bias",
                     )
+        if self.grammar is not None:
+            from .grammar import MAX_GRAMMAR_BYTES, wire_bytes
+
+            need(
+                isinstance(self.grammar, str) and wire_bytes(self.grammar) <= MAX_GRAMMAR_BYTES,
+                "grammar",
+                f"a grammar string of at most {MAX_GRAMMAR_BYTES} bytes (as a frame carries it)",
+            )
 
     def to_wire(self) -> dict:
         d = asdict(self)
         if self.logit_bias is not None:
             d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        if self.grammar is None:
+            del d["grammar"]  # most requests have none: their frames stay as they were
         return d
 
     @classmethod
@@ -166,13 +189,29 @@ class Sample:
     token: int
     logprob: float
     top_logprobs: list[tuple[int, float]]
+    mask_s: float | None = None  # waiting for and applying the grammar's mask; None without a grammar
 
 
 class RequestSampler:
-    """The last stage's sampling state for one request: history, processors, key."""
+    """The last stage's sampling state for one request: history, processors, grammar, key.
 
-    def __init__(self, params: SamplingParams):
+    ``grammar_tokenizer`` returns llguidance's tokenizer for the model; it is called
+    only for a request with a grammar (building it the first time takes a second).
+    """
+
+    def __init__(self, params: SamplingParams, grammar_tokenizer: Callable[[], "LLTokenizer"] | None = None):
         self.params = params
+        self.constraint = None  # grammar.Constraint, for a request with a grammar
+        self._sampled = False  # tokens observed from now on were generated: the grammar follows them
+        if params.grammar is not None:
+            from .grammar import Constraint, GrammarError
+
+            if grammar_tokenizer is None:
+                raise SamplingError("this stage cannot follow a grammar: it was given no tokenizer", "grammar")
+            try:
+                self.constraint = Constraint(grammar_tokenizer(), params.grammar)
+            except GrammarError as e:
+                raise SamplingError(str(e), "grammar") from None
         self._processors = make_logits_processors(
             logit_bias=params.logit_bias,
             repetition_penalty=params.repetition_penalty or None,
@@ -198,11 +237,20 @@ class RequestSampler:
         """Tokens that entered the model (prompt chunks, then each fed-back token)."""
         if self._processors:
             self._history = tokens if self._history is None else mx.concatenate([self._history, tokens])
+        if self.constraint is not None and self._sampled:
+            self.constraint.consume(tokens.tolist())
 
     def sample(self, logits: mx.array) -> Sample:
         """logits: [1, V] for the newest position."""
+        self._sampled = True
         for processor in self._processors:
             logits = processor(self._history, logits)
+        mask_s = None
+        if self.constraint is not None:
+            mx.async_eval(logits)  # MLX computes the step while the mask is waited for
+            started = time.perf_counter()
+            logits = self._mask(logits)
+            mask_s = time.perf_counter() - started
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         if self.params.temperature == 0:
             token = mx.argmax(logprobs, axis=-1)
@@ -220,5 +268,14 @@ class RequestSampler:
         if top is not None:
             ids = top[0].tolist()
             values = logprobs[0, top[0]].astype(mx.float32).tolist()
-            top_pairs = sorted(zip(ids, values), key=lambda p: -p[1])
-        return Sample(t, logprobs[0, t].astype(mx.float32).item(), top_pairs)
+            # A grammar may allow fewer than k tokens: the rest (-inf) are no alternatives.
+            top_pairs = sorted(((i, v) for i, v in zip(ids, values) if v > -math.inf), key=lambda p: -p[1])
+        return Sample(t, logprobs[0, t].astype(mx.float32).item(), top_pairs, mask_s)
+
+    def _mask(self, logits: mx.array) -> mx.array:
+        from .grammar import GrammarError
+
+        try:
+            return self.constraint.mask(logits)
+        except GrammarError as e:  # fails this request only (pipeline.py)
+            raise SamplingError(str(e), "grammar") from None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from wire.frames import Frame, MsgType
 
@@ -56,8 +56,12 @@ class StageHost:
         send: Callable[[str, Frame], None],
         on_report: Callable[[], None],
         metrics: Metrics,
+        tokenizer_source: Callable[[], Any] | None = None,
     ):
         self.node = node
+        # The model's tokenizer (mlx-lm's TokenizerWrapper) when asked: the last stage
+        # follows grammars with it. None: requests with a grammar fail here.
+        self.tokenizer_source = tokenizer_source
         self.metrics = metrics
         self.model = model
         self.stopping = False
@@ -178,7 +182,7 @@ class StageHost:
                 "loaded layers [%d, %d) in %.1f s: %.1f MiB of parameters",
                 want.start, want.end, time.monotonic() - t0, self.shard.parameter_bytes / 2**20,
             )  # fmt: skip
-        self.stage = StageRunner(self.node, plan, self.shard, self.compute, self._pass_on, self.metrics)
+        self.stage = StageRunner(self.node, plan, self.shard, self.compute, self._pass_on, self.metrics, self._grammar_tokenizer())
         successor = plan.successor(self.node)
         if successor is not None and successor.node not in self._links:
             try:
@@ -194,6 +198,20 @@ class StageHost:
                 raise ConnectionError(
                     f"no link to the next stage {successor.node} at {successor.addr} within {SUCCESSOR_LINK_TIMEOUT_S:.0f} s"
                 ) from None
+
+    def _grammar_tokenizer(self) -> Callable[[], Any] | None:
+        """llguidance's tokenizer, built by the first request with a grammar (on the compute
+        thread) and kept with the tokenizer, so nodes that never see a grammar never build it."""
+        source, vocab_size = self.tokenizer_source, self.shard.info.vocab_size
+        if source is None:
+            return None
+
+        def build():
+            from . import grammar  # llguidance: loaded by the first request with a grammar
+
+            return grammar.ll_tokenizer(source(), vocab_size)
+
+        return build
 
     def stop(self) -> None:
         """The node is stopping: its stage takes no more steps, and what it can no longer pass on

@@ -23,7 +23,7 @@ from ringd.openai_types import (
     CompletionRequest,
     parse_json,
     parse_request,
-    prompt_chars,
+
 )
 from ringd.sampling import SamplingError
 
@@ -83,7 +83,7 @@ def test_parse_json_is_safe_in_an_executor_on_the_largest_body():
         start = time.monotonic()
         body = pool.submit(parse_json, text).result()
         assert time.monotonic() - start < 5, "parsing 16 MiB should take a fraction of a second"
-    assert prompt_chars(parse_request(body, chat=True)) == BODY_BYTES - 100
+    assert parse_request(body, chat=True).to_request().prompt_chars() == BODY_BYTES - 100
 
 
 # --- lone surrogates ------------------------------------------------------------------
@@ -131,12 +131,8 @@ def test_a_surrogate_pair_is_one_valid_character():
 # --- fields ringd does not do yet ----------------------------------------------------------
 
 NOT_YET = {
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "auto",
-    "parallel_tool_calls": True,
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
-    "response_format": {"type": "json_object"},
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
@@ -158,19 +154,68 @@ def test_an_unsupported_field_is_a_400_not_ignored(name, chat):
 @pytest.mark.parametrize(
     "extra",
     [
-        {"tools": None, "functions": None, "audio": None},
-        {"tools": [], "functions": [], "modalities": []},
+        {"functions": None, "audio": None},
+        {"functions": [], "modalities": []},
         {"response_format": {}, "prediction": {}},
         # Values that ask for nothing ringd does not do anyway.
-        {"tool_choice": "none", "function_call": "none", "response_format": {"type": "text"}, "modalities": ["text"]},
+        {"function_call": "none", "response_format": {"type": "text"}, "modalities": ["text"]},
     ],
 )
 def test_unsupported_fields_that_ask_for_nothing_are_accepted(extra):
     assert request({**CHAT, **extra}).messages == CHAT["messages"]
 
 
-def test_parallel_tool_calls_false_is_refused_like_any_other_value():
-    assert refused({**CHAT, "parallel_tool_calls": False}).param == "parallel_tool_calls"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_tools_and_choices_become_the_internal_request():
+    r = request({**CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": False})
+    core = r.to_request()
+    assert [t.name for t in core.tools] == ["get_weather"] and core.tool_choice == "function" and core.tool_name == "get_weather"
+    assert core.parallel_tool_calls is False and core.tools[0].parameters["properties"]["city"] == {"type": "string"}
+    assert request({**CHAT, "tools": [WEATHER], "tool_choice": "required"}).tool_choice == "required"
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools[0].function.parameters"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format.json_schema.schema"),
+        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+def test_bad_tools_and_formats_are_400s_naming_the_field(extra, param):
+    assert refused({**CHAT, **extra}).param == param
+
+
+def test_a_schema_nested_past_the_limit_is_refused_before_any_compiler_sees_it():
+    deep: dict = {"type": "object"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"a": deep}}
+    e = refused({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}})
+    assert e.param == "response_format.json_schema.schema" and "deeper" in e.message
+
+
+def test_history_with_tool_calls_and_results_takes_the_form_templates_take():
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    got = request({**CHAT, "messages": messages}).messages
+    assert got[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert got[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "get_weather"}
+    bad = [*messages[:1], {**messages[1], "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{not json"}}]}]
+    assert refused({**CHAT, "messages": bad}).param == "messages[1].tool_calls[0].function.arguments"
+    assert refused({**CHAT, "messages": [{"role": "tool", "content": "x"}]}).param == "messages[0].tool_call_id"
 
 
 # --- sampling ---------------------------------------------------------------------------
@@ -240,16 +285,16 @@ def test_a_long_model_name_is_refused():
 def test_prompt_chars_counts_what_the_tokenizer_gets():
     parts = [{"type": "text", "text": "abc"}, {"type": "text", "text": "😀"}]
     chat = request({**CHAT, "messages": [{"role": "system", "content": "12345"}, {"role": "user", "content": parts}, {"role": "assistant"}]})
-    assert prompt_chars(chat) == 5 + 4 + 0
-    assert prompt_chars(request({**COMPLETION, "prompt": "héllo"}, chat=False)) == 5
-    assert prompt_chars(request({**COMPLETION, "prompt": [1, 2, 3]}, chat=False)) == 3
-    assert prompt_chars(request({**COMPLETION, "prompt": [[7, 8]]}, chat=False)) == 2
+    assert chat.to_request().prompt_chars() == 5 + 4 + 0
+    assert request({**COMPLETION, "prompt": "héllo"}, chat=False).to_request().prompt_chars() == 5
+    assert request({**COMPLETION, "prompt": [1, 2, 3]}, chat=False).to_request().prompt_chars() == 3
+    assert request({**COMPLETION, "prompt": [[7, 8]]}, chat=False).to_request().prompt_chars() == 2
 
 
 @given(st.lists(st.text(), min_size=1, max_size=20))
 def test_prompt_chars_is_the_sum_of_the_contents(contents):
     req = request({"model": "tiny", "messages": [{"role": "user", "content": c} for c in contents]})
-    assert prompt_chars(req) == sum(map(len, contents))
+    assert req.to_request().prompt_chars() == sum(map(len, contents))
 
 
 # --- Hypothesis: nothing but ApiError -----------------------------------------------------
@@ -301,7 +346,7 @@ def only_api_errors(raw: bytes, chat: bool) -> None:
         texts.append(req.prompt)
     for s in texts:
         s.encode("utf-8")
-    assert prompt_chars(req) >= 0
+    assert req.to_request().prompt_chars() >= 0
     assert req.params.to_wire() is not None
 
 

@@ -272,9 +272,10 @@ def test_bad_requests_get_openai_errors_and_the_ring_keeps_serving(tiny_model, r
         (chat, json.dumps({**good, "messages": [{"role": "user", "content": "\ud800"}]}).encode(), 400, "messages[0].content"),
         (ring.url + "/v1/completions", {"model": ring.model_id, "prompt": "hi\udfff"}, 400, "prompt"),
         (chat, {**good, "top_k": 10**6}, 400, "top_k"),
-        (chat, {**good, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        (chat, {**good, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, 400, "tools[0].function.name"),
         (chat, {**good, "tool_choice": "required"}, 400, "tool_choice"),
-        (chat, {**good, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        (chat, {**good, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wizard"}}}}, 400, "response_format"),
+        (chat, {**good, "functions": [{"name": "f"}]}, 400, "functions"),
     ]
     for url, body, status, param in cases:
         got, answer = _post(url, body)
