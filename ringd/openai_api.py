@@ -7,9 +7,8 @@ The body becomes a ``request.Request`` (``openai_types.parse_request``); the
 arguments in pieces) with ``finish_reason: "tool_calls"``.
 
 A follower forwards these requests to the leader (``proxy.py``); for a
-forwarded stream each token's id rides in an SSE comment beside its chunk, or
-alone when the token added nothing the client sees (a marker, part of a call
-still being read), so the follower can carry the stream over to another leader.
+forwarded stream each token's id rides in an SSE comment beside its chunk, so
+the follower can carry the stream over to another leader.
 """
 
 from __future__ import annotations
@@ -141,27 +140,24 @@ class OpenAiApi:
             if forwarded and token is not None:
                 # For the follower that proxies this stream: the token's id, so it can
                 # carry the stream over to another leader (proxy.py strips the line).
-                data = TOKEN_COMMENT + str(token).encode() + b"\n" + (data or b"\n")
-            if data:
-                await resp.write(data)
+                data = TOKEN_COMMENT + str(token).encode() + b"\n" + data
+            await resp.write(data)
 
         def chunks_of(out: Output) -> list[dict]:
             nonlocal calls_sent
             finish, logprobs = out.finish_reason, lp.chunk(out)
+            # One chunk a token at least (empty while text is held back or a call is read):
+            # clients count chunks as tokens, and a follower needs each token's id.
             if not req.chat:
-                if not out.text and finish is None and logprobs is None:
-                    return []
                 return [{**head, "choices": [{"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": finish}]}]
             deltas = []
             if out.reasoning:
                 deltas.append({"reasoning_content": out.reasoning})
-            if out.text or logprobs is not None:
+            if out.text or not (out.reasoning or out.calls):
                 deltas.append({"content": out.text})
             for call in out.calls:
                 deltas += [{"tool_calls": [piece]} for piece in call_pieces(call, calls_sent)]
                 calls_sent += 1
-            if finish is not None and not deltas:
-                deltas.append({})
             chunks = [{**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}]} for d in deltas]
             if chunks:
                 chunks[-1]["choices"][0]["finish_reason"] = finish

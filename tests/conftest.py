@@ -290,15 +290,16 @@ def observed_ring(tiny_model, tmp_path_factory):
         c.stop()
 
 
-def stream_text(base_url: str, messages: list, max_tokens: int, on_chunk=None, model: str = "tiny") -> tuple[str, str | None]:
+def stream_text(base_url: str, messages: list, max_tokens: int, on_chunk=None, model: str = "tiny", **extra) -> tuple[str, str | None]:
     """A greedy streamed chat completion through the real openai client: (text, finish_reason).
 
-    ``on_chunk(i)`` runs after the i-th chunk arrives (to kill a node mid-stream, say).
+    ``on_chunk(i)`` runs after the i-th chunk arrives (to kill a node mid-stream, say);
+    ``extra``: more fields of the request (response_format, ...).
     """
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="not-needed", max_retries=0, timeout=120)
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True, **extra)
     parts, finish = [], None
     for i, chunk in enumerate(stream):
         if chunk.choices:

@@ -32,18 +32,31 @@ def cluster(ring: Ring) -> dict:
         return json.loads(r.read())
 
 
+# A long answer the grammar holds to its shape: the last stage that samples it dies
+# midway, and the new one must rebuild the grammar's state from the replayed tokens.
+NUMBERS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 80, "maxItems": 80}
+
+
 @pytest.mark.parametrize(
-    ("victim", "model_args"),
-    [("node1", dict(arch="qwen3_moe", layers=6)), ("node2", dict(arch="llama", layers=7, dtype="bfloat16"))],
-    ids=["middle-stage-moe", "last-stage"],
+    ("victim", "model_args", "schema"),
+    [
+        ("node1", dict(arch="qwen3_moe", layers=6), None),
+        ("node2", dict(arch="llama", layers=7, dtype="bfloat16"), None),
+        ("node2", dict(arch="llama", layers=7, dtype="bfloat16"), NUMBERS),
+    ],
+    ids=["middle-stage-moe", "last-stage", "last-stage-json-schema"],
 )
-def test_kill_9_of_a_stage_mid_stream_loses_nothing(tiny_model, victim, model_args):
+def test_kill_9_of_a_stage_mid_stream_loses_nothing(tiny_model, victim, model_args, schema):
     model = tiny_model(**model_args)
     messages = [{"role": "user", "content": "Tell me everything about rings."}]
     ring = Ring(model, nodes=3)
+    extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "numbers", "schema": schema}}} if schema else {}
     try:
-        whole, finish = stream_text(ring.base_url, messages, TOKENS, model=ring.model_id)
-        assert finish == "length"
+        whole, finish = stream_text(ring.base_url, messages, TOKENS, model=ring.model_id, **extra)
+        if schema:
+            assert finish == "stop" and len(json.loads(whole)) == 80, whole
+        else:
+            assert finish == "length"
         pid = node_pid(ring, victim)
         killed = threading.Event()
 
@@ -53,9 +66,9 @@ def test_kill_9_of_a_stage_mid_stream_loses_nothing(tiny_model, victim, model_ar
                 killed.set()
 
         t0 = time.monotonic()
-        again, finish = stream_text(ring.base_url, messages, TOKENS, kill_at, model=ring.model_id)
+        again, finish = stream_text(ring.base_url, messages, TOKENS, kill_at, model=ring.model_id, **extra)
         assert killed.is_set()
-        assert finish == "length"
+        assert finish == ("stop" if schema else "length")
         assert again == whole, "the stream after failover differs from the uninterrupted run"
         status = cluster(ring)
         assert [s[0] for s in status["plan"]["stages"]] == ["node0", sorted({"node1", "node2"} - {victim})[0]]
