@@ -247,3 +247,14 @@ def test_serve_stops_at_start_with_the_key_and_reason(tmp_path):
     assert "ring_port" in r.stderr and "port number" in r.stderr
     r = subprocess.run([sys.executable, "-m", "ringd", "serve", "--secret-file", str(tmp_path / "nope"), "--model", "x/y"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "secret_file" in r.stderr
+
+
+def test_chat_template_kwargs_come_from_the_file_a_flag_or_the_environment(tmp_path):
+    f = tmp_path / "ringd.yaml"
+    f.write_text("chat_template_kwargs: {enable_thinking: false}\n")
+    assert parse(["--config", str(f)]).chat_template_kwargs == {"enable_thinking": False}
+    assert parse(["--chat-template-kwargs", '{"enable_thinking": true}']).chat_template_kwargs == {"enable_thinking": True}
+    assert parse([], {"RINGD_CHAT_TEMPLATE_KWARGS": '{"reasoning_effort": "low"}'}).chat_template_kwargs == {"reasoning_effort": "low"}
+    assert parse([]).chat_template_kwargs == {}
+    with pytest.raises(config.ConfigError, match="chat_template_kwargs"):
+        parse(["--chat-template-kwargs", "enable_thinking=false"])
