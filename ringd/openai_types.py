@@ -242,7 +242,7 @@ def _past_call(c: Any, where: str) -> dict:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             raise _bad(f"{where}.function.arguments must be a JSON object (as text); got {brief_repr(args)}", f"{where}.function.arguments") from None
     if not isinstance(args, dict):
         raise _bad(f"{where}.function.arguments must be a JSON object", f"{where}.function.arguments")
