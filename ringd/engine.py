@@ -101,6 +101,7 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" or "length" on the last event
     cached_tokens: int = 0  # prompt tokens whose caches came from a cached prefix
     resumed: bool = False  # a token an earlier leader streamed (emit_resumed), not a new one
+    stop_sequence: str | None = None  # the stop string that ended the request (Anthropic reports it)
 
 
 @dataclass
@@ -140,6 +141,11 @@ class _Text:
         self.eos_ids = eos_ids
         self.max_tokens = max_tokens
         self.produced = 0
+        # The last raw characters, as long as the longest stop: enough to tell which one matched.
+        self._longest = max(map(len, stop), default=0)
+        self._tail = ""
+        self.stop_strings = list(stop)
+        self.matched: str | None = None  # the stop string that ended it
 
     def next(self, token: int) -> tuple[str, str | None]:
         """The text to emit for ``token``, and the finish reason if it ends the request."""
@@ -156,12 +162,18 @@ class _Text:
             self.detokenizer.finalize()
             text += self.detokenizer.last_segment
         if self.stops is not None:
+            seen = self._tail + text
             self.state, text, state_name = TextStateMachine.step(self.state, text)
             if state_name is None:
                 finish = "stop"
+                # What was read up to the match's end (the state keeps what follows it); of the
+                # stops that end there, the matcher (Aho-Corasick) takes the longest.
+                through = seen[: len(seen) - len(self.state[3])]
+                self.matched = max((s for s in self.stop_strings if through.endswith(s)), key=len, default=None)
             elif finish is not None:
                 self.state, rest, _ = TextStateMachine.flush(self.state)
                 text += rest
+            self._tail = seen[-self._longest :]
         return text, finish
 
 
@@ -386,7 +398,7 @@ class Engine:
                 produced += 1
                 if finish is not None:
                     outcome = f"finished ({finish})"
-                yield TokenEvent(token, piece, d["logprob"], top, finish, flight.cached)
+                yield TokenEvent(token, piece, d["logprob"], top, finish, flight.cached, stop_sequence=text.matched)
                 if finish is not None:
                     return
         except EngineError as e:

@@ -50,7 +50,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 }
 
 # OpenAI's rule for function names: what templates and parsers can carry.
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+MAX_TOOL_NAME_CHARS = 64  # Anthropic's tools take 128
 # A JSON schema (a tool's parameters, a response format) nested deeper than
 # this is an attack on the grammar compiler, not a schema.
 MAX_SCHEMA_DEPTH = 64
@@ -273,9 +274,9 @@ def check_schema(schema: Any, where: str) -> dict:
     return schema
 
 
-def check_tool_name(name: Any, where: str) -> str:
-    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
-        raise _bad(f"{where} must be 1 to 64 letters, digits, '_', '-' or '.'; got {brief_repr(name)}", where)
+def check_tool_name(name: Any, where: str, max_chars: int = MAX_TOOL_NAME_CHARS) -> str:
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name) or len(name) > max_chars:
+        raise _bad(f"{where} must be 1 to {max_chars} letters, digits, '_', '-' or '.'; got {brief_repr(name)}", where)
     return name
 
 

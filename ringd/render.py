@@ -94,10 +94,24 @@ def render(req: Request, tokenizer, default_template_kwargs: dict | None = None)
     if mode == "generic":
         messages = _with_tool_prompt(messages, req)
     template_tools = [t.as_template_tool() for t in req.tools] if mode == "native" else []
+    prefill = None
+    if req.prefill:
+        if mode is not None or req.response_format is not None:
+            raise RenderError(
+                "a final assistant message (a prefill for the answer) cannot be combined with tools or a structured output format",
+                req.name("messages"),
+            )
+        # The answer's start: the generation prompt, then the text the client put in the
+        # model's mouth, tokenized together (as the model would have written it); any
+        # template works, with no continue_final_message of its own.
+        prefill, messages = messages[-1].get("content") or "", messages[:-1]
     try:
         prompt = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **({"tools": template_tools} if template_tools else {}), **kwargs
-        )
+            messages, add_generation_prompt=True, tokenize=prefill is None,
+            **({"tools": template_tools} if template_tools else {}), **kwargs,
+        )  # fmt: skip
+        if prefill is not None:
+            prompt = tokenizer.encode(prompt + prefill, add_special_tokens=False)
     except Exception as e:  # jinja raises for conversations its template rejects
         raise RenderError(f"the model's chat template rejected these messages: {e}", req.name("messages")) from None
     prompt = list(prompt)

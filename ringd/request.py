@@ -68,6 +68,8 @@ class Request:
     tool_name: str | None = None  # with tool_choice "function": the one to call
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    # The last message is the assistant's, and the answer continues its text (Anthropic's prefill).
+    prefill: bool = False
     # Passed to the chat template (mlx-lm's server's chat_template_kwargs), e.g. enable_thinking.
     template_kwargs: dict = field(default_factory=dict)
     # The API's own names for fields an error may point at ("messages", "max_tokens", ...).
@@ -126,6 +128,7 @@ class Output:
     calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
+    stop_sequence: str | None = None  # with finish_reason "stop": the stop string that ended it, if one did
 
 
 @dataclass

@@ -70,7 +70,7 @@ class Generation:
                 finish = ev.finish_reason
                 if finish == "stop" and self._reader.calls:
                     finish = "tool_calls"
-                yield Output(ev.token, ev.logprob, ev.top_logprobs, text, reasoning, calls, finish, ev.cached_tokens)
+                yield Output(ev.token, ev.logprob, ev.top_logprobs, text, reasoning, calls, finish, ev.cached_tokens, ev.stop_sequence)
         except EngineError as e:
             raise ApiError(e.status, str(e), retry_after=e.retry_after) from None
 
@@ -92,10 +92,7 @@ class Serving:
         engine = self.d.engine
         if engine is None:
             raise ApiError(503, "this node does not lead; retry in a moment")
-        if req.model != self.d.model_id:
-            raise ApiError(
-                404, f"model {req.model!r} is not served here; this ring serves {self.d.model_id!r}", req.name("model"), "model_not_found"
-            )
+        self._check_model(req)
         ready, reason = self.d.readiness()
         if not ready:
             raise ApiError(503, f"the ring is not ready: {reason}")
@@ -103,6 +100,37 @@ class Serving:
             req.params.check_vocab(self.d.info.vocab_size)
         except SamplingError as e:
             raise ApiError(400, str(e), req.name(e.field) if e.field else None) from None
+        rendered = await self._rendered(req)
+        prompt = rendered.prompt
+        context = self.d.info.context_length
+        max_tokens = req.max_tokens if req.max_tokens is not None else context - len(prompt)
+        if len(prompt) + max_tokens > context:
+            raise ApiError(
+                400,
+                f"{len(prompt)} prompt tokens + {req.name('max_tokens')} {max_tokens} exceed the model's context of {context} tokens",
+                req.name("max_tokens"),
+                "context_length_exceeded",
+            )
+        if len(resumed) >= max_tokens:
+            raise ApiError(400, f"the stream carried over already holds max_tokens ({max_tokens}) tokens")
+        params = req.params if rendered.grammar is None else dataclasses.replace(req.params, grammar=rendered.grammar)
+        self.d.metrics.prompt_tokens.inc(len(prompt))
+        events = engine.generate(prompt, params, max_tokens, req.stop, list(resumed), request_id, emit_resumed=True)
+        return Generation(req, rendered, events, self.d.tokenizer, len(resumed))
+
+    async def count_tokens(self, req: Request) -> int:
+        """The prompt tokens ``req`` would take (Anthropic's count_tokens): checked and rendered, not run."""
+        self._check_model(req)
+        return len((await self._rendered(req)).prompt)
+
+    def _check_model(self, req: Request) -> None:
+        if req.model != self.d.model_id:
+            raise ApiError(
+                404, f"model {req.model!r} is not served here; this ring serves {self.d.model_id!r}", req.name("model"), "model_not_found"
+            )
+
+    async def _rendered(self, req: Request) -> Rendered:
+        """The prompt (that fits the context) and the grammar (that compiles) of ``req``."""
         context = self.d.info.context_length
         where = req.name("messages" if req.chat else "prompt")
         chars = req.prompt_chars()
@@ -127,20 +155,7 @@ class Serving:
                 raise ApiError(400, f"prompt token ids must be below the vocabulary size {vocab}", where)
         if len(prompt) >= context:
             raise ApiError(400, f"the prompt is {len(prompt)} tokens; the model's context is {context}", where, "context_length_exceeded")
-        max_tokens = req.max_tokens if req.max_tokens is not None else context - len(prompt)
-        if len(prompt) + max_tokens > context:
-            raise ApiError(
-                400,
-                f"{len(prompt)} prompt tokens + {req.name('max_tokens')} {max_tokens} exceed the model's context of {context} tokens",
-                req.name("max_tokens"),
-                "context_length_exceeded",
-            )
-        if len(resumed) >= max_tokens:
-            raise ApiError(400, f"the stream carried over already holds max_tokens ({max_tokens}) tokens")
-        params = req.params if rendered.grammar is None else dataclasses.replace(req.params, grammar=rendered.grammar)
-        self.d.metrics.prompt_tokens.inc(len(prompt))
-        events = engine.generate(prompt, params, max_tokens, req.stop, list(resumed), request_id, emit_resumed=True)
-        return Generation(req, rendered, events, self.d.tokenizer, len(resumed))
+        return rendered
 
     def _render(self, req: Request) -> Rendered:
         """On an executor thread: the prompt and grammar, the grammar checked against the tokenizer."""

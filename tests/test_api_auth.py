@@ -282,3 +282,22 @@ def test_odd_bytes_around_a_key_are_4xx_and_the_key_reaches_no_log(cluster):
         assert KEY not in text and "Traceback" not in text, text[-3000:]
     # With the key right, both nodes still serve.
     assert call(cluster.url(1) + "/v1/models", headers=AUTH)[0] == 200
+
+
+@pytest.mark.parametrize("node", [0, 1], ids=["leader", "follower"])
+def test_anthropics_sdk_sends_its_key_as_x_api_key(cluster, node):
+    import anthropic
+
+    def messages(key: str):
+        c = anthropic.Anthropic(base_url=cluster.url(node), api_key=key, max_retries=0, timeout=60)
+        return c.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        messages("wrong-key-0123456789abcdef")
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+    assert messages(KEY).type == "message"
+    # Ollama's clients send no key header of their own: a Bearer key (OLLAMA_API_KEY's form) is needed; refusals in Ollama's shape.
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": False}).encode()
+    status, answer = call(cluster.url(node) + "/api/chat", "POST", body)
+    assert status == 401 and isinstance(answer["error"], str)
+    assert call(cluster.url(node) + "/api/chat", "POST", body, AUTH)[0] == 200

@@ -1,9 +1,10 @@
 """A short HTTP fuzz run against a live node: schemathesis over the OpenAPI document it serves.
 
-Every route of ``ringd/openapi.json`` gets requests generated from its schema,
-valid and invalid, against a real `ringd serve` (a ring of one, with API keys
-so the auth paths are fuzzed too). No answer may be a 5xx, and the node must
-still serve afterwards. The OpenAI request parser and every peer-message
+Every route of ``ringd/openapi.json`` (OpenAI's, Anthropic's and Ollama's APIs
+among them) gets requests generated from its schema, valid and invalid,
+against a real `ringd serve` (a ring of one, with API keys so the auth paths
+are fuzzed too). No answer may be a 5xx, every refusal has its API's error
+shape, and the node must still serve afterwards. The OpenAI request parser and every peer-message
 parser are also fuzzed in-process (tests/test_openai_types.py, test_messages.py).
 """
 
@@ -59,10 +60,19 @@ def test_no_route_answers_5xx(node, operation, mode):
         response = case.call(base_url=node.url(0), headers=headers, timeout=60)
         assert response.status_code < 500, f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:500]}"
         if response.status_code >= 400 and response.headers.get("Content-Type", "").startswith("application/json"):
-            error = response.json()["error"]
-            assert set(error) == {"message", "type", "param", "code"}, error
+            assert_error_shape(case.path, response.json())
 
     run()
+
+
+def assert_error_shape(path: str, body: dict) -> None:
+    """Each API refuses in its own shape: Anthropic's under /v1/messages, Ollama's under /api/, OpenAI's elsewhere."""
+    if path.startswith("/v1/messages"):
+        assert set(body) == {"type", "error"} and body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    elif path.startswith("/api/"):
+        assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"], body
+    else:
+        assert set(body["error"]) == {"message", "type", "param", "code"}, body
 
 
 def test_the_node_still_serves_after_the_fuzzing(node):

@@ -114,12 +114,21 @@ def test_json_schema_and_json_object(smollm2):
     assert accepts(smollm2, g, '{"x": [1, 2]}') and not accepts(smollm2, g, "[1, 2]")
 
 
+def test_a_prefill_is_the_generation_prompt_then_its_text(smollm2):
+    turns = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "The capital is"}]
+    r = render(request(messages=turns, prefill=True), smollm2)
+    head = smollm2.apply_chat_template(turns[:1], add_generation_prompt=True, tokenize=False)
+    assert r.prompt == smollm2.encode(head + "The capital is", add_special_tokens=False)
+    assert smollm2.decode(r.prompt).endswith("<|im_start|>assistant\nThe capital is")
+
+
 @pytest.mark.parametrize(
     "kw, field",
     [
         ({"tools": [WEATHER], "response_format": ResponseFormat("json_object")}, "response_format"),
         ({"tools": [WEATHER], "tool_choice": "function", "tool_name": "other"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"prefill": True, "response_format": ResponseFormat("json_object"), "messages": [*ASK, {"role": "assistant", "content": "{"}]}, "messages"),
     ],
 )
 def test_requests_that_cannot_be_rendered_name_the_field(smollm2, kw, field):
