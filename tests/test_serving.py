@@ -1,0 +1,76 @@
+"""One engine under every API (``serving.py``): the same question gets the same greedy answer through each.
+
+On the shared ring of three serving the real SmolLM2-135M-Instruct, with each
+API's official client: chat completions, completions (the chat template's
+prompt as token ids), Responses, Anthropic's Messages and Ollama's chat, each
+plain and streamed, give one text, equal to single-process mlx-lm's greedy
+answer for the same prompt. Each API's own tests (test_openai_api,
+test_responses_api, test_anthropic_api, test_ollama_api) cover the rest.
+"""
+
+from __future__ import annotations
+
+import anthropic
+import ollama
+import pytest
+
+MODEL_ID = "smollm2"
+QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow."]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def ring(smollm2_gguf, ring_pool):
+    return ring_pool(smollm2_gguf, 3, env={"RINGD_PREFILL_CHUNK_TOKENS": "512"}, model_id=MODEL_ID)
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_answers(smollm2_reference):
+    """mlx-lm's own greedy answers, in this process: the reference every API must give."""
+    from mlx_lm import generate
+
+    model, tokenizer = smollm2_reference
+    out = {}
+    for q in QUESTIONS:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        out[q] = (prompt, generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS))
+    return out
+
+
+def answers(ring, question: str, prompt: list[int]) -> dict[str, str]:
+    """The answer to ``question`` through every API, plain and streamed."""
+    oai = ring.client()
+    ant = anthropic.Anthropic(base_url=ring.url, api_key="not-needed", max_retries=0, timeout=120)
+    oll = ollama.Client(host=ring.url, timeout=120)
+    messages = [{"role": "user", "content": question}]
+    greedy = {"model": MODEL_ID, "temperature": 0}
+    got = {}
+
+    got["chat"] = oai.chat.completions.create(messages=messages, max_tokens=MAX_TOKENS, **greedy).choices[0].message.content
+    stream = oai.chat.completions.create(messages=messages, max_tokens=MAX_TOKENS, stream=True, **greedy)
+    got["chat streamed"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    got["completions"] = oai.completions.create(prompt=prompt, max_tokens=MAX_TOKENS, **greedy).choices[0].text
+    stream = oai.completions.create(prompt=prompt, max_tokens=MAX_TOKENS, stream=True, **greedy)
+    got["completions streamed"] = "".join(c.choices[0].text for c in stream if c.choices)
+
+    got["responses"] = oai.responses.create(input=question, max_output_tokens=MAX_TOKENS, **greedy).output_text
+    stream = oai.responses.create(input=question, max_output_tokens=MAX_TOKENS, stream=True, **greedy)
+    got["responses streamed"] = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+
+    kw = {"model": MODEL_ID, "max_tokens": MAX_TOKENS, "messages": messages, "extra_body": {"temperature": 0}}
+    got["anthropic"] = "".join(b.text for b in ant.messages.create(**kw).content if b.type == "text")
+    with ant.messages.stream(**kw) as s:
+        got["anthropic streamed"] = "".join(s.text_stream)
+
+    options = {"temperature": 0, "num_predict": MAX_TOKENS}
+    got["ollama"] = oll.chat(model=MODEL_ID, messages=messages, options=options).message.content
+    got["ollama streamed"] = "".join(c.message.content for c in oll.chat(model=MODEL_ID, messages=messages, options=options, stream=True))
+    return got
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_every_api_gives_mlx_lms_greedy_answer_plain_and_streamed(ring, mlx_lm_answers, question):
+    prompt, want = mlx_lm_answers[question]
+    got = answers(ring, question, prompt)
+    assert want.strip() and {api: text for api, text in got.items() if text != want} == {}, want
