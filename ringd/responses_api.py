@@ -11,9 +11,12 @@ ringd keeps nothing between requests, so the API is used statelessly:
 - ``previous_response_id``, ``conversation`` and ``item_reference`` inputs
   name stored state, and are refused (400: send the whole conversation in
   ``input``); so are ``background: true`` (it needs a stored response to poll),
-  ``prompt`` (stored prompt templates), ``include`` (no extra output data:
-  encrypted reasoning, logprobs, search results) and ``truncation: "auto"``
-  (ringd never drops input to fit the context).
+  ``prompt`` (stored prompt templates) and ``truncation: "auto"`` (ringd
+  never drops input to fit the context). ``include`` may ask for
+  ``reasoning.encrypted_content`` only, as stateless clients (Codex) do to
+  keep reasoning across turns: each reasoning item then carries its text,
+  base64 behind ``ENCRYPTED_PREFIX`` (not encrypted: the client has the text
+  anyway), and that item sent back as input is read again.
 - ``store`` is accepted whatever its value (true is OpenAI's default, and
   clients send it), and every response says ``"store": false``: it was not
   stored, and no later request can name it.
@@ -56,6 +59,7 @@ Errors have OpenAI's shape (``api.py``) and name Responses' own fields
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import time
@@ -94,9 +98,12 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "conversation": ((), "ringd keeps no conversations; send the whole conversation in input"),
     "background": ((False,), "ringd keeps no responses to poll, so it answers in the foreground only; leave background false"),
     "prompt": ((), "ringd keeps no prompt templates; send instructions and input"),
-    "include": ((), "ringd returns no extra output data (encrypted reasoning, logprobs, tool results); leave include empty"),
     "truncation": (("disabled",), "ringd never drops input to fit the context; a prompt too long for it is a 400"),
 }
+# What include may ask for: the one extra output a stateless server can give.
+INCLUDES = ("reasoning.encrypted_content",)
+# A reasoning item's encrypted_content as ringd writes it: this, then the text in base64.
+ENCRYPTED_PREFIX = "ringd-reasoning:"
 # ringd's sampling beyond Responses' own, as chat completions takes it.
 EXTRA_NUMBERS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -123,6 +130,7 @@ class ResponsesRequest:
     stream: bool
     # The request's settings as the response object repeats them (the SDK's Response requires several).
     echo: dict
+    encrypted_reasoning: bool = False  # include: reasoning items carry encrypted_content
 
 
 # --- the request -------------------------------------------------------------------
@@ -213,7 +221,17 @@ def parse(body: dict) -> ResponsesRequest:
         "metadata": metadata if isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values()) else {},
         "user": user if isinstance(user, str) else None,
     }
-    return ResponsesRequest(req, stream, echo)
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list) or not all(isinstance(v, str) for v in include)):
+        raise _bad(f"include must be a list of strings; got {brief_repr(include)}", "include")
+    for v in include or ():
+        if v not in INCLUDES:
+            raise _bad(
+                f"include {brief_repr(v)} is not supported: ringd returns no extra output data but {', '.join(INCLUDES)}",
+                "include",
+                "unsupported_parameter",
+            )
+    return ResponsesRequest(req, stream, echo, "reasoning.encrypted_content" in (include or ()))
 
 
 def _input(v: Any) -> list[dict]:
@@ -307,7 +325,13 @@ def _content(content: Any, where: str) -> str:
 
 
 def _reasoning_text(item: dict, where: str) -> str:
-    """A reasoning item's text: its content (reasoning_text parts), else its summary."""
+    """A reasoning item's text: ringd's encrypted_content, else its content (reasoning_text parts), else its summary."""
+    sealed = item.get("encrypted_content")
+    if isinstance(sealed, str) and sealed.startswith(ENCRYPTED_PREFIX):
+        try:
+            return _valid_text(base64.b64decode(sealed[len(ENCRYPTED_PREFIX) :], validate=True).decode(), f"{where}.encrypted_content")
+        except (ValueError, UnicodeDecodeError):  # binascii.Error is a ValueError
+            raise _bad(f"{where}.encrypted_content is not reasoning ringd wrote; send it back as it came", f"{where}.encrypted_content") from None
     for key in ("content", "summary"):
         parts = item.get(key)
         if parts in (None, []):
@@ -315,7 +339,7 @@ def _reasoning_text(item: dict, where: str) -> str:
         if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
             raise _bad(f"{where}.{key} must be a list of {{'type', 'text'}} parts", f"{where}.{key}")
         return _valid_text("\n".join(p["text"] for p in parts), f"{where}.{key}")
-    return ""  # encrypted_content only: OpenAI's, which no other model can read
+    return ""  # another server's encrypted_content only (OpenAI's): nothing here can read it
 
 
 def _tools(v: Any) -> list[Tool]:
@@ -470,7 +494,8 @@ class OutputItems:
     follow (a native call's template puts a newline before it).
     """
 
-    def __init__(self):
+    def __init__(self, encrypted_reasoning: bool = False):
+        self.encrypted_reasoning = encrypted_reasoning
         self.output: list[dict] = []
         self._open: dict | None = None  # the reasoning or message item being written
         self._text: list[str] = []
@@ -545,6 +570,8 @@ class OutputItems:
             part = {"type": "reasoning_text", "text": text}
             done = {"type": "response.reasoning_text.done", **where, "text": text}
         item.update(status=status, content=[part])
+        if item["type"] == "reasoning" and self.encrypted_reasoning:
+            item["encrypted_content"] = ENCRYPTED_PREFIX + base64.b64encode(text.encode()).decode()
         self._open, self._text = None, []
         return [
             done,
@@ -597,7 +624,7 @@ class ResponsesApi:
             await gen.aclose()
 
     async def _whole(self, p: ResponsesRequest, gen) -> web.Response:
-        items, finish = OutputItems(), None
+        items, finish = OutputItems(p.encrypted_reasoning), None
         try:
             async for out in gen:
                 items.feed(out)
@@ -616,7 +643,7 @@ class ResponsesApi:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         rid, model = new_id("resp"), self.api.d.model_id
-        items = OutputItems()
+        items = OutputItems(p.encrypted_reasoning)
         sequence = 0
 
         async def send(batch: list[dict]) -> None:

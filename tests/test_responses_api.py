@@ -127,7 +127,8 @@ def test_fields_map_onto_the_request_and_errors_use_responses_names():
         ({"previous_response_id": "resp_1"}, "previous_response_id", "send the whole conversation in input"),
         ({"conversation": "conv_1"}, "conversation", "send the whole conversation in input"),
         ({"background": True}, "background", "background"),
-        ({"include": ["reasoning.encrypted_content"]}, "include", "include"),
+        ({"include": ["message.output_text.logprobs"]}, "include", "reasoning.encrypted_content"),
+        ({"input": [{"type": "reasoning", "encrypted_content": "ringd-reasoning:!!"}, {"role": "user", "content": "x"}]}, "input[0].encrypted_content", "as it came"),
         ({"tools": [{"type": "web_search"}]}, "tools[0]", "'web_search'"),
         ({"tools": [WEATHER, {"type": "file_search", "vector_store_ids": []}]}, "tools[1]", "'file_search'"),
         ({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
@@ -208,6 +209,22 @@ def test_streamed_events_are_the_sdks_and_build_the_whole_response(finish):
         assert [json.loads(o.arguments) for o in final.output if o.type == "function_call"] == [{"city": "a city with a long name, Paris"}, {"city": "Rome"}]
     else:
         assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_included_encrypted_reasoning_comes_back_as_the_turns_reasoning():
+    # Stateless clients (Codex) ask for it and send the items back next turn.
+    p = parse({"model": "m", "input": "hi", "include": ["reasoning.encrypted_content"]})
+    items = OutputItems(p.encrypted_reasoning)
+    events = [e for out in [Output(1, 0.0, [], reasoning="Think é."), Output(2, 0.0, [], text="Paris.", finish_reason="stop")] for e in items.feed(out)]
+    events += items.finish("stop")
+    reasoning = items.output[0]
+    assert reasoning["encrypted_content"].startswith("ringd-reasoning:")
+    Response.model_validate(response_object(p, "resp_1", 1, "m", items.output, items.status, Usage(1, 2)))
+    done = next(e for e in events if e["type"] == "response.output_item.done")
+    assert done["item"]["encrypted_content"] == reasoning["encrypted_content"]
+    sealed = {k: v for k, v in reasoning.items() if k != "content"}  # what a client that drops the text sends back
+    again = parse({"model": "m", "input": [{"role": "user", "content": "hi"}, sealed, items.output[1], {"role": "user", "content": "and?"}]})
+    assert again.request.messages[1] == {"role": "assistant", "content": "Paris.", "reasoning_content": "Think é."}
 
 
 def test_blank_text_before_a_call_opens_no_message_and_an_empty_answer_has_one():
