@@ -22,6 +22,7 @@ before it is tokenized, and tokenizing runs off the loop a few at a time.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import time
 from pathlib import Path
@@ -408,6 +409,9 @@ class Api:
 
     async def models(self, request: web.Request) -> web.Response:
         self.need_key(request)
-        return web.json_response(
-            {"object": "list", "data": [{"id": self.d.model_id, "object": "model", "created": self.d.started, "owned_by": "ringd"}]}
-        )
+        # OpenAI's list and Anthropic's page at once (each SDK reads its own fields), so
+        # either client's models.list() works against the one route.
+        model_id, started = self.d.model_id, self.d.started
+        created_at = datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+        model = {"id": model_id, "object": "model", "created": started, "owned_by": "ringd", "type": "model", "display_name": model_id, "created_at": created_at}
+        return web.json_response({"object": "list", "data": [model], "has_more": False, "first_id": model_id, "last_id": model_id})

@@ -454,7 +454,13 @@ def test_bad_requests_are_anthropic_errors(client, kw, needle):
     assert set(err) == {"type", "error"}  # Anthropic's shape has no param: the message names the field
 
 
-def test_an_unknown_model_and_a_missing_route_are_anthropic_errors(client):
+def test_models_list_is_anthropics_page_too(client, oai):
+    [model] = client.models.list().data
+    assert model.id == MODEL_ID and model.type == "model" and model.display_name == MODEL_ID and model.created_at.year >= 2026
+    assert [m.id for m in oai.models.list()] == [MODEL_ID]
+
+
+def test_an_unknown_model_is_an_anthropic_error(client):
     with pytest.raises(anthropic.NotFoundError) as e:
         create(client, model="nope")
     assert e.value.body["error"]["type"] == "not_found_error" and "nope" in e.value.body["error"]["message"]
