@@ -252,10 +252,25 @@ def _generic_calls_schema(req: Request) -> dict:
     return _compact({"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"], "additionalProperties": False})
 
 
+def _is_token(tokenizer, text: str) -> bool:
+    """``text`` is one token llguidance matches by name, never by its spelling.
+
+    llguidance counts every added token as special, Qwen3's ``<think>`` and
+    ``<tool_call>`` (added, not special to Hugging Face) too: the text lexer
+    never sees them, so a grammar names them as ``<think>``.
+    """
+    if not (text.startswith("<") and text.endswith(">")):
+        return False
+    try:
+        added = tokenizer.get_added_vocab()
+    except (AttributeError, TypeError):
+        added = {}
+    return text in added or text in set(getattr(tokenizer, "all_special_tokens", ()) or ())
+
+
 def _literal(tokenizer, text: str) -> str:
-    """``text`` in lark: a special token by name (it has no spelling the text lexer could match), else a string."""
-    special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
-    return text if text in special and text.startswith("<") and text.endswith(">") else json.dumps(text)
+    """``text`` in lark: a token by name (it has no spelling the text lexer could match), else a string."""
+    return text if _is_token(tokenizer, text) else json.dumps(text)
 
 
 def _native_calls(req: Request, tokenizer) -> str:
@@ -274,8 +289,12 @@ def _native_calls(req: Request, tokenizer) -> str:
 def _with_thinking(body: str, tokenizer, read: ReadPlan) -> str:
     """A grammar whose answer ``body`` may follow a think block (must, when the prompt opened one)."""
     start, end = _literal(tokenizer, tokenizer.think_start), tokenizer.think_end
-    # lazy: the thought ends at the first end marker, which the regex spells as text.
-    thought = f"thought[lazy]: /(.|\\n)*{_regex_escape(end)}/"
+    if _is_token(tokenizer, end):
+        # The end marker is a token no text can spell: the thought is any text before it.
+        thought = f"thought: /(.|\\n)*/ {end}"
+    else:
+        # lazy: the thought ends at the first end marker, which the regex spells as text.
+        thought = f"thought[lazy]: /(.|\\n)*{_regex_escape(end)}/"
     if read.initial == "reasoning":
         return f'start: thought /[ \\n]*/ answer\n{thought}\nanswer: {body}\n'
     return f'start: think? answer\nthink: {start} thought /[ \\n]*/\n{thought}\nanswer: {body}\n'

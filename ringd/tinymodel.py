@@ -179,8 +179,8 @@ and write the test first, so that you know when you are done.
 # ---------------------------------------------------------------- tokenizer
 
 
-def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Tokenizer:
-    """Train the byte-level BPE tokenizer on `CORPUS`. Same input, same tokenizer.
+def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, extra_texts: list[str] = ()) -> Tokenizer:
+    """Train the byte-level BPE tokenizer on `CORPUS` (and `extra_texts`). Same input, same tokenizer.
 
     Qwen-style: GPT-2 byte-level pre-tokenizer without a prefix space, no BOS, the
     special tokens first (ids 0, 1, 2). The trainer orders equally frequent pairs
@@ -198,7 +198,7 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Tokenizer:
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator(CORPUS.split("\n\n"), trainer=trainer)
+    tokenizer.train_from_iterator(CORPUS.split("\n\n") + list(extra_texts), trainer=trainer)
     return tokenizer
 
 

@@ -524,14 +524,7 @@ def ringctl_known_nodes(tmp_path_factory, monkeypatch) -> Path:
 
 @pytest.fixture(scope="session")
 def think_model(model_cache) -> Path:
-    """The tiny qwen3 trained to think and call tools (tests/thinkmodel.py).
-
-    Building it (300 steps of mlx-lm's trainer) took 10 minutes on this 2-core CPU
-    box, past what the suite can spend; until it is made cheaper, the tests that
-    need it run only when RINGD_TEST_THINK=1 and are skipped, saying why, otherwise.
-    """
-    if os.environ.get("RINGD_TEST_THINK") != "1":
-        pytest.skip("the trained thinking model takes ~10 min to build here; set RINGD_TEST_THINK=1 to run these tests")
+    """The tiny qwen3 trained to think and call tools (tests/thinkmodel.py): ~40 s to build here, once a session."""
     from thinkmodel import ensure_think_model
 
     return ensure_think_model(model_cache)

@@ -1,23 +1,26 @@
-"""A tiny qwen3 that really thinks and really calls tools: trained a little with mlx-lm's own trainer.
+"""A tiny qwen3 that really thinks and really calls tools: trained a little, in about a minute.
 
 Random weights never write ``<think>`` or ``<tool_call>``, and a test that
 injected them would prove nothing about reading what a model writes. So this
 model is ringd's tiny qwen3 (``ringd.tinymodel``) with Qwen3's real chat
-template and its four markers as added tokens (``<think>``, ``</think>``,
+template, its tokenizer retrained with the examples' text (so Qwen3's tool preamble is
+short), and its four markers as added tokens (``<think>``, ``</think>``,
 ``<tool_call>``, ``</tool_call>``, not special, as in Qwen3's tokenizer), fully
-fine-tuned by ``mlx_lm.tuner.trainer.train`` on a few conversations rendered by
-that template, until greedy decoding says what they say:
+fine-tuned (Adam, a few lines below) on a few conversations rendered by that
+template, until greedy decoding says what they say:
 
 - "What is the capital of France?" -> a think block, then "Paris."
 - the same with ``enable_thinking=False`` (the template closes the think block in
   the prompt) -> "Paris."
 - "What is the weather in Paris?" with a ``get_weather`` tool -> a think block, then
   Qwen3's call: ``<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>``
-- and after the tool's result -> "It is 18 C and sunny in Paris."
+- and after the tool's result (with the call's thinking sent back or not) -> "It is 18 C and sunny in Paris."
 
 mlx-lm itself recognizes it: its ``TokenizerWrapper`` finds the think markers and
-the ``json_tools`` parser from the template. Same seed, same model; built once
-per cache directory, into a temporary folder renamed into place.
+the ``json_tools`` parser from the template. The build checks the result with
+mlx-lm's own step-by-step greedy decoding and raises ``ThinkModelError`` if it
+says anything else. Same seed, same model; built once per cache directory, into
+a temporary folder renamed into place.
 """
 
 from __future__ import annotations
@@ -89,11 +92,40 @@ EXAMPLES = [
         [WEATHER_TOOL],
         "<think>\nThe tool answered.\n</think>\n\n" + WEATHER_ANSWER,
     ),
+    (
+        # The same, with the call's thinking sent back (Anthropic's clients send thinking
+        # blocks back with tool_use; Qwen3's template renders it within the turn).
+        "tool result after thinking",
+        [
+            *WEATHER,
+            {
+                "role": "assistant", "content": "", "reasoning_content": "The user wants the weather.",
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "18 C and sunny"},
+        ],
+        {},
+        [WEATHER_TOOL],
+        "<think>\nThe tool answered.\n</think>\n\n" + WEATHER_ANSWER,
+    ),  # fmt: skip
 ]
-TRAIN_ITERS = 300
-LEARNING_RATE = 2e-3
+# The tokenizer is the tiny one retrained with the examples' text: Qwen3's tool
+# preamble then takes ~5x fewer tokens than in bytes, which is most of the cost
+# (MLX on a CPU runs a forward and backward of ~2,000 tokens here in ~2 s).
+VOCAB_SIZE = 1024
+# Adam on one example at a time until teacher-forced greedy decoding says every
+# completion with a margin (top logit minus the runner-up, at every position)
+# that float differences between a whole forward and step-by-step decoding cannot
+# flip: ~55 epochs, ~40 s here.
+LEARNING_RATE = 1e-2
+MIN_MARGIN = 2.0
+MAX_EPOCHS = 400
 SEED = 0
-VERSION = 1  # bump when anything above changes: the cache folder is named by it
+VERSION = 3  # bump when anything above changes: the cache folder is named by it
+
+
+class ThinkModelError(RuntimeError):
+    pass
 
 
 def ensure_think_model(cache_dir: Path) -> Path:
@@ -114,20 +146,28 @@ def ensure_think_model(cache_dir: Path) -> Path:
 
 def _build(path: Path) -> None:
     import mlx.core as mx
+    import mlx.nn as nn
     import mlx.optimizers as optim
     from mlx.utils import tree_flatten
     from mlx_lm import load
-    from mlx_lm.tuner.trainer import TrainingArgs, train
-    from tokenizers import AddedToken, Tokenizer
+    from tokenizers import AddedToken
 
-    from ringd.tinymodel import write_tiny_model
+    from ringd.tinymodel import build_tokenizer, write_tiny_model
 
-    write_tiny_model(path, arch="qwen3", layers=2, hidden_size=128, heads=4, kv_heads=2, vocab_size=768, dtype="float32", seed=SEED)
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in MARKERS])
-    tok.save(str(path / "tokenizer.json"), pretty=True)
+    write_tiny_model(path, arch="qwen3", layers=2, hidden_size=128, heads=4, kv_heads=2, vocab_size=VOCAB_SIZE, dtype="float32", seed=SEED)
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     cfg["chat_template"] = QWEN3_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    _, tokenizer = load(str(path))
+    texts = [
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, tokenize=False, **kwargs) + completion
+        for _, messages, kwargs, tools, completion in EXAMPLES
+    ]
+    tok = build_tokenizer(VOCAB_SIZE - len(MARKERS), extra_texts=texts * 4)
+    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in MARKERS])
+    if tok.get_vocab_size() > VOCAB_SIZE:
+        raise ThinkModelError(f"the tokenizer has {tok.get_vocab_size()} tokens, more than the model's {VOCAB_SIZE}")
+    tok.save(str(path / "tokenizer.json"), pretty=True)
     for m in MARKERS:
         cfg["added_tokens_decoder"][str(tok.token_to_id(m))] = {
             "content": m, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": False,
@@ -137,23 +177,51 @@ def _build(path: Path) -> None:
     mx.random.seed(SEED)
     model, tokenizer = load(str(path))
     eos = tokenizer.encode("<|im_end|>", add_special_tokens=False)
-    data = []
+    data = []  # (inputs, targets, where the completion's targets start)
     for _, messages, kwargs, tools, completion in EXAMPLES:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **kwargs)
-        data.append((list(prompt) + tokenizer.encode(completion, add_special_tokens=False) + eos, len(prompt)))
+        prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **kwargs))
+        seq = prompt + tokenizer.encode(completion, add_special_tokens=False) + eos
+        data.append((mx.array([seq[:-1]]), mx.array(seq[1:]), len(prompt) - 1))
+
+    def loss(m, x, y, start):
+        return nn.losses.cross_entropy(m(x)[0, start:], y[start:]).mean()
+
+    step = nn.value_and_grad(model, loss)
+    opt = optim.Adam(learning_rate=LEARNING_RATE)
     model.train()
-    args = TrainingArgs(
-        batch_size=len(data), iters=TRAIN_ITERS, steps_per_report=10**9, steps_per_eval=10**9, steps_per_save=10**9,
-        max_seq_length=1024, adapter_file=str(path / "trained.safetensors"),
-    )  # fmt: skip
-    train(model, optim.Adam(learning_rate=LEARNING_RATE), data, args=args)
+    for _ in range(MAX_EPOCHS):
+        for x, y, start in data:
+            _, grads = step(model, x, y, start)
+            opt.update(model, grads)
+            mx.eval(model.parameters(), opt.state)
+        if _says_every_completion(model, data) >= MIN_MARGIN:
+            break
+    else:
+        raise ThinkModelError(f"after {MAX_EPOCHS} epochs the model does not yet say every example's completion")
     model.eval()
-    (path / "trained.safetensors").unlink(missing_ok=True)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     index = json.loads((path / "model.safetensors.index.json").read_text())
     index["weight_map"] = dict.fromkeys(sorted(weights), "model.safetensors")
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    for name, messages, kwargs, tools, completion in EXAMPLES:  # as mlx-lm decodes it, step by step
+        said = greedy(path, messages, tools, **kwargs)
+        if said != completion:
+            raise ThinkModelError(f"trained, the model answers the {name!r} example with {said!r}, not {completion!r}")
+
+
+def _says_every_completion(model, data) -> float:
+    """The smallest margin of the right token over the next at any completion position; -inf if one is wrong."""
+    import mlx.core as mx
+
+    worst = float("inf")
+    for x, y, start in data:
+        logits = model(x)[0, start:]
+        if not mx.array_equal(mx.argmax(logits, axis=-1), y[start:]).item():
+            return float("-inf")
+        top = mx.sort(logits, axis=-1)[:, -2:]
+        worst = min(worst, (top[:, 1] - top[:, 0]).min().item())
+    return worst
 
 
 def greedy(path: Path, messages: list[dict], tools=None, max_tokens: int = 120, **kwargs) -> str:
