@@ -1,0 +1,235 @@
+"""The leader's schedule of the ring: which rows each micro-batch holds, and how many are in flight.
+
+Sans-I/O (as ``reconcile.py``): events in (a request joins, a micro-batch's
+tokens come back, a request leaves, the ring is lost, a new ring is up),
+commands out (``Send`` a micro-batch to stage 0, ``Deliver`` a token to its
+request, ``Release`` a request's caches). Nothing here touches the network,
+MLX or the clock, so every interleaving can be tried under Hypothesis against
+a simulated ring (tests/test_scheduler.py). ``engine.py`` is to become its
+asyncio shell (issue 16; not wired in yet).
+
+The ring is a pipeline: with P stages, one micro-batch at a time leaves P-1
+stages idle. So up to ``max_in_flight`` micro-batches go around at once, each
+with its own rows: while stage k computes one, stage k-1 computes the next.
+A request's next step needs its last token, so a request is in at most one
+micro-batch in flight; its rows follow each other in order, and every stage
+applies a request's rows in the order the leader sent them (frames of one
+sender on one link keep their order, and every micro-batch takes the same
+path), which is what keeps each stage's caches right.
+
+- A row is one request's step: a prompt chunk (``sample`` false), the prompt's
+  last token (sampled, as mlx-lm's ``generate_step``), or a token fed back.
+- Decode rows of ready requests fill a micro-batch, longest-waiting first, up
+  to ``max_rows``. A prompt's chunks travel in micro-batches of their own, taking
+  turns with the decode micro-batches, so running streams keep flowing while a
+  long prompt prefills.
+- A request that leaves (its client went, or it finished) while a micro-batch
+  of it is in flight is released when that micro-batch comes back: a RELEASE
+  must follow the request's last FORWARD around the ring.
+- Ring lost: micro-batches in flight are void (their tokens never delivered);
+  on the new ring every live request is replayed: its prompt, then each token
+  already delivered fed back and sampled silently (a seeded sampler's key
+  advances exactly as before), so the stream carries on with the next token,
+  none missing, none repeated.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+# Micro-batches around the ring at once: one per stage keeps every stage busy.
+DEFAULT_MAX_IN_FLIGHT = 3
+# Rows in one decode micro-batch: each is a request's KV cache read per layer.
+DEFAULT_MAX_ROWS = 32
+# Prompt tokens in one prefill row: a running stream waits about this chunk's compute per turn.
+DEFAULT_PREFILL_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class Row:
+    rid: int
+    offset: int  # the position of tokens[0]: what the stage's caches must already hold
+    tokens: tuple[int, ...]
+    sample: bool  # the last stage samples after this row
+    silent: bool = False  # a replayed step: sample (the key advances), deliver nothing
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send micro-batch ``batch`` of ``rows`` to stage 0 of ring ``term``."""
+
+    batch: int
+    term: int
+    rows: tuple[Row, ...]
+
+
+@dataclass(frozen=True)
+class Deliver:
+    rid: int
+    token: int
+
+
+@dataclass(frozen=True)
+class Release:
+    """Free the request's caches on every stage (it has no row in flight)."""
+
+    rid: int
+
+
+class SchedulerError(Exception):
+    pass
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: list[int]
+    max_tokens: int
+    generated: list[int] = field(default_factory=list)  # tokens delivered
+    sent: int = 0  # positions the current ring's caches hold (once the row in flight is back)
+    in_flight: int | None = None  # the micro-batch holding its row
+    leaving: bool = False
+    waited: int = 0  # when it last got a row (the schedule's clock), for fairness
+
+    @property
+    def prefilling(self) -> bool:
+        return self.sent < len(self.prompt)
+
+    def done(self) -> bool:
+        return self.leaving or len(self.generated) >= self.max_tokens
+
+
+class Scheduler:
+    def __init__(self, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        if max_in_flight < 1 or max_rows < 1 or prefill_chunk < 1:
+            raise SchedulerError("max_in_flight, max_rows and prefill_chunk must be at least 1")
+        self.max_in_flight = max_in_flight
+        self.max_rows = max_rows
+        self.prefill_chunk = prefill_chunk
+        self.term: int | None = None  # None: no ring (lost, or not yet up)
+        self._requests: dict[int, _Request] = {}
+        self._in_flight: dict[int, tuple[int, tuple[Row, ...]]] = {}  # batch -> (term, rows)
+        self._batches = itertools.count(1)
+        self._clock = itertools.count(1)
+        self._prefill_turn = False  # the next micro-batch is a prompt's chunk, if one is waiting
+
+    # --- what is there ---------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._requests
+
+    def generated(self, rid: int) -> list[int]:
+        return list(self._requests[rid].generated)
+
+    # --- events ----------------------------------------------------------------------
+
+    def join(self, rid: int, prompt: list[int], max_tokens: int) -> list:
+        if rid in self._requests:
+            raise SchedulerError(f"request {rid:x} is already scheduled")
+        if not prompt or max_tokens < 1:
+            raise SchedulerError("a request needs a prompt and max_tokens of at least 1")
+        self._requests[rid] = _Request(rid, list(prompt), max_tokens, waited=next(self._clock))
+        return self._fill()
+
+    def leave(self, rid: int) -> list:
+        """The request ends (its client went, or it finished): its caches are freed once no row of it is in flight."""
+        req = self._requests.get(rid)
+        if req is None:
+            return []
+        req.leaving = True
+        out = self._retire(req)
+        return out + self._fill()
+
+    def tokens(self, batch: int, term: int, sampled: dict[int, int]) -> list:
+        """Micro-batch ``batch`` of ring ``term`` came back, with a token for each row that sampled aloud."""
+        held = self._in_flight.get(batch)
+        if held is None or held[0] != term or term != self.term:
+            return []  # a void micro-batch (an older ring's): nothing in it counts
+        del self._in_flight[batch]
+        out = []
+        for row in held[1]:
+            req = self._requests.get(row.rid)
+            if req is None or req.in_flight != batch:
+                continue
+            req.in_flight = None
+            req.sent = row.offset + len(row.tokens)
+            req.waited = next(self._clock)
+            if row.sample and not row.silent and not req.leaving:
+                if row.rid not in sampled:
+                    raise SchedulerError(f"micro-batch {batch} came back without a token for request {row.rid:x}")
+                req.generated.append(sampled[row.rid])
+                out.append(Deliver(row.rid, sampled[row.rid]))
+            out += self._retire(req)
+        return out + self._fill()
+
+    def ring_lost(self) -> None:
+        """The ring broke: what is in flight is void; every request waits for the next ring."""
+        self.term = None
+        self._in_flight.clear()
+        for req in list(self._requests.values()):
+            req.in_flight = None
+            req.sent = 0
+            if req.leaving:  # its caches went with the ring
+                del self._requests[req.rid]
+
+    def ring_up(self, term: int) -> list:
+        """A new ring (``term``) serves: every request is replayed on it from its first token."""
+        if self.term is not None and self._in_flight:
+            self.ring_lost()
+        self.term = term
+        for req in self._requests.values():
+            req.sent = 0
+        return self._fill()
+
+    # --- the schedule ----------------------------------------------------------------
+
+    def _retire(self, req: _Request) -> list:
+        if req.in_flight is not None or not req.done():
+            return []
+        del self._requests[req.rid]
+        return [Release(req.rid)] if self.term is not None and req.sent > 0 else []
+
+    def _next_row(self, req: _Request) -> Row:
+        """The request's next step on the current ring."""
+        prompt = req.prompt
+        if req.sent < len(prompt) - 1:  # a chunk of the prompt before its last token
+            end = min(req.sent + self.prefill_chunk, len(prompt) - 1)
+            return Row(req.rid, req.sent, tuple(prompt[req.sent : end]), sample=False)
+        # The prompt's last token samples the first token; each token fed back, the next.
+        # On a replay the tokens sampled were delivered already: sampled again silently.
+        k = req.sent - len(prompt)  # the token fed back, -1 for the prompt's last
+        token = prompt[-1] if k < 0 else req.generated[k]
+        return Row(req.rid, req.sent, (token,), sample=True, silent=k + 1 < len(req.generated))
+
+    def _ready(self) -> list[_Request]:
+        return sorted((r for r in self._requests.values() if r.in_flight is None and not r.done()), key=lambda r: r.waited)
+
+    def _fill(self) -> list:
+        """Micro-batches for every free slot in flight."""
+        out = []
+        while self.term is not None and len(self._in_flight) < self.max_in_flight:
+            rows = self._take()
+            if not rows:
+                break
+            batch = next(self._batches)
+            for row in rows:
+                self._requests[row.rid].in_flight = batch
+            self._in_flight[batch] = (self.term, rows)
+            out.append(Send(batch, self.term, rows))
+        return out
+
+    def _take(self) -> tuple[Row, ...]:
+        ready = self._ready()
+        prefill = [r for r in ready if r.sent < len(r.prompt) - 1]
+        decode = [r for r in ready if r.sent >= len(r.prompt) - 1]
+        # Prompts' chunks and decode steps take turns; either goes alone if the other has nothing.
+        if prefill and (self._prefill_turn or not decode):
+            self._prefill_turn = False
+            return (self._next_row(prefill[0]),)
+        self._prefill_turn = True
+        return tuple(self._next_row(r) for r in decode[: self.max_rows])

@@ -1,0 +1,219 @@
+"""The leader's schedule (``scheduler.py``) against a simulated ring, under Hypothesis.
+
+The simulated ring has P stages, each a FIFO of what reached it (micro-batches
+and releases) and a cache per request (the tokens it holds). A stage applies
+its oldest item: each row must start where that request's cache ends, and no
+row may come for a released request; the last stage "samples" a token that is
+a hash of the request's whole sequence, so a wrong token fed back anywhere
+changes every later one. Hypothesis interleaves requests joining and leaving,
+stages advancing in any order (a stalled stage just does not advance), and the
+ring being lost and replaced; then the ring drains.
+
+What must hold: never more than P micro-batches in flight, and a request in at
+most one; each request's tokens arrive once and in order, equal to the
+uninterrupted run's (so a replay after a lost ring yields the same tokens);
+every request that did not leave gets all its tokens, even beside a stream
+that never ends (none starves); every request's caches are released.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringd.scheduler import Deliver, Release, Row, Scheduler, SchedulerError, Send
+
+VOCAB = 1000
+HOG = 10**6  # the request id of a stream that never ends
+# Stage applications after the events: far more than the longest fair schedule of what can be joined.
+DRAIN_STEPS = 20_000
+
+
+def model(rid: int, seq: list[int]) -> int:
+    return int.from_bytes(hashlib.blake2b(repr((rid, seq)).encode(), digest_size=4).digest(), "little") % VOCAB
+
+
+def reference(rid: int, prompt: list[int], n: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(model(rid, seq))
+        seq.append(out[-1])
+    return out
+
+
+class Ring:
+    """P stages, each applying what reaches it in arrival order."""
+
+    def __init__(self, stages: int, sched: Scheduler):
+        self.sched = sched
+        self.queues: list[list] = [[] for _ in range(stages)]
+        self.caches: list[dict[int, list[int]]] = [{} for _ in range(stages)]
+        self.released: set[int] = set()
+        self.delivered: dict[int, list[int]] = {}
+        self.releases: list[int] = []
+        self.term = 0
+
+    def apply(self, commands: list) -> None:
+        for c in commands:
+            if isinstance(c, Send):
+                assert c.term == self.term
+                self.queues[0].append(c)
+            elif isinstance(c, Release):
+                self.releases.append(c.rid)
+                self.queues[0].append(c)
+            elif isinstance(c, Deliver):
+                self.delivered.setdefault(c.rid, []).append(c.token)
+        self.check()
+
+    def check(self) -> None:
+        batches = [item for q in self.queues for item in q if isinstance(item, Send)]
+        assert len(batches) == self.sched.in_flight <= self.sched.max_in_flight
+        rids = [row.rid for b in batches for row in b.rows]
+        assert len(rids) == len(set(rids)), "a request in two micro-batches in flight"
+
+    def advance(self, k: int) -> None:
+        """Stage k applies its oldest item."""
+        item = self.queues[k].pop(0)
+        last = k == len(self.queues) - 1
+        cache = self.caches[k]
+        if isinstance(item, Release):
+            assert item.rid in cache, "a release for caches this stage does not hold"
+            del cache[item.rid]
+            self.released.add(item.rid)
+            if not last:
+                self.queues[k + 1].append(item)
+            return
+        sampled = {}
+        for row in item.rows:
+            assert row.rid not in self.released, "a row after the request's release"
+            held = cache.setdefault(row.rid, [])
+            assert row.offset == len(held), f"row at {row.offset}, cache holds {len(held)}"
+            held.extend(row.tokens)
+            if last and row.sample and not row.silent:
+                sampled[row.rid] = model(row.rid, held)
+        if last:
+            self.apply(self.sched.tokens(item.batch, item.term, sampled))
+        else:
+            self.queues[k + 1].append(item)
+
+    def lose(self) -> None:
+        self.queues = [[] for _ in self.queues]
+        self.caches = [{} for _ in self.caches]
+        self.sched.ring_lost()
+        self.term += 1
+        self.apply(self.sched.ring_up(self.term))
+
+    def busy(self) -> list[int]:
+        return [k for k, q in enumerate(self.queues) if q]
+
+
+EVENTS = st.one_of(
+    st.tuples(st.just("join"), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9), st.integers(1, 6)),
+    st.tuples(st.just("leave"), st.integers(0, 30)),
+    st.tuples(st.just("advance"), st.integers(0, 10)),
+    st.tuples(st.just("lose")),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    stages=st.integers(1, 4),
+    in_flight=st.integers(1, 4),
+    max_rows=st.integers(1, 4),
+    chunk=st.integers(1, 4),
+    events=st.lists(EVENTS, max_size=120),
+    hog=st.booleans(),
+)
+def test_any_interleaving_delivers_every_token_once_in_order_as_the_uninterrupted_run(stages, in_flight, max_rows, chunk, events, hog):
+    sched = Scheduler(max_in_flight=in_flight, max_rows=max_rows, prefill_chunk=chunk)
+    ring = Ring(stages, sched)
+    ring.apply(sched.ring_up(ring.term))
+    joined: dict[int, tuple[list[int], int]] = {}
+    left: set[int] = set()
+    if hog:  # a stream that never ends: nobody may wait on it forever
+        ring.apply(sched.join(HOG, [1, 2, 3], 10**9))
+    for ev in events:
+        if ev[0] == "join":
+            rid = len(joined)
+            joined[rid] = (ev[1], ev[2])
+            ring.apply(sched.join(rid, ev[1], ev[2]))
+        elif ev[0] == "leave" and ev[1] in joined:
+            left.add(ev[1])
+            ring.apply(sched.leave(ev[1]))
+        elif ev[0] == "advance" and ring.busy():
+            busy = ring.busy()
+            ring.advance(busy[ev[1] % len(busy)])
+        elif ev[0] == "lose":
+            ring.lose()
+    for _ in range(DRAIN_STEPS):  # the ring runs on: every other request must finish
+        if not any(rid in sched for rid in joined):
+            break
+        ring.advance(ring.busy()[-1])
+    waiting = [rid for rid in joined if rid in sched]
+    assert not waiting, f"requests {waiting} starved beside a stream that never ends"
+    if hog:
+        ring.apply(sched.leave(HOG))
+    while ring.busy():
+        ring.advance(ring.busy()[-1])
+    assert sched.in_flight == 0
+    for rid, (prompt, n) in joined.items():
+        got = ring.delivered.get(rid, [])
+        want = reference(rid, prompt, n)
+        assert got == want[: len(got)], f"request {rid}: {got} is not a prefix of {want}"
+        if rid not in left:
+            assert got == want, f"request {rid} starved: {len(got)} of {n} tokens"
+        assert rid not in sched
+    # Every cache a stage holds was released (or went with a lost ring).
+    assert all(not cache for cache in ring.caches), ring.caches
+
+
+def test_micro_batches_fill_the_pipeline_and_prompts_take_turns_with_decoding():
+    sched = Scheduler(max_in_flight=2, max_rows=8, prefill_chunk=4)
+    out = sched.ring_up(1) + sched.join(1, [5], 10) + sched.join(2, [6], 10) + sched.join(3, [7], 10)
+    # Two micro-batches in flight at most: the third request waits for a slot.
+    assert [s.rows for s in out] == [(Row(1, 0, (5,), True),), (Row(2, 0, (6,), True),)]
+    assert sched.join(4, list(range(20)), 2) == []  # a long prompt waits too
+    out = sched.tokens(1, 1, {1: 50})
+    # The prompt's turn: its first chunk alone.
+    assert out == [Deliver(1, 50), Send(3, 1, (Row(4, 0, (0, 1, 2, 3), False),))]
+    out = sched.tokens(2, 1, {2: 60})
+    # Then decoding's: every ready request, longest-waiting first.
+    assert out == [Deliver(2, 60), Send(4, 1, (Row(3, 0, (7,), True), Row(1, 1, (50,), True), Row(2, 1, (60,), True)))]
+
+
+def test_a_request_that_leaves_in_flight_is_released_after_its_row_returns():
+    sched = Scheduler(max_in_flight=1)
+    [send] = sched.ring_up(1) + sched.join(1, [5, 6], 4)
+    assert sched.leave(1) == []  # its row is in flight: the release must follow it
+    assert sched.tokens(send.batch, 1, {1: 9}) == [Release(1)]  # no token delivered after leaving
+    assert 1 not in sched
+
+
+def test_a_lost_ring_voids_what_was_in_flight_and_replays_silently():
+    sched = Scheduler(max_in_flight=1, prefill_chunk=8)
+    [send] = sched.ring_up(1) + sched.join(1, [5, 6, 7], 5)
+    out = sched.tokens(send.batch, 1, {})
+    [send] = [c for c in out if isinstance(c, Send)]
+    assert sched.tokens(send.batch, 1, {1: 40})[0] == Deliver(1, 40)
+    sched.ring_lost()
+    assert sched.tokens(send.batch + 1, 1, {1: 41}) == []  # an older ring's micro-batch counts for nothing
+    [replay] = sched.ring_up(2)
+    assert replay.rows == (Row(1, 0, (5, 6), False),)
+    [last] = [c for c in sched.tokens(replay.batch, 2, {}) if isinstance(c, Send)]
+    assert last.rows == (Row(1, 2, (7,), True, silent=True),)  # 40 was delivered: sampled again, not sent
+    [live] = [c for c in sched.tokens(last.batch, 2, {}) if isinstance(c, Send)]
+    assert live.rows == (Row(1, 3, (40,), True),)
+
+
+def test_bad_events_are_refused():
+    sched = Scheduler()
+    with pytest.raises(SchedulerError):
+        Scheduler(max_in_flight=0)
+    sched.join(1, [1], 1)
+    with pytest.raises(SchedulerError):
+        sched.join(1, [1], 1)
+    with pytest.raises(SchedulerError):
+        sched.join(2, [], 1)
