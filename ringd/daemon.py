@@ -104,7 +104,8 @@ class Daemon:
         }  # fmt: skip
         self._own = own
         self.stage = StageHost(
-            self.name, cfg.model, self.info, self.compute, self._send, self._on_change, self.metrics, tokenizer_source=lambda: self.tokenizer
+            self.name, cfg.model, self.info, self.compute, self._send, self._on_change, self.metrics,
+            tokenizer_source=lambda: self.tokenizer, departed=lambda node: node in self.cluster.left,
         )
         self.cluster = Cluster(
             node=self.name, cluster=cfg.cluster, priority=cfg.priority, secret=self.secret, info=own,

@@ -57,8 +57,13 @@ class StageHost:
         on_report: Callable[[], None],
         metrics: Metrics,
         tokenizer_source: Callable[[], Any] | None = None,
+        departed: Callable[[str], bool] = lambda node: False,
     ):
         self.node = node
+        # Whether a peer said LEAVE: a link to it that drops, or a frame it can no longer take,
+        # breaks no ring, as the leader plans without it anyway (and a whole ring stopped at
+        # once, whose signals land a little apart, stays quiet).
+        self.departed = departed
         # The model's tokenizer (mlx-lm's TokenizerWrapper) when asked: the last stage
         # follows grammars with it. None: requests with a grammar fail here.
         self.tokenizer_source = tokenizer_source
@@ -143,6 +148,9 @@ class StageHost:
         try:
             self._send(plan.leader, Frame(MsgType.LOADED, 0, self.report.to_wire()))
         except ConnectionError as e:
+            if self.departed(plan.leader):
+                log.debug("not answering plan term %d: its leader %s is leaving", plan.term, plan.leader)
+                return
             log.warning("could not answer plan term %d (its heartbeat will): %s", plan.term, e)
 
     def _set(self, report: Report) -> None:
@@ -225,8 +233,9 @@ class StageHost:
         try:
             self._send(node, frame)
         except ConnectionError as e:
-            if self.stopping:
-                log.debug("req=%x: not passed on to %s as this node stops: %s", frame.request_id, node, e)
+            if self.stopping or self.departed(node):
+                who = "this node stops" if self.stopping else f"{node} is leaving"
+                log.debug("req=%x: not passed on to %s as %s: %s", frame.request_id, node, who, e)
                 return
             extra = self.stage.describe(frame.request_id, frame) if self.stage is not None else None
             log.warning("req=%x: cannot pass %s on to %s: %s", frame.request_id, frame.type.name, node, e, extra=extra)
@@ -244,6 +253,8 @@ class StageHost:
             if n in links and n not in self._ring_links:
                 self._ring_links[n] = links[n]
             elif n in self._ring_links and links.get(n) != self._ring_links[n]:
+                if n not in links and self.departed(n):
+                    continue  # it left: the leader re-plans without it
                 self._broken(f"the link to {n} {'was re-made' if n in links else 'dropped'}")
                 return
 

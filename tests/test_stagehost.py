@@ -73,3 +73,45 @@ def test_a_whole_model_loads(tiny_model):
             await compute.stop()
 
     asyncio.run(main())
+
+
+def test_a_neighbour_that_said_leave_breaks_no_ring(tiny_model, caplog):
+    """A whole ring stopped at once: the signals land a little apart, so a stage may find the
+    next one gone before it stops itself. A neighbour that said LEAVE is the leader's to plan
+    around; one that vanished without a word breaks the ring (``reconcile.BROKEN``)."""
+    from ringd.membership import LinkError
+    from ringd.reconcile import BROKEN
+    from wire.frames import Frame, MsgType
+
+    model = tiny_model(arch="llama", layers=2)
+    info = model_info(str(model))
+    departed: set[str] = set()
+
+    def send(node, frame):
+        if node == "node1":
+            raise LinkError("no link to node 'node1'")
+
+    async def main():
+        compute = ComputeThread()
+        host = StageHost(NODE, str(model), info, compute, send, lambda: None, Metrics(NODE), departed=departed.__contains__)
+        try:
+            stages = (Stage(NODE, "127.0.0.1:1", 0, 1), Stage("node1", "127.0.0.1:2", 1, info.num_layers))
+            plan = Plan(1, NODE, info.fingerprint, info.num_layers, stages)
+            host.check_links({"node1": 1})  # linked with the next stage before the plan
+            await host.load(host.take(NODE, plan.to_wire(), NODE))
+            host.check_links({"node1": 1})
+            assert host.report.state == LOADED, host.report
+            departed.add("node1")
+            host._pass_on("node1", Frame(MsgType.FORWARD, 7, {}))  # as the stage passes its output on
+            host.check_links({})
+            assert host.report.state == LOADED, host.report
+            departed.clear()
+            host._pass_on("node1", Frame(MsgType.FORWARD, 8, {}))
+            assert host.report.state == BROKEN and "node1" in host.report.error, host.report
+        finally:
+            await compute.stop()
+
+    with caplog.at_level(logging.DEBUG, logger="ringd.stagehost"):
+        asyncio.run(main())
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ringd.stagehost" and r.levelno >= logging.WARNING]
+    assert all("req=7" not in w for w in warnings) and any("broken here" in w for w in warnings), warnings
