@@ -30,7 +30,7 @@ from .engine import Engine
 from .logs import about
 from .membership import LinkError
 from .metrics import Metrics
-from .pipeline import KvOptions
+from .steps import KvOptions
 from .placement import ModelCost, NodeSpec, Plan, PlacementError, natural_key, plan_for
 from .reconcile import Member, Reconciler
 from .checkpoint import ModelInfo

@@ -45,12 +45,13 @@ from typing import AsyncIterator, Callable
 
 from mlx_lm.generate import TextStateMachine
 
-from wire.frames import Frame, MsgType
+from wire.frames import Frame, FrameError, MsgType
 
 from .admission import AdmissionError, KvLedger
 from .logs import about
 from .metrics import Metrics
-from .pipeline import KvOptions
+from . import steps
+from .steps import KvOptions
 from .placement import Plan
 from .prefix import MIN_REUSE_TOKENS, PrefixIndex
 from .sampling import SamplingParams
@@ -284,7 +285,7 @@ class Engine:
             self.ledger.release(key)
         if self.plan is not None and self._prefix_term == self.plan.term:
             try:
-                self.send(self.plan.stages[0].node, Frame(MsgType.RELEASE, key, {"term": self.plan.term, "evict": True}))
+                self.send(self.plan.stages[0].node, steps.release(key, self.plan.term, "evict"))
             except Exception as e:  # the ring is breaking; its stores go with it
                 log.debug("could not evict cached prefix %x: %s", key, e)
 
@@ -375,19 +376,16 @@ class Engine:
             while True:
                 try:
                     async with asyncio.timeout(self.step_timeout_s):
-                        frame = await flight.queue.get()
+                        sampled = await flight.queue.get()
                 except TimeoutError:
                     raise EngineError(
                         f"the ring did not answer within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)", 503
                     ) from None
-                if frame.type == MsgType.ERROR:
-                    d = frame.descriptor
-                    status = 503 if d.get("status") == 503 else 500
-                    raise EngineError(f"node {d.get('node', '?')}: {d.get('message', '?')}", status)
-                d = frame.descriptor
-                token = d["token"]
+                if isinstance(sampled, EngineError):
+                    raise sampled
+                token = sampled.token
                 piece, finish = text.next(token)
-                top = [tuple(p) for p in d.get("top", [])]
+                top = list(sampled.top)
                 now = time.monotonic()
                 if last is None:
                     first_after = now - arrived
@@ -398,7 +396,7 @@ class Engine:
                 produced += 1
                 if finish is not None:
                     outcome = f"finished ({finish})"
-                yield TokenEvent(token, piece, d["logprob"], top, finish, flight.cached, stop_sequence=text.matched)
+                yield TokenEvent(token, piece, sampled.logprob, top, finish, flight.cached, stop_sequence=text.matched)
                 if finish is not None:
                     return
         except EngineError as e:
@@ -432,7 +430,7 @@ class Engine:
         )
         if on_ring:
             try:
-                self.send(plan.stages[0].node, Frame(MsgType.RELEASE, rid, {"term": flight.term, "keep": keep}))
+                self.send(plan.stages[0].node, steps.release(rid, flight.term, "keep" if keep else "release"))
             except Exception as e:  # the ring may be gone; stages expire idle sessions
                 log.warning("req=%x: could not send RELEASE: %s", rid, e, extra=flight.about())
                 keep = False
@@ -457,16 +455,9 @@ class Engine:
         body = flight.prompt[:-1]
         # The first frame opens the request on every stage: sampling, KV options,
         # and (on its first ring only) the cached prefix it starts from.
-        open_ = {"open": flight.params.to_wire()}
-        if flight.request_id is not None:
-            open_["request_id"] = flight.request_id
-        if self.kv is not None:
-            open_["kv"] = self.kv.to_wire()
-        begin = 0
-        if flight.reuse is not None:
-            open_["reuse"] = list(flight.reuse)
-            begin = flight.reuse[1]
-            flight.reuse = None  # a replay on another ring starts cold
+        begin = flight.reuse[1] if flight.reuse is not None else 0
+        open_ = steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id)
+        flight.reuse = None  # a replay on another ring starts cold
         flight.sent = begin
         chunk = self.prefill_chunk_tokens
         for start in range(begin, len(body), chunk):
@@ -479,12 +470,9 @@ class Engine:
         self._send_step(flight, first, term, len(fed) - 1, [fed[-1]], True, open_)
 
     def _send_step(self, flight, first, term, offset, tokens, sample, open_, silent=False) -> None:
-        d = {"term": term, "offset": offset, "tokens": tokens, "sample": sample}
-        if open_ is not None:
-            d.update(open_)
-        if silent:
-            d["silent"] = True
-        self.send(first, Frame(MsgType.FORWARD, flight.rid, d))
+        # One row per micro-batch, named by its request (scheduler.py is to batch them).
+        row = steps.Row(flight.rid, offset, tuple(tokens), sample, silent, open_)
+        self.send(first, steps.Forward(flight.rid, term, (row,)).frame())
         flight.sent = offset + len(tokens)
 
     def on_frame(self, peer: str, frame: Frame) -> None:
@@ -492,9 +480,9 @@ class Engine:
         flight = self._flights.get(frame.request_id)
         if flight is None or flight.finished:
             return  # released already: a token in flight when the client left
-        d = frame.descriptor
         plan = self.plan
-        if plan is None or d.get("term") != flight.term or flight.term != plan.term:
+        d = frame.descriptor
+        if plan is None or not isinstance(d, dict) or d.get("term") != flight.term or flight.term != plan.term:
             return  # from a ring this request has left (suspended, or replayed elsewhere)
         # Tokens come from the last stage only; errors from any stage of this ring.
         senders = [plan.stages[-1].node] if frame.type == MsgType.TOKEN else [s.node for s in plan.stages]
@@ -504,17 +492,32 @@ class Engine:
                 "its last stage" if frame.type == MsgType.TOKEN else "a stage", plan.term, extra=flight.about(peer=peer),
             )  # fmt: skip
             return
-        if frame.type != MsgType.TOKEN:
-            flight.finished = flight.failed = True
-            flight.queue.put_nowait(frame)
+        try:
+            if frame.type != MsgType.TOKEN:
+                failure = steps.Failure.parse(frame)
+                flight.queue.put_nowait(self._error(flight, f"node {failure.node}: {failure.message}", failure.status))
+                return
+            answer = steps.Tokens.parse(frame)
+        except FrameError as e:
+            flight.queue.put_nowait(self._error(flight, f"malformed {frame.type.name} frame from {peer}: {e}", 500))
             return
-        token, offset = d.get("token"), d.get("offset")
+        for rid, why in answer.failed:
+            if rid == flight.rid:
+                flight.queue.put_nowait(self._error(flight, why, 500))
+                return
+        for sampled in answer.rows:
+            if sampled.rid == flight.rid:
+                self._take(flight, sampled)
+
+    def _take(self, flight: _Flight, sampled: steps.Sampled) -> None:
+        """A token sampled for ``flight``: queue it for its consumer and feed it back at once."""
         expected = len(flight.prompt) + len(flight.generated)
-        if type(token) is not int or offset != expected or not isinstance(d.get("logprob"), (int, float)):
-            flight.queue.put_nowait(self._error(flight, f"malformed TOKEN frame (offset {offset!r}, expected {expected})", 500))
+        if sampled.offset != expected:
+            flight.queue.put_nowait(self._error(flight, f"a token for position {sampled.offset}, expected {expected}", 500))
             return
+        token, offset = sampled.token, sampled.offset
         flight.generated.append(token)
-        flight.queue.put_nowait(frame)
+        flight.queue.put_nowait(sampled)
         if token in self.eos_ids or flight.done or self.plan is None:
             return
         # Feed the token back now; the consumer reads it when it can.
@@ -529,9 +532,10 @@ class Engine:
         log.warning("req=%x: cannot reach the ring's first stage (%s); holding it for the next ring", flight.rid, e, extra=flight.about())
         flight.term = None
 
-    def _error(self, flight: _Flight, message: str, status: int = 503) -> Frame:
+    def _error(self, flight: _Flight, message: str, status: int = 503) -> EngineError:
+        """The request fails with ``message``: what its consumer raises when it reads it."""
         flight.finished = flight.failed = True
-        return Frame(MsgType.ERROR, flight.rid, {"node": self.node, "message": message, "status": status, "term": flight.term})
+        return EngineError(message, status)
 
     def suspend_all(self, reason: str) -> None:
         """The ring broke: hold every request until ``set_plan`` gives a new one."""

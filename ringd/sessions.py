@@ -51,7 +51,7 @@ class Session:
     offset: int = 0  # tokens already in this stage's caches
     last_used: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)  # the ids whose positions the caches hold
-    kv: Any = None  # pipeline.KvOptions the caches follow
+    kv: Any = None  # steps.KvOptions the caches follow
     name: str | None = None  # the client's request id (logs.py), for the lines about it
 
     @property

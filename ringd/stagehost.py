@@ -27,6 +27,7 @@ from .election import Term
 from .placement import Plan, PlacementError
 from .reconcile import BROKEN, LOADED, LOADING, OUTSIDE, Report, failure_report, plan_refusal
 from .pipeline import StageRunner
+from .steps import Failure
 from .checkpoint import ModelError, ModelFileError, ModelInfo
 from .metrics import Metrics
 from .progress import LoadProgress
@@ -235,10 +236,9 @@ class StageHost:
         except ConnectionError as e:
             if self.stopping or self.departed(node):
                 who = "this node stops" if self.stopping else f"{node} is leaving"
-                log.debug("req=%x: not passed on to %s as %s: %s", frame.request_id, node, who, e)
+                log.debug("%x: not passed on to %s as %s: %s", frame.request_id, node, who, e)
                 return
-            extra = self.stage.describe(frame.request_id, frame) if self.stage is not None else None
-            log.warning("req=%x: cannot pass %s on to %s: %s", frame.request_id, frame.type.name, node, e, extra=extra)
+            log.warning("%s=%x: cannot pass %s on to %s: %s", "req" if frame.type == MsgType.RELEASE else "batch", frame.request_id, frame.type.name, node, e)
             self._broken(f"could not pass a frame on to {node}")
 
     def check_links(self, links: dict[str, int]) -> None:
@@ -278,14 +278,13 @@ class StageHost:
         stage = self.stage
         if stage is None:
             if frame.type == MsgType.FORWARD:
-                error = {"node": self.node, "message": "no stage loaded here", "term": frame.descriptor.get("term")}
-                self._send(peer, Frame(MsgType.ERROR, frame.request_id, error))
+                term = frame.descriptor.get("term") if isinstance(frame.descriptor, dict) else None
+                self._send(peer, Failure(frame.request_id, term if type(term) is int else None, self.node, "no stage loaded here", 503).frame())
             return
         if peer != stage.predecessor:
             log.warning(
-                "req=%x: ignoring %s from %s: in plan term %d this stage hears only from %s",
+                "%x: ignoring %s from %s: in plan term %d this stage hears only from %s",
                 frame.request_id, frame.type.name, peer, stage.plan.term, stage.predecessor,
-                extra=stage.describe(frame.request_id, frame, peer=peer),
             )  # fmt: skip
             return
         stage.handle(frame)

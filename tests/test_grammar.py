@@ -17,19 +17,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llguidance import LLTokenizer
+from stagering import StageRing
 
 from ringd import grammar
 from ringd.checkpoint import load_tokenizer, model_info
 from ringd.compute import ComputeThread
 from ringd.grammar import MAX_GRAMMAR_BYTES, Constraint, GrammarError
 from ringd.metrics import Metrics
-from ringd.pipeline import StageRunner
 from ringd.placement import Plan, Stage
 from ringd.reconcile import LOADED
 from ringd.sampling import SamplingParams
-from ringd.shard import Shard
 from ringd.stagehost import StageHost
-from wire.frames import Frame, MsgType, encode_frame
+from ringd.steps import Open, Row
 
 # Random logits are sharp enough (std) that a few tokens dominate each step, as a model's
 # do; every answer of the schemas below ends well within this many tokens.
@@ -187,62 +186,13 @@ def test_a_token_outside_the_grammar_puts_the_constraint_in_error(tokenizer, voc
 # --- on the stages ---------------------------------------------------------------
 
 
-class InProcessRing:
-    """StageRunners of one model in this process, frames handed over as the links would
-    (FORWARD to the stage's runner, TOKEN and ERROR to the leader's queue). The leader's
-    part is the engine's: prompt in chunks, then each token fed back as it comes."""
-
-    def __init__(self, model, cuts: list[int], tokenizer):
-        info = model_info(str(model))
-        bounds = [0, *cuts, info.num_layers]
-        self.stages = [Stage(f"node{i}", f"127.0.0.1:{i + 1}", a, b) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-        self.plan = Plan(1, "node0", info.fingerprint, info.num_layers, tuple(self.stages))
-        self.shards = [Shard.load(str(model), s.start, s.end) for s in self.stages]
-        self.tokenizer, self.vocab_size = tokenizer, info.vocab_size
-        self.to_leader: asyncio.Queue = asyncio.Queue()
-        self.compute = ComputeThread()
-        self.metrics = Metrics("node-last")
-        self.runners = {}
-        for stage, shard in zip(self.stages, self.shards):
-            metrics = self.metrics if shard.is_last else Metrics(stage.node)
-            source = (lambda: grammar.ll_tokenizer(tokenizer, info.vocab_size)) if shard.is_last else None
-            self.runners[stage.node] = StageRunner(stage.node, self.plan, shard, self.compute, self.send, metrics, source)
-
-    def send(self, node: str, frame: Frame) -> None:
-        encode_frame(frame)  # what a link would do first: the frame must fit the wire's limits
-        if frame.type in (MsgType.FORWARD, MsgType.RELEASE):
-            self.runners[node].handle(frame)
-        else:
-            self.to_leader.put_nowait(frame)
-
-    async def generate(self, prompt: list[int], params: SamplingParams, max_tokens: int, chunk: int = 16) -> list[int]:
-        rid, first = 7, self.stages[0].node
-        open_ = {"open": params.to_wire()}
-        body = prompt[:-1]
-        for start in range(0, len(body), chunk):
-            self.send(first, Frame(MsgType.FORWARD, rid, {"term": 1, "offset": start, "tokens": body[start : start + chunk], "sample": False, **open_}))
-            open_ = {}
-        offset, token, out = len(body), prompt[-1], []
-        for _ in range(max_tokens):
-            self.send(first, Frame(MsgType.FORWARD, rid, {"term": 1, "offset": offset, "tokens": [token], "sample": True, **open_}))
-            open_ = {}
-            frame = await asyncio.wait_for(self.to_leader.get(), 60)
-            assert frame.type == MsgType.TOKEN, frame.descriptor
-            token, offset = frame.descriptor["token"], offset + 1
-            if token in self.tokenizer.eos_token_ids:
-                break
-            out.append(token)
-        self.send(first, Frame(MsgType.RELEASE, rid, {"term": 1}))
-        return out
-
-
 @pytest.mark.parametrize("schema", SCHEMAS[:2], ids=["flat", "nested"])
 def test_a_two_stage_ring_with_a_json_schema_answers_valid_json(model, tokenizer, schema):
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "Describe a person as JSON."}], add_generation_prompt=True))
     g = grammar.from_json_schema(schema, "response_format")
 
     async def main():
-        ring = InProcessRing(model, [1], tokenizer)
+        ring = StageRing(model, [1], tokenizer)
         try:
             answers = []
             for seed in (1, 2):
@@ -250,7 +200,7 @@ def test_a_two_stage_ring_with_a_json_schema_answers_valid_json(model, tokenizer
                 answers.append(tokenizer.decode(out))
             return answers, ring.metrics.grammar_mask._sum.get()
         finally:
-            await ring.compute.stop()
+            await ring.stop()
 
     answers, mask_seconds = asyncio.run(main())
     for text in answers:
@@ -260,20 +210,21 @@ def test_a_two_stage_ring_with_a_json_schema_answers_valid_json(model, tokenizer
 
 def test_a_grammar_on_a_stage_without_a_tokenizer_fails_that_request_only(model, tokenizer):
     async def main():
-        ring = InProcessRing(model, [1], tokenizer)
+        ring = StageRing(model, [1], tokenizer)
         last = ring.runners[ring.stages[-1].node]
         last.grammar_tokenizer = None
         try:
             prompt = tokenizer.encode("hi", add_special_tokens=False)
-            ring.send("node0", Frame(MsgType.FORWARD, 9, {"term": 1, "offset": 0, "tokens": prompt, "sample": True, "open": SamplingParams(grammar=grammar.json_object()).to_wire()}))
-            error = await asyncio.wait_for(ring.to_leader.get(), 60)
+            ring.forward([Row(9, 0, tuple(prompt), True, open=Open(SamplingParams(grammar=grammar.json_object()).to_wire()))])
+            error = await ring.answer()
             free = await ring.generate(prompt, SamplingParams(temperature=0), 3)
             return error, free
         finally:
-            await ring.compute.stop()
+            await ring.stop()
 
     error, free = asyncio.run(main())
-    assert error.type == MsgType.ERROR and "grammar" in error.descriptor["message"], error.descriptor
+    # That row failed, named in the micro-batch's answer; the next request is served.
+    assert not error.rows and [rid for rid, _ in error.failed] == [9] and "grammar" in error.failed[0][1], error
     assert len(free) == 3
 
 

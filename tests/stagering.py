@@ -1,0 +1,96 @@
+"""StageRunners of one model in this process, frames handed over as the links would.
+
+FORWARD and RELEASE go to the named stage's runner, TOKEN and ERROR to the
+leader's queue; every frame is encoded first, as a link would, so it must fit
+the wire's limits. The leader's part is the engine's: a prompt in chunks, then
+each token fed back as it comes, one row per micro-batch, or several requests'
+rows in one micro-batch (``decode_together``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ringd import grammar
+from ringd.checkpoint import model_info
+from ringd.compute import ComputeThread
+from ringd.metrics import Metrics
+from ringd.pipeline import StageRunner
+from ringd.placement import Plan, Stage
+from ringd.sampling import SamplingParams
+from ringd.shard import Shard
+from ringd.steps import Failure, Forward, Open, Row, Tokens, release
+from wire.frames import Frame, MsgType, encode_frame
+
+TERM = 1
+ANSWER_TIMEOUT_S = 120.0  # one micro-batch's way around, on a loaded two-core machine
+
+
+class StageRing:
+    def __init__(self, model, cuts: list[int], tokenizer=None):
+        info = model_info(str(model))
+        bounds = [0, *cuts, info.num_layers]
+        self.stages = [Stage(f"node{i}", f"127.0.0.1:{i + 1}", a, b) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        self.plan = Plan(TERM, "node0", info.fingerprint, info.num_layers, tuple(self.stages))
+        self.shards = [Shard.load(str(model), s.start, s.end) for s in self.stages]
+        self.tokenizer, self.vocab_size = tokenizer, info.vocab_size
+        self.eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
+        self.to_leader: asyncio.Queue = asyncio.Queue()
+        self.compute = ComputeThread()
+        self.metrics = Metrics("node-last")
+        self.runners = {}
+        self._batches = iter(range(1, 2**62))
+        for stage, shard in zip(self.stages, self.shards):
+            metrics = self.metrics if shard.is_last else Metrics(stage.node)
+            source = (lambda: grammar.ll_tokenizer(tokenizer, info.vocab_size)) if shard.is_last and tokenizer is not None else None
+            self.runners[stage.node] = StageRunner(stage.node, self.plan, shard, self.compute, self.send, metrics, source)
+
+    @property
+    def first(self) -> str:
+        return self.stages[0].node
+
+    def send(self, node: str, frame: Frame) -> None:
+        encode_frame(frame)  # what a link would do first: the frame must fit the wire's limits
+        if frame.type in (MsgType.FORWARD, MsgType.RELEASE):
+            self.runners[node].handle(frame)
+        else:
+            self.to_leader.put_nowait(frame)
+
+    def forward(self, rows: list[Row]) -> int:
+        batch = next(self._batches)
+        self.send(self.first, Forward(batch, TERM, tuple(rows)).frame())
+        return batch
+
+    async def answer(self) -> Tokens | Failure:
+        frame = await asyncio.wait_for(self.to_leader.get(), ANSWER_TIMEOUT_S)
+        return Tokens.parse(frame) if frame.type == MsgType.TOKEN else Failure.parse(frame)
+
+    async def prefill(self, rid: int, prompt: list[int], params: SamplingParams, chunk: int = 16) -> None:
+        """All but the prompt's last token, in chunks that only fill the caches (each answered, empty)."""
+        opened = Open(params.to_wire())
+        body = prompt[:-1]
+        for start in range(0, len(body), chunk):
+            self.forward([Row(rid, start, tuple(body[start : start + chunk]), False, open=opened)])
+            opened = None
+            answer = await self.answer()
+            assert isinstance(answer, Tokens) and not answer.rows and not answer.failed, answer
+        return opened  # still to send, if the prompt had one token only
+
+    async def generate(self, prompt: list[int], params: SamplingParams, max_tokens: int, chunk: int = 16, rid: int = 7) -> list[int]:
+        """One request alone, as the engine runs it: its tokens (without the end of sequence)."""
+        opened = await self.prefill(rid, prompt, params, chunk)
+        offset, token, out = len(prompt) - 1, prompt[-1], []
+        for _ in range(max_tokens):
+            self.forward([Row(rid, offset, (token,), True, open=opened)])
+            opened = None
+            answer = await self.answer()
+            assert isinstance(answer, Tokens) and len(answer.rows) == 1, answer
+            token, offset = answer.rows[0].token, offset + 1
+            if token in self.eos:
+                break
+            out.append(token)
+        self.send(self.first, release(rid, TERM))
+        return out
+
+    async def stop(self) -> None:
+        await self.compute.stop()
