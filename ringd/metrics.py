@@ -49,6 +49,8 @@ STAGE_COMPUTE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 LINK_SEND_BUCKETS_S = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1)
 # A grammar's mask, per sampled token, as the last stage waits for it: tens of microseconds
 # when computed while MLX ran the step, milliseconds for a large vocabulary or a hard grammar.
+# Rows a stage computes in one pass of its layers: 1 alone, up to steps.MAX_ROWS batched.
+BATCH_ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GRAMMAR_MASK_BUCKETS_S = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05, 0.1)
 # Live figures: tokens per second over this window; times to first token of this many requests.
 LIVE_WINDOW_S = 10.0
@@ -186,6 +188,10 @@ class Metrics:
         self.grammar_mask = Histogram(
             "ringd_grammar_mask_seconds", "Waiting for and applying a grammar's mask, per token sampled on this node's stage",
             n, registry=r, buckets=GRAMMAR_MASK_BUCKETS_S,
+        ).labels(node)  # fmt: skip
+        self.batch_rows = Histogram(
+            "ringd_stage_batch_rows", "Rows this node's stage computes in one pass of its layers: 1 for a row alone, more when decode rows are batched",
+            n, registry=r, buckets=BATCH_ROWS_BUCKETS,
         ).labels(node)  # fmt: skip
         self.link_send = Histogram("ringd_link_send_seconds", "Handing one frame to a link's transport: encoding, sealing, queueing", n, registry=r, buckets=LINK_SEND_BUCKETS_S).labels(node)
         self._requests = Counter("ringd_requests", "HTTP requests answered by this node, by endpoint and status", ["node", "endpoint", "status"], registry=r)

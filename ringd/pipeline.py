@@ -174,19 +174,9 @@ class StageRunner:
             if tuple(hidden.shape) != want or not mx.issubdtype(hidden.dtype, mx.floating):
                 raise BatchError(f"hidden states of shape {tuple(hidden.shape)} {hidden.dtype}; expected {want}, floating")
         failed = list(batch.failed)
-        done: list[tuple[Row, object]] = []
-        at = 0
-        for row in batch.rows:
-            n = len(row.tokens)
-            x = hidden[:, at : at + n] if hidden is not None else None
-            at += n
-            try:
-                done.append((row, self._row(row, x)))
-            except (FrameError, SessionError, SamplingError) as e:
-                failed.append(self._fail_row(row, str(e)))
-            except Exception as e:  # MLX errors (memory, shapes) fail the request, not the node
-                log.exception("req=%x: stage computation failed", row.rid, extra=self.describe(row.rid, row))
-                failed.append(self._fail_row(row, f"{type(e).__name__}: {e}"))
+        done = self._batched(batch.rows, hidden, failed)
+        if done is None:
+            done = self._one_by_one(batch.rows, hidden, failed)
         prefill = any(not row.sample for row in batch.rows)
         if not shard.is_last:
             rows = tuple(row for row, _ in done)
@@ -194,7 +184,7 @@ class StageRunner:
             if not rows:
                 return [(self.next_node, out.frame())], prefill
             h = mx.concatenate([h for _, h in done], axis=1) if len(done) > 1 else done[0][1]
-            mx.eval(h, [c.state for row in rows for c in self.sessions.get(row.rid).cache])
+            mx.eval(h, self.sessions.states(row.rid for row in rows))
             return [(self.next_node, out.frame(tensor_descriptor(h), tensor_to_buffer(h)))], prefill
         sampled = []
         for row, h in done:
@@ -207,6 +197,57 @@ class StageRunner:
                 sampled.append(s)
         return [(self.leader, Tokens(batch.batch, batch.term, tuple(sampled), tuple(failed)).frame())], prefill
 
+    def _one_by_one(self, rows: tuple[Row, ...], hidden: mx.array | None, failed: list) -> list[tuple[Row, mx.array]]:
+        """Each row through the layers on its own: prompt chunks, a request's first row, and
+        rows whose caches cannot be batched."""
+        done, at = [], 0
+        for row in rows:
+            n = len(row.tokens)
+            x = hidden[:, at : at + n] if hidden is not None else None
+            at += n
+            try:
+                done.append((row, self._row(row, x)))
+                self.metrics.batch_rows.observe(1)
+            except (FrameError, SessionError, SamplingError) as e:
+                failed.append(self._fail_row(row, str(e)))
+            except Exception as e:  # MLX errors (memory, shapes) fail the request, not the node
+                log.exception("req=%x: stage computation failed", row.rid, extra=self.describe(row.rid, row))
+                failed.append(self._fail_row(row, f"{type(e).__name__}: {e}"))
+        return done
+
+    def _batched(self, rows: tuple[Row, ...], hidden: mx.array | None, failed: list) -> list[tuple[Row, mx.array]] | None:
+        """Decode rows of requests open here (one token each) through the layers as one batch,
+        their caches merged (``Sessions.batched``); None where the rows must go one by one."""
+        if not self.shard.batchable or len(rows) < 2 or any(len(row.tokens) != 1 or row.open is not None for row in rows):
+            return None
+        fit, at = [], []
+        for i, row in enumerate(rows):  # rows that do not fit their sessions fail before anything runs
+            try:
+                session = self.sessions.get(row.rid)
+                if row.offset != session.offset:
+                    raise SessionError(f"a row for position {row.offset}, but this stage's cache holds {session.offset} tokens")
+            except SessionError as e:
+                failed.append(self._fail_row(row, str(e)))
+                continue
+            fit.append(row)
+            at.append(i)
+        if len(fit) < 2:
+            return self._one_by_one(tuple(fit), hidden[:, at] if hidden is not None else None, failed) if fit else []
+        cache = self.sessions.batched(tuple(row.rid for row in fit))
+        if cache is None:
+            return self._one_by_one(tuple(fit), hidden[:, at] if hidden is not None else None, failed)
+        tokens = mx.array([row.tokens for row in fit], dtype=mx.int32)  # [B, 1]
+        x = hidden[0, mx.array(at)][:, None, :] if hidden is not None else None  # [B, 1, H]
+        h = self.shard(tokens, x, cache)
+        self.metrics.batch_rows.observe(len(fit))
+        for i, row in enumerate(fit):
+            session = self.sessions.get(row.rid)
+            session.offset += 1
+            session.tokens += row.tokens
+            if self.shard.is_last:
+                session.sampler.observe(tokens[i])
+        return [(row, h[i : i + 1]) for i, row in enumerate(fit)]
+
     def _fail_row(self, row: Row, reason: str) -> tuple[int, str]:
         log.warning("req=%x: failed on this stage: %s", row.rid, reason, extra=self.describe(row.rid, row, reason=reason))
         self.sessions.release(row.rid)
@@ -218,7 +259,7 @@ class StageRunner:
         if row.open is not None:
             session = self._open(row)
         else:
-            session = self.sessions.get(rid)
+            session = self.sessions.solo(rid)
         if row.offset != session.offset:
             raise SessionError(f"a row for position {row.offset}, but this stage's cache holds {session.offset} tokens")
         tokens = mx.array(row.tokens, dtype=mx.int32)[None]
@@ -258,7 +299,7 @@ class StageRunner:
         """The last stage after a row: its caches evaluated, and if it samples, its token."""
         session = self.sessions.get(row.rid)
         if not row.sample:
-            mx.eval([c.state for c in session.cache])
+            mx.eval(self.sessions.states([row.rid]))
             return None
         # As mlx-lm's generate_step: the head over the row's positions, then the last.
         s = session.sampler.sample(logits[:, -1, :])

@@ -13,6 +13,16 @@ trimmed to the prefix it shares; the leader decides all of this and evicts
 from the store with another RELEASE (``evict``), so every stage holds the same
 entries.
 
+Decode rows of several requests in one micro-batch run as one batch through
+the layers when their caches allow it (``batched``): their caches are merged
+into mlx-lm's batched caches (``BatchKVCache``: left padding, per-row offsets)
+and stay merged, as a group, for as long as the same requests come in the same
+order, which is the steady state of decoding; a request that leaves the group
+(released, or stepping alone) gets its own caches back (``extract``, and the
+group ``filter``s it out). Only plain ``KVCache`` layers are batched so far:
+other kinds (rotating windows, quantized, linear-attention state) step one row
+at a time, which is exact, just not batched.
+
 Only the compute thread mutates sessions (FORWARD and RELEASE of one request
 are applied there in arrival order); the event loop only reads counts.
 """
@@ -24,7 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from .sampling import RequestSampler
 
@@ -44,19 +54,38 @@ class SessionError(Exception):
 
 
 @dataclass
+class Group:
+    """Requests whose caches are merged, one batched cache per layer, rows in ``rids`` order."""
+
+    rids: tuple[int, ...]
+    cache: list[Any]
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(getattr(c, "nbytes", 0) for c in self.cache)
+
+
+def batchable(cache: list[Any]) -> bool:
+    """Whether a request's caches may be merged with others' (see the module's docstring)."""
+    return all(type(c) is KVCache and c.keys is not None for c in cache)
+
+
+@dataclass
 class Session:
     request_id: int
-    cache: list[Any]
+    cache: list[Any] | None  # None while the request's caches are merged into its group's
     sampler: RequestSampler | None
     offset: int = 0  # tokens already in this stage's caches
     last_used: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)  # the ids whose positions the caches hold
     kv: Any = None  # steps.KvOptions the caches follow
     name: str | None = None  # the client's request id (logs.py), for the lines about it
+    group: Group | None = None
 
     @property
     def kv_bytes(self) -> int:
-        return sum(getattr(c, "nbytes", 0) for c in self.cache)
+        """Its own caches' bytes (a group's are counted once, by Sessions)."""
+        return sum(getattr(c, "nbytes", 0) for c in self.cache or ())
 
 
 @dataclass
@@ -102,6 +131,7 @@ class Sessions:
         return session
 
     def get(self, request_id: int) -> Session:
+        """The live session; its caches may be merged into a group's (``solo`` gives them back)."""
         session = self._live.get(request_id)
         if session is None:
             raise SessionError(
@@ -110,14 +140,78 @@ class Sessions:
         session.last_used = time.monotonic()
         return session
 
-    def release(self, request_id: int) -> bool:
-        return self._live.pop(request_id, None) is not None
+    def solo(self, request_id: int) -> Session:
+        """The live session, with caches of its own (out of its group, if it was in one)."""
+        session = self.get(request_id)
+        self._leave_group(session, extract=True)
+        return session
 
-    def keep(self, request_id: int) -> bool:
-        """End a request but store its caches under its id."""
+    def batched(self, request_ids: tuple[int, ...]) -> list[Any] | None:
+        """Batched caches for these live requests' rows, in this order; None if they cannot be
+        merged (then their rows step one at a time). The same requests in the same order as last
+        time reuse the group as it is; any other set regroups them."""
+        sessions = [self.get(rid) for rid in request_ids]
+        group = sessions[0].group
+        if group is not None and group.rids == tuple(request_ids):
+            return group.cache
+        for session in sessions:
+            self._leave_group(session, extract=True)
+        if not all(batchable(s.cache) for s in sessions):
+            return None
+        layers = len(sessions[0].cache)
+        group = Group(tuple(request_ids), [type(sessions[0].cache[i]).merge([s.cache[i] for s in sessions]) for i in range(layers)])
+        for session in sessions:
+            session.cache, session.group = None, group
+        return group.cache
+
+    def states(self, request_ids) -> list:
+        """The cache states of these live requests (a group's once), for ``mx.eval``."""
+        seen, out = set(), []
+        for rid in request_ids:
+            session = self._live.get(rid)
+            if session is None:
+                continue
+            cache = session.group.cache if session.group is not None else session.cache
+            if id(cache) not in seen:
+                seen.add(id(cache))
+                out += [c.state for c in cache]
+        return out
+
+    def _leave_group(self, session: Session, extract: bool) -> None:
+        """Take ``session`` out of its group: with its caches (``extract``) or without (it ends).
+        A group left with one request gives it its caches back too."""
+        group = session.group
+        if group is None:
+            return
+        i = group.rids.index(session.request_id)
+        if extract:
+            session.cache = [c.extract(i) for c in group.cache]
+        session.group = None
+        rest = [j for j in range(len(group.rids)) if j != i]
+        if len(rest) == 1:
+            last = self._live.get(group.rids[rest[0]])
+            if last is not None and last.group is group:
+                last.cache, last.group = [c.extract(rest[0]) for c in group.cache], None
+            group.rids, group.cache = (), []
+            return
+        for c in group.cache:
+            c.filter(rest)
+        group.rids = tuple(group.rids[j] for j in rest)
+
+    def release(self, request_id: int) -> bool:
         session = self._live.pop(request_id, None)
         if session is None:
             return False
+        self._leave_group(session, extract=False)
+        return True
+
+    def keep(self, request_id: int) -> bool:
+        """End a request but store its caches under its id."""
+        session = self._live.get(request_id)
+        if session is None:
+            return False
+        self._leave_group(session, extract=True)
+        del self._live[request_id]
         self._stored[request_id] = Stored(session.cache, session.tokens, session.name)
         while len(self._stored) > MAX_STORED:
             self._stored.popitem(last=False)
@@ -153,7 +247,7 @@ class Sessions:
         now = time.monotonic() if now is None else now
         dead = [s for s in self._live.values() if now - s.last_used > self.idle_timeout_s]
         for s in dead:
-            del self._live[s.request_id]
+            self.release(s.request_id)
         return dead
 
     def clear(self) -> None:
@@ -163,4 +257,6 @@ class Sessions:
     @property
     def kv_bytes(self) -> int:
         """KV bytes held: live requests and cached prefixes."""
-        return sum(s.kv_bytes for s in list(self._live.values())) + sum(s.kv_bytes for s in list(self._stored.values()))
+        live = list(self._live.values())
+        groups = {id(s.group): s.group for s in live if s.group is not None}
+        return sum(s.kv_bytes for s in live) + sum(g.kv_bytes for g in groups.values()) + sum(s.kv_bytes for s in list(self._stored.values()))

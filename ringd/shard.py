@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, RotatingKVCache
 from mlx_lm.utils import load_model, maybe_set_recommended_wired_limit
 
 from .admission import KvCost
@@ -117,10 +117,18 @@ class _Absent(nn.Module):
         return x
 
 
+# How far one row's output of a batched step may be from the same row's alone, relative to
+# its norm, for a stage to batch: rounding (bfloat16: 2**-8 per value) stays far below it, a
+# model whose code ignores the batch's left padding goes far above it.
+BATCH_AGREEMENT = 0.05
+
+
 def _cache_kind(c: Any) -> tuple:
     """What makes two caches interchangeable for building a mask: their class and shape rules."""
     if isinstance(c, CacheList):
         return ("CacheList", tuple(_cache_kind(x) for x in c.caches))
+    if isinstance(c, BatchKVCache):  # several requests' KVCaches merged (sessions.py): masks as theirs
+        return ("KVCache", None, None, None)
     size = len(c.cache) if isinstance(c, ArraysCache) else None
     return (type(c).__name__, getattr(c, "max_size", None), getattr(c, "keep", None), size)
 
@@ -160,6 +168,7 @@ class Shard:
         self._kept = kept  # (checkpoint name, array) of every parameter this stage materializes
         self.rotating_allowed = not hasattr(model, "make_cache")
         self.kv_cost = KvCost()  # measured at load
+        self.batchable = False  # decode rows of several requests in one pass: tried at load
         _, inner = _inner_model(model)
         layers = list(inner.layers)
         first = None
@@ -224,6 +233,7 @@ class Shard:
         shard = cls(info, start, end, model, protos, kept)
         _materialize(path, kept, progress)
         shard.kv_cost = shard._measure_kv_cost()
+        shard.batchable = shard._batches_right()
         return shard
 
     @classmethod
@@ -244,6 +254,7 @@ class Shard:
         progress.end()
         shard = cls(info, start, end, model, protos, kept)
         shard.kv_cost = shard._measure_kv_cost()
+        shard.batchable = shard._batches_right()
         return shard
 
     def _measure_kv_cost(self) -> KvCost:
@@ -256,6 +267,45 @@ class Shard:
         cost = _kv_cost(caches)
         mx.clear_cache()
         return cost
+
+    def _batches_right(self) -> bool:
+        """Whether this stage may run several requests' decode rows as one batch (sessions.py).
+
+        Only plain KVCache layers are merged, and not every model's code takes batched caches
+        (gemma2's soft-capped attention does not broadcast their masks; others might ignore
+        the left padding): so two requests of different lengths take one step batched and
+        one step each alone, here at load, and the stage batches only if the two agree.
+        """
+        if not all(type(c) is KVCache for c in self.make_cache()):
+            return False
+        dtype = self._activation_dtype()
+
+        def hidden(n: int, seed: int) -> mx.array | None:
+            return None if self.is_first else mx.random.normal((1, n, self.info.hidden_size), key=mx.random.key(seed)).astype(dtype)
+
+        prompts = [[1, 2, 3], [4, 5]]
+        caches = []
+        for i, ids in enumerate(prompts):
+            cache = self.make_cache()
+            self(mx.array(ids, dtype=mx.int32)[None], hidden(len(ids), i), cache)
+            mx.eval([c.state for c in cache])
+            caches.append(cache)
+        steps = [hidden(1, 10 + i) for i in range(len(prompts))]
+        tokens = mx.array([[6], [7]], dtype=mx.int32)
+        try:
+            merged = [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+            together = self(tokens, None if self.is_first else mx.concatenate(steps), merged).astype(mx.float32)
+            mx.eval(together)
+        except Exception:  # the model's code cannot take batched caches
+            return False
+        finally:
+            mx.clear_cache()
+        for i, cache in enumerate(caches):
+            alone = self(tokens[i : i + 1], steps[i], cache).astype(mx.float32)
+            gap = mx.linalg.norm(together[i] - alone[0]) / mx.maximum(mx.linalg.norm(alone[0]), 1e-6)
+            if gap.item() > BATCH_AGREEMENT:
+                return False
+        return True
 
     def _activation_dtype(self) -> mx.Dtype:
         # The hidden states are in the dtype of the model's norms (quantized models too).

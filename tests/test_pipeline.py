@@ -1,0 +1,141 @@
+"""ringd.pipeline: a stage runs a micro-batch's decode rows as one batch, and every token is still mlx-lm's.
+
+In-process: three real StageRunners of a real tiny mlx-lm model (float32, so
+batched and single arithmetic differ by rounding only) pass real frames as the
+links would (tests/stagering.py). A leader loop lets requests of different
+prompt lengths join and leave at different steps, sends their decode rows in
+micro-batches whose make-up and order change (the stages regroup their caches),
+and checks each request's tokens teacher-forced: every token is the argmax of
+mlx-lm's own logits on that request's sequence, unless mlx-lm's top-2 margin
+there is within TOP2_TOLERANCE (batched sums may round a near tie either way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load as mlx_load
+from stagering import TERM, StageRing
+
+from ringd.sampling import SamplingParams
+from ringd.tinyarchs import ARCHS
+from ringd.steps import Open, Row, Tokens, release
+
+# float32 logits of a tiny random model: batched matmuls and masked attention change the
+# summation order, so two logits closer than this may swap; further apart they may not.
+TOP2_TOLERANCE = 1e-3
+REQUESTS = 10
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model(arch="llama", layers=4, dtype="float32")
+
+
+def teacher_forced_mismatches(mlx_model, prompt: list[int], generated: list[int]) -> list[str]:
+    """Positions where ``generated`` is not mlx-lm's argmax on the same sequence, margins beyond tolerance."""
+    logits = mlx_model(mx.array(prompt + generated)[None])[0].astype(mx.float32)
+    bad = []
+    for i, token in enumerate(generated):
+        row = logits[len(prompt) - 1 + i]
+        top2 = mx.topk(row, 2).tolist()
+        best = int(mx.argmax(row).item())
+        if token != best and abs(top2[1] - top2[0]) > TOP2_TOLERANCE and row[token].item() < max(top2) - TOP2_TOLERANCE:
+            bad.append(f"position {i}: got {token}, mlx-lm's argmax {best} (margin {abs(top2[1] - top2[0]):.5f})")
+    return bad
+
+
+def rows_batched(metrics) -> int:
+    """Passes of a stage's layers that computed more than one row (ringd_stage_batch_rows above 1)."""
+    get = metrics.registry.get_sample_value
+    labels = {"node": metrics.node}
+    return int(get("ringd_stage_batch_rows_count", labels) - get("ringd_stage_batch_rows_bucket", {**labels, "le": "1.0"}))
+
+
+def test_requests_joining_and_leaving_batched_decode_get_mlx_lms_tokens(model):
+    rng = random.Random(16)
+    # Prompt lengths from 1 (its first row opens it, a decode row) to past a prefill chunk.
+    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in (1, 2, 5, 9, 17, 23, 31, 40, 3, 12)]
+    joins = [0, 0, 1, 2, 2, 4, 5, 7, 9, 12]  # the step each request joins at
+    lengths = [12, 20, 8, 15, 25, 6, 18, 10, 14, 9]  # tokens each generates, then leaves
+
+    async def main():
+        ring = StageRing(model, [1, 3])
+        try:
+            live: dict[int, tuple[int, int, Open | None]] = {}  # rid -> (offset, token, open)
+            out = {rid: [] for rid in range(REQUESTS)}
+            step = 0
+            while step < 200 and (live or step <= max(joins)):
+                for rid in [r for r, j in enumerate(joins) if j == step]:
+                    opened = await ring.prefill(rid, prompts[rid], SamplingParams(temperature=0), chunk=16)
+                    live[rid] = (len(prompts[rid]) - 1, prompts[rid][-1], opened)
+                rids = list(live)
+                rng.shuffle(rids)  # the make-up and order of the micro-batches changes: stages regroup
+                cut = rng.randrange(0, len(rids) + 1) if step % 3 == 0 else len(rids)
+                for part in (rids[:cut], rids[cut:]):
+                    if not part:
+                        continue
+                    ring.forward([Row(rid, live[rid][0], (live[rid][1],), True, open=live[rid][2]) for rid in part])
+                    answer = await ring.answer()
+                    assert isinstance(answer, Tokens) and not answer.failed and len(answer.rows) == len(part), answer
+                    for s in answer.rows:
+                        out[s.rid].append(s.token)
+                        live[s.rid] = (s.offset, s.token, None)
+                        if len(out[s.rid]) == lengths[s.rid]:
+                            del live[s.rid]
+                            ring.send(ring.first, release(s.rid, TERM))
+                step += 1
+            return out, [rows_batched(ring.runners[s.node].metrics) for s in ring.stages]
+        finally:
+            await ring.stop()
+
+    out, batched_passes = asyncio.run(main())
+    assert all(n > 0 for n in batched_passes), f"no stage ran rows batched: {batched_passes}"
+    mlx_model, _ = mlx_load(str(model))
+    for rid in range(REQUESTS):
+        assert len(out[rid]) == lengths[rid], rid
+        bad = teacher_forced_mismatches(mlx_model, prompts[rid], out[rid])
+        assert not bad, f"request {rid} (prompt of {len(prompts[rid])}):\n" + "\n".join(bad)
+
+
+# The architectures whose stages batch decode rows (every layer a plain KVCache, and the
+# model's code takes batched caches: Shard._batches_right). The others step rows one at a
+# time: sliding windows (gemma3, gpt-oss), linear attention (qwen3-next), and gemma2,
+# whose soft-capped attention does not broadcast a batch's mask.
+BATCHED_ARCHS = set(ARCHS) - {"gemma2", "gemma3_text", "gpt_oss", "qwen3_next"}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_every_architecture_decodes_batched_rows_as_mlx_lm_does(tiny_model, arch):
+    path = tiny_model(arch=arch, layers=6, dtype="float32")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in (3, 9, 20)]
+
+    async def main():
+        ring = StageRing(path, [3])
+        try:
+            live = {}
+            for rid, prompt in enumerate(prompts):
+                await ring.prefill(rid, prompt, SamplingParams(temperature=0))
+                live[rid] = (len(prompt) - 1, prompt[-1])
+            out = {rid: [] for rid in live}
+            for _ in range(12):
+                ring.forward([Row(rid, offset, (token,), True) for rid, (offset, token) in live.items()])
+                answer = await ring.answer()
+                assert isinstance(answer, Tokens) and not answer.failed, answer
+                for s in answer.rows:
+                    out[s.rid].append(s.token)
+                    live[s.rid] = (s.offset, s.token)
+            return out, [rows_batched(ring.runners[s.node].metrics) for s in ring.stages]
+        finally:
+            await ring.stop()
+
+    out, batched = asyncio.run(main())
+    assert all(batched) if arch in BATCHED_ARCHS else not any(batched), batched
+    mlx_model, _ = mlx_load(str(path))
+    for rid, prompt in enumerate(prompts):
+        bad = teacher_forced_mismatches(mlx_model, prompt, out[rid])
+        assert not bad, f"request {rid}:\n" + "\n".join(bad)
