@@ -29,6 +29,8 @@ from typing import Any, Callable
 import yaml
 
 from .logs import LOG_FORMATS
+from .scheduler import DEFAULT_MAX_ROWS, DEFAULT_PREFILL_CHUNK
+from .steps import MAX_ROWS
 
 DEFAULT_RING_PORT = 50051
 DEFAULT_HTTP_PORT = 8100
@@ -192,6 +194,15 @@ def _choice(*options: str) -> Callable[[Any], str]:
     return check
 
 
+def _int_between(lo: int, hi: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"must be an integer from {lo} to {hi}")
+        return v
+
+    return check
+
+
 def _int_in(*options: int) -> Callable[[Any], int]:
     def check(v: Any) -> int:
         if isinstance(v, bool) or v not in options:
@@ -259,7 +270,9 @@ KEYS: list[Key] = [
     Key("state_dir", _str, "~/.local/state/ringd", "where the node keeps its election state (a manual leader pin survives restarts)"),
     Key("nodes", _optional(_positive_int), None, "ring size the first plan waits for (default: peers + 1, or with discovery whoever is found within a few seconds)", int),
     Key("split", _split, None, "layers per stage in ring order, e.g. 10,9,9 (default: even)"),
-    Key("prefill_chunk_tokens", _positive_int, 512, "prompt tokens per prefill frame", int),
+    Key("prefill_chunk_tokens", _positive_int, DEFAULT_PREFILL_CHUNK, "prompt tokens per prefill frame", int),
+    Key("micro_batches", _non_negative_int, 0, "micro-batches around the ring at once (0: one per stage, which keeps every stage busy)", int),
+    Key("max_batch_rows", _int_between(1, MAX_ROWS), DEFAULT_MAX_ROWS, f"requests decoding together in one micro-batch (1 to {MAX_ROWS})", int),
     Key("memory_budget_gb", _optional(_positive_float), None, "GiB this node may use for weights and KV cache (default: what the machine can give)", float),
     Key("capabilities", _optional(_capabilities), None, "override what was detected: memory_gb, gpu_cores (e.g. memory_gb=16)"),
     Key("placement", _choice("balanced", "uniform", "memory", "compute", "custom"), "balanced", "how the leader splits the layers: balanced, uniform, memory, compute or custom"),
@@ -308,6 +321,8 @@ class Config:
     nodes: int | None
     split: list[int] | None
     prefill_chunk_tokens: int
+    micro_batches: int
+    max_batch_rows: int
     memory_budget_gb: float | None
     capabilities: dict | None
     placement: str

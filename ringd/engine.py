@@ -1,20 +1,25 @@
 """The leader's side of generation: admit a request, drive the ring, stream tokens.
 
-A request enters as token ids. The engine sends its prompt to stage 0 in
-prefill chunks (the last prompt token alone, as mlx-lm's ``generate_step``
-does, so the ring's arithmetic is the single process's), and then, for each
-token the last stage sends back, immediately feeds that token to stage 0
-again, before anyone reads it: the ring never waits on HTTP. The consumer of
-``generate`` gets the tokens with their text, stop strings already applied.
-When the consumer stops listening, for any reason, a RELEASE frees the
-request's caches on every stage.
+A request enters as token ids and joins the schedule (``scheduler.py``): its
+prompt goes to stage 0 in prefill chunks (the last prompt token alone, as
+mlx-lm's ``generate_step`` does, so the ring's arithmetic is the single
+process's), then each token the last stage sends back is fed to stage 0 again
+at once, before anyone reads it: the ring never waits on HTTP. Requests that
+decode at the same time go around together, in micro-batches (``steps.py``),
+up to one in flight per stage, so every stage works at once and each computes
+its rows in one pass; a long prompt's chunks take turns with them. The
+consumer of ``generate`` gets the tokens with their text, stop strings already
+applied. When the consumer stops listening, for any reason, the request leaves
+the schedule, and a RELEASE, once its last row is back, frees its caches on
+every stage.
 
 When the ring breaks (a stage died), requests in flight are suspended, not
 failed; once the leader has a new ring they are replayed on it: the same
 prompt chunks, then every token already produced fed back one at a time and
 sampled silently (so a seeded sampler's key advances exactly as before), so
-the new ring's caches are bit for bit the old ones and the stream carries on
-with the next token, none missing, none repeated. Frames of an older ring
+the new ring's caches hold what the old ones held (bit for bit where both
+rings computed the request's rows alone; batched with others, up to rounding)
+and the stream carries on with the next token, none missing, none repeated. Frames of an older ring
 (its term) are ignored. (A request that started from a cached prefix is
 replayed from its first token: correct, but its caches are then the cold
 run's rather than bit for bit the interrupted ring's.)
@@ -28,8 +33,9 @@ Retry-After. A context that could never fit is a 400.
 Prefix reuse: a request that ends normally leaves its caches on the stages
 (``prefix.PrefixIndex``); a later one sharing its prefix starts from them.
 
-The engine knows nothing of HTTP; ``api.py`` turns its events into OpenAI
-responses.
+The engine knows nothing of HTTP; the API modules turn its events into
+responses. The schedule itself is sans-I/O (``scheduler.py``); this is its
+asyncio shell: frames out, frames in, tokens to consumers.
 """
 
 from __future__ import annotations
@@ -49,8 +55,9 @@ from wire.frames import Frame, FrameError, MsgType
 
 from .admission import AdmissionError, KvLedger
 from .logs import about
-from .metrics import Metrics
 from . import steps
+from .metrics import Metrics
+from .scheduler import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_PREFILL_CHUNK, Deliver, Fail, Release, Scheduler, Send
 from .steps import KvOptions
 from .placement import Plan
 from .prefix import MIN_REUSE_TOKENS, PrefixIndex
@@ -65,9 +72,6 @@ MAX_ACTIVE_REQUESTS = 64
 # model on a slow Mac takes seconds; two minutes of silence means the ring is
 # broken, and the request fails instead of hanging.
 STEP_TIMEOUT_S = 120.0
-# Prompt tokens per prefill frame. Smaller chunks let stage k+1 start on chunk
-# i while stage k computes chunk i+1; larger ones cost fewer frames.
-DEFAULT_PREFILL_CHUNK_TOKENS = 512
 # Requests waiting for KV room. Past this a client is better off told to come
 # back (429) than kept waiting behind a long queue.
 MAX_QUEUED_REQUESTS = 32
@@ -107,29 +111,26 @@ class TokenEvent:
 
 @dataclass
 class _Flight:
-    """One request in the ring, as the leader sees it."""
+    """One request in the ring, as the leader sees it (its schedule is the scheduler's)."""
 
     rid: int
     prompt: list[int]
     params: SamplingParams
     max_tokens: int
-    queue: asyncio.Queue
-    generated: list[int] = field(default_factory=list)
-    finished: bool = False
-    term: int | None = None  # the ring computing it; None while suspended
-    reuse: tuple[int, int] | None = None  # (cached prefix, positions kept) for its first ring
-    cached: int = 0  # prompt tokens served from a cached prefix
-    sent: int = 0  # positions sent to the current ring: what its caches will hold
+    queue: asyncio.Queue  # steps.Sampled for each token, or the EngineError that ends it
+    generated: list[int] = field(default_factory=list)  # tokens delivered (resumed ones first)
+    finished: bool = False  # its consumer is done, or it failed
     failed: bool = False  # a stage reported an error: its caches are not whole
+    reuse: tuple[int, int] | None = None  # (cached prefix, positions kept), until its first row goes
+    cached: int = 0  # prompt tokens served from a cached prefix
+    opened: int | None = None  # the ring (term) its first row went to: later rows there need no Open
+    suspended: bool = False  # its ring was lost: replayed on the next
+    released: bool = False  # its caches are released (or kept as a prefix): its booking is settled
     request_id: str | None = None  # the client's name for it (logs.py)
 
-    def about(self, **fields) -> dict:
+    def about(self, term: int | None = None, **fields) -> dict:
         """``extra`` for a log line about this request."""
-        return about(self.request_id, self.term, rid=f"{self.rid:x}", **fields)
-
-    @property
-    def done(self) -> bool:
-        return self.finished or len(self.generated) >= self.max_tokens
+        return about(self.request_id, term, rid=f"{self.rid:x}", **fields)
 
 
 class _Text:
@@ -184,7 +185,7 @@ class Engine:
         node: str,
         tokenizer,
         send: Callable[[str, Frame], None],
-        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK,
         max_active: int = MAX_ACTIVE_REQUESTS,
         step_timeout_s: float = STEP_TIMEOUT_S,
         kv: KvOptions | None = None,
@@ -192,6 +193,8 @@ class Engine:
         max_queued: int = MAX_QUEUED_REQUESTS,
         queue_timeout_s: float = QUEUE_TIMEOUT_S,
         metrics: Metrics | None = None,
+        micro_batches: int = 0,
+        max_batch_rows: int = DEFAULT_MAX_ROWS,
     ):
         self.node = node
         self.metrics = metrics if metrics is not None else Metrics(node)
@@ -202,7 +205,14 @@ class Engine:
         self.step_timeout_s = step_timeout_s
         self.plan: Plan | None = None
         self.eos_ids = set(tokenizer.eos_token_ids)
-        self._flights: dict[int, _Flight] = {}
+        self._flights: dict[int, _Flight] = {}  # every request until its booking is settled
+        # Which rows go around the ring together, and when (scheduler.py); the end of sequence
+        # ends a request there, so no row follows it.
+        self.scheduler = Scheduler(
+            max_in_flight=micro_batches or DEFAULT_MAX_IN_FLIGHT, max_rows=max_batch_rows,
+            prefill_chunk=prefill_chunk_tokens, stops=frozenset(self.eos_ids),
+        )  # fmt: skip
+        self.micro_batches = micro_batches  # 0: one in flight per stage of the ring
         self.kv = kv
         self.ledger: KvLedger | None = None
         # A rotating cache that has wrapped cannot be trimmed to a prefix.
@@ -220,7 +230,7 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return len(self._flights)
+        return sum(not f.finished for f in self._flights.values())
 
     @property
     def queued(self) -> int:
@@ -330,7 +340,7 @@ class Engine:
         arrived = time.monotonic()
         if not prompt:
             raise EngineError("the prompt is empty", 400)
-        if len(self._flights) >= self.max_active:
+        if self.active >= self.max_active:
             raise EngineError(f"{self.max_active} requests are already generating; retry shortly", 429, RETRY_AFTER_S)
         self._first_stage()  # 503 now if there is no ring
         rid = next(self._ids)
@@ -364,15 +374,15 @@ class Engine:
         produced, last, first_after = 0, None, None
         outcome = "ended by its client"  # unless it finishes or fails
         try:
-            try:
-                self._start(flight)
-            except ConnectionError as e:
-                self._wait_for_ring(flight, e)
             text = _Text(self.tokenizer.detokenizer, stop, self.eos_ids, flight.max_tokens)
+            finish = None
             for token in resume:  # the client has their text: bring the state to where it was
-                piece, _ = text.next(token)
+                piece, finish = text.next(token)
                 if emit_resumed:
                     yield TokenEvent(token, piece, 0.0, [], None, 0, resumed=True)
+            if finish is not None:
+                raise EngineError("the stream carried over had ended already: nothing is left to generate", 400)
+            self._run(self.scheduler.join(rid, flight.prompt, max_tokens, flight.generated, flight.cached))
             while True:
                 try:
                     async with asyncio.timeout(self.step_timeout_s):
@@ -385,7 +395,6 @@ class Engine:
                     raise sampled
                 token = sampled.token
                 piece, finish = text.next(token)
-                top = list(sampled.top)
                 now = time.monotonic()
                 if last is None:
                     first_after = now - arrived
@@ -396,7 +405,7 @@ class Engine:
                 produced += 1
                 if finish is not None:
                     outcome = f"finished ({finish})"
-                yield TokenEvent(token, piece, sampled.logprob, top, finish, flight.cached, stop_sequence=text.matched)
+                yield TokenEvent(token, piece, sampled.logprob, list(sampled.top), finish, flight.cached, stop_sequence=text.matched)
                 if finish is not None:
                     return
         except EngineError as e:
@@ -404,147 +413,154 @@ class Engine:
             raise
         finally:
             flight.finished = True
-            del self._flights[rid]
-            self._end(flight)
+            self._run(self.scheduler.leave(rid))
+            if rid not in self.scheduler and not flight.released:
+                self._settle(flight)  # no release will come: no ring holds its caches
             duration = time.monotonic() - arrived
             self.metrics.request_duration.observe(duration)
             log.info(
                 "req=%x: %s after %d tokens in %.2f s", rid, outcome, produced, duration,
                 extra=flight.about(
-                    outcome=outcome, completion_tokens=produced, duration_s=round(duration, 4),
+                    self.plan.term if self.plan else None, outcome=outcome, completion_tokens=produced, duration_s=round(duration, 4),
                     ttft_s=round(first_after, 4) if first_after is not None else None,
                 ),
             )  # fmt: skip
 
-    def _end(self, flight: _Flight) -> None:
-        """Free (or keep, as a cached prefix) the request's caches on every stage, and its booking."""
-        rid, plan = flight.rid, self.plan
-        on_ring = flight.term is not None and plan is not None and flight.term == plan.term
+    # --- the ring ------------------------------------------------------------------------
+
+    def _run(self, commands: list, answers: dict[int, steps.Sampled] | None = None, status: int = 500) -> None:
+        """Carry out the scheduler's commands: micro-batches to stage 0, tokens to their
+        consumers, failures, releases. ``answers``: the TOKEN frame's rows the Delivers are of;
+        ``status``: the HTTP status of the Fails (503: the ring, not the request, is at fault)."""
+        for c in commands:
+            if isinstance(c, Send):
+                self._send_batch(c)
+            elif isinstance(c, Deliver):
+                self._deliver(c, answers[c.rid])
+            elif isinstance(c, Fail):
+                flight = self._flights.get(c.rid)
+                if flight is not None and not flight.finished:
+                    flight.queue.put_nowait(self._error(flight, c.why, status))
+                elif flight is not None:
+                    flight.failed = True
+            elif isinstance(c, Release):
+                self._release(c)
+
+    def _send_batch(self, send: Send) -> None:
+        """A micro-batch to the ring's first stage; a request's first row there opens it."""
+        rows = []
+        for row in send.rows:
+            flight = self._flights[row.rid]
+            opened = None
+            if flight.opened != send.term:
+                flight.opened = send.term
+                opened = steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id)
+                flight.reuse = None  # a replay on another ring starts cold
+            rows.append(steps.Row(row.rid, row.offset, row.tokens, row.sample, row.silent, opened))
+        self.metrics.micro_batch_rows.observe(len(rows))
+        try:
+            self.send(self.plan.stages[0].node, steps.Forward(send.batch, send.term, tuple(rows)).frame())
+        except ConnectionError as e:
+            # The ring is breaking: the leader re-plans (reconcile.py) and the next ring replays it.
+            log.warning("batch=%x: cannot reach the ring's first stage (%s); its rows wait for the next ring", send.batch, e)
+
+    def _deliver(self, deliver: Deliver, sampled: steps.Sampled) -> None:
+        flight = self._flights.get(deliver.rid)
+        if flight is None or flight.finished:
+            return
+        expected = len(flight.prompt) + len(flight.generated)
+        if sampled.offset != expected:
+            flight.queue.put_nowait(self._error(flight, f"a token for position {sampled.offset}, expected {expected}", 500))
+            self._run(self.scheduler.leave(flight.rid))
+            return
+        flight.generated.append(deliver.token)
+        flight.queue.put_nowait(sampled)
+
+    def _release(self, release: Release) -> None:
+        """Free (or keep, as a cached prefix) a request's caches on every stage, and settle its booking."""
+        rid, plan = release.rid, self.plan
+        flight = self._flights.get(rid)
         keep = (
-            on_ring
+            flight is not None
             and not flight.failed
             and self.prefix.max_entries > 0
             and self._prefix_term == plan.term
-            and flight.sent >= MIN_REUSE_TOKENS
-            and (self.prefix_limit is None or flight.sent < self.prefix_limit)
+            and release.sent >= MIN_REUSE_TOKENS
+            and (self.prefix_limit is None or release.sent < self.prefix_limit)
         )
-        if on_ring:
-            try:
-                self.send(plan.stages[0].node, steps.release(rid, flight.term, "keep" if keep else "release"))
-            except Exception as e:  # the ring may be gone; stages expire idle sessions
-                log.warning("req=%x: could not send RELEASE: %s", rid, e, extra=flight.about())
-                keep = False
+        try:
+            self.send(plan.stages[0].node, steps.release(rid, plan.term, "keep" if keep else "release"))
+        except Exception as e:  # the ring may be gone; stages expire idle sessions
+            log.warning("req=%x: could not send RELEASE: %s", rid, e, extra=about(None, plan.term, rid=f"{rid:x}"))
+            keep = False
         if keep:
-            tokens = (flight.prompt + flight.generated)[: flight.sent]
+            tokens = (flight.prompt + flight.generated)[: release.sent]
             if self.ledger is not None:
                 self.ledger.book(rid, len(tokens))  # now the entry's, no longer the request's
             for old in self.prefix.add(rid, tokens):
                 self._evict(old, "entries")
-        elif self.ledger is not None:
-            self.ledger.release(rid)
+            flight.released = True
+            if flight.finished:
+                del self._flights[rid]
+            self._wake()
+        elif flight is not None:
+            self._settle(flight)
+
+    def _settle(self, flight: _Flight) -> None:
+        """The request's booking goes (its caches are freed or gone); it is forgotten once its consumer is done."""
+        flight.released = True
+        if self.ledger is not None:
+            self.ledger.release(flight.rid)
+        if flight.finished:
+            self._flights.pop(flight.rid, None)
         self._wake()
 
-    def _start(self, flight: _Flight) -> None:
-        """Send the request to the current ring: its prompt, then (a replay) its tokens so far."""
-        plan = self.plan
-        first, term = plan.stages[0].node, plan.term
-        flight.term = term
-        # As generate_step: all but the last prompt token in chunks that only fill
-        # the caches, then one token at a time, each sampled.
-        fed = flight.prompt + flight.generated
-        body = flight.prompt[:-1]
-        # The first frame opens the request on every stage: sampling, KV options,
-        # and (on its first ring only) the cached prefix it starts from.
-        begin = flight.reuse[1] if flight.reuse is not None else 0
-        open_ = steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id)
-        flight.reuse = None  # a replay on another ring starts cold
-        flight.sent = begin
-        chunk = self.prefill_chunk_tokens
-        for start in range(begin, len(body), chunk):
-            self._send_step(flight, first, term, start, body[start : start + chunk], False, open_)
-            open_ = None
-        # A replay: tokens whose samples the client already has are sampled again silently.
-        for offset in range(max(len(body), begin), len(fed) - 1):
-            self._send_step(flight, first, term, offset, [fed[offset]], True, open_, silent=True)
-            open_ = None
-        self._send_step(flight, first, term, len(fed) - 1, [fed[-1]], True, open_)
-
-    def _send_step(self, flight, first, term, offset, tokens, sample, open_, silent=False) -> None:
-        # One row per micro-batch, named by its request (scheduler.py is to batch them).
-        row = steps.Row(flight.rid, offset, tuple(tokens), sample, silent, open_)
-        self.send(first, steps.Forward(flight.rid, term, (row,)).frame())
-        flight.sent = offset + len(tokens)
-
     def on_frame(self, peer: str, frame: Frame) -> None:
-        """A TOKEN or ERROR frame from ``peer`` (event loop)."""
-        flight = self._flights.get(frame.request_id)
-        if flight is None or flight.finished:
-            return  # released already: a token in flight when the client left
+        """A TOKEN or ERROR frame from ``peer`` (event loop): a micro-batch's answer, or its failure."""
         plan = self.plan
         d = frame.descriptor
-        if plan is None or not isinstance(d, dict) or d.get("term") != flight.term or flight.term != plan.term:
-            return  # from a ring this request has left (suspended, or replayed elsewhere)
+        if plan is None or not isinstance(d, dict) or d.get("term") != plan.term:
+            return  # from a ring the requests have left (suspended, or replayed elsewhere)
         # Tokens come from the last stage only; errors from any stage of this ring.
         senders = [plan.stages[-1].node] if frame.type == MsgType.TOKEN else [s.node for s in plan.stages]
         if peer not in senders:
             log.warning(
-                "req=%x: ignoring %s from %s, which is not %s in plan term %d", frame.request_id, frame.type.name, peer,
-                "its last stage" if frame.type == MsgType.TOKEN else "a stage", plan.term, extra=flight.about(peer=peer),
+                "batch=%x: ignoring %s from %s, which is not %s in plan term %d", frame.request_id, frame.type.name, peer,
+                "its last stage" if frame.type == MsgType.TOKEN else "a stage", plan.term,
             )  # fmt: skip
             return
         try:
-            if frame.type != MsgType.TOKEN:
+            if frame.type == MsgType.TOKEN:
+                answer = steps.Tokens.parse(frame)
+                by_rid = {s.rid: s for s in answer.rows}
+                sampled = {rid: s.token for rid, s in by_rid.items()}
+                self._run(self.scheduler.tokens(answer.batch, answer.term, sampled, dict(answer.failed)), by_rid)
+            else:
                 failure = steps.Failure.parse(frame)
-                flight.queue.put_nowait(self._error(flight, f"node {failure.node}: {failure.message}", failure.status))
-                return
-            answer = steps.Tokens.parse(frame)
+                self._run(self.scheduler.failed(failure.batch, failure.term, f"node {failure.node}: {failure.message}"), status=failure.status)
         except FrameError as e:
-            flight.queue.put_nowait(self._error(flight, f"malformed {frame.type.name} frame from {peer}: {e}", 500))
-            return
-        for rid, why in answer.failed:
-            if rid == flight.rid:
-                flight.queue.put_nowait(self._error(flight, why, 500))
-                return
-        for sampled in answer.rows:
-            if sampled.rid == flight.rid:
-                self._take(flight, sampled)
-
-    def _take(self, flight: _Flight, sampled: steps.Sampled) -> None:
-        """A token sampled for ``flight``: queue it for its consumer and feed it back at once."""
-        expected = len(flight.prompt) + len(flight.generated)
-        if sampled.offset != expected:
-            flight.queue.put_nowait(self._error(flight, f"a token for position {sampled.offset}, expected {expected}", 500))
-            return
-        token, offset = sampled.token, sampled.offset
-        flight.generated.append(token)
-        flight.queue.put_nowait(sampled)
-        if token in self.eos_ids or flight.done or self.plan is None:
-            return
-        # Feed the token back now; the consumer reads it when it can.
-        try:
-            self._send_step(flight, self.plan.stages[0].node, self.plan.term, offset, [token], True, None)
-        except ConnectionError as e:
-            self._wait_for_ring(flight, e)
-
-    def _wait_for_ring(self, flight: _Flight, e: Exception) -> None:
-        """The first stage cannot be reached: the ring is breaking, and the leader re-plans
-        (reconcile.py). Hold the request for the next ring, which replays it, instead of failing it."""
-        log.warning("req=%x: cannot reach the ring's first stage (%s); holding it for the next ring", flight.rid, e, extra=flight.about())
-        flight.term = None
+            log.warning("batch=%x: malformed %s frame from %s: %s", frame.request_id, frame.type.name, peer, e)
+            self._run(self.scheduler.failed(frame.request_id, plan.term, f"malformed {frame.type.name} frame from {peer}: {e}"))
 
     def _error(self, flight: _Flight, message: str, status: int = 503) -> EngineError:
         """The request fails with ``message``: what its consumer raises when it reads it."""
-        flight.finished = flight.failed = True
+        flight.failed = True
         return EngineError(message, status)
 
     def suspend_all(self, reason: str) -> None:
         """The ring broke: hold every request until ``set_plan`` gives a new one."""
         self.plan = None
-        for flight in self._flights.values():
-            if not flight.finished:
-                flight.term = None
-        if self._flights:
-            log.warning("%d request(s) suspended: %s", len(self._flights), reason)
+        self.scheduler.ring_lost()
+        held = 0
+        for flight in list(self._flights.values()):
+            flight.reuse, flight.opened = None, None  # the next ring starts cold
+            if flight.rid in self.scheduler:
+                flight.suspended = True
+                held += 1
+            elif not flight.released:
+                self._settle(flight)  # it was leaving: its caches went with the ring
+        if held:
+            log.warning("%d request(s) suspended: %s", held, reason)
 
     def set_plan(self, plan: Plan, ledger: KvLedger | None = None, prefix_limit: tuple[int | None, str] = (None, "")) -> None:
         """A ring is ready: serve new requests on it and replay the suspended ones.
@@ -554,6 +570,8 @@ class Engine:
         ``prefix_limit``: how long a cached prefix its caches can be trimmed back
         from (None: any, 0: none), and why.
         """
+        if self.plan is not None and self.plan.term != plan.term:
+            self.suspend_all(f"plan term {plan.term} replaces term {self.plan.term}")
         self.plan = plan
         self.prefix_limit, self.prefix_note = prefix_limit
         if self.prefix_note:
@@ -564,28 +582,27 @@ class Engine:
         self.ledger = ledger
         if ledger is not None:
             for flight in self._flights.values():
-                ledger.book(flight.rid, len(flight.prompt) + flight.max_tokens)
+                if not flight.released:
+                    ledger.book(flight.rid, len(flight.prompt) + flight.max_tokens)
             for key in self.prefix.keys():
                 ledger.book(key, len(self.prefix.tokens(key)))
         self._wake()
-        for flight in list(self._flights.values()):
-            if flight.finished or flight.term == plan.term:
-                continue
-            if flight.generated and (flight.generated[-1] in self.eos_ids or flight.done):
-                continue  # it has every token it will get; its consumer is finishing
-            self.metrics.replays.inc()
-            log.info(
-                "req=%x: replaying %d tokens on ring term %d", flight.rid, len(flight.prompt) + len(flight.generated), plan.term,
-                extra=about(flight.request_id, plan.term, rid=f"{flight.rid:x}", replayed_tokens=len(flight.prompt) + len(flight.generated)),
-            )  # fmt: skip
-            try:
-                self._start(flight)
-            except ConnectionError as e:
-                self._wait_for_ring(flight, e)
+        for flight in self._flights.values():
+            if flight.suspended:
+                flight.suspended = False
+                self.metrics.replays.inc()
+                log.info(
+                    "req=%x: replaying %d tokens on ring term %d", flight.rid, len(flight.prompt) + len(flight.generated), plan.term,
+                    extra=flight.about(plan.term, replayed_tokens=len(flight.prompt) + len(flight.generated)),
+                )  # fmt: skip
+        # Micro-batches in flight: one per stage keeps every stage busy.
+        self.scheduler.max_in_flight = self.micro_batches or len(plan.stages)
+        self._run(self.scheduler.ring_up(plan.term))
 
     def fail_all(self, reason: str) -> None:
         """No ring can serve: every request in flight ends with a 503."""
-        self.plan = None
-        for flight in self._flights.values():
+        self.suspend_all(reason)
+        for flight in list(self._flights.values()):
+            flight.suspended = False
             if not flight.finished:
                 flight.queue.put_nowait(self._error(flight, reason))

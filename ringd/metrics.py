@@ -70,6 +70,7 @@ class Gauges:
     budget: int | None = None
     active_requests: int = 0
     queued_requests: int = 0
+    micro_batches: int = 0
     linked_peers: int = 0
     prefix_entries: int = 0
     # Counts, kept by the parts themselves and exposed as counters.
@@ -90,6 +91,7 @@ _GAUGE_HELP = {
     "parameter_bytes": "Model parameter bytes materialized on this node",
     "budget": "Bytes this node may use for weights and KV cache",
     "active_requests": "Requests generating through this node (the leader)",
+    "micro_batches": "Micro-batches this leader has around the ring right now (at most one per stage unless micro_batches says otherwise)",
     "queued_requests": "Requests waiting for KV room on this node (the leader)",
     "linked_peers": "Peers with an authenticated link",
     "prefix_entries": "Finished requests whose caches this stage keeps for prefix reuse",
@@ -188,6 +190,10 @@ class Metrics:
         self.grammar_mask = Histogram(
             "ringd_grammar_mask_seconds", "Waiting for and applying a grammar's mask, per token sampled on this node's stage",
             n, registry=r, buckets=GRAMMAR_MASK_BUCKETS_S,
+        ).labels(node)  # fmt: skip
+        self.micro_batch_rows = Histogram(
+            "ringd_micro_batch_rows", "Rows (requests' steps) in each micro-batch this leader sends around the ring",
+            n, registry=r, buckets=BATCH_ROWS_BUCKETS,
         ).labels(node)  # fmt: skip
         self.batch_rows = Histogram(
             "ringd_stage_batch_rows", "Rows this node's stage computes in one pass of its layers: 1 for a row alone, more when decode rows are batched",

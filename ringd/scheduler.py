@@ -5,8 +5,7 @@ tokens come back, a request leaves, the ring is lost, a new ring is up),
 commands out (``Send`` a micro-batch to stage 0, ``Deliver`` a token to its
 request, ``Release`` a request's caches). Nothing here touches the network,
 MLX or the clock, so every interleaving can be tried under Hypothesis against
-a simulated ring (tests/test_scheduler.py). ``engine.py`` is to become its
-asyncio shell (issue 16; not wired in yet).
+a simulated ring (tests/test_scheduler.py). ``engine.py`` is its asyncio shell.
 
 The ring is a pipeline: with P stages, one micro-batch at a time leaves P-1
 stages idle. So up to ``max_in_flight`` micro-batches go around at once, each
@@ -20,7 +19,11 @@ path), which is what keeps each stage's caches right.
 - A row is one request's step: a prompt chunk (``sample`` false), the prompt's
   last token (sampled, as mlx-lm's ``generate_step``), or a token fed back.
 - Decode rows of ready requests fill a micro-batch, longest-waiting first, up
-  to ``max_rows``. A prompt's chunks travel in micro-batches of their own, taking
+  to ``max_rows`` and to an even share of the decoding requests per slot in
+  flight (so 8 streams on 3 stages go round as micro-batches of 3, 3 and 2, each
+  stage busy, rather than one of 8 with two stages idle). A micro-batch that
+  comes back goes out again with the same rows in the same order, which keeps
+  the stages' batched caches as they are (sessions.py). A prompt's chunks travel in micro-batches of their own, taking
   turns with the decode micro-batches, so running streams keep flowing while a
   long prompt prefills.
 - A request that leaves (its client went, or it finished) while a micro-batch
@@ -72,9 +75,19 @@ class Deliver:
 
 @dataclass(frozen=True)
 class Release:
-    """Free the request's caches on every stage (it has no row in flight)."""
+    """Free the request's caches on every stage (it has no row in flight); they hold its first
+    ``sent`` positions (prompt, then tokens), which a cached prefix may keep."""
 
     rid: int
+    sent: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The request failed on the ring (``why``): it has left, its caches are released."""
+
+    rid: int
+    why: str
 
 
 class SchedulerError(Exception):
@@ -91,19 +104,25 @@ class _Request:
     in_flight: int | None = None  # the micro-batch holding its row
     leaving: bool = False
     waited: int = 0  # when it last got a row (the schedule's clock), for fairness
-
-    @property
-    def prefilling(self) -> bool:
-        return self.sent < len(self.prompt)
+    stops: frozenset[int] = frozenset()  # tokens that end it (end of sequence)
 
     def done(self) -> bool:
-        return self.leaving or len(self.generated) >= self.max_tokens
+        if self.leaving or len(self.generated) >= self.max_tokens:
+            return True
+        return bool(self.generated) and self.generated[-1] in self.stops
 
 
 class Scheduler:
-    def __init__(self, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+    def __init__(
+        self,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_rows: int = DEFAULT_MAX_ROWS,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        stops: frozenset[int] = frozenset(),
+    ):
         if max_in_flight < 1 or max_rows < 1 or prefill_chunk < 1:
             raise SchedulerError("max_in_flight, max_rows and prefill_chunk must be at least 1")
+        self.stops = frozenset(stops)
         self.max_in_flight = max_in_flight
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
@@ -128,12 +147,22 @@ class Scheduler:
 
     # --- events ----------------------------------------------------------------------
 
-    def join(self, rid: int, prompt: list[int], max_tokens: int) -> list:
+    def join(self, rid: int, prompt: list[int], max_tokens: int, generated: list[int] = (), cached: int = 0) -> list:
+        """A request enters. ``generated``: tokens an earlier leader delivered already (replayed
+        silently, as after a lost ring). ``cached``: positions of its prompt the current ring's
+        caches hold already (a cached prefix); its first row starts there."""
         if rid in self._requests:
             raise SchedulerError(f"request {rid:x} is already scheduled")
-        if not prompt or max_tokens < 1:
-            raise SchedulerError("a request needs a prompt and max_tokens of at least 1")
-        self._requests[rid] = _Request(rid, list(prompt), max_tokens, waited=next(self._clock))
+        if not prompt or max_tokens < 1 or len(generated) > max_tokens:
+            raise SchedulerError("a request needs a prompt, max_tokens of at least 1, and no more tokens generated than that")
+        if not 0 <= cached < len(prompt):
+            raise SchedulerError(f"a cached prefix of {cached} positions must leave the prompt's last token ({len(prompt)}) to compute")
+        req = _Request(rid, list(prompt), max_tokens, list(generated), waited=next(self._clock), stops=self.stops)
+        req.sent = cached if self.term is not None else 0
+        self._requests[rid] = req
+        if req.done():  # every token delivered already: nothing to compute
+            del self._requests[rid]
+            return []
         return self._fill()
 
     def leave(self, rid: int) -> list:
@@ -145,12 +174,14 @@ class Scheduler:
         out = self._retire(req)
         return out + self._fill()
 
-    def tokens(self, batch: int, term: int, sampled: dict[int, int]) -> list:
-        """Micro-batch ``batch`` of ring ``term`` came back, with a token for each row that sampled aloud."""
+    def tokens(self, batch: int, term: int, sampled: dict[int, int], failed: dict[int, str] | None = None) -> list:
+        """Micro-batch ``batch`` of ring ``term`` came back, with a token for each row that sampled
+        aloud, or the reason its row failed on the way (``failed``); a row with neither fails."""
         held = self._in_flight.get(batch)
         if held is None or held[0] != term or term != self.term:
             return []  # a void micro-batch (an older ring's): nothing in it counts
         del self._in_flight[batch]
+        failed = failed or {}
         out = []
         for row in held[1]:
             req = self._requests.get(row.rid)
@@ -159,13 +190,22 @@ class Scheduler:
             req.in_flight = None
             req.sent = row.offset + len(row.tokens)
             req.waited = next(self._clock)
-            if row.sample and not row.silent and not req.leaving:
-                if row.rid not in sampled:
-                    raise SchedulerError(f"micro-batch {batch} came back without a token for request {row.rid:x}")
+            if row.rid in failed or row.sample and not row.silent and not req.leaving and row.rid not in sampled:
+                if not req.leaving:
+                    out.append(Fail(row.rid, failed.get(row.rid) or f"micro-batch {batch} came back without its token"))
+                req.leaving = True
+            elif row.sample and not row.silent and not req.leaving:
                 req.generated.append(sampled[row.rid])
                 out.append(Deliver(row.rid, sampled[row.rid]))
             out += self._retire(req)
         return out + self._fill()
+
+    def failed(self, batch: int, term: int | None, why: str) -> list:
+        """Micro-batch ``batch`` failed as a whole on ring ``term``: every request in it fails."""
+        held = self._in_flight.get(batch)
+        if held is None or held[0] != term or term != self.term:
+            return []
+        return self.tokens(batch, term, {}, {row.rid: why for row in held[1]})
 
     def ring_lost(self) -> None:
         """The ring broke: what is in flight is void; every request waits for the next ring."""
@@ -192,7 +232,7 @@ class Scheduler:
         if req.in_flight is not None or not req.done():
             return []
         del self._requests[req.rid]
-        return [Release(req.rid)] if self.term is not None and req.sent > 0 else []
+        return [Release(req.rid, req.sent)] if self.term is not None and req.sent > 0 else []
 
     def _next_row(self, req: _Request) -> Row:
         """The request's next step on the current ring."""
@@ -232,4 +272,7 @@ class Scheduler:
             self._prefill_turn = False
             return (self._next_row(prefill[0]),)
         self._prefill_turn = True
-        return tuple(self._next_row(r) for r in decode[: self.max_rows])
+        # An even share of the decoding requests per slot: every stage gets a micro-batch.
+        decoding = sum(1 for r in self._requests.values() if not r.done() and r.sent >= len(r.prompt) - 1)
+        share = -(-decoding // self.max_in_flight)
+        return tuple(self._next_row(r) for r in decode[: max(1, min(self.max_rows, share))])

@@ -111,6 +111,7 @@ class Status:
             budget=self.budget,
             active_requests=engine.active if engine else 0,
             queued_requests=engine.queued if engine else 0,
+            micro_batches=engine.scheduler.in_flight if engine else 0,
             linked_peers=len(self.cluster.peers),
             prefix_entries=stage.sessions.stored if stage else 0,
             leader_changes=self.cluster.leader_changes,

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringd.scheduler import Deliver, Release, Row, Scheduler, SchedulerError, Send
+from ringd.scheduler import Deliver, Fail, Release, Row, Scheduler, SchedulerError, Send
 
 VOCAB = 1000
 HOG = 10**6  # the request id of a stream that never ends
@@ -54,6 +54,8 @@ class Ring:
         self.released: set[int] = set()
         self.delivered: dict[int, list[int]] = {}
         self.releases: list[int] = []
+        self.failed: set[int] = set()
+        self.fail_next = False  # the last stage fails the first row of the next micro-batch it applies
         self.term = 0
 
     def apply(self, commands: list) -> None:
@@ -65,7 +67,11 @@ class Ring:
                 self.releases.append(c.rid)
                 self.queues[0].append(c)
             elif isinstance(c, Deliver):
+                assert c.rid not in self.failed, "a token after the request failed"
                 self.delivered.setdefault(c.rid, []).append(c.token)
+            elif isinstance(c, Fail):
+                assert c.rid not in self.failed, "a request failed twice"
+                self.failed.add(c.rid)
         self.check()
 
     def check(self) -> None:
@@ -86,16 +92,19 @@ class Ring:
             if not last:
                 self.queues[k + 1].append(item)
             return
-        sampled = {}
+        sampled, failed = {}, {}
+        if last and self.fail_next and item.rows:
+            self.fail_next = False
+            failed[item.rows[0].rid] = "a sampler's error"
         for row in item.rows:
             assert row.rid not in self.released, "a row after the request's release"
             held = cache.setdefault(row.rid, [])
             assert row.offset == len(held), f"row at {row.offset}, cache holds {len(held)}"
             held.extend(row.tokens)
-            if last and row.sample and not row.silent:
+            if last and row.sample and not row.silent and row.rid not in failed:
                 sampled[row.rid] = model(row.rid, held)
         if last:
-            self.apply(self.sched.tokens(item.batch, item.term, sampled))
+            self.apply(self.sched.tokens(item.batch, item.term, sampled, failed))
         else:
             self.queues[k + 1].append(item)
 
@@ -115,6 +124,7 @@ EVENTS = st.one_of(
     st.tuples(st.just("leave"), st.integers(0, 30)),
     st.tuples(st.just("advance"), st.integers(0, 10)),
     st.tuples(st.just("lose")),
+    st.tuples(st.just("fail")),
 )
 
 
@@ -148,6 +158,8 @@ def test_any_interleaving_delivers_every_token_once_in_order_as_the_uninterrupte
             ring.advance(busy[ev[1] % len(busy)])
         elif ev[0] == "lose":
             ring.lose()
+        elif ev[0] == "fail":
+            ring.fail_next = True
     for _ in range(DRAIN_STEPS):  # the ring runs on: every other request must finish
         if not any(rid in sched for rid in joined):
             break
@@ -163,7 +175,7 @@ def test_any_interleaving_delivers_every_token_once_in_order_as_the_uninterrupte
         got = ring.delivered.get(rid, [])
         want = reference(rid, prompt, n)
         assert got == want[: len(got)], f"request {rid}: {got} is not a prefix of {want}"
-        if rid not in left:
+        if rid not in left and rid not in ring.failed:
             assert got == want, f"request {rid} starved: {len(got)} of {n} tokens"
         assert rid not in sched
     # Every cache a stage holds was released (or went with a lost ring).
@@ -180,15 +192,16 @@ def test_micro_batches_fill_the_pipeline_and_prompts_take_turns_with_decoding():
     # The prompt's turn: its first chunk alone.
     assert out == [Deliver(1, 50), Send(3, 1, (Row(4, 0, (0, 1, 2, 3), False),))]
     out = sched.tokens(2, 1, {2: 60})
-    # Then decoding's: every ready request, longest-waiting first.
-    assert out == [Deliver(2, 60), Send(4, 1, (Row(3, 0, (7,), True), Row(1, 1, (50,), True), Row(2, 1, (60,), True)))]
+    # Then decoding's: the ready requests, longest-waiting first, an even share per slot
+    # (three decoding requests, two slots: two rows).
+    assert out == [Deliver(2, 60), Send(4, 1, (Row(3, 0, (7,), True), Row(1, 1, (50,), True)))]
 
 
 def test_a_request_that_leaves_in_flight_is_released_after_its_row_returns():
     sched = Scheduler(max_in_flight=1)
     [send] = sched.ring_up(1) + sched.join(1, [5, 6], 4)
     assert sched.leave(1) == []  # its row is in flight: the release must follow it
-    assert sched.tokens(send.batch, 1, {1: 9}) == [Release(1)]  # no token delivered after leaving
+    assert sched.tokens(send.batch, 1, {1: 9}) == [Release(1, 1)]  # no token delivered after leaving
     assert 1 not in sched
 
 
@@ -217,3 +230,57 @@ def test_bad_events_are_refused():
         sched.join(1, [1], 1)
     with pytest.raises(SchedulerError):
         sched.join(2, [], 1)
+
+
+def test_decoding_requests_spread_over_the_slots_and_come_back_together():
+    sched = Scheduler(max_in_flight=3, max_rows=32)
+    sends = sched.ring_up(1)
+    for rid in range(8):
+        sends += sched.join(rid, [rid + 1], 100)
+    # The first three joined took the three slots alone; they come back one by one.
+    assert [len(s.rows) for s in sends] == [1, 1, 1]
+    again = []
+    for s in sends:
+        again += [c for c in sched.tokens(s.batch, 1, {r.rid: 5 for r in s.rows}) if isinstance(c, Send)]
+    # Now 8 decoding over 3 slots: shares of at most 3.
+    assert all(len(s.rows) <= 3 for s in again) and sum(len(s.rows) for s in again) <= 8
+    # A micro-batch that comes back goes out again as it was: same rows, same order.
+    first = again[0]
+    [back] = [c for c in sched.tokens(first.batch, 1, {r.rid: 6 for r in first.rows}) if isinstance(c, Send)]
+    assert [r.rid for r in back.rows] == [r.rid for r in first.rows]
+
+
+def test_failed_rows_and_micro_batches_fail_their_requests_only():
+    sched = Scheduler(max_in_flight=2)
+    sends = sched.ring_up(1) + sched.join(1, [5], 9) + sched.join(2, [6], 9)
+    a, b = sends
+    out = sched.tokens(a.batch, 1, {}, {1: "node2: a sampler's error"})
+    assert Fail(1, "node2: a sampler's error") in out and Release(1, 1) in out and 1 not in sched
+    out = sched.failed(b.batch, 1, "node1: out of memory")
+    assert Fail(2, "node1: out of memory") in out and 2 not in sched
+    [c] = sched.join(3, [7], 9)
+    assert sched.tokens(c.batch, 1, {}) == [Fail(3, f"micro-batch {c.batch} came back without its token"), Release(3, 1)]
+
+
+def test_a_cached_prefix_starts_the_first_ring_where_it_ends_and_a_replay_from_zero():
+    sched = Scheduler(max_in_flight=1, prefill_chunk=8)
+    [send] = sched.ring_up(1) + sched.join(1, [1, 2, 3, 4, 5], 3, cached=3)
+    assert send.rows == (Row(1, 3, (4,), False),)
+    sched.ring_lost()
+    [send] = sched.ring_up(2)
+    assert send.rows == (Row(1, 0, (1, 2, 3, 4), False),)
+    with pytest.raises(SchedulerError):
+        sched.join(2, [1, 2], 3, cached=2)
+
+
+def test_a_carried_over_stream_replays_what_was_delivered_silently_and_stops_at_its_end():
+    sched = Scheduler(max_in_flight=1, prefill_chunk=8, stops=frozenset({0}))
+    [send] = sched.ring_up(1) + sched.join(1, [1, 2], 5, generated=[7, 8])
+    [send] = [c for c in sched.tokens(send.batch, 1, {}) if isinstance(c, Send)]
+    assert send.rows == (Row(1, 1, (2,), True, silent=True),)
+    [send] = [c for c in sched.tokens(send.batch, 1, {}) if isinstance(c, Send)]
+    assert send.rows == (Row(1, 2, (7,), True, silent=True),)
+    [send] = [c for c in sched.tokens(send.batch, 1, {}) if isinstance(c, Send)]
+    assert send.rows == (Row(1, 3, (8,), True),)
+    # An end of sequence ends it: delivered, then released, with no row after it.
+    assert sched.tokens(send.batch, 1, {1: 0}) == [Deliver(1, 0), Release(1, 4)]
