@@ -144,3 +144,40 @@ def test_completions_take_plain_text(ring, reference):
     want = mlx_generate(model, tokenizer, "The capital of France is", max_tokens=12)
     r = ring.client().completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=12, temperature=0)
     assert r.choices[0].text == want
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors of the rainbow.",
+    "What is 12 plus 30?",
+    "Who wrote Romeo and Juliet?",
+    "What do bees make?",
+    "How many legs does a spider have?",
+    "What is the boiling point of water in Celsius?",
+    "Say hello in Spanish.",
+]
+
+
+def test_eight_questions_asked_at_once_get_the_answers_each_gets_alone(ring, reference):
+    """Eight streams decode together, in micro-batches whose rows each stage computes in one pass."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    asks = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    want = [generate(reference, m, 48) for m in asks]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        got = list(pool.map(lambda m: "".join(streamed(ring, m, 48)[0]), asks))
+    for q, a, b in zip(QUESTIONS, got, want):
+        assert a == b, f"{q!r}: the ring said {a!r}, mlx-lm alone {b!r}"
+    assert batched_passes(ring) > 0, "the first stage never computed rows together"
+
+
+def batched_passes(ring) -> float:
+    """Passes of the leader's own stage (stage 0) over more than one row: ringd_stage_batch_rows above 1."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(ring.url + "/metrics", timeout=10).read().decode()
+    [family] = [f for f in text_string_to_metric_families(text) if f.name == "ringd_stage_batch_rows"]
+    count = next(s.value for s in family.samples if s.name.endswith("_count"))
+    return count - next(s.value for s in family.samples if s.name.endswith("_bucket") and s.labels["le"] == "1.0")
