@@ -414,8 +414,11 @@ class Engine:
         finally:
             flight.finished = True
             self._run(self.scheduler.leave(rid))
-            if rid not in self.scheduler and not flight.released:
-                self._settle(flight)  # no release will come: no ring holds its caches
+            if rid not in self.scheduler:  # else its RELEASE follows its last row, and settles it
+                if flight.released:
+                    self._flights.pop(rid, None)
+                else:
+                    self._settle(flight)  # no release will come: no ring holds its caches
             duration = time.monotonic() - arrived
             self.metrics.request_duration.observe(duration)
             log.info(
