@@ -10,11 +10,14 @@ a simulated ring (tests/test_scheduler.py). ``engine.py`` is its asyncio shell.
 The ring is a pipeline: with P stages, one micro-batch at a time leaves P-1
 stages idle. So up to ``max_in_flight`` micro-batches go around at once, each
 with its own rows: while stage k computes one, stage k-1 computes the next.
-A request's next step needs its last token, so a request is in at most one
-micro-batch in flight; its rows follow each other in order, and every stage
-applies a request's rows in the order the leader sent them (frames of one
-sender on one link keep their order, and every micro-batch takes the same
-path), which is what keeps each stage's caches right.
+A request's next step needs its last token, so a request waits for the token
+it samples before its next row goes; rows whose tokens are known already (a
+prompt's chunks, a replay's tokens) go without waiting, several micro-batches
+of one request in flight at once, so a long prompt's chunks are computed by
+every stage at once, as a pipeline. A request's rows follow each other in
+order, and every stage applies them in the order the leader sent them (frames
+of one sender on one link keep their order, and every micro-batch takes the
+same path), which is what keeps each stage's caches right.
 
 - A row is one request's step: a prompt chunk (``sample`` false), the prompt's
   last token (sampled, as mlx-lm's ``generate_step``), or a token fed back.
@@ -100,8 +103,9 @@ class _Request:
     prompt: list[int]
     max_tokens: int
     generated: list[int] = field(default_factory=list)  # tokens delivered
-    sent: int = 0  # positions the current ring's caches hold (once the row in flight is back)
-    in_flight: int | None = None  # the micro-batch holding its row
+    sent: int = 0  # positions the current ring's caches hold: its rows that came back
+    queued: int = 0  # positions handed to the current ring: its rows in flight too
+    in_flight: list[int] = field(default_factory=list)  # the micro-batches holding its rows, in order
     leaving: bool = False
     waited: int = 0  # when it last got a row (the schedule's clock), for fairness
     stops: frozenset[int] = frozenset()  # tokens that end it (end of sequence)
@@ -110,6 +114,16 @@ class _Request:
         if self.leaving or len(self.generated) >= self.max_tokens:
             return True
         return bool(self.generated) and self.generated[-1] in self.stops
+
+    @property
+    def ready(self) -> bool:
+        """Whether its next row's token is known (it is not waiting for the token it samples)."""
+        return not self.done() and self.queued < len(self.prompt) + len(self.generated)
+
+    @property
+    def prefilling(self) -> bool:
+        """Its next row is a chunk of its prompt (all but the last token)."""
+        return self.queued < len(self.prompt) - 1
 
 
 class Scheduler:
@@ -128,7 +142,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.term: int | None = None  # None: no ring (lost, or not yet up)
         self._requests: dict[int, _Request] = {}
-        self._in_flight: dict[int, tuple[int, tuple[Row, ...]]] = {}  # batch -> (term, rows)
+        self._in_flight: dict[int, tuple[int, bool, tuple[Row, ...]]] = {}  # batch -> (term, a prompt's chunk, rows)
         self._batches = itertools.count(1)
         self._clock = itertools.count(1)
         self._prefill_turn = False  # the next micro-batch is a prompt's chunk, if one is waiting
@@ -158,7 +172,7 @@ class Scheduler:
         if not 0 <= cached < len(prompt):
             raise SchedulerError(f"a cached prefix of {cached} positions must leave the prompt's last token ({len(prompt)}) to compute")
         req = _Request(rid, list(prompt), max_tokens, list(generated), waited=next(self._clock), stops=self.stops)
-        req.sent = cached if self.term is not None else 0
+        req.sent = req.queued = cached if self.term is not None else 0
         self._requests[rid] = req
         if req.done():  # every token delivered already: nothing to compute
             del self._requests[rid]
@@ -183,11 +197,11 @@ class Scheduler:
         del self._in_flight[batch]
         failed = failed or {}
         out = []
-        for row in held[1]:
+        for row in held[2]:
             req = self._requests.get(row.rid)
-            if req is None or req.in_flight != batch:
+            if req is None or batch not in req.in_flight:
                 continue
-            req.in_flight = None
+            req.in_flight.remove(batch)
             req.sent = row.offset + len(row.tokens)
             req.waited = next(self._clock)
             if row.rid in failed or row.sample and not row.silent and not req.leaving and row.rid not in sampled:
@@ -205,15 +219,15 @@ class Scheduler:
         held = self._in_flight.get(batch)
         if held is None or held[0] != term or term != self.term:
             return []
-        return self.tokens(batch, term, {}, {row.rid: why for row in held[1]})
+        return self.tokens(batch, term, {}, {row.rid: why for row in held[2]})
 
     def ring_lost(self) -> None:
         """The ring broke: what is in flight is void; every request waits for the next ring."""
         self.term = None
         self._in_flight.clear()
         for req in list(self._requests.values()):
-            req.in_flight = None
-            req.sent = 0
+            req.in_flight = []
+            req.sent = req.queued = 0
             if req.leaving:  # its caches went with the ring
                 del self._requests[req.rid]
 
@@ -223,31 +237,31 @@ class Scheduler:
             self.ring_lost()
         self.term = term
         for req in self._requests.values():
-            req.sent = 0
+            req.sent = req.queued = 0
         return self._fill()
 
     # --- the schedule ----------------------------------------------------------------
 
     def _retire(self, req: _Request) -> list:
-        if req.in_flight is not None or not req.done():
+        if req.in_flight or not req.done():
             return []
         del self._requests[req.rid]
         return [Release(req.rid, req.sent)] if self.term is not None and req.sent > 0 else []
 
     def _next_row(self, req: _Request) -> Row:
         """The request's next step on the current ring."""
-        prompt = req.prompt
-        if req.sent < len(prompt) - 1:  # a chunk of the prompt before its last token
-            end = min(req.sent + self.prefill_chunk, len(prompt) - 1)
-            return Row(req.rid, req.sent, tuple(prompt[req.sent : end]), sample=False)
+        prompt, at = req.prompt, req.queued
+        if at < len(prompt) - 1:  # a chunk of the prompt before its last token
+            end = min(at + self.prefill_chunk, len(prompt) - 1)
+            return Row(req.rid, at, tuple(prompt[at:end]), sample=False)
         # The prompt's last token samples the first token; each token fed back, the next.
         # On a replay the tokens sampled were delivered already: sampled again silently.
-        k = req.sent - len(prompt)  # the token fed back, -1 for the prompt's last
+        k = at - len(prompt)  # the token fed back, -1 for the prompt's last
         token = prompt[-1] if k < 0 else req.generated[k]
-        return Row(req.rid, req.sent, (token,), sample=True, silent=k + 1 < len(req.generated))
+        return Row(req.rid, at, (token,), sample=True, silent=k + 1 < len(req.generated))
 
     def _ready(self) -> list[_Request]:
-        return sorted((r for r in self._requests.values() if r.in_flight is None and not r.done()), key=lambda r: r.waited)
+        return sorted((r for r in self._requests.values() if r.ready), key=lambda r: r.waited)
 
     def _fill(self) -> list:
         """Micro-batches for every free slot in flight."""
@@ -258,21 +272,28 @@ class Scheduler:
                 break
             batch = next(self._batches)
             for row in rows:
-                self._requests[row.rid].in_flight = batch
-            self._in_flight[batch] = (self.term, rows)
+                req = self._requests[row.rid]
+                req.in_flight.append(batch)
+                req.queued = row.offset + len(row.tokens)
+            self._in_flight[batch] = (self.term, not rows[0].sample, rows)
             out.append(Send(batch, self.term, rows))
         return out
 
     def _take(self) -> tuple[Row, ...]:
         ready = self._ready()
-        prefill = [r for r in ready if r.sent < len(r.prompt) - 1]
-        decode = [r for r in ready if r.sent >= len(r.prompt) - 1]
+        prefill = [r for r in ready if r.prefilling]
+        decode = [r for r in ready if not r.prefilling]
+        decoding = sum(1 for r in self._requests.values() if not r.done() and not r.prefilling)
+        # Prompts' chunks keep a slot free for decoding while anything decodes (if there are
+        # two slots or more), so running streams wait for one chunk at a time at most.
+        chunks = sum(1 for _, is_prefill, _ in self._in_flight.values() if is_prefill)
+        if chunks >= max(1, self.max_in_flight - (1 if decoding else 0)):
+            prefill = []
         # Prompts' chunks and decode steps take turns; either goes alone if the other has nothing.
         if prefill and (self._prefill_turn or not decode):
             self._prefill_turn = False
             return (self._next_row(prefill[0]),)
         self._prefill_turn = True
         # An even share of the decoding requests per slot: every stage gets a micro-batch.
-        decoding = sum(1 for r in self._requests.values() if not r.done() and r.sent >= len(r.prompt) - 1)
         share = -(-decoding // self.max_in_flight)
         return tuple(self._next_row(r) for r in decode[: max(1, min(self.max_rows, share))])

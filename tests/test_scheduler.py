@@ -9,8 +9,9 @@ changes every later one. Hypothesis interleaves requests joining and leaving,
 stages advancing in any order (a stalled stage just does not advance), and the
 ring being lost and replaced; then the ring drains.
 
-What must hold: never more than P micro-batches in flight, and a request in at
-most one; each request's tokens arrive once and in order, equal to the
+What must hold: never more than P micro-batches in flight, and a request's rows
+in flight no further than its last sampled token (a prompt's chunks and a replay's
+known tokens may be in several micro-batches at once); each request's tokens arrive once and in order, equal to the
 uninterrupted run's (so a replay after a lost ring yields the same tokens);
 every request that did not leave gets all its tokens, even beside a stream
 that never ends (none starves); every request's caches are released.
@@ -77,8 +78,12 @@ class Ring:
     def check(self) -> None:
         batches = [item for q in self.queues for item in q if isinstance(item, Send)]
         assert len(batches) == self.sched.in_flight <= self.sched.max_in_flight
-        rids = [row.rid for b in batches for row in b.rows]
-        assert len(rids) == len(set(rids)), "a request in two micro-batches in flight"
+        for b in batches:
+            assert len({row.rid for row in b.rows}) == len(b.rows), "a request twice in one micro-batch"
+        # A request waits for the token it samples: one row sampling aloud in flight at most,
+        # and none of its rows after it.
+        aloud = [row.rid for b in batches for row in b.rows if row.sample and not row.silent]
+        assert len(aloud) == len(set(aloud)), "a request's next row sent before its token came back"
 
     def advance(self, k: int) -> None:
         """Stage k applies its oldest item."""
@@ -168,8 +173,11 @@ def test_any_interleaving_delivers_every_token_once_in_order_as_the_uninterrupte
     assert not waiting, f"requests {waiting} starved beside a stream that never ends"
     if hog:
         ring.apply(sched.leave(HOG))
-    while ring.busy():
+    for _ in range(DRAIN_STEPS):
+        if not ring.busy():
+            break
         ring.advance(ring.busy()[-1])
+    assert not ring.busy(), "the ring never drains"
     assert sched.in_flight == 0
     for rid, (prompt, n) in joined.items():
         got = ring.delivered.get(rid, [])
@@ -284,3 +292,21 @@ def test_a_carried_over_stream_replays_what_was_delivered_silently_and_stops_at_
     assert send.rows == (Row(1, 3, (8,), True),)
     # An end of sequence ends it: delivered, then released, with no row after it.
     assert sched.tokens(send.batch, 1, {1: 0}) == [Deliver(1, 0), Release(1, 4)]
+
+
+def test_a_prompts_chunks_go_around_together_leaving_decoding_a_slot():
+    sched = Scheduler(max_in_flight=3, prefill_chunk=4)
+    out = sched.ring_up(1) + sched.join(1, list(range(13)), 5)
+    # Alone, a prompt's chunks fill every slot: each stage computes one at once.
+    assert [s.rows for s in out] == [(Row(1, 0, (0, 1, 2, 3), False),), (Row(1, 4, (4, 5, 6, 7), False),), (Row(1, 8, (8, 9, 10, 11), False),)]
+    first, *_ = out
+    # Back in order; the prompt's last token follows at once, sampling its first token.
+    assert sched.tokens(first.batch, 1, {}) == [Send(4, 1, (Row(1, 12, (12,), True),))]
+    # Beside a decoding request, chunks leave it a slot.
+    sched = Scheduler(max_in_flight=3, prefill_chunk=2)
+    out = sched.ring_up(1) + sched.join(1, [7], 50) + sched.join(2, list(range(20)), 5)
+    chunks = [s for s in out if not s.rows[0].sample]
+    assert len(out) == 3 and len(chunks) == 2
+    [decode] = [s for s in out if s.rows[0].sample]
+    again = sched.tokens(decode.batch, 1, {1: 3})
+    assert [s.rows for s in again if isinstance(s, Send)] == [(Row(1, 1, (3,), True),)]
