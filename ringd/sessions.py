@@ -156,7 +156,9 @@ class Sessions:
             return group.cache
         for session in sessions:
             self._leave_group(session, extract=True)
-        if not all(batchable(s.cache) for s in sessions):
+        # A quantized KV cache (kv_bits) is quantized between steps as mlx-lm's generate_step
+        # does it, one request at a time: such requests step alone.
+        if not all(batchable(s.cache) and (s.kv is None or s.kv.bits is None) for s in sessions):
             return None
         layers = len(sessions[0].cache)
         group = Group(tuple(request_ids), [type(sessions[0].cache[i]).merge([s.cache[i] for s in sessions]) for i in range(layers)])

@@ -86,3 +86,13 @@ def test_caches_of_other_kinds_are_not_merged():
     sessions.open(4, [rotating, rotating], None, tokens=[0, 0])
     assert sessions.batched((1, 4)) is None
     assert sessions.batched((1, 2)) is not None
+
+
+def test_requests_whose_caches_are_quantized_later_are_not_merged():
+    from ringd.steps import KvOptions
+
+    sessions = Sessions()
+    open_three(sessions)
+    cache, _ = filled(4, 9)
+    sessions.open(4, cache, None, tokens=[0] * 4, kv=KvOptions(bits=4, start=100))
+    assert sessions.batched((1, 4)) is None
