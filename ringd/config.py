@@ -29,7 +29,7 @@ from typing import Any, Callable
 import yaml
 
 from .logs import LOG_FORMATS
-from .scheduler import DEFAULT_MAX_ROWS, DEFAULT_PREFILL_CHUNK
+from .scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_ROWS, DEFAULT_PREFILL_CHUNK
 from .steps import MAX_ROWS
 
 DEFAULT_RING_PORT = 50051
@@ -271,6 +271,7 @@ KEYS: list[Key] = [
     Key("nodes", _optional(_positive_int), None, "ring size the first plan waits for (default: peers + 1, or with discovery whoever is found within a few seconds)", int),
     Key("split", _split, None, "layers per stage in ring order, e.g. 10,9,9 (default: even)"),
     Key("prefill_chunk_tokens", _positive_int, DEFAULT_PREFILL_CHUNK, "prompt tokens per prefill frame", int),
+    Key("interleaved_chunk_tokens", _positive_int, DEFAULT_INTERLEAVED_CHUNK, "prompt tokens per prefill frame while other requests decode (their pause is about one such chunk)", int),
     Key("micro_batches", _non_negative_int, 0, "micro-batches around the ring at once (0: one per stage, which keeps every stage busy)", int),
     Key("max_batch_rows", _int_between(1, MAX_ROWS), DEFAULT_MAX_ROWS, f"requests decoding together in one micro-batch (1 to {MAX_ROWS})", int),
     Key("memory_budget_gb", _optional(_positive_float), None, "GiB this node may use for weights and KV cache (default: what the machine can give)", float),
@@ -321,6 +322,7 @@ class Config:
     nodes: int | None
     split: list[int] | None
     prefill_chunk_tokens: int
+    interleaved_chunk_tokens: int
     micro_batches: int
     max_batch_rows: int
     memory_budget_gb: float | None

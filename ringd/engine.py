@@ -57,7 +57,7 @@ from .admission import AdmissionError, KvLedger
 from .logs import about
 from . import steps
 from .metrics import Metrics
-from .scheduler import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_PREFILL_CHUNK, Deliver, Fail, Release, Scheduler, Send
+from .scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_PREFILL_CHUNK, Deliver, Fail, Release, Scheduler, Send
 from .steps import KvOptions
 from .placement import Plan
 from .prefix import MIN_REUSE_TOKENS, PrefixIndex
@@ -195,6 +195,7 @@ class Engine:
         metrics: Metrics | None = None,
         micro_batches: int = 0,
         max_batch_rows: int = DEFAULT_MAX_ROWS,
+        interleaved_chunk_tokens: int = DEFAULT_INTERLEAVED_CHUNK,
     ):
         self.node = node
         self.metrics = metrics if metrics is not None else Metrics(node)
@@ -210,7 +211,7 @@ class Engine:
         # ends a request there, so no row follows it.
         self.scheduler = Scheduler(
             max_in_flight=micro_batches or DEFAULT_MAX_IN_FLIGHT, max_rows=max_batch_rows,
-            prefill_chunk=prefill_chunk_tokens, stops=frozenset(self.eos_ids),
+            prefill_chunk=prefill_chunk_tokens, stops=frozenset(self.eos_ids), interleaved_chunk=interleaved_chunk_tokens,
         )  # fmt: skip
         self.micro_batches = micro_batches  # 0: one in flight per stage of the ring
         self.kv = kv

@@ -48,8 +48,14 @@ from dataclasses import dataclass, field
 DEFAULT_MAX_IN_FLIGHT = 3
 # Rows in one decode micro-batch: each is a request's KV cache read per layer.
 DEFAULT_MAX_ROWS = 32
-# Prompt tokens in one prefill row: a running stream waits about this chunk's compute per turn.
+# Prompt tokens in one prefill row when nothing else decodes (as mlx-lm's prefill_step_size:
+# big enough that a stage's matmuls run at full speed).
 DEFAULT_PREFILL_CHUNK = 512
+# Prompt tokens in one prefill row while other requests decode: a running stream's token
+# waits behind up to max_in_flight - 1 such chunks at each stage, so its pause is about
+# that chunk's compute around the ring; a quarter of the full chunk keeps it near a tenth
+# of a long prompt's prefill (docs/benchmarks.md) at a small cost in prefill speed.
+DEFAULT_INTERLEAVED_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -133,13 +139,15 @@ class Scheduler:
         max_rows: int = DEFAULT_MAX_ROWS,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         stops: frozenset[int] = frozenset(),
+        interleaved_chunk: int = DEFAULT_INTERLEAVED_CHUNK,
     ):
-        if max_in_flight < 1 or max_rows < 1 or prefill_chunk < 1:
-            raise SchedulerError("max_in_flight, max_rows and prefill_chunk must be at least 1")
+        if min(max_in_flight, max_rows, prefill_chunk, interleaved_chunk) < 1:
+            raise SchedulerError("max_in_flight, max_rows, prefill_chunk and interleaved_chunk must be at least 1")
         self.stops = frozenset(stops)
         self.max_in_flight = max_in_flight
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
+        self.interleaved_chunk = interleaved_chunk
         self.term: int | None = None  # None: no ring (lost, or not yet up)
         self._requests: dict[int, _Request] = {}
         self._in_flight: dict[int, tuple[int, bool, tuple[Row, ...]]] = {}  # batch -> (term, a prompt's chunk, rows)
@@ -248,11 +256,11 @@ class Scheduler:
         del self._requests[req.rid]
         return [Release(req.rid, req.sent)] if self.term is not None and req.sent > 0 else []
 
-    def _next_row(self, req: _Request) -> Row:
-        """The request's next step on the current ring."""
+    def _next_row(self, req: _Request, chunk: int = 0) -> Row:
+        """The request's next step on the current ring (a prompt's chunk of at most ``chunk`` tokens)."""
         prompt, at = req.prompt, req.queued
         if at < len(prompt) - 1:  # a chunk of the prompt before its last token
-            end = min(at + self.prefill_chunk, len(prompt) - 1)
+            end = min(at + chunk, len(prompt) - 1)
             return Row(req.rid, at, tuple(prompt[at:end]), sample=False)
         # The prompt's last token samples the first token; each token fed back, the next.
         # On a replay the tokens sampled were delivered already: sampled again silently.
@@ -292,7 +300,8 @@ class Scheduler:
         # Prompts' chunks and decode steps take turns; either goes alone if the other has nothing.
         if prefill and (self._prefill_turn or not decode):
             self._prefill_turn = False
-            return (self._next_row(prefill[0]),)
+            chunk = min(self.prefill_chunk, self.interleaved_chunk) if decoding else self.prefill_chunk
+            return (self._next_row(prefill[0], chunk),)
         self._prefill_turn = True
         # An even share of the decoding requests per slot: every stage gets a micro-batch.
         share = -(-decoding // self.max_in_flight)

@@ -139,11 +139,12 @@ EVENTS = st.one_of(
     in_flight=st.integers(1, 4),
     max_rows=st.integers(1, 4),
     chunk=st.integers(1, 4),
+    interleaved=st.integers(1, 4),
     events=st.lists(EVENTS, max_size=120),
     hog=st.booleans(),
 )
-def test_any_interleaving_delivers_every_token_once_in_order_as_the_uninterrupted_run(stages, in_flight, max_rows, chunk, events, hog):
-    sched = Scheduler(max_in_flight=in_flight, max_rows=max_rows, prefill_chunk=chunk)
+def test_any_interleaving_delivers_every_token_once_in_order_as_the_uninterrupted_run(stages, in_flight, max_rows, chunk, interleaved, events, hog):
+    sched = Scheduler(max_in_flight=in_flight, max_rows=max_rows, prefill_chunk=chunk, interleaved_chunk=interleaved)
     ring = Ring(stages, sched)
     ring.apply(sched.ring_up(ring.term))
     joined: dict[int, tuple[list[int], int]] = {}
@@ -310,3 +311,16 @@ def test_a_prompts_chunks_go_around_together_leaving_decoding_a_slot():
     [decode] = [s for s in out if s.rows[0].sample]
     again = sched.tokens(decode.batch, 1, {1: 3})
     assert [s.rows for s in again if isinstance(s, Send)] == [(Row(1, 1, (3,), True),)]
+
+
+def test_beside_running_streams_a_prompt_goes_in_smaller_chunks():
+    # Alone, a prompt goes in full chunks (prefill at full speed).
+    sched = Scheduler(max_in_flight=2, prefill_chunk=8, interleaved_chunk=2)
+    [first, _] = sched.ring_up(1) + sched.join(1, list(range(30)), 5)
+    assert first.rows == (Row(1, 0, tuple(range(8)), False),)
+    # Beside a decoding stream, in interleaved chunks: the stream waits for a small one at a time.
+    sched = Scheduler(max_in_flight=2, prefill_chunk=8, interleaved_chunk=2)
+    out = sched.ring_up(1) + sched.join(1, [7], 50) + sched.join(2, list(range(30)), 5)
+    assert [s.rows for s in out] == [(Row(1, 0, (7,), True),), (Row(2, 0, (0, 1), False),)]
+    with pytest.raises(SchedulerError):
+        Scheduler(interleaved_chunk=0)
