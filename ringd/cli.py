@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     local.add_argument("--host", default="127.0.0.1", help="the API's address; default 127.0.0.1")
     local.add_argument("--split", help="layers per node, e.g. 10,9,9 (default: even, low stages take the extra)")
     local.add_argument("--model-id", help="model name the API serves")
+    local.add_argument("--draft-model", help="a small model with the same tokenizer, for speculative decoding of greedy requests")
     local.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     from . import demo as demo_mod
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             split = parse_split(args.split) if args.split else None
         except PlacementError as e:
             parser.error(f"--split: {e}")
-        return run_local(args.nodes, args.model, args.port, split, args.host, args.model_id, args.log_level)
+        return run_local(args.nodes, args.model, args.port, split, args.host, args.model_id, args.log_level, args.draft_model)
 
     return demo_mod.run(cache_dir(), args.port, args.nodes, args.log_level)
 

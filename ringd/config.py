@@ -29,7 +29,7 @@ from typing import Any, Callable
 import yaml
 
 from .logs import LOG_FORMATS
-from .scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_ROWS, DEFAULT_PREFILL_CHUNK
+from .scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, MAX_NUM_DRAFT
 from .steps import MAX_ROWS
 
 DEFAULT_RING_PORT = 50051
@@ -256,6 +256,8 @@ KEYS: list[Key] = [
     Key("api_keys_file", _optional(_str), None, "file of API keys, one a line, that /v1/* requires as a Bearer token (default: none, the API is open)"),
     Key("ring_encryption", _bool, False, "encrypt ring links (AES-GCM) for networks you don't trust; integrity (HMAC) is always on"),
     Key("model", _optional(_str), None, "mlx-lm model directory, Hugging Face repo id, .gguf file or ollama:NAME[:TAG]"),
+    Key("draft_model", _optional(_str), None, "a small model sharing the served model's tokenizer, run whole on the leader for speculative decoding of greedy requests (directory, repo id or .gguf)"),
+    Key("num_draft_tokens", _int_between(1, MAX_NUM_DRAFT), DEFAULT_NUM_DRAFT, f"tokens the draft model proposes per step (1 to {MAX_NUM_DRAFT})", int),
     Key("model_id", _optional(_str), None, "model name the API serves (default: the model's directory or repo name)"),
     Key("host", _host, "0.0.0.0", "address the ring port listens on"),
     Key("advertise", _optional(_host), None, "address peers dial to reach this node (default: this host's addresses, in prefer_interfaces order)"),
@@ -307,6 +309,8 @@ class Config:
     api_keys_file: str | None
     ring_encryption: bool
     model: str | None
+    draft_model: str | None
+    num_draft_tokens: int
     model_id: str | None
     host: str
     advertise: str | None

@@ -25,6 +25,7 @@ from .admission import KvCost, KvLedger, StageKv
 from .cluster import Cluster
 from .config import Config
 from .device import DeviceProfile
+from .draft import Drafter
 from .election import Term
 from .engine import Engine
 from .logs import about
@@ -71,6 +72,7 @@ class Coordinator:
         started: float,
         metrics: Metrics,
         planned_before: bool,
+        drafter: Drafter | None = None,
     ):
         self.cfg = cfg
         self.info = info
@@ -98,7 +100,7 @@ class Coordinator:
             self.node, tokenizer, cluster.send, cfg.prefill_chunk_tokens, kv=kv,
             prefix_cache_entries=cfg.prefix_cache_entries, max_queued=cfg.max_queued_requests,
             queue_timeout_s=cfg.queue_timeout_s, metrics=metrics, micro_batches=cfg.micro_batches, max_batch_rows=cfg.max_batch_rows,
-            interleaved_chunk_tokens=cfg.interleaved_chunk_tokens,
+            interleaved_chunk_tokens=cfg.interleaved_chunk_tokens, drafter=drafter, num_draft=cfg.num_draft_tokens,
         )  # fmt: skip
         self._closed = False
         self._task = supervisor.forever("reconcile", self._loop, restart_on_return=False)

@@ -28,6 +28,7 @@ from wire.frames import Frame, MsgType
 from .api import Api
 from .cluster import Cluster, DrainError
 from .compute import ComputeThread
+from .draft import Drafter
 from .config import Config, ConfigError, check_name, parse_hostport
 from .coordinator import Coordinator
 from .device import DeviceProfile, default_cache_dir, probe_speed, read_profile
@@ -60,6 +61,7 @@ class Daemon:
         self.api = Api(self)
         self.info: ModelInfo | None = None
         self.tokenizer = None
+        self.drafter: Drafter | None = None  # speculative decoding's draft model, for when this node leads
         self.model_id = cfg.model_id or ""
         self.failover_wait_s = cfg.failover_wait_s
         self.secret = b""
@@ -92,6 +94,8 @@ class Daemon:
         self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.info)
         self.model_id = cfg.model_id or self.info.name
         profile = await loop.run_in_executor(None, read_profile, cfg.capabilities)
+        if cfg.draft_model is not None:
+            self.drafter = await Drafter.load(cfg.draft_model, self.compute, self.info)
         speed = await self.compute.run(probe_speed, default_cache_dir())
         self.profile = dataclasses.replace(profile, speed=speed)
         self.budget = self.profile.budget(cfg.memory_budget_gb)
@@ -221,7 +225,7 @@ class Daemon:
         if leading:
             self.coordinator = Coordinator(
                 self.cfg, self.info, self.tokenizer, self.cluster, self.stage, self.supervisor, self._own,
-                self.budget, self._started, self.metrics, planned_before=self.stage.plan is not None,
+                self.budget, self._started, self.metrics, planned_before=self.stage.plan is not None, drafter=self.drafter,
             )  # fmt: skip
         elif self.coordinator is not None:
             self.coordinator.close(f"leadership moved to {self.cluster.leader or 'another node'}; retry")

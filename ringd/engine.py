@@ -54,10 +54,11 @@ from mlx_lm.generate import TextStateMachine
 from wire.frames import Frame, FrameError, MsgType
 
 from .admission import AdmissionError, KvLedger
+from .draft import Drafter
 from .logs import about
 from . import steps
 from .metrics import Metrics
-from .scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_PREFILL_CHUNK, Deliver, Fail, Release, Scheduler, Send
+from .scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, Deliver, Draft, Fail, Release, Scheduler, Send
 from .steps import KvOptions
 from .placement import Plan
 from .prefix import MIN_REUSE_TOKENS, PrefixIndex
@@ -196,6 +197,8 @@ class Engine:
         micro_batches: int = 0,
         max_batch_rows: int = DEFAULT_MAX_ROWS,
         interleaved_chunk_tokens: int = DEFAULT_INTERLEAVED_CHUNK,
+        drafter: Drafter | None = None,
+        num_draft: int = DEFAULT_NUM_DRAFT,
     ):
         self.node = node
         self.metrics = metrics if metrics is not None else Metrics(node)
@@ -212,7 +215,11 @@ class Engine:
         self.scheduler = Scheduler(
             max_in_flight=micro_batches or DEFAULT_MAX_IN_FLIGHT, max_rows=max_batch_rows,
             prefill_chunk=prefill_chunk_tokens, stops=frozenset(self.eos_ids), interleaved_chunk=interleaved_chunk_tokens,
+            num_draft=num_draft if drafter is not None else 0,
         )  # fmt: skip
+        # Speculative decoding (draft.py): the draft model's proposals, asked for off the loop.
+        self.drafter = drafter
+        self._drafting: set[asyncio.Task] = set()
         self.micro_batches = micro_batches  # 0: one in flight per stage of the ring
         self.kv = kv
         self.ledger: KvLedger | None = None
@@ -383,7 +390,8 @@ class Engine:
                     yield TokenEvent(token, piece, 0.0, [], None, 0, resumed=True)
             if finish is not None:
                 raise EngineError("the stream carried over had ended already: nothing is left to generate", 400)
-            self._run(self.scheduler.join(rid, flight.prompt, max_tokens, flight.generated, flight.cached))
+            draft = self._speculates(params, len(prompt) + max_tokens)
+            self._run(self.scheduler.join(rid, flight.prompt, max_tokens, flight.generated, flight.cached, draft))
             while True:
                 try:
                     async with asyncio.timeout(self.step_timeout_s):
@@ -415,6 +423,8 @@ class Engine:
         finally:
             flight.finished = True
             self._run(self.scheduler.leave(rid))
+            if self.drafter is not None:
+                self.drafter.forget(rid)
             if rid not in self.scheduler:  # else its RELEASE follows its last row, and settles it
                 if flight.released:
                     self._flights.pop(rid, None)
@@ -430,6 +440,31 @@ class Engine:
                 ),
             )  # fmt: skip
 
+    def _speculates(self, params: SamplingParams, positions: int) -> bool:
+        """Whether a request's decode steps verify the draft's proposals: a draft model is loaded,
+        the request is greedy with nothing that follows its tokens (``SamplingParams.verifiable``)
+        and asks no logprobs (the ring sends none for proposals it keeps), and every stage can cut
+        a rejected proposal from its caches for as long as the request runs."""
+        if self.drafter is None or not params.verifiable or params.logprobs:
+            return False
+        limits = [n for n in (self.prefix_limit, self.kv.max_size if self.kv is not None else None) if n is not None]
+        return all(positions < n for n in limits)
+
+    def _draft(self, ask: Draft) -> None:
+        """Ask the draft model for proposals; the scheduler hears the answer (none if it fails)."""
+
+        async def propose() -> None:
+            try:
+                tokens = await self.drafter.propose(ask.rid, ask.sequence, ask.k)
+            except Exception:  # the step goes without proposals; the request carries on
+                log.exception("req=%x: the draft model failed; this step goes without proposals", ask.rid)
+                tokens = ()
+            self._run(self.scheduler.drafted(ask.rid, len(ask.sequence), tokens))
+
+        task = asyncio.ensure_future(propose())
+        self._drafting.add(task)
+        task.add_done_callback(self._drafting.discard)
+
     # --- the ring ------------------------------------------------------------------------
 
     def _run(self, commands: list, answers: dict[int, steps.Sampled] | None = None, status: int = 500) -> None:
@@ -441,6 +476,8 @@ class Engine:
                 self._send_batch(c)
             elif isinstance(c, Deliver):
                 self._deliver(c, answers[c.rid])
+            elif isinstance(c, Draft):
+                self._draft(c)
             elif isinstance(c, Fail):
                 flight = self._flights.get(c.rid)
                 if flight is not None and not flight.finished:
@@ -460,7 +497,7 @@ class Engine:
                 flight.opened = send.term
                 opened = steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id)
                 flight.reuse = None  # a replay on another ring starts cold
-            rows.append(steps.Row(row.rid, row.offset, row.tokens, row.sample, row.silent, opened))
+            rows.append(steps.Row(row.rid, row.offset, row.tokens, row.sample, row.silent, opened, row.verify))
         self.metrics.micro_batch_rows.observe(len(rows))
         try:
             self.send(self.plan.stages[0].node, steps.Forward(send.batch, send.term, tuple(rows)).frame())
@@ -473,6 +510,8 @@ class Engine:
         if flight is None or flight.finished:
             return
         expected = len(flight.prompt) + len(flight.generated)
+        if deliver.drafted:  # a proposal the ring kept: its position is the next, its logprob unsent
+            sampled = steps.Sampled(deliver.rid, expected, deliver.token, 0.0)
         if sampled.offset != expected:
             flight.queue.put_nowait(self._error(flight, f"a token for position {sampled.offset}, expected {expected}", 500))
             self._run(self.scheduler.leave(flight.rid))
@@ -538,7 +577,8 @@ class Engine:
                 answer = steps.Tokens.parse(frame)
                 by_rid = {s.rid: s for s in answer.rows}
                 sampled = {rid: s.token for rid, s in by_rid.items()}
-                self._run(self.scheduler.tokens(answer.batch, answer.term, sampled, dict(answer.failed)), by_rid)
+                accepted = {rid: s.accepted for rid, s in by_rid.items() if s.accepted}
+                self._run(self.scheduler.tokens(answer.batch, answer.term, sampled, dict(answer.failed), accepted), by_rid)
             else:
                 failure = steps.Failure.parse(frame)
                 self._run(self.scheduler.failed(failure.batch, failure.term, f"node {failure.node}: {failure.message}"), status=failure.status)

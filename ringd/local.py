@@ -93,6 +93,7 @@ def run_local(
     host: str = "127.0.0.1",
     model_id: str | None = None,
     log_level: str = "info",
+    draft_model: str | None = None,
 ) -> int:
     if nodes < 1:
         print("ringd local: --nodes must be at least 1", file=sys.stderr)
@@ -143,6 +144,8 @@ def run_local(
                 cmd += ["--split", ",".join(map(str, split))]
             if model_id:
                 cmd += ["--model-id", model_id]
+            if draft_model:  # on every node: whichever leads drafts
+                cmd += ["--draft-model", draft_model]
             procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
 
         url = f"http://{host}:{http_ports[0]}"

@@ -209,6 +209,10 @@ class Metrics:
         ).labels(node)  # fmt: skip
         self.replays = Counter("ringd_replays", "Requests replayed on a new ring (a stage died, a link broke, a stream was carried over)", n, registry=r).labels(node)
         self._evictions = Counter("ringd_evictions", "Cached prefixes evicted from the ring's stages, by why", ["node", "why"], registry=r)
+        self._draft = Counter(
+            "ringd_draft_tokens", "A draft model's proposals verified on this node's stage (the ring's last), by outcome: accepted or rejected",
+            ["node", "outcome"], registry=r,
+        )  # fmt: skip
         self.plans = Counter("ringd_plan_changes", "Plans this node made as leader", n, registry=r).labels(node)
         r.register(_Collector(node, read))
         self.live = Live()
@@ -218,6 +222,11 @@ class Metrics:
 
     def eviction(self, why: str) -> None:
         self._evictions.labels(self.node, why).inc()
+
+    def draft_tokens(self, accepted: int, rejected: int) -> None:
+        """One verify row's proposals: how many the last stage kept, how many it cut."""
+        self._draft.labels(self.node, "accepted").inc(accepted)
+        self._draft.labels(self.node, "rejected").inc(rejected)
 
     def stage_compute(self, prefill: bool, seconds: float) -> None:
         (self.stage_prefill if prefill else self.stage_decode).observe(seconds)

@@ -10,6 +10,13 @@ grammar, if it has one) and answers the leader with one TOKEN frame for the
 micro-batch (``steps.Tokens``). RELEASE frees a request's caches here and
 travels on, behind the request's last row, so it frees every stage.
 
+A verify row (speculative decoding) carries a fed-back token and a draft
+model's proposals: every stage computes all their positions; the last stage
+samples after each and keeps the proposals that agree with what it samples,
+cuts the rest from its caches, and answers how many it kept. The other stages
+learn it from the request's next row, which starts where the kept positions end:
+they cut the rest then (``Sessions.rewind``).
+
 Frames are applied in arrival order on the one compute thread and their
 results leave in that order. A row that does not fit (unknown request, wrong
 position, a sampler's error) fails that request only: it leaves the
@@ -224,6 +231,8 @@ class StageRunner:
         for i, row in enumerate(rows):  # rows that do not fit their sessions fail before anything runs
             try:
                 session = self.sessions.get(row.rid)
+                if row.offset < session.offset:  # proposals of its last row that were not kept
+                    session = self.sessions.rewind(row.rid, row.offset)
                 if row.offset != session.offset:
                     raise SessionError(f"a row for position {row.offset}, but this stage's cache holds {session.offset} tokens")
             except SessionError as e:
@@ -244,6 +253,7 @@ class StageRunner:
             session = self.sessions.get(row.rid)
             session.offset += 1
             session.tokens += row.tokens
+            session.provisional = 0
             if self.shard.is_last:
                 session.sampler.observe(tokens[i])
         return [(row, h[i : i + 1]) for i, row in enumerate(fit)]
@@ -260,6 +270,8 @@ class StageRunner:
             session = self._open(row)
         else:
             session = self.sessions.solo(rid)
+        if row.offset < session.offset:  # proposals of its last row that were not kept
+            session = self.sessions.rewind(rid, row.offset)
         if row.offset != session.offset:
             raise SessionError(f"a row for position {row.offset}, but this stage's cache holds {session.offset} tokens")
         tokens = mx.array(row.tokens, dtype=mx.int32)[None]
@@ -267,6 +279,7 @@ class StageRunner:
         h = shard(tokens, hidden, session.cache)
         session.offset += len(row.tokens)
         session.tokens += row.tokens
+        session.provisional = len(row.tokens) - 1 if row.verify else 0
         kv = session.kv
         if kv is not None and kv.bits is not None:
             # As generate_step after every model call, so the caches match mlx-lm's.
@@ -301,6 +314,8 @@ class StageRunner:
         if not row.sample:
             mx.eval(self.sessions.states([row.rid]))
             return None
+        if row.verify:
+            return self._verify(row, session, logits)
         # As mlx-lm's generate_step: the head over the row's positions, then the last.
         s = session.sampler.sample(logits[:, -1, :])
         if s.mask_s is not None:
@@ -308,6 +323,26 @@ class StageRunner:
         if row.silent:
             return None
         return Sampled(row.rid, session.offset, s.token, s.logprob, tuple(s.top_logprobs))
+
+    def _verify(self, row: Row, session, logits: mx.array) -> Sampled:
+        """A verify row on the last stage, as mlx-lm's speculative_generate_step: sample after each
+        position; the proposals are kept while they equal what was sampled, and the token sampled
+        after the last one kept follows them. The rest are cut from this stage's caches now."""
+        if not session.sampler.params.verifiable:
+            raise SamplingError("a draft's proposals are verified only for greedy requests without penalties or a grammar")
+        proposals = row.tokens[1:]
+        kept = 0
+        while True:
+            s = session.sampler.sample(logits[:, kept, :])
+            if kept == len(proposals) or s.token != proposals[kept]:
+                break
+            kept += 1
+        cut = len(proposals) - kept
+        if cut:
+            self.sessions.rewind(row.rid, session.offset - cut)
+        session.provisional = 0
+        self.metrics.draft_tokens(kept, cut)
+        return Sampled(row.rid, session.offset, s.token, s.logprob, tuple(s.top_logprobs), kept)
 
     def _expire(self) -> None:
         for session in self.sessions.expire():

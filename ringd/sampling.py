@@ -146,6 +146,15 @@ class SamplingParams:
                 f"a grammar string of at most {MAX_GRAMMAR_BYTES} bytes (as a frame carries it)",
             )
 
+    @property
+    def verifiable(self) -> bool:
+        """Whether a draft's proposals can be checked for this request by sampling each position:
+        greedy, and nothing that follows the tokens sampled (penalties, a grammar)."""
+        return (
+            self.temperature == 0 and self.grammar is None
+            and not (self.presence_penalty or self.frequency_penalty or self.repetition_penalty)
+        )  # fmt: skip
+
     def to_wire(self) -> dict:
         d = asdict(self)
         if self.logit_bias is not None:
@@ -239,6 +248,11 @@ class RequestSampler:
             self._history = tokens if self._history is None else mx.concatenate([self._history, tokens])
         if self.constraint is not None and self._sampled:
             self.constraint.consume(tokens.tolist())
+
+    def rewind(self, n: int) -> None:
+        """Forget the last ``n`` tokens observed (a draft's proposals that were not kept)."""
+        if self._history is not None and n > 0:
+            self._history = self._history[:-n]
 
     def sample(self, logits: mx.array) -> Sample:
         """logits: [1, V] for the newest position."""

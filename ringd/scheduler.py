@@ -37,6 +37,14 @@ same path), which is what keeps each stage's caches right.
   already delivered fed back and sampled silently (a seeded sampler's key
   advances exactly as before), so the stream carries on with the next token,
   none missing, none repeated.
+- Speculative decoding (a request that may ``draft``): before its next decode
+  step the engine's draft model proposes up to ``num_draft`` tokens (``Draft``,
+  answered by ``drafted``); the row feeds the last token and the proposals
+  (``verify``), the last stage samples every position and answers how many
+  proposals it ``accepted`` and the token after them, so one trip around the
+  ring yields up to ``num_draft + 1`` tokens. The stages' caches hold the
+  rejected proposals' positions until the request's next row, whose offset says
+  where to cut them (pipeline.py).
 """
 
 from __future__ import annotations
@@ -56,6 +64,11 @@ DEFAULT_PREFILL_CHUNK = 512
 # that chunk's compute around the ring; a quarter of the full chunk keeps it near a tenth
 # of a long prompt's prefill (docs/benchmarks.md) at a small cost in prefill speed.
 DEFAULT_INTERLEAVED_CHUNK = 128
+# Proposals per speculative step: mlx-lm's server default. More pay when the draft agrees
+# often and a trip around the ring is dear; each one not kept costs its position's compute.
+DEFAULT_NUM_DRAFT = 3
+# The most a step may propose: a verify row computes this many positions more than a plain one.
+MAX_NUM_DRAFT = 16
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,7 @@ class Row:
     tokens: tuple[int, ...]
     sample: bool  # the last stage samples after this row
     silent: bool = False  # a replayed step: sample (the key advances), deliver nothing
+    verify: bool = False  # tokens[1:] are a draft's proposals: sample after each position, keep what agrees
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,17 @@ class Send:
 class Deliver:
     rid: int
     token: int
+    drafted: bool = False  # a draft's proposal the ring accepted (it sent no logprob for it)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Propose up to ``k`` tokens after ``sequence`` (the request's prompt and tokens so far)
+    with the draft model; answer with ``Scheduler.drafted``."""
+
+    rid: int
+    sequence: tuple[int, ...]
+    k: int
 
 
 @dataclass(frozen=True)
@@ -115,16 +140,30 @@ class _Request:
     leaving: bool = False
     waited: int = 0  # when it last got a row (the schedule's clock), for fairness
     stops: frozenset[int] = frozenset()  # tokens that end it (end of sequence)
+    speculative: bool = False  # its decode steps verify a draft's proposals
+    draft: tuple[int, ...] | None = None  # proposals for its next decode row
+    drafting: bool = False  # a Draft is out for it
+
+    def draft_size(self, num_draft: int) -> int:
+        """Proposals its next row may carry: never past max_tokens, whatever is accepted."""
+        return max(0, min(num_draft, self.max_tokens - len(self.generated) - 1)) if self.speculative else 0
+
+    def live_decode(self) -> bool:
+        """Its next row feeds back the newest token (not the prompt, not a replay)."""
+        return self.queued == len(self.prompt) + len(self.generated) - 1 and bool(self.generated)
 
     def done(self) -> bool:
         if self.leaving or len(self.generated) >= self.max_tokens:
             return True
         return bool(self.generated) and self.generated[-1] in self.stops
 
-    @property
-    def ready(self) -> bool:
-        """Whether its next row's token is known (it is not waiting for the token it samples)."""
-        return not self.done() and self.queued < len(self.prompt) + len(self.generated)
+    def waits_for_draft(self, num_draft: int) -> bool:
+        return self.draft is None and self.live_decode() and self.draft_size(num_draft) > 0
+
+    def ready(self, num_draft: int) -> bool:
+        """Whether its next row's tokens are known (it is not waiting for the token it samples,
+        nor for its draft's proposals)."""
+        return not self.done() and self.queued < len(self.prompt) + len(self.generated) and not self.waits_for_draft(num_draft)
 
     @property
     def prefilling(self) -> bool:
@@ -140,14 +179,16 @@ class Scheduler:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         stops: frozenset[int] = frozenset(),
         interleaved_chunk: int = DEFAULT_INTERLEAVED_CHUNK,
+        num_draft: int = 0,
     ):
-        if min(max_in_flight, max_rows, prefill_chunk, interleaved_chunk) < 1:
-            raise SchedulerError("max_in_flight, max_rows, prefill_chunk and interleaved_chunk must be at least 1")
+        if min(max_in_flight, max_rows, prefill_chunk, interleaved_chunk) < 1 or not 0 <= num_draft <= MAX_NUM_DRAFT:
+            raise SchedulerError(f"max_in_flight, max_rows, prefill_chunk and interleaved_chunk must be at least 1, num_draft 0 to {MAX_NUM_DRAFT}")
         self.stops = frozenset(stops)
         self.max_in_flight = max_in_flight
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
         self.interleaved_chunk = interleaved_chunk
+        self.num_draft = num_draft  # proposals per verify row (0: no speculative decoding)
         self.term: int | None = None  # None: no ring (lost, or not yet up)
         self._requests: dict[int, _Request] = {}
         self._in_flight: dict[int, tuple[int, bool, tuple[Row, ...]]] = {}  # batch -> (term, a prompt's chunk, rows)
@@ -169,17 +210,18 @@ class Scheduler:
 
     # --- events ----------------------------------------------------------------------
 
-    def join(self, rid: int, prompt: list[int], max_tokens: int, generated: list[int] = (), cached: int = 0) -> list:
+    def join(self, rid: int, prompt: list[int], max_tokens: int, generated: list[int] = (), cached: int = 0, draft: bool = False) -> list:
         """A request enters. ``generated``: tokens an earlier leader delivered already (replayed
         silently, as after a lost ring). ``cached``: positions of its prompt the current ring's
-        caches hold already (a cached prefix); its first row starts there."""
+        caches hold already (a cached prefix); its first row starts there. ``draft``: its decode
+        steps verify a draft model's proposals (when ``num_draft`` is above 0)."""
         if rid in self._requests:
             raise SchedulerError(f"request {rid:x} is already scheduled")
         if not prompt or max_tokens < 1 or len(generated) > max_tokens:
             raise SchedulerError("a request needs a prompt, max_tokens of at least 1, and no more tokens generated than that")
         if not 0 <= cached < len(prompt):
             raise SchedulerError(f"a cached prefix of {cached} positions must leave the prompt's last token ({len(prompt)}) to compute")
-        req = _Request(rid, list(prompt), max_tokens, list(generated), waited=next(self._clock), stops=self.stops)
+        req = _Request(rid, list(prompt), max_tokens, list(generated), waited=next(self._clock), stops=self.stops, speculative=draft)
         req.sent = req.queued = cached if self.term is not None else 0
         self._requests[rid] = req
         if req.done():  # every token delivered already: nothing to compute
@@ -196,14 +238,29 @@ class Scheduler:
         out = self._retire(req)
         return out + self._fill()
 
-    def tokens(self, batch: int, term: int, sampled: dict[int, int], failed: dict[int, str] | None = None) -> list:
+    def drafted(self, rid: int, length: int, tokens: tuple[int, ...]) -> list:
+        """The draft model's proposals after the first ``length`` tokens of request ``rid``'s
+        sequence (none: its next row goes without). Stale answers count for nothing."""
+        req = self._requests.get(rid)
+        if req is None or not req.drafting:
+            return []
+        req.drafting = False
+        if length == len(req.prompt) + len(req.generated):
+            req.draft = tuple(tokens)[: req.draft_size(self.num_draft)]
+        return self._fill()
+
+    def tokens(
+        self, batch: int, term: int, sampled: dict[int, int], failed: dict[int, str] | None = None, accepted: dict[int, int] | None = None
+    ) -> list:
         """Micro-batch ``batch`` of ring ``term`` came back, with a token for each row that sampled
-        aloud, or the reason its row failed on the way (``failed``); a row with neither fails."""
+        aloud, or the reason its row failed on the way (``failed``); a row with neither fails.
+        ``accepted``: for a verify row, how many of its proposals the ring kept (the token
+        sampled follows them)."""
         held = self._in_flight.get(batch)
         if held is None or held[0] != term or term != self.term:
             return []  # a void micro-batch (an older ring's): nothing in it counts
         del self._in_flight[batch]
-        failed = failed or {}
+        failed, accepted = failed or {}, accepted or {}
         out = []
         for row in held[2]:
             req = self._requests.get(row.rid)
@@ -212,13 +269,21 @@ class Scheduler:
             req.in_flight.remove(batch)
             req.sent = row.offset + len(row.tokens)
             req.waited = next(self._clock)
+            kept = accepted.get(row.rid, 0)
+            if row.rid not in failed and (not 0 <= kept <= len(row.tokens) - 1 or kept and not row.verify):
+                failed[row.rid] = f"the ring accepted {kept} proposals of a row with {len(row.tokens) - 1 if row.verify else 0}"
             if row.rid in failed or row.sample and not row.silent and not req.leaving and row.rid not in sampled:
                 if not req.leaving:
                     out.append(Fail(row.rid, failed.get(row.rid) or f"micro-batch {batch} came back without its token"))
                 req.leaving = True
             elif row.sample and not row.silent and not req.leaving:
-                req.generated.append(sampled[row.rid])
-                out.append(Deliver(row.rid, sampled[row.rid]))
+                if row.verify:  # the caches keep the row's first token and the proposals accepted
+                    req.sent = req.queued = row.offset + 1 + kept
+                for i, token in enumerate(row.tokens[1 : 1 + kept] + (sampled[row.rid],)):
+                    if req.done():  # a stop among the proposals ends it there
+                        break
+                    req.generated.append(token)
+                    out.append(Deliver(row.rid, token, drafted=i < kept))
             out += self._retire(req)
         return out + self._fill()
 
@@ -236,6 +301,7 @@ class Scheduler:
         for req in list(self._requests.values()):
             req.in_flight = []
             req.sent = req.queued = 0
+            req.draft = None
             if req.leaving:  # its caches went with the ring
                 del self._requests[req.rid]
 
@@ -266,14 +332,21 @@ class Scheduler:
         # On a replay the tokens sampled were delivered already: sampled again silently.
         k = at - len(prompt)  # the token fed back, -1 for the prompt's last
         token = prompt[-1] if k < 0 else req.generated[k]
+        if req.draft and req.live_decode():
+            return Row(req.rid, at, (token, *req.draft), sample=True, verify=True)
         return Row(req.rid, at, (token,), sample=True, silent=k + 1 < len(req.generated))
 
     def _ready(self) -> list[_Request]:
-        return sorted((r for r in self._requests.values() if r.ready), key=lambda r: r.waited)
+        return sorted((r for r in self._requests.values() if r.ready(self.num_draft)), key=lambda r: r.waited)
 
     def _fill(self) -> list:
-        """Micro-batches for every free slot in flight."""
+        """Drafts asked for, and micro-batches for every free slot in flight."""
         out = []
+        if self.term is not None:
+            for req in self._requests.values():
+                if not req.drafting and not req.in_flight and not req.done() and req.waits_for_draft(self.num_draft):
+                    req.drafting = True
+                    out.append(Draft(req.rid, tuple(req.prompt + req.generated), req.draft_size(self.num_draft)))
         while self.term is not None and len(self._in_flight) < self.max_in_flight:
             rows = self._take()
             if not rows:
@@ -283,6 +356,8 @@ class Scheduler:
                 req = self._requests[row.rid]
                 req.in_flight.append(batch)
                 req.queued = row.offset + len(row.tokens)
+                if row.verify:
+                    req.draft = None
             self._in_flight[batch] = (self.term, not rows[0].sample, rows)
             out.append(Send(batch, self.term, rows))
         return out

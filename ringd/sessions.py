@@ -81,6 +81,7 @@ class Session:
     kv: Any = None  # steps.KvOptions the caches follow
     name: str | None = None  # the client's request id (logs.py), for the lines about it
     group: Group | None = None
+    provisional: int = 0  # positions at the end a next row may cut: the proposals of a verify row
 
     @property
     def kv_bytes(self) -> int:
@@ -144,6 +145,25 @@ class Sessions:
         """The live session, with caches of its own (out of its group, if it was in one)."""
         session = self.get(request_id)
         self._leave_group(session, extract=True)
+        return session
+
+    def rewind(self, request_id: int, offset: int) -> Session:
+        """Cut the live session's caches back to ``offset`` positions: only into what its last row
+        left provisional (a draft's proposals the last stage did not keep), and only where the
+        caches can be trimmed."""
+        session = self.get(request_id)
+        cut = session.offset - offset
+        if not 0 < cut <= session.provisional:
+            raise SessionError(f"a row for position {offset}, but this stage's cache holds {session.offset} tokens")
+        self._leave_group(session, extract=True)
+        if not can_trim_prompt_cache(session.cache):
+            raise SessionError("a draft's proposals cannot be cut from this stage's caches (a rotating window that wrapped, or a recurrent state)")
+        trim_prompt_cache(session.cache, cut)
+        session.offset = offset
+        del session.tokens[offset:]
+        session.provisional = 0
+        if session.sampler is not None:
+            session.sampler.rewind(cut)
         return session
 
     def batched(self, request_ids: tuple[int, ...]) -> list[Any] | None:

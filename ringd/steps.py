@@ -51,6 +51,8 @@ MAX_KV_SIZE = 2**24
 # Row flags, on the wire as one integer.
 SAMPLE = 1  # the last stage samples after this row
 SILENT = 2  # a replayed step: sample (the key advances) but send nothing back
+VERIFY = 4  # tokens[1:] are a draft's proposals: sample after each position, keep those that agree
+FLAGS = (0, SAMPLE, SAMPLE | SILENT, SAMPLE | VERIFY)
 
 
 def _int(v: object, name: str, lo: int = 0, hi: int = MAX_REQUEST_ID) -> int:
@@ -157,9 +159,10 @@ class Row:
     sample: bool
     silent: bool = False
     open: Open | None = None
+    verify: bool = False
 
     def to_wire(self) -> list:
-        row = [self.rid, self.offset, list(self.tokens), SAMPLE * self.sample | SILENT * self.silent]
+        row = [self.rid, self.offset, list(self.tokens), SAMPLE * self.sample | SILENT * self.silent | VERIFY * self.verify]
         if self.open is not None:
             row.append(self.open.to_wire())
         return row
@@ -175,10 +178,14 @@ class Row:
             raise FrameError(f"row {rid:x} must carry 1 to {MAX_STEP_TOKENS} tokens")
         if not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
             raise FrameError(f"row {rid:x}'s tokens must be ids in [0, {vocab_size})")
-        if type(flags) is not int or flags & ~(SAMPLE | SILENT) or flags == SILENT:
-            raise FrameError(f"row {rid:x}'s flags must be 0, {SAMPLE} (sample) or {SAMPLE | SILENT} (sample silently), got {flags!r:.40}")
+        if type(flags) is not int or flags not in FLAGS:
+            raise FrameError(
+                f"row {rid:x}'s flags must be 0, {SAMPLE} (sample), {SAMPLE | SILENT} (sample silently) or {SAMPLE | VERIFY} (verify proposals), got {flags!r:.40}"
+            )
+        if flags & VERIFY and len(tokens) < 2:
+            raise FrameError(f"row {rid:x} verifies proposals but carries none")
         open_ = Open.from_wire(v[4], offset) if len(v) == 5 else None
-        return cls(rid, offset, tuple(tokens), bool(flags & SAMPLE), bool(flags & SILENT), open_)
+        return cls(rid, offset, tuple(tokens), bool(flags & SAMPLE), bool(flags & SILENT), open_, bool(flags & VERIFY))
 
 
 def _failed_to_wire(failed: tuple[tuple[int, str], ...]) -> list:
@@ -238,29 +245,35 @@ class Forward:
 
 @dataclass(frozen=True)
 class Sampled:
-    """A row's answer from the last stage: the token sampled after it (offset: the position it takes)."""
+    """A row's answer from the last stage: the token sampled after it (offset: the position it takes).
+    For a verify row, ``accepted``: how many of its proposals agreed (they precede the token)."""
 
     rid: int
     offset: int
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    accepted: int = 0
 
     def to_wire(self) -> list:
         row = [self.rid, self.offset, self.token, self.logprob]
-        if self.top:
+        if self.top or self.accepted:
             row.append([list(p) for p in self.top])
+        if self.accepted:
+            row.append(self.accepted)
         return row
 
     @classmethod
     def from_wire(cls, v: object) -> "Sampled":
-        if not isinstance(v, list) or len(v) not in (4, 5):
-            raise FrameError(f"a TOKENS row must be [rid, offset, token, logprob, top?], got {v!r:.120}")
+        if not isinstance(v, list) or len(v) not in (4, 5, 6):
+            raise FrameError(f"a TOKENS row must be [rid, offset, token, logprob, top?, accepted?], got {v!r:.120}")
         rid, offset, token, logprob = _int(v[0], "a sampled row's request id"), _int(v[1], "a sampled offset"), _int(v[2], "a sampled token"), v[3]
         if not isinstance(logprob, (int, float)) or isinstance(logprob, bool):
             raise FrameError(f"row {rid:x}'s logprob must be a number, got {logprob!r:.40}")
-        top = ()
-        if len(v) == 5:
+        top, accepted = (), 0
+        if len(v) == 6:
+            accepted = _int(v[5], f"row {rid:x}'s accepted proposals", 0, MAX_STEP_TOKENS)
+        if len(v) >= 5:
             if not isinstance(v[4], list) or len(v[4]) > MAX_TOP:
                 raise FrameError(f"row {rid:x}'s top must be a list of at most {MAX_TOP} [token, logprob]")
             pairs = []
@@ -269,7 +282,7 @@ class Sampled:
                     raise FrameError(f"row {rid:x}'s top entries must be [token, logprob], got {p!r:.80}")
                 pairs.append((p[0], float(p[1])))
             top = tuple(pairs)
-        return cls(rid, offset, token, float(logprob), top)
+        return cls(rid, offset, token, float(logprob), top, accepted)
 
 
 @dataclass(frozen=True)

@@ -171,3 +171,99 @@ def test_a_request_failing_on_a_stage_fails_alone(tiny_model):
     assert not flights, "a failed request stayed on the leader"
     assert isinstance(failed, EngineError) and "grammar" in str(failed) and "node1" in str(failed), failed
     assert isinstance(served, list) and len(served) >= 1
+
+
+def test_speculative_decoding_through_real_stages_gives_the_plain_greedy_tokens(tiny_model):
+    """A draft that always agrees (the model itself) and one that rarely does (another random
+    model with the same vocabulary): greedy requests at once get the tokens the same engine gives
+    without a draft; a sampled request beside them does not speculate; nothing is left behind."""
+    from ringd.draft import Drafter
+
+    path = tiny_model(arch="llama", layers=4, dtype="float32")
+    stranger = tiny_model(arch="llama", layers=2, dtype="float32", seed=9)
+    tokenizer = load_tokenizer(model_info(str(path)))
+    prompts = [tokenizer.encode(f"Question {i}: {'why rings? ' * i}", add_special_tokens=False) for i in range(4)]
+
+    async def main():
+        ring = StageRing(path, [1, 3], tokenizer)
+        last = ring.stages[-1].node
+
+        def engine_with(drafter):
+            engine = Engine("node0", tokenizer, None, prefill_chunk_tokens=8, prefix_cache_entries=0, drafter=drafter, num_draft=3)
+
+            def send(node, frame):
+                if frame.type in (MsgType.FORWARD, MsgType.RELEASE):
+                    ring.runners[node].handle(frame)
+                else:
+                    engine.on_frame(last, frame)
+
+            engine.send = send
+            for runner in ring.runners.values():
+                runner.send = send
+            engine.set_plan(ring.plan)
+            return engine
+
+        async def answers(engine):
+            async def one(prompt):
+                return [e.token async for e in engine.generate(prompt, SamplingParams(temperature=0), 20)]
+
+            sampled = engine.generate(prompts[0], SamplingParams(temperature=0.7, seed=3), 20)
+            outs = await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts), _drain(sampled)), 300)
+            for _ in range(600):  # every RELEASE applied on every stage
+                if not any(len(r.sessions) for r in ring.runners.values()) and not engine._flights:
+                    break
+                await asyncio.sleep(0.05)
+            return outs[:-1]
+
+        def proposals() -> tuple[float, float]:
+            get = ring.metrics.registry.get_sample_value
+            return tuple(get("ringd_draft_tokens_total", {"node": "node-last", "outcome": o}) or 0.0 for o in ("accepted", "rejected"))
+
+        async def speculating(draft) -> tuple[list, float]:
+            """The answers with ``draft`` as the draft model, and the share of its proposals kept."""
+            before = proposals()
+            out = await answers(engine_with(await Drafter.load(str(draft), ring.compute, model_info(str(path)))))
+            kept, cut = (a - b for a, b in zip(proposals(), before))
+            return out, kept / (kept + cut)
+
+        try:
+            plain = await answers(engine_with(None))
+            same, same_rate = await speculating(path)
+            other, other_rate = await speculating(stranger)
+            left = [len(r.sessions) for r in ring.runners.values()]
+            return plain, same, other, same_rate, other_rate, left
+        finally:
+            await ring.stop()
+
+    plain, same, other, same_rate, other_rate, left = asyncio.run(main())
+    assert same == plain and other == plain
+    # The model as its own draft agrees nearly always; a stranger rarely (both verified the same way).
+    assert same_rate > 0.9 and other_rate < 0.3, (same_rate, other_rate)
+    assert left == [0, 0, 0], left
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+def test_only_requests_whose_caches_can_be_cut_back_speculate(tiny_model):
+    """Greedy requests without logprobs, penalties or a grammar, on caches that can drop a rejected
+    proposal for the request's whole length (a sliding window cannot once it wraps; linear
+    attention never)."""
+    from ringd.steps import KvOptions
+
+    tokenizer = load_tokenizer(model_info(str(tiny_model(arch="llama", layers=2, dtype="float32"))))
+    engine = Engine("node0", tokenizer, None, drafter=object())
+    greedy = SamplingParams(temperature=0)
+    assert engine._speculates(greedy, 10_000)
+    assert not engine._speculates(SamplingParams(temperature=0.5), 10)
+    assert not engine._speculates(SamplingParams(temperature=0, logprobs=True), 10)
+    assert not engine._speculates(SamplingParams(temperature=0, repetition_penalty=1.1), 10)
+    engine.prefix_limit = 0  # linear-attention state
+    assert not engine._speculates(greedy, 10)
+    engine.prefix_limit = 64  # a sliding window of 64: fine while the request stays inside it
+    assert engine._speculates(greedy, 63) and not engine._speculates(greedy, 64)
+    engine.prefix_limit, engine.kv = None, KvOptions(max_size=32)
+    assert engine._speculates(greedy, 31) and not engine._speculates(greedy, 40)
+    assert not Engine("node0", tokenizer, None)._speculates(greedy, 10)  # no draft model

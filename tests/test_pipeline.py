@@ -139,3 +139,63 @@ def test_every_architecture_decodes_batched_rows_as_mlx_lm_does(tiny_model, arch
     for rid, prompt in enumerate(prompts):
         bad = teacher_forced_mismatches(mlx_model, prompt, out[rid])
         assert not bad, f"request {rid}:\n" + "\n".join(bad)
+
+
+def test_verify_rows_keep_the_proposals_that_agree_and_every_stage_cuts_the_rest(model):
+    """Speculative decoding's stage side: rows carrying a fed-back token and a draft's proposals,
+    right, wrong or half right, give the tokens plain greedy decoding gives, and no stage's caches
+    keep a rejected proposal (the next row, starting where the kept ones end, would fail)."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 500) for _ in range(11)]
+    steps = 30
+
+    async def main():
+        ring = StageRing(model, [1, 3])
+        try:
+            plain = await ring.generate(prompt, SamplingParams(temperature=0), steps, rid=1)
+            opened = await ring.prefill(2, prompt, SamplingParams(temperature=0))
+            ring.forward([Row(2, len(prompt) - 1, (prompt[-1],), True, open=opened)])
+            [first] = (await ring.answer()).rows
+            out, offset, token, kept = [first.token], first.offset, first.token, []
+            for turn in range(steps):
+                if len(out) >= steps:
+                    break
+                right = plain[len(out) : len(out) + 3]
+                # Right, wrong, or right then wrong: every outcome of a draft, turn by turn.
+                proposals = [right, [(t + 1) % 500 for t in right], right[:1] + [(t + 1) % 500 for t in right[1:]]][turn % 3]
+                if not proposals:
+                    break
+                ring.forward([Row(2, offset, (token, *proposals), True, verify=True)])
+                answer = await ring.answer()
+                assert isinstance(answer, Tokens) and not answer.failed, answer
+                [s] = answer.rows
+                kept.append((turn % 3, s.accepted, len(proposals)))
+                out += list(proposals[: s.accepted]) + [s.token]
+                offset, token = s.offset, s.token
+                assert offset == len(prompt) + len(out) - 1
+            ring.send(ring.first, release(2, TERM))
+            # A request that samples cannot verify: its proposals are refused, not guessed at.
+            opened = await ring.prefill(3, prompt, SamplingParams(temperature=0.7, seed=1))
+            ring.forward([Row(3, len(prompt) - 1, (prompt[-1], 5, 6), True, open=opened, verify=True)])
+            refused = await ring.answer()
+            ring.send(ring.first, release(3, TERM))  # as the leader does after a failed row
+            for _ in range(1000):  # every RELEASE applied: each stage hands it on, then applies it
+                left = [len(r.sessions) for r in ring.runners.values()]
+                if not any(left):
+                    break
+                await ring.compute.run(lambda: None)
+                await asyncio.sleep(0.01)
+            return plain, out[:steps], kept, refused, left, ring.metrics.registry
+        finally:
+            await ring.stop()
+
+    plain, out, kept, refused, left, registry = asyncio.run(main())
+    assert out == plain[: len(out)] and len(out) == steps
+    assert all(n == k for kind, n, k in kept if kind == 0), kept  # right proposals are all kept
+    assert all(n == 0 for kind, n, _ in kept if kind == 1), kept  # wrong ones none
+    assert all(n == min(1, k) for kind, n, k in kept if kind == 2), kept
+    get = registry.get_sample_value
+    assert get("ringd_draft_tokens_total", {"node": "node-last", "outcome": "accepted"}) > 0
+    assert get("ringd_draft_tokens_total", {"node": "node-last", "outcome": "rejected"}) > 0
+    assert isinstance(refused, Tokens) and "greedy" in refused.failed[0][1]
+    assert left == [0, 0, 0], left

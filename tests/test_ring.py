@@ -329,3 +329,34 @@ def test_mlx_lm_kv_cache_options_match_mlx_lm(tiny_model, ring_pool, env, option
     assert len(set(ref)) >= 10
     tokens, _, finish, _ = ring_greedy(ring, prompt)
     assert tokens == ref
+
+
+@pytest.mark.parametrize("draft", ["itself", "a stranger"])
+def test_speculative_decoding_through_three_nodes_gives_the_plain_greedy_text(tiny_model, draft):
+    """`--draft-model`: the leader proposes, the 3-node ring verifies. With the model as its own draft
+    (it agrees nearly always) and with another random model (it rarely does), greedy text, plain and
+    streamed, is mlx-lm's, and the last stage counts the proposals it kept and cut."""
+    from conftest import Ring
+
+    model = tiny_model(arch="llama", dtype="float32", layers=LAYERS)
+    drafter = model if draft == "itself" else tiny_model(arch="llama", dtype="float32", layers=2, seed=9)
+    prompt = chat_prompt(model, "Tell me a story about a ring of small computers.")
+    ref_tokens, _ = reference(model, prompt, MAX_TOKENS)
+    tok = tokenizer_of(model)
+    assert not set(ref_tokens) & set(tok.eos_token_ids)
+    ring = Ring(model, 3, env={"RINGD_DRAFT_MODEL": str(drafter)})
+    try:
+        client = ring.client()
+        plain = client.completions.create(model=ring.model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        streamed = client.completions.create(model=ring.model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        assert plain.choices[0].text == tok.decode(ref_tokens)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == tok.decode(ref_tokens)
+        assert plain.usage.completion_tokens == MAX_TOKENS
+        status, cluster = _get(ring.url + "/cluster/status")
+        with urllib.request.urlopen(f"http://{cluster['nodes'][-1]['http']}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        counts = {o: float(re.search(rf'^ringd_draft_tokens_total\{{node="node2",outcome="{o}"\}} (\S+)$', text, re.M).group(1)) for o in ("accepted", "rejected")}
+        rate = counts["accepted"] / (counts["accepted"] + counts["rejected"])
+        assert rate > 0.9 if draft == "itself" else rate < 0.3, counts
+    finally:
+        ring.stop()

@@ -15,6 +15,12 @@ known tokens may be in several micro-batches at once); each request's tokens arr
 uninterrupted run's (so a replay after a lost ring yields the same tokens);
 every request that did not leave gets all its tokens, even beside a stream
 that never ends (none starves); every request's caches are released.
+
+Speculative requests ask the simulated draft model for proposals (``Draft``),
+answered at any later point, right (the model's own continuation) or wrong; the
+last stage keeps the proposals that agree with what it samples and cuts the
+rest from its cache, the other stages cut them when the request's next row
+says where; a cut is allowed only into positions a verify row left provisional.
 """
 
 from __future__ import annotations
@@ -22,10 +28,10 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ringd.scheduler import Deliver, Fail, Release, Row, Scheduler, SchedulerError, Send
+from ringd.scheduler import Deliver, Draft, Fail, Release, Row, Scheduler, SchedulerError, Send
 
 VOCAB = 1000
 HOG = 10**6  # the request id of a stream that never ends
@@ -58,6 +64,9 @@ class Ring:
         self.failed: set[int] = set()
         self.fail_next = False  # the last stage fails the first row of the next micro-batch it applies
         self.term = 0
+        self.drafts: list[Draft] = []  # asked for, not answered yet
+        self.provisional: list[dict[int, int]] = [{} for _ in range(stages)]  # per stage: positions a next row may cut
+        self.accepted = 0  # proposals the ring kept, in all
 
     def apply(self, commands: list) -> None:
         for c in commands:
@@ -70,6 +79,9 @@ class Ring:
             elif isinstance(c, Deliver):
                 assert c.rid not in self.failed, "a token after the request failed"
                 self.delivered.setdefault(c.rid, []).append(c.token)
+            elif isinstance(c, Draft):
+                assert c.k >= 1 and all(d.rid != c.rid for d in self.drafts), "a second draft asked for before the first was answered"
+                self.drafts.append(c)
             elif isinstance(c, Fail):
                 assert c.rid not in self.failed, "a request failed twice"
                 self.failed.add(c.rid)
@@ -101,21 +113,50 @@ class Ring:
         if last and self.fail_next and item.rows:
             self.fail_next = False
             failed[item.rows[0].rid] = "a sampler's error"
+        accepted = {}
         for row in item.rows:
             assert row.rid not in self.released, "a row after the request's release"
             held = cache.setdefault(row.rid, [])
-            assert row.offset == len(held), f"row at {row.offset}, cache holds {len(held)}"
+            cut = len(held) - row.offset
+            assert 0 <= cut <= self.provisional[k].get(row.rid, 0), f"row at {row.offset}, cache holds {len(held)}"
+            del held[row.offset :]
             held.extend(row.tokens)
-            if last and row.sample and not row.silent and row.rid not in failed:
+            self.provisional[k][row.rid] = len(row.tokens) - 1 if row.verify else 0
+            if last and row.verify and row.rid not in failed:
+                n = 0  # proposals that agree with what the model samples after each position
+                while n < len(row.tokens) - 1 and model(row.rid, held[: row.offset + n + 1]) == row.tokens[n + 1]:
+                    n += 1
+                del held[row.offset + n + 1 :]
+                self.provisional[k][row.rid] = 0
+                sampled[row.rid], accepted[row.rid] = model(row.rid, held), n
+                self.accepted += n
+            elif last and row.sample and not row.silent and row.rid not in failed:
                 sampled[row.rid] = model(row.rid, held)
         if last:
-            self.apply(self.sched.tokens(item.batch, item.term, sampled, failed))
+            self.apply(self.sched.tokens(item.batch, item.term, sampled, failed, accepted))
         else:
             self.queues[k + 1].append(item)
+
+    def answer_draft(self, i: int, right: bool) -> None:
+        """The draft model answers the i-th open ask: the model's own continuation, or tokens it never samples."""
+        d = self.drafts.pop(i % len(self.drafts))
+        seq, proposals = list(d.sequence), []
+        for _ in range(d.k):
+            t = model(d.rid, seq) if right else (model(d.rid, seq) + 1) % VOCAB
+            proposals.append(t)
+            seq.append(t)
+        self.apply(self.sched.drafted(d.rid, len(d.sequence), tuple(proposals)))
+
+    def drain_step(self) -> None:
+        if self.drafts:
+            self.answer_draft(0, right=len(self.drafts) % 2 == 0)
+        else:
+            self.advance(self.busy()[-1])
 
     def lose(self) -> None:
         self.queues = [[] for _ in self.queues]
         self.caches = [{} for _ in self.caches]
+        self.provisional = [{} for _ in self.provisional]
         self.sched.ring_lost()
         self.term += 1
         self.apply(self.sched.ring_up(self.term))
@@ -130,6 +171,7 @@ EVENTS = st.one_of(
     st.tuples(st.just("advance"), st.integers(0, 10)),
     st.tuples(st.just("lose")),
     st.tuples(st.just("fail")),
+    st.tuples(st.just("draft"), st.integers(0, 10), st.booleans()),
 )
 
 
@@ -140,11 +182,12 @@ EVENTS = st.one_of(
     max_rows=st.integers(1, 4),
     chunk=st.integers(1, 4),
     interleaved=st.integers(1, 4),
+    num_draft=st.integers(0, 3),
     events=st.lists(EVENTS, max_size=120),
     hog=st.booleans(),
 )
-def test_any_interleaving_delivers_every_token_once_in_order_as_the_uninterrupted_run(stages, in_flight, max_rows, chunk, interleaved, events, hog):
-    sched = Scheduler(max_in_flight=in_flight, max_rows=max_rows, prefill_chunk=chunk, interleaved_chunk=interleaved)
+def test_any_interleaving_delivers_every_token_once_in_order_as_the_uninterrupted_run(stages, in_flight, max_rows, chunk, interleaved, num_draft, events, hog):
+    sched = Scheduler(max_in_flight=in_flight, max_rows=max_rows, prefill_chunk=chunk, interleaved_chunk=interleaved, num_draft=num_draft)
     ring = Ring(stages, sched)
     ring.apply(sched.ring_up(ring.term))
     joined: dict[int, tuple[list[int], int]] = {}
@@ -155,7 +198,9 @@ def test_any_interleaving_delivers_every_token_once_in_order_as_the_uninterrupte
         if ev[0] == "join":
             rid = len(joined)
             joined[rid] = (ev[1], ev[2])
-            ring.apply(sched.join(rid, ev[1], ev[2]))
+            ring.apply(sched.join(rid, ev[1], ev[2], draft=rid % 3 != 2))  # most requests speculate
+        elif ev[0] == "draft" and ring.drafts:
+            ring.answer_draft(ev[1], ev[2])
         elif ev[0] == "leave" and ev[1] in joined:
             left.add(ev[1])
             ring.apply(sched.leave(ev[1]))
@@ -169,16 +214,17 @@ def test_any_interleaving_delivers_every_token_once_in_order_as_the_uninterrupte
     for _ in range(DRAIN_STEPS):  # the ring runs on: every other request must finish
         if not any(rid in sched for rid in joined):
             break
-        ring.advance(ring.busy()[-1])
+        ring.drain_step()
     waiting = [rid for rid in joined if rid in sched]
     assert not waiting, f"requests {waiting} starved beside a stream that never ends"
     if hog:
         ring.apply(sched.leave(HOG))
     for _ in range(DRAIN_STEPS):
-        if not ring.busy():
+        if not ring.busy() and not ring.drafts:
             break
-        ring.advance(ring.busy()[-1])
+        ring.drain_step()
     assert not ring.busy(), "the ring never drains"
+    event("proposals accepted" if ring.accepted else "no proposal accepted")
     assert sched.in_flight == 0
     for rid, (prompt, n) in joined.items():
         got = ring.delivered.get(rid, [])
@@ -324,3 +370,30 @@ def test_beside_running_streams_a_prompt_goes_in_smaller_chunks():
     assert [s.rows for s in out] == [(Row(1, 0, (7,), True),), (Row(2, 0, (0, 1), False),)]
     with pytest.raises(SchedulerError):
         Scheduler(interleaved_chunk=0)
+
+
+def test_a_speculative_step_verifies_the_drafts_proposals_and_delivers_what_agrees():
+    sched = Scheduler(max_in_flight=1, prefill_chunk=8, num_draft=3)
+    [send] = sched.ring_up(1) + sched.join(1, [5, 6], 10, draft=True)
+    [last] = [c for c in sched.tokens(send.batch, 1, {}) if isinstance(c, Send)]
+    assert last.rows == (Row(1, 1, (6,), True),)  # the first token comes from the prompt alone
+    out = sched.tokens(last.batch, 1, {1: 40})
+    # Then the draft model is asked, and nothing goes until it answers.
+    assert out == [Deliver(1, 40), Draft(1, (5, 6, 40), 3)]
+    # An answer for another length counts for nothing: the draft is asked again.
+    assert sched.drafted(1, 2, (1, 2, 3)) == [Draft(1, (5, 6, 40), 3)]
+    [verify] = sched.drafted(1, 3, (41, 42, 43))
+    assert verify.rows == (Row(1, 2, (40, 41, 42, 43), True, verify=True),)
+    # Two proposals kept, and the token after them: three tokens for one trip around the ring.
+    out = sched.tokens(verify.batch, 1, {1: 50}, accepted={1: 2})
+    assert out == [Deliver(1, 41, drafted=True), Deliver(1, 42, drafted=True), Deliver(1, 50), Draft(1, (5, 6, 40, 41, 42, 50), 3)]
+    # The next row starts where the kept positions end: stages cut the rejected proposal there.
+    [verify] = sched.drafted(1, 6, (60, 61, 62))
+    assert verify.rows[0].offset == 5
+    # Near max_tokens the draft proposes fewer, so no answer can overshoot it.
+    out = sched.tokens(verify.batch, 1, {1: 63}, accepted={1: 3})
+    assert out[-1] == Draft(1, (5, 6, 40, 41, 42, 50, 60, 61, 62, 63), 1)
+    # Accepting more proposals than the row had fails the request.
+    [verify] = sched.drafted(1, 10, (70,))
+    out = sched.tokens(verify.batch, 1, {1: 71}, accepted={1: 2})
+    assert isinstance(out[0], Fail) and 1 not in sched

@@ -29,14 +29,10 @@ opens = st.builds(
 @st.composite
 def rows(draw, rid):
     sample = draw(st.booleans())
-    return Row(
-        rid,
-        draw(st.integers(0, 2**31)),
-        tuple(draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40))),
-        sample,
-        sample and draw(st.booleans()),
-        draw(st.none() | opens),
-    )
+    tokens = tuple(draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)))
+    silent = sample and draw(st.booleans())
+    verify = sample and not silent and len(tokens) > 1 and draw(st.booleans())
+    return Row(rid, draw(st.integers(0, 2**31)), tokens, sample, silent, draw(st.none() | opens), verify)
 
 
 @st.composite
@@ -48,7 +44,7 @@ def forwards(draw):
 
 
 tops = st.lists(st.tuples(st.integers(0, VOCAB - 1), st.floats(-1e4, 0)), max_size=20).map(tuple)
-sampled = st.builds(Sampled, ids, st.integers(0, 2**31), st.integers(0, VOCAB - 1), st.floats(-1e4, 0), tops)
+sampled = st.builds(Sampled, ids, st.integers(0, 2**31), st.integers(0, VOCAB - 1), st.floats(-1e4, 0), tops, st.integers(0, 8))
 
 
 def through_the_wire(frame: Frame) -> Frame:
@@ -107,7 +103,9 @@ def frame(d: dict) -> Frame:
         ([[1, 0, [VOCAB], 1]], "ids in"),
         ([[1, 0, [], 1]], "1 to"),
         ([[1, 0, [1], 2]], "flags"),
-        ([[1, 0, [1], 4]], "flags"),
+        ([[1, 0, [1, 2], 4]], "flags"),
+        ([[1, 0, [1, 2], 7]], "flags"),
+        ([[1, 0, [1], 5]], "carries none"),
         ([[1, -1, [1], 1]], "offset"),
         ([[2**64, 0, [1], 1]], "request id"),
         ([[1, 0, [1], 1, {"params": {}, "reuse": [3, 5]}]], "reuse"),
