@@ -86,6 +86,7 @@ class ApiNode(Protocol):
     api_keys: frozenset[str]
     metrics: "Metrics"
     chat_template_kwargs: dict  # what every chat template gets unless a request sets it
+    failover_wait_s: float  # how long a request waits for the next ring when the last was lost
 
     @property
     def engine(self) -> "Engine | None": ...

@@ -290,7 +290,7 @@ KEYS: list[Key] = [
     Key("prefix_cache_entries", _non_negative_int, 8, "finished requests whose KV caches stay for prefix reuse (0: off)", int),
     Key("max_queued_requests", _non_negative_int, 32, "requests that may wait for KV room before 429s", int),
     Key("queue_timeout_s", _positive_float, 60.0, "longest wait for KV room before a 429", float),
-    Key("failover_wait_s", _positive_float, 60.0, "how long a follower waits for a new leader to carry a proxied request over before it gives up", float),
+    Key("failover_wait_s", _positive_float, 60.0, "how long a request waits for a ring being re-planned, or a follower for a new leader to carry a proxied request over, before it gives up", float),
     Key("heartbeat_interval_s", _positive_float, 0.5, "seconds between heartbeats on each link", float),
     Key("dead_after_s", _positive_float, 2.0, "seconds of silence after which a peer is dead", float),
     Key("log_level", _log_level, "info", "debug, info, warning or error"),

@@ -94,6 +94,9 @@ class Serving:
             raise ApiError(503, "this node does not lead; retry in a moment")
         self._check_model(req)
         ready, reason = self.d.readiness()
+        if not ready and await engine.ring_back(self.d.failover_wait_s):
+            # The ring was lost a moment ago: this request waits for the next, as those in flight do.
+            ready, reason = self.d.readiness()
         if not ready:
             raise ApiError(503, f"the ring is not ready: {reason}")
         try:

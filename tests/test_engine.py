@@ -267,3 +267,36 @@ def test_only_requests_whose_caches_can_be_cut_back_speculate(tiny_model):
     engine.prefix_limit, engine.kv = None, KvOptions(max_size=32)
     assert engine._speculates(greedy, 31) and not engine._speculates(greedy, 40)
     assert not Engine("node0", tokenizer, None)._speculates(greedy, 10)  # no draft model
+
+
+def test_a_request_arriving_while_a_lost_ring_is_replanned_waits_for_the_next(tiny_model):
+    """Between a lost ring and the next, new requests wait as the held ones do (ring_back); when
+    none ever served, or none can, they are told at once."""
+    from ringd.placement import Plan, Stage
+
+    tokenizer = load_tokenizer(model_info(str(tiny_model(arch="llama", layers=2, dtype="float32"))))
+
+    def plan(term):
+        return Plan(term, "node0", "fp", 2, (Stage("node0", "127.0.0.1:1", 0, 2),))
+
+    async def main():
+        engine = Engine("node0", tokenizer, lambda node, frame: None)
+        never = await engine.ring_back(60)  # no ring ever served: nothing to wait for
+        engine.set_plan(plan(1))
+        engine.suspend_all("node1 left")
+        waiting = asyncio.ensure_future(engine.ring_back(60))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        engine.set_plan(plan(2))
+        back = await asyncio.wait_for(waiting, 10)
+        engine.suspend_all("node1 left")
+        waiting = asyncio.ensure_future(engine.ring_back(60))
+        await asyncio.sleep(0)
+        engine.fail_all("no ring can serve")
+        none = await asyncio.wait_for(waiting, 10)
+        timed_out = await engine.ring_back(0.01)  # nothing is being planned now: at once
+        engine.set_plan(plan(3))
+        engine.suspend_all("node1 left")
+        return never, back, none, timed_out, await engine.ring_back(0.05)
+
+    assert asyncio.run(main()) == (False, True, False, False, False)

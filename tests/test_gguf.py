@@ -138,8 +138,10 @@ def test_a_stage_holds_its_share_and_reads_no_other_tensor(smollm2_gguf):
     middle = out["10-20"]
     assert middle["params"] == middle["share"]
     assert middle["names"] == [str(i) for i in range(10, 20)]
-    # The first read: a third of the layers and no embeddings, not the 98 MB file.
-    assert middle["rss"] < 0.5 * size, f"loading a third of the layers grew the process by {middle['rss']} bytes"
+    # The first read: a third of the layers and no embeddings (22 MB), not the 98 MB file. A
+    # process's first load also pays one-time costs (MLX's allocator pools, the model's code:
+    # about 20 MB here, 45-50 MB in all under load), so the bound sits between that and the file.
+    assert middle["rss"] < 0.75 * size, f"loading a third of the layers grew the process by {middle['rss']} bytes"
     first, last = out["0-10"], out["20-30"]
     assert "model.embed_tokens.weight" in first["names"] and "model.norm.weight" not in first["names"]
     assert {"model.embed_tokens.weight", "model.norm.weight"} <= set(last["names"])  # tied: the head is the embedding
