@@ -36,7 +36,7 @@ import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
 
 from wire.frames import Frame, FrameError, MsgType
-from wire.tensors import tensor_descriptor, tensor_from_buffer, tensor_to_buffer
+from wire.tensors import tensor_descriptor, tensor_from_buffer, tensor_to_buffer, wire_bits
 
 from .compute import ComputeThread
 from .logs import about
@@ -191,8 +191,9 @@ class StageRunner:
             if not rows:
                 return [(self.next_node, out.frame())], prefill
             h = mx.concatenate([h for _, h in done], axis=1) if len(done) > 1 else done[0][1]
-            mx.eval(h, self.sessions.states(row.rid for row in rows))
-            return [(self.next_node, out.frame(tensor_descriptor(h), tensor_to_buffer(h)))], prefill
+            bits = wire_bits(h)  # evaluated with the step: one evaluation per frame
+            mx.eval(bits, self.sessions.states(row.rid for row in rows))
+            return [(self.next_node, out.frame(tensor_descriptor(h), tensor_to_buffer(bits)))], prefill
         sampled = []
         for row, h in done:
             try:

@@ -17,6 +17,7 @@ from wire.tensors import (
     tensor_descriptor,
     tensor_from_buffer,
     tensor_to_buffer,
+    wire_bits,
 )
 
 UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
@@ -159,3 +160,15 @@ def test_arrays_that_cannot_travel():
 
 def test_dtype_names_are_mlx_names():
     assert all(str(dtype) == f"mlx.core.{name}" for name, dtype in DTYPES.items())
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES, key=str))
+def test_wire_bits_are_the_arrays_own_bytes_and_need_no_view_where_the_buffer_exports(dtype):
+    arr = (mx.arange(6) % 2).astype(DTYPES[dtype]).reshape(2, 3)
+    bits = wire_bits(arr)
+    mx.eval(bits)
+    assert bytes(tensor_to_buffer(bits)) == bytes(tensor_to_buffer(arr))
+    native = dtype not in ("bfloat16", "bool", "complex64")
+    assert (bits is arr) == native
+    if native:
+        memoryview(arr)  # exports as it is: tensor_to_buffer takes it without a view
