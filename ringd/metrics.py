@@ -241,9 +241,11 @@ class Metrics:
             self.inter_token.observe(gap_s)
         self.live.token(time.monotonic())
 
-    def stats(self, active: int, queued: int) -> dict:
-        """The leader's live figures, for /cluster/status, the dashboard and `ringctl top`."""
+    def stats(self, active: int, queued: int, micro_batches: int = 0, drafts: tuple[int, int] = (0, 0)) -> dict:
+        """The leader's live figures, for /cluster/status, the dashboard and `ringctl top`.
+        ``drafts``: a draft model's proposals the ring kept, of those it verified (speculative decoding)."""
         live = self.live
+        kept, proposed = drafts
         return {
             "tokens_per_s": live.tokens_per_s(time.monotonic()),
             "ttft_s": live.ttft_s(),
@@ -251,4 +253,6 @@ class Metrics:
             "queued_requests": queued,
             "requests_total": live.requests_total,
             "tokens_out_total": live.tokens_out_total,
+            "micro_batches": micro_batches,
+            "draft_acceptance": round(kept / proposed, 4) if proposed else None,
         }

@@ -195,6 +195,8 @@ class Scheduler:
         self._batches = itertools.count(1)
         self._clock = itertools.count(1)
         self._prefill_turn = False  # the next micro-batch is a prompt's chunk, if one is waiting
+        self.proposed = 0  # a draft's proposals verified around the ring, in all
+        self.kept = 0  # of them, those the ring kept
 
     # --- what is there ---------------------------------------------------------------
 
@@ -279,6 +281,8 @@ class Scheduler:
             elif row.sample and not row.silent and not req.leaving:
                 if row.verify:  # the caches keep the row's first token and the proposals accepted
                     req.sent = req.queued = row.offset + 1 + kept
+                    self.proposed += len(row.tokens) - 1
+                    self.kept += kept
                 for i, token in enumerate(row.tokens[1 : 1 + kept] + (sampled[row.rid],)):
                     if req.done():  # a stop among the proposals ends it there
                         break

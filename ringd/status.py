@@ -93,8 +93,12 @@ class Status:
             "links": {p: {"number": peer.number, "encrypted": peer.stream.encrypted} for p, peer in sorted(cluster.peers.items())},
             "drained": sorted(cluster.drained, key=natural_key),
             # The leader's live figures (tokens/s, time to first token), for the dashboard and `ringctl top`.
-            "stats": self.metrics.stats(coordinator.engine.active, coordinator.engine.queued) if coordinator else None,
+            "stats": self._stats(coordinator.engine) if coordinator else None,
         }
+
+    def _stats(self, engine) -> dict:
+        sched = engine.scheduler
+        return self.metrics.stats(engine.active, engine.queued, sched.in_flight, (sched.kept, sched.proposed))
 
     def gauges(self) -> Gauges:
         """What /metrics reports of this node, read from the same parts ``local`` reads."""

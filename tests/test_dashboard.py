@@ -224,7 +224,8 @@ def test_dashboard_draws_progress_encryption_silent_and_drained_nodes(browser, t
                  "stages": [["m1", "10.0.0.1:50051", 0, 30], ["m2", "10.0.0.2:50051", 30, 52], ["m3", "10.0.0.3:50051", 52, 64]]},
         "nodes": [
             node_status("m1", "leader", 0, [0, 30], {"m2": locked, "m3": locked, "m4": locked}, drained=["m4"],
-                        stats={"tokens_per_s": 17.25, "ttft_s": 0.42, "active_requests": 2, "queued_requests": 1, "requests_total": 40, "tokens_out_total": 9000}),
+                        stats={"tokens_per_s": 17.25, "ttft_s": 0.42, "active_requests": 2, "queued_requests": 1, "requests_total": 40, "tokens_out_total": 9000,
+                               "micro_batches": 3, "draft_acceptance": 0.7512}),
             node_status("m2", "follower", 1, [30, 52], {"m1": locked, "m4": locked}),  # its link to m3 is down
             node_status("m3", "follower", 2, None, {"m1": locked}, ready=False, reason="downloading",
                         progress={"phase": "download", "file": "model-00004-of-00006.safetensors", "files_done": 3, "files_total": 6,
@@ -271,7 +272,8 @@ def test_dashboard_draws_progress_encryption_silent_and_drained_nodes(browser, t
     # The leader's figures.
     expect(page.locator("#tokens-per-s")).to_have_text("17.3")
     expect(page.locator("#ttft")).to_have_text("420 ms")
-    for figure, value in {"active-requests": "2", "queued-requests": "1", "requests-total": "40", "tokens-out-total": "9,000"}.items():
+    figures = {"active-requests": "2", "queued-requests": "1", "requests-total": "40", "tokens-out-total": "9,000", "micro-batches": "3", "draft-acceptance": "75%"}
+    for figure, value in figures.items():
         expect(page.locator(f"#{figure}")).to_have_text(value)
     expect(page.locator("#cluster-ready")).to_have_attribute("data-state", "waiting")
     keep_screenshot(page, tmp_path, "dashboard-states.png")

@@ -393,6 +393,7 @@ def test_a_speculative_step_verifies_the_drafts_proposals_and_delivers_what_agre
     # Near max_tokens the draft proposes fewer, so no answer can overshoot it.
     out = sched.tokens(verify.batch, 1, {1: 63}, accepted={1: 3})
     assert out[-1] == Draft(1, (5, 6, 40, 41, 42, 50, 60, 61, 62, 63), 1)
+    assert (sched.proposed, sched.kept) == (6, 5)  # what the dashboard's acceptance is made of
     # Accepting more proposals than the row had fails the request.
     [verify] = sched.drafted(1, 10, (70,))
     out = sched.tokens(verify.batch, 1, {1: 71}, accepted={1: 2})

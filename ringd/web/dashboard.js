@@ -467,6 +467,8 @@
     setText("queued-requests", fmtCount(pick("queued_requests")));
     setText("requests-total", fmtCount(stats ? stats.requests_total : null));
     setText("tokens-out-total", fmtCount(stats ? stats.tokens_out_total : null));
+    setText("micro-batches", fmtCount(stats ? stats.micro_batches : null));
+    setText("draft-acceptance", stats && isNum(stats.draft_acceptance) ? `${Math.round(stats.draft_acceptance * 100)}%` : DASH);
   }
 
   function drawSummary() {
