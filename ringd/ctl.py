@@ -293,6 +293,8 @@ _STATS = (
     ("queued_requests", "queued", "{:,.0f}"),
     ("requests_total", "requests", "{:,.0f}"),
     ("tokens_out_total", "tokens out", "{:,.0f}"),
+    ("micro_batches", "micro-batches", "{:,.0f}"),
+    ("draft_acceptance", "drafts kept", "{:.0%}"),
 )
 
 

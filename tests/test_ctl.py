@@ -150,7 +150,8 @@ def test_top_draws_live_figures_and_loading_progress_when_the_document_has_them(
                 "node": "mini1", "role": "leader", "stage": 0, "layers": [0, 14], "ready": True,
                 "parameter_bytes": 3 * 2**30, "kv_bytes": 2**20, "kv_capacity": 4 * 2**30, "budget": 8 * 2**30,
                 "sessions": 2, "active_requests": 1, "queued_requests": 3, "term": 7,
-                "stats": {"tokens_per_s": 41.25, "ttft_s": None, "active_requests": 1, "queued_requests": 3, "requests_total": 1200, "tokens_out_total": 98765},
+                "stats": {"tokens_per_s": 41.25, "ttft_s": None, "active_requests": 1, "queued_requests": 3, "requests_total": 1200, "tokens_out_total": 98765,
+                          "micro_batches": 2, "draft_acceptance": 0.8},
             },
             {
                 "node": "studio", "role": "follower", "stage": 1, "layers": [14, 28], "ready": False, "term": 7,
@@ -161,14 +162,14 @@ def test_top_draws_live_figures_and_loading_progress_when_the_document_has_them(
     }  # fmt: skip
     text = render(top_view("10.0.0.1:8100", doc, None, time.time(), 3, 1.0))
     assert "leader mini1 · not ready: waiting for studio to load its layers · term 7" in text
-    assert "tokens/s 41.2 · active 1 · queued 3 · requests 1,200 · tokens out 98,765" in text and "TTFT" not in text
+    assert "tokens/s 41.2 · active 1 · queued 3 · requests 1,200 · tokens out 98,765 · micro-batches 2 · drafts kept 80%" in text and "TTFT" not in text
     assert re.search(r"studio\s+downloading\s+\S+\s+45%\s+45\.0 / 100\.0 MiB\s+12\.5 MiB/s\s+model-00002\.safetensors", text), text
     assert "no answer: timed out" in text and "3,072.0" in text and "1.0 / 4,096.0" in text
 
     # `ringctl status` prints the same figures and progress once, under its table.
     print_status(doc)
     once = capsys.readouterr().out
-    assert "tokens/s 41.2 · active 1 · queued 3 · requests 1,200 · tokens out 98,765" in once
+    assert "tokens/s 41.2 · active 1 · queued 3 · requests 1,200 · tokens out 98,765 · micro-batches 2" in once
     assert re.search(r"studio\s+downloading\s+\S+\s+45%\s+45\.0 / 100\.0 MiB\s+12\.5 MiB/s\s+model-00002\.safetensors", once), once
 
     # Without the live fields nothing of them is drawn; a failed poll keeps the last answer under the error.
