@@ -15,6 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Requests waiting for KV room. Past this a client is better off told to come
+# back (429) than kept waiting behind a long queue.
+MAX_QUEUED_REQUESTS = 32
+# Longest a request waits for KV room before a 429; generating a long answer
+# takes about this long, so waiting longer rarely pays off.
+QUEUE_TIMEOUT_S = 60.0
+
 # mlx-lm's KVCache grows its buffers this many positions at a time
 # (KVCache.step), so a request of n tokens holds ceil(n / 256) * 256 of them.
 KV_STEP_TOKENS = 256

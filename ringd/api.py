@@ -33,7 +33,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from . import logs
 from .auth import AuthError, ControlAuth, ForwardAuth, body_sha256, check_api_key, is_signed, sign
-from .config import check_name
+from .names import check_name
 from .http_guard import AIOHTTP_LOG, BODY_READ_TIMEOUT_S, HTTP_IDLE_TIMEOUT_S, BodyBudget, listen, raise_fd_limit, undecodable_header
 from . import anthropic_api, ollama_api
 from .anthropic_api import AnthropicApi

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from . import config as config_mod
+from .config import DEFAULT_HTTP_PORT
 from . import logs
 
 # How often a `ringd local` node checks that its launcher is still alive.
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     local = sub.add_parser("local", help="run a ring of N daemon processes on this machine")
     local.add_argument("--nodes", type=int, required=True, help="number of daemon processes")
     local.add_argument("--model", required=True, help="an mlx-lm model directory, a Hugging Face repo id, a .gguf file or ollama:NAME[:TAG]")
-    local.add_argument("--port", type=int, default=8100, help="the API's port (0: a free one); default 8100")
+    local.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help=f"the API's port (0: a free one); default {DEFAULT_HTTP_PORT}")
     local.add_argument("--host", default="127.0.0.1", help="the API's address; default 127.0.0.1")
     local.add_argument("--split", help="layers per node, e.g. 10,9,9 (default: even, low stages take the extra)")
     local.add_argument("--model-id", help="model name the API serves")
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import demo as demo_mod
 
     demo = sub.add_parser("demo", help=f"`local` with {demo_mod.NODES} nodes serving {demo_mod.MODEL_ID}, fetched once")
-    demo.add_argument("--port", type=int, default=8100, help="the API's port (0: a free one); default 8100")
+    demo.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help=f"the API's port (0: a free one); default {DEFAULT_HTTP_PORT}")
     demo.add_argument("--nodes", type=int, default=demo_mod.NODES, help=f"number of nodes; default {demo_mod.NODES}")
     demo.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 

@@ -30,11 +30,12 @@ from typing import Callable
 
 from wire.frames import Frame, MsgType
 
-from .config import parse_hostport
+from .names import parse_hostport
 from .election import Election, ElectionError, Pin, Term
 from .membership import LinkError, Links
 from .messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, Heartbeat, MessageError, clip, parse_control
-from .placement import MAX_ADDR_CHARS, natural_key
+from .names import natural_key
+from .placement import MAX_ADDR_CHARS
 from .reconcile import Report
 from .tasks import Supervisor
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ipaddress
 import json
 import os
 import re
@@ -29,6 +28,12 @@ from typing import Any, Callable
 import yaml
 
 from .logs import LOG_FORMATS
+from .admission import MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S
+from .membership import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S
+from .names import check_host as _host
+from .names import check_name, parse_hostport
+from .names import check_port as _port
+from .prefix import DEFAULT_PREFIX_CACHE_ENTRIES
 from .scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, MAX_NUM_DRAFT
 from .steps import MAX_ROWS
 
@@ -41,18 +46,10 @@ DEFAULT_SECRET_FILE = "~/.config/ringd/secret"
 MIN_SECRET_BYTES = 16
 # API keys are bearer tokens anyone can try over HTTP; shorter ones are guessable.
 MIN_API_KEY_CHARS = 16
-# Node and cluster names: also what election and discovery accept, so one rule everywhere.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
 
 class ConfigError(ValueError):
     """A bad key or value; the message says which, from where, and why."""
-
-
-def _port(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 65535:
-        raise ValueError("must be a port number from 0 to 65535 (0: pick a free one)")
-    return v
 
 
 def _positive_int(v: Any) -> int:
@@ -73,37 +70,12 @@ def _positive_float(v: Any) -> float:
     return float(v)
 
 
-def check_name(v: Any) -> str:
-    if not isinstance(v, str) or not _NAME.fullmatch(v):
-        raise ValueError("must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
-    return v
-
-
 def _str(v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise ValueError("must be a non-empty string")
     return v
 
 
-def _host(v: Any) -> str:
-    v = _str(v)
-    try:
-        ipaddress.ip_address(v)
-    except ValueError:
-        raise ValueError("must be an IP address (names are not resolved: .local lookups fail on many networks)") from None
-    return v
-
-
-def parse_hostport(v: Any) -> tuple[str, int]:
-    if not isinstance(v, str) or ":" not in v:
-        raise ValueError(f"{v!r} must be IP:PORT, like 192.168.1.20:50051")
-    host, _, port = v.rpartition(":")
-    host = host.strip("[]")
-    _host(host)
-    try:
-        return host, _port(int(port))
-    except ValueError:
-        raise ValueError(f"{v!r}: the port must be a number from 1 to 65535") from None
 
 
 def _peers(v: Any) -> list[str]:
@@ -287,12 +259,12 @@ KEYS: list[Key] = [
     Key("kv_group_size", _int_in(32, 64, 128), 64, "mlx-lm kv_group_size for a quantized KV cache", int),
     Key("quantized_kv_start", _non_negative_int, 5000, "mlx-lm quantized_kv_start: positions kept unquantized", int),
     Key("chat_template_kwargs", _template_kwargs, {}, 'variables every chat template gets unless a request sets them (chat_template_kwargs), e.g. {"enable_thinking": false}'),
-    Key("prefix_cache_entries", _non_negative_int, 8, "finished requests whose KV caches stay for prefix reuse (0: off)", int),
-    Key("max_queued_requests", _non_negative_int, 32, "requests that may wait for KV room before 429s", int),
-    Key("queue_timeout_s", _positive_float, 60.0, "longest wait for KV room before a 429", float),
+    Key("prefix_cache_entries", _non_negative_int, DEFAULT_PREFIX_CACHE_ENTRIES, "finished requests whose KV caches stay for prefix reuse (0: off)", int),
+    Key("max_queued_requests", _non_negative_int, MAX_QUEUED_REQUESTS, "requests that may wait for KV room before 429s", int),
+    Key("queue_timeout_s", _positive_float, QUEUE_TIMEOUT_S, "longest wait for KV room before a 429", float),
     Key("failover_wait_s", _positive_float, 60.0, "how long a request waits for a ring being re-planned, or a follower for a new leader to carry a proxied request over, before it gives up", float),
-    Key("heartbeat_interval_s", _positive_float, 0.5, "seconds between heartbeats on each link", float),
-    Key("dead_after_s", _positive_float, 2.0, "seconds of silence after which a peer is dead", float),
+    Key("heartbeat_interval_s", _positive_float, HEARTBEAT_INTERVAL_S, "seconds between heartbeats on each link", float),
+    Key("dead_after_s", _positive_float, DEAD_AFTER_S, "seconds of silence after which a peer is dead", float),
     Key("log_level", _log_level, "info", "debug, info, warning or error"),
     Key("log_format", _choice(*LOG_FORMATS), "text", "text (for people) or json (one object a line, for log search)"),
 ]

@@ -32,7 +32,8 @@ from .logs import about
 from .membership import LinkError
 from .metrics import Metrics
 from .steps import KvOptions
-from .placement import ModelCost, NodeSpec, Plan, PlacementError, natural_key, plan_for
+from .names import natural_key
+from .placement import ModelCost, NodeSpec, Plan, PlacementError, plan_for
 from .reconcile import Member, Reconciler
 from .checkpoint import ModelInfo
 from .stagehost import StageHost

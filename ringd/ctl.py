@@ -47,9 +47,10 @@ from pathlib import Path
 
 from . import progress, service
 from .auth import sign
-from .config import DEFAULT_SECRET_FILE, ConfigError, check_name, read_secret_file
+from .config import DEFAULT_HTTP_PORT, DEFAULT_SECRET_FILE, ConfigError, read_secret_file
+from .names import check_name
 
-DEFAULT_NODE = "127.0.0.1:8100"
+DEFAULT_NODE = f"127.0.0.1:{DEFAULT_HTTP_PORT}"
 # Where ringctl pins the name of each node it has signed for (HOST:PORT -> name), beside
 # ringd's own state.
 DEFAULT_KNOWN_NODES = "~/.local/state/ringd/ringctl-nodes.json"

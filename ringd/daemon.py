@@ -29,7 +29,8 @@ from .api import Api
 from .cluster import Cluster, DrainError
 from .compute import ComputeThread
 from .draft import Drafter
-from .config import Config, ConfigError, check_name, parse_hostport
+from .config import Config, ConfigError
+from .names import check_name, parse_hostport
 from .coordinator import Coordinator
 from .device import DeviceProfile, default_cache_dir, probe_speed, read_profile
 from .discovery import Advert, Discovery, DiscoveryError, dial_order, local_networks, own_addresses

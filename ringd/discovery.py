@@ -48,7 +48,7 @@ import ifaddr
 from zeroconf import InterfaceChoice, IPVersion, NonUniqueNameException, ServiceInfo, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
-from ringd.config import check_name
+from ringd.names import check_name
 from wire.frames import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -562,14 +562,16 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .config import DEFAULT_HTTP_PORT, DEFAULT_RING_PORT
+
     parser = argparse.ArgumentParser(
         prog="python -m ringd.discovery",
         description="Advertise a ringd node and print the adverts of its cluster as JSON lines.",
     )
     parser.add_argument("--node", default=socket.gethostname().split(".")[0])
     parser.add_argument("--cluster", default="ringd")
-    parser.add_argument("--ring-port", type=int, default=50051)
-    parser.add_argument("--http-port", type=int, default=8100)
+    parser.add_argument("--ring-port", type=int, default=DEFAULT_RING_PORT)
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT)
     parser.add_argument("--address", action="append", help="IPv4 address to advertise (default: this host's)")
     parser.add_argument("--prefer", action="append", default=[], help="interface name, glob or network to list first")
     parser.add_argument("--interface", action="append", help="speak mDNS only here (name, glob or IPv4; default: all)")

@@ -65,8 +65,8 @@ from dataclasses import dataclass
 from functools import total_ordering
 from typing import Mapping
 
-from ringd.config import check_name
-from ringd.placement import natural_key
+from ringd.names import check_name
+from ringd.names import natural_key
 
 # Term numbers and pin epochs travel in JSON descriptors; beyond 2**53 - 1 some
 # JSON readers no longer hold an integer exactly.

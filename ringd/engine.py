@@ -53,7 +53,7 @@ from mlx_lm.generate import TextStateMachine
 
 from wire.frames import Frame, FrameError, MsgType
 
-from .admission import AdmissionError, KvLedger
+from .admission import MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S, AdmissionError, KvLedger
 from .draft import Drafter
 from .logs import about
 from . import steps
@@ -61,7 +61,7 @@ from .metrics import Metrics
 from .scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, Deliver, Draft, Fail, Release, Scheduler, Send
 from .steps import KvOptions
 from .placement import Plan
-from .prefix import MIN_REUSE_TOKENS, PrefixIndex
+from .prefix import DEFAULT_PREFIX_CACHE_ENTRIES, MIN_REUSE_TOKENS, PrefixIndex
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -73,14 +73,6 @@ MAX_ACTIVE_REQUESTS = 64
 # model on a slow Mac takes seconds; two minutes of silence means the ring is
 # broken, and the request fails instead of hanging.
 STEP_TIMEOUT_S = 120.0
-# Requests waiting for KV room. Past this a client is better off told to come
-# back (429) than kept waiting behind a long queue.
-MAX_QUEUED_REQUESTS = 32
-# Longest a request waits for KV room before a 429; generating a long answer
-# takes about this long, so waiting longer rarely pays off.
-QUEUE_TIMEOUT_S = 60.0
-# Finished requests whose caches the stages keep for prefix reuse.
-DEFAULT_PREFIX_CACHE_ENTRIES = 8
 # Retry-After for a 429: seconds until KV room is likely.
 RETRY_AFTER_S = 2
 

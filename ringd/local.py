@@ -26,6 +26,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .config import DEFAULT_HTTP_PORT
+
 # Loading a model and linking N processes takes seconds; a minute of no
 # progress means something is wrong, and the user should hear what.
 READY_TIMEOUT_S = 180.0
@@ -88,7 +90,7 @@ def progress_lines(doc: dict, shown: dict[str, dict]) -> list[str]:
 def run_local(
     nodes: int,
     model: str,
-    port: int = 8100,
+    port: int = DEFAULT_HTTP_PORT,
     split: list[int] | None = None,
     host: str = "127.0.0.1",
     model_id: str | None = None,

@@ -34,7 +34,7 @@ from wire import stream as wire_stream
 from wire.frames import Frame, MsgType
 from wire.slots import canonical_host
 
-from .config import parse_hostport
+from .names import parse_hostport
 from .tasks import Supervisor
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import check_name, parse_hostport
+from .names import check_name, parse_hostport
 from .election import Announce, ElectionError, Term
 from .placement import MAX_ADDR_CHARS
 from .reconcile import Report, ReportError

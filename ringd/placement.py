@@ -13,9 +13,10 @@ clocks and no randomness, so every node computing it gets the same plan.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from fractions import Fraction
+
+from .names import check_name
 
 
 # Bounds on a plan from the network (checked before anything is built from it):
@@ -97,8 +98,6 @@ class Plan:
     @classmethod
     def from_wire(cls, d: object) -> "Plan":
         """A plan from the network: every field checked, any flaw a PlacementError."""
-        from .config import check_name  # config -> device -> ... ; placement stays importable alone
-
         def count(what: str, v: object, limit: int) -> int:
             if type(v) is not int or not 0 <= v <= limit:
                 raise PlacementError(f"plan {what} must be an integer from 0 to {limit}, got {v!r:.40}")
@@ -194,11 +193,6 @@ def check_budgets(plan: Plan, stage_bytes, budgets: dict[str, int | None]) -> No
             f"the model does not fit these {len(plan.stages)} node(s): " + "; ".join(short)
             + ". Add a node or raise memory_budget_gb."
         )
-
-
-def natural_key(name: str) -> list:
-    """Order node names as people do: node2 before node10."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 # --- sizes in messages -------------------------------------------------------

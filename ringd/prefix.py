@@ -26,6 +26,8 @@ from collections import OrderedDict
 # and a longer match may come): a chat template's first few tokens are the
 # same in every request, a real system prompt is longer than this.
 MIN_REUSE_TOKENS = 16
+# Finished requests whose caches the stages keep for prefix reuse.
+DEFAULT_PREFIX_CACHE_ENTRIES = 8
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

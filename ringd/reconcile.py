@@ -41,7 +41,7 @@ from typing import Mapping
 
 from ringd.admission import KvCost, KvCostError
 from ringd.election import ElectionError, Term
-from ringd.placement import natural_key
+from ringd.names import natural_key
 
 # Heartbeats carry each member's report every 0.5 s (HEARTBEAT_INTERVAL_S): ten
 # beats to hear that a member took a plan. A member that still reports another

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from wire.frames import Frame, MsgType
 
 from .compute import ComputeThread
-from .config import parse_hostport
+from .names import parse_hostport
 from .election import Term
 from .placement import Plan, PlacementError
 from .reconcile import BROKEN, LOADED, LOADING, OUTSIDE, Report, failure_report, plan_refusal

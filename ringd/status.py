@@ -20,7 +20,7 @@ from wire.frames import Frame, MsgType
 from .cluster import Cluster
 from .membership import LinkError
 from .metrics import Gauges, Metrics
-from .placement import natural_key
+from .names import natural_key
 from .reconcile import follower_readiness
 from .stagehost import StageHost
 from .tasks import Supervisor

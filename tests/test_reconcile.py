@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringd.election import Election, Term, rank
-from ringd.placement import natural_key
+from ringd.names import natural_key
 from ringd.reconcile import (
     BROKEN,
     FAILED,
