@@ -157,6 +157,7 @@ class Coordinator:
             self._changed.clear()
             if self._closed:
                 return  # this node stopped leading
+            self.engine.watch()
             if self.cluster.settling:
                 # A peer said LEAVE: plan once it is out (the cluster calls changed() then),
                 # or not at all if this node is stopping too.

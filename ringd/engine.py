@@ -216,6 +216,8 @@ class Engine:
         # arrive then wait for it (``ring_back``), as the requests it held do.
         self._replanning = False
         self._settled = asyncio.Event()
+        # When each micro-batch around the ring was sent (term, time), for ``watch``.
+        self._sent_at: dict[int, tuple[int, float]] = {}
         self.micro_batches = micro_batches  # 0: one in flight per stage of the ring
         self.kv = kv
         self.ledger: KvLedger | None = None
@@ -495,6 +497,7 @@ class Engine:
                 flight.reuse = None  # a replay on another ring starts cold
             rows.append(steps.Row(row.rid, row.offset, row.tokens, row.sample, row.silent, opened, row.verify))
         self.metrics.micro_batch_rows.observe(len(rows))
+        self._sent_at[send.batch] = (send.term, time.monotonic())
         try:
             self.send(self.plan.stages[0].node, steps.Forward(send.batch, send.term, tuple(rows)).frame())
         except ConnectionError as e:
@@ -568,6 +571,7 @@ class Engine:
                 "its last stage" if frame.type == MsgType.TOKEN else "a stage", plan.term,
             )  # fmt: skip
             return
+        self._sent_at.pop(frame.request_id, None)
         try:
             if frame.type == MsgType.TOKEN:
                 answer = steps.Tokens.parse(frame)
@@ -587,6 +591,19 @@ class Engine:
         flight.failed = True
         return EngineError(message, status)
 
+    def watch(self, now: float | None = None) -> int:
+        """Fail the micro-batches the ring has held longer than ``step_timeout_s`` (their requests
+        get a 503), so a micro-batch lost on a ring that is still up never holds its slot and its
+        requests forever. The coordinator calls this every heartbeat; returns how many failed."""
+        now = time.monotonic() if now is None else now
+        late = [(batch, term) for batch, (term, sent) in self._sent_at.items() if now - sent > self.step_timeout_s]
+        for batch, term in late:
+            del self._sent_at[batch]
+            why = f"micro-batch {batch:x} did not come back from the ring within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)"
+            log.warning("%s; its requests fail", why)
+            self._run(self.scheduler.failed(batch, term, why), status=503)
+        return len(late)
+
     async def ring_back(self, timeout_s: float) -> bool:
         """Whether a ring serves, waiting up to ``timeout_s`` for the next one when the last was
         lost and another is being planned (not when none ever served, or none can)."""
@@ -605,6 +622,7 @@ class Engine:
             self._replanning = True
             self._settled.clear()
         self.plan = None
+        self._sent_at.clear()  # what was in flight is void, and replayed on the next ring
         self.scheduler.ring_lost()
         held = 0
         for flight in list(self._flights.values()):

@@ -300,3 +300,59 @@ def test_a_request_arriving_while_a_lost_ring_is_replanned_waits_for_the_next(ti
         return never, back, none, timed_out, await engine.ring_back(0.05)
 
     assert asyncio.run(main()) == (False, True, False, False, False)
+
+
+def test_a_micro_batch_lost_on_a_live_ring_fails_its_request_and_frees_its_slot(tiny_model):
+    """A stage that swallows a FORWARD (a bug, a frame lost without the link breaking): the
+    watchdog fails that micro-batch's request with a 503 once the step timeout has passed, and
+    the next request is served."""
+    import time
+
+    path = tiny_model(arch="llama", layers=2, dtype="float32")
+    tokenizer = load_tokenizer(model_info(str(path)))
+
+    async def main():
+        ring = StageRing(path, [1], tokenizer)
+        last = ring.stages[-1].node
+        engine = Engine("node0", tokenizer, None, prefix_cache_entries=0, step_timeout_s=30)
+        swallowed = []
+
+        def send(node, frame):
+            if frame.type == MsgType.FORWARD and node == last and not swallowed:
+                swallowed.append(frame.request_id)  # lost on the way: no answer will ever come
+            elif frame.type in (MsgType.FORWARD, MsgType.RELEASE):
+                ring.runners[node].handle(frame)
+            else:
+                engine.on_frame(last, frame)
+
+        engine.send = send
+        for runner in ring.runners.values():
+            runner.send = send
+        engine.set_plan(ring.plan)
+        # One token: its one row waits for its token, and nothing follows it on the ring.
+        prompt = tokenizer.encode("hello", add_special_tokens=False)[:1]
+
+        async def run():
+            try:
+                return [e.token async for e in engine.generate(prompt, SamplingParams(temperature=0), 4)]
+            except EngineError as e:
+                return e
+
+        try:
+            lost = asyncio.ensure_future(run())
+            for _ in range(600):  # until the FORWARD is swallowed
+                if swallowed:
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.watch() == 0  # not late yet
+            assert engine.watch(time.monotonic() + 31) == 1
+            failed = await asyncio.wait_for(lost, 30)
+            served = await asyncio.wait_for(run(), 120)
+            return failed, served, engine.scheduler.in_flight
+        finally:
+            await ring.stop()
+
+    failed, served, in_flight = asyncio.run(main())
+    assert isinstance(failed, EngineError) and failed.status == 503 and "did not come back" in str(failed), failed
+    assert isinstance(served, list) and len(served) >= 1
+    assert in_flight == 0
