@@ -48,7 +48,10 @@ class Drafter:
         """The draft model, whole, on the compute thread; a ModelError says why it cannot draft for ``target``."""
 
         def load() -> Drafter:
-            info = model_info(path_or_repo)
+            try:
+                info = model_info(path_or_repo)
+            except ModelError as e:
+                raise ModelError(f"draft_model: {e}") from None
             if info.vocab_size != target.vocab_size:
                 raise ModelError(
                     f"draft model {info.name}: its vocabulary has {info.vocab_size} tokens, the model served "
