@@ -651,6 +651,12 @@ class Engine:
         self.prefix_limit, self.prefix_note = prefix_limit
         if self.prefix_note:
             log.info("%s", self.prefix_note)
+        if self.drafter is not None and self.prefix_limit is not None:  # what _speculates will refuse, said once
+            log.warning(
+                "speculative decoding is off on this ring: a stage's linear-attention state cannot drop a rejected proposal"
+                if self.prefix_limit == 0
+                else f"speculative decoding only for requests of fewer than {self.prefix_limit} positions: a sliding window cannot drop a rejected proposal once it wraps"
+            )
         if self._prefix_term != plan.term:
             self.prefix.clear()  # new stages, empty stores
             self._prefix_term = plan.term
