@@ -56,6 +56,26 @@ class StageRing:
         else:
             self.to_leader.put_nowait(frame)
 
+    def lead(self, engine, lose=lambda node, frame: False):
+        """Wire ``engine`` (an ``Engine`` built with no ``send``) as this ring's leader: its FORWARD and
+        RELEASE frames go to the stages, the last stage's answers to it, except the frames ``lose``
+        says are lost on the way; then it gets the plan. Returns the engine."""
+        last = self.stages[-1].node
+
+        def send(node: str, frame: Frame) -> None:
+            if lose(node, frame):
+                return
+            if frame.type in (MsgType.FORWARD, MsgType.RELEASE):
+                self.runners[node].handle(frame)
+            else:
+                engine.on_frame(last, frame)
+
+        engine.send = send
+        for runner in self.runners.values():
+            runner.send = send
+        engine.set_plan(self.plan)
+        return engine
+
     def forward(self, rows: list[Row]) -> int:
         batch = next(self._batches)
         self.send(self.first, Forward(batch, TERM, tuple(rows)).frame())

@@ -84,19 +84,7 @@ def test_requests_at_once_through_real_stages_get_mlx_lms_tokens_and_leave_nothi
 
     async def main():
         ring = StageRing(path, [1, 3], tokenizer)
-        last = ring.stages[-1].node
-        engine = Engine("node0", tokenizer, None, prefill_chunk_tokens=8, prefix_cache_entries=0)
-
-        def send(node, frame):
-            if frame.type in (MsgType.FORWARD, MsgType.RELEASE):
-                ring.runners[node].handle(frame)
-            else:
-                engine.on_frame(last, frame)
-
-        engine.send = send
-        for runner in ring.runners.values():
-            runner.send = send
-        engine.set_plan(ring.plan)
+        engine = ring.lead(Engine("node0", tokenizer, None, prefill_chunk_tokens=8, prefix_cache_entries=0))
 
         async def one(i):
             got = []
@@ -141,18 +129,7 @@ def test_a_request_failing_on_a_stage_fails_alone(tiny_model):
     async def main():
         ring = StageRing(path, [1], tokenizer)
         ring.runners[ring.stages[-1].node].grammar_tokenizer = None
-        engine = Engine("node0", tokenizer, None, prefix_cache_entries=0)
-
-        def send(node, frame):
-            if frame.type in (MsgType.FORWARD, MsgType.RELEASE):
-                ring.runners[node].handle(frame)
-            else:
-                engine.on_frame(ring.stages[-1].node, frame)
-
-        engine.send = send
-        for runner in ring.runners.values():
-            runner.send = send
-        engine.set_plan(ring.plan)
+        engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0))
         prompt = tokenizer.encode("hello there", add_special_tokens=False)
 
         async def run(params):
@@ -186,22 +163,9 @@ def test_speculative_decoding_through_real_stages_gives_the_plain_greedy_tokens(
 
     async def main():
         ring = StageRing(path, [1, 3], tokenizer)
-        last = ring.stages[-1].node
 
         def engine_with(drafter):
-            engine = Engine("node0", tokenizer, None, prefill_chunk_tokens=8, prefix_cache_entries=0, drafter=drafter, num_draft=3)
-
-            def send(node, frame):
-                if frame.type in (MsgType.FORWARD, MsgType.RELEASE):
-                    ring.runners[node].handle(frame)
-                else:
-                    engine.on_frame(last, frame)
-
-            engine.send = send
-            for runner in ring.runners.values():
-                runner.send = send
-            engine.set_plan(ring.plan)
-            return engine
+            return ring.lead(Engine("node0", tokenizer, None, prefill_chunk_tokens=8, prefix_cache_entries=0, drafter=drafter, num_draft=3))
 
         async def answers(engine):
             async def one(prompt):
@@ -314,21 +278,15 @@ def test_a_micro_batch_lost_on_a_live_ring_fails_its_request_and_frees_its_slot(
     async def main():
         ring = StageRing(path, [1], tokenizer)
         last = ring.stages[-1].node
-        engine = Engine("node0", tokenizer, None, prefix_cache_entries=0, step_timeout_s=30)
         swallowed = []
 
-        def send(node, frame):
+        def lose(node, frame) -> bool:
             if frame.type == MsgType.FORWARD and node == last and not swallowed:
                 swallowed.append(frame.request_id)  # lost on the way: no answer will ever come
-            elif frame.type in (MsgType.FORWARD, MsgType.RELEASE):
-                ring.runners[node].handle(frame)
-            else:
-                engine.on_frame(last, frame)
+                return True
+            return False
 
-        engine.send = send
-        for runner in ring.runners.values():
-            runner.send = send
-        engine.set_plan(ring.plan)
+        engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0, step_timeout_s=30), lose)
         # One token: its one row waits for its token, and nothing follows it on the ring.
         prompt = tokenizer.encode("hello", add_special_tokens=False)[:1]
 
