@@ -212,10 +212,10 @@ class Engine:
         # Speculative decoding (draft.py): the draft model's proposals, asked for off the loop.
         self.drafter = drafter
         self._drafting: set[asyncio.Task] = set()
-        # Between a lost ring and the next (or the news that none can serve): requests that
-        # arrive then wait for it (``ring_back``), as the requests it held do.
-        self._replanning = False
+        # Clear between a lost ring and the next (or the news that none can serve): requests
+        # that arrive then wait for it (``ring_back``), as the requests it held do.
         self._settled = asyncio.Event()
+        self._settled.set()
         # When each micro-batch around the ring was sent (term, time), for ``watch``.
         self._sent_at: dict[int, tuple[int, float]] = {}
         self.micro_batches = micro_batches  # 0: one in flight per stage of the ring
@@ -607,7 +607,7 @@ class Engine:
     async def ring_back(self, timeout_s: float) -> bool:
         """Whether a ring serves, waiting up to ``timeout_s`` for the next one when the last was
         lost and another is being planned (not when none ever served, or none can)."""
-        if self.plan is not None or not self._replanning:
+        if self.plan is not None or self._settled.is_set():
             return self.plan is not None
         try:
             async with asyncio.timeout(timeout_s):
@@ -619,7 +619,6 @@ class Engine:
     def suspend_all(self, reason: str) -> None:
         """The ring broke: hold every request until ``set_plan`` gives a new one."""
         if self.plan is not None:
-            self._replanning = True
             self._settled.clear()
         self.plan = None
         self._sent_at.clear()  # what was in flight is void, and replayed on the next ring
@@ -646,7 +645,6 @@ class Engine:
         if self.plan is not None and self.plan.term != plan.term:
             self.suspend_all(f"plan term {plan.term} replaces term {self.plan.term}")
         self.plan = plan
-        self._replanning = False
         self._settled.set()
         self.prefix_limit, self.prefix_note = prefix_limit
         if self.prefix_note:
@@ -683,7 +681,6 @@ class Engine:
     def fail_all(self, reason: str) -> None:
         """No ring can serve: every request in flight ends with a 503."""
         self.suspend_all(reason)
-        self._replanning = False
         self._settled.set()
         for flight in list(self._flights.values()):
             flight.suspended = False
