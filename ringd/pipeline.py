@@ -231,11 +231,7 @@ class StageRunner:
         fit, at = [], []
         for i, row in enumerate(rows):  # rows that do not fit their sessions fail before anything runs
             try:
-                session = self.sessions.get(row.rid)
-                if row.offset < session.offset:  # proposals of its last row that were not kept
-                    session = self.sessions.rewind(row.rid, row.offset)
-                if row.offset != session.offset:
-                    raise SessionError(f"a row for position {row.offset}, but this stage's cache holds {session.offset} tokens")
+                self._at_row(self.sessions.get(row.rid), row)
             except SessionError as e:
                 failed.append(self._fail_row(row, str(e)))
                 continue
@@ -264,6 +260,15 @@ class StageRunner:
         self.sessions.release(row.rid)
         return row.rid, f"node {self.node}: {reason}"
 
+    def _at_row(self, session, row: Row):
+        """The session with its caches where ``row`` starts: cut back past the proposals its last
+        row left that were not kept; a SessionError if the row does not start there."""
+        if row.offset < session.offset:
+            session = self.sessions.rewind(row.rid, row.offset)
+        if row.offset != session.offset:
+            raise SessionError(f"a row for position {row.offset}, but this stage's cache holds {session.offset} tokens")
+        return session
+
     def _row(self, row: Row, hidden: mx.array | None) -> mx.array:
         """One row through this stage's layers (lazily): the hidden states, or on the last stage the logits."""
         shard, rid = self.shard, row.rid
@@ -271,10 +276,7 @@ class StageRunner:
             session = self._open(row)
         else:
             session = self.sessions.solo(rid)
-        if row.offset < session.offset:  # proposals of its last row that were not kept
-            session = self.sessions.rewind(rid, row.offset)
-        if row.offset != session.offset:
-            raise SessionError(f"a row for position {row.offset}, but this stage's cache holds {session.offset} tokens")
+        session = self._at_row(session, row)
         tokens = mx.array(row.tokens, dtype=mx.int32)[None]
         # The last stage gets the model's logits (computed only if sampled: MLX is lazy).
         h = shard(tokens, hidden, session.cache)
