@@ -17,9 +17,9 @@ import signal
 import sys
 from pathlib import Path
 
-from . import config as config_mod
-from .config import DEFAULT_HTTP_PORT
-from . import logs
+from ringd import config as config_mod
+from ringd import logs
+from ringd.config import DEFAULT_HTTP_PORT
 
 # How often a `ringd local` node checks that its launcher is still alive.
 PARENT_CHECK_S = 1.0
@@ -30,8 +30,8 @@ def cache_dir() -> Path:
 
 
 async def _serve(cfg: config_mod.Config) -> int:
-    from .daemon import Daemon
-    from .checkpoint import ModelError
+    from ringd.daemon import Daemon
+    from ringd.models.checkpoint import ModelError
 
     loop = asyncio.get_running_loop()
     # `kill -USR1 <pid>` writes every thread's stack to the log: how an operator
@@ -65,8 +65,8 @@ async def _serve(cfg: config_mod.Config) -> int:
 
 
 def _convert(model: str, out_dir: Path) -> int:
-    from .checkpoint import ModelError, gguf_source
-    from .gguf import GgufFile
+    from ringd.models.checkpoint import ModelError, gguf_source
+    from ringd.models.gguf import GgufFile
 
     try:
         file, _ = gguf_source(model)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     local.add_argument("--draft-model", help="a small model with the same tokenizer, for speculative decoding of greedy requests")
     local.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
-    from . import demo as demo_mod
+    from ringd import demo as demo_mod
 
     demo = sub.add_parser("demo", help=f"`local` with {demo_mod.NODES} nodes serving {demo_mod.MODEL_ID}, fetched once")
     demo.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help=f"the API's port (0: a free one); default {DEFAULT_HTTP_PORT}")
@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         logs.setup(cfg.name, cfg.log_level, cfg.log_format)
         return _run(_serve(cfg))
 
-    from .local import run_local
-    from .placement import PlacementError, parse_split
+    from ringd.cluster.placement import PlacementError, parse_split
+    from ringd.local import run_local
 
     if args.command == "local":
         try:

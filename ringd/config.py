@@ -27,15 +27,15 @@ from typing import Any, Callable
 
 import yaml
 
-from .logs import LOG_FORMATS
-from .admission import MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S
-from .membership import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S
-from .names import check_host as _host
-from .names import check_name, parse_hostport
-from .names import check_port as _port
-from .prefix import DEFAULT_PREFIX_CACHE_ENTRIES
-from .scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, MAX_NUM_DRAFT
-from .steps import MAX_ROWS
+from ringd.cluster.links import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S
+from ringd.leader.admission import MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S
+from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES
+from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, MAX_NUM_DRAFT
+from ringd.logs import LOG_FORMATS
+from ringd.names import check_host as _host
+from ringd.names import check_name, parse_hostport
+from ringd.names import check_port as _port
+from ringd.steps import MAX_ROWS
 
 DEFAULT_RING_PORT = 50051
 DEFAULT_HTTP_PORT = 8100
@@ -152,7 +152,7 @@ def _placement_weights(v: Any) -> dict[str, float]:
 
 
 def _capabilities(v: Any) -> dict:
-    from .device import check_capabilities
+    from ringd.device import check_capabilities
 
     return check_capabilities(_mapping(v))
 

@@ -2,13 +2,13 @@
 
 Wiring only, no policy. The parts:
 
-    cluster.py      links, election, pin, drains, heartbeats (who is here, who leads)
-    stagehost.py    plan -> shard -> stage runner (this node's layers)
-    coordinator.py  while leading: reconciliation, plans, the engine
-    status.py       /health, /cluster/status, STATUS frames
-    api.py          HTTP (through the narrow ``ApiNode`` this class provides)
-    discovery.py    Bonjour adverts, and the addresses peers dial us at
-    tasks.py        supervision of everything that runs as long as the node does
+    cluster/members.py      links, election, pin, drains, heartbeats (who is here, who leads)
+    cluster/stagehost.py    plan -> shard -> stage runner (this node's layers)
+    cluster/coordinator.py  while leading: reconciliation, plans, the engine
+    cluster/discovery.py    Bonjour adverts, and the addresses peers dial us at
+    status.py               /health, /cluster/status, STATUS frames
+    http/api.py             HTTP (through the narrow ``ApiNode`` this class provides)
+    tasks.py                supervision of everything that runs as long as the node does
 
 Frames from the links are routed by type to the part that owns them; frames
 to this node itself never touch a socket.
@@ -23,24 +23,23 @@ import logging
 import time
 from pathlib import Path
 
+from ringd.cluster.coordinator import Coordinator
+from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_order, local_networks, own_addresses
+from ringd.cluster.members import Cluster, DrainError
+from ringd.cluster.messages import MessageError, parse_loaded
+from ringd.cluster.stagehost import StageHost
+from ringd.config import Config, ConfigError
+from ringd.device import DeviceProfile, default_cache_dir, probe_speed, read_profile
+from ringd.http.api import Api
+from ringd.leader.draft import Drafter
+from ringd.leader.engine import Engine
+from ringd.metrics import Gauges, Metrics
+from ringd.models.checkpoint import ModelError, ModelInfo, load_tokenizer, model_info
+from ringd.names import check_name, parse_hostport
+from ringd.stage.compute import ComputeThread
+from ringd.status import Status
+from ringd.tasks import Supervisor
 from wire.frames import Frame, MsgType
-
-from .api import Api
-from .cluster import Cluster, DrainError
-from .compute import ComputeThread
-from .draft import Drafter
-from .config import Config, ConfigError
-from .names import check_name, parse_hostport
-from .coordinator import Coordinator
-from .device import DeviceProfile, default_cache_dir, probe_speed, read_profile
-from .discovery import Advert, Discovery, DiscoveryError, dial_order, local_networks, own_addresses
-from .engine import Engine
-from .messages import MessageError, parse_loaded
-from .metrics import Gauges, Metrics
-from .checkpoint import ModelError, ModelInfo, load_tokenizer, model_info
-from .stagehost import StageHost
-from .status import Status
-from .tasks import Supervisor
 
 log = logging.getLogger(__name__)
 

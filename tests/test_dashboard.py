@@ -1,4 +1,4 @@
-"""The dashboard (ringd/web/) in a real browser: Debian's headless Chromium, driven by Playwright.
+"""The dashboard (ringd/http/web/) in a real browser: Debian's headless Chromium, driven by Playwright.
 
 The page is served by a FOLLOWER of a real three-node ring of `ringd serve`
 daemons and talks only to that node. It must draw the three nodes in ring order,
@@ -21,7 +21,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_cluster import serving_leader
+from conftest import serving_leader
 
 pytestmark = pytest.mark.slow
 
@@ -212,10 +212,10 @@ def node_status(name: str, role: str, stage: int | None, layers: list[int] | Non
 def test_dashboard_draws_progress_encryption_silent_and_drained_nodes(browser, tmp_path):
     """What a ring here cannot show on demand (a Hub download needs the network; a node that stops
     answering mid-poll is a moment): a status document of that shape, served to the real page
-    through the browser's request routing, with the page's own files from ringd/web/."""
+    through the browser's request routing, with the page's own files from ringd/http/web/."""
     from playwright.sync_api import expect
 
-    from ringd.api import WEB_DIR
+    from ringd.http.api import WEB_DIR
 
     locked = {"number": 2, "encrypted": True}
     doc = {

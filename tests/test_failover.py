@@ -80,10 +80,10 @@ def test_kill_9_of_a_stage_mid_stream_loses_nothing(tiny_model, victim, model_ar
 
 def test_survivors_too_small_get_a_503_naming_the_shortfall_on_every_node(tiny_model, tmp_path):
     from conftest import Cluster
-    from test_cluster import serving_leader
+    from conftest import serving_leader
 
     model = tiny_model(arch="llama", layers=8, hidden_size=128, dtype="float32")
-    from ringd.checkpoint import model_info
+    from ringd.models.checkpoint import model_info
 
     weights = model_info(str(model)).weights
     # Each node can hold a little less than half the model: three fit, two do not.

@@ -20,7 +20,7 @@ import time
 
 import pytest
 from conftest import REPO, TEST_PREFILL_CHUNK, Cluster, Stream
-from test_cluster import serving_leader
+from conftest import serving_leader
 
 pytestmark = pytest.mark.slow
 

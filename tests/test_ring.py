@@ -22,7 +22,7 @@ from conftest import TEST_PREFILL_CHUNK, reference, tokenizer_of
 
 MAX_TOKENS = 40
 LAYERS = 7
-# Every architecture, split anywhere, equals mlx-lm in-process (tests/test_archs.py);
+# Every architecture, split anywhere, equals mlx-lm in-process (tests/stage/test_archs.py);
 # these rings prove the same through separate processes and TCP, bfloat16 bytes on the
 # wire included: one of each node count, an uneven split, both dtypes. Most shapes are
 # the ones the other tests here start anyway (ring_pool shares them).

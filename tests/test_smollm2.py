@@ -75,7 +75,7 @@ def test_each_node_holds_its_share_of_the_file(ring, smollm2_gguf):
     import json
     import urllib.request
 
-    from ringd.gguf import GgufFile
+    from ringd.models.gguf import GgufFile
 
     with urllib.request.urlopen(ring.url + "/cluster/status", timeout=10) as r:
         nodes = [n for n in json.loads(r.read())["nodes"] if n.get("layers")]

@@ -2,7 +2,7 @@
 
 Random weights never write ``<think>`` or ``<tool_call>``, and a test that
 injected them would prove nothing about reading what a model writes. So this
-model is ringd's tiny qwen3 (``ringd.tinymodel``) with Qwen3's real chat
+model is ringd's tiny qwen3 (``ringd.models.tinymodel``) with Qwen3's real chat
 template, its tokenizer retrained with the examples' text (so Qwen3's tool preamble is
 short), and its four markers as added tokens (``<think>``, ``</think>``,
 ``<tool_call>``, ``</tool_call>``, not special, as in Qwen3's tokenizer), fully
@@ -152,7 +152,7 @@ def _build(path: Path) -> None:
     from mlx_lm import load
     from tokenizers import AddedToken
 
-    from ringd.tinymodel import build_tokenizer, write_tiny_model
+    from ringd.models.tinymodel import build_tokenizer, write_tiny_model
 
     write_tiny_model(path, arch="qwen3", layers=2, hidden_size=128, heads=4, kv_heads=2, vocab_size=VOCAB_SIZE, dtype="float32", seed=SEED)
     cfg = json.loads((path / "tokenizer_config.json").read_text())

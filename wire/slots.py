@@ -34,7 +34,7 @@ different members' addresses are in the handshake at the same moment.
 The other options fail alone: a reserved pool is filled by an attacker on a
 member's address, and refusing strangers first does nothing against one (it
 is no stranger). Dialing out helps, and the daemon re-makes a lost link from
-both ends (ringd.membership), but the far end's listener may be flooded too.
+both ends (ringd.cluster.links), but the far end's listener may be flooded too.
 
 Memory stays bounded whatever the caller trusts: at most `strangers + known`
 connections are held, whatever the number of addresses.

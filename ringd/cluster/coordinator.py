@@ -1,0 +1,337 @@
+"""The leader's side of the cluster: reconcile the ring against the members, plan, serve.
+
+While this node leads, a loop asks the ``Reconciler`` what to do, on every
+change it hears of and at least once per heartbeat interval: make a fresh plan
+(under a fresh term, placed over the holders by their budgets and speeds, sent
+to every member), send the current plan again to members outside it, or
+nothing. It owns the ``Engine``: requests in flight are suspended while a new
+ring loads and replayed on it once every stage has loaded its layers; if the
+members cannot hold the model, they fail with a 503 that says by how much.
+
+Only the very first plan of a cluster waits: for the expected number of nodes,
+or, with discovery on and no ``nodes`` configured, until nodes stop arriving.
+A leader that takes over a running cluster plans at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ringd.cluster.election import Term
+from ringd.cluster.links import LinkError
+from ringd.cluster.members import Cluster
+from ringd.cluster.placement import ModelCost, NodeSpec, PlacementError, Plan, plan_for
+from ringd.cluster.reconcile import Member, Reconciler
+from ringd.cluster.stagehost import StageHost
+from ringd.config import Config
+from ringd.device import DeviceProfile
+from ringd.leader.admission import KvCost, KvLedger, StageKv
+from ringd.leader.draft import Drafter
+from ringd.leader.engine import Engine
+from ringd.logs import about
+from ringd.metrics import Metrics
+from ringd.models.checkpoint import ModelInfo
+from ringd.names import natural_key
+from ringd.steps import KvOptions
+from ringd.tasks import Supervisor
+from wire.frames import Frame, MsgType
+
+log = logging.getLogger(__name__)
+
+# Membership changes come in bursts (a node and its links, a restart); wait this
+# long after one before planning, so a burst makes one plan, not several.
+PLAN_SETTLE_S = 0.3
+# With discovery on and no `nodes` configured, the cluster's first plan waits
+# until DISCOVERY_WAIT_S after the node started and DISCOVERY_SETTLE_S after
+# the last node joined: registering an advert probes for 1-2 s, and daemons
+# started together (at boot) find each other within about a second of that.
+# A node found later joins with a re-plan; a one-node ring costs nothing to
+# replace, but loading the whole model on one node first would.
+DISCOVERY_WAIT_S = 2.5
+DISCOVERY_SETTLE_S = 1.5
+# Placement counts a node whose speed is unknown (or tiny) as this fraction of
+# the fastest, so it still gets layers when it is the only one with room.
+SLOWEST_RELATIVE_SPEED = 0.1
+
+
+class Coordinator:
+    """Exists while this node leads; ``close`` when it stops."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        info: ModelInfo,
+        tokenizer,
+        cluster: Cluster,
+        stage: StageHost,
+        supervisor: Supervisor,
+        own: dict,
+        budget: int | None,
+        started: float,
+        metrics: Metrics,
+        planned_before: bool,
+        drafter: Drafter | None = None,
+    ):
+        self.cfg = cfg
+        self.info = info
+        self.cluster = cluster
+        self.node = cluster.node
+        self.stage = stage
+        self.own = own  # this node's handshake info: addr, profile, api_only
+        self.budget = budget
+        self.metrics = metrics
+        self.reconciler = Reconciler(self.node)
+        self.plan: Plan | None = None
+        self.ready = False
+        self.reason = "leading; planning the ring"
+        self._started = started
+        self._first = not planned_before  # only the cluster's very first plan waits for nodes
+        self._seen: set[str] = set(cluster.peers)
+        self._last_join = started
+        self._burst = True  # membership changed since the last tick: let the burst settle first
+        self._changed = asyncio.Event()
+        self._changed.set()
+        kv = None
+        if cfg.max_kv_size is not None or cfg.kv_bits is not None:
+            kv = KvOptions(cfg.max_kv_size, cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
+        self.engine = Engine(
+            self.node, tokenizer, cluster.send, cfg.prefill_chunk_tokens, kv=kv,
+            prefix_cache_entries=cfg.prefix_cache_entries, max_queued=cfg.max_queued_requests,
+            queue_timeout_s=cfg.queue_timeout_s, metrics=metrics, micro_batches=cfg.micro_batches, max_batch_rows=cfg.max_batch_rows,
+            interleaved_chunk_tokens=cfg.interleaved_chunk_tokens, drafter=drafter, num_draft=cfg.num_draft_tokens,
+        )  # fmt: skip
+        self._closed = False
+        self._task = supervisor.forever("reconcile", self._loop, restart_on_return=False)
+
+    def close(self, reason: str) -> None:
+        self._closed = True
+        self._task.cancel()
+        self.engine.fail_all(reason)
+        self.reconciler.reset()
+
+    def changed(self) -> None:
+        """Something the ring depends on may have changed: reconcile soon."""
+        peers = set(self.cluster.peers)
+        if peers - self._seen:
+            self._last_join = time.monotonic()
+        if peers != self._seen:
+            self._burst = True
+        self._seen = peers
+        plan = self.plan
+        if plan is not None and self.ready and not self.cluster.settling:
+            gone = [s.node for s in plan.stages if s.node != self.node and s.node not in self.cluster.peers]
+            if gone and all(g in self.cluster.left for g in gone):
+                # They said LEAVE (a Mac shutting down, an update): expected, not a fault.
+                self._down(f"{', '.join(gone)} left; re-planning over the rest", level=logging.INFO)
+            elif gone:
+                # Stop feeding a broken ring now; the next tick re-plans.
+                self._down(f"node {gone[0]} left the ring; re-planning over the survivors")
+        self._changed.set()
+
+    def serving(self) -> tuple[Term | None, str]:
+        return (self.reconciler.term if self.ready else None), self.reason
+
+    def on_frame(self, peer: str, frame: Frame) -> None:
+        """TOKEN and ERROR frames: the engine's, if they come from this ring."""
+        self.engine.on_frame(peer, frame)
+
+    # --- the loop -----------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        interval = self.cfg.heartbeat_interval_s
+        while True:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a
+            # cancel that lands as the event is set, and a coordinator closed that
+            # way would go on planning as a follower.
+            try:
+                async with asyncio.timeout(interval):
+                    await self._changed.wait()
+            except TimeoutError:
+                pass
+            if self._burst:
+                self._burst = False
+                await asyncio.sleep(PLAN_SETTLE_S)  # let a burst of membership changes land
+            self._changed.clear()
+            if self._closed:
+                return  # this node stopped leading
+            self.engine.watch()
+            if self.cluster.settling:
+                # A peer said LEAVE: plan once it is out (the cluster calls changed() then),
+                # or not at all if this node is stopping too.
+                continue
+            self._tick()
+
+    def _members(self) -> dict[str, Member]:
+        cluster = self.cluster
+        members = {self.node: Member(0, not self.cfg.api_only and self.node not in cluster.drained, self.stage.report)}
+        for p, peer in cluster.peers.items():
+            holder = p not in cluster.drained and peer.info.get("api_only") is not True
+            members[p] = Member(peer.number, holder, cluster.reports.get(p))
+        return members
+
+    def _hold(self, members: dict[str, Member]) -> str | None:
+        """Why the cluster's first plan should wait, or None."""
+        if not self._first:
+            return None
+        linked = ", ".join(sorted(self.cluster.peers, key=natural_key)) or "none"
+        cfg = self.cfg
+        if cfg.discovery and cfg.nodes is None:
+            settle = max(self._started + DISCOVERY_WAIT_S, self._last_join + DISCOVERY_SETTLE_S) - time.monotonic()
+            if settle > 0:
+                asyncio.get_running_loop().call_later(settle, self._changed.set)
+                return f"discovering nodes (linked: {linked})"
+            return None
+        need = cfg.expected_nodes
+        if len(members) < need:
+            return f"waiting for {need - len(members)} more node(s) of {need} (linked: {linked})"
+        return None
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        members = self._members()
+        decision = self.reconciler.tick(now, members, self._hold(members))
+        if decision.plan_over is not None:
+            self._make_plan(now, decision.plan_over, members, decision.reason)
+            return
+        plan = self.plan
+        for node in decision.inform:
+            self._send_plan(node, plan)
+        if decision.ready and not self.ready:
+            unusable = self._kv_options_unusable(plan)
+            if unusable:
+                if self.reason != unusable:
+                    log.error("ring loaded but cannot serve: %s", unusable)
+                    self.engine.fail_all(unusable)
+                self.reason = unusable
+                return
+            self.ready, self.reason = True, ""
+            log.info("ring ready: term %d, %d stages, split %s", plan.term, len(plan.stages), plan.split, extra=about(term=plan.term))
+            self.engine.set_plan(plan, self._kv_ledger(plan), _prefix_limit(self.stage_costs(plan)))
+        elif not decision.ready:
+            if self.ready:
+                self._down(decision.reason)
+            self.reason = decision.reason
+
+    def _kv_options_unusable(self, plan: Plan) -> str:
+        """Why this model cannot run with the configured KV options ("" if it can).
+
+        mlx-lm quantizes only caches that grow with the context: its rotating
+        (sliding-window) caches raise when asked to, and linear-attention state has no
+        quantized form. Every request would fail on a stage; better one clear reason.
+        """
+        if self.cfg.kv_bits is None:
+            return ""
+        if any(cost.windows for cost in self.stage_costs(plan)):
+            return (
+                f"kv_bits {self.cfg.kv_bits} is set, but {self.info.model_type} has sliding-window caches, "
+                "which mlx-lm cannot quantize; unset kv_bits (or RINGD_KV_BITS) for this model"
+            )
+        return ""
+
+    def _down(self, reason: str, level: int = logging.WARNING) -> None:
+        self.ready, self.reason = False, reason
+        log.log(level, "ring down: %s" if level >= logging.WARNING else "%s", reason)
+        self.engine.suspend_all(reason)
+
+    def _make_plan(self, now: float, over: tuple[str, ...], members: dict[str, Member], why: str) -> None:
+        specs = self._node_specs(over)
+        split = self.cfg.split if self.cfg.split is not None and len(self.cfg.split) == len(over) else None
+        term = self.cluster.claim_plan_term()
+        try:
+            plan = plan_for(term.number, self.node, self.info.fingerprint, specs, self._model_cost(), self.cfg.placement, split)
+        except PlacementError as e:
+            reason = f"cannot place the model: {e}"
+            log.error(reason)
+            self.reconciler.placement_failed(now, over, reason)
+            self.ready, self.reason, self.plan = False, reason, None
+            self.engine.fail_all(reason)
+            return
+        self._first = False
+        self.reconciler.planned(now, term, tuple(s.node for s in plan.stages), over, members)
+        self.plan = plan
+        self.metrics.plans.inc()
+        if self.ready:
+            self.ready = False
+        self.reason = f"loading plan term {plan.term}"
+        self.engine.suspend_all(self.reason)
+        log.info(
+            "plan term %d (%s): %s", plan.term, why, ", ".join(f"{s.node}[{s.start},{s.end})" for s in plan.stages),
+            extra=about(term=plan.term, why=why, split=plan.split, nodes=[s.node for s in plan.stages]),
+        )  # fmt: skip
+        # Every member hears it, this node included: those left out drop their layers.
+        for node in members:
+            self._send_plan(node, plan)
+
+    def _send_plan(self, node: str, plan: Plan) -> None:
+        try:
+            self.cluster.send(node, Frame(MsgType.PLAN, 0, plan.to_wire()))
+        except LinkError as e:
+            log.warning("could not send plan term %d to %s: %s", plan.term, node, e)
+
+    # --- placement inputs ---------------------------------------------------------------------
+
+    def _node_specs(self, holders: tuple[str, ...]) -> list[NodeSpec]:
+        """The holders as placement sees them, in ring order: this node first, then by name."""
+        infos = {self.node: self.own} if self.node in holders else {}
+        infos.update({p: self.cluster.info_of(p) for p in holders if p != self.node})
+        speeds = {}
+        for node, info in infos.items():
+            try:
+                speeds[node] = DeviceProfile.from_wire(info.get("profile")).speed or 0.0
+            except (TypeError, ValueError):
+                speeds[node] = 0.0  # an older or odd peer: the slowest bucket
+        fastest = max(speeds.values(), default=0.0) or 1.0
+        specs = []
+        for node, info in infos.items():
+            # Speeds in tenths of the fastest: the probe's own noise (~10% on a
+            # busy machine) must not split the layers of identical Macs unevenly.
+            speed = max(round(speeds[node] / fastest, 1), SLOWEST_RELATIVE_SPEED)
+            addr = info.get("addr") if isinstance(info.get("addr"), str) else ""
+            specs.append(NodeSpec(node, addr, self.budget_of(node), speed, self.cfg.placement_weights.get(node), False))
+        return specs
+
+    def _model_cost(self) -> ModelCost:
+        w, cfg = self.info.weights, self.cfg
+        kv_reserve = self.info.kv_bytes_per_token(cfg.kv_bits, cfg.kv_group_size) * cfg.kv_reserve_tokens
+        return ModelCost(tuple(w.layers), w.embed, w.norm, w.head, kv_reserve)
+
+    def stage_costs(self, plan: Plan) -> list[KvCost]:
+        """What a request's caches cost on each stage: as the stage measured them from its own
+        caches at load (its report says), else the dense formula over the config."""
+        per_layer = self.info.kv_bytes_per_token()
+        costs = []
+        for s in plan.stages:
+            report = self.stage.report if s.node == self.node else self.cluster.reports.get(s.node)
+            costs.append(report.kv if report is not None and report.kv is not None else KvCost(per_token=per_layer * s.layers))
+        return costs
+
+    def _kv_ledger(self, plan: Plan) -> KvLedger:
+        """Each stage's KV capacity: what its budget leaves after its weights."""
+        cfg = self.cfg
+        stages = [
+            StageKv(s.node, cost, self.kv_capacity(s.node, s.start, s.end)) for s, cost in zip(plan.stages, self.stage_costs(plan))
+        ]
+        return KvLedger(stages, cfg.max_kv_size, cfg.kv_bits, cfg.kv_group_size)
+
+    def kv_capacity(self, node: str, start: int, end: int) -> int | None:
+        """KV bytes ``node`` can hold holding layers [start, end): its budget less their weights."""
+        budget = self.budget_of(node)
+        return None if budget is None else budget - self.info.weights.stage(start, end)
+
+    def budget_of(self, node: str) -> int | None:
+        if node == self.node:
+            return self.budget
+        budget = self.cluster.info_of(node).get("budget")
+        return budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
+
+
+def _prefix_limit(costs: list[KvCost]) -> tuple[int | None, str]:
+    """How long a cached prefix may be for every stage to trim it back (None: any), and why."""
+    limits = [c.trim_limit for c in costs if c.trim_limit is not None]
+    if not limits:
+        return None, ""
+    if min(limits) == 0:
+        return 0, "prefix reuse is off: this model's linear-attention state cannot be trimmed back to a prefix"
+    return min(limits), f"prefix reuse is limited to {min(limits) - 1} tokens: a sliding-window cache cannot be trimmed once it has wrapped"

@@ -1,0 +1,333 @@
+"""Who is in the cluster and who leads: links, election, the pin and term on disk, drains, gossip.
+
+This node's view of the cluster, from the links up: ``Links`` says who is live,
+``Election`` turns that into a leader, and heartbeats carry what every peer
+should hear often (election state, whom we know, our stage's report, and from
+the leader the drain list and whether it serves). The pin and the term are
+kept on disk, so a manual pin and the term a node claimed outlive a restart.
+
+It knows nothing of plans or models beyond the ``Report`` its owner hands it,
+and it decides nothing about them: ``on_leadership`` tells the owner when this
+node starts or stops leading, ``on_change`` when anything the leader
+reconciles against may have changed.
+
+Leaving is a protocol step: a node that stops sends LEAVE on every link and from
+then on holds its view still (it neither elects, nor follows a new leader, nor
+dials). A peer that hears LEAVE takes the leaver out after LEAVE_SETTLE_S: long
+enough that when a whole cluster is stopped at once, every node is leaving itself
+before it would re-plan or elect over the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from ringd.cluster.election import Election, ElectionError, Pin, Term
+from ringd.cluster.links import LinkError, Links
+from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, Heartbeat, MessageError, clip, parse_control
+from ringd.cluster.placement import MAX_ADDR_CHARS
+from ringd.cluster.reconcile import Report
+from ringd.names import natural_key, parse_hostport
+from ringd.tasks import Supervisor
+from wire.frames import Frame, MsgType
+
+log = logging.getLogger(__name__)
+
+# A peer that said LEAVE is taken out this long after (its link closed, the view
+# recomputed, the leader re-planning): signals sent to every node of a ring at
+# once (Ctrl-C of `ringd local`, a shutdown) reach each within milliseconds, and
+# a node that starts leaving meanwhile re-plans nothing. Short next to a
+# heartbeat timeout (dead_after_s), which is what a leaver would otherwise cost.
+LEAVE_SETTLE_S = 0.3
+
+
+def _dialable(addr: object) -> bool:
+    """An address a heartbeat may carry: one whose receivers will not refuse the whole heartbeat."""
+    try:
+        parse_hostport(addr)
+    except ValueError:
+        return False
+    return isinstance(addr, str) and len(addr) <= MAX_ADDR_CHARS
+
+
+class DrainError(ValueError):
+    """A drain request that cannot be honoured; the message says why."""
+
+
+class Cluster:
+    def __init__(
+        self,
+        *,
+        node: str,
+        cluster: str,
+        priority: int,
+        secret: bytes,
+        info: dict,
+        state_file: Path,
+        heartbeat_interval_s: float,
+        dead_after_s: float,
+        encrypt: bool,
+        supervisor: Supervisor,
+        on_frame: Callable[[str, Frame], None],
+        on_leadership: Callable[[bool], None],
+        on_change: Callable[[], None],
+        report: Callable[[], Report],
+        serving: Callable[[], tuple[Term | None, str]],
+        sent: Callable[[float], None] = lambda seconds: None,
+    ):
+        self.node = node
+        self.priority = priority
+        self._state_file = state_file
+        self._on_leadership = on_leadership
+        self._on_change = on_change
+        self._report = report
+        self._serving = serving
+        self._dispatch = on_frame
+        self._sent = sent  # seconds each frame took to hand to its link (metrics)
+        self.election = Election(node, priority, *self._restore_state())
+        self.leading = False
+        self.drained: set[str] = set()  # nodes `ringctl drain` keeps out of the ring (followers copy the leader's)
+        self.reports: dict[str, Report] = {}  # what each linked peer last said of its stage
+        self.leader_serving: tuple[Term | None, str] = (None, "no word from the leader yet")
+        self._leader_moved = asyncio.Event()  # set, then replaced, whenever the leader changes
+        self._last_leader: str | None = None
+        self.leader_changes = 0  # elections this node saw decided (for metrics)
+        self.leaving = False  # this node is stopping: its view holds still
+        # Peers that said LEAVE, by the number of the link they said it on (a node that
+        # comes back re-links with a new one, and counts again).
+        self.left: dict[str, int] = {}
+        self._settle: asyncio.TimerHandle | None = None  # a view change held back while a leaver settles
+        self._settle_until = 0.0
+        self.links = Links(
+            node, cluster, secret, info, self._on_frame, self.view_changed,
+            heartbeat=self._heartbeat, heartbeat_interval_s=heartbeat_interval_s, dead_after_s=dead_after_s,
+            encrypt=encrypt, supervisor=supervisor,
+        )  # fmt: skip
+
+    # --- views ------------------------------------------------------------------------
+
+    @property
+    def peers(self) -> dict:
+        return self.links.peers
+
+    @property
+    def leader(self) -> str | None:
+        return self.election.leader
+
+    async def leader_changed(self) -> None:
+        """Returns once the node this node follows (or leads as) changes."""
+        await self._leader_moved.wait()
+
+    @property
+    def settling(self) -> float:
+        """Seconds until a peer that said LEAVE is taken out (0: none is settling)."""
+        return max(0.0, self._settle_until - asyncio.get_running_loop().time())
+
+    def leader_linked(self) -> bool:
+        leader = self.election.leader
+        return leader == self.node or (leader is not None and leader in self.links.peers)
+
+    def info_of(self, node: str) -> dict:
+        peer = self.links.peers.get(node)
+        return peer.info if peer else {}
+
+    # --- sending ----------------------------------------------------------------------
+
+    def send(self, node: str, frame: Frame) -> None:
+        """Deliver to ``node``: over its link, or straight back in for this node itself."""
+        if node == self.node:
+            self._dispatch(self.node, frame)
+        else:
+            started = time.perf_counter()
+            self.links.send(node, frame)
+            self._sent(time.perf_counter() - started)
+
+    # --- pin and drain ------------------------------------------------------------------
+
+    def set_pin(self, node: str | None) -> None:
+        """`ringctl leader set NODE` / `leader auto`, on whichever node it reached."""
+        self._elect(self.election.set_pin(self.election.pin.next(node)))
+
+    def leave(self) -> None:
+        """This node is stopping: LEAVE on every link, then no more elections, dials or links."""
+        if self.leaving:
+            return
+        self.leaving = True
+        log.info("leaving the cluster: telling %s", ", ".join(sorted(self.links.peers, key=natural_key)) or "nobody (no links)")
+        for peer in list(self.links.peers):
+            try:
+                self.links.send(peer, Frame(MsgType.LEAVE, 0, {}))
+            except LinkError:
+                pass
+        self.links.leave()
+
+    def drain(self, node: str, undo: bool) -> None:
+        if not undo and node not in self.drained and len(self.drained) >= MAX_DRAINED:
+            raise DrainError(f"{MAX_DRAINED} nodes are drained already (the most a heartbeat carries); undo one first")
+        (self.drained.discard if undo else self.drained.add)(node)
+        log.info("%s %s", "undrained" if undo else "draining", node)
+        self._on_change()
+
+    # --- incoming -------------------------------------------------------------------------
+
+    def _on_frame(self, peer: str, frame: Frame) -> None:
+        try:
+            if self.leaving:
+                # A leaving node acts on nothing more: its view holds still, its stage computes
+                # no more steps (the leader replays them on the ring it plans without it).
+                return
+            if frame.type == MsgType.LEAVE:
+                self._on_leave(peer)
+            elif peer in self.left:
+                pass  # it is on its way out: its heartbeats and election notes no longer count
+            elif frame.type == MsgType.PING:
+                self._on_heartbeat(peer, Heartbeat.from_wire(frame.descriptor))
+            elif frame.type == MsgType.CONTROL:
+                self._elect(self.election.receive(peer, parse_control(frame.descriptor)))
+            else:
+                self._dispatch(peer, frame)
+        except MessageError as e:
+            log.warning("ignoring a malformed %s frame from %s: %s", frame.type.name, peer, e)
+        except Exception:  # one bad frame must not end the link or the node
+            log.exception("error handling %s frame from %s", frame.type.name, peer)
+
+    def _on_heartbeat(self, peer: str, beat: Heartbeat) -> None:
+        for node, addr in beat.knows.items():
+            if node != self.node and node not in self.links.peers:
+                self.links.dial(*parse_hostport(addr))
+        if peer == self.election.leader and beat.drained is not None:
+            self.drained = set(beat.drained)
+            self.leader_serving = (beat.serving, beat.reason)
+        changed = self.reports.get(peer) != beat.report
+        self.reports[peer] = beat.report
+        self._elect(self.election.receive(peer, beat.election))
+        if changed:
+            self._on_change()
+
+    def _on_leave(self, peer: str) -> None:
+        link = self.links.peers.get(peer)
+        if link is None or self.left.get(peer) == link.number:
+            return
+        self.left[peer] = link.number
+        log.info("%s is leaving the cluster", peer)
+        now = asyncio.get_running_loop().time()
+        self._settle_until = max(self._settle_until, now + LEAVE_SETTLE_S)
+        asyncio.get_running_loop().call_later(LEAVE_SETTLE_S, self._take_out, peer, link.number)
+
+    def _take_out(self, peer: str, number: int) -> None:
+        """LEAVE_SETTLE_S after a peer said LEAVE: close its link, unless this node is leaving too."""
+        if self.leaving:
+            return
+        link = self.links.peers.get(peer)
+        if link is not None and link.number == number:
+            self.links.forget(peer)  # on_change: the view without it
+        else:
+            self.view_changed()
+
+    def take_report(self, peer: str, report: Report) -> None:
+        """A LOADED frame: the same word a heartbeat carries, sent at once."""
+        if self.reports.get(peer) != report:
+            self.reports[peer] = report
+            self._on_change()
+
+    def view_changed(self) -> None:
+        if self.leaving:
+            return  # a leaving node elects and re-plans nothing
+        loop = asyncio.get_running_loop()
+        wait = self.settling
+        if wait > 0:
+            # A leaver is settling (and may have closed its links already): act once it has,
+            # unless this node starts leaving by then.
+            if self._settle is None or self._settle.cancelled():
+                self._settle = loop.call_later(wait, self._settled)
+            return
+        for node, number in list(self.left.items()):
+            link = self.links.peers.get(node)
+            if link is not None and link.number != number:
+                del self.left[node]  # it came back: a new link, a member again
+        for gone in set(self.reports) - set(self.links.peers):
+            del self.reports[gone]
+        members = {self.node: self.priority}
+        for p, peer in self.links.peers.items():
+            priority = peer.info.get("priority", 0)
+            members[p] = priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
+        self._elect(self.election.view(members))
+        self._on_change()
+
+    def _settled(self) -> None:
+        self._settle = None
+        self.view_changed()
+
+    # --- outgoing -------------------------------------------------------------------------
+
+    def _heartbeat(self) -> dict:
+        known = {}
+        for p, peer in self.links.peers.items():
+            addr = peer.info.get("addr")
+            if len(known) < MAX_GOSSIPED_PEERS and _dialable(addr):
+                known[p] = addr
+        beat = Heartbeat(self.election.announcement(), self._report(), known)
+        if self.leading:
+            serving, reason = self._serving()
+            drained = tuple(sorted(self.drained, key=natural_key))
+            beat = Heartbeat(beat.election, beat.report, known, drained, serving, clip(reason))
+        return beat.to_wire()
+
+    def claim_plan_term(self) -> Term:
+        """A fresh term for the leader's next plan, persisted and announced before the plan goes out."""
+        self._elect(self.election.next_term())
+        return self.election.term
+
+    def _elect(self, msgs: list) -> None:
+        """Persist, announce, then act on what the election decided."""
+        if self.leaving:
+            return  # a leaving node runs for nothing and follows no one new
+        if msgs:
+            self._save_state()  # before the messages: a term is on disk before anyone hears of it
+            for msg in msgs:
+                for peer in list(self.links.peers):
+                    try:
+                        self.links.send(peer, Frame(MsgType.CONTROL, 0, {"election": msg.to_wire()}))
+                    except LinkError:
+                        pass
+        leader = self.election.leader
+        if leader == self.node and not self.leading:
+            log.info("leading the cluster (term %s)", self.election.term.to_wire())
+            self.leading = True
+            self._on_leadership(True)
+        elif leader != self.node and self.leading:
+            log.info("following %s", leader or "nobody yet")
+            self.leading = False
+            self._on_leadership(False)
+        if leader != self._last_leader:
+            self._last_leader = leader
+            self.leader_changes += 1
+            self.leader_serving = (None, f"waiting for word from {leader or 'a new leader'}")
+            self._leader_moved.set()
+            self._leader_moved = asyncio.Event()
+
+    # --- state on disk ----------------------------------------------------------------------
+
+    def _restore_state(self) -> tuple[Pin, Term | None]:
+        """The pin and term this node had before a restart (a pin outlives restarts)."""
+        try:
+            d = json.loads(self._state_file.read_text())
+            return Pin.from_wire(d["pin"]), Term.from_wire(d["term"])
+        except FileNotFoundError:
+            return Pin(), None
+        except (OSError, ValueError, KeyError, TypeError, ElectionError) as e:
+            log.warning("ignoring unreadable state file %s: %s", self._state_file, e)
+            return Pin(), None
+
+    def _save_state(self) -> None:
+        path = self._state_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pin": self.election.pin.to_wire(), "term": self.election.term.to_wire()}))
+        os.replace(tmp, path)

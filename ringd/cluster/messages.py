@@ -1,0 +1,131 @@
+"""The daemon's own messages between nodes (heartbeats, election notes, plan answers), parsed strictly.
+
+Frames on a link come from a member that proved the cluster secret, but
+members run other versions, have bugs, or are confused after a partition. So
+every descriptor here is parsed into a typed value or refused with
+``MessageError`` naming what is wrong, never another exception; the caller
+ignores a refused message and keeps the link. And every message is bounded by
+construction: a heartbeat the node builds always fits a frame, whatever the
+drain list or the gossip hold (a heartbeat that did not fit once killed the
+heartbeat task and with it the cluster).
+
+FORWARD, TOKEN and RELEASE belong to the ring's hot path and are parsed in
+``stage/runner.py`` and ``engine.py``; PLAN in ``placement.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ringd.cluster.election import Announce, ElectionError, Term
+from ringd.cluster.placement import MAX_ADDR_CHARS
+from ringd.cluster.reconcile import Report, ReportError
+from ringd.names import check_name, parse_hostport
+
+# Peers one heartbeat may tell of: far above any real cluster (a dozen Macs),
+# low enough that a confused peer cannot make us dial thousands.
+MAX_GOSSIPED_PEERS = 64
+# Nodes `ringctl drain` may keep out at once: every node of the largest cluster.
+MAX_DRAINED = 64
+# Why the leader does not serve, as followers repeat it in /health: one line.
+MAX_REASON_CHARS = 300
+
+
+class MessageError(ValueError):
+    """A malformed message from a peer; the message says what. Ignore it, keep the link."""
+
+
+def _node(what: str, v: object) -> str:
+    try:
+        return check_name(v)
+    except ValueError as e:
+        raise MessageError(f"{what} {v!r:.80}: {e}") from None
+
+
+def clip(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a node tells every peer every heartbeat (and what a lost message repeats).
+
+    ``election``: its election state. ``report``: which plan its stage runs.
+    ``knows``: whom it is linked with (node -> ring address), so that one static
+    peer is enough to find the whole cluster. From the leader only: ``drained``
+    (followers keep it, so a new leader keeps it too), and ``serving`` (the plan
+    it serves, None if it does not) with ``reason`` (why not), for followers'
+    /health.
+    """
+
+    election: Announce
+    report: Report
+    knows: dict[str, str]
+    drained: tuple[str, ...] | None = None
+    serving: Term | None = None
+    reason: str = ""
+
+    def __post_init__(self):
+        if len(self.knows) > MAX_GOSSIPED_PEERS:
+            raise MessageError(f"a heartbeat tells of at most {MAX_GOSSIPED_PEERS} peers, not {len(self.knows)}")
+        if self.drained is not None and len(self.drained) > MAX_DRAINED:
+            raise MessageError(f"at most {MAX_DRAINED} nodes may be drained, not {len(self.drained)}")
+        if len(self.reason) > MAX_REASON_CHARS:
+            raise MessageError(f"a heartbeat's reason is at most {MAX_REASON_CHARS} characters")
+
+    def to_wire(self) -> dict:
+        d = {"election": self.election.to_wire(), "report": self.report.to_wire(), "knows": self.knows}
+        if self.drained is not None:
+            d.update(drained=list(self.drained), serving=self.serving.to_wire() if self.serving else None, reason=self.reason)
+        return d
+
+    @classmethod
+    def from_wire(cls, d: object) -> "Heartbeat":
+        if not isinstance(d, dict):
+            raise MessageError(f"a heartbeat is an object, got {type(d).__name__}")
+        required, leader_keys = {"election", "report", "knows"}, {"drained", "serving", "reason"}
+        if not required <= set(d) <= required | leader_keys or (set(d) & leader_keys and not leader_keys <= set(d)):
+            raise MessageError(f"a heartbeat has keys election, report, knows (and from a leader drained, serving, reason); got {sorted(map(str, d))!r:.200}")
+        try:
+            election = Announce.from_wire(d["election"])
+            report = Report.from_wire(d["report"])
+            serving = Term.from_wire(d["serving"]) if d.get("serving") is not None else None
+        except (ElectionError, ReportError) as e:
+            raise MessageError(f"heartbeat: {e}") from None
+        knows = d["knows"]
+        if not isinstance(knows, dict) or len(knows) > MAX_GOSSIPED_PEERS:
+            raise MessageError(f"heartbeat knows must be an object of at most {MAX_GOSSIPED_PEERS} node: address entries")
+        for node, addr in knows.items():
+            _node("heartbeat knows node", node)
+            if not isinstance(addr, str) or len(addr) > MAX_ADDR_CHARS:
+                raise MessageError(f"heartbeat knows {node}: the address must be IP:PORT")
+            try:
+                parse_hostport(addr)
+            except ValueError as e:
+                raise MessageError(f"heartbeat knows {node}: {e}") from None
+        drained = None
+        if "drained" in d:
+            if not isinstance(d["drained"], list) or len(d["drained"]) > MAX_DRAINED:
+                raise MessageError(f"heartbeat drained must be a list of at most {MAX_DRAINED} node names")
+            drained = tuple(_node("drained node", n) for n in d["drained"])
+            if not isinstance(d["reason"], str) or len(d["reason"]) > MAX_REASON_CHARS:
+                raise MessageError(f"heartbeat reason must be a string of at most {MAX_REASON_CHARS} characters")
+        return cls(election, report, dict(knows), drained, serving, d.get("reason", ""))
+
+
+def parse_control(d: object) -> Announce:
+    """A CONTROL frame: an election message sent the moment the state changed."""
+    if not isinstance(d, dict) or set(d) != {"election"}:
+        raise MessageError(f"a CONTROL frame holds exactly {{'election': ...}}, got {d!r:.200}")
+    try:
+        return Announce.from_wire(d["election"])
+    except ElectionError as e:
+        raise MessageError(f"control: {e}") from None
+
+
+def parse_loaded(d: object) -> Report:
+    """A LOADED frame: a node's report on the plan it was sent."""
+    try:
+        return Report.from_wire(d)
+    except ReportError as e:
+        raise MessageError(f"LOADED: {e}") from None

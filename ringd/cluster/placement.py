@@ -1,0 +1,584 @@
+"""Which node runs which layers: pure functions from members to a Plan.
+
+A Plan is the ring order and each stage's contiguous layer range, stamped with
+the term of the leader that made it. Nothing here touches the network or MLX;
+the leader computes a plan and sends ``Plan.to_wire()`` to every member.
+
+How many layers each node gets is a placement strategy (``STRATEGIES``,
+``place``, ``plan_for``): every one is a pure function of the nodes (ring
+order, memory budgets, measured speeds) and the model's byte sizes, with no
+clocks and no randomness, so every node computing it gets the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from ringd.names import check_name
+
+# Bounds on a plan from the network (checked before anything is built from it):
+# far above any real model or cluster, low enough that a bad plan is cheap to refuse.
+MAX_LAYERS = 10_000  # the deepest mlx-lm models have about 100
+MAX_STAGES = 256  # a ring of a dozen Macs, with room to spare
+MAX_TERM = 2**53 - 1  # terms travel in JSON; beyond this not every reader holds them exactly
+MAX_FINGERPRINT_CHARS = 256
+MAX_ADDR_CHARS = 64  # "[ipv6]:port"
+
+
+class PlacementError(ValueError):
+    """No valid plan for these members and this model; the message says why."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    node: str
+    addr: str  # host:port of the node's ring listener, so stages can dial their successor
+    start: int
+    end: int
+
+    @property
+    def layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Plan:
+    term: int
+    leader: str  # the node that made the plan, serves the API and receives sampled tokens
+    model: str  # the model's fingerprint: every node must have loaded the same model
+    num_layers: int
+    stages: tuple[Stage, ...]
+
+    def __post_init__(self):
+        if not self.stages:
+            raise PlacementError("a plan needs at least one stage")
+        expected = 0
+        for s in self.stages:
+            if s.start != expected or s.end <= s.start:
+                raise PlacementError(
+                    f"stage {s.node} has layers [{s.start}, {s.end}); stages must cover "
+                    f"[0, {self.num_layers}) contiguously, each with at least one layer"
+                )
+            expected = s.end
+        if expected != self.num_layers:
+            raise PlacementError(f"the stages cover {expected} of {self.num_layers} layers")
+        nodes = [s.node for s in self.stages]
+        if len(set(nodes)) != len(nodes):
+            raise PlacementError(f"a node appears twice in the ring: {nodes}")
+
+    def index_of(self, node: str) -> int | None:
+        for i, s in enumerate(self.stages):
+            if s.node == node:
+                return i
+        return None
+
+    def successor(self, node: str) -> Stage | None:
+        """The stage after ``node``'s, or None for the last stage."""
+        i = self.index_of(node)
+        if i is None or i + 1 == len(self.stages):
+            return None
+        return self.stages[i + 1]
+
+    @property
+    def split(self) -> list[int]:
+        return [s.layers for s in self.stages]
+
+    def to_wire(self) -> dict:
+        return {
+            "term": self.term,
+            "leader": self.leader,
+            "model": self.model,
+            "num_layers": self.num_layers,
+            "stages": [[s.node, s.addr, s.start, s.end] for s in self.stages],
+        }
+
+    @classmethod
+    def from_wire(cls, d: object) -> "Plan":
+        """A plan from the network: every field checked, any flaw a PlacementError."""
+        def count(what: str, v: object, limit: int) -> int:
+            if type(v) is not int or not 0 <= v <= limit:
+                raise PlacementError(f"plan {what} must be an integer from 0 to {limit}, got {v!r:.40}")
+            return v
+
+        def name(what: str, v: object) -> str:
+            try:
+                return check_name(v)
+            except ValueError as e:
+                raise PlacementError(f"plan {what} {v!r:.80}: {e}") from None
+
+        if not isinstance(d, dict) or set(d) != {"term", "leader", "model", "num_layers", "stages"}:
+            raise PlacementError(f"a plan has exactly term, leader, model, num_layers and stages; got {d!r:.200}")
+        model, stages = d["model"], d["stages"]
+        if not isinstance(model, str) or len(model) > MAX_FINGERPRINT_CHARS:
+            raise PlacementError(f"plan model must be a fingerprint of at most {MAX_FINGERPRINT_CHARS} characters")
+        if not isinstance(stages, list) or not 1 <= len(stages) <= MAX_STAGES:
+            raise PlacementError(f"plan stages must be a list of 1 to {MAX_STAGES} stages")
+        num_layers = count("num_layers", d["num_layers"], MAX_LAYERS)
+        parsed = []
+        for i, stage in enumerate(stages):
+            if not isinstance(stage, list) or len(stage) != 4:
+                raise PlacementError(f"plan stage {i} must be [node, address, start, end], got {stage!r:.100}")
+            node, addr, start, end = stage
+            if not isinstance(addr, str) or len(addr) > MAX_ADDR_CHARS:
+                raise PlacementError(f"plan stage {i}: the address must be a string of at most {MAX_ADDR_CHARS} characters")
+            parsed.append(Stage(name(f"stage {i} node", node), addr, count(f"stage {i} start", start, num_layers), count(f"stage {i} end", end, num_layers)))
+        return cls(count("term", d["term"], MAX_TERM), name("leader", d["leader"]), model, num_layers, tuple(parsed))
+
+
+def even_split(num_layers: int, num_stages: int) -> list[int]:
+    """Layer counts per stage, as even as possible, low stages taking the extra.
+
+    28 layers over 3 stages is [10, 9, 9], as mlx-lm's pipeline splits them.
+    """
+    if num_stages < 1:
+        raise PlacementError("a ring needs at least one node")
+    if num_stages > num_layers:
+        raise PlacementError(f"{num_stages} nodes cannot each hold a layer of a {num_layers}-layer model")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if i < extra else 0) for i in range(num_stages)]
+
+
+def parse_split(text: str) -> list[int]:
+    """'7,5,1' -> [7, 5, 1]; each count a positive integer."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise PlacementError(f"split {text!r} must be comma-separated layer counts like 10,9,9") from None
+    if any(c < 1 for c in counts):
+        raise PlacementError(f"split {text!r}: every stage needs at least one layer")
+    return counts
+
+
+def make_plan(
+    term: int,
+    leader: str,
+    model: str,
+    num_layers: int,
+    members: list[tuple[str, str]],
+    split: list[int] | None = None,
+) -> Plan:
+    """Members (node, addr) in ring order -> a Plan with ``split`` or an even split."""
+    counts = split if split is not None else even_split(num_layers, len(members))
+    if len(counts) != len(members):
+        raise PlacementError(f"split {counts} has {len(counts)} entries for {len(members)} nodes")
+    if sum(counts) != num_layers:
+        raise PlacementError(f"split {counts} sums to {sum(counts)}, but the model has {num_layers} layers")
+    stages, start = [], 0
+    for (node, addr), n in zip(members, counts):
+        stages.append(Stage(node, addr, start, start + n))
+        start += n
+    return Plan(term, leader, model, num_layers, tuple(stages))
+
+
+GIB = 2**30
+
+
+def check_budgets(plan: Plan, stage_bytes, budgets: dict[str, int | None]) -> None:
+    """Raise PlacementError naming every node whose stage exceeds its memory budget.
+
+    ``stage_bytes(start, end)`` is what a stage holding those layers
+    materializes; a budget of None is no limit.
+    """
+    short = []
+    for s in plan.stages:
+        budget = budgets.get(s.node)
+        need = stage_bytes(s.start, s.end)
+        if budget is not None and need > budget:
+            short.append(_shortfall(s.node, s.start, s.end, need, budget))
+    if short:
+        raise PlacementError(
+            f"the model does not fit these {len(plan.stages)} node(s): " + "; ".join(short)
+            + ". Add a node or raise memory_budget_gb."
+        )
+
+
+# --- sizes in messages -------------------------------------------------------
+
+MIB = 2**20
+
+
+def _size(n: int) -> str:
+    """Bytes as GiB with 2 decimals, plus MiB below 1 GiB, where "0.00 GiB" would say nothing (tiny models)."""
+    text = f"{n / GIB:.2f} GiB"
+    if abs(n) < GIB:
+        text += f" ({n / MIB:.2f} MiB)"
+    return text
+
+
+def _shortfall(node: str, start: int, end: int, need: int, budget: int) -> str:
+    return (
+        f"{node} needs {_size(need)} for layers [{start}, {end}) but its memory budget is "
+        f"{_size(budget)}: short by {_size(need - budget)}"
+    )
+
+
+# --- placement strategies ----------------------------------------------------
+
+# uniform:  even layer counts, mlx-lm's own pipeline split; ignores memory and speed.
+# memory:   layers in proportion to each node's memory budget.
+# compute:  layers in proportion to each node's measured speed.
+# balanced: the default; the smallest possible slowest stage (a token's trip round
+#           the ring waits for every stage, so the slowest one sets the pace) that
+#           still fits every budget.
+# custom:   layers in proportion to the operator's per-node `proportion`.
+STRATEGIES = ("uniform", "memory", "compute", "balanced", "custom")
+
+DEFAULT_STRATEGY = "balanced"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One ring member as placement sees it, listed in ring order."""
+
+    node: str
+    addr: str
+    budget: int | None  # bytes this node may hold: weights + KV reserve; None = no limit
+    speed: float = 1.0  # relative compute speed, > 0 (a measured matmul GFLOP/s)
+    proportion: float | None = None  # for "custom": this node's share (> 0)
+    api_only: bool = False  # holds no layers (serves the API only); excluded from the stages
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What holding a range of layers costs a node, in bytes."""
+
+    layers: tuple[int, ...]  # weight bytes per transformer layer
+    embed: int  # embed_tokens bytes (first stage; also the last stage when tied and head == 0)
+    norm: int  # final norm bytes (last stage)
+    head: int  # lm_head bytes (last stage); 0 = tied embeddings
+    kv_per_layer: int = 0  # KV-cache bytes a stage must keep free per layer it holds (its KV reserve)
+
+    def stage_bytes(self, start: int, end: int) -> int:
+        """Weight bytes of a stage holding layers [start, end); the rule of ringd.models.checkpoint.WeightBytes.stage."""
+        n = sum(self.layers[start:end])
+        if start == 0:
+            n += self.embed
+        if end == len(self.layers):
+            # With tied embeddings the last stage needs embed_tokens for as_linear,
+            # unless it is also the first stage and holds them already.
+            n += self.norm + (self.head or (self.embed if start != 0 else 0))
+        return n
+
+    def stage_need(self, start: int, end: int) -> int:
+        """What a stage holding layers [start, end) needs within its budget: weights plus KV reserve."""
+        return self.stage_bytes(start, end) + self.kv_per_layer * (end - start)
+
+
+class _Needs:
+    """ModelCost.stage_need in O(1) by prefix sums: the searches below ask it O(nodes * layers**2) times."""
+
+    def __init__(self, cost: ModelCost):
+        self.cost = cost
+        self.num_layers = len(cost.layers)
+        self.prefix = [0]
+        for b in cost.layers:
+            self.prefix.append(self.prefix[-1] + b + cost.kv_per_layer)
+
+    def __call__(self, start: int, end: int) -> int:
+        c = self.cost
+        n = self.prefix[end] - self.prefix[start]
+        if start == 0:
+            n += c.embed
+        if end == self.num_layers:
+            n += c.norm + (c.head or (c.embed if start != 0 else 0))
+        return n
+
+
+def apportion(total: int, weights: list) -> list[int]:
+    """``total`` layers in proportion to ``weights``, every node at least one.
+
+    Largest remainder (Hamilton): each node gets the floor of its exact quota,
+    the layers left over go to the largest remainders, ties to the earlier node
+    in the ring. A node whose quota is under one layer gets exactly one and
+    the others share the rest. Arithmetic is exact (Fractions), so the result
+    never depends on float rounding. Equal weights give ``even_split``.
+    """
+    n = len(weights)
+    if n < 1:
+        raise PlacementError("a ring needs at least one node holding layers")
+    if n > total:
+        raise PlacementError(f"{n} nodes cannot each hold a layer of a {total}-layer model")
+    w = [Fraction(x) for x in weights]
+    if any(x < 0 for x in w):
+        raise PlacementError(f"weights {list(weights)} must not be negative")
+    if sum(w) == 0:
+        w = [Fraction(1)] * n
+    fixed = [False] * n  # pinned at the one-layer minimum
+    while True:
+        free = [i for i in range(n) if not fixed[i]]
+        seats = total - (n - len(free))
+        weight = sum(w[i] for i in free)
+        quota = {i: seats * w[i] / weight for i in free}
+        low = [i for i in free if quota[i] < 1]
+        if not low:
+            break
+        for i in low:
+            fixed[i] = True
+    # `free` cannot run empty: the free quotas sum to seats >= len(free) as n <= total.
+    counts = [1 if fixed[i] else math.floor(quota[i]) for i in range(n)]
+    left = total - sum(counts)
+    by_remainder = sorted(free, key=lambda i: (-(quota[i] - math.floor(quota[i])), i))
+    for i in by_remainder[:left]:
+        counts[i] += 1
+    return counts
+
+
+def _fits(needs: _Needs, budgets: list[int | None], caps: list[int]) -> bool:
+    """Is there a contiguous split, each node at least one layer and at most caps[i], within every budget?
+
+    Forward reachability over the boundary between stages. A plain greedy
+    (each node takes the most it can) is not enough: with uneven layer sizes
+    taking more can hand the next, small node a layer too big for it.
+    """
+    n, total = len(budgets), needs.num_layers
+    reach = [False] * (total + 1)
+    reach[0] = True
+    for i in range(n):
+        later = n - 1 - i  # each later node still needs a layer
+        nxt = [False] * (total + 1)
+        for s in range(i, total - later):
+            if not reach[s]:
+                continue
+            for e in range(s + 1, min(s + caps[i], total - later) + 1):
+                if budgets[i] is not None and needs(s, e) > budgets[i]:
+                    break  # a stage's need only grows with its end
+                nxt[e] = True
+        reach = nxt
+    return reach[total]
+
+
+def _closest_fit(needs: _Needs, budgets: list[int | None], caps: list[int], target: list[int]) -> list[int] | None:
+    """The split within budgets and caps that moves the fewest layers away from ``target``, or None.
+
+    Exact, by dynamic programming over stage boundaries: cost is
+    sum |counts[i] - target[i]|; among equal costs earlier nodes take more
+    (as even_split's low stages take the extra), so the answer is deterministic.
+    """
+    n, total = len(budgets), needs.num_layers
+    best: list[list[int | None]] = [[None] * (total + 1) for _ in range(n + 1)]
+    best[n][total] = 0
+    ends: list[list[list[int]]] = [[[] for _ in range(total + 1)] for _ in range(n)]
+
+    for i in reversed(range(n)):
+        later = n - 1 - i
+        for s in range(i, total - later):
+            options = ends[i][s]
+            for e in range(s + 1, min(s + caps[i], total - later) + 1):
+                if budgets[i] is not None and needs(s, e) > budgets[i]:
+                    break
+                if best[i + 1][e] is not None:
+                    options.append(e)
+            if options:
+                best[i][s] = min(abs(e - s - target[i]) + best[i + 1][e] for e in options)
+    if best[0][0] is None:
+        return None
+    counts, s = [], 0
+    for i in range(n):
+        e = max(e for e in ends[i][s] if abs(e - s - target[i]) + best[i + 1][e] == best[i][s])
+        counts.append(e - s)
+        s = e
+    return counts
+
+
+def _least_short(needs: _Needs, budgets: list[int | None], target: list[int]) -> list[int]:
+    """The split with the least total memory shortfall (then closest to ``target``): what the error reports."""
+    n, total = len(budgets), needs.num_layers
+    inf = (math.inf, math.inf)
+    best = [[inf] * (total + 1) for _ in range(n + 1)]
+    best[n][total] = (0, 0)
+    choice = [[0] * (total + 1) for _ in range(n)]
+    for i in reversed(range(n)):
+        later = n - 1 - i
+        for s in range(i, total - later):
+            for e in range(s + 1, total - later + 1):
+                short = 0 if budgets[i] is None else max(0, needs(s, e) - budgets[i])
+                rest = best[i + 1][e]
+                c = (short + rest[0], abs(e - s - target[i]) + rest[1])
+                if c <= best[i][s]:  # `<=` with rising e: ties go to the larger earlier stage
+                    best[i][s], choice[i][s] = c, e
+    counts, s = [], 0
+    for i in range(n):
+        counts.append(choice[i][s] - s)
+        s = choice[i][s]
+    return counts
+
+
+def _does_not_fit(active: list[NodeSpec], needs: _Needs, counts: list[int], closest: bool) -> PlacementError:
+    """The error for ``counts``: each short node with need, budget and shortfall, and the ring's total."""
+    short, total_need, s = [], 0, 0
+    for spec, c in zip(active, counts):
+        need = needs(s, s + c)
+        total_need += need
+        if spec.budget is not None and need > spec.budget:
+            short.append(_shortfall(spec.node, s, s + c, need, spec.budget))
+        s += c
+    lead = (
+        f"the model does not fit these {len(active)} node(s) in any split; in the closest, {counts}, "
+        if closest
+        else f"split {counts} does not fit these {len(active)} node(s): "
+    )
+    text = lead + "; ".join(short)
+    budgets = [spec.budget for spec in active]
+    if closest and all(b is not None for b in budgets):
+        have = sum(budgets)
+        if have < total_need:
+            text += (
+                f". In all the model needs {_size(total_need)} (weights + KV reserve) and the budgets add up to "
+                f"{_size(have)}: short by {_size(total_need - have)}"
+            )
+        else:
+            text += (
+                f". The budgets add up to {_size(have)}, enough for the model's {_size(total_need)} in all, "
+                "but no contiguous split of its layers fits every node"
+            )
+    return PlacementError(text + ". Add a node or raise memory_budget_gb.")
+
+
+def _check_nodes(nodes: list[NodeSpec], cost: ModelCost) -> list[NodeSpec]:
+    """The nodes that hold layers, after refusing what no strategy can place."""
+    names = [n.node for n in nodes]
+    if len(set(names)) != len(names):
+        raise PlacementError(f"a node appears twice in the ring: {names}")
+    active = [n for n in nodes if not n.api_only]
+    if not active:
+        raise PlacementError(f"no node holds layers: all of {names} are api_only")
+    total = len(cost.layers)
+    if total < 1:
+        raise PlacementError("the model has no layers to place")
+    if len(active) > total:
+        raise PlacementError(
+            f"{len(active)} nodes cannot each hold a layer of a {total}-layer model; mark some api_only"
+        )
+    for n in active:
+        if not (isinstance(n.speed, (int, float)) and math.isfinite(n.speed) and n.speed > 0):
+            raise PlacementError(f"node {n.node} has speed {n.speed!r}; a speed must be a finite number > 0")
+    return active
+
+
+def _check_split(split: list[int], active: list[NodeSpec], total: int) -> None:
+    names = [n.node for n in active]
+    if len(split) != len(active):
+        raise PlacementError(
+            f"split {list(split)} has {len(split)} entries for the {len(active)} node(s) holding layers {names}"
+        )
+    if any(not isinstance(c, int) or c < 1 for c in split):
+        raise PlacementError(f"split {list(split)}: every node holding layers needs at least one")
+    if sum(split) != total:
+        raise PlacementError(f"split {list(split)} sums to {sum(split)}, but the model has {total} layers")
+
+
+def _weights(strategy: str, active: list[NodeSpec]) -> list:
+    """What each proportional strategy shares the layers by."""
+    if strategy == "uniform":
+        return [1] * len(active)
+    if strategy == "memory":
+        finite = [n.budget for n in active if n.budget is not None]
+        # No limit shares like the roomiest limited node; with no limits at all, evenly.
+        unlimited = max(finite) if finite else 1
+        return [unlimited if n.budget is None else max(n.budget, 0) for n in active]
+    if strategy in ("compute", "balanced"):
+        return [n.speed for n in active]
+    if strategy == "custom":
+        bad = [
+            n.node
+            for n in active
+            if not (isinstance(n.proportion, (int, float)) and math.isfinite(n.proportion) and n.proportion > 0)
+        ]
+        if bad:
+            raise PlacementError(
+                f"strategy custom needs a proportion > 0 for every node holding layers; missing or invalid for {bad}"
+            )
+        return [n.proportion for n in active]
+    raise PlacementError(f"unknown placement strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+def _balanced(needs: _Needs, active: list[NodeSpec], target: list[int]) -> list[int] | None:
+    """Smallest slowest-stage time within budgets, then the split closest to ``target`` at that time."""
+    total = needs.num_layers
+    budgets = [n.budget for n in active]
+    speeds = [Fraction(n.speed) for n in active]
+
+    def caps(t: Fraction) -> list[int]:
+        # The most layers node i can hold in time t: layers / speed <= t.
+        return [min(total, math.floor(t * v)) for v in speeds]
+
+    # The optimum is some stage's layers / speed, so it is one of these.
+    lower = Fraction(total) / sum(speeds)  # perfect sharing: no split beats it
+    candidates = sorted({Fraction(k) / v for v in speeds for k in range(1, total + 1)})
+    candidates = [t for t in candidates if t >= lower] or [candidates[-1]]
+    if not _fits(needs, budgets, caps(candidates[-1])):
+        return None  # not even with no regard for time: memory is the limit
+    lo, hi = 0, len(candidates) - 1  # feasibility only grows with time; find the first feasible
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _fits(needs, budgets, caps(candidates[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    return _closest_fit(needs, budgets, caps(candidates[lo]), target)
+
+
+def place(strategy: str, nodes: list[NodeSpec], cost: ModelCost, split: list[int] | None = None) -> list[int]:
+    """Layer counts per node in the given (ring) order; 0 for api_only nodes.
+
+    ``split``, counts for the nodes holding layers in order, overrides the
+    strategy; it is used as given and refused if a stage exceeds its budget.
+
+    - uniform, memory, compute, custom share the layers in proportion to
+      their weight (``apportion``: largest remainder, at least one layer each,
+      ties to the earlier node). When that split exceeds a budget, the split
+      within every budget that moves the fewest layers from it is used instead;
+      they raise only when no split fits.
+    - balanced minimizes the slowest stage's time, max(layers_i / speed_i),
+      subject to every budget; among the optimal splits it takes the one
+      closest to proportional-to-speed (equal nodes: exactly even_split).
+
+    Raises PlacementError when nothing fits, naming each node's shortfall in
+    the closest split and the ring's total when the budgets cannot add up.
+    Deterministic: exact arithmetic, no clocks, no randomness.
+    """
+    active = _check_nodes(nodes, cost)
+    total = len(cost.layers)
+    needs = _Needs(cost)
+    budgets = [n.budget for n in active]
+    if split is not None:
+        _check_split(split, active, total)
+        counts = list(split)
+        s = 0
+        for b, c in zip(budgets, counts):
+            if b is not None and needs(s, s + c) > b:
+                raise _does_not_fit(active, needs, counts, closest=False)
+            s += c
+    else:
+        target = even_split(total, len(active)) if strategy == "uniform" else apportion(total, _weights(strategy, active))
+        if strategy == "balanced":
+            found = _balanced(needs, active, target)
+        else:
+            found = _closest_fit(needs, budgets, [total] * len(active), target)
+        if found is None:
+            raise _does_not_fit(active, needs, _least_short(needs, budgets, target), closest=True)
+        counts = found
+    it = iter(counts)
+    return [0 if n.api_only else next(it) for n in nodes]
+
+
+def plan_for(
+    term: int,
+    leader: str,
+    model: str,
+    nodes: list[NodeSpec],
+    cost: ModelCost,
+    strategy: str = DEFAULT_STRATEGY,
+    split: list[int] | None = None,
+) -> Plan:
+    """place() then a Plan of the nodes holding layers (api_only ones left out), then check the budgets.
+
+    Raises PlacementError.
+    """
+    counts = place(strategy, nodes, cost, split)
+    holders = [(n, c) for n, c in zip(nodes, counts) if not n.api_only]
+    plan = make_plan(term, leader, model, len(cost.layers), [(n.node, n.addr) for n, _ in holders], [c for _, c in holders])
+    check_budgets(plan, cost.stage_need, {n.node: n.budget for n in nodes})
+    return plan

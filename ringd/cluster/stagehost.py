@@ -1,0 +1,306 @@
+"""This node's stage: take a plan from the leader, load the layers it gives us, run them.
+
+Every node hosts at most one stage. A PLAN from the leader the election follows
+is taken (``reconcile.plan_refusal`` says which are not); the layers it gives
+this node are loaded on the compute thread (the ones already loaded are kept
+when the range is the same), and the answer goes back as LOADED. What this
+node runs is its ``report``, which its heartbeats repeat: the leader reconciles
+against it, so a LOADED lost with a broken link is not a wedge.
+
+FORWARD and RELEASE frames go to the ``StageRunner``, but only from the node
+that precedes this stage in the plan (the leader, for stage 0): a frame of
+another ring, however it got here, never touches this ring's caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+from ringd.cluster.election import Term
+from ringd.cluster.placement import PlacementError, Plan
+from ringd.cluster.reconcile import BROKEN, LOADED, LOADING, OUTSIDE, Report, failure_report, plan_refusal
+from ringd.metrics import Metrics
+from ringd.models.checkpoint import ModelError, ModelFileError, ModelInfo
+from ringd.models.progress import LoadProgress
+from ringd.names import parse_hostport
+from ringd.stage.compute import ComputeThread
+from ringd.stage.runner import StageRunner
+from ringd.stage.shard import Shard
+from ringd.steps import Failure
+from wire.frames import Frame, MsgType
+
+log = logging.getLogger(__name__)
+
+# A stage answers LOADED only once it has a link to the next stage: the leader
+# starts sending requests at once. A peer on the LAN links in well under a
+# second; this covers a dial loop in its backoff (DIAL_BACKOFF_MAX_S, 3 s)
+# and a handshake (HANDSHAKE_TIMEOUT_S, 5 s).
+SUCCESSOR_LINK_TIMEOUT_S = 10.0
+
+
+def plan_term(plan: Plan) -> Term:
+    """A plan's name: the term its leader claimed for it."""
+    return Term(plan.term, plan.leader)
+
+
+class StageHost:
+    def __init__(
+        self,
+        node: str,
+        model: str,
+        info: ModelInfo,
+        compute: ComputeThread,
+        send: Callable[[str, Frame], None],
+        on_report: Callable[[], None],
+        metrics: Metrics,
+        tokenizer_source: Callable[[], Any] | None = None,
+        departed: Callable[[str], bool] = lambda node: False,
+    ):
+        self.node = node
+        # Whether a peer said LEAVE: a link to it that drops, or a frame it can no longer take,
+        # breaks no ring, as the leader plans without it anyway (and a whole ring stopped at
+        # once, whose signals land a little apart, stays quiet).
+        self.departed = departed
+        # The model's tokenizer (mlx-lm's TokenizerWrapper) when asked: the last stage
+        # follows grammars with it. None: requests with a grammar fail here.
+        self.tokenizer_source = tokenizer_source
+        self.metrics = metrics
+        self.model = model
+        self.stopping = False
+        self.info = info
+        self.compute = compute
+        self._send = send
+        self._on_report = on_report
+        self.plan: Plan | None = None  # the plan taken last
+        self.shard: Shard | None = None
+        self.stage: StageRunner | None = None
+        self.report = Report()
+        self.progress: LoadProgress | None = None  # the load under way, for status(); None when not loading
+        # Why a file of the model cannot be read, once a load found it (truncated, corrupt): the
+        # same bytes give the same error, so no later plan reads them again until a restart.
+        self.unreadable: str | None = None
+        self._lock = asyncio.Lock()  # one load at a time, in the order plans were taken
+        self._ring_links: dict[str, int] = {}  # ring neighbour -> the number of our link to it, once seen
+        self.dial: Callable[[str, int], None] = lambda host, port: None
+        self._links: dict[str, int] = {}  # linked peers -> link numbers, as of the last check_links
+        self._links_changed = asyncio.Event()
+
+    @property
+    def loading(self) -> bool:
+        return self.report.state == LOADING
+
+    def take(self, sender: str, d: dict, leader: str | None) -> Plan | None:
+        """A PLAN frame: the plan to load (then call ``load``), or None if it is not for us to take."""
+        try:
+            plan = Plan.from_wire(d)
+        except PlacementError as e:
+            log.warning("ignoring a malformed plan from %s: %s", sender, e)
+            return None
+        term = plan_term(plan)
+        current = plan_term(self.plan) if self.plan is not None else None
+        why = plan_refusal(term, sender, leader, current)
+        if why is not None:
+            log.warning("ignoring plan term %d from %s: %s", plan.term, sender, why)
+            return None
+        if current == term:  # a resend: answer again what we answered
+            if self.report.plan == term and self.report.state != LOADING:
+                self._answer(plan)
+            return None
+        self.plan = plan
+        self._ring_links = {}
+        if plan.index_of(self.node) is None:
+            self._set(Report(term, OUTSIDE))
+        else:
+            self._set(Report(term, LOADING))
+        return plan
+
+    async def load(self, plan: Plan) -> None:
+        """Bring this node's stage to ``plan`` and answer the leader; plans are loaded in the order taken."""
+        async with self._lock:
+            if self.plan is not plan:
+                return  # overtaken by a later plan while waiting
+            term = plan_term(plan)
+            try:
+                await self._load(plan)
+            except ModelError as e:  # the message says what is wrong; a traceback adds nothing to it
+                if not isinstance(e, ModelFileError):
+                    log.error("could not load plan term %d: %s", plan.term, e)
+                elif self.unreadable is None:  # said once; later plans are refused with it, unread
+                    self.unreadable = str(e)
+                    log.error("could not load plan term %d: %s; this node loads no layers until the file is fixed and the node restarted", plan.term, e)
+                if self.plan is plan:
+                    self._set(failure_report(term, str(e)))
+            except Exception as e:  # a load failure is reported to the leader; the node stays up
+                log.exception("could not load plan term %d", plan.term)
+                if self.plan is plan:
+                    self._set(failure_report(term, f"{type(e).__name__}: {e}"))
+            else:
+                if self.plan is plan:
+                    holds = plan.index_of(self.node) is not None
+                    self._set(Report(term, LOADED, kv=self.shard.kv_cost) if holds else Report(term, OUTSIDE))
+            if self.plan is plan:
+                self._answer(plan)
+
+    def _answer(self, plan: Plan) -> None:
+        try:
+            self._send(plan.leader, Frame(MsgType.LOADED, 0, self.report.to_wire()))
+        except ConnectionError as e:
+            if self.departed(plan.leader):
+                log.debug("not answering plan term %d: its leader %s is leaving", plan.term, plan.leader)
+                return
+            log.warning("could not answer plan term %d (its heartbeat will): %s", plan.term, e)
+
+    def _set(self, report: Report) -> None:
+        self.report = report
+        self._on_report()
+
+    async def _load(self, plan: Plan) -> None:
+        if plan.model != self.info.fingerprint:
+            raise ModelError(
+                f"the leader serves model {plan.model}, this node has {self.info.fingerprint} "
+                f"({self.model}); every node needs the same model"
+            )
+        if self.stage is not None:
+            self.stage.close()
+            self.stage = None
+        i = plan.index_of(self.node)
+        if i is None:
+            self.shard = None
+            return
+        want = plan.stages[i]
+        if self.shard is None or (self.shard.start, self.shard.end) != (want.start, want.end):
+            self.shard = None  # free the old layers before loading new ones
+            if self.unreadable is not None:
+                raise ModelFileError(self.unreadable)
+            t0 = time.monotonic()
+            progress = self.progress = LoadProgress(want.start, want.end)
+            try:
+                self.shard = await self.compute.run(Shard.load, self.model, want.start, want.end, progress)
+            except asyncio.CancelledError:
+                # The node is stopping: the compute thread gives the load up at its next step
+                # (a download's next chunk) instead of finishing many GB nobody will use.
+                progress.cancel()
+                raise
+            finally:
+                self.progress = None
+            log.info(
+                "loaded layers [%d, %d) in %.1f s: %.1f MiB of parameters",
+                want.start, want.end, time.monotonic() - t0, self.shard.parameter_bytes / 2**20,
+            )  # fmt: skip
+        self.stage = StageRunner(self.node, plan, self.shard, self.compute, self._pass_on, self.metrics, self._grammar_tokenizer())
+        successor = plan.successor(self.node)
+        if successor is not None and successor.node not in self._links:
+            try:
+                self.dial(*parse_hostport(successor.addr))
+            except ValueError:
+                raise ModelError(f"plan term {plan.term} gives {successor.node} an address we cannot dial: {successor.addr!r}") from None
+            try:
+                async with asyncio.timeout(SUCCESSOR_LINK_TIMEOUT_S):
+                    while successor.node not in self._links:
+                        self._links_changed.clear()
+                        await self._links_changed.wait()
+            except TimeoutError:
+                raise ConnectionError(
+                    f"no link to the next stage {successor.node} at {successor.addr} within {SUCCESSOR_LINK_TIMEOUT_S:.0f} s"
+                ) from None
+
+    def _grammar_tokenizer(self) -> Callable[[], Any] | None:
+        """llguidance's tokenizer, built by the first request with a grammar (on the compute
+        thread) and kept with the tokenizer, so nodes that never see a grammar never build it."""
+        source, vocab_size = self.tokenizer_source, self.shard.info.vocab_size
+        if source is None:
+            return None
+
+        def build():
+            from ringd import grammar  # llguidance: loaded by the first request with a grammar
+
+            return grammar.ll_tokenizer(source(), vocab_size)
+
+        return build
+
+    def stop(self) -> None:
+        """The node is stopping: its stage takes no more steps, and what it can no longer pass on
+        breaks no ring (the leader plans without this node)."""
+        self.stopping = True
+        if self.stage is not None:
+            self.stage.close()
+
+    def _pass_on(self, node: str, frame: Frame) -> None:
+        """The stage's output, to the next stage or the leader. A frame that cannot go breaks the ring."""
+        try:
+            self._send(node, frame)
+        except ConnectionError as e:
+            if self.stopping or self.departed(node):
+                who = "this node stops" if self.stopping else f"{node} is leaving"
+                log.debug("%x: not passed on to %s as %s: %s", frame.request_id, node, who, e)
+                return
+            log.warning("%s=%x: cannot pass %s on to %s: %s", "req" if frame.type == MsgType.RELEASE else "batch", frame.request_id, frame.type.name, node, e)
+            self._broken(f"could not pass a frame on to {node}")
+
+    def check_links(self, links: dict[str, int]) -> None:
+        """Links changed (node -> link number): a loaded stage whose link to a ring neighbour
+        dropped or was re-made may have lost frames, and says so (``reconcile.BROKEN``)."""
+        self._links = dict(links)
+        self._links_changed.set()
+        plan, stage = self.plan, self.stage
+        if stage is None or plan is None or self.report.state != LOADED:
+            return
+        for n in {stage.predecessor, stage.next_node} - {None, self.node}:
+            if n in links and n not in self._ring_links:
+                self._ring_links[n] = links[n]
+            elif n in self._ring_links and links.get(n) != self._ring_links[n]:
+                if n not in links and self.departed(n):
+                    continue  # it left: the leader re-plans without it
+                self._broken(f"the link to {n} {'was re-made' if n in links else 'dropped'}")
+                return
+
+    def _broken(self, why: str) -> None:
+        plan = self.plan
+        if plan is None or self.report.state != LOADED or self.stopping:
+            return
+        log.warning("ring of plan term %d broken here: %s; telling %s", plan.term, why, plan.leader)
+        self._set(Report(plan_term(plan), BROKEN, why))
+        self._answer(plan)
+
+    def forget(self) -> None:
+        """Drop the stage (the node is stopping, or the leader that gave it is gone for good)."""
+        if self.stage is not None:
+            self.stage.close()
+        self.stage, self.shard, self.plan = None, None, None
+        self._set(Report())
+
+    def on_frame(self, peer: str, frame: Frame) -> None:
+        """FORWARD or RELEASE: to the stage, if it came from the node before ours in the ring."""
+        stage = self.stage
+        if stage is None:
+            if frame.type == MsgType.FORWARD:
+                term = frame.descriptor.get("term") if isinstance(frame.descriptor, dict) else None
+                self._send(peer, Failure(frame.request_id, term if type(term) is int else None, self.node, "no stage loaded here", 503).frame())
+            return
+        if peer != stage.predecessor:
+            log.warning(
+                "%x: ignoring %s from %s: in plan term %d this stage hears only from %s",
+                frame.request_id, frame.type.name, peer, stage.plan.term, stage.predecessor,
+            )  # fmt: skip
+            return
+        stage.handle(frame)
+
+    def status(self) -> dict:
+        stage = self.stage
+        return {
+            "stage": self.plan.index_of(self.node) if self.plan else None,
+            "layers": [stage.shard.start, stage.shard.end] if stage else None,
+            "sessions": len(stage.sessions) if stage else 0,
+            "kv_bytes": stage.sessions.kv_bytes if stage else 0,
+            "parameter_bytes": self.shard.parameter_bytes if self.shard else 0,
+            "prefix_entries": stage.sessions.stored if stage else 0,
+            # What a request's caches cost here, measured from this stage's own caches at load.
+            "kv_cost": self.shard.kv_cost.to_wire() if self.shard else None,
+            "report": self.report.to_wire(),
+            # While this node downloads or reads its layers: how far (progress.py), else None.
+            "progress": self.progress.to_wire() if self.progress is not None else None,
+        }
+

@@ -1,0 +1,829 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``), a thin layer over ``serving.py``.
+
+The body becomes a ``request.Request`` (``parse``); the ``Output`` events
+become Anthropic's content blocks (``Blocks``): ``thinking`` for the model's
+reasoning, ``text`` for its answer, ``tool_use`` for each call, whole or as
+Anthropic's SSE events (``message_start``, ``content_block_start`` /
+``_delta`` / ``_stop``, ``message_delta`` with the ``stop_reason``,
+``message_stop``).
+
+Mapped:
+
+- ``system`` (a string or text blocks) is a system message; ``messages``
+  alternate ``user`` and ``assistant``, their content a string or blocks:
+  ``text``; ``tool_use`` (an assistant's call: ``id``, ``name``, ``input``)
+  and ``tool_result`` (a user's answer to one: ``tool_use_id``, ``content``,
+  ``is_error``, which prefixes the content with "Error: "), which become the
+  template's ``tool_calls`` and ``tool`` messages; ``thinking`` blocks, whose
+  text is the assistant turn's ``reasoning_content`` (templates that render
+  past thinking see it); ``redacted_thinking`` is dropped (only Anthropic can
+  read it). Images, documents and other blocks are refused: ringd serves text
+  models. Consecutive turns of one role are joined, as Anthropic joins them.
+- A final ``assistant`` message is a prefill: the answer continues its text.
+- ``tools`` (custom tools: ``name``, ``description``, ``input_schema``,
+  ``strict``; Anthropic's server tools such as web search are refused, naming
+  the type), ``tool_choice`` (``auto``, ``any``, ``tool`` with a ``name``,
+  ``none``; ``disable_parallel_tool_use``).
+- ``thinking``: ``{"type": "enabled", "budget_tokens"}``, ``"adaptive"`` or
+  ``"between_tools"`` turns the template's thinking on, ``"disabled"`` off
+  (``enable_thinking``); the budget is checked but not a separate cap:
+  ``max_tokens`` bounds thinking and answer together. ``display: "omitted"``
+  sends thinking blocks without their text.
+- ``output_config``: ``format`` ``{"type": "json_schema", "schema"}`` (or the
+  beta's top-level ``output_format``): the answer follows the schema (strict, as
+  Anthropic's structured outputs are); ``effort`` goes to the template as
+  ``reasoning_effort`` (gpt-oss reads it; "xhigh" and "max" as "high").
+- ``max_tokens`` (required, as in Anthropic's API), ``stop_sequences`` (the one
+  that matched comes back as ``stop_sequence``), ``temperature``, ``top_p``,
+  ``top_k`` (read from the body: the SDK's 2.x releases send them as extra body
+  fields), ringd's ``seed``, ``min_p`` and penalties, and ``chat_template_kwargs``.
+- ``metadata``, ``service_tier`` and Anthropic's cache hints (``cache_control``
+  on blocks) are accepted and ignored; ``mcp_servers`` and ``container`` ask
+  for what ringd does not run, and are refused.
+
+``stop_reason``: ``end_turn``, ``stop_sequence``, ``max_tokens`` or
+``tool_use``. Usage: ``input_tokens`` are the prompt's tokens not read from
+ringd's prefix cache, ``cache_read_input_tokens`` those that were.
+
+Errors have Anthropic's shape (``{"type": "error", "error": {"type",
+"message"}}``), before a stream and inside one (an ``error`` event).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from ringd.http.openai_types import (
+    MAX_MESSAGES,
+    MAX_MODEL_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    ApiError,
+    _valid_text,
+    check_schema,
+    check_tool_name,
+    template_kwargs,
+)
+from ringd.http.request import MAX_TOOLS, Output, Request, ResponseFormat, Tool, ToolCall, Usage
+from ringd.stage.sampling import SamplingError, SamplingParams, brief_repr
+
+if TYPE_CHECKING:
+    from ringd.http.api import Api
+
+log = logging.getLogger(__name__)
+
+# Anthropic's error types, by status.
+_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+}  # fmt: skip
+# Anthropic's rule for tool names: longer than OpenAI's.
+MAX_TOOL_NAME_CHARS = 128
+# A tool_use block's id, as a client sends it back: Anthropic's are ~30 characters.
+MAX_TOOL_USE_ID_CHARS = 256
+# A streamed call's input goes out in pieces of about this many characters (as chat's arguments).
+INPUT_PIECE_CHARS = 32
+# What Anthropic calls the internal request's fields, for the errors that name them.
+NAMES = {"stop": "stop_sequences"}
+THINKING = ("enabled", "disabled", "adaptive", "between_tools")
+DISPLAYS = ("summarized", "omitted")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+# Efforts past "high" are Anthropic's newer levels; templates that read an effort (gpt-oss's) know three.
+TEMPLATE_EFFORT = {"xhigh": "high", "max": "high"}
+# Fields that ask for what ringd does not run: refused unless empty.
+REFUSED = {
+    "mcp_servers": "ringd connects to no MCP servers; run the tools yourself and send their results as tool_result blocks",
+    "container": "ringd runs no code containers",
+}
+# Blocks that carry what a text model cannot read.
+MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
+# ringd's sampling beyond Anthropic's, as chat completions takes it.
+EXTRA_NUMBERS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def error_body(e: ApiError) -> dict:
+    return {
+        "type": "error",
+        "error": {"type": _TYPES.get(e.status, "api_error"), "message": e.message},
+    }
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class MessagesRequest:
+    request: Request
+    stream: bool
+    show_thinking: bool = True  # thinking.display "omitted": thinking blocks come back empty
+
+
+# --- the request -------------------------------------------------------------------
+
+
+def parse(body: dict, count_only: bool = False) -> MessagesRequest:
+    """A JSON object as a request, or a 400 ``ApiError``; nothing else escapes.
+
+    ``count_only``: a count_tokens body, which has no ``max_tokens`` nor sampling.
+    """
+
+    def opt(name: str, check, rule: str):
+        v = body.get(name)
+        if v is not None and not check(v):
+            raise _bad(f"{name} must be {rule}; got {brief_repr(v)}", name)
+        return v
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model is required and must be a string", "model")
+    if len(model) > MAX_MODEL_CHARS:
+        raise _bad(
+            f"model must be a name of at most {MAX_MODEL_CHARS} characters; GET /v1/models lists it",
+            "model",
+        )
+    _valid_text(model, "model")
+    for name, why in REFUSED.items():
+        if body.get(name) not in (None, [], {}):
+            raise _bad(f"{name} is not supported: {why}", name)
+
+    max_tokens = None
+    if not count_only:
+        max_tokens = body.get("max_tokens")
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise _bad(
+                f"max_tokens is required: an integer of at least 1; got {brief_repr(max_tokens)}",
+                "max_tokens",
+            )
+    stream = opt("stream", lambda v: isinstance(v, bool), "a boolean") or False
+    sampling: dict[str, Any] = {}
+    for name in ("temperature", "top_p", *EXTRA_NUMBERS):
+        v = opt(name, _is_number, "a number")
+        if v is not None:
+            sampling[name] = v
+    for name in ("top_k", "seed"):
+        v = opt(name, _is_int, "an integer")
+        if v is not None:
+            sampling[name] = v
+    if "seed" in sampling and sampling["seed"] < 0:
+        sampling["seed"] %= 2**63
+    try:
+        params = SamplingParams(**sampling)
+    except SamplingError as e:
+        raise _bad(str(e), e.field) from None
+
+    messages, prefill = _messages(body.get("messages"))
+    system = _system(body.get("system"))
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    tools = _tools(body.get("tools"))
+    choice, tool_name, parallel = _tool_choice(body.get("tool_choice"), tools)
+    thinking, show_thinking = _thinking(body.get("thinking"), max_tokens)
+    fmt, fmt_field, effort = _output_config(body)
+    kwargs = {**template_kwargs(body.get("chat_template_kwargs")), **thinking, **effort}
+    req = Request(
+        model=model, params=params, max_tokens=max_tokens, messages=messages, stop=_stop_sequences(body.get("stop_sequences")),
+        tools=tools, tool_choice=choice, tool_name=tool_name, parallel_tool_calls=parallel, response_format=fmt,
+        prefill=prefill, template_kwargs=kwargs, names={**NAMES, "response_format": fmt_field},
+    )  # fmt: skip
+    return MessagesRequest(req, stream, show_thinking)
+
+
+def _system(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, str):
+        return _valid_text(v, "system")
+    if isinstance(v, list):
+        return "\n\n".join(_text_block(b, f"system[{i}]") for i, b in enumerate(v))
+    raise _bad("system must be a string or a list of text blocks", "system")
+
+
+def _text_block(b: Any, where: str) -> str:
+    if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+        kind = b.get("type") if isinstance(b, dict) else b
+        raise _bad(
+            f"{where} must be a text block {{'type': 'text', 'text'}}; got {brief_repr(kind)}",
+            where,
+        )
+    return _valid_text(b["text"], f"{where}.text")
+
+
+def _messages(v: Any) -> tuple[list[dict], bool]:
+    """The conversation in the form templates take, and whether it ends in a prefill."""
+    if not isinstance(v, list) or not v:
+        raise _bad("messages is required: a non-empty list of {role, content}", "messages")
+    if len(v) > MAX_MESSAGES:
+        raise _bad(f"at most {MAX_MESSAGES} messages are accepted", "messages")
+    out: list[dict] = []
+    names: dict[str, str] = {}  # tool_use id -> tool name, for the results that answer them
+    pending: set[str] = set()  # calls of the last assistant turn, not answered yet
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"{where} must be an object {{role, content}}", where)
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise _bad(
+                f'{where}.role must be "user" or "assistant"; got {brief_repr(role)} (the system prompt goes in system)',
+                f"{where}.role",
+            )
+        content = m.get("content")
+        if isinstance(content, str):
+            blocks = [{"type": "text", "text": content}]
+        elif isinstance(content, list):
+            blocks = content
+        else:
+            raise _bad(
+                f"{where}.content must be a string or a list of content blocks",
+                f"{where}.content",
+            )
+        if role == "user":
+            _user(blocks, where, out, names, pending)
+        else:
+            _assistant(blocks, where, out, names, pending)
+    last = out[-1]
+    prefill = last["role"] == "assistant"
+    if prefill and last.get("tool_calls"):
+        raise _bad(
+            "the last message holds tool_use blocks: send their tool_result blocks in a user message after it",
+            f"messages[{len(v) - 1}]",
+        )
+    return out, prefill
+
+
+def _append(out: list[dict], msg: dict) -> None:
+    """Add a turn, joined to the one before if it has the same role (as Anthropic joins them)."""
+    last = out[-1] if out else None
+    if last is not None and last["role"] == msg["role"] and msg["role"] in ("user", "assistant") and not last.get("tool_calls"):
+        last["content"] = "\n\n".join(t for t in (last["content"], msg["content"]) if t)
+        for key in ("reasoning_content", "tool_calls"):
+            if key in msg:
+                last[key] = last.get(key, "" if key == "reasoning_content" else []) + msg[key]
+        return
+    out.append(msg)
+
+
+def _user(blocks: list, where: str, out: list[dict], names: dict[str, str], pending: set[str]) -> None:
+    texts: list[str] = []
+    for j, b in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text":
+            texts.append(_text_block(b, at))
+        elif kind == "tool_result":
+            if texts:  # Anthropic puts results first; text before one is its own turn
+                _append(out, {"role": "user", "content": "\n\n".join(texts)})
+                texts = []
+            call_id = b.get("tool_use_id")
+            if not isinstance(call_id, str) or call_id not in names:
+                raise _bad(
+                    f"{at}.tool_use_id must name a tool_use block of an earlier assistant message; got {brief_repr(call_id)}",
+                    f"{at}.tool_use_id",
+                )
+            pending.discard(call_id)
+            result = b.get("content")
+            if result is None:
+                text = ""
+            elif isinstance(result, str):
+                text = _valid_text(result, f"{at}.content")
+            elif isinstance(result, list):
+                text = "\n\n".join(_text_block(p, f"{at}.content[{k}]") for k, p in enumerate(result))
+            else:
+                raise _bad(
+                    f"{at}.content must be a string or a list of text blocks",
+                    f"{at}.content",
+                )
+            if b.get("is_error") is True:
+                text = "Error: " + text
+            out.append(
+                {
+                    "role": "tool",
+                    "content": text,
+                    "tool_call_id": call_id,
+                    "name": names[call_id],
+                }
+            )
+        elif kind in MEDIA_BLOCKS:
+            raise _bad(
+                f"{at} is an {kind} block: ringd serves text models, which cannot read it",
+                f"{at}.type",
+            )
+        else:
+            raise _bad(
+                f"{at} must be a text or tool_result block; got {brief_repr(kind)}",
+                f"{at}.type",
+            )
+    if pending:
+        raise _bad(
+            f"{where} must answer every tool_use of the message before it; missing: {', '.join(sorted(pending))}",
+            where,
+        )
+    if texts or not blocks:
+        _append(out, {"role": "user", "content": "\n\n".join(texts)})
+
+
+def _assistant(blocks: list, where: str, out: list[dict], names: dict[str, str], pending: set[str]) -> None:
+    texts, reasoning, calls = [], [], []
+    for j, b in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text":
+            texts.append(_text_block(b, at))
+        elif kind == "thinking":
+            if not isinstance(b.get("thinking"), str):
+                raise _bad(f"{at}.thinking must be a string", f"{at}.thinking")
+            reasoning.append(_valid_text(b["thinking"], f"{at}.thinking"))
+        elif kind == "redacted_thinking":
+            continue  # encrypted by Anthropic for its own models: nothing here can read it
+        elif kind == "tool_use":
+            call_id = b.get("id")
+            if not isinstance(call_id, str) or not call_id or len(call_id) > MAX_TOOL_USE_ID_CHARS:
+                raise _bad(
+                    f"{at}.id must be a string of 1 to {MAX_TOOL_USE_ID_CHARS} characters",
+                    f"{at}.id",
+                )
+            if call_id in names:
+                raise _bad(f"{at}.id {call_id!r} is used twice", f"{at}.id")
+            name = check_tool_name(b.get("name"), f"{at}.name", MAX_TOOL_NAME_CHARS)
+            args = b.get("input")
+            if not isinstance(args, dict):
+                raise _bad(
+                    f"{at}.input must be an object; got {brief_repr(args)}",
+                    f"{at}.input",
+                )
+            names[call_id] = name
+            pending.add(call_id)
+            calls.append(
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": args},
+                }
+            )
+        elif kind in MEDIA_BLOCKS:
+            raise _bad(f"{at} is an {kind} block: ringd serves text models", f"{at}.type")
+        else:
+            raise _bad(
+                f"{at} must be a text, thinking or tool_use block; got {brief_repr(kind)}",
+                f"{at}.type",
+            )
+    msg: dict = {"role": "assistant", "content": "".join(texts)}
+    if reasoning:
+        msg["reasoning_content"] = "\n\n".join(reasoning)
+    if calls:
+        msg["tool_calls"] = calls
+    _append(out, msg)
+
+
+def _tools(v: Any) -> list[Tool]:
+    if v is None or v == []:
+        return []
+    if not isinstance(v, list):
+        raise _bad("tools must be a list", "tools")
+    if len(v) > MAX_TOOLS:
+        raise _bad(f"at most {MAX_TOOLS} tools are accepted", "tools")
+    out, seen = [], set()
+    for i, t in enumerate(v):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise _bad(f"{where} must be an object {{name, description, input_schema}}", where)
+        kind = t.get("type")
+        if kind not in (None, "custom"):
+            raise _bad(
+                f"{where} is Anthropic's {brief_repr(kind)} tool; ringd runs no tools of its own, so only custom tools "
+                "({name, description, input_schema}) are supported",
+                f"{where}.type",
+            )
+        name = check_tool_name(t.get("name"), f"{where}.name", MAX_TOOL_NAME_CHARS)
+        if name in seen:
+            raise _bad(f"{where}.name {name!r} is declared twice", f"{where}.name")
+        seen.add(name)
+        description = t.get("description") or ""
+        if not isinstance(description, str):
+            raise _bad(f"{where}.description must be a string", f"{where}.description")
+        if "input_schema" not in t:
+            raise _bad(
+                f"{where}.input_schema is required: a JSON schema of the tool's input",
+                f"{where}.input_schema",
+            )
+        schema = check_schema(t["input_schema"], f"{where}.input_schema")
+        strict = t.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _bad(f"{where}.strict must be a boolean", f"{where}.strict")
+        out.append(
+            Tool(
+                name,
+                _valid_text(description, f"{where}.description"),
+                schema,
+                strict is True,
+            )
+        )
+    return out
+
+
+def _tool_choice(v: Any, tools: list[Tool]) -> tuple[str, str | None, bool]:
+    """OpenAI's tool_choice for Anthropic's, its function's name, and whether calls may come in parallel."""
+    if v is None:
+        return "auto", None, True
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind not in ("auto", "any", "tool", "none"):
+        raise _bad(
+            f'tool_choice must be {{"type": "auto" | "any" | "tool" | "none"}}; got {brief_repr(v)}',
+            "tool_choice",
+        )
+    parallel = v.get("disable_parallel_tool_use")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad(
+            "tool_choice.disable_parallel_tool_use must be a boolean",
+            "tool_choice.disable_parallel_tool_use",
+        )
+    if kind in ("any", "tool") and not tools:
+        raise _bad(f"tool_choice {kind!r} needs tools", "tool_choice")
+    name = None
+    if kind == "tool":
+        name = v.get("name")
+        if name not in {t.name for t in tools}:
+            raise _bad(
+                f"tool_choice names the tool {brief_repr(name)}, which is not among the tools",
+                "tool_choice.name",
+            )
+    choice = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[kind]
+    return choice, name, parallel is not True
+
+
+def _thinking(v: Any, max_tokens: int | None) -> tuple[dict, bool]:
+    """The template variables of ``thinking``, and whether its text is shown."""
+    if v is None:
+        return {}, True
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind not in THINKING:
+        raise _bad(
+            f"thinking.type must be one of {', '.join(THINKING)}; got {brief_repr(v)}",
+            "thinking",
+        )
+    if kind == "disabled":
+        return {"enable_thinking": False}, True
+    budget = v.get("budget_tokens")
+    if kind == "enabled" and (not _is_int(budget) or budget < 1):
+        raise _bad(
+            f"thinking.budget_tokens must be a positive integer; got {brief_repr(budget)}",
+            "thinking.budget_tokens",
+        )
+    if budget is not None and max_tokens is not None and budget >= max_tokens:
+        raise _bad(
+            f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
+            "thinking.budget_tokens",
+        )
+    display = v.get("display")
+    if display is not None and display not in DISPLAYS:
+        raise _bad(
+            f"thinking.display must be one of {', '.join(DISPLAYS)}; got {brief_repr(display)}",
+            "thinking.display",
+        )
+    return {"enable_thinking": True}, display != "omitted"
+
+
+def _output_config(body: dict) -> tuple[ResponseFormat | None, str, dict]:
+    """The answer's format and the field that gave it; the template variables of an effort."""
+    config = body.get("output_config")
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):
+        raise _bad("output_config must be an object {format?, effort?}", "output_config")
+    effort = config.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise _bad(
+            f"output_config.effort must be one of {', '.join(EFFORTS)}; got {brief_repr(effort)}",
+            "output_config.effort",
+        )
+    kwargs = {"reasoning_effort": TEMPLATE_EFFORT.get(effort, effort)} if effort else {}
+    # output_format: the structured-outputs beta's name for it, before output_config.
+    if config.get("format") is not None:
+        where, v = "output_config.format", config["format"]
+    else:
+        where, v = "output_format", body.get("output_format")
+    if v is None:
+        return None, where, kwargs
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind != "json_schema" or "schema" not in v:
+        raise _bad(
+            f'{where} must be {{"type": "json_schema", "schema"}}; got {brief_repr(v)}',
+            where,
+        )
+    # Anthropic's structured outputs are strict: no properties beyond those the schema names.
+    return (
+        ResponseFormat("json_schema", check_schema(v["schema"], f"{where}.schema"), None, True),
+        where,
+        kwargs,
+    )
+
+
+def _stop_sequences(v: Any) -> list[str]:
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in v):
+        raise _bad(
+            f"stop_sequences must be a list of non-empty strings of at most {MAX_STOP_CHARS} characters",
+            "stop_sequences",
+        )
+    if len(v) > MAX_STOP_SEQUENCES:
+        raise _bad(
+            f"at most {MAX_STOP_SEQUENCES} stop_sequences are supported",
+            "stop_sequences",
+        )
+    return [_valid_text(s, f"stop_sequences[{i}]") for i, s in enumerate(v)]
+
+
+# --- the answer --------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def usage(u: Usage) -> dict:
+    return {
+        "input_tokens": u.prompt_tokens - u.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.cached_tokens,
+        "output_tokens": u.completion_tokens,
+    }
+
+
+def stop_reason(finish: str | None, stop_sequence: str | None) -> str | None:
+    if finish == "tool_calls":
+        return "tool_use"
+    if finish == "length":
+        return "max_tokens"
+    if finish == "stop":
+        return "stop_sequence" if stop_sequence is not None else "end_turn"
+    return None
+
+
+def message(
+    rid: str,
+    model: str,
+    content: list[dict],
+    finish: str | None,
+    stop_sequence: str | None,
+    u: Usage,
+) -> dict:
+    return {
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason(finish, stop_sequence),
+        "stop_sequence": stop_sequence if finish == "stop" else None,
+        "usage": usage(u),
+    }
+
+
+class Blocks:
+    """``Output`` events in, Anthropic's content blocks and the stream events that build them out.
+
+    Sans-I/O, as ``responses_api.OutputItems``: ``feed`` and ``finish`` return
+    stream events; ``content`` holds the blocks. A whole answer runs the same
+    builder and drops the events, so streamed and whole answers agree.
+
+    Thinking is a ``thinking`` block, answer text a ``text`` block, each call a
+    ``tool_use`` block, in the order the model writes them. Answer whitespace
+    before any text is held back: it opens no block if only calls follow.
+    """
+
+    def __init__(self, show_thinking: bool = True):
+        self.content: list[dict] = []
+        self._open: dict | None = None  # the text or thinking block being written
+        self._blank = ""
+        self.show_thinking = show_thinking
+
+    def feed(self, out: Output) -> list[dict]:
+        events = []
+        if out.reasoning:
+            events += self._write("thinking", out.reasoning if self.show_thinking else "")
+        if out.text:
+            writing = self._open is not None and self._open["type"] == "text"
+            if not writing and not (self._blank + out.text).strip():
+                self._blank += out.text
+            else:
+                text, self._blank = self._blank + out.text, ""
+                events += self._write("text", text)
+        for call in out.calls:
+            events += self._call(call)
+        return events
+
+    def finish(self) -> list[dict]:
+        events = []
+        if self._blank and not any(b["type"] in ("text", "tool_use") for b in self.content):
+            events += self._write("text", self._blank)
+        return events + self._end()
+
+    def _write(self, kind: str, text: str) -> list[dict]:
+        events = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._end()
+            block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "", "signature": ""}
+            self.content.append(block)
+            self._open = block
+            events.append(
+                {
+                    "type": "content_block_start",
+                    "index": len(self.content) - 1,
+                    "content_block": dict(block),
+                }
+            )
+        if not text:  # omitted thinking: the block, without its text
+            return events
+        self._open[kind] += text
+        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
+        return events + [
+            {
+                "type": "content_block_delta",
+                "index": len(self.content) - 1,
+                "delta": delta,
+            }
+        ]
+
+    def _end(self) -> list[dict]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [{"type": "content_block_stop", "index": len(self.content) - 1}]
+
+    def _call(self, call: ToolCall) -> list[dict]:
+        self._blank = ""  # whitespace before a call is no answer
+        events = self._end()
+        call_id = "toolu_" + call.id.removeprefix("call_")
+        self.content.append(
+            {
+                "type": "tool_use",
+                "id": call_id,
+                "name": call.name,
+                "input": json.loads(call.arguments),
+            }
+        )
+        index = len(self.content) - 1
+        events.append(
+            {
+                "type": "content_block_start",
+                "index": index,
+                "content_block": {
+                    "type": "tool_use",
+                    "id": call_id,
+                    "name": call.name,
+                    "input": {},
+                },
+            }
+        )
+        args = call.arguments
+        for i in range(0, len(args), INPUT_PIECE_CHARS):
+            events.append(
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {
+                        "type": "input_json_delta",
+                        "partial_json": args[i : i + INPUT_PIECE_CHARS],
+                    },
+                }
+            )
+        events.append({"type": "content_block_stop", "index": index})
+        return events
+
+
+def sse(event: dict) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+class AnthropicApi:
+    def __init__(self, api: "Api"):
+        self.api = api
+
+    def routes(self) -> list:
+        return [
+            web.post("/v1/messages", self.create),
+            web.post("/v1/messages/count_tokens", self.count_tokens),
+        ]
+
+    async def _body(self, request: web.Request, stream_field: bool) -> tuple[dict | None, web.StreamResponse | None]:
+        """The parsed body here, or a follower's forwarded answer from the leader."""
+        api = self.api
+        api.need_key(request)
+        raw = await api.read(request)
+        await api.forwarded_by(request, raw)  # a follower's mark must be proven; nothing carries over here
+        body = await api.json(raw)
+        if api.d.engine is None:
+            stream = stream_field and body.get("stream") is True
+            return None, await api.proxy.forward(request, raw, stream, resumable=False)
+        return body, None
+
+    async def count_tokens(self, request: web.Request) -> web.StreamResponse:
+        body, forwarded = await self._body(request, stream_field=False)
+        if forwarded is not None:
+            return forwarded
+        req = parse(body, count_only=True).request
+        return web.json_response({"input_tokens": await self.api.serving.count_tokens(req)})
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        body, forwarded = await self._body(request, stream_field=True)
+        if forwarded is not None:
+            return forwarded
+        p = parse(body)
+        gen = await self.api.serving.open(p.request, self.api.request_id(request))
+        try:
+            if p.stream:
+                return await self._stream(request, gen, Blocks(p.show_thinking))
+            return await self._whole(gen, Blocks(p.show_thinking))
+        finally:
+            await gen.aclose()
+
+    async def _whole(self, gen, blocks: Blocks) -> web.Response:
+        last = None
+        try:
+            async for out in gen:
+                blocks.feed(out)
+                last = out
+        finally:
+            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
+        blocks.finish()
+        finish, stop = (last.finish_reason, last.stop_sequence) if last is not None else (None, None)
+        return web.json_response(
+            message(
+                new_id("msg"),
+                self.api.d.model_id,
+                blocks.content,
+                finish,
+                stop,
+                gen.usage,
+            )
+        )
+
+    async def _stream(self, request: web.Request, gen, blocks: Blocks) -> web.StreamResponse:
+        events = aiter(gen)
+        # Pull the first event before answering 200, so a ring that fails at once
+        # still gets a proper error status.
+        first = await anext(events, None)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(batch: list[dict]) -> None:
+            if batch:
+                await resp.write(b"".join(sse(ev) for ev in batch))
+
+        try:
+            start = message(new_id("msg"), self.api.d.model_id, [], None, None, gen.usage)
+            start["usage"]["output_tokens"] = 0
+            await send([{"type": "message_start", "message": start}, {"type": "ping"}])
+            out, last = first, None
+            while out is not None:
+                await send(blocks.feed(out))
+                last = out
+                out = await anext(events, None)
+            finish, stop = (last.finish_reason, last.stop_sequence) if last is not None else (None, None)
+            delta = {
+                "stop_reason": stop_reason(finish, stop),
+                "stop_sequence": stop if finish == "stop" else None,
+            }
+            await send(
+                [
+                    *blocks.finish(),
+                    {
+                        "type": "message_delta",
+                        "delta": delta,
+                        "usage": {"output_tokens": gen.usage.completion_tokens},
+                    },
+                    {"type": "message_stop"},
+                ]
+            )
+        except ApiError as e:
+            # The stream has started: report the failure in-band, as Anthropic does, and end it.
+            await send([error_body(e)])
+        except ConnectionResetError:  # aiohttp's "Cannot write to closing transport"
+            log.debug(
+                "the client closed the stream after %d token(s)",
+                gen.usage.completion_tokens,
+            )
+            return resp  # the caller's gen.aclose() frees the ring
+        finally:
+            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
+        try:
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass
+        return resp

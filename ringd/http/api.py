@@ -1,0 +1,418 @@
+"""The HTTP face of a node, with aiohttp: OpenAI endpoints, health, status, control, metrics.
+
+The leader serves ``/v1/*`` through its ``Engine``; a follower forwards them
+(``proxy.py``). Every node answers ``/health``, ``/cluster/status`` and
+``/metrics`` about itself. Errors have OpenAI's shape and status; a malformed
+request is answered and forgotten, and nothing a client sends can take the
+node down. A client that goes away mid-stream cancels its request, which frees
+its caches on every stage.
+
+Who may do what (``auth.py``): with ``api_keys_file`` set, ``/v1/*`` needs a
+key on every node, and ``/cluster/status`` a key or a request signed with the
+cluster secret; ``/health`` stays open. Control routes (leader pin, drain)
+always need a request signed with the cluster secret, and a request marked as
+forwarded by a follower the follower's own proof of it (a client's mark is refused).
+
+Work per request is bounded before it is paid for (``http/guard.py``): a body's
+bytes are booked against the node's budget before it is read, it is parsed off
+the event loop, its character count is checked against the model's context
+before it is tokenized, and tokenizing runs off the loop a few at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from aiohttp import web
+from prometheus_client.aiohttp import make_aiohttp_handler
+
+from ringd import logs
+from ringd.http import anthropic_api, ollama_api
+from ringd.http.anthropic_api import AnthropicApi
+from ringd.http.auth import AuthError, ControlAuth, ForwardAuth, body_sha256, check_api_key, is_signed, sign
+from ringd.http.guard import AIOHTTP_LOG, BODY_READ_TIMEOUT_S, HTTP_IDLE_TIMEOUT_S, BodyBudget, listen, raise_fd_limit, undecodable_header
+from ringd.http.ollama_api import OllamaApi
+from ringd.http.openai_api import OpenAiApi
+from ringd.http.openai_types import ApiError, parse_json
+from ringd.http.proxy import FORWARDED_HEADER, REQUEST_ID_HEADER, Proxy
+from ringd.http.responses_api import ResponsesApi
+from ringd.http.serving import Serving
+from ringd.names import check_name
+
+if TYPE_CHECKING:
+    from ringd.leader.engine import Engine
+    from ringd.metrics import Metrics
+    from ringd.models.checkpoint import ModelInfo
+
+log = logging.getLogger(__name__)
+
+# A node that stops gives its HTTP handlers this long to finish (their streams have
+# been told to end: an error event and data: [DONE] take milliseconds), then cancels
+# them. aiohttp's default, 60 s, kept a stopping node alive for as long as a stream ran.
+HTTP_SHUTDOWN_GRACE_S = 3.0
+
+# The routes described for clients and for the HTTP fuzz test.
+OPENAPI = Path(__file__).with_name("openapi.json")
+# The dashboard's page, script and style.
+WEB_DIR = Path(__file__).with_name("web")
+
+# Anthropic's SDKs send the API key in this header instead of Authorization.
+API_KEY_HEADER = "x-api-key"
+# Where a request's id is kept on the aiohttp request.
+REQUEST_ID_KEY = "ringd_request_id"
+
+# Largest request body: a long chat history is a few MB of JSON; more is abuse.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+# Bodies parsed at once: each is CPU-bound work off the event loop that holds a
+# copy of the body (json holds the GIL while it parses), so a burst of giant
+# requests waits its turn instead of taking all memory.
+MAX_CONCURRENT_PARSES = 2
+
+
+class ApiNode(Protocol):
+    """What the HTTP face needs of its node (``daemon.Daemon`` provides it)."""
+
+    name: str
+    model_id: str
+    started: int
+    info: "ModelInfo"
+    tokenizer: object
+    secret: bytes
+    api_keys: frozenset[str]
+    metrics: "Metrics"
+    chat_template_kwargs: dict  # what every chat template gets unless a request sets it
+    failover_wait_s: float  # how long a request waits for the next ring when the last was lost
+
+    @property
+    def engine(self) -> "Engine | None": ...
+    @property
+    def leading(self) -> bool: ...
+    @property
+    def drained(self) -> set[str]: ...
+    @property
+    def leader(self) -> str | None: ...
+    def readiness(self) -> tuple[bool, str]: ...
+    def local_status(self) -> dict: ...
+    async def cluster_status(self) -> dict: ...
+    def leader_http(self) -> str | None: ...
+    async def leader_changed(self) -> None: ...
+    def members(self) -> set[str]: ...
+    def set_pin(self, node: str | None) -> dict: ...
+    def drain(self, node: str, undo: bool) -> None: ...
+
+
+# Each API's own error shape, by path prefix; OpenAI's (Responses' too) for the rest.
+ERROR_SHAPES: list[tuple[str, Callable[[ApiError], dict]]] = [
+    ("/v1/messages", anthropic_api.error_body),
+    ("/api/", ollama_api.error_body),
+]
+
+
+def _error(e: ApiError, path: str = "") -> web.Response:
+    headers = {"Retry-After": str(e.retry_after or 1)} if e.status in (429, 503) else None
+    shape = next((f for prefix, f in ERROR_SHAPES if path.startswith(prefix)), ApiError.body)
+    return web.json_response(shape(e), status=e.status, headers=headers)
+
+
+# The status counted for a request whose client went away before an answer (nginx's).
+CLIENT_CLOSED_STATUS = 499
+
+
+def _endpoint(request: web.Request) -> str:
+    """The route a request matched, as a metric label: few values, whatever the path."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def _context(metrics) -> Callable:
+    """Outermost middleware: the request's id (the client's x-request-id, or a new one) for
+    every line logged while serving it, and the request counted by endpoint and status."""
+
+    @web.middleware
+    async def context(request: web.Request, handler):
+        status = 500
+        try:
+            given = request.headers.get(REQUEST_ID_HEADER)
+            try:
+                request_id = logs.check_request_id(given) if given is not None else logs.new_request_id()
+            except logs.RequestIdError as e:
+                request_id = logs.new_request_id()
+                request[REQUEST_ID_KEY] = request_id
+                response = _error(ApiError(400, str(e), REQUEST_ID_HEADER.lower()), request.path)
+                status = response.status
+                return response
+            request[REQUEST_ID_KEY] = request_id
+            token = logs.REQUEST_ID.set(request_id)
+            try:
+                response = await handler(request)
+            finally:
+                logs.REQUEST_ID.reset(token)
+            status = response.status
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = CLIENT_CLOSED_STATUS
+            raise
+        finally:
+            metrics.request(_endpoint(request), status)
+
+    return context
+
+
+async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer names its request (streams too: this runs as their headers go out)."""
+    request_id = request.get(REQUEST_ID_KEY)
+    if request_id is not None:
+        response.headers[REQUEST_ID_HEADER] = request_id
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        if (bad := undecodable_header(request.headers)) is not None:
+            # Named, never echoed: it may be an Authorization header, a key and all.
+            raise ApiError(400, f"the {bad} header is not text: it holds a byte that is not UTF-8; send it as ASCII", bad.lower(), "invalid_header")
+        return await handler(request)
+    except ApiError as e:
+        return _error(e, request.path)
+    except AuthError as e:
+        return _error(ApiError(e.status, str(e), code="invalid_api_key" if e.status == 401 else "forbidden", type_="authentication_error"), request.path)
+    except web.HTTPRequestEntityTooLarge:
+        return _error(ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes"), request.path)
+    except web.HTTPException as e:
+        if e.status == 404:
+            return _error(ApiError(404, f"no route {request.method} {request.path}", code="not_found"), request.path)
+        if e.status == 405:
+            return _error(ApiError(405, f"{request.method} is not allowed on {request.path}", type_="invalid_request_error"), request.path)
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        return _error(ApiError(500, "internal error; the node's log has the details"), request.path)
+
+
+class Api:
+    def __init__(self, node: ApiNode):
+        self.d = node
+        self.app = web.Application(middlewares=[_context(node.metrics), _errors, self._while_stopping], client_max_size=MAX_BODY_BYTES)
+        self._stopping = ""  # why this node takes no more requests ("" while it serves)
+        self.app.on_response_prepare.append(_send_request_id)
+        self.serving = Serving(node)
+        self.app.add_routes(
+            [
+                *OpenAiApi(self).routes(),
+                *ResponsesApi(self).routes(),
+                *AnthropicApi(self).routes(),
+                *OllamaApi(self).routes(),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/cluster/status", self.cluster_status),
+                web.post("/cluster/leader", self.set_leader),
+                web.post("/cluster/drain", self.drain),
+                web.get("/metrics", make_aiohttp_handler(node.metrics.registry)),
+                web.get("/openapi.json", self.openapi),
+                web.get("/", self.dashboard),
+                web.get("/dashboard", self.dashboard),
+                # The dashboard's own files, served by every node: no CDN, no build step.
+                web.static("/static", WEB_DIR, append_version=False, show_index=False, follow_symlinks=False),
+            ]
+        )
+        self._runner: web.AppRunner | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self.proxy = Proxy(node)
+        self.bodies = BodyBudget()
+        self._parses = asyncio.Semaphore(MAX_CONCURRENT_PARSES)
+        self._control: ControlAuth | None = None
+        self._forwards: ForwardAuth | None = None
+        # Read once: no file I/O on the event loop per request.
+        self._page = (WEB_DIR / "index.html").read_bytes()
+        self._openapi = OPENAPI.read_bytes()
+
+    async def start(self, host: str, port: int) -> int:
+        raise_fd_limit()
+        # handler_cancellation: a client that disconnects cancels its handler at
+        # once, which releases its request's caches instead of generating on.
+        # keepalive_timeout also bounds how long a new connection may take to
+        # send its request (aiohttp arms it when the connection opens).
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, keepalive_timeout=HTTP_IDLE_TIMEOUT_S,
+            shutdown_timeout=HTTP_SHUTDOWN_GRACE_S,
+            # What aiohttp logs of requests its parser refuses: one line, without their bytes.
+            logger=AIOHTTP_LOG,
+        )  # fmt: skip
+        await self._runner.setup()
+        self._server, _ = await listen(self._runner, host, port)
+        return self._server.sockets[0].getsockname()[1]
+
+    def stop_serving(self, reason: str) -> None:
+        """The node is stopping: listen no more, refuse new requests on open connections (503,
+        ``reason``), end what this node forwards. What it serves itself the engine ends."""
+        self._stopping = reason
+        if self._server is not None:
+            self._server.close()
+        self.proxy.stop(reason)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._runner is not None:
+            # Handlers have HTTP_SHUTDOWN_GRACE_S to write their last words (an error event and
+            # data: [DONE]); then they are cancelled.
+            await self._runner.cleanup()
+        await self.proxy.close()
+
+    @web.middleware
+    async def _while_stopping(self, request: web.Request, handler):
+        if self._stopping and request.path.startswith(("/v1/", "/api/", "/cluster/")):
+            response = _error(ApiError(503, self._stopping), request.path)
+            response.force_close()  # no keep-alive: the client's next request goes to another node
+            return response
+        return await handler(request)
+
+    # --- who may ------------------------------------------------------------------
+
+    def need_key(self, request: web.Request) -> None:
+        """A key of ``api_keys_file`` as a Bearer token, or as Anthropic's ``x-api-key``."""
+        given = request.headers.get("Authorization")
+        if given is None and (key := request.headers.get(API_KEY_HEADER)) is not None:
+            given = f"Bearer {key}"
+        check_api_key(given, self.d.api_keys)
+
+    @staticmethod
+    def request_id(request: web.Request) -> str | None:
+        return request.get(REQUEST_ID_KEY)
+
+    async def _need_secret(self, request: web.Request, body: bytes) -> None:
+        if self._control is None:
+            self._control = ControlAuth(self.d.secret, self.d.name)
+        self._control.verify(request.method, request.path_qs, request.headers, body, time.time())
+
+    async def forwarded_by(self, request: web.Request, body: bytes) -> str | None:
+        """The follower that forwarded this request, once its proof of the secret holds; None for a
+        client's own request. The mark lets a request carry a stream over (RESUME_FIELD): a client
+        that sends it without the proof is refused, not served as if it had not."""
+        if FORWARDED_HEADER not in request.headers:
+            return None
+        if self._forwards is None:
+            self._forwards = ForwardAuth(self.d.secret, self.d.name)
+        digest = await asyncio.get_running_loop().run_in_executor(None, body_sha256, body)  # up to 16 MiB: off the loop
+        try:
+            return self._forwards.verify_digest(request.method, request.path_qs, request.headers, digest, time.time())
+        except AuthError as e:
+            raise ApiError(e.status, str(e), FORWARDED_HEADER.lower(), "forwarding_not_proven", "authentication_error") from None
+
+    # --- reading a request ------------------------------------------------------------
+
+    async def read(self, request: web.Request) -> bytes:
+        """The body, its bytes booked against the node's budget and read within a deadline."""
+        declared = request.content_length
+        if declared is not None and declared > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is {declared} bytes; at most {MAX_BODY_BYTES} are accepted")
+        with self.bodies.book(declared if declared is not None else MAX_BODY_BYTES) as booked:
+            if not booked:
+                raise ApiError(503, "this node is reading too many large requests right now; retry in a moment", retry_after=2)
+            try:
+                async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                    return await request.read()
+            except TimeoutError:
+                raise ApiError(408, f"the request body did not arrive within {BODY_READ_TIMEOUT_S:.0f} s") from None
+
+    async def json(self, raw: bytes) -> dict:
+        async with self._parses:
+            return await asyncio.get_running_loop().run_in_executor(None, parse_json, raw)
+
+    # --- control --------------------------------------------------------------------
+
+    async def set_leader(self, request: web.Request) -> web.Response:
+        """`ringctl leader set NODE` ({"node": NODE}) or `leader auto` ({"node": null})."""
+        raw = await self.read(request)
+        await self._need_secret(request, raw)
+        body = await self.json(raw)
+        node = body.get("node")
+        if node is not None and not isinstance(node, str):
+            raise ApiError(400, 'leader takes {"node": NAME} or {"node": null} for auto', "node")
+        known = self.d.members()
+        if node is not None and node not in known:
+            raise ApiError(400, f"node {node!r:.80} is not a live member; live: {', '.join(sorted(known))}", "node")
+        return web.json_response(self.d.set_pin(node))
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """`ringctl drain NODE`: the leader plans rings without it ({"undo": true} takes it back)."""
+        raw = await self.read(request)
+        await self._need_secret(request, raw)
+        body = await self.json(raw)
+        node, undo = body.get("node"), body.get("undo", False)
+        if not isinstance(undo, bool):
+            raise ApiError(400, 'drain takes {"node": NAME, "undo": false}', "undo")
+        try:
+            check_name(node)
+        except ValueError as e:
+            raise ApiError(400, f"node {node!r:.80} is not a node name: {e}", "node") from None
+        if not self.d.leading:
+            url, leader = self.d.leader_http(), self.d.leader
+            if url is None or leader is None:
+                raise ApiError(503, "no leader is elected right now; retry in a moment")
+            signed = sign(self.d.secret, request.method, request.path_qs, leader, raw, time.time())
+            return await self.proxy.control(request, url, raw, signed)
+        if node == self.d.name and not undo:
+            raise ApiError(400, f"{node} leads; move leadership first (ringctl leader set OTHER), then drain it", "node")
+        try:
+            self.d.drain(node, undo)
+        except ValueError as e:
+            raise ApiError(400, str(e), "node") from None
+        return web.json_response({"drained": sorted(self.d.drained)})
+
+    # --- status -------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        """Open to all (load balancers, launchd checks); with API keys set, the node's details
+        (addresses, device, memory) only for a caller with a key or the secret."""
+        ready, reason = self.d.readiness()
+        status = self.d.local_status()
+        if self.d.api_keys and not await self._authorized(request):
+            status = {k: status.get(k) for k in ("node", "role", "leader", "ready")}
+        body = {"status": "ok" if ready else "unavailable", **status, "reason": reason}
+        return web.json_response(body, status=200 if ready else 503)
+
+    async def _authorized(self, request: web.Request) -> bool:
+        try:
+            if is_signed(request.headers):
+                await self._need_secret(request, b"")
+            else:
+                self.need_key(request)
+        except AuthError:
+            return False
+        return True
+
+    async def cluster_status(self, request: web.Request) -> web.Response:
+        if self.d.api_keys:  # a key, or a request signed with the cluster secret (ringctl)
+            if is_signed(request.headers):
+                await self._need_secret(request, b"")
+            else:
+                self.need_key(request)
+        return web.json_response(await self.d.cluster_status())
+
+
+    async def dashboard(self, request: web.Request) -> web.Response:
+        """The page that draws the ring live (ringd/http/web/); it reads /cluster/status like ringctl does."""
+        return web.Response(body=self._page, content_type="text/html", headers={"Cache-Control": "no-cache"})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._openapi, content_type="application/json")
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.need_key(request)
+        # OpenAI's list and Anthropic's page at once (each SDK reads its own fields), so
+        # either client's models.list() works against the one route.
+        model_id, started = self.d.model_id, self.d.started
+        created_at = datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+        model = {"id": model_id, "object": "model", "created": started, "owned_by": "ringd", "type": "model", "display_name": model_id, "created_at": created_at}
+        return web.json_response({"object": "list", "data": [model], "has_more": False, "first_id": model_id, "last_id": model_id})

@@ -1,0 +1,725 @@
+"""Ollama's REST API, as a thin layer over ``serving.py``: what the official ``ollama``
+clients and the desktop apps built on them call.
+
+``POST /api/chat`` and ``POST /api/generate`` become a ``request.Request``
+(``parse``); the ``Output`` events become Ollama's answer: one JSON object, or
+(Ollama's default) NDJSON, one object a line, the last with ``done: true``,
+``done_reason`` and the counts and durations (nanoseconds, as Ollama reports
+them). Thinking goes to ``thinking``, tool calls to ``tool_calls`` with their
+arguments as objects. ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``
+and ``GET /api/version`` describe the one model the ring serves; any node
+answers them, and a follower forwards what generates to the leader.
+
+Ollama's request, mapped:
+
+- ``options``: temperature, top_p, top_k, min_p, seed (negative: random),
+  stop, repeat_penalty, presence_penalty, frequency_penalty are sampled as
+  every API samples them; num_predict is max tokens (-1, -2 and 0, Ollama's
+  "unset": until the context ends); num_ctx above the model's context is
+  refused, any other is accepted (the ring's context is the model's). Options
+  not given take ringd's defaults, the same for every API, not Ollama's
+  (temperature 0.8, top_k 40, top_p 0.9, repeat_penalty 1.1). Sampling ringd
+  does not do (mirostat, typical_p) is refused; Ollama's other options (load
+  time settings, num_keep, repeat_last_n, tfs_z, penalize_newline) are
+  type-checked as Ollama checks them and have no effect: a ring loads its
+  model its own way. Unknown options are ignored, as Ollama ignores them.
+- ``format``: "json" is any JSON object, a schema is that schema.
+- ``think``: true or "low"/"medium"/"high" turns the template's thinking on
+  (``enable_thinking``; the level goes along as ``reasoning_effort``), false
+  off; true on a model that does not think is refused, as Ollama refuses it.
+- ``tools``: OpenAI-style function tools; Ollama has no way to force a call,
+  so the model decides (tool_choice "auto").
+- Refused: images (ringd serves text models), generate's ``suffix`` and
+  ``template`` (no fill-in-the-middle, no Go templates), and its ``context``
+  (the old token memory: ringd never hands one out, so a client that sends one
+  is keeping a conversation ringd cannot continue; send messages to /api/chat).
+  ``keep_alive`` is ignored: the ring keeps its model loaded while it runs.
+- An empty prompt (generate) or no messages (chat) is Ollama's "load the model"
+  call, answered ``done_reason: "load"`` without generating.
+
+Every refusal is Ollama's ``{"error": "..."}`` with its HTTP status (``api.py``
+renders every ApiError under /api/ with ``error_body``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from ringd.http.openai_types import MAX_MESSAGES, MAX_MODEL_CHARS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, ApiError, _tools, _valid_text, check_schema
+from ringd.http.request import Output, Request, ResponseFormat, ToolCall
+from ringd.models.checkpoint import text_config
+from ringd.stage.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr
+
+if TYPE_CHECKING:
+    from ringd.http.api import Api
+    from ringd.models.checkpoint import ModelInfo
+
+log = logging.getLogger(__name__)
+
+# What /api/version answers: clients check for features by Ollama's version
+# (tools, structured output and thinking need >= 0.5; think levels 0.12), so
+# ringd names the Ollama release whose API it speaks. Its own version goes in
+# VERSION_HEADER.
+OLLAMA_VERSION = "0.12.0"
+VERSION_HEADER = "X-Ringd-Version"
+# /api/ps: when the model would be unloaded. Never: the ring holds it while it runs.
+NEVER_EXPIRES = "9999-12-31T23:59:59Z"
+NDJSON = "application/x-ndjson"
+# Ollama's roles; "tool" carries a result back.
+ROLES = ("system", "user", "assistant", "tool")
+# think levels (gpt-oss's reasoning efforts); each also means "think".
+THINK_LEVELS = ("low", "medium", "high")
+# num_predict values that mean "until the context ends": Ollama's -1 (infinite)
+# and -2 (fill the context), and 0, which Ollama's own client sends for "unset".
+UNTIL_CONTEXT_ENDS = (-1, -2, 0)
+
+# Options ringd samples with: Ollama's name -> SamplingParams' field.
+SAMPLED_OPTIONS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "repeat_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+# Each option Ollama knows, with the type Ollama's Options struct gives it.
+OPTION_TYPES: dict[str, type] = {
+    # load time: how one process loads its model; a ring loads its own way
+    "numa": bool, "num_ctx": int, "num_batch": int, "num_gpu": int, "main_gpu": int, "low_vram": bool,
+    "f16_kv": bool, "logits_all": bool, "vocab_only": bool, "use_mmap": bool, "use_mlock": bool,
+    "embedding_only": bool, "num_thread": int,
+    # run time
+    "num_keep": int, "seed": int, "num_predict": int, "top_k": int, "top_p": float, "min_p": float,
+    "tfs_z": float, "typical_p": float, "repeat_last_n": int, "temperature": float, "repeat_penalty": float,
+    "presence_penalty": float, "frequency_penalty": float, "mirostat": int, "mirostat_tau": float,
+    "mirostat_eta": float, "penalize_newline": bool, "stop": list,
+}  # fmt: skip
+# Sampling ringd does not do: asking for it is refused unless it asks for nothing
+# (the value that turns it off).
+UNSUPPORTED_OPTIONS = {"mirostat": 0, "typical_p": 1.0}
+
+# The API's names for the internal request's fields, for errors.
+NAMES = {
+    "max_tokens": "options.num_predict",
+    "response_format": "format",
+    "tool_choice": "tools",
+    "stop": "options.stop",
+    **{field: f"options.{name}" for name, field in SAMPLED_OPTIONS.items()},
+}
+
+
+def error_body(e: ApiError) -> dict:
+    """Ollama's error: ``{"error": "message"}``; the status says the rest."""
+    return {"error": e.message}
+
+
+def _bad(message: str) -> ApiError:
+    return ApiError(400, message)
+
+
+# --- the request ------------------------------------------------------------------
+
+
+@dataclass
+class Parsed:
+    model: str
+    stream: bool
+    request: Request | None  # None: the "load the model" call
+    logprobs: bool = False
+
+
+def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bool) -> Parsed:
+    """A body of /api/chat (``chat``) or /api/generate as the internal request, or a 400.
+
+    ``model_id`` is the served model's name (``NAME:latest`` names it too, as Ollama
+    tags an untagged name), ``context_length`` its context and ``thinks`` whether its
+    template can think. Pure: nothing a client sends makes it raise anything but ApiError.
+    """
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model is required")
+    if len(model) > MAX_MODEL_CHARS:
+        raise _bad(f"model must be a name of at most {MAX_MODEL_CHARS} characters; GET /api/tags lists it")
+    _valid_text(model, "model")
+    if model == f"{model_id}:latest" and ":" not in model_id:
+        model = model_id
+    stream = _optional(body, "stream", bool, True)
+    if chat:
+        messages, prompt, raw = _messages(body.get("messages")), None, False
+        if not messages:
+            return Parsed(model, stream, None)
+    else:
+        prompt, raw, messages = _generate_input(body)
+        if not prompt:
+            return Parsed(model, stream, None)
+
+    tools = _tools(body.get("tools")) if chat else []
+    response_format = _format(body.get("format"))
+    if tools and response_format is not None:
+        raise _bad("format and tools cannot be combined: the answer is either a call or text of the format")
+    template_kwargs = _think(body.get("think"), model, thinks)
+    if template_kwargs and not chat and raw:
+        raise _bad("think needs the model's template; a raw prompt goes to the model as it is")
+    options = _options(body.get("options"), context_length)
+    logprobs, top = _logprobs(body)
+    try:
+        params = SamplingParams(**options.sampling, logprobs=logprobs, top_logprobs=top)
+    except SamplingError as e:
+        # SamplingParams names its own fields; the client named Ollama's options.
+        option = next((name for name, field in SAMPLED_OPTIONS.items() if field == e.field), None)
+        raise _bad(f"options.{str(e).replace(e.field, option, 1)}" if option else str(e)) from None
+    req = Request(
+        model=model, params=params, max_tokens=options.max_tokens, messages=messages,
+        prompt=prompt if raw else None, stop=options.stop, tools=tools, tool_choice="auto",
+        response_format=response_format, template_kwargs=template_kwargs, names=dict(NAMES),
+    )  # fmt: skip
+    return Parsed(model, stream, req, logprobs)
+
+
+def _optional(body: dict, name: str, kind: type, default: Any) -> Any:
+    """A field of ``kind``; absent or null is ``default``, as Go reads a missing field."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, kind):
+        raise _bad(f"{name} must be a {'boolean' if kind is bool else 'string'}; got {brief_repr(v)}")
+    return v
+
+
+def _generate_input(body: dict) -> tuple[str, bool, list[dict] | None]:
+    """/api/generate's prompt, whether it is raw, and the chat it makes unless raw ("" is the load call)."""
+    for name, why in (("suffix", "fill-in-the-middle is not supported"), ("template", "ringd renders prompts with the model's own chat template")):
+        if body.get(name) not in (None, ""):
+            raise _bad(f"{name} is not supported: {why}")
+    if body.get("context") not in (None, []):
+        raise _bad("context (the token memory of an earlier answer) is not supported: send the conversation as messages to /api/chat")
+    _no_images(body.get("images"), "images")
+    prompt = _valid_text(_optional(body, "prompt", str, ""), "prompt")
+    raw = _optional(body, "raw", bool, False)
+    system = _valid_text(_optional(body, "system", str, ""), "system")
+    if raw:
+        if system:
+            raise _bad("system has no place in a raw prompt, which goes to the model as it is; put it in the prompt")
+        return prompt, True, None
+    return prompt, False, ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def _no_images(v: Any, where: str) -> None:
+    if v not in (None, []):
+        raise _bad(f"{where}: images are not supported; ringd serves text models")
+
+
+def _messages(v: Any) -> list[dict]:
+    """Ollama's messages in the form templates take (``request.py``): calls get ids, results name their call."""
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise _bad("messages must be a list")
+    if len(v) > MAX_MESSAGES:
+        raise _bad(f"at most {MAX_MESSAGES} messages are accepted")
+    out: list[dict] = []
+    unanswered: list[tuple[str, str]] = []  # (call id, name) of calls no result has answered yet
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"{where} must be an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"{where}.role must be one of {', '.join(ROLES)}; got {brief_repr(role)}")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise _bad(f"{where}.content must be a string; got {brief_repr(content)}")
+        _no_images(m.get("images"), f"{where}.images")
+        msg: dict[str, Any] = {"role": role, "content": _valid_text(content, f"{where}.content")}
+        if role == "assistant":
+            thinking = m.get("thinking")
+            if thinking not in (None, ""):
+                if not isinstance(thinking, str):
+                    raise _bad(f"{where}.thinking must be a string")
+                msg["reasoning_content"] = _valid_text(thinking, f"{where}.thinking")
+            calls = m.get("tool_calls")
+            if calls not in (None, []):
+                if not isinstance(calls, list):
+                    raise _bad(f"{where}.tool_calls must be a list")
+                msg["tool_calls"] = [_past_call(c, f"{where}.tool_calls[{j}]", f"call_{i}_{j}") for j, c in enumerate(calls)]
+                unanswered += [(c["id"], c["function"]["name"]) for c in msg["tool_calls"]]
+        elif role == "tool":
+            name = m.get("tool_name", m.get("name"))
+            if name is not None and not isinstance(name, str):
+                raise _bad(f"{where}.tool_name must be a string")
+            call_id = m.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise _bad(f"{where}.tool_call_id must be a string")
+            # Ollama's results name their tool, not their call: they answer the
+            # earliest call of that tool not yet answered (or the earliest call).
+            match = next((c for c in unanswered if c[0] == call_id), None) or next(
+                (c for c in unanswered if not name or c[1] == name), None
+            )
+            if match is not None:
+                unanswered.remove(match)
+            msg["tool_call_id"] = call_id or (match[0] if match else "")
+            msg["name"] = name or (match[1] if match else "")
+        out.append(msg)
+    return out
+
+
+def _past_call(c: Any, where: str, default_id: str) -> dict:
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise _bad(f"{where} must be {{'function': {{'name', 'arguments'}}}}")
+    args = fn.get("arguments")
+    if args is None:
+        args = {}
+    if isinstance(args, str):  # some clients send OpenAI's JSON text
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise _bad(f"{where}.function.arguments must be an object; got {brief_repr(args)}") from None
+    if not isinstance(args, dict):
+        raise _bad(f"{where}.function.arguments must be an object; got {brief_repr(args)}")
+    call_id = c.get("id") if isinstance(c.get("id"), str) and c.get("id") else default_id
+    return {"id": call_id, "type": "function", "function": {"name": _valid_text(fn["name"], f"{where}.function.name"), "arguments": args}}
+
+
+def _format(v: Any) -> ResponseFormat | None:
+    if v is None or v == "":
+        return None
+    if v == "json":
+        return ResponseFormat("json_object")
+    if isinstance(v, dict):
+        return ResponseFormat("json_schema", check_schema(v, "format"), "format")
+    raise _bad(f'format must be "json" or a JSON schema object; got {brief_repr(v)}')
+
+
+def _think(v: Any, model: str, thinks: bool) -> dict:
+    if v is None:
+        return {}
+    if v is False:
+        return {"enable_thinking": False}
+    if v is not True and v not in THINK_LEVELS:
+        raise _bad(f'think must be true, false or one of "low", "medium", "high"; got {brief_repr(v)}')
+    if not thinks:
+        raise _bad(f'"{model}" does not support thinking')
+    return {"enable_thinking": True} if v is True else {"enable_thinking": True, "reasoning_effort": v}
+
+
+def _logprobs(body: dict) -> tuple[bool, int]:
+    on, top = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise _bad(f"logprobs must be a boolean; got {brief_repr(on)}")
+    if top is not None and (not _integral(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise _bad(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}; got {brief_repr(top)}")
+    top = int(top or 0)
+    return bool(on) or top > 0, top
+
+
+def _integral(v: Any) -> bool:
+    """A JSON number Ollama reads as an integer: Go's decoder gives every number as a float."""
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v.is_integer())
+
+
+@dataclass
+class _Options:
+    sampling: dict
+    max_tokens: int | None
+    stop: list[str]
+
+
+def _options(v: Any, context_length: int) -> _Options:
+    if v is None:
+        v = {}
+    if not isinstance(v, dict):
+        raise _bad(f"options must be an object; got {brief_repr(v)}")
+    checked: dict[str, Any] = {}
+    for name, value in v.items():
+        kind = OPTION_TYPES.get(name)
+        if kind is None or value is None:
+            continue  # Ollama ignores options it does not know, and nulls
+        if kind is int and not _integral(value):
+            raise _bad(f'option "{name}" must be of type integer; got {brief_repr(value)}')
+        if kind is float and not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
+            raise _bad(f'option "{name}" must be of type float; got {brief_repr(value)}')
+        if kind is bool and not isinstance(value, bool):
+            raise _bad(f'option "{name}" must be of type boolean; got {brief_repr(value)}')
+        checked[name] = int(value) if kind is int else value
+    for name, off in UNSUPPORTED_OPTIONS.items():
+        if checked.get(name, off) != off:
+            raise _bad(f"option {name!r} is not supported by ringd (only {off} is accepted)")
+    num_ctx = checked.get("num_ctx")
+    if num_ctx is not None and not 0 <= num_ctx <= context_length:
+        raise _bad(f"options.num_ctx {num_ctx} is above the model's context of {context_length} tokens" if num_ctx > 0 else "options.num_ctx must not be negative")
+    predict = checked.get("num_predict")
+    if predict is not None and predict < -2:
+        raise _bad(f"options.num_predict must be a number of tokens, or -1 for until the context ends; got {predict}")
+    sampling = {SAMPLED_OPTIONS[k]: checked[k] for k in SAMPLED_OPTIONS if k in checked}
+    if sampling.get("seed", 0) < 0:  # Ollama's -1: a random seed
+        del sampling["seed"]
+    if sampling.get("top_k", 0) < 0:
+        sampling["top_k"] = 0
+    return _Options(sampling, None if predict is None or predict in UNTIL_CONTEXT_ENDS else predict, _stop(checked.get("stop")))
+
+
+def _stop(v: Any) -> list[str]:
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise _bad(f'option "stop" must be a list of non-empty strings of at most {MAX_STOP_CHARS} characters')
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise _bad(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
+    return [_valid_text(s, "options.stop") for s in stops]
+
+
+# --- the answer -------------------------------------------------------------------
+
+
+def created_at() -> str:
+    """Now in RFC 3339, as Ollama writes it (UTC, with Z)."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def done_reason(finish: str | None) -> str:
+    """Ollama knows "stop" and "length": an answer that ends in calls has stopped."""
+    return "length" if finish == "length" else "stop"
+
+
+def tool_calls(calls: list[ToolCall], first: int = 0) -> list[dict]:
+    return [{"id": c.id, "function": {"index": first + i, "name": c.name, "arguments": _arguments(c.arguments)}} for i, c in enumerate(calls)]
+
+
+def _arguments(text: str) -> dict:
+    try:
+        args = json.loads(text)
+    except ValueError:
+        return {}
+    return args if isinstance(args, dict) else {}
+
+
+class _Clock:
+    """Ollama's durations, in nanoseconds: before the generation opened ("load": the
+    checks and the template), until the first token (the prompt), and after it."""
+
+    def __init__(self, started: int):
+        self.started = started
+        self.opened = self.first = self.ended = started
+
+    @staticmethod
+    def now() -> int:
+        return time.monotonic_ns()
+
+    def counts(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {
+            "total_duration": self.ended - self.started,
+            "load_duration": self.opened - self.started,
+            "prompt_eval_count": prompt_tokens,
+            "prompt_eval_duration": self.first - self.opened,
+            "eval_count": completion_tokens,
+            "eval_duration": self.ended - self.first,
+        }
+
+
+def _line(obj: dict) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+class OllamaApi:
+    def __init__(self, api: "Api"):
+        self.api = api
+        self._described: dict | None = None
+
+    def routes(self) -> list:
+        return [
+            web.post("/api/chat", self.chat),
+            web.post("/api/generate", self.generate),
+            web.get("/api/tags", self.tags),
+            web.post("/api/show", self.show),
+            web.get("/api/ps", self.ps),
+            web.get("/api/version", self.version),
+        ]
+
+    # --- generating -----------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        clock = _Clock(_Clock.now())
+        api = self.api
+        api.need_key(request)
+        raw = await api.read(request)
+        await api.forwarded_by(request, raw)  # refuses a client's forged mark
+        body = await api.json(raw)
+        if api.d.engine is None:
+            return await api.proxy.forward(request, raw, body.get("stream") is not False, resumable=False)
+        p = parse(body, chat, api.d.model_id, api.d.info.context_length, getattr(api.d.tokenizer, "has_thinking", False))
+        if p.request is None:
+            return self._loaded(p, chat)
+        gen = await api.serving.open(p.request, api.request_id(request))
+        clock.opened = _Clock.now()
+        try:
+            if p.stream:
+                return await self._stream(request, p, gen, chat, clock)
+            return await self._whole(p, gen, chat, clock)
+        finally:
+            await gen.aclose()
+
+    def _loaded(self, p: Parsed, chat: bool) -> web.Response:
+        """Ollama's "load the model" call: the ring has it loaded once it is ready."""
+        self._check_model(p.model)
+        ready, reason = self.api.d.readiness()
+        if not ready:
+            raise ApiError(503, f"the ring is not ready: {reason}")
+        answer = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+        return web.json_response({"model": p.model, "created_at": created_at(), **answer, "done": True, "done_reason": "load"})
+
+    def _answer(self, chat: bool, text: str, reasoning: str, calls: list[ToolCall], first_call: int = 0) -> dict:
+        """The answer part of an object: chat's ``message`` or generate's ``response``."""
+        if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning:
+                message["thinking"] = reasoning
+            if calls:
+                message["tool_calls"] = tool_calls(calls, first_call)
+            return {"message": message}
+        return {"response": text, **({"thinking": reasoning} if reasoning else {})}
+
+    def _logprob(self, out: Output) -> dict:
+        decode = self.api.d.tokenizer.decode
+        entry = {"token": decode([out.token]), "logprob": out.logprob}
+        if out.top_logprobs:
+            entry["top_logprobs"] = [{"token": decode([t]), "logprob": v} for t, v in out.top_logprobs]
+        return entry
+
+    async def _whole(self, p: Parsed, gen, chat: bool, clock: _Clock) -> web.Response:
+        text, reasoning, calls, logprobs, finish = [], [], [], [], None
+        async for out in gen:
+            if finish is None and not text:
+                clock.first = _Clock.now()
+            text.append(out.text)
+            reasoning.append(out.reasoning)
+            calls += out.calls
+            if p.logprobs:
+                logprobs.append(self._logprob(out))
+            finish = out.finish_reason
+        clock.ended = _Clock.now()
+        self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
+        body = {"model": p.model, "created_at": created_at(), **self._answer(chat, "".join(text), "".join(reasoning), calls)}
+        if p.logprobs:
+            body["logprobs"] = logprobs
+        body.update(done=True, done_reason=done_reason(finish), **clock.counts(gen.usage.prompt_tokens, gen.usage.completion_tokens))
+        return web.json_response(body)
+
+    async def _stream(self, request: web.Request, p: Parsed, gen, chat: bool, clock: _Clock) -> web.StreamResponse:
+        events = aiter(gen)
+        # The first event before answering 200, so a ring that fails at once gets a proper status.
+        first = await anext(events, None)
+        clock.first = _Clock.now()
+        resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        calls_sent, finish = 0, None
+        try:
+            out = first
+            while out is not None:
+                finish = out.finish_reason
+                if out.text or out.reasoning or out.calls or p.logprobs:
+                    line = {"model": p.model, "created_at": created_at(), **self._answer(chat, out.text, out.reasoning, out.calls, calls_sent)}
+                    if p.logprobs:
+                        line["logprobs"] = [self._logprob(out)]
+                    line["done"] = False
+                    calls_sent += len(out.calls)
+                    await resp.write(_line(line))
+                out = await anext(events, None)
+            clock.ended = _Clock.now()
+            last = {"model": p.model, "created_at": created_at(), **self._answer(chat, "", "", []), "done": True, "done_reason": done_reason(finish)}
+            await resp.write(_line({**last, **clock.counts(gen.usage.prompt_tokens, gen.usage.completion_tokens)}))
+        except ApiError as e:
+            # The stream has started: Ollama reports the failure as a line of its own.
+            await resp.write(_line(error_body(e)))
+        except ConnectionResetError:  # aiohttp's "Cannot write to closing transport"
+            log.debug("the client closed the stream after %d token(s)", gen.usage.completion_tokens)
+            return resp  # the caller's gen.aclose() frees the ring
+        finally:
+            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
+        try:
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass
+        return resp
+
+    # --- describing the model -------------------------------------------------------
+
+    def _check_model(self, name: Any) -> None:
+        served = self.api.d.model_id
+        if name not in (served, f"{served}:latest"):
+            raise ApiError(404, f"model {brief_repr(name)} not found; this ring serves {served!r}")
+
+    async def _description(self) -> dict:
+        """What Ollama lists of a model (``/api/tags``, ``/api/ps``), worked out once off the loop."""
+        if self._described is None:
+            self._described = await asyncio.get_running_loop().run_in_executor(None, describe, self.api.d.info)
+        return self._described
+
+    async def tags(self, request: web.Request) -> web.Response:
+        self.api.need_key(request)
+        d = await self._description()
+        model = {"name": self.api.d.model_id, "model": self.api.d.model_id, "modified_at": d["modified_at"], "size": d["size"], "digest": d["digest"], "details": d["details"]}
+        return web.json_response({"models": [model]})
+
+    async def ps(self, request: web.Request) -> web.Response:
+        self.api.need_key(request)
+        d = await self._description()
+        profile = getattr(self.api.d, "profile", None)
+        # Apple silicon's memory is the GPU's: on a Mac the whole model is "in VRAM".
+        vram = d["size"] if getattr(profile, "gpu_cores", None) else 0
+        model = {
+            "name": self.api.d.model_id, "model": self.api.d.model_id, "size": d["size"], "digest": d["digest"],
+            "details": d["details"], "expires_at": NEVER_EXPIRES, "size_vram": vram, "context_length": self.api.d.info.context_length,
+        }  # fmt: skip
+        return web.json_response({"models": [model]})
+
+    async def show(self, request: web.Request) -> web.Response:
+        api = self.api
+        api.need_key(request)
+        body = await api.json(await api.read(request))
+        name = body.get("model", body.get("name"))  # "name": Ollama's older field
+        if not isinstance(name, str) or not name:
+            raise _bad("model is required")
+        self._check_model(name)
+        d = await self._description()
+        tokenizer = api.d.tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        capabilities = ["completion", "tools"]  # ringd calls tools with any model (render.py)
+        if getattr(tokenizer, "has_thinking", False):
+            capabilities.append("thinking")
+        context = api.d.info.context_length
+        return web.json_response(
+            {
+                "modelfile": f"# Modelfile of the model ringd serves as {api.d.model_id}\nFROM {api.d.info.name}\nPARAMETER num_ctx {context}\n",
+                "parameters": f"num_ctx {context}",
+                "template": template if isinstance(template, str) else "",
+                "details": d["details"],
+                "model_info": d["model_info"],
+                "capabilities": capabilities,
+                "modified_at": d["modified_at"],
+            }
+        )
+
+    async def version(self, request: web.Request) -> web.Response:
+        self.api.need_key(request)
+        return web.json_response({"version": OLLAMA_VERSION}, headers={VERSION_HEADER: ringd_version()})
+
+
+def ringd_version() -> str:
+    try:
+        return metadata.version("ringd")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def describe(info: "ModelInfo") -> dict:
+    """The model as Ollama describes one: size, digest, details, model_info. Reads a GGUF's
+    header (cached by ``gguf.py``) for its quantization and parameter count; a checkpoint
+    directory's count is worked out from its config."""
+    config = text_config(info.config)
+    w = info.weights
+    size = sum(w.layers) + w.embed + w.norm + w.head
+    params, quant = None, _quantization(config)
+    if info.is_gguf:
+        try:
+            from ringd.models.gguf import _NOT_PARAMETERS, GgufFile
+
+            g = GgufFile.open(info.path)
+            tensors = [t for t in g.tensors.values() if t.name not in _NOT_PARAMETERS]
+            params = sum(math.prod(t.shape) for t in tensors)
+            kinds = Counter(t.type for t in tensors if len(t.shape) >= 2)
+            quant = kinds.most_common(1)[0][0] if kinds else quant
+        except (OSError, ValueError) as e:
+            log.warning("cannot read %s for /api/tags: %s", info.path, e)
+    if params is None:
+        params = parameter_count(config)
+    try:
+        modified = datetime.fromtimestamp(os.stat(info.path).st_mtime, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except OSError:
+        modified = created_at()
+    arch = info.model_type
+    details = {
+        "parent_model": "",
+        "format": "gguf" if info.is_gguf else "safetensors",
+        "family": arch,
+        "families": [arch],
+        "parameter_size": parameter_size(params) if params else "",
+        "quantization_level": quant,
+    }
+    model_info = {
+        "general.architecture": arch,
+        "general.basename": info.name,
+        **({"general.parameter_count": params} if params else {}),
+        f"{arch}.context_length": info.context_length,
+        f"{arch}.embedding_length": info.hidden_size,
+        f"{arch}.block_count": info.num_layers,
+        f"{arch}.vocab_size": info.vocab_size,
+    }
+    for key, name in (("num_attention_heads", "attention.head_count"), ("num_key_value_heads", "attention.head_count_kv"), ("intermediate_size", "feed_forward_length")):
+        if isinstance(config.get(key), int):
+            model_info[f"{arch}.{name}"] = config[key]
+    return {"size": size, "digest": info.fingerprint, "modified_at": modified, "details": details, "model_info": model_info}
+
+
+def _quantization(config: dict) -> str:
+    """An mlx-lm checkpoint's quantization as Ollama names levels: Q4, or its float type."""
+    q = config.get("quantization")
+    if isinstance(q, dict) and isinstance(q.get("bits"), int):
+        return f"Q{q['bits']}"
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    return {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(str(dtype), "")
+
+
+def parameter_count(c: dict) -> int | None:
+    """The weights a dense or mixture-of-experts decoder holds, from its config (an
+    estimate: biases and architecture-specific extras are left out)."""
+    try:
+        h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+        heads = c.get("num_attention_heads") or 1
+        kv = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or h // heads
+        attention = 2 * h * heads * head_dim + 2 * h * kv * head_dim
+        experts = c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0
+        if experts:
+            inner = c.get("moe_intermediate_size") or c["intermediate_size"]
+            mlp = experts * 3 * h * inner + h * experts
+        else:
+            mlp = 3 * h * c["intermediate_size"]
+        head = 0 if c.get("tie_word_embeddings", True) else vocab * h
+        return int(vocab * h + layers * (attention + mlp + 2 * h) + h + head)
+    except (KeyError, TypeError):
+        return None
+
+
+def parameter_size(n: int) -> str:
+    """As Ollama prints it: 134.52M, 8.0B."""
+    if n >= 1_000_000_000:
+        return f"{n / 1e9:.1f}B"
+    if n >= 1_000_000:
+        return f"{n / 1e6:.2f}M"
+    return f"{n / 1e3:.2f}K"

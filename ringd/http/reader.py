@@ -1,0 +1,112 @@
+"""Split what the model writes into answer text, reasoning and tool calls, token by token.
+
+Markers are matched on text with mlx-lm's ``TextStateMachine`` (as its server
+does: robust to a marker's bytes being tokenized any which way), and stripped:
+``<think>`` ... ``</think>`` is reasoning, a native tool call's text between its
+markers goes to mlx-lm's own tool parser once its end marker arrives. In the
+generic format (``render.py``) an answer whose first character is ``{`` is the
+JSON of calls, read whole when the answer ends; any other answer is text.
+
+A call that does not parse (cut off by max_tokens, or a model that broke its
+own format) is given back as text, markers and all, rather than lost.
+
+Sans-I/O: text in, ``Output`` fields out; ``serving.py`` feeds it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from mlx_lm.generate import TextStateMachine
+
+from ringd.http.render import ReadPlan
+from ringd.http.request import ToolCall
+
+log = logging.getLogger(__name__)
+
+
+class Reader:
+    def __init__(self, plan: ReadPlan):
+        self.plan = plan
+        transitions: dict[str, list] = {"normal": []}
+        if plan.think is not None:
+            transitions["normal"].append((plan.think[0], "reasoning"))
+            transitions["reasoning"] = [(plan.think[1], "normal")]
+        if plan.tools == "native":
+            start, end = plan.tool_markers
+            transitions["normal"].append((start, "tool"))
+            transitions.setdefault("reasoning", []).append((start, "tool"))
+            transitions["tool"] = [(end, "normal")] if end else []
+        self._sm = TextStateMachine(transitions)
+        self._state = self._sm.make_state(plan.initial if plan.initial in transitions else "normal")
+        self._tool_text = ""
+        self._generic: str | None = None  # generic format: "json" or "text", once the first character shows
+        self._json = ""
+        self.calls = 0  # tool calls read so far
+
+    @property
+    def state(self) -> str:
+        return self._state[0]
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str, list[ToolCall]]:
+        """The answer text, reasoning and completed calls that ``text`` adds; ``final`` on the last piece."""
+        self._state, segments = TextStateMachine.split(self._state, text)
+        if final:
+            self._state, rest, name = TextStateMachine.flush(self._state)
+            segments.append((name, rest))
+        answer, reasoning, calls = [], [], []
+        previous = None
+        for name, piece in segments:
+            if previous == "tool" and name != "tool":
+                calls += self._close_native(answer)
+            if name == "reasoning":
+                reasoning.append(piece)
+            elif name == "tool":
+                self._tool_text += piece
+            else:
+                answer.append(piece)
+            previous = name
+        if final and self.state == "tool" and self._tool_text:
+            calls += self._close_native(answer)  # a format without an end marker ends with the answer
+        text_out = "".join(answer)
+        if self.plan.tools == "generic":
+            text_out, more = self._generic_feed(text_out, final)
+            calls += more
+        self.calls += len(calls)
+        return text_out, "".join(reasoning), calls
+
+    def _close_native(self, answer: list[str]) -> list[ToolCall]:
+        raw, self._tool_text = self._tool_text, ""
+        try:
+            parsed = self.plan.tool_parser(raw, self.plan.template_tools)
+        except Exception as e:  # each of mlx-lm's parsers raises its own kind
+            log.warning("a tool call did not parse (%s: %s); returned as text", type(e).__name__, e)
+            start, end = self.plan.tool_markers
+            answer.append(start + raw + end)
+            return []
+        calls = []
+        for c in parsed if isinstance(parsed, list) else [parsed]:
+            args = c.get("arguments", {})
+            calls.append(ToolCall(ToolCall.new_id(), str(c.get("name", "")), args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        return calls
+
+    def _generic_feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        if self._generic is None and text:
+            self._generic = "json" if text[0] == "{" else "text"
+        if self._generic != "json":
+            return text, []
+        self._json += text
+        if not final:
+            return "", []
+        raw, self._json = self._json, ""
+        try:
+            doc = json.loads(raw)
+            calls = [
+                ToolCall(ToolCall.new_id(), c["name"], json.dumps(c["arguments"], ensure_ascii=False))
+                for c in doc["tool_calls"]
+            ]
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("the generic tool-call JSON did not parse (%s); returned as text", e)
+            return raw, []
+        return "", calls

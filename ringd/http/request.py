@@ -1,0 +1,139 @@
+"""The one request every API becomes, and the one stream of outputs it gets back.
+
+OpenAI's chat completions, completions and Responses, Anthropic's Messages and
+Ollama's chat and generate each parse their own body into a ``Request`` and turn
+``Output`` events back into their own wire format; nothing in between knows
+which API a request came by (``serving.py`` runs it, ``render.py`` makes its
+prompt and grammar, ``reader.py`` splits what the model writes).
+
+Messages are kept in the form chat templates take (Hugging Face's convention,
+as mlx-lm's server passes them): ``{"role", "content": str}``; an assistant's
+``tool_calls`` as ``[{"id", "type": "function", "function": {"name",
+"arguments": dict}}]`` and its ``reasoning_content``; a tool result as
+``{"role": "tool", "content", "tool_call_id", "name"}``.
+
+No HTTP, no tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from ringd.stage.sampling import SamplingParams
+
+# How a request may use its tools (OpenAI's tool_choice; the other APIs map onto it).
+TOOL_CHOICES = ("auto", "none", "required", "function")
+# Tools one request may declare: each is described in the prompt, and a forced
+# call's grammar has a branch per tool.
+MAX_TOOLS = 128
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, what it does, and a JSON schema of its arguments."""
+
+    name: str
+    description: str = ""
+    parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
+    # OpenAI's strict: arguments have exactly the properties the schema names.
+    strict: bool = False
+
+    def as_template_tool(self) -> dict:
+        """The form chat templates (and mlx-lm's tool parsers) take: OpenAI's function tool."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """Structured output: ``json_object`` (any JSON object) or ``json_schema`` (``schema``)."""
+
+    kind: str  # "json_object" | "json_schema"
+    schema: dict | None = None
+    name: str | None = None  # the API's name for the schema, for error messages
+    strict: bool = False  # objects have exactly the properties the schema names
+
+
+@dataclass
+class Request:
+    model: str
+    params: SamplingParams
+    max_tokens: int | None
+    messages: list[dict] | None = None  # a chat, in the form templates take
+    prompt: str | list[int] | None = None  # a raw completion: text or token ids
+    stop: list[str] = field(default_factory=list)
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str = "auto"  # one of TOOL_CHOICES
+    tool_name: str | None = None  # with tool_choice "function": the one to call
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    # The last message is the assistant's, and the answer continues its text (Anthropic's prefill).
+    prefill: bool = False
+    # Passed to the chat template (mlx-lm's server's chat_template_kwargs), e.g. enable_thinking.
+    template_kwargs: dict = field(default_factory=dict)
+    # The API's own names for fields an error may point at ("messages", "max_tokens", ...).
+    names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def chat(self) -> bool:
+        return self.messages is not None
+
+    def name(self, field_: str) -> str:
+        """What the client's API calls the internal field ``field_``."""
+        return self.names.get(field_, field_)
+
+    def prompt_chars(self) -> int:
+        """How much the tokenizer will be fed: characters of text, or token ids.
+
+        For a chat, a lower bound (the template adds text of its own), the safe
+        side for refusing a prompt too long for the context before tokenizing it.
+        """
+        if self.messages is not None:
+            n = 0
+            for m in self.messages:
+                n += len(m.get("content") or "") + len(m.get("reasoning_content") or "")
+                for call in m.get("tool_calls") or ():
+                    n += len(json.dumps(call["function"].get("arguments"), ensure_ascii=False))
+            return n
+        return len(self.prompt or ())
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as text (as OpenAI gives it)
+
+    @staticmethod
+    def new_id() -> str:
+        return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class Output:
+    """What one generated token adds to the answer, already split by channel.
+
+    ``text`` is answer text, ``reasoning`` thinking text, ``calls`` tool calls
+    that this token completed. Most tokens add to one of them; a marker token
+    (``<think>``) adds to none. The last event carries ``finish_reason``:
+    "stop", "length" or "tool_calls".
+    """
+
+    token: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+    text: str = ""
+    reasoning: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    stop_sequence: str | None = None  # with finish_reason "stop": the stop string that ended it, if one did
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0

@@ -1,0 +1,682 @@
+"""OpenAI's Responses API (``POST /v1/responses``), as a thin, stateless layer over ``serving.py``.
+
+The body becomes a ``request.Request`` (``parse``); the ``Output`` events
+become Responses' output items (``OutputItems``): a ``reasoning`` item for
+thinking, a ``message`` item for the answer, a ``function_call`` item per tool
+call, whole or as Responses' SSE events (``event:`` and ``data:`` lines, each
+with its ``type`` and ``sequence_number``).
+
+ringd keeps nothing between requests, so the API is used statelessly:
+
+- ``previous_response_id``, ``conversation`` and ``item_reference`` inputs
+  name stored state, and are refused (400: send the whole conversation in
+  ``input``); so are ``background: true`` (it needs a stored response to poll),
+  ``prompt`` (stored prompt templates) and ``truncation: "auto"`` (ringd
+  never drops input to fit the context). ``include`` may ask for
+  ``reasoning.encrypted_content`` only, as stateless clients (Codex) do to
+  keep reasoning across turns: each reasoning item then carries its text,
+  base64 behind ``ENCRYPTED_PREFIX`` (not encrypted: the client has the text
+  anyway), and that item sent back as input is read again.
+- ``store`` is accepted whatever its value (true is OpenAI's default, and
+  clients send it), and every response says ``"store": false``: it was not
+  stored, and no later request can name it.
+- ``metadata`` and ``user`` are echoed and otherwise ignored, as are OpenAI's
+  routing and caching hints (``service_tier``, ``prompt_cache_key``, ...).
+
+Mapped:
+
+- ``input``: a string (one user message) or items: messages (user, assistant,
+  system, developer; content as a string or ``input_text`` / ``output_text``
+  / ``refusal`` parts; images and files are refused: ringd serves text
+  models), ``function_call`` and ``function_call_output`` items (a call joins
+  the assistant message just before it), and ``reasoning`` items, whose text
+  (their ``content``, else their ``summary``) becomes the
+  ``reasoning_content`` of the assistant message or call that follows them:
+  templates that render past thinking (Qwen3's, within the turn in progress)
+  see it, others drop it. So a client may send ``response.output`` back as
+  input. ``instructions`` is a system message before them.
+- ``tools``: function tools (``strict`` defaults to true, as in Responses);
+  any other tool type (web_search, file_search, mcp, ...) is refused naming it.
+  ``tool_choice`` "auto" / "none" / "required", ``{"type": "function",
+  "name"}``, or ``{"type": "allowed_tools", "mode", "tools"}`` (the tools
+  offered are narrowed to those).
+- ``text.format``: "text", "json_object", "json_schema" (``schema``,
+  ``strict``), as chat's ``response_format``.
+- ``reasoning.effort``: "none" and "minimal" turn the template's thinking off
+  (``enable_thinking: false``: there is no smaller budget to give); "low" to
+  "max" turn it on and go to the template as ``reasoning_effort`` (gpt-oss
+  reads it; "xhigh" and "max" as "high"). A model that does not think ignores
+  both: clients send an effort with every request, so it is never refused.
+- ``max_output_tokens``, ``temperature``, ``top_p``, ``parallel_tool_calls``;
+  and, as chat completions takes them, ringd's ``top_k``, ``min_p``, ``seed``,
+  penalties and ``chat_template_kwargs``. ``top_logprobs`` is checked and
+  echoed: without ``include`` OpenAI returns no logprobs either.
+  ``max_tool_calls`` bounds built-in tools, of which ringd has none.
+
+Errors have OpenAI's shape (``api.py``) and name Responses' own fields
+(``Request.names``: ``max_output_tokens``, ``input``, ``text.format``).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from ringd.http.openai_types import MAX_MESSAGES, MAX_MODEL_CHARS, ApiError, _valid_text, check_schema, check_tool_name, template_kwargs
+from ringd.http.request import MAX_TOOLS, Output, Request, ResponseFormat, Tool, ToolCall, Usage
+from ringd.stage.sampling import SamplingError, SamplingParams, brief_repr
+
+if TYPE_CHECKING:
+    from ringd.http.api import Api
+
+log = logging.getLogger(__name__)
+
+# Input items in one request: as many as chat completions takes messages.
+MAX_INPUT_ITEMS = MAX_MESSAGES
+# A streamed call's arguments go out in pieces of about this many characters (as chat's).
+ARGUMENT_PIECE_CHARS = 32
+# What Responses calls the internal request's fields, for the errors that name them.
+NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input", "response_format": "text.format"}
+MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+# Input content parts that carry text, and the key that holds it.
+TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+# Efforts past "high" are OpenAI's newer levels; templates that read an effort know three.
+TEMPLATE_EFFORT = {"xhigh": "high", "max": "high"}
+
+# Fields that ask for what a stateless ring cannot do: refused, unless they hold
+# one of the values that ask for nothing (null, [] and {} count as absent).
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "previous_response_id": ((), "ringd keeps no responses; send the whole conversation in input"),
+    "conversation": ((), "ringd keeps no conversations; send the whole conversation in input"),
+    "background": ((False,), "ringd keeps no responses to poll, so it answers in the foreground only; leave background false"),
+    "prompt": ((), "ringd keeps no prompt templates; send instructions and input"),
+    "truncation": (("disabled",), "ringd never drops input to fit the context; a prompt too long for it is a 400"),
+}
+# What include may ask for: the one extra output a stateless server can give.
+INCLUDES = ("reasoning.encrypted_content",)
+# A reasoning item's encrypted_content as ringd writes it: this, then the text in base64.
+ENCRYPTED_PREFIX = "ringd-reasoning:"
+# ringd's sampling beyond Responses' own, as chat completions takes it.
+EXTRA_NUMBERS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def error_body(e: ApiError) -> dict:
+    return e.body()
+
+
+@dataclass
+class ResponsesRequest:
+    request: Request
+    stream: bool
+    # The request's settings as the response object repeats them (the SDK's Response requires several).
+    echo: dict
+    encrypted_reasoning: bool = False  # include: reasoning items carry encrypted_content
+
+
+# --- the request -------------------------------------------------------------------
+
+
+def parse(body: dict) -> ResponsesRequest:
+    """A JSON object (``openai_types.parse_json``) as a request, or a 400 ``ApiError``; nothing else escapes."""
+
+    def opt(name: str, check, rule: str):
+        v = body.get(name)
+        if v is not None and not check(v):
+            raise _bad(f"{name} must be {rule}; got {brief_repr(v)}", name)
+        return v
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model is required and must be a string", "model")
+    if len(model) > MAX_MODEL_CHARS:
+        raise _bad(f"model must be a name of at most {MAX_MODEL_CHARS} characters; GET /v1/models lists it", "model")
+    _valid_text(model, "model")
+    for name, (accepted, why) in REFUSED.items():
+        v = body.get(name)
+        if v is None or v == [] or v == {} or any(v == a and type(v) is type(a) for a in accepted):
+            continue
+        raise _bad(f"{name} is not supported: {why}", name, "unsupported_parameter")
+
+    max_tokens = opt("max_output_tokens", _is_int, "an integer")
+    if max_tokens is not None and max_tokens < 1:
+        raise _bad("max_output_tokens must be at least 1", "max_output_tokens")
+    stream = opt("stream", lambda v: isinstance(v, bool), "a boolean") or False
+    opt("store", lambda v: isinstance(v, bool), "a boolean")
+    top_logprobs = opt("top_logprobs", lambda v: _is_int(v) and 0 <= v <= 20, "an integer from 0 to 20")
+
+    sampling: dict[str, Any] = {}
+    for name in ("temperature", "top_p", *EXTRA_NUMBERS):
+        v = opt(name, _is_number, "a number")
+        if v is not None:
+            sampling[name] = v
+    for name in ("top_k", "seed"):
+        v = opt(name, _is_int, "an integer")
+        if v is not None:
+            sampling[name] = v
+    if sampling.get("top_k", 0) < 0:  # clients send -1 for "off"
+        sampling["top_k"] = 0
+    if "seed" in sampling and sampling["seed"] < 0:
+        sampling["seed"] %= 2**63
+    try:
+        params = SamplingParams(**sampling)
+    except SamplingError as e:
+        raise _bad(str(e), e.field) from None
+
+    instructions = opt("instructions", lambda v: isinstance(v, str), "a string")
+    messages = _input(body.get("input"))
+    if instructions:
+        messages.insert(0, {"role": "system", "content": _valid_text(instructions, "instructions")})
+
+    declared = _tools(body.get("tools"))
+    choice, tool_name, tools = _tool_choice(body.get("tool_choice"), declared)
+    parallel = opt("parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean")
+    text = opt("text", lambda v: isinstance(v, dict), "an object") or {}
+    fmt, fmt_echo = _text_format(text.get("format"))
+    kwargs, effort = _reasoning(body.get("reasoning"))
+    kwargs = {**template_kwargs(body.get("chat_template_kwargs")), **kwargs}
+
+    req = Request(
+        model=model, params=params, max_tokens=max_tokens, messages=messages, tools=tools, tool_choice=choice,
+        tool_name=tool_name, parallel_tool_calls=True if parallel is None else parallel, response_format=fmt,
+        template_kwargs=kwargs, names=NAMES,
+    )  # fmt: skip
+    metadata = body.get("metadata")
+    user = body.get("user")
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": max_tokens,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_logprobs": top_logprobs,
+        "tools": [
+            {"type": "function", "name": t.name, "description": t.description or None, "parameters": t.parameters, "strict": t.strict}
+            for t in declared
+        ],
+        "tool_choice": _choice_echo(body.get("tool_choice"), choice, tool_name, tools),
+        "text": {"format": fmt_echo},
+        "reasoning": {"effort": effort, "summary": None},
+        "truncation": "disabled",
+        # Echoed only as OpenAI defines it (strings to strings): the echo holds nothing a client nested.
+        "metadata": metadata if isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values()) else {},
+        "user": user if isinstance(user, str) else None,
+    }
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list) or not all(isinstance(v, str) for v in include)):
+        raise _bad(f"include must be a list of strings; got {brief_repr(include)}", "include")
+    for v in include or ():
+        if v not in INCLUDES:
+            raise _bad(
+                f"include {brief_repr(v)} is not supported: ringd returns no extra output data but {', '.join(INCLUDES)}",
+                "include",
+                "unsupported_parameter",
+            )
+    return ResponsesRequest(req, stream, echo, "reasoning.encrypted_content" in (include or ()))
+
+
+def _input(v: Any) -> list[dict]:
+    if isinstance(v, str):
+        return [{"role": "user", "content": _valid_text(v, "input")}]
+    if not isinstance(v, list) or not v:
+        raise _bad("input is required: a string, or a non-empty list of items (messages, function calls and their outputs)", "input")
+    if len(v) > MAX_INPUT_ITEMS:
+        raise _bad(f"at most {MAX_INPUT_ITEMS} input items are accepted", "input")
+    out: list[dict] = []
+    names: dict[str, str] = {}  # call id -> function name, for the outputs that answer them
+    reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
+    for i, item in enumerate(v):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(f"{where} must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in MESSAGE_ROLES:
+                raise _bad(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}; got {brief_repr(role)}", f"{where}.role")
+            msg = {"role": "system" if role == "developer" else role, "content": _content(item.get("content"), f"{where}.content")}
+            if role == "assistant" and reasoning:
+                msg["reasoning_content"], reasoning = reasoning, ""
+            out.append(msg)
+        elif kind == "function_call":
+            call_id = _string(item, "call_id", where)
+            name = _string(item, "name", where)
+            args = item.get("arguments")
+            try:  # JSON text, as OpenAI gives it; an object or nothing also reads plainly
+                parsed = (json.loads(args) if args.strip() else {}) if isinstance(args, str) else {} if args is None else args
+            except (ValueError, RecursionError):  # RecursionError: arrays nested past the interpreter's limit
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise _bad(f"{where}.arguments must be a JSON object, as text; got {brief_repr(args)}", f"{where}.arguments")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
+            names[call_id] = name
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": ""}
+                out.append(last)
+            last.setdefault("tool_calls", []).append(call)
+            if reasoning and "reasoning_content" not in last:
+                last["reasoning_content"], reasoning = reasoning, ""
+        elif kind == "function_call_output":
+            call_id = _string(item, "call_id", where)
+            output = item.get("output")
+            content = output if isinstance(output, str) else _content(output, f"{where}.output") if isinstance(output, list) else None
+            if content is None:
+                raise _bad(f"{where}.output must be a string or a list of input_text parts", f"{where}.output")
+            out.append({"role": "tool", "content": _valid_text(content, f"{where}.output"), "tool_call_id": call_id, "name": names.get(call_id, "")})
+        elif kind == "reasoning":
+            reasoning = _reasoning_text(item, where)
+        elif kind == "item_reference":
+            raise _bad(f"{where} refers to a stored item; ringd keeps no items: send the item itself", where, "unsupported_parameter")
+        else:
+            raise _bad(
+                f"{where} is a {brief_repr(kind)} item; ringd takes messages, function_call, function_call_output and reasoning items",
+                f"{where}.type",
+            )
+    if not out:
+        raise _bad("input holds no message: reasoning items alone give the model nothing to answer", "input")
+    return out
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    v = item.get(key)
+    if not isinstance(v, str) or not v:
+        raise _bad(f"{where}.{key} is required and must be a string", f"{where}.{key}")
+    return _valid_text(v, f"{where}.{key}")
+
+
+def _content(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return _valid_text(content, where)
+    if not isinstance(content, list):
+        raise _bad(f"{where} must be a string or a list of content parts", where)
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        if key is None or not isinstance(part.get(key), str):
+            raise _bad(
+                f"{where}[{j}] must be a text part ({', '.join(TEXT_PARTS)}); got {brief_repr(kind)}: ringd serves text models",
+                f"{where}[{j}]",
+            )
+        parts.append(_valid_text(part[key], f"{where}[{j}].{key}"))
+    return "".join(parts)
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: ringd's encrypted_content, else its content (reasoning_text parts), else its summary."""
+    sealed = item.get("encrypted_content")
+    if isinstance(sealed, str) and sealed.startswith(ENCRYPTED_PREFIX):
+        try:
+            return _valid_text(base64.b64decode(sealed[len(ENCRYPTED_PREFIX) :], validate=True).decode(), f"{where}.encrypted_content")
+        except (ValueError, UnicodeDecodeError):  # binascii.Error is a ValueError
+            raise _bad(f"{where}.encrypted_content is not reasoning ringd wrote; send it back as it came", f"{where}.encrypted_content") from None
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts in (None, []):
+            continue
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+            raise _bad(f"{where}.{key} must be a list of {{'type', 'text'}} parts", f"{where}.{key}")
+        return _valid_text("\n".join(p["text"] for p in parts), f"{where}.{key}")
+    return ""  # another server's encrypted_content only (OpenAI's): nothing here can read it
+
+
+def _tools(v: Any) -> list[Tool]:
+    if v is None or v == []:
+        return []
+    if not isinstance(v, list):
+        raise _bad("tools must be a list", "tools")
+    if len(v) > MAX_TOOLS:
+        raise _bad(f"at most {MAX_TOOLS} tools are accepted", "tools")
+    out, seen = [], set()
+    for i, t in enumerate(v):
+        where = f"tools[{i}]"
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind != "function":
+            raise _bad(
+                f"{where} is a {brief_repr(kind)} tool; ringd runs no tools of its own, so only function tools "
+                '({"type": "function", "name", "description", "parameters"}) are supported',
+                where,
+                "unsupported_tool",
+            )
+        name = check_tool_name(t.get("name"), f"{where}.name")
+        if name in seen:
+            raise _bad(f"{where}.name {name!r} is declared twice", f"{where}.name")
+        seen.add(name)
+        description = t.get("description") or ""
+        if not isinstance(description, str):
+            raise _bad(f"{where}.description must be a string", f"{where}.description")
+        params = t.get("parameters")
+        params = {"type": "object", "properties": {}} if params is None else check_schema(params, f"{where}.parameters")
+        strict = t.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _bad(f"{where}.strict must be a boolean", f"{where}.strict")
+        # Responses' default is strict: arguments have exactly the properties the schema names.
+        out.append(Tool(name, _valid_text(description, f"{where}.description"), params, strict is not False))
+    return out
+
+
+def _tool_choice(v: Any, tools: list[Tool]) -> tuple[str, str | None, list[Tool]]:
+    if v is None:
+        return "auto", None, tools
+    if v in ("auto", "none", "required"):
+        return v, None, tools
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "function":
+        name = v.get("name")
+        if name not in {t.name for t in tools}:
+            raise _bad(f"tool_choice names the function {brief_repr(name)}, which is not among the tools", "tool_choice")
+        return "function", name, tools
+    if kind == "allowed_tools":
+        mode, allowed = v.get("mode"), v.get("tools")
+        if mode not in ("auto", "required") or not isinstance(allowed, list):
+            raise _bad('tool_choice allowed_tools takes {"mode": "auto" | "required", "tools": [{"type": "function", "name"}]}', "tool_choice")
+        names = {a.get("name") for a in allowed if isinstance(a, dict) and a.get("type") == "function"}
+        missing = names - {t.name for t in tools}
+        if len(names) != len(allowed) or missing:
+            raise _bad(f"tool_choice.tools must name function tools among the tools; not there: {brief_repr(sorted(map(str, missing)))}", "tool_choice.tools")
+        return mode, None, [t for t in tools if t.name in names]
+    raise _bad(
+        'tool_choice must be "auto", "none", "required", {"type": "function", "name"} or {"type": "allowed_tools", ...}; '
+        f"got {brief_repr(v)}",
+        "tool_choice",
+    )
+
+
+def _choice_echo(given: Any, choice: str, name: str | None, tools: list[Tool]) -> str | dict:
+    if isinstance(given, dict) and given.get("type") == "allowed_tools":
+        return {"type": "allowed_tools", "mode": choice, "tools": [{"type": "function", "name": t.name} for t in tools]}
+    return {"type": "function", "name": name} if choice == "function" else choice
+
+
+def _text_format(v: Any) -> tuple[ResponseFormat | None, dict]:
+    if v is None or v == {} or v == {"type": "text"}:
+        return None, {"type": "text"}
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "json_object":
+        return ResponseFormat("json_object"), {"type": "json_object"}
+    if kind == "json_schema":
+        if "schema" not in v:
+            raise _bad("text.format json_schema needs a schema: {type, name, schema, strict?}", "text.format.schema")
+        schema = check_schema(v["schema"], "text.format.schema")
+        name = v.get("name") if isinstance(v.get("name"), str) else None
+        strict = v.get("strict") is True
+        return ResponseFormat("json_schema", schema, name, strict), {"type": "json_schema", "name": name or "response", "schema": schema, "strict": strict}
+    raise _bad(f'text.format.type must be "text", "json_object" or "json_schema"; got {brief_repr(kind)}', "text.format.type")
+
+
+def _reasoning(v: Any) -> tuple[dict, str | None]:
+    """The template variables of ``reasoning``, and its effort as echoed."""
+    if v is None:
+        return {}, None
+    if not isinstance(v, dict):
+        raise _bad("reasoning must be an object, e.g. {\"effort\": \"low\"}", "reasoning")
+    effort = v.get("effort")
+    if effort is None:
+        return {}, None
+    if effort not in EFFORTS:
+        raise _bad(f"reasoning.effort must be one of {', '.join(EFFORTS)}; got {brief_repr(effort)}", "reasoning.effort")
+    if effort in ("none", "minimal"):
+        return {"enable_thinking": False}, effort
+    return {"enable_thinking": True, "reasoning_effort": TEMPLATE_EFFORT.get(effort, effort)}, effort
+
+
+# --- the answer --------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def usage(u: Usage) -> dict:
+    return {
+        "input_tokens": u.prompt_tokens,
+        # cache_write_tokens: the SDK's model requires it; ringd's prefix cache is not billed, so 0.
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
+
+
+def response_object(p: ResponsesRequest, rid: str, created: int, model: str, output: list[dict], status: str, u: Usage | None) -> dict:
+    """Responses' response object: the answer so far, and the request's settings echoed."""
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "background": False,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "model": model,
+        "output": output,
+        "previous_response_id": None,
+        "store": False,  # stateless: nothing was kept, whatever the request's store said
+        **p.echo,
+        "usage": usage(u) if u is not None else None,
+        **({"completed_at": int(time.time())} if status == "completed" else {}),
+    }
+
+
+class OutputItems:
+    """``Output`` events in, Responses' output items and the stream events that build them out.
+
+    Sans-I/O: ``feed`` and ``finish`` return stream events (without their
+    ``sequence_number``, which the sender numbers); ``output`` holds the items.
+    A whole answer runs the same builder and drops the events, so a streamed
+    answer and a whole one agree by construction.
+
+    Thinking is a ``reasoning`` item, answer text a ``message`` item, each tool
+    call a ``function_call`` item, in the order the model writes them. Answer
+    whitespace before any text is held back: it opens no message if only calls
+    follow (a native call's template puts a newline before it).
+    """
+
+    def __init__(self, encrypted_reasoning: bool = False):
+        self.encrypted_reasoning = encrypted_reasoning
+        self.output: list[dict] = []
+        self._open: dict | None = None  # the reasoning or message item being written
+        self._text: list[str] = []
+        self._blank = ""
+        self.status = "in_progress"  # then "completed", or "incomplete" when max_output_tokens cut it off
+
+    def feed(self, out: Output) -> list[dict]:
+        events = []
+        if out.reasoning:
+            events += self._write("reasoning", out.reasoning)
+        if out.text:
+            writing = self._open is not None and self._open["type"] == "message"
+            if not writing and not (self._blank + out.text).strip():
+                self._blank += out.text
+            else:
+                text, self._blank = self._blank + out.text, ""
+                events += self._write("message", text)
+        for call in out.calls:
+            events += self._call(call)
+        return events
+
+    def finish(self, finish_reason: str | None) -> list[dict]:
+        """The events that end the answer; ``output`` and ``status`` are then final."""
+        status = self.status = "incomplete" if finish_reason == "length" else "completed"
+        events = []
+        answered = any(item["type"] in ("message", "function_call") for item in self.output)
+        if not answered and (self._blank or status == "completed"):
+            # Every answer has a message (an empty one if need be), unless it was cut off while thinking.
+            events += self._begin("message")
+            if self._blank:
+                events += self._write("message", self._blank)
+        events += self._end(status)
+        return events
+
+    def _write(self, kind: str, text: str) -> list[dict]:
+        events = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._end("completed")
+            events += self._begin(kind)
+        self._text.append(text)
+        delta = {"type": f"response.{'output_text' if kind == 'message' else 'reasoning_text'}.delta", **self._where(), "delta": text}
+        if kind == "message":
+            delta["logprobs"] = []
+        return events + [delta]
+
+    def _where(self) -> dict:
+        return {"item_id": self._open["id"], "output_index": len(self.output) - 1, "content_index": 0}
+
+    def _begin(self, kind: str) -> list[dict]:
+        if kind == "message":
+            item = {"id": new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": []}
+        else:
+            item = {"id": new_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        self.output.append(item)
+        self._open, self._text = item, []
+        return [
+            {"type": "response.output_item.added", "output_index": len(self.output) - 1, "item": {**item, "content": []}},
+            {"type": "response.content_part.added", **self._where(), "part": part},
+        ]
+
+    def _end(self, status: str) -> list[dict]:
+        item = self._open
+        if item is None:
+            return []
+        text, where = "".join(self._text), self._where()
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": []}
+            done = {"type": "response.output_text.done", **where, "text": text, "logprobs": []}
+        else:
+            part = {"type": "reasoning_text", "text": text}
+            done = {"type": "response.reasoning_text.done", **where, "text": text}
+        item.update(status=status, content=[part])
+        if item["type"] == "reasoning" and self.encrypted_reasoning:
+            item["encrypted_content"] = ENCRYPTED_PREFIX + base64.b64encode(text.encode()).decode()
+        self._open, self._text = None, []
+        return [
+            done,
+            {"type": "response.content_part.done", **where, "part": dict(part)},
+            {"type": "response.output_item.done", "output_index": where["output_index"], "item": {**item, "content": [dict(part)]}},
+        ]
+
+    def _call(self, call: ToolCall) -> list[dict]:
+        self._blank = ""  # whitespace before a call is no answer
+        events = self._end("completed")
+        item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id, "name": call.name, "arguments": ""}
+        self.output.append(item)
+        where = {"item_id": item["id"], "output_index": len(self.output) - 1}
+        events.append({"type": "response.output_item.added", "output_index": where["output_index"], "item": dict(item)})
+        args = call.arguments
+        for i in range(0, len(args), ARGUMENT_PIECE_CHARS):
+            events.append({"type": "response.function_call_arguments.delta", **where, "delta": args[i : i + ARGUMENT_PIECE_CHARS]})
+        events.append({"type": "response.function_call_arguments.done", **where, "arguments": args})
+        item.update(status="completed", arguments=args)
+        events.append({"type": "response.output_item.done", "output_index": where["output_index"], "item": dict(item)})
+        return events
+
+
+def sse(event: dict) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ResponsesApi:
+    def __init__(self, api: "Api"):
+        self.api = api
+
+    def routes(self) -> list:
+        return [web.post("/v1/responses", self.create)]
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        api = self.api
+        api.need_key(request)
+        raw = await api.read(request)
+        await api.forwarded_by(request, raw)  # a follower's mark must be proven; nothing carries over here
+        body = await api.json(raw)
+        if api.d.engine is None:
+            return await api.proxy.forward(request, raw, body.get("stream") is True, resumable=False)
+        p = parse(body)
+        gen = await api.serving.open(p.request, api.request_id(request))
+        try:
+            if p.stream:
+                return await self._stream(request, p, gen)
+            return await self._whole(p, gen)
+        finally:
+            await gen.aclose()
+
+    async def _whole(self, p: ResponsesRequest, gen) -> web.Response:
+        items, finish = OutputItems(p.encrypted_reasoning), None
+        try:
+            async for out in gen:
+                items.feed(out)
+                finish = out.finish_reason
+        finally:
+            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
+        items.finish(finish)
+        body = response_object(p, new_id("resp"), gen.created, self.api.d.model_id, items.output, items.status, gen.usage)
+        return web.json_response(body)
+
+    async def _stream(self, request: web.Request, p: ResponsesRequest, gen) -> web.StreamResponse:
+        events = aiter(gen)
+        # Pull the first event before answering 200, so a ring that fails at once
+        # still gets a proper error status.
+        first = await anext(events, None)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        rid, model = new_id("resp"), self.api.d.model_id
+        items = OutputItems(p.encrypted_reasoning)
+        sequence = 0
+
+        async def send(batch: list[dict]) -> None:
+            nonlocal sequence
+            data = []
+            for ev in batch:
+                ev["sequence_number"] = sequence
+                sequence += 1
+                data.append(sse(ev))
+            if data:
+                await resp.write(b"".join(data))
+
+        try:
+            start = response_object(p, rid, gen.created, model, [], "in_progress", None)
+            await send([{"type": "response.created", "response": start}, {"type": "response.in_progress", "response": start}])
+            out, finish = first, None
+            while out is not None:
+                await send(items.feed(out))
+                finish = out.finish_reason
+                out = await anext(events, None)
+            await send(items.finish(finish))
+            whole = response_object(p, rid, gen.created, model, items.output, items.status, gen.usage)
+            await send([{"type": f"response.{whole['status']}", "response": whole}])
+        except ApiError as e:
+            # The stream has started: report the failure in-band, as OpenAI does, and end it.
+            await send([{"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param}])
+        except ConnectionResetError:  # aiohttp's "Cannot write to closing transport"
+            log.debug("the client closed the stream after %d token(s)", gen.usage.completion_tokens)
+            return resp  # the caller's gen.aclose() frees the ring
+        finally:
+            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
+        try:
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass
+        return resp

@@ -1,0 +1,201 @@
+"""One engine under every API: check a ``Request``, render it, generate, read the outputs.
+
+Each API module (``openai_api.py``, ``anthropic_api.py``, ``ollama_api.py``,
+``responses_api.py``) parses its body into a ``request.Request``, calls
+``Serving.open`` and turns the ``Output`` events back into its own format. So
+the same checks, in the same order, guard every API: the model's name, a ring
+that is ready, sampling parameters against the vocabulary, a prompt that fits
+the context (characters before tokens, so an absurd prompt is refused before
+it is paid for), a grammar that compiles; and the same engine, stop handling,
+metrics and request ids serve them. Refusals are ``ApiError`` with the API's
+own field names (``Request.names``); each API renders them in its own shape.
+
+Work off the event loop: rendering (template, tokenizer) and grammar checks run
+in an executor, a few at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, AsyncIterator
+
+from ringd.http.openai_types import ApiError
+from ringd.http.reader import Reader
+from ringd.http.render import Rendered, RenderError, render
+from ringd.http.request import Output, Request, Usage
+from ringd.leader.engine import EngineError
+from ringd.stage.sampling import SamplingError
+
+if TYPE_CHECKING:
+    from ringd.http.api import ApiNode
+
+# Prompts rendered and grammars checked at once: CPU-bound work off the event
+# loop that holds a copy of the prompt; a burst of giant requests waits its turn.
+MAX_CONCURRENT_RENDERS = 2
+# Grammars already checked against this model's tokenizer, by their text: an
+# agent sends the same tools and schema with every turn.
+CHECKED_GRAMMARS = 256
+
+
+class Generation:
+    """One request's outputs: iterate for ``Output`` events; ``usage`` counts as they come."""
+
+    def __init__(self, req: Request, rendered: Rendered, events, tokenizer, resumed: int):
+        self.req = req
+        self.rendered = rendered
+        self.created = int(time.time())
+        self.usage = Usage(prompt_tokens=len(rendered.prompt), completion_tokens=resumed)
+        self._events = events
+        self._reader = Reader(rendered.read)
+        self._tokenizer = tokenizer
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.rendered.prompt
+
+    async def __aiter__(self) -> AsyncIterator[Output]:
+        try:
+            async for ev in self._events:
+                final = ev.finish_reason is not None
+                text, reasoning, calls = self._reader.feed(ev.text, final)
+                if ev.resumed:
+                    continue  # the client has it: it only brings the reader to where it was
+                self.usage.completion_tokens += 1
+                self.usage.cached_tokens = ev.cached_tokens
+                if reasoning or (self._reader.state == "reasoning" and not text):
+                    self.usage.reasoning_tokens += 1
+                finish = ev.finish_reason
+                if finish == "stop" and self._reader.calls:
+                    finish = "tool_calls"
+                yield Output(ev.token, ev.logprob, ev.top_logprobs, text, reasoning, calls, finish, ev.cached_tokens, ev.stop_sequence)
+        except EngineError as e:
+            raise ApiError(e.status, str(e), retry_after=e.retry_after) from None
+
+    async def aclose(self) -> None:
+        # However the consumer ends (done, failed, cancelled by a disconnect), closing
+        # the engine's generator sends the RELEASE that frees every stage.
+        await self._events.aclose()
+
+
+class Serving:
+    def __init__(self, node: "ApiNode"):
+        self.d = node
+        self._renders = asyncio.Semaphore(MAX_CONCURRENT_RENDERS)
+        self._checked: OrderedDict[str, None] = OrderedDict()
+        self._chars_per_token: int | None = None
+
+    async def open(self, req: Request, request_id: str | None, resumed: list[int] = ()) -> Generation:
+        """Check, render and start ``req``; its first token is not awaited here."""
+        engine = self.d.engine
+        if engine is None:
+            raise ApiError(503, "this node does not lead; retry in a moment")
+        self._check_model(req)
+        ready, reason = self.d.readiness()
+        if not ready and await engine.ring_back(self.d.failover_wait_s):
+            # The ring was lost a moment ago: this request waits for the next, as those in flight do.
+            ready, reason = self.d.readiness()
+        if not ready:
+            raise ApiError(503, f"the ring is not ready: {reason}")
+        try:
+            req.params.check_vocab(self.d.info.vocab_size)
+        except SamplingError as e:
+            raise ApiError(400, str(e), req.name(e.field) if e.field else None) from None
+        rendered = await self._rendered(req)
+        prompt = rendered.prompt
+        context = self.d.info.context_length
+        max_tokens = req.max_tokens if req.max_tokens is not None else context - len(prompt)
+        if len(prompt) + max_tokens > context:
+            raise ApiError(
+                400,
+                f"{len(prompt)} prompt tokens + {req.name('max_tokens')} {max_tokens} exceed the model's context of {context} tokens",
+                req.name("max_tokens"),
+                "context_length_exceeded",
+            )
+        if len(resumed) >= max_tokens:
+            raise ApiError(400, f"the stream carried over already holds max_tokens ({max_tokens}) tokens")
+        params = req.params if rendered.grammar is None else dataclasses.replace(req.params, grammar=rendered.grammar)
+        self.d.metrics.prompt_tokens.inc(len(prompt))
+        events = engine.generate(prompt, params, max_tokens, req.stop, list(resumed), request_id, emit_resumed=True)
+        return Generation(req, rendered, events, self.d.tokenizer, len(resumed))
+
+    async def count_tokens(self, req: Request) -> int:
+        """The prompt tokens ``req`` would take (Anthropic's count_tokens): checked and rendered, not run."""
+        self._check_model(req)
+        return len((await self._rendered(req)).prompt)
+
+    def _check_model(self, req: Request) -> None:
+        if req.model != self.d.model_id:
+            raise ApiError(
+                404, f"model {req.model!r} is not served here; this ring serves {self.d.model_id!r}", req.name("model"), "model_not_found"
+            )
+
+    async def _rendered(self, req: Request) -> Rendered:
+        """The prompt (that fits the context) and the grammar (that compiles) of ``req``."""
+        context = self.d.info.context_length
+        where = req.name("messages" if req.chat else "prompt")
+        chars = req.prompt_chars()
+        if self._chars_per_token is None:
+            self._chars_per_token = max_chars_per_token(self.d.tokenizer)
+        if chars > context * self._chars_per_token:
+            raise ApiError(
+                400,
+                f"the prompt is {chars} characters, which cannot fit the model's context of {context} tokens "
+                f"(a token here spans at most {self._chars_per_token} characters)",
+                where,
+                "context_length_exceeded",
+            )
+        async with self._renders:
+            rendered = await asyncio.get_running_loop().run_in_executor(None, self._render, req)
+        if rendered.grammar is not None:
+            self._remember(rendered.grammar)
+        prompt = rendered.prompt
+        if isinstance(req.prompt, list):
+            vocab = self.d.info.vocab_size
+            if any(t >= vocab for t in prompt):
+                raise ApiError(400, f"prompt token ids must be below the vocabulary size {vocab}", where)
+        if len(prompt) >= context:
+            raise ApiError(400, f"the prompt is {len(prompt)} tokens; the model's context is {context}", where, "context_length_exceeded")
+        return rendered
+
+    def _render(self, req: Request) -> Rendered:
+        """On an executor thread: the prompt and grammar, the grammar checked against the tokenizer."""
+        try:
+            rendered = render(req, self.d.tokenizer, getattr(self.d, "chat_template_kwargs", None))
+        except RenderError as e:
+            raise ApiError(400, str(e), e.field) from None
+        if rendered.grammar is not None and rendered.grammar not in self._checked:
+            from ringd.stage import grammar as grammars  # llguidance: loaded by the first request with a grammar
+
+            try:
+                grammars.check(rendered.grammar, self.d.tokenizer, self.d.info.vocab_size, req.name(_grammar_field(req)))
+            except grammars.GrammarError as e:
+                raise ApiError(400, str(e), e.where, "invalid_grammar") from None
+        return rendered
+
+    def _remember(self, grammar: str) -> None:
+        """On the event loop: ``grammar`` compiles; later requests skip the check."""
+        self._checked[grammar] = None
+        self._checked.move_to_end(grammar)
+        while len(self._checked) > CHECKED_GRAMMARS:
+            self._checked.popitem(last=False)
+
+
+def _grammar_field(req: Request) -> str:
+    return "response_format" if req.response_format is not None else "tools"
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters one token can stand for: its longest vocabulary entry.
+
+    A text of n characters cannot encode to fewer than n / this tokens, so a
+    prompt whose characters exceed context x this cannot fit, and is refused
+    before it is tokenized. (Byte-level BPE entries spell one byte a character,
+    which is at least one character of text; special tokens count with theirs.)
+    """
+    try:
+        return max(1, max(len(t) for t in tokenizer.get_vocab()))
+    except (AttributeError, TypeError, ValueError):
+        return 1 << 16  # unknown tokenizer: the check still stops the absurd

@@ -1,0 +1,687 @@
+"""The leader's side of generation: admit a request, drive the ring, stream tokens.
+
+A request enters as token ids and joins the schedule (``scheduler.py``): its
+prompt goes to stage 0 in prefill chunks (the last prompt token alone, as
+mlx-lm's ``generate_step`` does, so the ring's arithmetic is the single
+process's), then each token the last stage sends back is fed to stage 0 again
+at once, before anyone reads it: the ring never waits on HTTP. Requests that
+decode at the same time go around together, in micro-batches (``steps.py``),
+up to one in flight per stage, so every stage works at once and each computes
+its rows in one pass; a long prompt's chunks take turns with them. The
+consumer of ``generate`` gets the tokens with their text, stop strings already
+applied. When the consumer stops listening, for any reason, the request leaves
+the schedule, and a RELEASE, once its last row is back, frees its caches on
+every stage.
+
+When the ring breaks (a stage died), requests in flight are suspended, not
+failed; once the leader has a new ring they are replayed on it: the same
+prompt chunks, then every token already produced fed back one at a time and
+sampled silently (so a seeded sampler's key advances exactly as before), so
+the new ring's caches hold what the old ones held (bit for bit where both
+rings computed the request's rows alone; batched with others, up to rounding)
+and the stream carries on with the next token, none missing, none repeated. Frames of an older ring
+(its term) are ignored. (A request that started from a cached prefix is
+replayed from its first token: correct, but its caches are then the cold
+run's rather than bit for bit the interrupted ring's.)
+
+Admission: a request's whole context (prompt plus max_tokens) is booked on
+every stage's KV capacity (``admission.KvLedger``) before it enters the ring.
+Cached prefixes are evicted first to make room; then it waits in a bounded
+FIFO queue, and a full queue or a wait past ``queue_timeout_s`` is a 429 with
+Retry-After. A context that could never fit is a 400.
+
+Prefix reuse: a request that ends normally leaves its caches on the stages
+(``prefix.PrefixIndex``); a later one sharing its prefix starts from them.
+
+The engine knows nothing of HTTP; the API modules turn its events into
+responses. The schedule itself is sans-I/O (``scheduler.py``); this is its
+asyncio shell: frames out, frames in, tokens to consumers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from mlx_lm.generate import TextStateMachine
+
+from ringd import steps
+from ringd.cluster.placement import Plan
+from ringd.leader.admission import MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S, AdmissionError, KvLedger
+from ringd.leader.draft import Drafter
+from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES, MIN_REUSE_TOKENS, PrefixIndex
+from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, Deliver, Draft, Fail, Release, Scheduler, Send
+from ringd.logs import about
+from ringd.metrics import Metrics
+from ringd.stage.sampling import SamplingParams
+from ringd.steps import KvOptions
+from wire.frames import Frame, FrameError, MsgType
+
+log = logging.getLogger(__name__)
+
+# Requests generating at once on this leader. Each holds KV caches on every
+# stage; past this a request is refused with 429 rather than queued forever.
+MAX_ACTIVE_REQUESTS = 64
+# Longest wait for the ring to answer one step. A prefill chunk of a large
+# model on a slow Mac takes seconds; two minutes of silence means the ring is
+# broken, and the request fails instead of hanging.
+STEP_TIMEOUT_S = 120.0
+# Retry-After for a 429: seconds until KV room is likely.
+RETRY_AFTER_S = 2
+
+
+class EngineError(Exception):
+    """A request could not be served; ``status`` is the HTTP status to answer with."""
+
+    status = 500
+    retry_after: int | None = None  # seconds, for a 429
+
+    def __init__(self, message: str, status: int | None = None, retry_after: int | None = None):
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+        self.retry_after = retry_after
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    text: str  # text to emit now (stop strings are held back until they can't match)
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+    finish_reason: str | None = None  # "stop" or "length" on the last event
+    cached_tokens: int = 0  # prompt tokens whose caches came from a cached prefix
+    resumed: bool = False  # a token an earlier leader streamed (emit_resumed), not a new one
+    stop_sequence: str | None = None  # the stop string that ended the request (Anthropic reports it)
+
+
+@dataclass
+class _Flight:
+    """One request in the ring, as the leader sees it (its schedule is the scheduler's)."""
+
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    queue: asyncio.Queue  # steps.Sampled for each token, or the EngineError that ends it
+    generated: list[int] = field(default_factory=list)  # tokens delivered (resumed ones first)
+    finished: bool = False  # its consumer is done, or it failed
+    failed: bool = False  # a stage reported an error: its caches are not whole
+    reuse: tuple[int, int] | None = None  # (cached prefix, positions kept), until its first row goes
+    cached: int = 0  # prompt tokens served from a cached prefix
+    opened: int | None = None  # the ring (term) its first row went to: later rows there need no Open
+    suspended: bool = False  # its ring was lost: replayed on the next
+    released: bool = False  # its caches are released (or kept as a prefix): its booking is settled
+    request_id: str | None = None  # the client's name for it (logs.py)
+
+    def about(self, term: int | None = None, **fields) -> dict:
+        """``extra`` for a log line about this request."""
+        return about(self.request_id, term, rid=f"{self.rid:x}", **fields)
+
+
+class _Text:
+    """A request's text, token by token: detokenized, stop strings held back until they cannot match."""
+
+    def __init__(self, detokenizer, stop: list[str], eos_ids: set[int], max_tokens: int):
+        self.detokenizer = detokenizer
+        self.stops = TextStateMachine({"normal": [(s, None) for s in stop]}) if stop else None
+        self.state = self.stops.make_state() if self.stops else None
+        self.eos_ids = eos_ids
+        self.max_tokens = max_tokens
+        self.produced = 0
+        # The last raw characters, as long as the longest stop: enough to tell which one matched.
+        self._longest = max(map(len, stop), default=0)
+        self._tail = ""
+        self.stop_strings = list(stop)
+        self.matched: str | None = None  # the stop string that ended it
+
+    def next(self, token: int) -> tuple[str, str | None]:
+        """The text to emit for ``token``, and the finish reason if it ends the request."""
+        self.produced += 1
+        finish = None
+        if token in self.eos_ids:
+            finish, text = "stop", ""
+        else:
+            self.detokenizer.add_token(token)
+            text = self.detokenizer.last_segment
+            if self.produced >= self.max_tokens:
+                finish = "length"
+        if finish is not None:
+            self.detokenizer.finalize()
+            text += self.detokenizer.last_segment
+        if self.stops is not None:
+            seen = self._tail + text
+            self.state, text, state_name = TextStateMachine.step(self.state, text)
+            if state_name is None:
+                finish = "stop"
+                # What was read up to the match's end (the state keeps what follows it); of the
+                # stops that end there, the matcher (Aho-Corasick) takes the longest.
+                through = seen[: len(seen) - len(self.state[3])]
+                self.matched = max((s for s in self.stop_strings if through.endswith(s)), key=len, default=None)
+            elif finish is not None:
+                self.state, rest, _ = TextStateMachine.flush(self.state)
+                text += rest
+            self._tail = seen[-self._longest :]
+        return text, finish
+
+
+class Engine:
+    def __init__(
+        self,
+        node: str,
+        tokenizer,
+        send: Callable[[str, Frame], None],
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK,
+        max_active: int = MAX_ACTIVE_REQUESTS,
+        step_timeout_s: float = STEP_TIMEOUT_S,
+        kv: KvOptions | None = None,
+        prefix_cache_entries: int = DEFAULT_PREFIX_CACHE_ENTRIES,
+        max_queued: int = MAX_QUEUED_REQUESTS,
+        queue_timeout_s: float = QUEUE_TIMEOUT_S,
+        metrics: Metrics | None = None,
+        micro_batches: int = 0,
+        max_batch_rows: int = DEFAULT_MAX_ROWS,
+        interleaved_chunk_tokens: int = DEFAULT_INTERLEAVED_CHUNK,
+        drafter: Drafter | None = None,
+        num_draft: int = DEFAULT_NUM_DRAFT,
+    ):
+        self.node = node
+        self.metrics = metrics if metrics is not None else Metrics(node)
+        self.tokenizer = tokenizer
+        self.send = send
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_active = max_active
+        self.step_timeout_s = step_timeout_s
+        self.plan: Plan | None = None
+        self.eos_ids = set(tokenizer.eos_token_ids)
+        self._flights: dict[int, _Flight] = {}  # every request until its booking is settled
+        # Which rows go around the ring together, and when (scheduler.py); the end of sequence
+        # ends a request there, so no row follows it.
+        self.scheduler = Scheduler(
+            max_in_flight=micro_batches or DEFAULT_MAX_IN_FLIGHT, max_rows=max_batch_rows,
+            prefill_chunk=prefill_chunk_tokens, stops=frozenset(self.eos_ids), interleaved_chunk=interleaved_chunk_tokens,
+            num_draft=num_draft if drafter is not None else 0,
+        )  # fmt: skip
+        # Speculative decoding (draft.py): the draft model's proposals, asked for off the loop.
+        self.drafter = drafter
+        self._drafting: set[asyncio.Task] = set()
+        # Clear between a lost ring and the next (or the news that none can serve): requests
+        # that arrive then wait for it (``ring_back``), as the requests it held do.
+        self._settled = asyncio.Event()
+        self._settled.set()
+        # When each micro-batch around the ring was sent (term, time), for ``watch``.
+        self._sent_at: dict[int, tuple[int, float]] = {}
+        self.micro_batches = micro_batches  # 0: one in flight per stage of the ring
+        self.kv = kv
+        self.ledger: KvLedger | None = None
+        # A rotating cache that has wrapped cannot be trimmed to a prefix.
+        self.prefix = PrefixIndex(0 if kv is not None and kv.max_size is not None else prefix_cache_entries)
+        self._prefix_term: int | None = None  # the ring whose stages hold the indexed prefixes
+        # The current ring's caches can be trimmed back only while they hold fewer positions
+        # than this (None: any; 0: never, prefix reuse is off); why, for the status.
+        self.prefix_limit: int | None = None
+        self.prefix_note = ""
+        self.max_queued = max_queued
+        self.queue_timeout_s = queue_timeout_s
+        self._waiting: collections.deque[tuple[int, int, asyncio.Future]] = collections.deque()
+        # Random start: ids of a restarted leader never meet a stale session.
+        self._ids = itertools.count(secrets.randbits(62) + 1)
+
+    @property
+    def active(self) -> int:
+        return sum(not f.finished for f in self._flights.values())
+
+    @property
+    def queued(self) -> int:
+        return sum(not f.done() for _, _, f in self._waiting)
+
+    # --- admission --------------------------------------------------------------------
+
+    async def _admit(self, rid: int, need: int, request_id: str | None) -> None:
+        """Book ``need`` positions on every stage, waiting in line for room if there is none."""
+        ledger = self.ledger
+        if ledger is None:
+            return
+        try:
+            ledger.check_possible(need)
+        except AdmissionError as e:
+            raise EngineError(str(e), 400) from None
+        if not self._waiting and self._make_room(need):
+            ledger.book(rid, need)
+            return
+        if self.queued >= self.max_queued:
+            raise EngineError(
+                f"the ring's KV cache is full and {self.max_queued} requests are already waiting; retry shortly",
+                429, RETRY_AFTER_S,
+            )  # fmt: skip
+        fut = asyncio.get_running_loop().create_future()
+        entry = (rid, need, fut)
+        self._waiting.append(entry)
+        log.info("req=%x: waiting for KV room (%d queued)", rid, self.queued, extra=about(request_id, rid=f"{rid:x}", queued=self.queued))
+        try:
+            async with asyncio.timeout(self.queue_timeout_s):
+                await fut
+        except TimeoutError:
+            if fut.done() and not fut.cancelled():
+                return  # booked just as the time ran out
+            raise EngineError(
+                f"no KV room for this request within {self.queue_timeout_s:.0f} s; retry shortly", 429, RETRY_AFTER_S
+            ) from None
+        except BaseException:
+            if fut.done() and not fut.cancelled() and self.ledger is ledger:
+                ledger.release(rid)  # booked just as the client left
+                self._wake()
+            raise
+        finally:
+            if entry in self._waiting:
+                self._waiting.remove(entry)
+
+    def _make_room(self, need: int) -> bool:
+        """Evict cached prefixes, oldest first, until ``need`` positions fit; False if they cannot."""
+        ledger = self.ledger
+        while not ledger.fits(need):
+            key = self.prefix.pop_oldest()
+            if key is None:
+                return False
+            self._evict(key, "room")
+        return True
+
+    def _evict(self, key: int, why: str) -> None:
+        """Drop a cached prefix: ``why`` "room" (a request needed its KV room) or "entries"
+        (prefix_cache_entries are kept at most)."""
+        self.metrics.eviction(why)
+        if self.ledger is not None:
+            self.ledger.release(key)
+        if self.plan is not None and self._prefix_term == self.plan.term:
+            try:
+                self.send(self.plan.stages[0].node, steps.release(key, self.plan.term, "evict"))
+            except Exception as e:  # the ring is breaking; its stores go with it
+                log.debug("could not evict cached prefix %x: %s", key, e)
+
+    def _wake(self) -> None:
+        """Admit waiting requests, in order, while they fit."""
+        while self._waiting and self.ledger is not None:
+            rid, need, fut = self._waiting[0]
+            if fut.done():
+                self._waiting.popleft()
+                continue
+            if not self._make_room(need):
+                return
+            self.ledger.book(rid, need)
+            fut.set_result(None)
+            self._waiting.popleft()
+
+    def _first_stage(self) -> str:
+        if self.plan is None:
+            raise EngineError("the ring is not ready", 503)
+        return self.plan.stages[0].node
+
+    async def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stop: list[str] = (),
+        resume: list[int] = (),
+        request_id: str | None = None,
+        emit_resumed: bool = False,
+    ) -> AsyncIterator[TokenEvent]:
+        """Generate up to ``max_tokens`` after ``prompt``.
+
+        ``resume``: tokens already generated and streamed to the client by an
+        earlier leader (a follower carries the stream over): they are replayed
+        like a failover replay and not yielded again; the stream goes on after them.
+        ``request_id``: the client's name for the request, in every line about it
+        on every stage. ``emit_resumed``: yield the ``resume`` tokens first, marked
+        ``resumed``, so a consumer that reads the text (tool calls, reasoning) can
+        bring its own state to where the stream was.
+        """
+        arrived = time.monotonic()
+        if not prompt:
+            raise EngineError("the prompt is empty", 400)
+        if self.active >= self.max_active:
+            raise EngineError(f"{self.max_active} requests are already generating; retry shortly", 429, RETRY_AFTER_S)
+        self._first_stage()  # 503 now if there is no ring
+        rid = next(self._ids)
+        await self._admit(rid, len(prompt) + max_tokens, request_id)
+        self.metrics.queue_wait.observe(time.monotonic() - arrived)
+        if self.plan is None:  # the ring broke while we waited
+            if self.ledger is not None:
+                self.ledger.release(rid)
+            raise EngineError("the ring is not ready", 503)
+        flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue(), generated=list(resume), request_id=request_id)
+        if self._prefix_term == self.plan.term:
+            flight.reuse = self.prefix.take(flight.prompt)
+            if flight.reuse is not None:
+                flight.cached = flight.reuse[1]
+                if self.ledger is not None:  # its positions are now part of this request's booking
+                    self.ledger.release(flight.reuse[0])
+        self._flights[flight.rid] = flight
+        if resume:
+            self.metrics.replays.inc()  # carried over from a leader that went away
+            # Its ids cost this ring a decode step each, as they did where they were made
+            # (usage counts them as the response's completion tokens, which they are).
+            self.metrics.resumed_tokens.inc(len(resume))
+        log.info(
+            "req=%x: %d prompt tokens (%d cached), max_tokens=%d%s", rid, len(prompt), flight.cached, max_tokens,
+            f", resuming after {len(resume)} tokens" if resume else "",
+            extra=about(
+                request_id, self.plan.term, rid=f"{rid:x}", prompt_tokens=len(prompt), cached_tokens=flight.cached,
+                max_tokens=max_tokens, resumed=len(resume),
+            ),
+        )  # fmt: skip
+        produced, last, first_after = 0, None, None
+        outcome = "ended by its client"  # unless it finishes or fails
+        try:
+            text = _Text(self.tokenizer.detokenizer, stop, self.eos_ids, flight.max_tokens)
+            finish = None
+            for token in resume:  # the client has their text: bring the state to where it was
+                piece, finish = text.next(token)
+                if emit_resumed:
+                    yield TokenEvent(token, piece, 0.0, [], None, 0, resumed=True)
+            if finish is not None:
+                raise EngineError("the stream carried over had ended already: nothing is left to generate", 400)
+            draft = self._speculates(params, len(prompt) + max_tokens)
+            self._run(self.scheduler.join(rid, flight.prompt, max_tokens, flight.generated, flight.cached, draft))
+            while True:
+                try:
+                    async with asyncio.timeout(self.step_timeout_s):
+                        sampled = await flight.queue.get()
+                except TimeoutError:
+                    raise EngineError(
+                        f"the ring did not answer within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)", 503
+                    ) from None
+                if isinstance(sampled, EngineError):
+                    raise sampled
+                token = sampled.token
+                piece, finish = text.next(token)
+                now = time.monotonic()
+                if last is None:
+                    first_after = now - arrived
+                    if not resume:  # a carried-over stream's first token here is not its first
+                        self.metrics.first_token(first_after)
+                self.metrics.token(now - last if last is not None else None)
+                last = now
+                produced += 1
+                if finish is not None:
+                    outcome = f"finished ({finish})"
+                yield TokenEvent(token, piece, sampled.logprob, list(sampled.top), finish, flight.cached, stop_sequence=text.matched)
+                if finish is not None:
+                    return
+        except EngineError as e:
+            outcome = f"failed ({e.status}: {e})"
+            raise
+        finally:
+            flight.finished = True
+            self._run(self.scheduler.leave(rid))
+            if self.drafter is not None:
+                self.drafter.forget(rid)
+            if rid not in self.scheduler:  # else its RELEASE follows its last row, and settles it
+                if flight.released:
+                    self._flights.pop(rid, None)
+                else:
+                    self._settle(flight)  # no release will come: no ring holds its caches
+            duration = time.monotonic() - arrived
+            self.metrics.request_duration.observe(duration)
+            log.info(
+                "req=%x: %s after %d tokens in %.2f s", rid, outcome, produced, duration,
+                extra=flight.about(
+                    self.plan.term if self.plan else None, outcome=outcome, completion_tokens=produced, duration_s=round(duration, 4),
+                    ttft_s=round(first_after, 4) if first_after is not None else None,
+                ),
+            )  # fmt: skip
+
+    def _speculates(self, params: SamplingParams, positions: int) -> bool:
+        """Whether a request's decode steps verify the draft's proposals: a draft model is loaded,
+        the request is greedy with nothing that follows its tokens (``SamplingParams.verifiable``)
+        and asks no logprobs (the ring sends none for proposals it keeps), and every stage can cut
+        a rejected proposal from its caches for as long as the request runs."""
+        if self.drafter is None or not params.verifiable or params.logprobs:
+            return False
+        limits = [n for n in (self.prefix_limit, self.kv.max_size if self.kv is not None else None) if n is not None]
+        return all(positions < n for n in limits)
+
+    def _draft(self, ask: Draft) -> None:
+        """Ask the draft model for proposals; the scheduler hears the answer (none if it fails)."""
+
+        async def propose() -> None:
+            try:
+                tokens = await self.drafter.propose(ask.rid, ask.sequence, ask.k)
+            except Exception:  # the step goes without proposals; the request carries on
+                log.exception("req=%x: the draft model failed; this step goes without proposals", ask.rid)
+                tokens = ()
+            self._run(self.scheduler.drafted(ask.rid, len(ask.sequence), tokens))
+
+        task = asyncio.ensure_future(propose())
+        self._drafting.add(task)
+        task.add_done_callback(self._drafting.discard)
+
+    # --- the ring ------------------------------------------------------------------------
+
+    def _run(self, commands: list, answers: dict[int, steps.Sampled] | None = None, status: int = 500) -> None:
+        """Carry out the scheduler's commands: micro-batches to stage 0, tokens to their
+        consumers, failures, releases. ``answers``: the TOKEN frame's rows the Delivers are of;
+        ``status``: the HTTP status of the Fails (503: the ring, not the request, is at fault)."""
+        for c in commands:
+            if isinstance(c, Send):
+                self._send_batch(c)
+            elif isinstance(c, Deliver):
+                self._deliver(c, answers[c.rid])
+            elif isinstance(c, Draft):
+                self._draft(c)
+            elif isinstance(c, Fail):
+                flight = self._flights.get(c.rid)
+                if flight is not None and not flight.finished:
+                    flight.queue.put_nowait(self._error(flight, c.why, status))
+                elif flight is not None:
+                    flight.failed = True
+            elif isinstance(c, Release):
+                self._release(c)
+
+    def _send_batch(self, send: Send) -> None:
+        """A micro-batch to the ring's first stage; a request's first row there opens it."""
+        rows = []
+        for row in send.rows:
+            flight = self._flights[row.rid]
+            opened = None
+            if flight.opened != send.term:
+                flight.opened = send.term
+                opened = steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id)
+                flight.reuse = None  # a replay on another ring starts cold
+            rows.append(steps.Row(row.rid, row.offset, row.tokens, row.sample, row.silent, opened, row.verify))
+        self.metrics.micro_batch_rows.observe(len(rows))
+        self._sent_at[send.batch] = (send.term, time.monotonic())
+        try:
+            self.send(self.plan.stages[0].node, steps.Forward(send.batch, send.term, tuple(rows)).frame())
+        except ConnectionError as e:
+            # The ring is breaking: the leader re-plans (reconcile.py) and the next ring replays it.
+            log.warning("batch=%x: cannot reach the ring's first stage (%s); its rows wait for the next ring", send.batch, e)
+
+    def _deliver(self, deliver: Deliver, sampled: steps.Sampled) -> None:
+        flight = self._flights.get(deliver.rid)
+        if flight is None or flight.finished:
+            return
+        expected = len(flight.prompt) + len(flight.generated)
+        if deliver.drafted:  # a proposal the ring kept: its position is the next, its logprob unsent
+            sampled = steps.Sampled(deliver.rid, expected, deliver.token, 0.0)
+        if sampled.offset != expected:
+            flight.queue.put_nowait(self._error(flight, f"a token for position {sampled.offset}, expected {expected}", 500))
+            self._run(self.scheduler.leave(flight.rid))
+            return
+        flight.generated.append(deliver.token)
+        flight.queue.put_nowait(sampled)
+
+    def _release(self, release: Release) -> None:
+        """Free (or keep, as a cached prefix) a request's caches on every stage, and settle its booking."""
+        rid, plan = release.rid, self.plan
+        flight = self._flights.get(rid)
+        keep = (
+            flight is not None
+            and not flight.failed
+            and self.prefix.max_entries > 0
+            and self._prefix_term == plan.term
+            and release.sent >= MIN_REUSE_TOKENS
+            and (self.prefix_limit is None or release.sent < self.prefix_limit)
+        )
+        try:
+            self.send(plan.stages[0].node, steps.release(rid, plan.term, "keep" if keep else "release"))
+        except Exception as e:  # the ring may be gone; stages expire idle sessions
+            log.warning("req=%x: could not send RELEASE: %s", rid, e, extra=about(None, plan.term, rid=f"{rid:x}"))
+            keep = False
+        if keep:
+            tokens = (flight.prompt + flight.generated)[: release.sent]
+            if self.ledger is not None:
+                self.ledger.book(rid, len(tokens))  # now the entry's, no longer the request's
+            for old in self.prefix.add(rid, tokens):
+                self._evict(old, "entries")
+            flight.released = True
+            if flight.finished:
+                del self._flights[rid]
+            self._wake()
+        elif flight is not None:
+            self._settle(flight)
+
+    def _settle(self, flight: _Flight) -> None:
+        """The request's booking goes (its caches are freed or gone); it is forgotten once its consumer is done."""
+        flight.released = True
+        if self.ledger is not None:
+            self.ledger.release(flight.rid)
+        if flight.finished:
+            self._flights.pop(flight.rid, None)
+        self._wake()
+
+    def on_frame(self, peer: str, frame: Frame) -> None:
+        """A TOKEN or ERROR frame from ``peer`` (event loop): a micro-batch's answer, or its failure."""
+        plan = self.plan
+        d = frame.descriptor
+        if plan is None or not isinstance(d, dict) or d.get("term") != plan.term:
+            return  # from a ring the requests have left (suspended, or replayed elsewhere)
+        # Tokens come from the last stage only; errors from any stage of this ring.
+        senders = [plan.stages[-1].node] if frame.type == MsgType.TOKEN else [s.node for s in plan.stages]
+        if peer not in senders:
+            log.warning(
+                "batch=%x: ignoring %s from %s, which is not %s in plan term %d", frame.request_id, frame.type.name, peer,
+                "its last stage" if frame.type == MsgType.TOKEN else "a stage", plan.term,
+            )  # fmt: skip
+            return
+        self._sent_at.pop(frame.request_id, None)
+        try:
+            if frame.type == MsgType.TOKEN:
+                answer = steps.Tokens.parse(frame)
+                by_rid = {s.rid: s for s in answer.rows}
+                sampled = {rid: s.token for rid, s in by_rid.items()}
+                accepted = {rid: s.accepted for rid, s in by_rid.items() if s.accepted}
+                self._run(self.scheduler.tokens(answer.batch, answer.term, sampled, dict(answer.failed), accepted), by_rid)
+            else:
+                failure = steps.Failure.parse(frame)
+                self._run(self.scheduler.failed(failure.batch, failure.term, f"node {failure.node}: {failure.message}"), status=failure.status)
+        except FrameError as e:
+            log.warning("batch=%x: malformed %s frame from %s: %s", frame.request_id, frame.type.name, peer, e)
+            self._run(self.scheduler.failed(frame.request_id, plan.term, f"malformed {frame.type.name} frame from {peer}: {e}"))
+
+    def _error(self, flight: _Flight, message: str, status: int = 503) -> EngineError:
+        """The request fails with ``message``: what its consumer raises when it reads it."""
+        flight.failed = True
+        return EngineError(message, status)
+
+    def watch(self, now: float | None = None) -> int:
+        """Fail the micro-batches the ring has held longer than ``step_timeout_s`` (their requests
+        get a 503), so a micro-batch lost on a ring that is still up never holds its slot and its
+        requests forever. The coordinator calls this every heartbeat; returns how many failed."""
+        now = time.monotonic() if now is None else now
+        late = [(batch, term) for batch, (term, sent) in self._sent_at.items() if now - sent > self.step_timeout_s]
+        for batch, term in late:
+            del self._sent_at[batch]
+            why = f"micro-batch {batch:x} did not come back from the ring within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)"
+            log.warning("%s; its requests fail", why)
+            self._run(self.scheduler.failed(batch, term, why), status=503)
+        return len(late)
+
+    async def ring_back(self, timeout_s: float) -> bool:
+        """Whether a ring serves, waiting up to ``timeout_s`` for the next one when the last was
+        lost and another is being planned (not when none ever served, or none can)."""
+        if self.plan is not None or self._settled.is_set():
+            return self.plan is not None
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._settled.wait()
+        except TimeoutError:
+            return False
+        return self.plan is not None
+
+    def suspend_all(self, reason: str) -> None:
+        """The ring broke: hold every request until ``set_plan`` gives a new one."""
+        if self.plan is not None:
+            self._settled.clear()
+        self.plan = None
+        self._sent_at.clear()  # what was in flight is void, and replayed on the next ring
+        self.scheduler.ring_lost()
+        held = 0
+        for flight in list(self._flights.values()):
+            flight.reuse, flight.opened = None, None  # the next ring starts cold
+            if flight.rid in self.scheduler:
+                flight.suspended = True
+                held += 1
+            elif not flight.released:
+                self._settle(flight)  # it was leaving: its caches went with the ring
+        if held:
+            log.warning("%d request(s) suspended: %s", held, reason)
+
+    def set_plan(self, plan: Plan, ledger: KvLedger | None = None, prefix_limit: tuple[int | None, str] = (None, "")) -> None:
+        """A ring is ready: serve new requests on it and replay the suspended ones.
+
+        ``ledger`` is the new ring's KV capacity (None: unlimited); the requests
+        in flight are booked on it as they are, over capacity if need be.
+        ``prefix_limit``: how long a cached prefix its caches can be trimmed back
+        from (None: any, 0: none), and why.
+        """
+        if self.plan is not None and self.plan.term != plan.term:
+            self.suspend_all(f"plan term {plan.term} replaces term {self.plan.term}")
+        self.plan = plan
+        self._settled.set()
+        self.prefix_limit, self.prefix_note = prefix_limit
+        if self.prefix_note:
+            log.info("%s", self.prefix_note)
+        if self.drafter is not None and self.prefix_limit is not None:  # what _speculates will refuse, said once
+            log.warning(
+                "speculative decoding is off on this ring: a stage's linear-attention state cannot drop a rejected proposal"
+                if self.prefix_limit == 0
+                else f"speculative decoding only for requests of fewer than {self.prefix_limit} positions: a sliding window cannot drop a rejected proposal once it wraps"
+            )
+        if self._prefix_term != plan.term:
+            self.prefix.clear()  # new stages, empty stores
+            self._prefix_term = plan.term
+        self.ledger = ledger
+        if ledger is not None:
+            for flight in self._flights.values():
+                if not flight.released:
+                    ledger.book(flight.rid, len(flight.prompt) + flight.max_tokens)
+            for key in self.prefix.keys():
+                ledger.book(key, len(self.prefix.tokens(key)))
+        self._wake()
+        for flight in self._flights.values():
+            if flight.suspended:
+                flight.suspended = False
+                self.metrics.replays.inc()
+                log.info(
+                    "req=%x: replaying %d tokens on ring term %d", flight.rid, len(flight.prompt) + len(flight.generated), plan.term,
+                    extra=flight.about(plan.term, replayed_tokens=len(flight.prompt) + len(flight.generated)),
+                )  # fmt: skip
+        # Micro-batches in flight: one per stage keeps every stage busy.
+        self.scheduler.max_in_flight = self.micro_batches or len(plan.stages)
+        self._run(self.scheduler.ring_up(plan.term))
+
+    def fail_all(self, reason: str) -> None:
+        """No ring can serve: every request in flight ends with a 503."""
+        self.suspend_all(reason)
+        self._settled.set()
+        for flight in list(self._flights.values()):
+            flight.suspended = False
+            if not flight.finished:
+                flight.queue.put_nowait(self._error(flight, reason))

@@ -1,0 +1,571 @@
+"""A model on disk: what it is, what its weights cost per layer, which files hold what.
+
+Everything a node and the leader need to know about a model before (or without)
+loading it: the config and the architecture (and whether the ring supports it),
+the bytes of each layer and of the embeddings and head from the safetensors
+headers (no tensor is read), a fingerprint that covers config and weights, and
+which weight files a stage holding some layers needs, for a Hugging Face repo id
+whose files are fetched stage by stage. Running a stage is ``shard.py``'s.
+
+A model is named by an mlx-lm directory, a Hugging Face repo id, a GGUF file
+(``gguf.py`` reads it), or ``ollama:NAME[:TAG]``, a GGUF in the local Ollama store
+(``ollama.py`` finds it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlx_lm.utils import load_config
+
+from ringd.models.progress import DOWNLOAD, LoadCancelled, LoadProgress
+
+# The mlx-lm architectures (module names) a ring runs, bit for bit as one process does:
+# decided by tests/stage/test_archs.py, which splits a tiny model of each at every cut and
+# compares with single-process mlx-lm (and checks that this list is what passed).
+# Another architecture is refused at start, naming this list.
+SUPPORTED_ARCHITECTURES = frozenset(
+    {
+        "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mistral3",  # dense
+        "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax",  # MoE
+        "qwen3_next",  # hybrid: linear and full attention, MoE
+    }
+)  # fmt: skip
+# Weight digests read this many slices of this many bytes from each weight file.
+SAMPLES_PER_FILE = 16
+SAMPLE_BYTES = 16 * 1024
+
+# Files a stage needs besides weights: config, tokenizer, chat template.
+NON_WEIGHT_PATTERNS = [
+    "*.json",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
+
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Checkpoint keys of parts of a multimodal model that are not its text decoder.
+_NOT_THE_DECODER = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector", "audio_tower")
+
+# safetensors: an 8-byte little-endian header length, then a JSON header.
+# A header over this size is not a safetensors file we should trust.
+_MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
+# Bytes per element of the safetensors dtypes, to check each tensor's byte range
+# against its shape; a dtype not listed here is left to the loader.
+_SAFETENSORS_ITEM_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
+
+
+class ModelError(ValueError):
+    """The model cannot be served by a ring: unsupported, incomplete, bad range."""
+
+
+class ModelFileError(ModelError):
+    """A file of the model on this disk is not what it claims to be: invalid JSON, a corrupt
+    or truncated safetensors file. Trying again reads the same bytes: it is not transient,
+    and the message names the file and what is wrong with it."""
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Bytes of the checkpoint's tensors, by the part of the model they belong to."""
+
+    layers: tuple[int, ...]
+    embed: int
+    norm: int
+    head: int  # 0 with tied embeddings: the last stage then holds `embed` again
+
+    def stage(self, start: int, end: int) -> int:
+        """What a stage holding layers [start, end) materializes."""
+        n = sum(self.layers[start:end])
+        last = end == len(self.layers)
+        if start == 0:
+            n += self.embed
+        if last:
+            n += self.norm + (self.head or (self.embed if start != 0 else 0))
+        return n
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What every node and the leader need to know about a model without loading it."""
+
+    path: Path  # the mlx-lm directory, or the GGUF file
+    config: dict
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    context_length: int
+    fingerprint: str
+    weights: WeightBytes
+    label: str = ""  # what the API calls the model unless told otherwise
+
+    @property
+    def name(self) -> str:
+        return self.label or self.path.name
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.is_file()
+
+    def kv_bytes_per_token(self, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
+        """KV-cache bytes one position costs in one layer (keys and values).
+
+        Activations, and so the cache, are in the checkpoint's dtype (a
+        quantized checkpoint's too: its scales' dtype); mlx-lm's
+        QuantizedKVCache holds ``kv_bits`` per element plus a scale and a bias
+        per group.
+        """
+        c = self.config
+        heads = c.get("num_attention_heads") or 1
+        kv_heads = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or self.hidden_size // heads
+        itemsize = _DTYPE_BYTES.get(str(c.get("torch_dtype") or c.get("dtype")), 2)
+        elements = kv_heads * head_dim
+        if kv_bits is None:
+            per = elements * itemsize
+        else:
+            per = elements * kv_bits // 8 + 2 * (elements // kv_group_size) * itemsize
+        return 2 * per
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def resolve_model_path(path_or_repo: str, allow_patterns: list[str] | None = None, progress: LoadProgress | None = None) -> Path:
+    """A local model directory as is, or a Hugging Face repo id fetched into the hub cache.
+
+    Only the files matching ``allow_patterns`` are fetched, so a stage can ask for
+    the weight files of its own layers and nothing else. With ``progress``, the files
+    not in the cache yet are fetched one by one and reported to it (phase "download").
+    """
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} has no config.json; is it an mlx-lm model directory?")
+        return path
+    if path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1:
+        raise ModelError(
+            f"model {path_or_repo!r} is neither an existing directory nor a Hugging Face "
+            "repo id of the form owner/name"
+        )
+    from huggingface_hub import snapshot_download
+
+    patterns = allow_patterns or NON_WEIGHT_PATTERNS
+    try:
+        if progress is None:
+            return Path(snapshot_download(path_or_repo, allow_patterns=patterns))
+        commit = _download_with_progress(path_or_repo, patterns, progress)
+        # Everything is in the cache now: this only names the snapshot's folder.
+        return Path(snapshot_download(path_or_repo, revision=commit, allow_patterns=patterns, tqdm_class=_hub_bar(None, "")))
+    except LoadCancelled:
+        raise
+    except Exception as e:  # the hub raises many kinds; all mean the same to the user
+        raise ModelError(f"could not fetch {path_or_repo!r} from the Hugging Face Hub: {e}") from e
+
+
+def _download_with_progress(repo: str, patterns: list[str], progress: LoadProgress) -> str | None:
+    """Fetch the files of ``repo`` matching ``patterns`` that the hub cache lacks, reporting each
+    file's bytes to ``progress``; the commit they were fetched at (None: the repo has no such file).
+
+    huggingface_hub's dry run says which files a download would fetch and their sizes; each is
+    then fetched with ``hf_hub_download`` into the normal cache (so mlx-lm and a second run find
+    it there), its progress bar feeding ``progress``. One file at a time: the progress names the
+    file being fetched, and hf_xet already fetches a file's chunks in parallel.
+    """
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    plan = snapshot_download(repo, allow_patterns=patterns, dry_run=True, tqdm_class=_hub_bar(None, ""))
+    if not plan:
+        return None
+    commit = plan[0].commit_hash
+    fetch = sorted((f for f in plan if f.will_download), key=lambda f: f.filename)
+    if not fetch:
+        return commit
+    progress.begin(DOWNLOAD, {f.filename: f.file_size for f in fetch})
+    for f in fetch:
+        progress.start_file(f.filename)
+        hf_hub_download(repo, f.filename, revision=commit, tqdm_class=_hub_bar(progress, f.filename))
+        progress.finish_file(f.filename)
+    progress.end()
+    return commit
+
+
+class _HubBar:
+    """The part of tqdm that huggingface_hub calls on a ``tqdm_class`` (per-file bars, xet's
+    reporter, snapshot_download's bars), passing a file's bytes to a LoadProgress, or nowhere."""
+
+    progress: LoadProgress | None = None
+    file = ""
+
+    def __init__(self, *args, total: int | None = None, initial: int = 0, **kwargs):
+        self.n, self.total = 0, total
+        if self.progress is not None and total is not None:
+            self.progress.set_size(self.file, total)
+        if initial:
+            self.update(initial)
+
+    def update(self, n: int | float | None = 1) -> None:
+        self.n += n or 0
+        if self.progress is not None and n:
+            self.progress.advance(self.file, int(n))
+
+    def update_transfer(self, n: int | float | None = 1) -> None:
+        pass  # bytes off the network (xet: compressed, deduplicated); ``update`` counts the file's own
+
+    def __enter__(self) -> "_HubBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    format_dict: dict = {}
+
+    def set_postfix_str(self, *args, **kwargs) -> None:
+        pass
+
+    set_transfer_postfix_str = set_description = set_description_str = set_postfix_str
+
+    def refresh(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _hub_bar(progress: LoadProgress | None, file: str) -> type[_HubBar]:
+    """A tqdm_class for huggingface_hub (it wants a class) reporting ``file`` to ``progress``."""
+    return type("_FileBar", (_HubBar,), {"progress": progress, "file": file})
+
+
+def weight_map(path: Path) -> dict[str, str]:
+    """Checkpoint key -> the weight file holding it: from the index, else from the headers of the
+    model*.safetensors files present (a checkpoint in one file needs no index)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return _index_weight_map(index)
+    return {key: file.name for file in sorted(path.glob("model*.safetensors")) for key in safetensors_keys(file)}
+
+
+def text_config(config: dict) -> dict:
+    """The decoder's settings: a multimodal checkpoint keeps them under ``text_config``."""
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
+def model_info(path_or_repo: str) -> ModelInfo:
+    """Read a model's config and check that it can be split into a ring."""
+    gguf_file, label = gguf_source(path_or_repo)
+    if gguf_file is not None:
+        return _gguf_info(gguf_file, label)
+    path = resolve_model_path(path_or_repo)
+    config = _read_config(path)
+    text = _check_supported(config, path / "config.json")
+    return ModelInfo(
+        path=path,
+        config=config,
+        model_type=config.get("model_type", "?"),
+        num_layers=text["num_hidden_layers"],
+        hidden_size=text["hidden_size"],
+        vocab_size=text["vocab_size"],
+        context_length=int(text.get("max_position_embeddings") or 4096),
+        fingerprint=_fingerprint(config, weights_digest(path)),
+        weights=weight_bytes(path, text["num_hidden_layers"]),
+        # A repo id names the model better than the snapshot folder it was fetched into.
+        label=path.name if Path(path_or_repo).expanduser().exists() else path_or_repo,
+    )
+
+
+def gguf_source(model: str) -> tuple[Path | None, str]:
+    """The GGUF file ``model`` names, and what to call it; (None, "") when it names no GGUF."""
+    from ringd.models import gguf, ollama
+
+    if ollama.is_ollama_ref(model):
+        return ollama.resolve(model), model.removeprefix(ollama.PREFIX)
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" or path.is_file():
+        if not path.is_file():
+            raise ModelError(f"{path}: no such GGUF file")
+        if not gguf.is_gguf(path):
+            raise ModelError(f"{path}: not a GGUF file (it does not start with 'GGUF'); a model is an mlx-lm directory, a Hugging Face repo id, a .gguf file or ollama:NAME")
+        return path.resolve(), path.name.removesuffix(".gguf")
+    return None, ""
+
+
+def _gguf_info(file: Path, label: str) -> ModelInfo:
+    from ringd.models.gguf import GgufFile
+
+    g = GgufFile.open(file)
+    text = _check_supported(g.config, file)
+    layers, embed, norm, head = g.part_bytes()
+    return ModelInfo(
+        path=g.path,
+        config=g.config,
+        model_type=g.config["model_type"],
+        num_layers=text["num_hidden_layers"],
+        hidden_size=text["hidden_size"],
+        vocab_size=text["vocab_size"],
+        context_length=int(text.get("max_position_embeddings") or 4096),
+        fingerprint=_fingerprint(g.config, g.fingerprint),
+        weights=WeightBytes(tuple(layers), embed, norm, head),
+        label=label,
+    )
+
+
+def _check_supported(config: dict, where: Path) -> dict:
+    """The decoder's settings, once the ring is known to run the model's architecture."""
+    model_type = config.get("model_type", "?")
+    module = _model_module(config)
+    if module not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"model_type {model_type!r} (mlx_lm.models.{module}) is not supported by the ring; "
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))} (README.md lists the models each covers)"
+        )
+    text = text_config(config)
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if not isinstance(text.get(key), int) or text[key] <= 0:
+            raise ModelError(f"{where}: {key} must be a positive integer")
+    return text
+
+
+def _fingerprint(config: dict, weights: str) -> str:
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(weights.encode())
+    return digest.hexdigest()[:16]
+
+
+def load_tokenizer(info: ModelInfo, cache_dir: Path | None = None):
+    """mlx-lm's TokenizerWrapper for the model: from its directory, or for a GGUF file from the
+    config and tokenizer files its metadata makes (written once under ``cache_dir``)."""
+    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+
+    # Every end token the config names, as mlx-lm's own load passes them (a chat model may
+    # end a turn with one token and the text with another).
+    eos = info.config.get("eos_token_id")
+    if not info.is_gguf:
+        return mlx_load_tokenizer(info.path, eos_token_ids=eos)
+    from ringd.device import default_cache_dir
+    from ringd.models.gguf import GgufFile
+
+    return mlx_load_tokenizer(GgufFile.open(info.path).sidecar(cache_dir or default_cache_dir()), eos_token_ids=eos)
+
+
+def weights_digest(path: Path) -> str:
+    """What identifies the weights, so that a fine-tune and its base model never share a ring.
+
+    A Hugging Face snapshot is named by its commit, which fixes every file (and a
+    node that fetched only its own layers' files still knows it). A local directory:
+    each weight file's name, size and header, and SAMPLES_PER_FILE slices of its
+    data spread over the file: a fine-tune changes nearly every weight, and reading
+    a few hundred KiB per file keeps this instant on a model of hundreds of GB.
+    """
+    parts = path.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return f"hub:{parts[-3]}@{parts[-1]}"
+    h = hashlib.sha256()
+    for file in sorted(path.glob("model*.safetensors")):
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}:".encode())
+        with open(file, "rb") as f:
+            raw = _safetensors_header_bytes(f, file, size)
+            h.update(raw)
+            data = 8 + len(raw)
+            for i in range(SAMPLES_PER_FILE):
+                f.seek(data + (size - data) * i // SAMPLES_PER_FILE)
+                h.update(f.read(SAMPLE_BYTES))
+    return "local:" + h.hexdigest()
+
+
+def weight_bytes(path: Path, num_layers: int) -> WeightBytes:
+    """Tensor sizes from the safetensors headers (no tensor is read).
+
+    A Hub model whose weight files are not here yet has only its index: its
+    total is spread evenly over the layers, which is what placement needs.
+    """
+    files = sorted(path.glob("model*.safetensors"))
+    layers = [0] * num_layers
+    parts = {"embed": 0, "norm": 0, "head": 0}
+    if not files:
+        index = path / "model.safetensors.index.json"
+        metadata = _json_file(index).get("metadata") if index.is_file() else None
+        total = metadata.get("total_size", 0) if isinstance(metadata, dict) else 0
+        if not isinstance(total, int) or total < 0:
+            raise ModelFileError(f"{index}: metadata.total_size must be a byte count, got {total!r:.40}")
+        return WeightBytes(tuple([total // max(num_layers, 1)] * num_layers), 0, 0, 0)
+    for file in files:
+        for key, size in _safetensors_sizes(file).items():
+            if any(part in key for part in _NOT_THE_DECODER):
+                continue  # a multimodal checkpoint's vision tower: the ring serves the text path
+            m = _LAYER_KEY.search(key)
+            if m is not None:
+                if int(m.group(1)) < num_layers:  # extra layers (MTP heads) are dropped on load
+                    layers[int(m.group(1))] += size
+            elif "embed_tokens" in key:
+                parts["embed"] += size
+            elif "lm_head" in key:
+                parts["head"] += size
+            else:  # the final norm, and whatever else the last stage runs after the layers
+                parts["norm"] += size
+    return WeightBytes(tuple(layers), parts["embed"], parts["norm"], parts["head"])
+
+
+def _model_module(config: dict) -> str:
+    from mlx_lm.utils import _get_classes
+
+    try:
+        model_class, _ = _get_classes(config)
+    except ValueError as e:
+        raise ModelError(str(e)) from e
+    return model_class.__module__.rsplit(".", 1)[-1]
+
+
+def _safetensors_header_bytes(f, file: Path, size: int) -> bytes:
+    """The JSON header of the safetensors file open as ``f`` (``size`` bytes), its length checked first."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise ModelFileError(f"{file}: not a safetensors file: {size} bytes, too short for a header; fetch or copy it again")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(_MAX_SAFETENSORS_HEADER_BYTES, size - 8):
+        raise ModelFileError(
+            f"{file}: corrupt safetensors file: it declares a header of {n} bytes in a file of {size} bytes; fetch or copy it again"
+        )
+    return f.read(n)
+
+
+def _safetensors_header(file: Path, keep_metadata: bool = False) -> dict:
+    """A safetensors file's header, checked against the file: every tensor's bytes lie within it.
+
+    mlx reads a tensor only when it is evaluated, so a file cut short or a header
+    that does not parse would otherwise fail deep in a stage's load, as a traceback.
+    """
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = _safetensors_header_bytes(f, file, size)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"{file}: corrupt safetensors file: its header is not JSON ({e}); fetch or copy it again") from None
+    if not isinstance(header, dict):
+        raise ModelFileError(f"{file}: corrupt safetensors file: its header is not a JSON object; fetch or copy it again")
+    data = size - 8 - len(raw)  # bytes of tensor data the file holds
+    end = 0  # bytes of tensor data the header describes
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = t.get("data_offsets") if isinstance(t, dict) else None
+        shape = t.get("shape") if isinstance(t, dict) else None
+        if not (
+            isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]
+            and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and isinstance(t.get("dtype"), str)
+        ):  # fmt: skip
+            raise ModelFileError(f"{file}: corrupt safetensors file: tensor {name!r:.120} has no valid dtype, shape and data_offsets; fetch or copy it again")
+        item = _SAFETENSORS_ITEM_BYTES.get(t["dtype"])
+        if item is not None and offsets[1] - offsets[0] != math.prod(shape) * item:
+            raise ModelFileError(
+                f"{file}: corrupt safetensors file: tensor {name!r:.120} of shape {shape} and dtype {t['dtype']} "
+                f"is said to take {offsets[1] - offsets[0]} bytes; fetch or copy it again"
+            )
+        end = max(end, offsets[1])
+    if end > data:
+        raise ModelFileError(
+            f"{file}: truncated: its header describes {end} bytes of tensors, the file holds {data} "
+            f"({size} bytes in all); is the download or copy complete? Fetch or copy it again"
+        )
+    if not keep_metadata:
+        header.pop("__metadata__", None)
+    return header
+
+
+def _json_file(file: Path) -> dict:
+    """A JSON object from a model's file, or a ModelFileError naming the file."""
+    try:
+        value = json.loads(file.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"{file}: not valid JSON ({e}); fetch or copy the model again") from None
+    if not isinstance(value, dict):
+        raise ModelFileError(f"{file}: not a JSON object; fetch or copy the model again")
+    return value
+
+
+def _index_weight_map(index: Path) -> dict[str, str]:
+    weight_map = _json_file(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelFileError(f"{index}: weight_map must be an object naming a file for each tensor; fetch or copy the model again")
+    return weight_map
+
+
+def _read_config(path: Path) -> dict:
+    """config.json as mlx-lm reads it (with generation_config.json's end tokens), checked first."""
+    _json_file(path / "config.json")  # a ModelFileError naming the file, not mlx-lm's traceback
+    return load_config(path)
+
+
+def safetensors_keys(file: Path) -> set[str]:
+    """The tensor names in a safetensors file, read from its header only."""
+    return set(_safetensors_header(file))
+
+
+def _safetensors_sizes(file: Path) -> dict[str, int]:
+    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in _safetensors_header(file).items()}
+
+
+def weight_files_for(path: Path, start: int, end: int) -> list[str] | None:
+    """The weight files holding layers [start, end) and the non-layer weights.
+
+    None when the model has no index (a single file, fetched whole). Every stage
+    takes the non-layer files: they are small next to the layers, and which of
+    embeddings, norm and head a stage needs is decided after loading.
+    """
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    weight_map = _index_weight_map(index)
+    files = set()
+    for key, file in weight_map.items():
+        if any(part in key for part in _NOT_THE_DECODER):
+            continue
+        m = _LAYER_KEY.search(key)
+        if m is None or start <= int(m.group(1)) < end:
+            files.add(file)
+    return sorted(files)
+
+
+def check_weights_present(path: Path, files: list[str] | None, kept: list[tuple[str, object]], start: int, end: int) -> None:
+    """strict=False lets a stage load with only its own files present; then a missing tensor
+    would silently stay randomly initialized. So: in an MLX-format checkpoint (what mlx-lm
+    converts to, names as the model has them) every kept name must be there; in another
+    (the loader renames and stacks, e.g. experts) every kept layer must have weights."""
+    names = files if files is not None else [p.name for p in sorted(path.glob("model*.safetensors"))]
+    if not names:
+        raise ModelError(f"no model*.safetensors in {path}")
+    present: set[str] = set()
+    mlx_format = True
+    for name in names:
+        header = _safetensors_header(path / name, keep_metadata=True)
+        mlx_format &= (header.pop("__metadata__", None) or {}).get("format") == "mlx"
+        present |= set(header)
+    if mlx_format:
+        missing = [k for k, _ in kept if k not in present]
+    else:
+        layers = {int(m.group(1)) for k in present if (m := _LAYER_KEY.search(k))}
+        missing = [f"layer {i}" for i in range(start, end) if i not in layers]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelError(
+            f"{path}: {len(missing)} weights of layers [{start}, {end}) are missing from the "
+            f"checkpoint ({shown}); is the download complete?"
+        )

@@ -1,0 +1,653 @@
+"""A GGUF file (llama.cpp's format) served as an mlx-lm checkpoint, with no conversion step.
+
+People keep their models as GGUF files (Ollama, LM Studio, llama.cpp). This reads
+one as mlx-lm would read the same model converted: the metadata becomes mlx-lm's
+``config.json`` (architecture, sizes, RoPE), GGUF tensor names become mlx-lm's
+parameter names (through gguf-py's own ``TensorNameMap``), and each tensor becomes
+the MLX array(s) mlx-lm's model code computes with:
+
+- F32, F16 and BF16 tensors as they are;
+- Q4_0, Q4_1 and Q8_0 blocks (32 weights, one float16 scale, Q4_1 also a float16
+  minimum) are exactly MLX's affine quantization with group size 32: the packed
+  weights are reordered into MLX's nibble order, the scale is the scale, and the
+  block's offset (Q4_1's minimum, -8·d for Q4_0, -128·d for Q8_0) is the bias. No
+  weight is dequantized, and the result is bit for bit what ``mx.load`` makes of
+  the same file (``tests/models/test_gguf.py``);
+- llama-family files store Q and K for the interleaved RoPE, which mlx-lm's llama
+  computes as is with ``rope_traditional: true``.
+
+Any other tensor type (K-quants, IQ types) has no exact MLX form, and a file
+holding one is refused at start, naming the type and what works. So is an
+architecture this module has no mapping for.
+
+A stage reads only its own tensors: the file is parsed once for its metadata and
+tensor table, and each tensor a stage keeps is memory-mapped at its offset, turned
+into MLX arrays and unmapped, so a node's memory is its share of the model.
+
+The tokenizer comes from the file's metadata (``gguf_vocab.py``); ``write_sidecar``
+puts it, with the config, in a directory mlx-lm's ``load_tokenizer`` reads, and
+``convert`` writes a whole mlx-lm checkpoint directory that mlx-lm's own ``load``
+reads (``ringd convert``). What ignores: the network, the ring, placement.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ringd.models.checkpoint import ModelError
+
+GGUF_MAGIC = b"GGUF"
+
+# Every block type MLX computes with as is holds 32 weights per scale (and bias).
+GROUP_SIZE = 32
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """How a GGUF block type maps onto MLX's affine quantization (group size 32)."""
+
+    bits: int
+    block_bytes: int  # bytes per block of GROUP_SIZE weights in the file
+
+
+# GGUF tensor type (gguf-py's GGMLQuantizationType name) -> what it is in MLX:
+# None for plain floats, a BlockType for the quantized ones MLX computes with.
+NATIVE_TYPES: dict[str, BlockType | None] = {
+    "F32": None,
+    "F16": None,
+    "BF16": None,
+    "Q4_0": BlockType(4, 2 + 16),  # float16 d, 32 x 4 bits; w = d * (q - 8)
+    "Q4_1": BlockType(4, 2 + 2 + 16),  # float16 d, float16 m, 32 x 4 bits; w = d * q + m
+    "Q8_0": BlockType(8, 2 + 32),  # float16 d, 32 x int8; w = d * q
+}
+_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # BF16: the bits, viewed in MLX
+
+# Quantized tensors are converted this many rows at a time, so the numpy temporaries
+# stay near this size whatever the tensor (a 128k x 8k embedding is 1 G weights).
+CONVERT_CHUNK_BYTES = 64 * 2**20
+
+# The fingerprint reads the whole header (metadata and tensor table) and this many
+# slices of this many bytes spread over the tensor data: a different quantization or
+# fine-tune changes both, and reading a few hundred KiB keeps it instant on a 40 GB file.
+DIGEST_SAMPLES = 16
+DIGEST_SAMPLE_BYTES = 16 * 1024
+
+# A checkpoint ``convert`` writes is split into files of about this size, as mlx-lm's
+# own save does (it caps files at 5 GB).
+CONVERT_FILE_BYTES = 5 * 2**30
+
+# Bump when the tokenizer files write_sidecar makes of the same file change (the
+# sidecar's folder name carries it, and a digest of the config, so a new ringd never
+# reads an old one).
+SIDECAR_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A GGUF architecture ringd maps onto mlx-lm's."""
+
+    model_type: str  # mlx-lm's
+    gguf_arch: str  # gguf-py's MODEL_ARCH member name, for its TensorNameMap
+    # llama.cpp's converter permutes Q and K of these for its interleaved RoPE
+    # (LlamaModel.permute); mlx-lm computes the same with rope_traditional.
+    rope_interleaved: bool
+
+
+ARCHITECTURES = {
+    "llama": Arch("llama", "LLAMA", rope_interleaved=True),  # Llama 2/3.x, Mistral 7B, SmolLM2, DeepSeek-R1-Distill-Llama
+    "qwen2": Arch("qwen2", "QWEN2", rope_interleaved=False),  # Qwen2, Qwen2.5, QwQ, DeepSeek-R1-Distill-Qwen
+    "qwen3": Arch("qwen3", "QWEN3", rope_interleaved=False),
+    "qwen3moe": Arch("qwen3_moe", "QWEN3MOE", rope_interleaved=False),  # Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder
+}
+
+# Llama 3.1+ GGUFs carry their RoPE scaling only as the ``rope_freqs`` tensor (the
+# factor each frequency is divided by). These are the llama3 scalings Meta shipped
+# (3.1: factor 8; 3.2 and 3.3: factor 32, or 8); a file's factors are matched
+# against them and mlx-lm's Llama3RoPE recomputes the same.
+_LLAMA3_SCALINGS = [
+    {"rope_type": "llama3", "factor": f, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    for f in (8.0, 16.0, 32.0, 64.0)
+]  # fmt: skip
+# How close a file's rope_freqs must be to a known scaling (they are float32 of the same formula).
+_ROPE_FREQS_RTOL = 1e-4
+
+_BLOCK_NUMBER = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of the file: where its bytes are and what they hold."""
+
+    name: str
+    type: str  # gguf-py's GGMLQuantizationType name: "Q4_1", "F32", ...
+    shape: tuple[int, ...]  # numpy order (GGUF lists dimensions innermost first)
+    offset: int  # absolute, in the file
+    nbytes: int
+
+    @property
+    def block(self) -> BlockType | None:
+        return NATIVE_TYPES[self.type]
+
+    @property
+    def mlx_bytes(self) -> int:
+        """What the tensor costs in memory once it is MLX arrays."""
+        n = math.prod(self.shape)
+        if self.block is None:
+            return n * (4 if self.type == "F32" else 2)
+        return n * self.block.bits // 8 + 2 * 2 * (n // GROUP_SIZE)  # weights, float16 scales and biases
+
+
+class GgufFile:
+    """A parsed GGUF file: its metadata, tensor table and the mlx-lm config it maps to.
+
+    ``open`` parses (once per process for an unchanged file) and checks that ringd
+    can serve it; nothing of the tensor data is read until ``read`` is asked for
+    some parameters.
+    """
+
+    def __init__(self, path: Path, meta: dict[str, Any], tensors: dict[str, Tensor], data_offset: int):
+        self.path = path
+        self.meta = meta
+        self.tensors = tensors
+        self.data_offset = data_offset
+        arch = meta.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ModelError(
+                f"{path}: GGUF architecture {arch!r} has no mapping to mlx-lm in ringd; GGUF files of "
+                f"{', '.join(sorted(ARCHITECTURES))} are served directly (for another, serve the original "
+                "checkpoint converted with mlx_lm.convert)"
+            )
+        self.arch = ARCHITECTURES[arch]
+        _check_types(path, tensors)
+        self.config = _config(self)
+        from gguf import MODEL_ARCH, get_tensor_name_map
+
+        blocks = self.config["num_hidden_layers"]
+        # The architecture's own names, then llama's for what it lacks (a dense feed-forward
+        # layer in a MoE model: llama.cpp's llama names for those are the common ones).
+        self._names = [get_tensor_name_map(MODEL_ARCH[a], blocks) for a in dict.fromkeys((self.arch.gguf_arch, "LLAMA"))]
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "GgufFile":
+        p = Path(path).expanduser().resolve()
+        try:
+            st = p.stat()
+        except OSError as e:
+            raise ModelError(f"{path}: cannot read the GGUF file: {e.strerror}") from e
+        return _open_cached(p, st.st_size, st.st_mtime_ns)
+
+    @property
+    def name(self) -> str:
+        return self.path.name.removesuffix(".gguf")
+
+    # --- what the model is -------------------------------------------------------
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A digest of the header (metadata, tensor table) and of slices of the tensor data."""
+        h = hashlib.sha256(b"gguf:")
+        size = self.path.stat().st_size
+        h.update(f"{size}:".encode())
+        with open(self.path, "rb") as f:
+            h.update(f.read(self.data_offset))
+            span = size - self.data_offset
+            for i in range(DIGEST_SAMPLES):
+                f.seek(self.data_offset + span * i // DIGEST_SAMPLES)
+                h.update(f.read(DIGEST_SAMPLE_BYTES))
+        return "gguf:" + h.hexdigest()
+
+    def part_bytes(self) -> tuple[list[int], int, int, int]:
+        """MLX bytes of (each layer, the embeddings, the final norm and the rest, the head)."""
+        layers = [0] * self.config["num_hidden_layers"]
+        embed = norm = head = 0
+        for t in self.tensors.values():
+            if t.name in _NOT_PARAMETERS:
+                continue
+            m = _BLOCK_NUMBER.match(t.name)
+            if m is not None:
+                if int(m.group(1)) < len(layers):
+                    layers[int(m.group(1))] += t.mlx_bytes
+            elif t.name.startswith("token_embd."):
+                embed += t.mlx_bytes
+            elif t.name.startswith("output."):
+                head += t.mlx_bytes
+            else:
+                norm += t.mlx_bytes
+        return layers, embed, norm, head
+
+    # --- the model's parameters ----------------------------------------------------
+
+    def _gguf_name(self, module_path: str) -> str | None:
+        # mlx-lm stacks MoE experts under ``switch_mlp``; gguf-py knows the HF name ``experts``.
+        hf = module_path.replace(".switch_mlp.", ".experts.")
+        return next((n for names in self._names if (n := names.get_name(hf)) is not None), None)
+
+    def tensor_of(self, module_path: str) -> Tensor | None:
+        """The GGUF tensor holding the weight of the mlx-lm module at ``module_path``."""
+        name = self._gguf_name(module_path)
+        return self.tensors.get(f"{name}.weight") if name is not None else None
+
+    def quantization(self, module_path: str) -> dict | None:
+        """What ``nn.quantize`` makes of the module: its bits and group size, or None (a float tensor)."""
+        t = self.tensor_of(module_path)
+        if t is None or t.block is None:
+            return None
+        return {"group_size": GROUP_SIZE, "bits": t.block.bits}
+
+    def source(self, parameter: str) -> tuple[Tensor, str]:
+        """The tensor and part ("", "scales", "biases") an mlx-lm parameter is read from."""
+        module, leaf = parameter.rsplit(".", 1)
+        name = self._gguf_name(module)
+        part = leaf if leaf in ("scales", "biases") else ""
+        t = None
+        if name is not None:
+            t = self.tensors.get(f"{name}.{'weight' if part else leaf}")
+        if t is None or (part and t.block is None):
+            raise ModelError(
+                f"{self.path}: no tensor holds the model's parameter {parameter} "
+                f"(looked for {name or '?'}.{'weight' if part else leaf}); is the file complete?"
+            )
+        return t, part
+
+    def build_model(self) -> nn.Module:
+        """mlx-lm's Model of the file's architecture, its layers quantized as the file's tensors are.
+
+        Its parameters are placeholders (lazy, never evaluated) until ``read`` fills
+        the ones a stage keeps.
+        """
+        from mlx_lm.utils import _get_classes
+
+        model_class, args_class = _get_classes(self.config)
+        model = model_class(args_class.from_dict(self.config))
+
+        def predicate(path: str, module: nn.Module):
+            return (hasattr(module, "to_quantized") and self.quantization(path)) or False
+
+        nn.quantize(model, group_size=GROUP_SIZE, bits=4, class_predicate=predicate)
+        model.eval()
+        return model
+
+    def read(self, parameters: Iterable[str], on_tensor: Callable[[Tensor], None] | None = None) -> list[tuple[str, mx.array]]:
+        """The named parameters as MLX arrays, each tensor read (memory-mapped) and converted once.
+
+        ``on_tensor`` hears each tensor as it is done (for progress and cancelling).
+        """
+        by_tensor: dict[str, list[tuple[str, str]]] = {}
+        tensors: dict[str, Tensor] = {}
+        for p in parameters:
+            t, part = self.source(p)
+            by_tensor.setdefault(t.name, []).append((p, part))
+            tensors[t.name] = t
+        out = []
+        for name in sorted(by_tensor, key=lambda n: tensors[n].offset):  # in file order: sequential reads
+            t = tensors[name]
+            parts = read_tensor(self.path, t)
+            out += [(p, parts[part]) for p, part in by_tensor[name]]
+            if on_tensor is not None:
+                on_tensor(t)
+        return out
+
+    # --- files beside the weights --------------------------------------------------
+
+    def mlx_config(self) -> dict:
+        """config.json for the checkpoint this file is: the model's settings and its quantization."""
+        config = dict(self.config)
+        bits = [t.block.bits for t in self.tensors.values() if t.block is not None and t.name not in _NOT_PARAMETERS]
+        if bits:
+            common = max(set(bits), key=bits.count)
+            quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common}
+            # mlx-lm reads a module's own entry first: the modules whose bits differ.
+            model = self.build_model()
+            for path, module in model.named_modules():
+                q = self.quantization(path) if hasattr(module, "to_quantized") else None
+                if q is not None and q["bits"] != common:
+                    quantization[path] = q
+            config["quantization"] = quantization
+        return config
+
+    def write_sidecar(self, directory: Path) -> None:
+        """config.json and the tokenizer's files, as an mlx-lm checkpoint directory holds them."""
+        from ringd.models.gguf_vocab import tokenizer_files
+
+        directory.mkdir(parents=True, exist_ok=True)
+        files = {"config.json": self.mlx_config(), **tokenizer_files(self.meta)}
+        for name, content in files.items():
+            (directory / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+
+    def sidecar(self, cache_dir: Path) -> Path:
+        """The sidecar directory of this file under ``cache_dir``, written once (atomically: several
+        nodes of one machine may start at the same moment)."""
+        config = hashlib.sha256(json.dumps(self.mlx_config(), sort_keys=True).encode()).hexdigest()[:8]
+        directory = cache_dir / "gguf" / f"{self.name}-{self.fingerprint.removeprefix('gguf:')[:16]}-{config}-v{SIDECAR_VERSION}"
+        if (directory / "config.json").is_file():
+            return directory
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".sidecar-", dir=directory.parent))
+        try:
+            self.write_sidecar(tmp)
+            try:
+                os.rename(tmp, directory)
+            except OSError:
+                if not (directory / "config.json").is_file():  # not another node's win: a real failure
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return directory
+
+    def convert(self, out_dir: Path, on_tensor: Callable[[Tensor], None] | None = None) -> None:
+        """Write an mlx-lm checkpoint directory (config, tokenizer, safetensors in MLX's format) that
+        mlx-lm's ``load`` reads as the same model ringd serves from this file.
+
+        Written beside ``out_dir`` under a temporary name and renamed when whole: a convert
+        that is stopped half-way leaves nothing that looks like a checkpoint.
+        """
+        from mlx.utils import tree_flatten
+
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+        try:
+            names = [n for n, _ in tree_flatten(self.build_model().parameters())]
+            groups: list[list[str]] = [[]]
+            size = 0
+            for n in sorted(names, key=lambda n: self.source(n)[0].offset):
+                t = self.source(n)[0]
+                if groups[-1] and size + t.mlx_bytes > CONVERT_FILE_BYTES:
+                    groups.append([])
+                    size = 0
+                groups[-1].append(n)
+                size += t.mlx_bytes
+            weight_map, total = {}, 0
+            for i, group in enumerate(groups):
+                file = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                arrays = dict(self.read(group, on_tensor))
+                mx.save_safetensors(str(tmp / file), arrays, metadata={"format": "mlx"})
+                total += sum(a.nbytes for a in arrays.values())
+                weight_map.update({n: file for n in arrays})
+                del arrays  # one file's arrays in memory at a time
+            if len(groups) > 1:
+                index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            self.write_sidecar(tmp)
+            if out_dir.is_dir():
+                out_dir.rmdir()  # empty (the caller checks): replaced by the finished one
+            os.rename(tmp, out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# Tensors of a GGUF that are not parameters of mlx-lm's model: it computes them from the config.
+_NOT_PARAMETERS = frozenset({"rope_freqs.weight"})
+
+
+@functools.lru_cache(maxsize=8)
+def _open_cached(path: Path, size: int, mtime_ns: int) -> GgufFile:
+    meta, tensors, data_offset = _parse(path, size)
+    return GgufFile(path, meta, tensors, data_offset)
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file that starts as a GGUF file does."""
+    p = Path(path).expanduser()
+    try:
+        with open(p, "rb") as f:
+            return p.is_file() and f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def _parse(path: Path, size: int) -> tuple[dict[str, Any], dict[str, Tensor], int]:
+    """Metadata and tensor table (``gguf_header.py``), from a map of the file: only the header's
+    pages are read."""
+    import mmap
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from ringd.models.gguf_header import HeaderError, parse_header
+
+    header, why = None, ""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            try:
+                header = parse_header(mapped)
+            except HeaderError as e:
+                # Kept as text: the error's traceback holds views of the map, which must go before it closes.
+                why = str(e)
+    except (OSError, ValueError) as e:  # ValueError: mmap of an empty file
+        why = str(e)
+    if header is None:
+        raise ModelError(
+            f"{path}: not a readable GGUF file ({why}); a file cut short (a download still running "
+            "or broken off) reads like this: fetch it again"
+        )
+    tensors = {}
+    for info in header.tensors:
+        try:
+            qtype = GGMLQuantizationType(info.type)
+            name = qtype.name
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            name, block, block_bytes = f"type {info.type}", 1, 0  # refused by _check_types, by its number
+        elements = math.prod(info.dims)
+        if info.dims[0] % block:
+            raise ModelError(f"{path}: tensor {info.name} ({name}) has rows of {info.dims[0]} weights, not whole blocks of {block}")
+        offset = header.data_offset + info.offset
+        nbytes = elements // block * block_bytes
+        if info.name in tensors:
+            raise ModelError(f"{path}: tensor {info.name} is listed twice")
+        if offset + nbytes > size:
+            raise ModelError(f"{path}: tensor {info.name} ends past the end of the file; is the download complete?")
+        tensors[info.name] = Tensor(info.name, name, tuple(reversed(info.dims)), offset, nbytes)
+    return header.metadata, tensors, header.data_offset
+
+
+def _check_types(path: Path, tensors: dict[str, Tensor]) -> None:
+    odd: dict[str, list[str]] = {}
+    for t in tensors.values():
+        if t.type not in NATIVE_TYPES:
+            odd.setdefault(t.type, []).append(t.name)
+    if odd:
+        found = ", ".join(f"{k} ({len(v)} tensors, e.g. {v[0]})" for k, v in sorted(odd.items()))
+        raise ModelError(
+            f"{path}: tensor types {found} cannot be served as they are; ringd serves GGUF files whose "
+            f"tensors are {', '.join(NATIVE_TYPES)} (MLX computes with those directly): take a Q8_0, Q4_0 "
+            "or Q4_1 file of this model, or convert the original checkpoint with mlx_lm.convert"
+        )
+
+
+def _config(g: GgufFile) -> dict:
+    """mlx-lm's config for the file, from its metadata (llama.cpp's keys, as its converter writes them)."""
+    meta, arch = g.meta, g.meta["general.architecture"]
+
+    def key(name: str, default: Any = ..., kind: type = int) -> Any:
+        """The metadata value ``{arch}.{name}`` as ``kind`` (a positive number), else ``default``."""
+        if f"{arch}.{name}" not in meta:
+            if default is ...:
+                raise ModelError(f"{g.path}: metadata key {arch}.{name} is missing; is this a complete GGUF file?")
+            return default
+        value = meta[f"{arch}.{name}"]
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not number > 0 or (kind is float and not math.isfinite(number)):
+            raise ModelError(f"{g.path}: metadata key {arch}.{name} is {value!r}; a positive {kind.__name__} was expected")
+        return number
+
+    embed = g.tensors.get("token_embd.weight")
+    if embed is None or len(embed.shape) != 2:
+        raise ModelError(f"{g.path}: no token_embd.weight matrix; is this a complete GGUF file?")
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    config: dict[str, Any] = {
+        "model_type": g.arch.model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": key("block_count"),
+        "intermediate_size": key("feed_forward_length", None if g.arch.model_type == "qwen3_moe" else ...),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", hidden // heads),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", kind=float),
+        "rope_theta": key("rope.freq_base", 10000.0, kind=float),
+        "max_position_embeddings": key("context_length"),
+        "vocab_size": embed.shape[0],
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+    }
+    if g.arch.model_type == "qwen3_moe":
+        config.update(_qwen3_moe(g, key))
+    if g.arch.rope_interleaved:
+        config["rope_traditional"] = True
+    if g.arch.model_type == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
+    scaling = _rope_scaling(g, key, key("rope.dimension_count", config["head_dim"]), config["rope_theta"])
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    # Activations take the dtype of the norms (llama.cpp keeps them F32), and so the KV cache.
+    norm = g.tensors.get("output_norm.weight")
+    config["torch_dtype"] = {"F32": "float32", "BF16": "bfloat16"}.get(norm.type if norm else "", "float16")
+    ends = _end_of_generation_ids(meta)
+    if ends:
+        config["eos_token_id"] = ends[0] if len(ends) == 1 else ends
+    if meta.get("tokenizer.ggml.bos_token_id") is not None:
+        config["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+    return config
+
+
+def _qwen3_moe(g: GgufFile, key: Callable[..., Any]) -> dict:
+    """Qwen3-MoE's experts, as llama.cpp's qwen3moe reads them: every layer a mixture (llama.cpp
+    has no dense layers in this architecture; a layer holding a plain feed-forward instead is
+    taken as one, as mlx-lm's mlp_only_layers), the chosen experts' weights normalized (its
+    build_moe_ffn with norm_w, Qwen3's norm_topk_prob)."""
+    layers = key("block_count")
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in g.tensors and f"blk.{i}.ffn_gate.weight" in g.tensors]
+    experts = {
+        "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        "norm_topk_prob": True,
+    }
+    if key("feed_forward_length", None) is None:  # the dense size, which only dense layers use
+        experts["intermediate_size"] = experts["moe_intermediate_size"]
+    return experts
+
+
+# Tokens llama.cpp ends a generation on by their text, besides the ids the file names
+# (llama-vocab.cpp, where it builds special_eog_ids): files often name only one of a
+# chat model's end tokens (SmolLM2 names <|im_end|>, Llama 3.1 <|eot_id|> but not <|eom_id|>).
+_END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+})  # fmt: skip
+_CONTROL = 3  # tokenizer.ggml.token_type of a control token
+
+
+def _end_of_generation_ids(meta: dict) -> list[int]:
+    """The ids a generation ends on, as llama.cpp finds them: eos, eot and eom as the file names
+    them, then the control tokens spelled as a known end token."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    types = meta.get("tokenizer.ggml.token_type") or []
+    ids = [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom") if meta.get(f"tokenizer.ggml.{k}_token_id") is not None]
+    ids += [i for i, (t, k) in enumerate(zip(tokens, types)) if k == _CONTROL and t in _END_OF_GENERATION_TEXTS]
+    return [i for i in dict.fromkeys(ids) if 0 <= i < len(tokens)]
+
+
+def _rope_scaling(g: GgufFile, key: Callable[..., Any], dims: int, base: float) -> dict | None:
+    kind = g.meta.get(f"{g.meta['general.architecture']}.rope.scaling.type")
+    factor = key("rope.scaling.factor", None, kind=float)
+    if "rope_freqs.weight" in g.tensors:
+        return _llama3_scaling(g, dims, base)
+    if kind in (None, "none") or (kind == "linear" and not factor):
+        return None
+    if kind == "linear":
+        return {"type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": float(factor)}
+        original = key("rope.scaling.original_context_length", None)
+        if original:
+            scaling["original_max_position_embeddings"] = original
+        for ours, theirs in (("beta_fast", "rope.scaling.yarn_beta_fast"), ("beta_slow", "rope.scaling.yarn_beta_slow")):
+            if (value := key(theirs, None, kind=float)) is not None:
+                scaling[ours] = value
+        return scaling
+    raise ModelError(f"{g.path}: RoPE scaling {kind!r} is not mapped by ringd (linear, yarn and llama3 are)")
+
+
+def _llama3_scaling(g: GgufFile, dims: int, base: float) -> dict:
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    have = read_tensor(g.path, g.tensors["rope_freqs.weight"])[""]
+    for scaling in _LLAMA3_SCALINGS:
+        rope = Llama3RoPE(dims, traditional=True, base=base, scaling_config=scaling)
+        want = rope._freqs / (base ** (mx.arange(0, dims, 2) / dims))
+        if have.shape == want.shape and mx.allclose(have, want, rtol=_ROPE_FREQS_RTOL).item():
+            return dict(scaling)
+    raise ModelError(f"{g.path}: its rope_freqs match none of the llama3 RoPE scalings ringd knows (factor 8 to 64)")
+
+
+def read_tensor(path: Path, t: Tensor) -> dict[str, mx.array]:
+    """One tensor as MLX arrays: {"": weight} for a float tensor, plus "scales" and "biases" for a
+    quantized one, laid out as MLX's affine quantization (group size 32) lays them out."""
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
+    try:
+        if t.block is None:
+            values = data.view(_FLOAT_DTYPES[t.type]).reshape(t.shape)
+            array = mx.array(values)
+            return {"": array.view(mx.bfloat16) if t.type == "BF16" else array}
+        return _blocks_to_affine(data, t)
+    finally:
+        del data
+
+
+def _blocks_to_affine(data: np.ndarray, t: Tensor) -> dict[str, mx.array]:
+    *outer, cols = t.shape
+    rows = math.prod(outer)
+    if cols % GROUP_SIZE:
+        raise ModelError(f"tensor {t.name}: rows of {cols} weights are not whole blocks of {GROUP_SIZE}")
+    blocks, bits, block_bytes = cols // GROUP_SIZE, t.block.bits, t.block.block_bytes
+    words_per_row = cols * bits // 32
+    weights = np.empty((rows, words_per_row), dtype=np.uint32)
+    scales = np.empty((rows, blocks), dtype=np.float16)
+    biases = np.empty((rows, blocks), dtype=np.float16)
+    raw = data.reshape(rows, blocks, block_bytes)
+    step = max(1, CONVERT_CHUNK_BYTES // max(1, blocks * block_bytes))
+    for r in range(0, rows, step):
+        chunk = np.asarray(raw[r : r + step])
+        d = chunk[..., 0:2].copy().view(np.float16)[..., 0]
+        scales[r : r + step] = d
+        if t.type == "Q8_0":
+            q = chunk[..., 2:].view(np.int8)
+            # MLX's 8-bit affine weights are unsigned: q + 128, with the 128 moved into the bias.
+            packed = (q.astype(np.int16) + 128).astype(np.uint8)
+            biases[r : r + step] = np.float16(-128) * d
+        else:
+            qs = chunk[..., 2:] if t.type == "Q4_0" else chunk[..., 4:]
+            # GGUF keeps weight j in the low nibble and j+16 in the high nibble of byte j;
+            # MLX packs weights in order, two to a byte, the first in the low nibble.
+            q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+            packed = q[..., 0::2] | (q[..., 1::2] << 4)
+            if t.type == "Q4_0":
+                biases[r : r + step] = np.float16(-8) * d
+            else:
+                biases[r : r + step] = chunk[..., 2:4].copy().view(np.float16)[..., 0]
+        weights[r : r + step] = np.ascontiguousarray(packed).reshape(len(chunk), -1).view(np.uint32)
+    return {
+        "": mx.array(weights.reshape(*outer, words_per_row)),
+        "scales": mx.array(scales.reshape(*outer, blocks)),
+        "biases": mx.array(biases.reshape(*outer, blocks)),
+    }

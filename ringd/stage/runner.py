@@ -1,0 +1,361 @@
+"""This node's stage of the ring: receive a micro-batch, compute, forward.
+
+A FORWARD frame carries one micro-batch (``steps.Forward``): rows of requests,
+each a prompt chunk or a fed-back token with the position of its first token,
+and, past stage 0, the hidden states of those positions. The stage runs its
+layers over each row on the compute thread, keeping every request's KV caches
+in its ``Sessions``, then either forwards the new hidden states to the next
+stage or, on the last stage, samples each row that asks (within its request's
+grammar, if it has one) and answers the leader with one TOKEN frame for the
+micro-batch (``steps.Tokens``). RELEASE frees a request's caches here and
+travels on, behind the request's last row, so it frees every stage.
+
+A verify row (speculative decoding) carries a fed-back token and a draft
+model's proposals: every stage computes all their positions; the last stage
+samples after each and keeps the proposals that agree with what it samples,
+cuts the rest from its caches, and answers how many it kept. The other stages
+learn it from the request's next row, which starts where the kept positions end:
+they cut the rest then (``Sessions.rewind``).
+
+Frames are applied in arrival order on the one compute thread and their
+results leave in that order. A row that does not fit (unknown request, wrong
+position, a sampler's error) fails that request only: it leaves the
+micro-batch and is named in its ``failed`` list, so the leader hears it with
+the micro-batch's answer. A frame that does not parse, or is for another ring,
+fails the micro-batch (an ERROR to the leader). The node carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+import mlx.core as mx
+from mlx_lm.generate import maybe_quantize_kv_cache
+
+from ringd.cluster.placement import Plan
+from ringd.logs import about
+from ringd.metrics import Metrics
+from ringd.stage.compute import ComputeThread
+from ringd.stage.sampling import RequestSampler, SamplingError, SamplingParams
+from ringd.stage.sessions import SessionError, Sessions
+from ringd.stage.shard import Shard
+from ringd.steps import Failure, Forward, KvOptions, Row, Sampled, Tokens, parse_release
+from wire.frames import Frame, FrameError, MsgType
+from wire.tensors import tensor_descriptor, tensor_from_buffer, tensor_to_buffer, wire_bits
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
+
+log = logging.getLogger(__name__)
+
+# mlx-lm's generate_step clears MLX's buffer cache every 256 tokens (and after each
+# prefill chunk); a stage does the same, counting the frames it computes.
+CLEAR_CACHE_EVERY_STEPS = 256
+
+Send = Callable[[str, Frame], None]
+
+
+class BatchError(Exception):
+    """A micro-batch that fails as a whole (a ring it is not for, hidden states that do not fit its rows)."""
+
+
+class StageRunner:
+    """Runs ``shard`` as stage ``plan.index_of(node)`` of ``plan``.
+
+    ``grammar_tokenizer``: on the last stage, llguidance's tokenizer for the model, asked
+    for (on the compute thread) by the first request with a grammar; without it such a
+    request fails here.
+    """
+
+    def __init__(
+        self,
+        node: str,
+        plan: Plan,
+        shard: Shard,
+        compute: ComputeThread,
+        send: Send,
+        metrics: Metrics,
+        grammar_tokenizer: Callable[[], LLTokenizer] | None = None,
+    ):
+        self.node = node
+        self.grammar_tokenizer = grammar_tokenizer
+        self.metrics = metrics
+        self.plan = plan
+        self.shard = shard
+        self.compute = compute
+        self.send = send
+        self.sessions = Sessions()
+        successor = plan.successor(node)
+        self.next_node = successor.node if successor else None
+        self.leader = plan.leader
+        i = plan.index_of(node)
+        self._steps = 0  # frames computed, for CLEAR_CACHE_EVERY_STEPS
+        # The only node this stage takes FORWARD and RELEASE frames from.
+        self.predecessor = plan.leader if i == 0 else plan.stages[i - 1].node
+        self._loop = asyncio.get_running_loop()
+
+    def handle(self, frame: Frame) -> None:
+        """Called on the event loop, in arrival order, for FORWARD and RELEASE frames."""
+        self.compute.submit(self._apply, frame)
+
+    def expire_idle(self) -> None:
+        self.compute.submit(self._expire)
+
+    def close(self) -> None:
+        self.compute.submit(self.sessions.clear)
+
+    # --- compute thread -------------------------------------------------------
+
+    def describe(self, rid: int, row: Row | None = None, **fields) -> dict:
+        """``extra`` for a line about request ``rid`` on this stage (named by its session,
+        or by the row that failed to open it)."""
+        name = self.sessions.name_of(rid)
+        if name is None and row is not None and row.open is not None:
+            name = row.open.request_id
+        return about(name, self.plan.term, rid=f"{rid:x}", **fields)
+
+    def _apply(self, frame: Frame) -> None:
+        try:
+            if frame.type == MsgType.RELEASE:
+                out = self._release(frame)
+            else:
+                started = time.perf_counter()
+                out, prefill = self._forward(frame)
+                self.metrics.stage_compute(prefill, time.perf_counter() - started)
+                self._tidy_memory(prefill)
+        except (FrameError, BatchError) as e:
+            out = self._fail_batch(frame, str(e))
+        except Exception as e:  # MLX errors (memory, shapes) fail the micro-batch, not the node
+            log.exception("batch=%x: stage computation failed", frame.request_id)
+            out = self._fail_batch(frame, f"{type(e).__name__}: {e}")
+        if out:
+            self._loop.call_soon_threadsafe(self._deliver, out)
+
+    def _release(self, frame: Frame) -> list:
+        rid = frame.request_id
+        term, action = parse_release(frame.descriptor)
+        # A RELEASE of an older ring must not free this ring's session of the same id.
+        if term != self.plan.term:
+            return []
+        what = {"evict": "evicted", "keep": "kept for prefix reuse", "release": "released"}[action]
+        log.debug("req=%x: %s on this stage", rid, what, extra=self.describe(rid))
+        {"evict": self.sessions.evict, "keep": self.sessions.keep, "release": self.sessions.release}[action](rid)
+        return [(self.next_node, frame)] if self.next_node else []
+
+    def _tidy_memory(self, prefill: bool) -> None:
+        """Give MLX's buffer cache back after each prefill chunk and every few hundred steps,
+        as mlx-lm's generate_step does: a big MoE stage must not page because freed
+        activations of a long prompt sit in the cache."""
+        self._steps += 1
+        if prefill or self._steps % CLEAR_CACHE_EVERY_STEPS == 0:
+            mx.clear_cache()
+
+    def _fail_batch(self, frame: Frame, reason: str) -> list:
+        """The whole micro-batch fails: its rows' sessions go, and the leader hears it (ERROR)."""
+        d = frame.descriptor if isinstance(frame.descriptor, dict) else {}
+        term = d.get("term") if type(d.get("term")) is int else None
+        log.warning("batch=%x: failed on this stage: %s", frame.request_id, reason, extra=about(None, self.plan.term, batch=f"{frame.request_id:x}", reason=reason))
+        if frame.type == MsgType.RELEASE:
+            return []  # a malformed RELEASE frees nothing; the session expires if it was meant
+        if term == self.plan.term:  # the error names the term: the leader ignores errors of a ring it has left
+            for row in d.get("rows") or []:
+                if isinstance(row, list) and row and type(row[0]) is int:
+                    self.sessions.release(row[0])
+        return [(self.leader, Failure(frame.request_id, term, self.node, reason).frame())]
+
+    def _forward(self, frame: Frame) -> tuple[list, bool]:
+        """Run the micro-batch's rows through this stage's layers; returns what to send and
+        whether it filled caches only (a prompt chunk: MLX's buffer cache is given back after)."""
+        shard = self.shard
+        batch = Forward.parse(frame, shard.info.vocab_size)
+        if batch.term != self.plan.term:
+            raise BatchError(f"a micro-batch of plan term {batch.term}, but this stage runs term {self.plan.term}")
+        hidden = None
+        if not shard.is_first and batch.rows:
+            hidden = tensor_from_buffer(frame.descriptor.get("tensor") or {}, frame.payload)
+            want = (1, batch.positions, shard.info.hidden_size)
+            if tuple(hidden.shape) != want or not mx.issubdtype(hidden.dtype, mx.floating):
+                raise BatchError(f"hidden states of shape {tuple(hidden.shape)} {hidden.dtype}; expected {want}, floating")
+        failed = list(batch.failed)
+        done = self._batched(batch.rows, hidden, failed)
+        if done is None:
+            done = self._one_by_one(batch.rows, hidden, failed)
+        prefill = any(not row.sample for row in batch.rows)
+        if not shard.is_last:
+            rows = tuple(row for row, _ in done)
+            out = Forward(batch.batch, batch.term, rows, tuple(failed))
+            if not rows:
+                return [(self.next_node, out.frame())], prefill
+            h = mx.concatenate([h for _, h in done], axis=1) if len(done) > 1 else done[0][1]
+            bits = wire_bits(h)  # evaluated with the step: one evaluation per frame
+            mx.eval(bits, self.sessions.states(row.rid for row in rows))
+            return [(self.next_node, out.frame(tensor_descriptor(h), tensor_to_buffer(bits)))], prefill
+        sampled = []
+        for row, h in done:
+            try:
+                s = self._sample(row, h)
+            except SamplingError as e:
+                failed.append(self._fail_row(row, str(e)))
+                continue
+            if s is not None:
+                sampled.append(s)
+        return [(self.leader, Tokens(batch.batch, batch.term, tuple(sampled), tuple(failed)).frame())], prefill
+
+    def _one_by_one(self, rows: tuple[Row, ...], hidden: mx.array | None, failed: list) -> list[tuple[Row, mx.array]]:
+        """Each row through the layers on its own: prompt chunks, a request's first row, and
+        rows whose caches cannot be batched."""
+        done, at = [], 0
+        for row in rows:
+            n = len(row.tokens)
+            x = hidden[:, at : at + n] if hidden is not None else None
+            at += n
+            try:
+                done.append((row, self._row(row, x)))
+                self.metrics.batch_rows.observe(1)
+            except (FrameError, SessionError, SamplingError) as e:
+                failed.append(self._fail_row(row, str(e)))
+            except Exception as e:  # MLX errors (memory, shapes) fail the request, not the node
+                log.exception("req=%x: stage computation failed", row.rid, extra=self.describe(row.rid, row))
+                failed.append(self._fail_row(row, f"{type(e).__name__}: {e}"))
+        return done
+
+    def _batched(self, rows: tuple[Row, ...], hidden: mx.array | None, failed: list) -> list[tuple[Row, mx.array]] | None:
+        """Decode rows of requests open here (one token each) through the layers as one batch,
+        their caches merged (``Sessions.batched``); None where the rows must go one by one."""
+        if not self.shard.batchable or len(rows) < 2 or any(len(row.tokens) != 1 or row.open is not None for row in rows):
+            return None
+        fit, at = [], []
+        for i, row in enumerate(rows):  # rows that do not fit their sessions fail before anything runs
+            try:
+                self._at_row(self.sessions.get(row.rid), row)
+            except SessionError as e:
+                failed.append(self._fail_row(row, str(e)))
+                continue
+            fit.append(row)
+            at.append(i)
+        if len(fit) < 2:
+            return self._one_by_one(tuple(fit), hidden[:, at] if hidden is not None else None, failed) if fit else []
+        cache = self.sessions.batched(tuple(row.rid for row in fit))
+        if cache is None:
+            return self._one_by_one(tuple(fit), hidden[:, at] if hidden is not None else None, failed)
+        tokens = mx.array([row.tokens for row in fit], dtype=mx.int32)  # [B, 1]
+        x = hidden[0, mx.array(at)][:, None, :] if hidden is not None else None  # [B, 1, H]
+        h = self.shard(tokens, x, cache)
+        self.metrics.batch_rows.observe(len(fit))
+        for i, row in enumerate(fit):
+            session = self.sessions.get(row.rid)
+            session.offset += 1
+            session.tokens += row.tokens
+            session.provisional = 0
+            if self.shard.is_last:
+                session.sampler.observe(tokens[i])
+        return [(row, h[i : i + 1]) for i, row in enumerate(fit)]
+
+    def _fail_row(self, row: Row, reason: str) -> tuple[int, str]:
+        log.warning("req=%x: failed on this stage: %s", row.rid, reason, extra=self.describe(row.rid, row, reason=reason))
+        self.sessions.release(row.rid)
+        return row.rid, f"node {self.node}: {reason}"
+
+    def _at_row(self, session, row: Row):
+        """The session with its caches where ``row`` starts: cut back past the proposals its last
+        row left that were not kept; a SessionError if the row does not start there."""
+        if row.offset < session.offset:
+            session = self.sessions.rewind(row.rid, row.offset)
+        if row.offset != session.offset:
+            raise SessionError(f"a row for position {row.offset}, but this stage's cache holds {session.offset} tokens")
+        return session
+
+    def _row(self, row: Row, hidden: mx.array | None) -> mx.array:
+        """One row through this stage's layers (lazily): the hidden states, or on the last stage the logits."""
+        shard, rid = self.shard, row.rid
+        if row.open is not None:
+            session = self._open(row)
+        else:
+            session = self.sessions.solo(rid)
+        session = self._at_row(session, row)
+        tokens = mx.array(row.tokens, dtype=mx.int32)[None]
+        # The last stage gets the model's logits (computed only if sampled: MLX is lazy).
+        h = shard(tokens, hidden, session.cache)
+        session.offset += len(row.tokens)
+        session.tokens += row.tokens
+        session.provisional = len(row.tokens) - 1 if row.verify else 0
+        kv = session.kv
+        if kv is not None and kv.bits is not None:
+            # As generate_step after every model call, so the caches match mlx-lm's.
+            maybe_quantize_kv_cache(session.cache, kv.start, kv.group_size, kv.bits)
+        if shard.is_last:
+            session.sampler.observe(tokens[0])
+        return h
+
+    def _open(self, row: Row):
+        shard, rid, opened = self.shard, row.rid, row.open
+        params = SamplingParams.from_wire(opened.params)
+        params.check_vocab(shard.info.vocab_size)
+        sampler = RequestSampler(params, self.grammar_tokenizer) if shard.is_last else None
+        kv = opened.kv or KvOptions()
+        if opened.reuse is not None:
+            stored = self.sessions.take(*opened.reuse)
+            session = self.sessions.open(rid, stored.cache, sampler, stored.tokens, kv, opened.request_id)
+            if sampler is not None:  # penalties see the whole history, as in a cold run
+                sampler.observe(mx.array(stored.tokens, dtype=mx.int32))
+        else:
+            session = self.sessions.open(rid, shard.make_cache(kv.max_size), sampler, kv=kv, name=opened.request_id)
+        log.debug(
+            "req=%x: opened on layers [%d, %d)%s", rid, shard.start, shard.end,
+            f" from a cached prefix of {opened.reuse[1]} positions" if opened.reuse else "",
+            extra=self.describe(rid, reused=opened.reuse[1] if opened.reuse else 0),
+        )  # fmt: skip
+        return session
+
+    def _sample(self, row: Row, logits: mx.array) -> Sampled | None:
+        """The last stage after a row: its caches evaluated, and if it samples, its token."""
+        session = self.sessions.get(row.rid)
+        if not row.sample:
+            mx.eval(self.sessions.states([row.rid]))
+            return None
+        if row.verify:
+            return self._verify(row, session, logits)
+        # As mlx-lm's generate_step: the head over the row's positions, then the last.
+        s = session.sampler.sample(logits[:, -1, :])
+        if s.mask_s is not None:
+            self.metrics.grammar_mask.observe(s.mask_s)
+        if row.silent:
+            return None
+        return Sampled(row.rid, session.offset, s.token, s.logprob, tuple(s.top_logprobs))
+
+    def _verify(self, row: Row, session, logits: mx.array) -> Sampled:
+        """A verify row on the last stage, as mlx-lm's speculative_generate_step: sample after each
+        position; the proposals are kept while they equal what was sampled, and the token sampled
+        after the last one kept follows them. The rest are cut from this stage's caches now."""
+        if not session.sampler.params.verifiable:
+            raise SamplingError("a draft's proposals are verified only for greedy requests without penalties or a grammar")
+        proposals = row.tokens[1:]
+        kept = 0
+        while True:
+            s = session.sampler.sample(logits[:, kept, :])
+            if kept == len(proposals) or s.token != proposals[kept]:
+                break
+            kept += 1
+        cut = len(proposals) - kept
+        if cut:
+            self.sessions.rewind(row.rid, session.offset - cut)
+        session.provisional = 0
+        self.metrics.draft_tokens(kept, cut)
+        return Sampled(row.rid, session.offset, s.token, s.logprob, tuple(s.top_logprobs), kept)
+
+    def _expire(self) -> None:
+        for session in self.sessions.expire():
+            rid = session.request_id
+            log.info(
+                "req=%x: session expired after %.0f s idle", rid, self.sessions.idle_timeout_s,
+                extra=about(session.name, self.plan.term, rid=f"{rid:x}"),
+            )  # fmt: skip
+
+    # --- event loop -----------------------------------------------------------
+
+    def _deliver(self, out: list) -> None:
+        for dest, frame in out:
+            self.send(dest, frame)

@@ -1,0 +1,295 @@
+"""Turn the last stage's logits into tokens, one request at a time.
+
+The parameters travel with a request's first frame as a plain dict
+(``SamplingParams.to_wire`` / ``from_wire``); the last stage keeps a
+``RequestSampler`` per request. The arithmetic is mlx-lm's ``generate_step``:
+logits processors over the token history, then log-softmax, then the sampler,
+with mlx-lm's own processors and filters, and between the two, for a request
+with a grammar, ``grammar.Constraint``'s mask (so logprobs are those of the
+constrained distribution). The one departure is the random key:
+mlx-lm draws from MLX's global generator, which requests interleaved on one
+compute thread would share, so each request here carries a key of its own
+(from its ``seed``, or random) and a seeded request is reproducible whatever
+else the ring is doing.
+
+A grammar follows the tokens generated: those observed after the first
+``sample``. Tokens observed before it are the prompt (or a reused prefix). So a
+failover replay, which sends the prompt and then every generated token as a
+silent sampling step, rebuilds the grammar's state exactly.
+
+It knows nothing of the network or of text.
+"""
+
+from __future__ import annotations
+
+import math
+import reprlib
+import secrets
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
+
+# OpenAI allows at most 20 alternatives per position; more would bloat every
+# TOKEN frame for no use.
+MAX_TOP_LOGPROBS = 20
+# mlx-lm's penalties look at the last 20 tokens by default; keep its behaviour.
+PENALTY_CONTEXT_TOKENS = 20
+# Largest logit_bias map OpenAI accepts.
+MAX_LOGIT_BIAS_ENTRIES = 300
+
+
+def _integer(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def number_value(v: object) -> bool:
+    """A JSON number that arithmetic can use: an int (not a bool) or a finite float.
+
+    Ints are finite whatever their size; ``math.isfinite`` would overflow
+    converting a 400-digit one to a float.
+    """
+    return _integer(v) or (isinstance(v, float) and math.isfinite(v))
+
+
+# Error messages quote what was sent; reprlib keeps a 16 MB string or a
+# 4,000-digit number from coming back whole.
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = _SHOW.maxlong = 60
+
+
+def brief_repr(v: object) -> str:
+    """repr(v), shortened: for error messages that quote what a client sent."""
+    return _SHOW.repr(v)
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; the message names it, ``field`` too.
+
+    ``field`` is the request field at fault (``"top_k"``, ``"logit_bias"``), so
+    the API can answer 400 with OpenAI's ``param``; None when no single field is.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    grammar: str | None = None  # llguidance's grammar (grammar.py) the answer must follow
+
+    def __post_init__(self):
+        def need(ok: bool, name: str, rule: str):
+            if not ok:
+                raise SamplingError(f"{name} must be {rule}, got {brief_repr(getattr(self, name))}", name)
+
+        def number(name: str) -> bool:
+            return number_value(getattr(self, name))
+
+        need(number("temperature") and 0 <= self.temperature <= 2, "temperature", "between 0 and 2")
+        need(number("top_p") and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        need(_integer(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0")
+        need(number("min_p") and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        need(
+            self.seed is None or (_integer(self.seed) and 0 <= self.seed < 2**63),
+            "seed",
+            "an integer in [0, 2^63)",
+        )
+        need(isinstance(self.logprobs, bool), "logprobs", "a boolean")
+        need(
+            _integer(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            "top_logprobs",
+            f"an integer from 0 to {MAX_TOP_LOGPROBS}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            need(number(name) and -2 <= getattr(self, name) <= 2, name, "between -2 and 2")
+        need(
+            number("repetition_penalty") and 0 <= self.repetition_penalty <= 10,
+            "repetition_penalty",
+            "between 0 and 10 (0 or 1 for none)",
+        )
+        if self.logit_bias is not None:
+            need(
+                isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES,
+                "logit_bias",
+                f"a map of at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases",
+            )
+            for k, v in self.logit_bias.items():
+                if not (_integer(k) and k >= 0 and number_value(v) and -100 <= v <= 100):
+                    raise SamplingError(
+                        f"logit_bias entry {brief_repr(k)}: {brief_repr(v)} must map a token id to a bias in [-100, 100]",
+                        "logit_bias",
+                    )
+        if self.grammar is not None:
+            from ringd.stage.grammar import MAX_GRAMMAR_BYTES, wire_bytes
+
+            need(
+                isinstance(self.grammar, str) and wire_bytes(self.grammar) <= MAX_GRAMMAR_BYTES,
+                "grammar",
+                f"a grammar string of at most {MAX_GRAMMAR_BYTES} bytes (as a frame carries it)",
+            )
+
+    @property
+    def verifiable(self) -> bool:
+        """Whether a draft's proposals can be checked for this request by sampling each position:
+        greedy, and nothing that follows the tokens sampled (penalties, a grammar)."""
+        return (
+            self.temperature == 0 and self.grammar is None
+            and not (self.presence_penalty or self.frequency_penalty or self.repetition_penalty)
+        )  # fmt: skip
+
+    def to_wire(self) -> dict:
+        d = asdict(self)
+        if self.logit_bias is not None:
+            d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        if self.grammar is None:
+            del d["grammar"]  # most requests have none: their frames stay as they were
+        return d
+
+    @classmethod
+    def from_wire(cls, d: object) -> "SamplingParams":
+        """Parse parameters that came over the network; any flaw is a SamplingError."""
+        if not isinstance(d, dict):
+            raise SamplingError("sampling parameters must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise SamplingError(f"unknown sampling parameters: {brief_repr(sorted(map(str, unknown)))}")
+        d = dict(d)
+        if isinstance(d.get("logit_bias"), dict):
+            try:
+                d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
+            except (TypeError, ValueError):
+                raise SamplingError("logit_bias keys must be token ids", "logit_bias") from None
+        return cls(**d)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """What only the model can tell: token ids and top_k against its vocabulary."""
+        # mlx-lm's apply_top_k raises for k >= V (k = V would keep every token,
+        # as 0 does): refused here, before the request reaches the last stage.
+        if self.top_k >= vocab_size:
+            raise SamplingError(
+                f"top_k must be below the vocabulary size {vocab_size} (0 turns it off), got {brief_repr(self.top_k)}", "top_k"
+            )
+        for k in self.logit_bias or {}:
+            if k >= vocab_size:
+                raise SamplingError(f"logit_bias token id {k} is outside the vocabulary of {vocab_size}", "logit_bias")
+
+
+@dataclass(frozen=True)
+class Sample:
+    token: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+    mask_s: float | None = None  # waiting for and applying the grammar's mask; None without a grammar
+
+
+class RequestSampler:
+    """The last stage's sampling state for one request: history, processors, grammar, key.
+
+    ``grammar_tokenizer`` returns llguidance's tokenizer for the model; it is called
+    only for a request with a grammar (building it the first time takes a second).
+    """
+
+    def __init__(self, params: SamplingParams, grammar_tokenizer: Callable[[], "LLTokenizer"] | None = None):
+        self.params = params
+        self.constraint = None  # grammar.Constraint, for a request with a grammar
+        self._sampled = False  # tokens observed from now on were generated: the grammar follows them
+        if params.grammar is not None:
+            from ringd.stage.grammar import Constraint, GrammarError
+
+            if grammar_tokenizer is None:
+                raise SamplingError("this stage cannot follow a grammar: it was given no tokenizer", "grammar")
+            try:
+                self.constraint = Constraint(grammar_tokenizer(), params.grammar)
+            except GrammarError as e:
+                raise SamplingError(str(e), "grammar") from None
+        self._processors = make_logits_processors(
+            logit_bias=params.logit_bias,
+            repetition_penalty=params.repetition_penalty or None,
+            repetition_context_size=PENALTY_CONTEXT_TOKENS,
+            presence_penalty=params.presence_penalty or None,
+            presence_context_size=PENALTY_CONTEXT_TOKENS,
+            frequency_penalty=params.frequency_penalty or None,
+            frequency_context_size=PENALTY_CONTEXT_TOKENS,
+        )
+        # mlx-lm's make_sampler chain, in its order: top_p, min_p, top_k.
+        self._filters = []
+        if 0 < params.top_p < 1.0:
+            self._filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p != 0.0:
+            self._filters.append(lambda x: apply_min_p(x, params.min_p, 1))
+        if params.top_k > 0:
+            self._filters.append(lambda x: apply_top_k(x, params.top_k))
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._key = mx.random.key(seed)
+        self._history: mx.array | None = None
+
+    def observe(self, tokens: mx.array) -> None:
+        """Tokens that entered the model (prompt chunks, then each fed-back token)."""
+        if self._processors:
+            self._history = tokens if self._history is None else mx.concatenate([self._history, tokens])
+        if self.constraint is not None and self._sampled:
+            self.constraint.consume(tokens.tolist())
+
+    def rewind(self, n: int) -> None:
+        """Forget the last ``n`` tokens observed (a draft's proposals that were not kept)."""
+        if self._history is not None and n > 0:
+            self._history = self._history[:-n]
+
+    def sample(self, logits: mx.array) -> Sample:
+        """logits: [1, V] for the newest position."""
+        self._sampled = True
+        for processor in self._processors:
+            logits = processor(self._history, logits)
+        mask_s = None
+        if self.constraint is not None:
+            mx.async_eval(logits)  # MLX computes the step while the mask is waited for
+            started = time.perf_counter()
+            logits = self._mask(logits)
+            mask_s = time.perf_counter() - started
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        if self.params.temperature == 0:
+            token = mx.argmax(logprobs, axis=-1)
+        else:
+            self._key, key = mx.random.split(self._key)
+            filtered = logprobs
+            for f in self._filters:
+                filtered = f(filtered)
+            token = mx.random.categorical(filtered * (1 / self.params.temperature), key=key)
+        k = self.params.top_logprobs if self.params.logprobs else 0
+        top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k] if k else None
+        mx.eval(token, logprobs, top) if top is not None else mx.eval(token, logprobs)
+        t = token.item()
+        top_pairs: list[tuple[int, float]] = []
+        if top is not None:
+            ids = top[0].tolist()
+            values = logprobs[0, top[0]].astype(mx.float32).tolist()
+            # A grammar may allow fewer than k tokens: the rest (-inf) are no alternatives.
+            top_pairs = sorted(((i, v) for i, v in zip(ids, values) if v > -math.inf), key=lambda p: -p[1])
+        return Sample(t, logprobs[0, t].astype(mx.float32).item(), top_pairs, mask_s)
+
+    def _mask(self, logits: mx.array) -> mx.array:
+        from ringd.stage.grammar import GrammarError
+
+        try:
+            return self.constraint.mask(logits)
+        except GrammarError as e:  # fails this request only (runner.py)
+            raise SamplingError(str(e), "grammar") from None

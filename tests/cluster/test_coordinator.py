@@ -1,0 +1,176 @@
+"""The cluster heals itself: real daemons, real faults, streams open (coordinator.py, reconcile.py, proxy.py).
+
+Three `ringd serve` processes on 127.0.0.1, the real tiny llama, streams read
+as a client reads them. The faults are the real thing: SIGSTOP and SIGCONT (a
+Mac asleep), `ss -K` destroying a link's TCP socket in the kernel (a Wi-Fi drop,
+a NAT timeout), ptrace stopping a live daemon's event loop thread while its other
+threads run on. After each, the cluster must serve again within 20 s, and every
+stream that was open must end (complete, or a clean OpenAI error and
+``data: [DONE]``) within 30 s: no hang, no broken chunking.
+
+The stall times are what the issue names (10 s, 5 s); the chaos test shrinks
+heartbeats and stalls so that twenty rounds fit the suite.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import pytest
+from conftest import Stream, block_event_loop, drop_ring_link
+from conftest import chat, serving_leader
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Tell me everything about rings."}]
+STREAM_TOKENS = 400
+SERVE_AGAIN_S = 20.0  # the issue's bound: serving again within 20 s of the fault's end
+STREAMS_END_S = 30.0  # and every open stream ended within 30 s
+
+
+def serves_again(c, t0: float, within: float = SERVE_AGAIN_S, via: int = 0) -> float:
+    """Seconds from t0 until a chat completion through node `via` answers 200."""
+    deadline = t0 + within + 30  # look a while past the bound, to say by how much it was missed
+    while time.monotonic() < deadline:
+        status, _ = chat(c.url(via), timeout=10)
+        if status == 200:
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    raise AssertionError(f"the cluster did not serve again within {within + 30:.0f} s\n{c.log_tails()}")
+
+
+def check_streams(c, streams: list[Stream], t0: float) -> None:
+    for s in streams:
+        assert s.join(max(0.0, t0 + STREAMS_END_S - time.monotonic())), f"a stream still runs {STREAMS_END_S} s after the fault: {s}\n{c.log_tails()}"
+        assert s.clean, f"the stream did not end cleanly: {s}\n{c.log_tails()}"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model(arch="llama", layers=6)
+
+
+@pytest.fixture(scope="module")
+def shared(model, tmp_path_factory):
+    """One cluster of three for the fault tests that follow: each leaves it healed, node0 leading."""
+    from conftest import Cluster
+
+    c = Cluster(model, 3, tmp_path_factory.mktemp("healing"))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def c(shared):
+    shared.wait(lambda: serving_leader(shared, range(3)) == "node0", 60, "node0 to lead a ring of three")
+    return shared
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(shared):
+    """The text of an uninterrupted greedy stream, for comparisons."""
+    shared.wait(lambda: serving_leader(shared, range(3)) == "node0", 60, "node0 to lead")
+    s = Stream(shared.url(0), MESSAGES, STREAM_TOKENS)
+    assert s.join(120) and s.clean and s.finish == "length", s
+    return s.text
+
+
+def test_the_leader_stalls_for_10_s_with_streams_open(c, uninterrupted):
+    direct, via_follower = Stream(c.url(0), MESSAGES, STREAM_TOKENS), Stream(c.url(2), MESSAGES, STREAM_TOKENS)
+    direct.wait_started()
+    via_follower.wait_started()
+    c.signal(0, signal.SIGSTOP)
+    time.sleep(10)  # the fault itself: ten seconds asleep
+    c.signal(0, signal.SIGCONT)
+    t0 = time.monotonic()
+    took = serves_again(c, t0)
+    print(f"\nleader stalled 10 s: served again {took:.2f} s after SIGCONT")
+    assert took < SERVE_AGAIN_S
+    check_streams(c, [direct, via_follower], t0)
+    # Nothing was lost: the leader replayed its own, the follower carried its stream over.
+    assert direct.text == uninterrupted and via_follower.text == uninterrupted
+    assert c.wait(lambda: serving_leader(c, range(3)), what="one leader") == "node0"
+
+
+def test_a_follower_stalls_for_10_s_with_streams_open(c, uninterrupted):
+    streams = [Stream(c.url(0), MESSAGES, STREAM_TOKENS), Stream(c.url(2), MESSAGES, STREAM_TOKENS)]
+    for s in streams:
+        s.wait_started()
+    c.signal(1, signal.SIGSTOP)
+    time.sleep(10)
+    c.signal(1, signal.SIGCONT)
+    t0 = time.monotonic()
+    took = serves_again(c, t0, via=1)
+    print(f"\nfollower stalled 10 s: served again through it {took:.2f} s after SIGCONT")
+    assert took < SERVE_AGAIN_S
+    check_streams(c, streams, t0)
+    assert all(s.text == uninterrupted for s in streams)
+    c.wait(lambda: (c.status(0) or {}).get("ready") and [s[0] for s in c.status(0)["plan"]["stages"]] == ["node0", "node1", "node2"], 30, "node1 back in the ring")
+
+
+@pytest.mark.parametrize("pair", [(1, 2), (0, 1)], ids=["between-followers", "leader-follower"])
+def test_a_link_dropped_and_remade_at_once(c, uninterrupted, pair):
+    term = c.status(0)["plan"]["term"]
+    stream = Stream(c.url(0), MESSAGES, STREAM_TOKENS)
+    stream.wait_started(10)
+    a, b = pair
+    assert drop_ring_link(c.procs[a].pid, c.ring_ports[a], c.procs[b].pid, c.ring_ports[b]) >= 1
+    t0 = time.monotonic()
+    # The dial loops re-make it within a fraction of a second; the frames it carried are lost,
+    # which the leader must notice (for a link between followers, from the stage's report).
+    c.wait(lambda: (c.status(0) or {}).get("ready") and c.status(0)["plan"]["term"] > term, SERVE_AGAIN_S, "a fresh plan")
+    took = serves_again(c, t0)
+    print(f"\nlink node{a}-node{b} dropped: served again {took:.2f} s later")
+    check_streams(c, [stream], t0)
+    assert stream.text == uninterrupted
+
+
+def test_the_leaders_event_loop_blocked_for_5_s(c, uninterrupted):
+    streams = [Stream(c.url(0), MESSAGES, STREAM_TOKENS), Stream(c.url(1), MESSAGES, STREAM_TOKENS)]
+    for s in streams:
+        s.wait_started()
+    block_event_loop(c.procs[0].pid, 5)  # returns when the loop runs again
+    t0 = time.monotonic()
+    took = serves_again(c, t0)
+    print(f"\nleader's loop blocked 5 s: served again {took:.2f} s later")
+    assert took < SERVE_AGAIN_S
+    check_streams(c, streams, t0)
+    assert all(s.text == uninterrupted for s in streams)
+
+
+CHAOS_ROUNDS = 20
+# Faster than the defaults so twenty rounds fit: a peer silent 1 s is dead.
+CHAOS_TIMING = ["--heartbeat-interval-s", "0.2", "--dead-after-s", "1.0"]
+
+
+def test_chaos_twenty_random_faults_and_the_cluster_heals_after_each(model, cluster_factory):
+    rng = random.Random(7)
+    c = cluster_factory(model, 3, extra=CHAOS_TIMING)
+    c.wait(lambda: serving_leader(c, range(3)), 60, what="a leader")
+    faults = []
+    for round_ in range(CHAOS_ROUNDS):
+        leader = int(c.wait(lambda: serving_leader(c, range(3)), 60, what="a serving leader").removeprefix("node"))
+        followers = [i for i in range(3) if i != leader]
+        fault = rng.choice(["stall leader", "stall follower", "drop link", "block leader loop"])
+        stream = Stream(c.url(rng.randrange(3)), MESSAGES, 200)
+        stream.wait_started(2)
+        if fault == "stall leader" or fault == "stall follower":
+            victim = leader if fault == "stall leader" else rng.choice(followers)
+            c.signal(victim, signal.SIGSTOP)
+            time.sleep(rng.uniform(1.5, 3.0))
+            c.signal(victim, signal.SIGCONT)
+        elif fault == "drop link":
+            a, b = rng.sample(range(3), 2)
+            drop_ring_link(c.procs[a].pid, c.ring_ports[a], c.procs[b].pid, c.ring_ports[b])
+        else:
+            block_event_loop(c.procs[leader].pid, 2)
+        t0 = time.monotonic()
+        faults.append(fault)
+        took = serves_again(c, t0, via=rng.randrange(3))
+        assert took < SERVE_AGAIN_S, f"round {round_} ({fault}): served again only after {took:.1f} s"
+        check_streams(c, [stream], t0)
+    print(f"\nchaos: {', '.join(faults)}")

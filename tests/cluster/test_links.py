@@ -1,0 +1,179 @@
+"""The peer table over real loopback TCP: tie-breaking, heartbeats, death and return."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import uvloop
+
+from ringd.cluster.links import Links
+from wire import stream as wire_stream
+from wire.frames import Frame, MsgType
+
+# A spinning event loop (the bug the second test guards against) never returns
+# to Python's signal handlers; only the thread method of pytest-timeout ends it.
+pytestmark = pytest.mark.timeout(30, method="thread")
+
+SECRET = b"membership-secret-0123456789abcdef"
+
+
+def links(node: str, **kw) -> Links:
+    got: list[tuple[str, Frame]] = []
+    link = Links(node, "lab", SECRET, {"node": node}, on_frame=lambda p, f: got.append((p, f)), **kw)
+    link.got = got
+    return link
+
+
+async def until(predicate, timeout: float = 5.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_two_nodes_dialing_each_other_keep_the_link_dialed_by_the_smaller_id():
+    async def main():
+        a, b = links("a"), links("b")
+        pa, pb = await a.listen("127.0.0.1", 0), await b.listen("127.0.0.1", 0)
+        a.dial("127.0.0.1", pb)
+        b.dial("127.0.0.1", pa)
+        await until(lambda: "b" in a.peers and "a" in b.peers, what="both linked")
+        await asyncio.sleep(0.2)  # the second connection arrives and loses the tie
+        assert a.peers["b"].outbound and not b.peers["a"].outbound
+        a.send("b", Frame(MsgType.CONTROL, 0, {"n": 1}))
+        await until(lambda: any(f.type == MsgType.CONTROL for _, f in b.got), what="the frame")
+        await a.close()
+        await b.close()
+
+    uvloop.run(main())
+
+
+def test_a_peer_vanishing_while_both_its_links_are_up_is_forgotten_and_the_loop_keeps_running():
+    # Regression: b's dial loop (its dialed link lost the tie) used to wait for
+    # the winning link with `await stream.wait_closed()`. When both sockets
+    # closed in one loop iteration, the winner was closed but not yet removed,
+    # that wait returned without yielding, and the loop spun forever: the node
+    # stopped sending heartbeats and was declared dead by everyone else.
+    async def main():
+        for _ in range(3):
+            a, b = links("a"), links("b")
+            pa, pb = await a.listen("127.0.0.1", 0), await b.listen("127.0.0.1", 0)
+            b.dial("127.0.0.1", pa)
+            a.dial("127.0.0.1", pb)
+            await until(lambda: "b" in a.peers and "a" in b.peers, what="both linked")
+            await asyncio.sleep(0.1)  # both connections up; b's own is draining (LINK_SWAP_GRACE_S)
+            # a goes away at once, as a killed process does. The draining link
+            # closes first, so b's dial loop wakes before the winner's reader.
+            winner = a.peers["b"].stream
+            (draining,) = a._streams - {winner}
+            draining.close()
+            winner.close()
+            await a.close()
+            await until(lambda: "a" not in b.peers, 3.0, "b to forget a")
+            ticks = 0
+            for _ in range(5):
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert ticks == 5
+            await b.close()
+
+    uvloop.run(main())
+
+
+def test_a_silent_peer_is_declared_dead_and_its_link_closed():
+    async def main():
+        a = links("a", heartbeat_interval_s=0.05, dead_after_s=0.3)
+        pa = await a.listen("127.0.0.1", 0)
+        # A peer that authenticates and then says nothing, like a SIGSTOP'd process.
+        mute = await wire_stream.connect("127.0.0.1", pa, secret=SECRET, node_id="mute", cluster="lab")
+        await until(lambda: "mute" in a.peers, what="linked")
+        t0 = time.monotonic()
+        await until(lambda: "mute" not in a.peers, 3.0, "a to declare the mute peer dead")
+        assert time.monotonic() - t0 >= 0.25
+        await asyncio.wait_for(mute.wait_closed(), 2.0)
+        await a.close()
+
+    uvloop.run(main())
+
+
+def test_a_learned_address_whose_handshakes_fail_is_given_up_and_a_configured_one_is_not():
+    async def main():
+        stranger = Links("x", "lab", b"another-secret-0123456789abcdef", {}, on_frame=lambda p, f: None)
+        port = await stranger.listen("127.0.0.1", 0)
+        a = links("a")
+        a.dial("127.0.0.1", port)  # learned: from an advert or gossip
+        await until(lambda: ("127.0.0.1", port) not in a._dialing, 10.0, "the learned dial to be given up")
+        assert a._learned == 0
+        a.dial("127.0.0.1", port, persistent=True)  # configured: keeps trying
+        await asyncio.sleep(1.0)
+        assert ("127.0.0.1", port) in a._dialing
+        await a.close()
+        await stranger.close()
+
+    uvloop.run(main())
+
+
+def test_learned_dials_are_capped(monkeypatch, caplog):
+    import logging
+
+    import ringd.cluster.links as membership
+
+    monkeypatch.setattr(membership, "MAX_LEARNED_DIALS", 2)
+
+    async def main():
+        a = links("a")
+        for port in (1, 2, 3):  # nothing listens there: the loops keep trying
+            a.dial("127.0.0.1", port)
+        assert len(a._dialing) == 2 and a._learned == 2
+        a.dial("127.0.0.1", 4, persistent=True)  # configured peers are never refused
+        assert len(a._dialing) == 3
+        await a.close()
+
+    with caplog.at_level(logging.WARNING, "ringd.cluster.links"):
+        uvloop.run(main())
+    assert "not dialing 127.0.0.1:3: 2 learned addresses are being dialed already" in caplog.text
+
+
+def test_a_member_that_dialed_in_is_dialed_back_once_its_link_is_lost():
+    """If a flood holds this node's listener, the link must not wait for the peer's dial to get in."""
+
+    async def main():
+        a, b = links("a"), links("b")
+        pa, pb = await a.listen("127.0.0.1", 0), await b.listen("127.0.0.1", 0)
+        b.info["addr"] = f"127.0.0.1:{pb}"
+        # b's link to a, dialed by hand: nothing on b's side dials a again once it is gone.
+        inbound = await wire_stream.connect("127.0.0.1", pa, secret=SECRET, node_id="b", cluster="lab", info=b.info)
+        await until(lambda: "b" in a.peers and not a.peers["b"].outbound, what="a to accept b")
+        inbound.close()
+        await until(lambda: "b" in a.peers and a.peers["b"].outbound, 5.0, "a to dial b back")
+        assert "a" in b.peers and not b.peers["a"].outbound
+        await a.close()
+        await b.close()
+
+    uvloop.run(main())
+
+
+def test_members_addresses_are_configured_peers_and_addresses_linked_before(monkeypatch):
+    import ringd.cluster.links as membership
+
+    monkeypatch.setattr(membership, "MAX_KNOWN_HOSTS", 2)
+
+    async def main():
+        a = links("a")
+        pa = await a.listen("127.0.0.1", 0)
+        a.dial("10.9.9.9", 1, persistent=True)  # a configured peer: known before any link
+        a.dial("10.8.8.8", 1)  # learned (an advert anyone can make): not until it links
+        assert a._known_host("10.9.9.9") and not a._known_host("10.8.8.8") and not a._known_host("127.0.0.1")
+        for name, addr in [("b", "::ffff:10.0.0.2:5"), ("c", "10.0.0.3:5")]:
+            peer = await wire_stream.connect("127.0.0.1", pa, secret=SECRET, node_id=name, cluster="lab", info={"addr": addr})
+            await until(lambda: name in a.peers, what=f"{name} linked")
+            peer.close()
+            await until(lambda: name not in a.peers, what=f"{name} gone")
+        # Where c dials from and where it listens; b's listening address, the oldest, forgotten.
+        assert a._known_host("127.0.0.1") and a._known_host("10.0.0.3") and not a._known_host("10.0.0.2")
+        assert a._known_host("10.9.9.9")  # configured peers never are
+        await a.close()
+
+    uvloop.run(main())

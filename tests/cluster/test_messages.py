@@ -1,0 +1,135 @@
+"""Every descriptor a peer can send, fuzzed: each parser answers with its own error, never another exception.
+
+Heartbeats, CONTROL and LOADED (``ringd.cluster.messages``), PLAN (``Plan.from_wire``),
+FORWARD, TOKEN and ERROR (``ringd.steps``) and RELEASE (``parse_release``): random JSON-shaped
+documents and mutations of valid ones go in; a parsed value or the protocol's
+own error comes out. Round trips of valid messages hold, and what a node builds
+stays within the bounds it parses with.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringd.cluster.election import Announce, Pin, Term
+from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, Heartbeat, MessageError, parse_control, parse_loaded
+from ringd.steps import Failure, Forward, Tokens, parse_release
+from ringd.cluster.placement import Plan, PlacementError, make_plan
+from ringd.cluster.reconcile import LOADED, Report
+from wire.frames import Frame, FrameError, MsgType
+
+names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,12}", fullmatch=True)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+    max_leaves=25,
+)
+
+heartbeats = st.builds(
+    Heartbeat,
+    st.builds(Announce, st.builds(Term, st.integers(1, 2**53 - 1), names), st.none() | names, st.builds(Pin, st.integers(0, 9), st.none() | names)),
+    st.just(Report(Term(3, "a"), LOADED)) | st.just(Report()),
+    st.dictionaries(names, st.builds(lambda a, p: f"10.0.{a}.1:{p}", st.integers(0, 255), st.integers(1, 65535)), max_size=MAX_GOSSIPED_PEERS),
+    st.none() | st.lists(names, max_size=MAX_DRAINED, unique=True).map(tuple),
+)
+
+
+def valid_docs():
+    beat = Heartbeat(Announce(Term(4, "node1"), "node1", Pin()), Report(Term(4, "node1"), LOADED), {"node2": "10.0.0.2:50051"}, ("node3",), Term(4, "node1"), "")
+    plan = make_plan(7, "node1", "fp", 6, [("node1", "10.0.0.1:50051"), ("node2", "10.0.0.2:50051")])
+    forward = {
+        "term": 7,
+        "rows": [[5, 0, [1, 2, 3], 0, {"params": {"temperature": 0.0}, "kv": {"max_size": None, "bits": 4, "group_size": 64, "start": 0}, "request_id": "r-1"}], [6, 9, [4], 3]],
+        "failed": [[8, "node2: no such request"]],
+        "tensor": {"dtype": "bfloat16", "shape": [1, 4, 8]},
+    }
+    return {
+        "heartbeat": beat.to_wire(),
+        "control": {"election": beat.election.to_wire()},
+        "loaded": beat.report.to_wire(),
+        "plan": plan.to_wire(),
+        "forward": forward,
+        "token": {"term": 7, "rows": [[5, 3, 17, -0.5, [[17, -0.5], [3, -1.25]]], [6, 10, 2, 0]], "failed": [[8, "why"]]},
+        "error": {"term": 7, "node": "node2", "message": "no stage loaded here", "status": 503},
+        "release": {"term": 7, "keep": True},
+    }
+
+
+PARSERS = {
+    "heartbeat": (Heartbeat.from_wire, MessageError),
+    "control": (parse_control, MessageError),
+    "loaded": (parse_loaded, MessageError),
+    "plan": (Plan.from_wire, PlacementError),
+    "forward": (lambda d: Forward.parse(Frame(MsgType.FORWARD, 3, d), 1000), FrameError),
+    "token": (lambda d: Tokens.parse(Frame(MsgType.TOKEN, 3, d)), FrameError),
+    "error": (lambda d: Failure.parse(Frame(MsgType.ERROR, 3, d)), FrameError),
+    "release": (parse_release, FrameError),
+}
+
+
+def mutate(doc, data):
+    """One random change somewhere inside a JSON document: replace, drop or add a value."""
+    if isinstance(doc, dict) and doc and data.draw(st.booleans()):
+        key = data.draw(st.sampled_from(sorted(doc)))
+        choice = data.draw(st.integers(0, 2))
+        if choice == 0:
+            return {k: v for k, v in doc.items() if k != key}
+        if choice == 1:
+            return {**doc, key: data.draw(json_values)}
+        return {**doc, key: mutate(doc[key], data)}
+    if isinstance(doc, list) and doc and data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(doc) - 1))
+        return doc[:i] + [mutate(doc[i], data)] + doc[i + 1 :]
+    return data.draw(json_values)
+
+
+@pytest.mark.parametrize("kind", sorted(PARSERS))
+def test_valid_messages_parse(kind):
+    parse, _ = PARSERS[kind]
+    parse(valid_docs()[kind])
+
+
+@pytest.mark.parametrize("kind", sorted(PARSERS))
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_mutated_and_random_messages_raise_only_their_protocol_error(kind, data):
+    parse, error = PARSERS[kind]
+    how = data.draw(st.sampled_from(["random", "mutated", "mutated twice"]))
+    if how == "random":
+        doc = data.draw(json_values)
+    else:
+        doc = mutate(valid_docs()[kind], data)
+        if how == "mutated twice":
+            doc = mutate(doc, data)
+    doc = json.loads(json.dumps(doc))  # only what JSON can carry arrives
+    try:
+        parse(doc)
+    except error:
+        pass
+
+
+@given(heartbeats)
+def test_heartbeats_round_trip_and_always_fit_a_frame(beat):
+    wire = beat.to_wire()
+    assert Heartbeat.from_wire(json.loads(json.dumps(wire))) == beat
+    from wire.frames import MAX_DESCRIPTOR_BYTES
+
+    assert len(json.dumps(wire)) < MAX_DESCRIPTOR_BYTES
+
+
+def test_heartbeats_refuse_what_a_node_would_never_build():
+    good = valid_docs()["heartbeat"]
+    with pytest.raises(MessageError, match="at most 64 node"):
+        Heartbeat.from_wire({**good, "knows": {f"n{i}": "10.0.0.1:1" for i in range(MAX_GOSSIPED_PEERS + 1)}})
+    with pytest.raises(MessageError, match="drained node"):
+        Heartbeat.from_wire({**good, "drained": ["x" * 70_000]})
+    with pytest.raises(MessageError, match="must be an IP address"):
+        Heartbeat.from_wire({**good, "knows": {"node2": "mac.local:50051"}})
+    with pytest.raises(MessageError, match="keys"):
+        Heartbeat.from_wire({k: v for k, v in good.items() if k != "reason"})
+    with pytest.raises(MessageError):
+        Heartbeat(Announce(Term(1, "a"), None, Pin()), Report(), {}, tuple(f"n{i}" for i in range(MAX_DRAINED + 1)))

@@ -1,0 +1,117 @@
+"""ringd.cluster.stagehost: what a node does with the plans it is given when its model's files cannot be read.
+
+In-process: a real StageHost with a real compute thread loads a real tiny
+model through ``Shard.load``; only the ring is absent (its frames are kept in
+a list), since the point is what this one node does, plan after plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+
+from ringd.models.checkpoint import model_info
+from ringd.stage.compute import ComputeThread
+from ringd.metrics import Metrics
+from ringd.cluster.placement import Plan, Stage
+from ringd.cluster.reconcile import FAILED, LOADED
+from ringd.cluster.stagehost import StageHost
+
+NODE = "node0"
+
+
+def test_a_model_file_cut_short_after_start_fails_the_load_once_and_is_not_read_again(tiny_model, tmp_path, caplog, monkeypatch):
+    """The issue: a truncated file made every plan (one each 30 s) re-read it and log a traceback."""
+    from ringd.stage import shard
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model(arch="llama", layers=2), model)
+    info = model_info(str(model))  # at start the files were whole
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # then a copy over it stopped short
+
+    loads = []
+    real_load = shard.Shard.load.__func__
+    monkeypatch.setattr(shard.Shard, "load", classmethod(lambda cls, *a: loads.append(a) or real_load(cls, *a)))
+    sent = []
+
+    async def main():
+        compute = ComputeThread()
+        host = StageHost(NODE, str(model), info, compute, lambda node, frame: sent.append(frame), lambda: None, Metrics(NODE))
+        try:
+            for term in (1, 2, 3):  # the leader's fresh plans, as it retries after a failure
+                plan = Plan(term, NODE, info.fingerprint, info.num_layers, (Stage(NODE, "127.0.0.1:1", 0, info.num_layers),))
+                await host.load(host.take(NODE, plan.to_wire(), NODE))
+                assert host.report.state == FAILED and str(weights) in host.report.error and "truncated" in host.report.error, host.report
+                assert len(sent) == term  # each plan is answered, FAILED
+        finally:
+            await compute.stop()
+
+    with caplog.at_level(logging.DEBUG, logger="ringd.cluster.stagehost"):
+        asyncio.run(main())
+    assert len(loads) == 1, "the broken file was read again for a later plan"
+    errors = [r for r in caplog.records if r.name == "ringd.cluster.stagehost" and r.levelno >= logging.WARNING]
+    assert len(errors) == 1 and errors[0].exc_info is None, [r.getMessage() for r in errors]
+    line = errors[0].getMessage()
+    assert str(weights) in line and "truncated" in line and "restarted" in line, line
+
+
+def test_a_whole_model_loads(tiny_model):
+    """The same host and plan with the file whole: LOADED (so the test above fails for its reason)."""
+    model = tiny_model(arch="llama", layers=2)
+    info = model_info(str(model))
+
+    async def main():
+        compute = ComputeThread()
+        host = StageHost(NODE, str(model), info, compute, lambda node, frame: None, lambda: None, Metrics(NODE))
+        try:
+            plan = Plan(1, NODE, info.fingerprint, info.num_layers, (Stage(NODE, "127.0.0.1:1", 0, info.num_layers),))
+            await host.load(host.take(NODE, plan.to_wire(), NODE))
+            assert host.report.state == LOADED, host.report
+        finally:
+            await compute.stop()
+
+    asyncio.run(main())
+
+
+def test_a_neighbour_that_said_leave_breaks_no_ring(tiny_model, caplog):
+    """A whole ring stopped at once: the signals land a little apart, so a stage may find the
+    next one gone before it stops itself. A neighbour that said LEAVE is the leader's to plan
+    around; one that vanished without a word breaks the ring (``reconcile.BROKEN``)."""
+    from ringd.cluster.links import LinkError
+    from ringd.cluster.reconcile import BROKEN
+    from wire.frames import Frame, MsgType
+
+    model = tiny_model(arch="llama", layers=2)
+    info = model_info(str(model))
+    departed: set[str] = set()
+
+    def send(node, frame):
+        if node == "node1":
+            raise LinkError("no link to node 'node1'")
+
+    async def main():
+        compute = ComputeThread()
+        host = StageHost(NODE, str(model), info, compute, send, lambda: None, Metrics(NODE), departed=departed.__contains__)
+        try:
+            stages = (Stage(NODE, "127.0.0.1:1", 0, 1), Stage("node1", "127.0.0.1:2", 1, info.num_layers))
+            plan = Plan(1, NODE, info.fingerprint, info.num_layers, stages)
+            host.check_links({"node1": 1})  # linked with the next stage before the plan
+            await host.load(host.take(NODE, plan.to_wire(), NODE))
+            host.check_links({"node1": 1})
+            assert host.report.state == LOADED, host.report
+            departed.add("node1")
+            host._pass_on("node1", Frame(MsgType.FORWARD, 7, {}))  # as the stage passes its output on
+            host.check_links({})
+            assert host.report.state == LOADED, host.report
+            departed.clear()
+            host._pass_on("node1", Frame(MsgType.FORWARD, 8, {}))
+            assert host.report.state == BROKEN and "node1" in host.report.error, host.report
+        finally:
+            await compute.stop()
+
+    with caplog.at_level(logging.DEBUG, logger="ringd.cluster.stagehost"):
+        asyncio.run(main())
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ringd.cluster.stagehost" and r.levelno >= logging.WARNING]
+    assert all("req=7" not in w for w in warnings) and any("broken here" in w for w in warnings), warnings

@@ -1,0 +1,103 @@
+"""reader.Reader: what the model writes, split into answer, reasoning and tool calls, however it arrives.
+
+The model's text comes a token at a time, and a marker's characters may be
+split across tokens any which way; so the property under test is that any
+split of a text gives the same answer, reasoning and calls as the whole text.
+"""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.tool_parsers import json_tools
+
+from ringd.http.reader import Reader
+from ringd.http.render import ReadPlan
+
+THINK = ("<think>", "</think>")
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def native(**kw) -> ReadPlan:
+    return ReadPlan(think=THINK, tools="native", tool_markers=("<tool_call>", "</tool_call>"), tool_parser=json_tools.parse_tool_call, template_tools=WEATHER, **kw)
+
+
+def read(plan: ReadPlan, pieces: list[str]) -> tuple[str, str, list[tuple[str, dict]]]:
+    r = Reader(plan)
+    text, reasoning, calls = [], [], []
+    for i, piece in enumerate(pieces):
+        t, z, c = r.feed(piece, final=i == len(pieces) - 1)
+        text.append(t)
+        reasoning.append(z)
+        calls += [(call.name, json.loads(call.arguments)) for call in c]
+    return "".join(text), "".join(reasoning), calls
+
+
+def splits(text: str):
+    """Strategy: ``text`` cut into pieces at arbitrary places (the last may be empty, as an EOS token's)."""
+    return st.lists(st.integers(0, len(text)), max_size=12).map(
+        lambda cuts: [text[a:b] for a, b in zip([0, *sorted(cuts)], [*sorted(cuts), len(text)])] + [""]
+    )
+
+
+QWEN_ANSWER = '<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_any_split_of_a_thinking_tool_call_reads_the_same(data):
+    pieces = data.draw(splits(QWEN_ANSWER))
+    text, reasoning, calls = read(native(), pieces)
+    assert reasoning == "\nThe user wants weather.\n"
+    assert calls == [("get_weather", {"city": "Paris"})]
+    assert text.strip() == ""
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_a_prompt_that_opened_the_think_block_starts_in_reasoning(data):
+    answer = "I should say hello.</think>\n\nHello!"
+    text, reasoning, calls = read(native(initial="reasoning"), data.draw(splits(answer)))
+    assert (text, reasoning, calls) == ("\n\nHello!", "I should say hello.", [])
+
+
+def test_a_call_that_does_not_parse_comes_back_as_text_not_lost():
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+    text, _, calls = read(native(), [broken, ""])
+    assert calls == [] and text == broken
+
+
+def test_a_call_cut_off_by_max_tokens_comes_back_as_text():
+    text, _, calls = read(native(), ['<tool_call>\n{"name": "get_wea', ""])
+    assert calls == [] and text == '<tool_call>\n{"name": "get_wea</tool_call>'
+
+
+def test_without_tools_markers_are_plain_text():
+    text, reasoning, calls = read(ReadPlan(), [QWEN_ANSWER])
+    assert text == QWEN_ANSWER and reasoning == "" and calls == []
+
+
+GENERIC_CALL = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]}'
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_generic_format_reads_calls_whole_at_the_end(data):
+    text, _, calls = read(ReadPlan(tools="generic"), data.draw(splits(GENERIC_CALL)))
+    assert text == "" and calls == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(min_size=1).filter(lambda t: not t.startswith("{")), st.data())
+def test_generic_format_passes_text_through_as_it_comes(answer, data):
+    r = Reader(ReadPlan(tools="generic"))
+    pieces = data.draw(splits(answer))
+    got = [r.feed(p, final=i == len(pieces) - 1)[0] for i, p in enumerate(pieces)]
+    assert got == pieces  # streamed as it comes: nothing held back
+
+
+def test_generic_json_cut_short_is_text():
+    text, _, calls = read(ReadPlan(tools="generic"), ['{"tool_calls": [{"name": "get_w', ""])
+    assert calls == [] and text == '{"tool_calls": [{"name": "get_w'

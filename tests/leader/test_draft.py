@@ -1,0 +1,70 @@
+"""ringd.leader.draft: the leader's draft model proposes what mlx-lm's greedy decoding of it would, and
+keeps its cache in step with a request whose proposals were kept in part.
+
+In-process, on the node's compute thread as the daemon runs it; the ring's side of speculative
+decoding is in test_pipeline, test_engine and test_ring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load as mlx_load
+
+from ringd.models.checkpoint import ModelError, model_info
+from ringd.stage.compute import ComputeThread
+from ringd.leader.draft import Drafter
+
+
+def greedy(model, sequence: list[int], n: int) -> list[int]:
+    return [t for t, _ in generate_step(mx.array(sequence), model, max_tokens=n)]
+
+
+def test_proposals_are_the_drafts_greedy_tokens_whatever_was_kept_before(tiny_model):
+    path = tiny_model(arch="llama", layers=2, dtype="float32")
+    model, _ = mlx_load(str(path))
+    prompt = [5, 17, 200, 33, 9, 41]
+
+    async def main():
+        compute = ComputeThread()
+        try:
+            drafter = await Drafter.load(str(path), compute, model_info(str(path)))
+            first = await drafter.propose(1, tuple(prompt), 3)
+            # Two of three kept, then a token of the big model's own: the draft's cache must drop
+            # its third proposal and go on from the sequence as it is now.
+            sequence = prompt + list(first[:2]) + [(first[2] + 1) % 700]
+            second = await drafter.propose(1, tuple(sequence), 4)
+            # All kept, and the big model's token after them.
+            sequence += list(second) + [7]
+            third = await drafter.propose(1, tuple(sequence), 2)
+            drafter.forget(1)
+            await compute.run(lambda: None)
+            return first, second, third, sequence, dict(drafter._states)
+        finally:
+            await compute.stop()
+
+    first, second, third, sequence, left = asyncio.run(main())
+    assert list(first) == greedy(model, prompt, 3)
+    assert list(second) == greedy(model, sequence[: len(sequence) - 5], 4)
+    assert list(third) == greedy(model, sequence, 2)
+    assert left == {}
+
+
+def test_a_draft_with_another_vocabulary_is_refused_by_name(tiny_model):
+    target = tiny_model(arch="llama", layers=2, dtype="float32")
+    other = tiny_model(arch="llama", layers=1, dtype="float32", vocab_size=1024)
+
+    async def main():
+        compute = ComputeThread()
+        try:
+            with pytest.raises(ModelError, match="vocabulary has 1024 tokens.*must share the served model's tokenizer"):
+                await Drafter.load(str(other), compute, model_info(str(target)))
+            with pytest.raises(ModelError, match="^draft_model: "):
+                await Drafter.load("/nonexistent/draft", compute, model_info(str(target)))
+        finally:
+            await compute.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,316 @@
+"""ringd.leader.engine: the leader's requests through real stages, and each request's text.
+
+``Engine`` over three real StageRunners in this process (tests/stagering.py):
+requests that run at once, some of whose clients leave midway, get mlx-lm's
+tokens, go around in micro-batches, and leave nothing behind (no request on the
+leader, no session on any stage). ``_Text``: what a stop string does to the text,
+with a detokenizer that spells each token as given, so a stop can straddle tokens.
+The ring over real processes and TCP is exercised in test_ring and test_failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given
+from hypothesis import strategies as st
+from stagering import StageRing
+from stagering import teacher_forced_mismatches
+
+from ringd.models.checkpoint import load_tokenizer, model_info
+from ringd.leader.engine import Engine, EngineError, _Text
+from ringd.stage.sampling import SamplingParams
+from wire.frames import MsgType
+
+EOS = 0
+
+
+class Spelling:
+    """mlx-lm's detokenizer interface over a fixed spelling of each token id."""
+
+    def __init__(self, pieces: dict[int, str]):
+        self.pieces = pieces
+        self.last_segment = ""
+
+    def add_token(self, token: int) -> None:
+        self.last_segment = self.pieces[token]
+
+    def finalize(self) -> None:
+        self.last_segment = ""
+
+
+def run(pieces: list[str], stop: list[str], max_tokens: int = 100) -> tuple[str, str | None, str | None]:
+    """The text emitted, the finish reason, and the stop string named."""
+    text = _Text(Spelling(dict(enumerate(pieces, start=1))), stop, {EOS}, max_tokens)
+    out, finish = [], None
+    for token in [*range(1, len(pieces) + 1), EOS]:
+        piece, finish = text.next(token)
+        out.append(piece)
+        if finish is not None:
+            break
+    return "".join(out), finish, text.matched
+
+
+def test_the_stop_that_ends_the_text_is_named_even_across_tokens():
+    assert run(["The cap", "ital is Pa", "ris. More"], ["Paris", "Rome"]) == ("The capital is ", "stop", "Paris")
+    assert run(["a", "b", "c"], ["x"]) == ("abc", "stop", None)  # ended by its end token: no stop named
+    assert run(["ab", "cd"], ["cd"], max_tokens=2) == ("ab", "stop", "cd")
+    assert run(["xbab"], ["ab", "bab"]) == ("x", "stop", "bab")  # two end at once: the longest, as the matcher strips it
+
+
+@given(
+    words=st.lists(st.sampled_from(["a", "b", "ab", "ba", "END", "E", "ND", " "]), max_size=12),
+    stops=st.lists(st.sampled_from(["END", "ab", "bab", "DE"]), min_size=1, max_size=3, unique=True),
+)
+def test_the_text_stops_at_the_first_stop_and_names_one_that_ends_there(words, stops):
+    whole = "".join(words)
+    text, finish, matched = run(words, stops)
+    ends = [(whole.find(s) + len(s), s) for s in stops if s in whole]
+    if not ends:
+        assert (text, finish, matched) == (whole, "stop", None)
+        return
+    end = min(e for e, _ in ends)
+    assert finish == "stop" and matched is not None and whole[:end].endswith(matched)
+    assert text == whole[: end - len(matched)]
+
+
+def test_requests_at_once_through_real_stages_get_mlx_lms_tokens_and_leave_nothing_behind(tiny_model):
+    from mlx_lm.utils import load as mlx_load
+
+    path = tiny_model(arch="llama", layers=4, dtype="float32")
+    tokenizer = load_tokenizer(model_info(str(path)))
+    prompts = [tokenizer.encode(f"Request number {i} asks about {'rings ' * i}", add_special_tokens=False) for i in range(6)]
+    leaves_after = {4: 3, 5: 1}  # these clients stop reading after so many tokens
+
+    async def main():
+        ring = StageRing(path, [1, 3], tokenizer)
+        engine = ring.lead(Engine("node0", tokenizer, None, prefill_chunk_tokens=8, prefix_cache_entries=0))
+
+        async def one(i):
+            got = []
+            async for event in engine.generate(prompts[i], SamplingParams(temperature=0), 12):
+                got.append(event.token)
+                if len(got) == leaves_after.get(i, 99):
+                    break
+            return got
+
+        try:
+            outs = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(prompts)))), 300)
+            # Every RELEASE is on its way: wait for the stages to apply them.
+            for _ in range(600):
+                if not any(len(r.sessions) for r in ring.runners.values()) and not engine._flights:
+                    break
+                await asyncio.sleep(0.05)
+            left = {node: len(r.sessions) for node, r in ring.runners.items()}
+            return outs, left, engine, ring.metrics
+        finally:
+            await ring.stop()
+
+    outs, left, engine, _ = asyncio.run(main())
+    assert left == {"node0": 0, "node1": 0, "node2": 0}, left
+    assert not engine._flights and engine.active == 0 and engine.scheduler.in_flight == 0
+    assert engine.metrics.registry.get_sample_value("ringd_micro_batch_rows_count", {"node": "node0"}) > 0
+    model, _ = mlx_load(str(path))
+    for i, got in enumerate(outs):
+        ended = got and got[-1] in tokenizer.eos_token_ids  # the model ended it: fine, the same as mlx-lm
+        assert len(got) == leaves_after.get(i, 12) or ended and len(got) < leaves_after.get(i, 12), (i, got)
+        bad = teacher_forced_mismatches(model, prompts[i], got)
+        assert not bad, f"request {i}: " + "; ".join(bad)
+
+
+def test_a_request_failing_on_a_stage_fails_alone(tiny_model):
+    """A grammar the last stage cannot follow (no tokenizer there) fails that request with the
+    stage's reason; the one beside it is served."""
+    from ringd.stage import grammar
+
+    path = tiny_model(arch="llama", layers=2, dtype="float32")
+    tokenizer = load_tokenizer(model_info(str(path)))
+
+    async def main():
+        ring = StageRing(path, [1], tokenizer)
+        ring.runners[ring.stages[-1].node].grammar_tokenizer = None
+        engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0))
+        prompt = tokenizer.encode("hello there", add_special_tokens=False)
+
+        async def run(params):
+            try:
+                return [e.token async for e in engine.generate(prompt, params, 5)]
+            except EngineError as e:
+                return e
+
+        try:
+            out = await asyncio.wait_for(asyncio.gather(run(SamplingParams(grammar=grammar.json_object())), run(SamplingParams(temperature=0))), 120)
+            return out, dict(engine._flights)
+        finally:
+            await ring.stop()
+
+    (failed, served), flights = asyncio.run(main())
+    assert not flights, "a failed request stayed on the leader"
+    assert isinstance(failed, EngineError) and "grammar" in str(failed) and "node1" in str(failed), failed
+    assert isinstance(served, list) and len(served) >= 1
+
+
+def test_speculative_decoding_through_real_stages_gives_the_plain_greedy_tokens(tiny_model):
+    """A draft that always agrees (the model itself) and one that rarely does (another random
+    model with the same vocabulary): greedy requests at once get the tokens the same engine gives
+    without a draft; a sampled request beside them does not speculate; nothing is left behind."""
+    from ringd.leader.draft import Drafter
+
+    path = tiny_model(arch="llama", layers=4, dtype="float32")
+    stranger = tiny_model(arch="llama", layers=2, dtype="float32", seed=9)
+    tokenizer = load_tokenizer(model_info(str(path)))
+    prompts = [tokenizer.encode(f"Question {i}: {'why rings? ' * i}", add_special_tokens=False) for i in range(4)]
+
+    async def main():
+        ring = StageRing(path, [1, 3], tokenizer)
+
+        def engine_with(drafter):
+            return ring.lead(Engine("node0", tokenizer, None, prefill_chunk_tokens=8, prefix_cache_entries=0, drafter=drafter, num_draft=3))
+
+        async def answers(engine):
+            async def one(prompt):
+                return [e.token async for e in engine.generate(prompt, SamplingParams(temperature=0), 20)]
+
+            sampled = engine.generate(prompts[0], SamplingParams(temperature=0.7, seed=3), 20)
+            outs = await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts), _drain(sampled)), 300)
+            for _ in range(600):  # every RELEASE applied on every stage
+                if not any(len(r.sessions) for r in ring.runners.values()) and not engine._flights:
+                    break
+                await asyncio.sleep(0.05)
+            return outs[:-1]
+
+        def proposals() -> tuple[float, float]:
+            get = ring.metrics.registry.get_sample_value
+            return tuple(get("ringd_draft_tokens_total", {"node": "node-last", "outcome": o}) or 0.0 for o in ("accepted", "rejected"))
+
+        async def speculating(draft) -> tuple[list, float]:
+            """The answers with ``draft`` as the draft model, and the share of its proposals kept."""
+            before = proposals()
+            out = await answers(engine_with(await Drafter.load(str(draft), ring.compute, model_info(str(path)))))
+            kept, cut = (a - b for a, b in zip(proposals(), before))
+            return out, kept / (kept + cut)
+
+        try:
+            plain = await answers(engine_with(None))
+            same, same_rate = await speculating(path)
+            other, other_rate = await speculating(stranger)
+            left = [len(r.sessions) for r in ring.runners.values()]
+            return plain, same, other, same_rate, other_rate, left
+        finally:
+            await ring.stop()
+
+    plain, same, other, same_rate, other_rate, left = asyncio.run(main())
+    assert same == plain and other == plain
+    # The model as its own draft agrees nearly always; a stranger rarely (both verified the same way).
+    assert same_rate > 0.9 and other_rate < 0.3, (same_rate, other_rate)
+    assert left == [0, 0, 0], left
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+def test_only_requests_whose_caches_can_be_cut_back_speculate(tiny_model):
+    """Greedy requests without logprobs, penalties or a grammar, on caches that can drop a rejected
+    proposal for the request's whole length (a sliding window cannot once it wraps; linear
+    attention never)."""
+    from ringd.steps import KvOptions
+
+    tokenizer = load_tokenizer(model_info(str(tiny_model(arch="llama", layers=2, dtype="float32"))))
+    engine = Engine("node0", tokenizer, None, drafter=object())
+    greedy = SamplingParams(temperature=0)
+    assert engine._speculates(greedy, 10_000)
+    assert not engine._speculates(SamplingParams(temperature=0.5), 10)
+    assert not engine._speculates(SamplingParams(temperature=0, logprobs=True), 10)
+    assert not engine._speculates(SamplingParams(temperature=0, repetition_penalty=1.1), 10)
+    engine.prefix_limit = 0  # linear-attention state
+    assert not engine._speculates(greedy, 10)
+    engine.prefix_limit = 64  # a sliding window of 64: fine while the request stays inside it
+    assert engine._speculates(greedy, 63) and not engine._speculates(greedy, 64)
+    engine.prefix_limit, engine.kv = None, KvOptions(max_size=32)
+    assert engine._speculates(greedy, 31) and not engine._speculates(greedy, 40)
+    assert not Engine("node0", tokenizer, None)._speculates(greedy, 10)  # no draft model
+
+
+def test_a_request_arriving_while_a_lost_ring_is_replanned_waits_for_the_next(tiny_model):
+    """Between a lost ring and the next, new requests wait as the held ones do (ring_back); when
+    none ever served, or none can, they are told at once."""
+    from ringd.cluster.placement import Plan, Stage
+
+    tokenizer = load_tokenizer(model_info(str(tiny_model(arch="llama", layers=2, dtype="float32"))))
+
+    def plan(term):
+        return Plan(term, "node0", "fp", 2, (Stage("node0", "127.0.0.1:1", 0, 2),))
+
+    async def main():
+        engine = Engine("node0", tokenizer, lambda node, frame: None)
+        never = await engine.ring_back(60)  # no ring ever served: nothing to wait for
+        engine.set_plan(plan(1))
+        engine.suspend_all("node1 left")
+        waiting = asyncio.ensure_future(engine.ring_back(60))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        engine.set_plan(plan(2))
+        back = await asyncio.wait_for(waiting, 10)
+        engine.suspend_all("node1 left")
+        waiting = asyncio.ensure_future(engine.ring_back(60))
+        await asyncio.sleep(0)
+        engine.fail_all("no ring can serve")
+        none = await asyncio.wait_for(waiting, 10)
+        timed_out = await engine.ring_back(0.01)  # nothing is being planned now: at once
+        engine.set_plan(plan(3))
+        engine.suspend_all("node1 left")
+        return never, back, none, timed_out, await engine.ring_back(0.05)
+
+    assert asyncio.run(main()) == (False, True, False, False, False)
+
+
+def test_a_micro_batch_lost_on_a_live_ring_fails_its_request_and_frees_its_slot(tiny_model):
+    """A stage that swallows a FORWARD (a bug, a frame lost without the link breaking): the
+    watchdog fails that micro-batch's request with a 503 once the step timeout has passed, and
+    the next request is served."""
+    import time
+
+    path = tiny_model(arch="llama", layers=2, dtype="float32")
+    tokenizer = load_tokenizer(model_info(str(path)))
+
+    async def main():
+        ring = StageRing(path, [1], tokenizer)
+        last = ring.stages[-1].node
+        swallowed = []
+
+        def lose(node, frame) -> bool:
+            if frame.type == MsgType.FORWARD and node == last and not swallowed:
+                swallowed.append(frame.request_id)  # lost on the way: no answer will ever come
+                return True
+            return False
+
+        engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0, step_timeout_s=30), lose)
+        # One token: its one row waits for its token, and nothing follows it on the ring.
+        prompt = tokenizer.encode("hello", add_special_tokens=False)[:1]
+
+        async def run():
+            try:
+                return [e.token async for e in engine.generate(prompt, SamplingParams(temperature=0), 4)]
+            except EngineError as e:
+                return e
+
+        try:
+            lost = asyncio.ensure_future(run())
+            for _ in range(600):  # until the FORWARD is swallowed
+                if swallowed:
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.watch() == 0  # not late yet
+            assert engine.watch(time.monotonic() + 31) == 1
+            failed = await asyncio.wait_for(lost, 30)
+            served = await asyncio.wait_for(run(), 120)
+            return failed, served, engine.scheduler.in_flight
+        finally:
+            await ring.stop()
+
+    failed, served, in_flight = asyncio.run(main())
+    assert isinstance(failed, EngineError) and failed.status == 503 and "did not come back" in str(failed), failed
+    assert isinstance(served, list) and len(served) >= 1
+    assert in_flight == 0
