@@ -35,7 +35,7 @@ from ringd.logs import LOG_FORMATS
 from ringd.names import check_host as _host
 from ringd.names import check_name, parse_hostport
 from ringd.names import check_port as _port
-from ringd.steps import MAX_ROWS
+from ringd.steps import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES, MAX_ROWS
 
 DEFAULT_RING_PORT = 50051
 DEFAULT_HTTP_PORT = 8100
@@ -255,8 +255,8 @@ KEYS: list[Key] = [
     Key("api_only", _bool, False, "hold no layers: only serve the API (and lead, if elected)"),
     Key("kv_reserve_tokens", _positive_int, 2048, "KV-cache positions every stage keeps room for when layers are placed", int),
     Key("max_kv_size", _optional(_positive_int), None, "mlx-lm max_kv_size: a rotating KV cache of this many positions (disables prefix reuse)", int),
-    Key("kv_bits", _optional(_int_in(2, 3, 4, 5, 6, 8)), None, "mlx-lm kv_bits: quantize the KV cache to this many bits", int),
-    Key("kv_group_size", _int_in(32, 64, 128), 64, "mlx-lm kv_group_size for a quantized KV cache", int),
+    Key("kv_bits", _optional(_int_in(*KV_BITS)), None, "mlx-lm kv_bits: quantize the KV cache to this many bits", int),
+    Key("kv_group_size", _int_in(*KV_GROUP_SIZES), DEFAULT_KV_GROUP_SIZE, "mlx-lm kv_group_size for a quantized KV cache", int),
     Key("quantized_kv_start", _non_negative_int, 5000, "mlx-lm quantized_kv_start: positions kept unquantized", int),
     Key("chat_template_kwargs", _template_kwargs, {}, 'variables every chat template gets unless a request sets them (chat_template_kwargs), e.g. {"enable_thinking": false}'),
     Key("prefix_cache_entries", _non_negative_int, DEFAULT_PREFIX_CACHE_ENTRIES, "finished requests whose KV caches stay for prefix reuse (0: off)", int),

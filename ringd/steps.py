@@ -44,6 +44,8 @@ MAX_TOP = 20
 # What mlx.core.quantize supports for KV caches.
 KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
+# mlx-lm's kv_group_size when none is given.
+DEFAULT_KV_GROUP_SIZE = 64
 # Largest rotating KV window a request may ask for: 16 M positions, far past any context.
 MAX_KV_SIZE = 2**24
 
@@ -77,7 +79,7 @@ class KvOptions:
 
     max_size: int | None = None
     bits: int | None = None
-    group_size: int = 64
+    group_size: int = DEFAULT_KV_GROUP_SIZE
     start: int = 0
 
     def to_wire(self) -> dict:

@@ -82,7 +82,7 @@ class Coordinator:
         self.own = own  # this node's handshake info: addr, profile, api_only
         self.budget = budget
         self.metrics = metrics
-        self.reconciler = Reconciler(self.node)
+        self.reconciler = Reconciler(self.node, cfg.heartbeat_interval_s)
         self.plan: Plan | None = None
         self.ready = False
         self.reason = "leading; planning the ring"

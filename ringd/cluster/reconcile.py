@@ -20,7 +20,7 @@ tick, not only on change:
       plan was made (a re-made link may have lost frames: the requests in flight
       must be replayed, which a new plan does);
     - every stage reports (in its heartbeats, and in LOADED) that it runs this
-      plan, within PLAN_DELIVERY_TIMEOUT_S of the plan being sent.
+      plan, within PLAN_DELIVERY_BEATS heartbeats of the plan being sent.
 
 Any mismatch means a fresh plan under a fresh term. Members outside the ring
 (drained, api_only) that report another plan are sent the current one again, so
@@ -43,11 +43,11 @@ from ringd.cluster.election import ElectionError, Term
 from ringd.leader.admission import KvCost, KvCostError
 from ringd.names import natural_key
 
-# Heartbeats carry each member's report every 0.5 s (HEARTBEAT_INTERVAL_S): ten
-# beats to hear that a member took a plan. A member that still reports another
-# plan after this missed it (the link broke under it, or it follows someone
-# else): a fresh plan fixes either.
-PLAN_DELIVERY_TIMEOUT_S = 5.0
+# Each member's report rides its heartbeats (every heartbeat_interval_s): this many
+# beats to hear that a member took a plan. A member that still reports another plan
+# after them missed it (the link broke under it, or it follows someone else): a
+# fresh plan fixes either.
+PLAN_DELIVERY_BEATS = 10
 # A stage that could not load its layers (out of memory, a file missing) is not
 # asked again at once: memory may free up or a download finish, but re-planning
 # in a tight loop would only repeat the failure. The same goes for a placement
@@ -172,10 +172,14 @@ class _Failure:
 
 
 class Reconciler:
-    """The leader's side. Feed it ``tick`` as often as the daemon likes; it is idempotent."""
+    """The leader's side. Feed it ``tick`` as often as the daemon likes; it is idempotent.
 
-    def __init__(self, node: str):
+    ``heartbeat_interval_s``: how often members' reports arrive (config), which sets how
+    long a plan may take to be heard of (``plan_delivery_timeout_s``)."""
+
+    def __init__(self, node: str, heartbeat_interval_s: float):
         self.node = node
+        self.plan_delivery_timeout_s = PLAN_DELIVERY_BEATS * heartbeat_interval_s
         self._plan: _Planned | None = None
         self._failure: _Failure | None = None
 
@@ -227,7 +231,7 @@ class Reconciler:
             for n, m in members.items()
             if n not in plan.stages
             and not (m.report is not None and m.report.runs(plan.term))
-            and now - plan.informed.get(n, -PLAN_DELIVERY_TIMEOUT_S) >= PLAN_DELIVERY_TIMEOUT_S
+            and now - plan.informed.get(n, -self.plan_delivery_timeout_s) >= self.plan_delivery_timeout_s
         )
         for n in inform:
             plan.informed[n] = now
@@ -265,7 +269,7 @@ class Reconciler:
             left = sorted(plan.over - frozenset(holders), key=natural_key)
             parts = ([f"{', '.join(joined)} joined"] if joined else []) + ([f"{', '.join(left)} left or drained"] if left else [])
             return "; ".join(parts)
-        if now - plan.sent_at >= PLAN_DELIVERY_TIMEOUT_S:
+        if now - plan.sent_at >= self.plan_delivery_timeout_s:
             for s in plan.stages:
                 report = members[s].report
                 if report is None or report.plan != plan.term:

@@ -40,7 +40,8 @@ def test_two_nodes_dialing_each_other_keep_the_link_dialed_by_the_smaller_id():
         a.dial("127.0.0.1", pb)
         b.dial("127.0.0.1", pa)
         await until(lambda: "b" in a.peers and "a" in b.peers, what="both linked")
-        await asyncio.sleep(0.2)  # the second connection arrives and loses the tie
+        # The second connection arrives and loses the tie (both ends hold both until it drains).
+        await until(lambda: len(a._streams) == 2 and len(b._streams) == 2, what="the second connection")
         assert a.peers["b"].outbound and not b.peers["a"].outbound
         a.send("b", Frame(MsgType.CONTROL, 0, {"n": 1}))
         await until(lambda: any(f.type == MsgType.CONTROL for _, f in b.got), what="the frame")
@@ -63,7 +64,8 @@ def test_a_peer_vanishing_while_both_its_links_are_up_is_forgotten_and_the_loop_
             b.dial("127.0.0.1", pa)
             a.dial("127.0.0.1", pb)
             await until(lambda: "b" in a.peers and "a" in b.peers, what="both linked")
-            await asyncio.sleep(0.1)  # both connections up; b's own is draining (LINK_SWAP_GRACE_S)
+            # Both connections up; b's own is draining (LINK_SWAP_GRACE_S).
+            await until(lambda: len(a._streams) == 2, what="both connections up")
             # a goes away at once, as a killed process does. The draining link
             # closes first, so b's dial loop wakes before the winner's reader.
             winner = a.peers["b"].stream

@@ -32,7 +32,7 @@ from ringd.cluster.reconcile import (
     LOADING,
     MAX_ERROR_CHARS,
     OUTSIDE,
-    PLAN_DELIVERY_TIMEOUT_S,
+    PLAN_DELIVERY_BEATS,
     RETRY_AFTER_FAILURE_S,
     Member,
     Reconciler,
@@ -42,6 +42,11 @@ from ringd.cluster.reconcile import (
     follower_readiness,
     plan_refusal,
 )
+
+from ringd.cluster.links import HEARTBEAT_INTERVAL_S
+
+# How long a plan may take to be heard of, with the default heartbeat.
+PLAN_DELIVERY_TIMEOUT_S = PLAN_DELIVERY_BEATS * HEARTBEAT_INTERVAL_S
 
 T = Term
 
@@ -54,7 +59,7 @@ def loaded(term: Term) -> Report:
 
 
 def test_first_plan_then_ready_once_every_stage_loaded():
-    r = Reconciler("a")
+    r = Reconciler("a", HEARTBEAT_INTERVAL_S)
     members = {"a": Member(0, True), "b": Member(7, True)}
     assert r.tick(0.0, members, hold="discovering nodes").reason == "discovering nodes"
     d = r.tick(0.0, members)
@@ -67,7 +72,7 @@ def test_first_plan_then_ready_once_every_stage_loaded():
 
 
 def test_a_relinked_stage_means_a_fresh_plan_even_with_the_same_members():
-    r = Reconciler("a")
+    r = Reconciler("a", HEARTBEAT_INTERVAL_S)
     members = {"a": Member(0, True, loaded(T(3, "a"))), "b": Member(7, True, loaded(T(3, "a")))}
     r.planned(0.0, T(3, "a"), ("a", "b"), ("a", "b"), members)
     assert r.tick(1.0, members).ready
@@ -77,7 +82,7 @@ def test_a_relinked_stage_means_a_fresh_plan_even_with_the_same_members():
 
 
 def test_a_stage_that_lost_a_ring_link_means_a_fresh_plan():
-    r = Reconciler("a")
+    r = Reconciler("a", HEARTBEAT_INTERVAL_S)
     members = {n: Member(i, True, loaded(T(3, "a"))) for i, n in enumerate("abc")}
     r.planned(0.0, T(3, "a"), ("a", "b", "c"), ("a", "b", "c"), members)
     assert r.tick(0.5, members).ready
@@ -89,7 +94,7 @@ def test_a_stage_that_lost_a_ring_link_means_a_fresh_plan():
 def test_a_stage_on_another_leaders_plan_is_noticed_after_the_delivery_timeout():
     # The wedge of issue 7: the stalled leader comes back to the same members,
     # which meanwhile took another leader's plan.
-    r = Reconciler("a")
+    r = Reconciler("a", HEARTBEAT_INTERVAL_S)
     members = {"a": Member(0, True, loaded(T(5, "a"))), "b": Member(2, True, loaded(T(4, "b")))}
     r.planned(0.0, T(5, "a"), ("a", "b"), ("a", "b"), members)
     assert r.tick(PLAN_DELIVERY_TIMEOUT_S / 2, members).plan_over is None  # the plan may be in flight
@@ -98,7 +103,7 @@ def test_a_stage_on_another_leaders_plan_is_noticed_after_the_delivery_timeout()
 
 
 def test_members_joining_leaving_and_drained():
-    r = Reconciler("a")
+    r = Reconciler("a", HEARTBEAT_INTERVAL_S)
     members = {"a": Member(0, True, loaded(T(1, "a"))), "b": Member(1, True, loaded(T(1, "a")))}
     r.planned(0.0, T(1, "a"), ("a", "b"), ("a", "b"), members)
     d = r.tick(0.5, {**members, "c": Member(2, True)})
@@ -118,7 +123,7 @@ def test_members_joining_leaving_and_drained():
 
 
 def test_load_failures_and_placement_failures_are_retried_later_not_in_a_loop():
-    r = Reconciler("a")
+    r = Reconciler("a", HEARTBEAT_INTERVAL_S)
     members = {"a": Member(0, True, loaded(T(1, "a"))), "b": Member(1, True, failure_report(T(1, "a"), "x" * 1000))}
     r.planned(0.0, T(1, "a"), ("a", "b"), ("a", "b"), members)
     d = r.tick(1.0, members)
@@ -133,7 +138,7 @@ def test_load_failures_and_placement_failures_are_retried_later_not_in_a_loop():
 
 
 def test_plans_must_be_newer_and_made_under_this_leaders_terms():
-    r = Reconciler("a")
+    r = Reconciler("a", HEARTBEAT_INTERVAL_S)
     members = {"a": Member(0, True)}
     r.planned(0.0, T(2, "a"), ("a",), ("a",), members)
     with pytest.raises(ValueError, match="not newer"):
@@ -229,7 +234,7 @@ class Node:
 class Sim:
     def __init__(self, nodes: dict[str, tuple[int, bool]], rng: random.Random):
         self.rng = rng
-        self.nodes = {n: Node(n, p, h, Election(n, p), Reconciler(n)) for n, (p, h) in nodes.items()}
+        self.nodes = {n: Node(n, p, h, Election(n, p), Reconciler(n, HEARTBEAT_INTERVAL_S)) for n, (p, h) in nodes.items()}
         self.round = 0
         self.links: dict[frozenset, int] = {}  # up links and their numbers
         self.queues: dict[tuple[str, str], deque] = defaultdict(deque)

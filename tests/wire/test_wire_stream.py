@@ -229,8 +229,12 @@ def test_many_frames_arrive_in_order_through_backpressure(monkeypatch):
                     await stream.send(Frame(MsgType.FORWARD, i, {"i": i}, payload))
 
             sending = asyncio.create_task(sender())
-            await asyncio.sleep(0.2)
-            assert not sending.done(), "the receiver should have stopped reading"
+            # The receiver stops reading, so the sender's transport fills and it waits to write.
+            deadline = asyncio.get_running_loop().time() + 10
+            while stream._protocol._can_write.is_set() or not theirs._protocol._reading_paused:
+                assert asyncio.get_running_loop().time() < deadline, "the receiver never stopped reading, or the sender never had to wait"
+                await asyncio.sleep(0.01)
+            assert not sending.done()
             for i in range(count):
                 frame = await theirs.recv(5)
                 assert (frame.request_id, frame.descriptor, frame.payload) == (i, {"i": i}, payload)
