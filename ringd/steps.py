@@ -18,16 +18,25 @@ the micro-batch's id goes to the leader.
 RELEASE (one request's caches: free them, keep them as a cached prefix, or drop
 a cached prefix) follows the request's last row around the ring.
 
-Every field a peer sends is checked here against a named limit, and anything
-malformed is a ``FrameError`` that names the field.
+FORWARD and TOKEN go every step, so their descriptors are a fixed binary layout
+(``_FORWARD``, ``_ROW``, ...; wire.frames.RAW_TYPES), not JSON: only a request's
+``Open``, once, is JSON inside it. Every field a peer sends is checked here
+against a named limit, and anything malformed is a ``FrameError`` that names the
+field.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import struct
 from dataclasses import dataclass
+
+import mlx.core as mx
 
 from ringd.logs import RequestIdError, check_request_id
 from wire.frames import MAX_REQUEST_ID, Frame, FrameError, MsgType
+from wire.tensors import CODE_DTYPES, DTYPE_CODES, tensor_from_bits
 
 # Largest number of token positions one FORWARD may carry (all rows together). The
 # leader chunks prefill far below this; it bounds what a peer can make a stage compute.
@@ -66,6 +75,82 @@ def _reason(v: object, name: str) -> str:
     if not isinstance(v, str):
         raise FrameError(f"{name} must be a string, got {type(v).__name__}")
     return v[:MAX_REASON_CHARS]
+
+
+class _Reader:
+    """Reads a binary descriptor front to back; every read is checked against what is left."""
+
+    def __init__(self, data: bytes, what: str):
+        self.data, self.at, self.what = data, 0, what
+
+    def take(self, layout: struct.Struct) -> tuple:
+        if self.at + layout.size > len(self.data):
+            raise FrameError(f"{self.what} descriptor ends early, at byte {self.at} of {len(self.data)}")
+        values = layout.unpack_from(self.data, self.at)
+        self.at += layout.size
+        return values
+
+    def raw(self, n: int, name: str) -> bytes:
+        if self.at + n > len(self.data):
+            raise FrameError(f"{self.what} {name} of {n} bytes runs past the descriptor's end")
+        out = self.data[self.at : self.at + n]
+        self.at += n
+        return out
+
+    def ints(self, n: int, name: str) -> tuple[int, ...]:
+        return struct.unpack_from(f"<{n}I", self.raw(4 * n, name))
+
+    def done(self) -> None:
+        if self.at != len(self.data):
+            raise FrameError(f"{self.what} descriptor has {len(self.data) - self.at} bytes past its end")
+
+
+# The binary layouts (little-endian) of FORWARD and TOKEN descriptors (wire.frames.RAW_TYPES):
+# a header, then each row, then each failed row, all fixed-size fields but a row's tokens,
+# its Open (JSON: sampling parameters and options, once per request) and a failure's reason.
+_FORWARD = struct.Struct("<QHHBI")  # term, rows, failed rows, hidden states' dtype code (0: none), hidden size
+_ROW = struct.Struct("<QQIBI")  # rid, offset, tokens (then as many u32), flags, Open's bytes (then as many)
+_TOKENS = struct.Struct("<QHH")  # term, rows, failed rows
+_SAMPLED = struct.Struct("<QQIdHB")  # rid, offset, token, logprob, proposals accepted, top (then as many _TOP)
+_TOP = struct.Struct("<Id")  # token, logprob
+_FAILED = struct.Struct("<QH")  # rid, the reason's bytes (then as many, UTF-8)
+
+
+def _write_failed(out: list, failed: tuple[tuple[int, str], ...]) -> None:
+    for rid, why in failed:
+        reason = why[:MAX_REASON_CHARS].encode()
+        out += (_FAILED.pack(rid, len(reason)), reason)
+
+
+def _read_failed(r: _Reader, n: int) -> tuple[tuple[int, str], ...]:
+    if n > MAX_ROWS:
+        raise FrameError(f"{r.what} names {n} failed rows, more than {MAX_ROWS}")
+    out = []
+    for _ in range(n):
+        rid, size = r.take(_FAILED)
+        try:
+            why = r.raw(size, "failed row's reason").decode()
+        except UnicodeDecodeError:
+            raise FrameError(f"{r.what}: row {rid:x}'s failure reason is not UTF-8") from None
+        out.append((rid, why[:MAX_REASON_CHARS]))
+    return tuple(out)
+
+
+def _number(v: float, what: str) -> float:
+    """A logprob from a peer: finite (a client gets it as JSON, which has no NaN or infinity)."""
+    if not math.isfinite(v):
+        raise FrameError(f"{what} must be a finite number, got {v!r}")
+    return v
+
+
+def term_of(frame: Frame) -> int | None:
+    """The ring (plan term) a FORWARD, TOKEN, ERROR or RELEASE is for, without parsing the rest;
+    None if it names none."""
+    d = frame.descriptor
+    if isinstance(d, (bytes, bytearray)):
+        return struct.unpack_from("<Q", d)[0] if len(d) >= 8 else None
+    term = d.get("term") if isinstance(d, dict) else None
+    return term if type(term) is int else None
 
 
 @dataclass(frozen=True)
@@ -162,86 +247,92 @@ class Row:
     open: Open | None = None
     verify: bool = False
 
-    def to_wire(self) -> list:
-        row = [self.rid, self.offset, list(self.tokens), SAMPLE * self.sample | SILENT * self.silent | VERIFY * self.verify]
-        if self.open is not None:
-            row.append(self.open.to_wire())
-        return row
+    @property
+    def flags(self) -> int:
+        return SAMPLE * self.sample | SILENT * self.silent | VERIFY * self.verify
+
+    def write(self, out: list) -> None:
+        opened = json.dumps(self.open.to_wire(), separators=(",", ":"), allow_nan=False).encode() if self.open is not None else b""
+        out += (_ROW.pack(self.rid, self.offset, len(self.tokens), self.flags, len(opened)), struct.pack(f"<{len(self.tokens)}I", *self.tokens), opened)
 
     @classmethod
-    def from_wire(cls, v: object, vocab_size: int) -> "Row":
-        if not isinstance(v, list) or len(v) not in (4, 5):
-            raise FrameError(f"a FORWARD row must be [rid, offset, tokens, flags, open?], got {v!r:.120}")
-        rid = _int(v[0], "a row's request id")
-        offset = _int(v[1], f"row {rid:x}'s offset")
-        tokens, flags = v[2], v[3]
-        if not isinstance(tokens, list) or not 1 <= len(tokens) <= MAX_STEP_TOKENS:
-            raise FrameError(f"row {rid:x} must carry 1 to {MAX_STEP_TOKENS} tokens")
-        if not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
+    def read(cls, r: _Reader, vocab_size: int) -> "Row":
+        rid, offset, n, flags, opened = r.take(_ROW)
+        if not 1 <= n <= MAX_STEP_TOKENS:
+            raise FrameError(f"row {rid:x} must carry 1 to {MAX_STEP_TOKENS} tokens, not {n}")
+        tokens = r.ints(n, f"row {rid:x}'s tokens")
+        if max(tokens) >= vocab_size:
             raise FrameError(f"row {rid:x}'s tokens must be ids in [0, {vocab_size})")
-        if type(flags) is not int or flags not in FLAGS:
+        if flags not in FLAGS:
             raise FrameError(
-                f"row {rid:x}'s flags must be 0, {SAMPLE} (sample), {SAMPLE | SILENT} (sample silently) or {SAMPLE | VERIFY} (verify proposals), got {flags!r:.40}"
+                f"row {rid:x}'s flags must be 0, {SAMPLE} (sample), {SAMPLE | SILENT} (sample silently) or {SAMPLE | VERIFY} (verify proposals), got {flags}"
             )
-        if flags & VERIFY and len(tokens) < 2:
+        if flags & VERIFY and n < 2:
             raise FrameError(f"row {rid:x} verifies proposals but carries none")
-        open_ = Open.from_wire(v[4], offset) if len(v) == 5 else None
-        return cls(rid, offset, tuple(tokens), bool(flags & SAMPLE), bool(flags & SILENT), open_, bool(flags & VERIFY))
-
-
-def _failed_to_wire(failed: tuple[tuple[int, str], ...]) -> list:
-    return [[rid, why] for rid, why in failed]
-
-
-def _failed_from_wire(v: object, what: str) -> tuple[tuple[int, str], ...]:
-    if not isinstance(v, list) or len(v) > MAX_ROWS:
-        raise FrameError(f"{what} 'failed' must be a list of at most {MAX_ROWS} [rid, reason]")
-    out = []
-    for item in v:
-        if not isinstance(item, list) or len(item) != 2:
-            raise FrameError(f"{what} 'failed' entries must be [rid, reason], got {item!r:.80}")
-        out.append((_int(item[0], "a failed row's request id"), _reason(item[1], "a failed row's reason")))
-    return tuple(out)
+        open_ = None
+        if opened:
+            try:
+                d = json.loads(r.raw(opened, f"row {rid:x}'s open"))
+            except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, NaN, too deep
+                raise FrameError(f"row {rid:x}'s open is not JSON: {e}") from None
+            open_ = Open.from_wire(d, offset)
+        return cls(rid, offset, tokens, bool(flags & SAMPLE), bool(flags & SILENT), open_, bool(flags & VERIFY))
 
 
 @dataclass(frozen=True)
 class Forward:
-    """A micro-batch on its way around the ring (``hidden``: the frame's tensor, past stage 0)."""
+    """A micro-batch on its way around the ring. Past stage 0 the frame's payload is the hidden
+    states of its rows' positions, ``[1, positions, hidden_size]`` of dtype ``dtype``."""
 
     batch: int
     term: int
     rows: tuple[Row, ...]
     failed: tuple[tuple[int, str], ...] = ()  # rows an earlier stage failed: (rid, why)
+    dtype_code: int = 0  # the hidden states' dtype (wire.tensors.DTYPE_CODES; 0: the frame carries none)
+    hidden_size: int = 0
 
     @property
     def positions(self) -> int:
         return sum(len(r.tokens) for r in self.rows)
 
-    def frame(self, tensor: dict | None = None, payload=b"") -> Frame:
-        d: dict = {"term": self.term, "rows": [r.to_wire() for r in self.rows]}
-        if self.failed:
-            d["failed"] = _failed_to_wire(self.failed)
-        if tensor is not None:
-            d["tensor"] = tensor
-        return Frame(MsgType.FORWARD, self.batch, d, payload)
+    def frame(self, hidden: mx.array | None = None, payload=b"") -> Frame:
+        """The FORWARD frame; ``hidden``: the hidden states whose bytes ``payload`` holds."""
+        code, size = (DTYPE_CODES[hidden.dtype], hidden.shape[-1]) if hidden is not None else (0, 0)
+        out: list = [_FORWARD.pack(self.term, len(self.rows), len(self.failed), code, size)]
+        for row in self.rows:
+            row.write(out)
+        _write_failed(out, self.failed)
+        return Frame(MsgType.FORWARD, self.batch, b"".join(out), payload)
 
     @classmethod
     def parse(cls, frame: Frame, vocab_size: int) -> "Forward":
         d = frame.descriptor
-        if not isinstance(d, dict) or not {"term", "rows"} <= set(d) <= {"term", "rows", "failed", "tensor"}:
-            raise FrameError(f"FORWARD descriptor must be {{term, rows, failed?, tensor?}}, got {str(d):.200}")
-        rows = d["rows"]
-        if not isinstance(rows, list) or len(rows) > MAX_ROWS:
-            raise FrameError(f"FORWARD 'rows' must be a list of at most {MAX_ROWS}")
-        parsed = tuple(Row.from_wire(r, vocab_size) for r in rows)
-        if sum(len(r.tokens) for r in parsed) > MAX_STEP_TOKENS:
+        if not isinstance(d, (bytes, bytearray)):
+            raise FrameError("a FORWARD descriptor must be binary")
+        r = _Reader(d, "FORWARD")
+        term, rows, failed, code, size = r.take(_FORWARD)
+        if rows > MAX_ROWS:
+            raise FrameError(f"FORWARD carries {rows} rows, more than {MAX_ROWS}")
+        parsed = tuple(Row.read(r, vocab_size) for _ in range(rows))
+        if sum(len(row.tokens) for row in parsed) > MAX_STEP_TOKENS:
             raise FrameError(f"FORWARD carries more than {MAX_STEP_TOKENS} tokens in all")
-        if len({r.rid for r in parsed}) != len(parsed):
+        if len({row.rid for row in parsed}) != len(parsed):
             raise FrameError("FORWARD has two rows of one request")
-        failed = _failed_from_wire(d.get("failed", []), "FORWARD")
-        if {r.rid for r in parsed} & {rid for rid, _ in failed}:
+        failures = _read_failed(r, failed)
+        r.done()
+        if {row.rid for row in parsed} & {rid for rid, _ in failures}:
             raise FrameError("FORWARD names a request both as a row and as failed")
-        return cls(frame.request_id, _int(d["term"], "FORWARD term"), parsed, failed)
+        if code and code not in CODE_DTYPES:
+            raise FrameError(f"FORWARD hidden states' dtype code {code} is not one of {sorted(CODE_DTYPES)}")
+        if not code and len(frame.payload):
+            raise FrameError("FORWARD has a payload but declares no hidden states")
+        return cls(frame.request_id, term, parsed, failures, code, size)
+
+    def hidden(self, payload) -> mx.array:
+        """The hidden states the frame's ``payload`` holds, checked against the rows' positions."""
+        if not self.dtype_code:
+            raise FrameError("FORWARD carries no hidden states")
+        return tensor_from_bits(self.dtype_code, (1, self.positions, self.hidden_size), payload)
 
 
 @dataclass(frozen=True)
@@ -256,34 +347,22 @@ class Sampled:
     top: tuple[tuple[int, float], ...] = ()
     accepted: int = 0
 
-    def to_wire(self) -> list:
-        row = [self.rid, self.offset, self.token, self.logprob]
-        if self.top or self.accepted:
-            row.append([list(p) for p in self.top])
-        if self.accepted:
-            row.append(self.accepted)
-        return row
+    def write(self, out: list) -> None:
+        out.append(_SAMPLED.pack(self.rid, self.offset, self.token, self.logprob, self.accepted, len(self.top)))
+        out += (_TOP.pack(token, logprob) for token, logprob in self.top)
 
     @classmethod
-    def from_wire(cls, v: object) -> "Sampled":
-        if not isinstance(v, list) or len(v) not in (4, 5, 6):
-            raise FrameError(f"a TOKENS row must be [rid, offset, token, logprob, top?, accepted?], got {v!r:.120}")
-        rid, offset, token, logprob = _int(v[0], "a sampled row's request id"), _int(v[1], "a sampled offset"), _int(v[2], "a sampled token"), v[3]
-        if not isinstance(logprob, (int, float)) or isinstance(logprob, bool):
-            raise FrameError(f"row {rid:x}'s logprob must be a number, got {logprob!r:.40}")
-        top, accepted = (), 0
-        if len(v) == 6:
-            accepted = _int(v[5], f"row {rid:x}'s accepted proposals", 0, MAX_STEP_TOKENS)
-        if len(v) >= 5:
-            if not isinstance(v[4], list) or len(v[4]) > MAX_TOP:
-                raise FrameError(f"row {rid:x}'s top must be a list of at most {MAX_TOP} [token, logprob]")
-            pairs = []
-            for p in v[4]:
-                if not (isinstance(p, list) and len(p) == 2 and type(p[0]) is int and isinstance(p[1], (int, float)) and not isinstance(p[1], bool)):
-                    raise FrameError(f"row {rid:x}'s top entries must be [token, logprob], got {p!r:.80}")
-                pairs.append((p[0], float(p[1])))
-            top = tuple(pairs)
-        return cls(rid, offset, token, float(logprob), top, accepted)
+    def read(cls, r: _Reader) -> "Sampled":
+        rid, offset, token, logprob, accepted, top = r.take(_SAMPLED)
+        if accepted > MAX_STEP_TOKENS:
+            raise FrameError(f"row {rid:x}'s accepted proposals must be at most {MAX_STEP_TOKENS}, got {accepted}")
+        if top > MAX_TOP:
+            raise FrameError(f"row {rid:x}'s top must be at most {MAX_TOP} [token, logprob]")
+        pairs = []
+        for _ in range(top):
+            t, lp = r.take(_TOP)
+            pairs.append((t, _number(lp, f"row {rid:x}'s top logprob")))
+        return cls(rid, offset, token, _number(logprob, f"row {rid:x}'s logprob"), tuple(pairs), accepted)
 
 
 @dataclass(frozen=True)
@@ -298,24 +377,27 @@ class Tokens:
     failed: tuple[tuple[int, str], ...] = ()
 
     def frame(self) -> Frame:
-        d: dict = {"term": self.term, "rows": [r.to_wire() for r in self.rows]}
-        if self.failed:
-            d["failed"] = _failed_to_wire(self.failed)
-        return Frame(MsgType.TOKEN, self.batch, d)
+        out: list = [_TOKENS.pack(self.term, len(self.rows), len(self.failed))]
+        for row in self.rows:
+            row.write(out)
+        _write_failed(out, self.failed)
+        return Frame(MsgType.TOKEN, self.batch, b"".join(out))
 
     @classmethod
     def parse(cls, frame: Frame) -> "Tokens":
         d = frame.descriptor
-        if not isinstance(d, dict) or not {"term", "rows"} <= set(d) <= {"term", "rows", "failed"}:
-            raise FrameError(f"TOKEN descriptor must be {{term, rows, failed?}}, got {str(d):.200}")
-        if not isinstance(d["rows"], list) or len(d["rows"]) > MAX_ROWS:
-            raise FrameError(f"TOKEN 'rows' must be a list of at most {MAX_ROWS}")
-        return cls(
-            frame.request_id,
-            _int(d["term"], "TOKEN term"),
-            tuple(Sampled.from_wire(r) for r in d["rows"]),
-            _failed_from_wire(d.get("failed", []), "TOKEN"),
-        )
+        if not isinstance(d, (bytes, bytearray)):
+            raise FrameError("a TOKEN descriptor must be binary")
+        r = _Reader(d, "TOKEN")
+        term, rows, failed = r.take(_TOKENS)
+        if rows > MAX_ROWS:
+            raise FrameError(f"TOKEN carries {rows} rows, more than {MAX_ROWS}")
+        sampled = tuple(Sampled.read(r) for _ in range(rows))
+        failures = _read_failed(r, failed)
+        r.done()
+        if len(frame.payload):
+            raise FrameError("a TOKEN frame carries no payload")
+        return cls(frame.request_id, term, sampled, failures)
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,24 @@
 """ringd.steps: the ring's per-request messages round-trip, fit a frame, and refuse what no leader or stage sends.
 
 Random messages built from the dataclasses go through a real frame encoding and
-decoding (``wire.frames``) and come back equal; the fuzzing of every parser with
-random and mutated documents is in test_messages.py.
+decoding (``wire.frames``) and come back equal. FORWARD and TOKEN descriptors are
+binary: random and mutated bytes are fuzzed here; the JSON messages (ERROR, RELEASE
+and the daemon's own) are fuzzed in tests/cluster/test_messages.py.
 """
 
 from __future__ import annotations
 
+import json
+import struct
+
+import mlx.core as mx
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringd.steps import MAX_ROWS, MAX_STEP_TOKENS, Failure, Forward, KvOptions, Open, Row, Sampled, Tokens, parse_release, release
+from ringd.steps import _FAILED, _FORWARD, _ROW, _SAMPLED, _TOKENS, MAX_ROWS, MAX_STEP_TOKENS, Failure, Forward, KvOptions, Open, Row, Sampled, Tokens, parse_release, release, term_of
 from wire.frames import MAX_DESCRIPTOR_BYTES, Frame, FrameDecoder, FrameError, MsgType, encode_frame
+from wire.tensors import DTYPE_CODES, tensor_to_buffer
 
 VOCAB = 50_000
 ids = st.integers(0, 2**64 - 1)
@@ -76,6 +82,25 @@ def test_releases_round_trip(action):
     assert frame.request_id == 9 and parse_release(frame.descriptor) == (4, action)
 
 
+def test_hidden_states_round_trip_and_must_fit_the_rows():
+    rows = (Row(1, 4, (5, 6, 7), False), Row(2, 9, (8,), True))
+    h = mx.random.normal((1, 4, 16)).astype(mx.bfloat16)
+    back = Forward.parse(through_the_wire(Forward(3, 2, rows).frame(h, tensor_to_buffer(h))), VOCAB)
+    assert back.dtype_code == DTYPE_CODES[mx.bfloat16] and back.hidden_size == 16
+    assert mx.array_equal(back.hidden(through_the_wire(Forward(3, 2, rows).frame(h, tensor_to_buffer(h))).payload), h)
+    short = Forward(3, 2, rows[:1]).frame(h, tensor_to_buffer(h))  # 3 positions, 4 sent
+    with pytest.raises(FrameError, match="needs 96 bytes but the payload has 128"):
+        Forward.parse(short, VOCAB).hidden(short.payload)
+
+
+def test_term_of_reads_every_ring_message():
+    assert term_of(Forward(1, 77, ()).frame()) == 77
+    assert term_of(Tokens(1, 78, ()).frame()) == 78
+    assert term_of(Failure(1, 79, "n", "m").frame()) == 79
+    assert term_of(release(1, 80)) == 80
+    assert term_of(Frame(MsgType.FORWARD, 1, b"\x01")) is None
+
+
 def test_the_largest_micro_batch_a_leader_builds_fits_a_frame():
     """MAX_ROWS decode rows, each opening its request, and a prompt chunk of MAX_STEP_TOKENS
     of the largest ids: within the descriptor limit the wire enforces."""
@@ -89,41 +114,105 @@ def test_the_largest_micro_batch_a_leader_builds_fits_a_frame():
     prefill = Forward(1, 1, (Row(1, 0, (VOCAB - 1,) * MAX_STEP_TOKENS, False, False, opened),))
     for fwd in (decode, prefill):
         encode_frame(fwd.frame())  # raises past MAX_DESCRIPTOR_BYTES
-        assert len(str(fwd.frame().descriptor)) < MAX_DESCRIPTOR_BYTES
+        assert len(fwd.frame().descriptor) < MAX_DESCRIPTOR_BYTES
 
 
-def frame(d: dict) -> Frame:
-    return Frame(MsgType.FORWARD, 1, d)
+def forward(rows: list, failed: list = (), term: int = 1, code: int = 0, size: int = 0, tail: bytes = b"") -> Frame:
+    """A FORWARD frame written byte by byte: rows as (rid, offset, tokens, flags, open: dict | bytes | None)."""
+    out = [_FORWARD.pack(term, len(rows), len(failed), code, size)]
+    for rid, offset, tokens, flags, opened in rows:
+        opened = json.dumps(opened).encode() if isinstance(opened, dict) else opened or b""
+        out += [_ROW.pack(rid, offset, len(tokens), flags, len(opened)), struct.pack(f"<{len(tokens)}I", *tokens), opened]
+    for rid, why in failed:
+        out += [_FAILED.pack(rid, len(why)), why]
+    return Frame(MsgType.FORWARD, 1, b"".join(out) + tail)
 
 
 @pytest.mark.parametrize(
     "rows, match",
     [
-        ([[1, 0, [1], 0], [1, 1, [2], 1]], "two rows of one request"),
-        ([[1, 0, [VOCAB], 1]], "ids in"),
-        ([[1, 0, [], 1]], "1 to"),
-        ([[1, 0, [1], 2]], "flags"),
-        ([[1, 0, [1, 2], 4]], "flags"),
-        ([[1, 0, [1, 2], 7]], "flags"),
-        ([[1, 0, [1], 5]], "carries none"),
-        ([[1, -1, [1], 1]], "offset"),
-        ([[2**64, 0, [1], 1]], "request id"),
-        ([[1, 0, [1], 1, {"params": {}, "reuse": [3, 5]}]], "reuse"),
-        ([[1, 0, [1], 1, {"params": {}, "request_id": "a b"}]], "request_id"),
-        ([[1, 0, [1] * 5000, 0], [2, 0, [1] * 5000, 0]], "in all"),
-        ([[i, 0, [1], 1] for i in range(MAX_ROWS + 1)], "at most"),
+        ([(1, 0, [1], 0, None), (1, 1, [2], 1, None)], "two rows of one request"),
+        ([(1, 0, [VOCAB], 1, None)], "ids in"),
+        ([(1, 0, [], 1, None)], "1 to"),
+        ([(1, 0, [1], 2, None)], "flags"),
+        ([(1, 0, [1, 2], 4, None)], "flags"),
+        ([(1, 0, [1, 2], 7, None)], "flags"),
+        ([(1, 0, [1], 5, None)], "carries none"),
+        ([(1, 0, [1], 1, {"params": {}, "reuse": [3, 5]})], "reuse"),
+        ([(1, 0, [1], 1, {"params": {}, "request_id": "a b"})], "request_id"),
+        ([(1, 0, [1], 1, b"{not json")], "not JSON"),
+        ([(1, 0, [1], 1, b"\xff\xfe")], "not JSON"),
+        ([(1, 0, [1] * 5000, 0, None), (2, 0, [1] * 5000, 0, None)], "in all"),
+        ([(i, 0, [1], 1, None) for i in range(MAX_ROWS + 1)], "more than"),
     ],
 )
 def test_forwards_no_leader_sends_are_refused_by_name(rows, match):
     with pytest.raises(FrameError, match=match):
-        Forward.parse(frame({"term": 1, "rows": rows}), VOCAB)
+        Forward.parse(forward(rows), VOCAB)
 
 
 def test_a_row_both_sent_and_failed_is_refused():
     with pytest.raises(FrameError, match="both"):
-        Forward.parse(frame({"term": 1, "rows": [[1, 0, [1], 1]], "failed": [[1, "x"]]}), VOCAB)
+        Forward.parse(forward([(1, 0, [1], 1, None)], [(1, b"x")]), VOCAB)
 
 
-def test_a_failed_rows_reason_is_cut_to_its_limit():
-    fwd = Forward.parse(frame({"term": 1, "rows": [], "failed": [[1, "x" * 10_000]]}), VOCAB)
+def test_a_failed_rows_reason_is_cut_to_its_limit_and_must_be_utf8():
+    fwd = Forward.parse(forward([], [(1, b"x" * 10_000)]), VOCAB)
     assert len(fwd.failed[0][1]) == 500
+    with pytest.raises(FrameError, match="UTF-8"):
+        Forward.parse(forward([], [(1, b"\xff")]), VOCAB)
+
+
+@pytest.mark.parametrize(
+    "frame, match",
+    [
+        (forward([(1, 0, [1], 1, None)], tail=b"\x00"), "past its end"),
+        (Frame(MsgType.FORWARD, 1, forward([(1, 0, [1, 2, 3], 1, None)]).descriptor[:-4]), "runs past"),
+        (Frame(MsgType.FORWARD, 1, b"\x01\x00"), "ends early"),
+        (Frame(MsgType.FORWARD, 1, forward([]).descriptor, b"\x00" * 8), "declares no hidden states"),
+        (forward([(1, 0, [1], 1, None)], code=99, size=4), "dtype code 99"),
+        (Frame(MsgType.FORWARD, 1, {"term": 1, "rows": []}), "binary"),
+    ],
+)
+def test_forwards_of_the_wrong_shape_are_refused(frame, match):
+    with pytest.raises(FrameError, match=match):
+        Forward.parse(frame, VOCAB)
+
+
+@pytest.mark.parametrize(
+    "descriptor, match",
+    [
+        (_TOKENS.pack(1, 1, 0) + _SAMPLED.pack(1, 0, 5, float("nan"), 0, 0), "finite"),
+        (_TOKENS.pack(1, 1, 0) + _SAMPLED.pack(1, 0, 5, -1.0, 0, 21), "at most 20"),
+        (_TOKENS.pack(1, 1, 0) + _SAMPLED.pack(1, 0, 5, -1.0, MAX_STEP_TOKENS + 1, 0), "accepted"),
+        (_TOKENS.pack(1, MAX_ROWS + 1, 0), "more than"),
+        (_TOKENS.pack(1, 1, 0), "ends early"),
+    ],
+)
+def test_tokens_no_last_stage_sends_are_refused_by_name(descriptor, match):
+    with pytest.raises(FrameError, match=match):
+        Tokens.parse(Frame(MsgType.TOKEN, 1, descriptor))
+
+
+def _mutations(data: bytes):
+    return st.one_of(
+        st.binary(max_size=200),
+        st.integers(0, max(0, len(data) - 1)).map(lambda i: data[:i]),  # cut short
+        st.tuples(st.integers(0, max(0, len(data) - 1)), st.integers(0, 255)).map(lambda p: data[: p[0]] + bytes([p[1]]) + data[p[0] + 1 :]),  # a byte changed
+        st.tuples(st.integers(0, len(data)), st.binary(min_size=1, max_size=8)).map(lambda p: data[: p[0]] + p[1] + data[p[0] :]),  # bytes inserted
+    )
+
+
+VALID_FORWARD = Forward(3, 7, (Row(5, 0, (1, 2, 3), False, open=Open({"temperature": 0.0}, KvOptions(None, 4), None, "r-1")), Row(6, 9, (4,), True, True)), ((8, "node2: no such request"),)).frame().descriptor
+VALID_TOKENS = Tokens(3, 7, (Sampled(5, 3, 17, -0.5, ((17, -0.5), (3, -1.25))), Sampled(6, 10, 2, 0.0, (), 1)), ((8, "why"),)).frame().descriptor
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_random_and_mutated_binary_descriptors_raise_only_frame_errors(data):
+    for raw, parse in ((VALID_FORWARD, lambda d: Forward.parse(Frame(MsgType.FORWARD, 3, d), 1000)), (VALID_TOKENS, lambda d: Tokens.parse(Frame(MsgType.TOKEN, 3, d)))):
+        doc = data.draw(_mutations(raw))
+        try:
+            parse(doc)
+        except FrameError:
+            pass

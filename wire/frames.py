@@ -12,7 +12,9 @@ A frame on the wire:
     header      24 bytes, little-endian: magic b"RNGD", protocol version (u8),
                 message type (u8), flags (u16), request id (u64),
                 descriptor length (u32), payload length (u32)
-    descriptor  UTF-8 JSON object, compact; zero bytes stand for {}
+    descriptor  UTF-8 JSON object, compact; zero bytes stand for {}; for the
+                ring's per-step frames (RAW_TYPES), bytes in a fixed binary
+                layout the layer above parses: no JSON per step
     payload     raw bytes
     trailer     sealed frames only (every frame after the handshake's PROOFs):
                 a MAC over all of the above, or with encryption the AEAD tag,
@@ -30,7 +32,8 @@ from typing import Protocol
 
 MAGIC = b"RNGD"
 # 2: HELLO without node info, INFO after the proofs, every later frame sealed.
-PROTOCOL_VERSION = 2
+# 3: FORWARD and TOKEN descriptors in a fixed binary layout (RAW_TYPES).
+PROTOCOL_VERSION = 3
 
 HEADER = struct.Struct("<4sBBHQII")
 HEADER_BYTES = HEADER.size
@@ -66,6 +69,13 @@ class MsgType(enum.IntEnum):
     CONTROL = 13  # misc control messages, e.g. membership gossip
     INFO = 14  # handshake, first sealed frame: the node's info, once the peer proved the secret
     LEAVE = 15  # a node is stopping: take it out of the ring now, do not wait for its heartbeats to stop
+
+
+# Types whose descriptor is bytes in a fixed binary layout of the layer above's
+# (ringd.steps), not JSON: a frame of these goes every step of every request,
+# and encoding and parsing JSON was a good part of a hop. The type decides, not
+# a flag, so a descriptor is never read in the wrong layout.
+RAW_TYPES = frozenset({MsgType.FORWARD, MsgType.TOKEN})
 
 
 class FrameError(Exception):
@@ -115,7 +125,8 @@ INFO_LIMITS = Limits(max_descriptor_bytes=4 * 1024, max_payload_bytes=0)
 class Frame:
     type: MsgType
     request_id: int = 0
-    descriptor: dict = field(default_factory=dict)
+    # A JSON object; for RAW_TYPES, bytes (unparsed here).
+    descriptor: dict | bytes = field(default_factory=dict)
     # Decoded frames hold a bytearray, or with encryption a memoryview of the
     # decrypted buffer: rely on the buffer protocol, not on the type.
     payload: bytes | bytearray | memoryview = b""
@@ -168,18 +179,26 @@ def encode_frame(
         raise FrameError(f"{name} frame has unknown flag bits set: flags=0x{frame.flags:04x}")
     if not isinstance(frame.request_id, int) or not 0 <= frame.request_id <= MAX_REQUEST_ID:
         raise FrameError(f"{name} frame request_id={frame.request_id!r} is not a u64")
-    if not isinstance(frame.descriptor, dict):
+    if msg_type in RAW_TYPES:
+        if not isinstance(frame.descriptor, (bytes, bytearray)):
+            raise FrameError(
+                f"{name} frame needs a bytes descriptor, got "
+                f"{type(frame.descriptor).__name__}"
+            )
+        descriptor = frame.descriptor
+    elif not isinstance(frame.descriptor, dict):
         raise FrameError(
             f"{name} frame descriptor must be a dict, got {type(frame.descriptor).__name__}"
         )
-    try:
-        descriptor = (
-            json.dumps(frame.descriptor, separators=(",", ":"), allow_nan=False).encode()
-            if frame.descriptor
-            else b""
-        )
-    except (TypeError, ValueError) as e:
-        raise FrameError(f"{name} frame descriptor is not JSON-serializable: {e}") from e
+    else:
+        try:
+            descriptor = (
+                json.dumps(frame.descriptor, separators=(",", ":"), allow_nan=False).encode()
+                if frame.descriptor
+                else b""
+            )
+        except (TypeError, ValueError) as e:
+            raise FrameError(f"{name} frame descriptor is not JSON-serializable: {e}") from e
     if len(descriptor) > limits.max_descriptor_bytes:
         raise FrameError(
             f"{name} frame descriptor is {len(descriptor)} bytes, over the limit of "
@@ -448,7 +467,9 @@ class FrameDecoder:
         self._flags, self._request_id = flags, request_id
         self._descriptor_len, self._payload_len = descriptor_len, payload_len
 
-    def _read_descriptor(self, raw: memoryview) -> dict:
+    def _read_descriptor(self, raw: memoryview) -> dict | bytes:
+        if self._type in RAW_TYPES:
+            return bytes(raw)  # small; the layer above parses it
         if not len(raw):
             return {}
         name = self._type.name

@@ -35,6 +35,15 @@ DTYPES: dict[str, mx.Dtype] = {
     "complex64": mx.complex64,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# One byte per dtype, for fixed binary headers (0 stands for no tensor). Part of the
+# protocol: append new dtypes, never renumber.
+DTYPE_CODES: dict[mx.Dtype, int] = {
+    mx.bool_: 1, mx.uint8: 2, mx.uint16: 3, mx.uint32: 4, mx.uint64: 5, mx.int8: 6, mx.int16: 7,
+    mx.int32: 8, mx.int64: 9, mx.float16: 10, mx.bfloat16: 11, mx.float32: 12, mx.float64: 13,
+    mx.complex64: 14,
+}  # fmt: skip
+CODE_DTYPES: dict[int, mx.Dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+assert set(DTYPE_CODES) == set(DTYPES.values()), "every wire dtype has a code"
 
 # The ring carries activations (batch, sequence, hidden) and KV blocks (batch,
 # heads, sequence, head_dim); 8 dimensions is double that and bounds the work
@@ -110,19 +119,40 @@ def check_tensor_descriptor(descriptor, payload_len: int) -> tuple[mx.Dtype, tup
                 f"an int in [0, {MAX_DIM}]"
             )
     dtype = DTYPES[name]
+    _check_size(dtype, shape, payload_len)
+    return dtype, tuple(shape)
+
+
+def _check_size(dtype: mx.Dtype, shape, payload_len: int) -> None:
     # Python ints: the product cannot overflow, whatever the peer declared.
     expected = math.prod(shape) * dtype.size
     if expected != payload_len:
         raise FrameError(
-            f"tensor {name}{list(shape)} needs {expected} bytes but the payload has {payload_len}"
+            f"tensor {_DTYPE_NAMES[dtype]}{list(shape)} needs {expected} bytes but the payload has {payload_len}"
         )
-    return dtype, tuple(shape)
 
 
 def tensor_from_buffer(descriptor: dict, payload) -> mx.array:
     """The array a descriptor and payload describe: validated first, then one copy into MLX."""
     payload = memoryview(payload)
     dtype, shape = check_tensor_descriptor(descriptor, payload.nbytes)
+    return _from_bits(dtype, shape, payload)
+
+
+def tensor_from_bits(code: int, shape: tuple[int, ...], payload) -> mx.array:
+    """The array of dtype ``code`` (``DTYPE_CODES``) and ``shape`` whose bytes are ``payload``,
+    as a fixed binary header declares it: validated first, then one copy into MLX."""
+    payload = memoryview(payload)
+    dtype = CODE_DTYPES.get(code)
+    if dtype is None:
+        raise FrameError(f"tensor dtype code {code} is not one of {sorted(CODE_DTYPES)}")
+    if len(shape) > MAX_NDIM or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape):
+        raise FrameError(f"tensor shape {list(shape)!r:.200} must be at most {MAX_NDIM} ints in [0, {MAX_DIM}]")
+    _check_size(dtype, shape, payload.nbytes)
+    return _from_bits(dtype, tuple(shape), payload)
+
+
+def _from_bits(dtype: mx.Dtype, shape: tuple[int, ...], payload: memoryview) -> mx.array:
     bits = np.frombuffer(payload, dtype=_NP_BITS[dtype.size]).reshape(shape)
     if dtype == mx.bool_ and bits.size and bits.max() > 1:
         # MLX only ever writes 0 or 1 into a bool; other bytes are not valid bools.

@@ -29,7 +29,7 @@ from ringd.names import parse_hostport
 from ringd.stage.compute import ComputeThread
 from ringd.stage.runner import StageRunner
 from ringd.stage.shard import Shard
-from ringd.steps import Failure
+from ringd.steps import Failure, term_of
 from wire.frames import Frame, MsgType
 
 log = logging.getLogger(__name__)
@@ -277,8 +277,7 @@ class StageHost:
         stage = self.stage
         if stage is None:
             if frame.type == MsgType.FORWARD:
-                term = frame.descriptor.get("term") if isinstance(frame.descriptor, dict) else None
-                self._send(peer, Failure(frame.request_id, term if type(term) is int else None, self.node, "no stage loaded here", 503).frame())
+                self._send(peer, Failure(frame.request_id, term_of(frame), self.node, "no stage loaded here", 503).frame())
             return
         if peer != stage.predecessor:
             log.warning(

@@ -559,8 +559,7 @@ class Engine:
     def on_frame(self, peer: str, frame: Frame) -> None:
         """A TOKEN or ERROR frame from ``peer`` (event loop): a micro-batch's answer, or its failure."""
         plan = self.plan
-        d = frame.descriptor
-        if plan is None or not isinstance(d, dict) or d.get("term") != plan.term:
+        if plan is None or steps.term_of(frame) != plan.term:
             return  # from a ring the requests have left (suspended, or replayed elsewhere)
         # Tokens come from the last stage only; errors from any stage of this ring.
         senders = [plan.stages[-1].node] if frame.type == MsgType.TOKEN else [s.node for s in plan.stages]

@@ -42,9 +42,9 @@ from ringd.stage.compute import ComputeThread
 from ringd.stage.sampling import RequestSampler, SamplingError, SamplingParams
 from ringd.stage.sessions import SessionError, Sessions
 from ringd.stage.shard import Shard
-from ringd.steps import Failure, Forward, KvOptions, Row, Sampled, Tokens, parse_release
+from ringd.steps import Failure, Forward, KvOptions, Row, Sampled, Tokens, parse_release, term_of
 from wire.frames import Frame, FrameError, MsgType
-from wire.tensors import tensor_descriptor, tensor_from_buffer, tensor_to_buffer, wire_bits
+from wire.tensors import tensor_to_buffer, wire_bits
 
 if TYPE_CHECKING:
     from llguidance import LLTokenizer
@@ -60,6 +60,10 @@ Send = Callable[[str, Frame], None]
 
 class BatchError(Exception):
     """A micro-batch that fails as a whole (a ring it is not for, hidden states that do not fit its rows)."""
+
+    def __init__(self, message: str, batch: Forward):
+        super().__init__(message)
+        self.batch = batch
 
 
 class StageRunner:
@@ -93,6 +97,7 @@ class StageRunner:
         self.leader = plan.leader
         i = plan.index_of(node)
         self._steps = 0  # frames computed, for CLEAR_CACHE_EVERY_STEPS
+        self._parsed: Forward | None = None  # the micro-batch being computed, once it parsed
         # The only node this stage takes FORWARD and RELEASE frames from.
         self.predecessor = plan.leader if i == 0 else plan.stages[i - 1].node
         self._loop = asyncio.get_running_loop()
@@ -118,6 +123,7 @@ class StageRunner:
         return about(name, self.plan.term, rid=f"{rid:x}", **fields)
 
     def _apply(self, frame: Frame) -> None:
+        self._parsed = None
         try:
             if frame.type == MsgType.RELEASE:
                 out = self._release(frame)
@@ -127,10 +133,10 @@ class StageRunner:
                 self.metrics.stage_compute(prefill, time.perf_counter() - started)
                 self._tidy_memory(prefill)
         except (FrameError, BatchError) as e:
-            out = self._fail_batch(frame, str(e))
+            out = self._fail_batch(frame, str(e), getattr(e, "batch", None))
         except Exception as e:  # MLX errors (memory, shapes) fail the micro-batch, not the node
             log.exception("batch=%x: stage computation failed", frame.request_id)
-            out = self._fail_batch(frame, f"{type(e).__name__}: {e}")
+            out = self._fail_batch(frame, f"{type(e).__name__}: {e}", self._parsed)
         if out:
             self._loop.call_soon_threadsafe(self._deliver, out)
 
@@ -153,17 +159,16 @@ class StageRunner:
         if prefill or self._steps % CLEAR_CACHE_EVERY_STEPS == 0:
             mx.clear_cache()
 
-    def _fail_batch(self, frame: Frame, reason: str) -> list:
-        """The whole micro-batch fails: its rows' sessions go, and the leader hears it (ERROR)."""
-        d = frame.descriptor if isinstance(frame.descriptor, dict) else {}
-        term = d.get("term") if type(d.get("term")) is int else None
+    def _fail_batch(self, frame: Frame, reason: str, batch: Forward | None) -> list:
+        """The whole micro-batch fails: its rows' sessions go (if it parsed), and the leader hears it
+        (ERROR). A FORWARD that did not parse frees nothing: its sessions expire if they were meant."""
+        term = term_of(frame)
         log.warning("batch=%x: failed on this stage: %s", frame.request_id, reason, extra=about(None, self.plan.term, batch=f"{frame.request_id:x}", reason=reason))
         if frame.type == MsgType.RELEASE:
             return []  # a malformed RELEASE frees nothing; the session expires if it was meant
-        if term == self.plan.term:  # the error names the term: the leader ignores errors of a ring it has left
-            for row in d.get("rows") or []:
-                if isinstance(row, list) and row and type(row[0]) is int:
-                    self.sessions.release(row[0])
+        if batch is not None and term == self.plan.term:  # the leader ignores errors of a ring it has left
+            for row in batch.rows:
+                self.sessions.release(row.rid)
         return [(self.leader, Failure(frame.request_id, term, self.node, reason).frame())]
 
     def _forward(self, frame: Frame) -> tuple[list, bool]:
@@ -172,13 +177,16 @@ class StageRunner:
         shard = self.shard
         batch = Forward.parse(frame, shard.info.vocab_size)
         if batch.term != self.plan.term:
-            raise BatchError(f"a micro-batch of plan term {batch.term}, but this stage runs term {self.plan.term}")
+            raise BatchError(f"a micro-batch of plan term {batch.term}, but this stage runs term {self.plan.term}", batch)
+        self._parsed = batch  # what fails, if the computation does
         hidden = None
         if not shard.is_first and batch.rows:
-            hidden = tensor_from_buffer(frame.descriptor.get("tensor") or {}, frame.payload)
-            want = (1, batch.positions, shard.info.hidden_size)
-            if tuple(hidden.shape) != want or not mx.issubdtype(hidden.dtype, mx.floating):
-                raise BatchError(f"hidden states of shape {tuple(hidden.shape)} {hidden.dtype}; expected {want}, floating")
+            try:
+                hidden = batch.hidden(frame.payload)
+            except FrameError as e:
+                raise BatchError(str(e), batch) from None
+            if batch.hidden_size != shard.info.hidden_size or not mx.issubdtype(hidden.dtype, mx.floating):
+                raise BatchError(f"hidden states of size {batch.hidden_size}, {hidden.dtype}; expected {shard.info.hidden_size}, floating", batch)
         failed = list(batch.failed)
         done = self._batched(batch.rows, hidden, failed)
         if done is None:
@@ -192,7 +200,7 @@ class StageRunner:
             h = mx.concatenate([h for _, h in done], axis=1) if len(done) > 1 else done[0][1]
             bits = wire_bits(h)  # evaluated with the step: one evaluation per frame
             mx.eval(bits, self.sessions.states(row.rid for row in rows))
-            return [(self.next_node, out.frame(tensor_descriptor(h), tensor_to_buffer(bits)))], prefill
+            return [(self.next_node, out.frame(h, tensor_to_buffer(bits)))], prefill
         sampled = []
         for row, h in done:
             try:

@@ -1,10 +1,11 @@
 """Every descriptor a peer can send, fuzzed: each parser answers with its own error, never another exception.
 
 Heartbeats, CONTROL and LOADED (``ringd.cluster.messages``), PLAN (``Plan.from_wire``),
-FORWARD, TOKEN and ERROR (``ringd.steps``) and RELEASE (``parse_release``): random JSON-shaped
+ERROR (``ringd.steps``) and RELEASE (``parse_release``): random JSON-shaped
 documents and mutations of valid ones go in; a parsed value or the protocol's
 own error comes out. Round trips of valid messages hold, and what a node builds
-stays within the bounds it parses with.
+stays within the bounds it parses with. (FORWARD and TOKEN are binary: fuzzed in
+tests/test_steps.py.)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from ringd.cluster.election import Announce, Pin, Term
 from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, Heartbeat, MessageError, parse_control, parse_loaded
-from ringd.steps import Failure, Forward, Tokens, parse_release
+from ringd.steps import Failure, parse_release
 from ringd.cluster.placement import Plan, PlacementError, make_plan
 from ringd.cluster.reconcile import LOADED, Report
 from wire.frames import Frame, FrameError, MsgType
@@ -41,19 +42,11 @@ heartbeats = st.builds(
 def valid_docs():
     beat = Heartbeat(Announce(Term(4, "node1"), "node1", Pin()), Report(Term(4, "node1"), LOADED), {"node2": "10.0.0.2:50051"}, ("node3",), Term(4, "node1"), "")
     plan = make_plan(7, "node1", "fp", 6, [("node1", "10.0.0.1:50051"), ("node2", "10.0.0.2:50051")])
-    forward = {
-        "term": 7,
-        "rows": [[5, 0, [1, 2, 3], 0, {"params": {"temperature": 0.0}, "kv": {"max_size": None, "bits": 4, "group_size": 64, "start": 0}, "request_id": "r-1"}], [6, 9, [4], 3]],
-        "failed": [[8, "node2: no such request"]],
-        "tensor": {"dtype": "bfloat16", "shape": [1, 4, 8]},
-    }
     return {
         "heartbeat": beat.to_wire(),
         "control": {"election": beat.election.to_wire()},
         "loaded": beat.report.to_wire(),
         "plan": plan.to_wire(),
-        "forward": forward,
-        "token": {"term": 7, "rows": [[5, 3, 17, -0.5, [[17, -0.5], [3, -1.25]]], [6, 10, 2, 0]], "failed": [[8, "why"]]},
         "error": {"term": 7, "node": "node2", "message": "no stage loaded here", "status": 503},
         "release": {"term": 7, "keep": True},
     }
@@ -64,8 +57,6 @@ PARSERS = {
     "control": (parse_control, MessageError),
     "loaded": (parse_loaded, MessageError),
     "plan": (Plan.from_wire, PlacementError),
-    "forward": (lambda d: Forward.parse(Frame(MsgType.FORWARD, 3, d), 1000), FrameError),
-    "token": (lambda d: Tokens.parse(Frame(MsgType.TOKEN, 3, d)), FrameError),
     "error": (lambda d: Failure.parse(Frame(MsgType.ERROR, 3, d)), FrameError),
     "release": (parse_release, FrameError),
 }

@@ -7,6 +7,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from wire.frames import (
+    PROTOCOL_VERSION,
     DEFAULT_LIMITS,
     HANDSHAKE_LIMITS,
     INFO_LIMITS,
@@ -308,7 +309,7 @@ def candidate_inputs(initiator: bool) -> dict[str, Frame]:
         "info with payload": dataclasses.replace(peer_info, payload=b"x"),
         "ping": Frame(MsgType.PING),
         "sealed ping": Frame(MsgType.PING, seq=0),
-        "forward": Frame(MsgType.FORWARD, 1, {"tensor": {}}, b"\0" * 8, seq=0),
+        "forward": Frame(MsgType.CONTROL, 1, {"tensor": {}}, b"\0" * 8, seq=0),
     }
 
 
@@ -415,7 +416,7 @@ def test_pairs_of_state_and_input():
         fresh().receive(inputs["proof"])
     with pytest.raises(HandshakeError, match="cluster 'prod'"):
         fresh().receive(inputs["hello, other cluster"])
-    with pytest.raises(HandshakeError, match="protocol version 1, this node speaks 2"):
+    with pytest.raises(HandshakeError, match=f"protocol version 1, this node speaks {PROTOCOL_VERSION}"):
         fresh().receive(inputs["hello, version 1"])
     with pytest.raises(HandshakeError, match=r"exactly the keys .*'encrypt'"):
         fresh().receive(inputs["hello, v1 with info"])

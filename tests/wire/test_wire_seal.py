@@ -10,6 +10,7 @@ from wire.frames import (
     DEFAULT_LIMITS,
     HEADER,
     HEADER_BYTES,
+    PROTOCOL_VERSION,
     Frame,
     FrameDecoder,
     FrameError,
@@ -84,7 +85,7 @@ def test_sealed_frames_round_trip_in_any_chunking(encrypt, fs, data):
 @modes
 def test_trailer_and_what_travels_in_the_clear(encrypt):
     ours, _ = sessions(encrypt)
-    frame = Frame(MsgType.FORWARD, 7, {"secret-ish": "descriptor"}, b"payload bytes")
+    frame = Frame(MsgType.CONTROL, 7, {"secret-ish": "descriptor"}, b"payload bytes")
     [data] = sealed(ours, [frame])
     plain = b"".join(bytes(b) for b in encode_frame(frame, LIMITS))
     assert len(data) == len(plain) + (TAG_BYTES if encrypt else MAC_BYTES)
@@ -95,7 +96,7 @@ def test_trailer_and_what_travels_in_the_clear(encrypt):
 def test_integrity_mode_sends_the_payload_uncopied():
     ours, theirs = sessions(False)
     payload = bytearray(b"x" * 5000)
-    frame = Frame(MsgType.FORWARD, 1, {"a": 1}, payload)
+    frame = Frame(MsgType.CONTROL, 1, {"a": 1}, payload)
     head, body, mac = encode_frame(frame, DEFAULT_LIMITS, ours.sealer)
     assert body.obj is payload
     assert len(mac) == MAC_BYTES
@@ -159,7 +160,7 @@ def test_any_flipped_bit_fails_the_frame(encrypt, fs, data):
 def test_every_bit_of_one_frame_is_covered(encrypt):
     """Exhaustively, for one small frame: each of its bits, flipped, fails it."""
     ours, _ = sessions(encrypt)
-    [data] = sealed(ours, [Frame(MsgType.FORWARD, 9, {"tensor": [1, 2]}, bytes(range(40)))])
+    [data] = sealed(ours, [Frame(MsgType.CONTROL, 9, {"tensor": [1, 2]}, bytes(range(40)))])
     for bit in range(8 * len(data)):
         flipped = bytearray(data)
         flipped[bit // 8] ^= 1 << (bit % 8)
@@ -170,7 +171,7 @@ def test_every_bit_of_one_frame_is_covered(encrypt):
 
 def test_flipped_trailer_and_payload_name_the_integrity_check():
     ours, theirs = sessions(False)
-    [data] = sealed(ours, [Frame(MsgType.FORWARD, 1, {"a": 1}, b"p" * 100)])
+    [data] = sealed(ours, [Frame(MsgType.CONTROL, 1, {"a": 1}, b"p" * 100)])
     for pos in (HEADER_BYTES + 3, len(data) - 50, len(data) - 1):
         bad = bytearray(data)
         bad[pos] ^= 0x40
@@ -270,7 +271,7 @@ def test_big_header_fails_before_the_mac_and_before_allocating():
     _, theirs = sessions(True)
     decoder = FrameDecoder(LIMITS, theirs.opener)
     with pytest.raises(FrameError, match="limit of 1024 bytes"):
-        decoder.feed(HEADER.pack(b"RNGD", 2, MsgType.FORWARD, 0, 0, 0, 2**32 - 1))
+        decoder.feed(HEADER.pack(b"RNGD", PROTOCOL_VERSION, MsgType.FORWARD, 0, 0, 0, 2**32 - 1))
     assert decoder.payload_capacity == 0
 
 

@@ -181,7 +181,7 @@ def test_tensor_frames_round_trip_bit_exactly(run, encrypt):
             assert stream.encrypted == encrypt
             for i, arr in enumerate(arrays):
                 desc = {"tensor": tensor_descriptor(arr)}
-                await stream.send(Frame(MsgType.FORWARD, i, desc, tensor_to_buffer(arr)))
+                await stream.send(Frame(MsgType.CONTROL, i, desc, tensor_to_buffer(arr)))
             for i, arr in enumerate(arrays):
                 frame = await stream.recv(5)
                 assert frame.request_id == i
@@ -204,7 +204,7 @@ def test_large_payload_arrives_intact(run, encrypt):
         async with server() as (port, accepted):
             stream = await dial(port, encrypt=encrypt)
             # Sent at once: the server may not have seen our INFO yet.
-            await stream.send(Frame(MsgType.FORWARD, 1, {"n": len(payload)}, payload))
+            await stream.send(Frame(MsgType.CONTROL, 1, {"n": len(payload)}, payload))
             theirs = await accepted.get()
             frame = await theirs.recv(10)
             assert frame.descriptor == {"n": len(payload)} and frame.payload == payload
@@ -226,7 +226,7 @@ def test_many_frames_arrive_in_order_through_backpressure(monkeypatch):
 
             async def sender():
                 for i in range(count):
-                    await stream.send(Frame(MsgType.FORWARD, i, {"i": i}, payload))
+                    await stream.send(Frame(MsgType.CONTROL, i, {"i": i}, payload))
 
             sending = asyncio.create_task(sender())
             # The receiver stops reading, so the sender's transport fills and it waits to write.
@@ -302,7 +302,7 @@ def test_encryption_is_on_if_either_side_asks(dialer, listener):
             stream = await dial(port, encrypt=dialer)
             theirs = await accepted.get()
             assert stream.encrypted and theirs.encrypted
-            await stream.send(Frame(MsgType.FORWARD, 1, {"k": "v"}, b"secret bytes"))
+            await stream.send(Frame(MsgType.CONTROL, 1, {"k": "v"}, b"secret bytes"))
             frame = await theirs.recv(5)
             assert (frame.descriptor, bytes(frame.payload)) == ({"k": "v"}, b"secret bytes")
             stream.close()
@@ -427,7 +427,7 @@ def test_send_to_a_peer_that_stopped_reading_times_out():
         async with server() as (port, accepted):
             _, writer, _ = await raw_handshake(port)  # and then never reads again
             theirs = await accepted.get()
-            big = Frame(MsgType.FORWARD, 1, payload=bytes(64 * 1024 * 1024))
+            big = Frame(MsgType.CONTROL, 1, payload=bytes(64 * 1024 * 1024))
             with pytest.raises(TimeoutError, match=r"took longer than 0\.2 s"):
                 await theirs.send(big, timeout=0.2)
             assert theirs.closed
@@ -523,8 +523,8 @@ def test_a_relay_passing_bytes_through_is_just_a_proxy(encrypt):
             theirs = await accepted.get()
             assert (stream.peer_id, theirs.peer_id, theirs.peer_info) == ("server", "client", {})
             for i in range(3):
-                await stream.send(Frame(MsgType.FORWARD, i, {"i": i}, bytes([i]) * 1000))
-                await theirs.send(Frame(MsgType.TOKEN, i, {"token": i}))
+                await stream.send(Frame(MsgType.CONTROL, i, {"i": i}, bytes([i]) * 1000))
+                await theirs.send(Frame(MsgType.STATUS, i, {"token": i}))
             for i in range(3):
                 assert (await theirs.recv(5)).descriptor == {"i": i}
                 assert (await stream.recv(5)).descriptor == {"token": i}
@@ -573,7 +573,7 @@ def test_a_relay_that_tampers_after_the_handshake_gets_the_link_closed(
             client = await dial(relay_port, encrypt=encrypt)
             serving = await accepted.get()
             sender, receiver = (client, serving) if direction == "up" else (serving, client)
-            sent = [Frame(MsgType.FORWARD, i, {"i": i}, bytes([i]) * 64) for i in (1, 2)]
+            sent = [Frame(MsgType.CONTROL, i, {"i": i}, bytes([i]) * 64) for i in (1, 2)]
             for frame in sent:
                 await sender.send(frame)
             got = []
