@@ -215,7 +215,7 @@ class StageHost:
             return None
 
         def build():
-            from ringd import grammar  # llguidance: loaded by the first request with a grammar
+            from ringd.stage import grammar  # llguidance: loaded by the first request with a grammar
 
             return grammar.ll_tokenizer(source(), vocab_size)
 

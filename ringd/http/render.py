@@ -155,7 +155,7 @@ def _render_completion(req: Request, tokenizer) -> Rendered:
 
 
 def _lark(text: str, where: str) -> str:
-    from ringd import grammar  # llguidance: loaded by the first request that needs a grammar
+    from ringd.stage import grammar  # llguidance: loaded by the first request that needs a grammar
 
     try:
         return grammar.from_lark(text, where)

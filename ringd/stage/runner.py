@@ -201,16 +201,7 @@ class StageRunner:
             bits = wire_bits(h)  # evaluated with the step: one evaluation per frame
             mx.eval(bits, self.sessions.states(row.rid for row in rows))
             return [(self.next_node, out.frame(h, tensor_to_buffer(bits)))], prefill
-        sampled = []
-        for row, h in done:
-            try:
-                s = self._sample(row, h)
-            except SamplingError as e:
-                failed.append(self._fail_row(row, str(e)))
-                continue
-            if s is not None:
-                sampled.append(s)
-        return [(self.leader, Tokens(batch.batch, batch.term, tuple(sampled), tuple(failed)).frame())], prefill
+        return [(self.leader, Tokens(batch.batch, batch.term, self._sample(done, failed), tuple(failed)).frame())], prefill
 
     def _one_by_one(self, rows: tuple[Row, ...], hidden: mx.array | None, failed: list) -> list[tuple[Row, mx.array]]:
         """Each row through the layers on its own: prompt chunks, a request's first row, and
@@ -318,21 +309,32 @@ class StageRunner:
         )  # fmt: skip
         return session
 
-    def _sample(self, row: Row, logits: mx.array) -> Sampled | None:
-        """The last stage after a row: its caches evaluated, and if it samples, its token."""
-        session = self.sessions.get(row.rid)
-        if not row.sample:
-            mx.eval(self.sessions.states([row.rid]))
-            return None
-        if row.verify:
-            return self._verify(row, session, logits)
-        # As mlx-lm's generate_step: the head over the row's positions, then the last.
-        s = session.sampler.sample(logits[:, -1, :])
-        if s.mask_s is not None:
-            self.metrics.grammar_mask.observe(s.mask_s)
-        if row.silent:
-            return None
-        return Sampled(row.rid, session.offset, s.token, s.logprob, tuple(s.top_logprobs))
+    def _sample(self, done: list[tuple[Row, mx.array]], failed: list) -> tuple[Sampled, ...]:
+        """The last stage after the micro-batch's rows (their logits): each row that samples draws its
+        token, and all of it, with the caches of rows that only fill them, is evaluated at once: one
+        round trip to MLX's thread per micro-batch, not one per row. A verify row samples on its own
+        (what it keeps depends on each position's token)."""
+        sampled, draws, filled = [], [], []
+        for row, logits in done:
+            if not row.sample:
+                filled.append(row.rid)
+                continue
+            session = self.sessions.get(row.rid)
+            try:
+                if row.verify:
+                    sampled.append(self._verify(row, session, logits))
+                else:  # as mlx-lm's generate_step: the head over the row's positions, then the last
+                    draws.append((row, session, session.sampler.draw(logits[:, -1, :])))
+            except SamplingError as e:
+                failed.append(self._fail_row(row, str(e)))
+        mx.eval([a for _, _, draw in draws for a in draw.arrays], self.sessions.states(filled))
+        for row, session, draw in draws:
+            s = draw.result()
+            if s.mask_s is not None:
+                self.metrics.grammar_mask.observe(s.mask_s)
+            if not row.silent:
+                sampled.append(Sampled(row.rid, session.offset, s.token, s.logprob, tuple(s.top_logprobs)))
+        return tuple(sampled)
 
     def _verify(self, row: Row, session, logits: mx.array) -> Sampled:
         """A verify row on the last stage, as mlx-lm's speculative_generate_step: sample after each

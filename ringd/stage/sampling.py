@@ -201,6 +201,30 @@ class Sample:
     mask_s: float | None = None  # waiting for and applying the grammar's mask; None without a grammar
 
 
+@dataclass(frozen=True)
+class Draw:
+    """A sample as lazy arrays (``RequestSampler.draw``): evaluate ``arrays``, then read ``result``."""
+
+    token: mx.array  # [1]
+    logprob: mx.array  # [1, 1]
+    top: mx.array | None  # [1, k] token ids, or None
+    top_values: mx.array | None  # [1, k] their logprobs
+    mask_s: float | None
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.token, self.logprob] + ([self.top, self.top_values] if self.top is not None else [])
+
+    def result(self) -> Sample:
+        """The sample, once ``arrays`` are evaluated."""
+        top_pairs: list[tuple[int, float]] = []
+        if self.top is not None:
+            # A grammar may allow fewer than k tokens: the rest (-inf) are no alternatives.
+            pairs = zip(self.top[0].tolist(), self.top_values[0].tolist())
+            top_pairs = sorted(((i, v) for i, v in pairs if v > -math.inf), key=lambda p: -p[1])
+        return Sample(self.token.item(), self.logprob.item(), top_pairs, self.mask_s)
+
+
 class RequestSampler:
     """The last stage's sampling state for one request: history, processors, grammar, key.
 
@@ -256,6 +280,14 @@ class RequestSampler:
 
     def sample(self, logits: mx.array) -> Sample:
         """logits: [1, V] for the newest position."""
+        draw = self.draw(logits)
+        mx.eval(draw.arrays)
+        return draw.result()
+
+    def draw(self, logits: mx.array) -> "Draw":
+        """The sample after ``logits`` ([1, V], the newest position), lazily: a micro-batch's
+        rows are evaluated together, in one ``mx.eval`` (on MLX's CPU backend each is a
+        round trip to its thread), and then read with ``Draw.result``."""
         self._sampled = True
         for processor in self._processors:
             logits = processor(self._history, logits)
@@ -274,17 +306,12 @@ class RequestSampler:
             for f in self._filters:
                 filtered = f(filtered)
             token = mx.random.categorical(filtered * (1 / self.params.temperature), key=key)
+        logprob = mx.take_along_axis(logprobs, token[:, None], axis=-1).astype(mx.float32)
         k = self.params.top_logprobs if self.params.logprobs else 0
-        top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k] if k else None
-        mx.eval(token, logprobs, top) if top is not None else mx.eval(token, logprobs)
-        t = token.item()
-        top_pairs: list[tuple[int, float]] = []
-        if top is not None:
-            ids = top[0].tolist()
-            values = logprobs[0, top[0]].astype(mx.float32).tolist()
-            # A grammar may allow fewer than k tokens: the rest (-inf) are no alternatives.
-            top_pairs = sorted(((i, v) for i, v in zip(ids, values) if v > -math.inf), key=lambda p: -p[1])
-        return Sample(t, logprobs[0, t].astype(mx.float32).item(), top_pairs, mask_s)
+        if not k:
+            return Draw(token, logprob, None, None, mask_s)
+        top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
+        return Draw(token, logprob, top, mx.take_along_axis(logprobs, top, axis=-1).astype(mx.float32), mask_s)
 
     def _mask(self, logits: mx.array) -> mx.array:
         from ringd.stage.grammar import GrammarError
