@@ -7,8 +7,9 @@ joined to their header (unless the link is encrypted: then as ciphertext). (The
 selector loop of Python 3.11 still joins what it is given in writelines;
 uvloop and Python 3.12+ write the buffers as they are.)
 
-FrameStream is what the daemon holds: send/recv with deadlines, the peer's
-authenticated identity and info. `connect` and `serve` hand one out only once
+FrameStream is what the daemon holds: send/recv with deadlines (or ``serve``:
+every frame handed to a callback as it is decoded, with no task to wake per
+frame, which the ring's hop uses), the peer's authenticated identity and info. `connect` and `serve` hand one out only once
 the handshake is complete: both proofs in and the peer's sealed INFO opened.
 Until then a connection runs under the handshake's tight limits and nothing
 but the handshake is parsed; after the PROOFs every frame both ways is sealed
@@ -206,6 +207,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.peername: tuple[str, int] = ("", 0)
         self._handshake_deadline: asyncio.TimerHandle | None = None
         self._frames: collections.deque[Frame] = collections.deque()
+        # Set by FrameStream.serve: takes each frame as it is decoded, instead of the queue.
+        self._handler: Callable[[Frame], None] | None = None
         self._reading_paused = False
         self._frame_arrived = asyncio.Event()
         self._can_write = asyncio.Event()
@@ -334,6 +337,30 @@ class FrameProtocol(asyncio.BufferedProtocol):
     async def wait_closed(self):
         await self._lost.wait()
 
+    async def serve(self, handler: Callable[[Frame], None]):
+        """Hand every frame to ``handler`` as it is decoded, in order: first those queued, then
+        each as it arrives (on the event loop, from the protocol's callback). Raises
+        ConnectionError, saying why, once the connection has ended."""
+        while self._frames:
+            self._handle(handler, self._frames.popleft())
+        if self._reading_paused and self._error is None:
+            self._reading_paused = False
+            self._transport.resume_reading()
+        self._handler = handler
+        try:
+            while self._error is None:  # only the connection's end sets the event now
+                self._frame_arrived.clear()
+                await self._frame_arrived.wait()
+        finally:
+            self._handler = None
+        raise ConnectionError(str(self._error)) from self._error
+
+    def _handle(self, handler: Callable[[Frame], None], frame: Frame):
+        try:
+            handler(frame)
+        except Exception:  # the handler's bug must not stop this connection's reading
+            log.exception("handling a %s frame from %s failed", frame.type.name, self.address)
+
     # -- internals
 
     def _write_handshake(self, frames: list[Frame]):
@@ -366,6 +393,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self._gate.release(self)
 
     def _deliver(self, frame: Frame):
+        if self._handler is not None:
+            self._handle(self._handler, frame)
+            return
         self._frames.append(frame)
         self._frame_arrived.set()
         if len(self._frames) >= RECV_QUEUE_FRAMES and not self._reading_paused:
@@ -448,6 +478,13 @@ class FrameStream:
             )
             self._protocol.fail(error)
             raise error from None
+
+    async def serve(self, handler: Callable[[Frame], None]):
+        """Call ``handler(frame)`` for every frame, in order, as it is decoded (on the event loop:
+        it must be quick), until the connection ends: then ConnectionError, whose message says
+        why. A handler that raises is logged and the link carries on. No task wakes per frame,
+        as one does for ``recv``: the ring's hop uses this."""
+        await self._protocol.serve(handler)
 
     async def recv(self, timeout: float | None) -> Frame:
         """The next frame.

@@ -326,11 +326,13 @@ class Links:
             self.peers[peer_id] = peer
             log.info("linked with %s (%s)", peer_id, "dialed" if outbound else "accepted")
             self.on_change()
+        def on_frame(frame: Frame) -> None:
+            peer.last_heard = time.monotonic()
+            self.on_frame(peer_id, frame)
+
         try:
-            while True:
-                frame = await stream.recv(timeout=None)
-                peer.last_heard = time.monotonic()
-                self.on_frame(peer_id, frame)
+            # Each frame is handled as it is decoded: no task wakes per frame (a ring hop's cost).
+            await stream.serve(on_frame)
         except (ConnectionError, asyncio.IncompleteReadError, wire_stream.FrameError) as e:
             current = self.peers.get(peer_id) is peer
             log.log(logging.INFO if current else logging.DEBUG, "link to %s closed: %s", peer_id, e or type(e).__name__)

@@ -39,7 +39,7 @@ from ringd.cluster.placement import Plan
 from ringd.logs import about
 from ringd.metrics import Metrics
 from ringd.stage.compute import ComputeThread
-from ringd.stage.sampling import RequestSampler, SamplingError, SamplingParams
+from ringd.stage.sampling import RequestSampler, SamplingError, SamplingParams, draw_greedy
 from ringd.stage.sessions import SessionError, Sessions
 from ringd.stage.shard import Shard
 from ringd.steps import Failure, Forward, KvOptions, Row, Sampled, Tokens, parse_release, term_of
@@ -188,31 +188,36 @@ class StageRunner:
             if batch.hidden_size != shard.info.hidden_size or not mx.issubdtype(hidden.dtype, mx.floating):
                 raise BatchError(f"hidden states of size {batch.hidden_size}, {hidden.dtype}; expected {shard.info.hidden_size}, floating", batch)
         failed = list(batch.failed)
-        done = self._batched(batch.rows, hidden, failed)
-        if done is None:
-            done = self._one_by_one(batch.rows, hidden, failed)
+        # Blocks of rows computed together: (rows, their outputs [rows, positions, H or V]).
+        blocks = self._batched(batch.rows, hidden, failed)
+        if blocks is None:
+            blocks = self._one_by_one(batch.rows, hidden, failed)
         prefill = any(not row.sample for row in batch.rows)
+        rows = tuple(row for block, _ in blocks for row in block)
         if not shard.is_last:
-            rows = tuple(row for row, _ in done)
             out = Forward(batch.batch, batch.term, rows, tuple(failed))
             if not rows:
                 return [(self.next_node, out.frame())], prefill
-            h = mx.concatenate([h for _, h in done], axis=1) if len(done) > 1 else done[0][1]
+            # [1, N, H] in row order: a batched block's [B, 1, H] is that already, reshaped.
+            flat = [h.reshape(1, -1, h.shape[-1]) for _, h in blocks]
+            h = mx.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
             bits = wire_bits(h)  # evaluated with the step: one evaluation per frame
-            mx.eval(bits, self.sessions.states(row.rid for row in rows))
+            # A prompt chunk's caches are evaluated with it, as mlx-lm's prefill does; a decode
+            # step's are part of its output's graph already.
+            mx.eval(bits, self.sessions.states(row.rid for row in rows) if prefill else [])
             return [(self.next_node, out.frame(h, tensor_to_buffer(bits)))], prefill
-        return [(self.leader, Tokens(batch.batch, batch.term, self._sample(done, failed), tuple(failed)).frame())], prefill
+        return [(self.leader, Tokens(batch.batch, batch.term, self._sample(blocks, failed), tuple(failed)).frame())], prefill
 
-    def _one_by_one(self, rows: tuple[Row, ...], hidden: mx.array | None, failed: list) -> list[tuple[Row, mx.array]]:
+    def _one_by_one(self, rows: tuple[Row, ...], hidden: mx.array | None, failed: list) -> list[tuple[tuple[Row], mx.array]]:
         """Each row through the layers on its own: prompt chunks, a request's first row, and
-        rows whose caches cannot be batched."""
+        rows whose caches cannot be batched. A block of one row each."""
         done, at = [], 0
         for row in rows:
             n = len(row.tokens)
             x = hidden[:, at : at + n] if hidden is not None else None
             at += n
             try:
-                done.append((row, self._row(row, x)))
+                done.append(((row,), self._row(row, x)))
                 self.metrics.batch_rows.observe(1)
             except (FrameError, SessionError, SamplingError) as e:
                 failed.append(self._fail_row(row, str(e)))
@@ -221,9 +226,9 @@ class StageRunner:
                 failed.append(self._fail_row(row, f"{type(e).__name__}: {e}"))
         return done
 
-    def _batched(self, rows: tuple[Row, ...], hidden: mx.array | None, failed: list) -> list[tuple[Row, mx.array]] | None:
+    def _batched(self, rows: tuple[Row, ...], hidden: mx.array | None, failed: list) -> list[tuple[tuple[Row, ...], mx.array]] | None:
         """Decode rows of requests open here (one token each) through the layers as one batch,
-        their caches merged (``Sessions.batched``); None where the rows must go one by one."""
+        their caches merged (``Sessions.batched``): one block; None where the rows must go one by one."""
         if not self.shard.batchable or len(rows) < 2 or any(len(row.tokens) != 1 or row.open is not None for row in rows):
             return None
         fit, at = [], []
@@ -241,7 +246,9 @@ class StageRunner:
         if cache is None:
             return self._one_by_one(tuple(fit), hidden[:, at] if hidden is not None else None, failed)
         tokens = mx.array([row.tokens for row in fit], dtype=mx.int32)  # [B, 1]
-        x = hidden[0, mx.array(at)][:, None, :] if hidden is not None else None  # [B, 1, H]
+        x = None
+        if hidden is not None:  # [B, 1, H]: every row's, or those that fit
+            x = hidden.reshape(-1, 1, hidden.shape[-1]) if len(fit) == len(rows) else hidden[0, mx.array(at)][:, None, :]
         h = self.shard(tokens, x, cache)
         self.metrics.batch_rows.observe(len(fit))
         for i, row in enumerate(fit):
@@ -251,7 +258,7 @@ class StageRunner:
             session.provisional = 0
             if self.shard.is_last:
                 session.sampler.observe(tokens[i])
-        return [(row, h[i : i + 1]) for i, row in enumerate(fit)]
+        return [(tuple(fit), h)]
 
     def _fail_row(self, row: Row, reason: str) -> tuple[int, str]:
         log.warning("req=%x: failed on this stage: %s", row.rid, reason, extra=self.describe(row.rid, row, reason=reason))
@@ -309,31 +316,46 @@ class StageRunner:
         )  # fmt: skip
         return session
 
-    def _sample(self, done: list[tuple[Row, mx.array]], failed: list) -> tuple[Sampled, ...]:
+    def _sample(self, blocks: list[tuple[tuple[Row, ...], mx.array]], failed: list) -> tuple[Sampled, ...]:
         """The last stage after the micro-batch's rows (their logits): each row that samples draws its
         token, and all of it, with the caches of rows that only fill them, is evaluated at once: one
-        round trip to MLX's thread per micro-batch, not one per row. A verify row samples on its own
-        (what it keeps depends on each position's token)."""
-        sampled, draws, filled = [], [], []
-        for row, logits in done:
-            if not row.sample:
-                filled.append(row.rid)
-                continue
-            session = self.sessions.get(row.rid)
-            try:
-                if row.verify:
-                    sampled.append(self._verify(row, session, logits))
-                else:  # as mlx-lm's generate_step: the head over the row's positions, then the last
-                    draws.append((row, session, session.sampler.draw(logits[:, -1, :])))
-            except SamplingError as e:
-                failed.append(self._fail_row(row, str(e)))
-        mx.eval([a for _, _, draw in draws for a in draw.arrays], self.sessions.states(filled))
+        round trip to MLX's thread per micro-batch, not one per row. Plain greedy rows of a batched
+        block are drawn together (``draw_greedy``). A verify row samples on its own (what it keeps
+        depends on each position's token)."""
+        sampled, draws, greedy, filled = [], [], [], []
+        for rows, out in blocks:
+            plain = []
+            for i, row in enumerate(rows):
+                if not row.sample:
+                    filled.append(row.rid)
+                    continue
+                session = self.sessions.get(row.rid)
+                logits = out[i : i + 1] if len(rows) > 1 else out
+                try:
+                    if row.verify:
+                        sampled.append(self._verify(row, session, logits))
+                    elif len(rows) > 1 and session.sampler.plain:
+                        plain.append((i, row, session))
+                    else:  # as mlx-lm's generate_step: the head over the row's positions, then the last
+                        draws.append((row, session, session.sampler.draw(logits[:, -1, :])))
+                except SamplingError as e:
+                    failed.append(self._fail_row(row, str(e)))
+            if plain:
+                at = [i for i, _, _ in plain]
+                last = out[:, -1, :] if len(at) == len(rows) else out[mx.array(at), -1, :]
+                greedy.append((plain, *draw_greedy(last)))
+        arrays = [a for _, _, draw in draws for a in draw.arrays] + [a for _, tokens, logprobs in greedy for a in (tokens, logprobs)]
+        mx.eval(arrays, self.sessions.states(filled))
         for row, session, draw in draws:
             s = draw.result()
             if s.mask_s is not None:
                 self.metrics.grammar_mask.observe(s.mask_s)
             if not row.silent:
                 sampled.append(Sampled(row.rid, session.offset, s.token, s.logprob, tuple(s.top_logprobs)))
+        for plain, tokens, logprobs in greedy:
+            for (_, row, session), token, (logprob,) in zip(plain, tokens.tolist(), logprobs.tolist()):
+                if not row.silent:
+                    sampled.append(Sampled(row.rid, session.offset, token, logprob))
         return tuple(sampled)
 
     def _verify(self, row: Row, session, logits: mx.array) -> Sampled:

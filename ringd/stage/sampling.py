@@ -225,6 +225,15 @@ class Draw:
         return Sample(self.token.item(), self.logprob.item(), top_pairs, self.mask_s)
 
 
+def draw_greedy(logits: mx.array) -> tuple[mx.array, mx.array]:
+    """Greedy tokens of several plain rows at once (``RequestSampler.plain``), lazily: logits
+    [B, V] -> tokens [B] and their logprobs [B, 1], the operations ``draw`` runs on one row,
+    batched (as mlx-lm's BatchGenerator samples its batch)."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    token = mx.argmax(logprobs, axis=-1)
+    return token, mx.take_along_axis(logprobs, token[:, None], axis=-1).astype(mx.float32)
+
+
 class RequestSampler:
     """The last stage's sampling state for one request: history, processors, grammar, key.
 
@@ -265,6 +274,12 @@ class RequestSampler:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._key = mx.random.key(seed)
         self._history: mx.array | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Greedy, with nothing that follows the request's tokens or asks more than the token
+        (penalties, a bias, a grammar, logprobs): its rows may be drawn together (``draw_greedy``)."""
+        return self.params.temperature == 0 and not self._processors and self.constraint is None and not self.params.logprobs
 
     def observe(self, tokens: mx.array) -> None:
         """Tokens that entered the model (prompt chunks, then each fed-back token)."""

@@ -292,7 +292,7 @@ def test_a_hub_stage_downloads_only_its_files_with_progress_and_once(tiny_model,
     needed = weight_files_for(src, start, end)
     sizes = {f: (src / f).stat().st_size for f in needed}
     with FakeHub({"ringd-test/tiny": src}) as hub:
-        tests = str(Path(__file__).parents[1])  # fakehub.py is in tests/
+        tests = str(Path(__file__).parent)
         r = subprocess.run(
             [sys.executable, "-c", _HUB_LOAD, "ringd-test/tiny", str(start), str(end), tests],
             env=hub.env(tmp_path / "hf"), capture_output=True, text=True, timeout=240,

@@ -797,3 +797,35 @@ def test_failed_handshakes_are_logged_rate_limited(monkeypatch, caplog):
     # At most one summary line per interval, however many failures.
     assert 1 <= len(summaries) <= elapsed / wire.stream.LOG_SUMMARY_INTERVAL_S + 1
     assert all(SECRET.decode() not in w for w in lines)
+
+
+def test_serve_hands_every_frame_to_the_handler_in_order_and_says_why_the_link_ended(run, caplog):
+    """Frames queued before ``serve`` come first, then each as it is decoded; a handler that
+    raises is logged and the link carries on; the end of the link is a ConnectionError."""
+
+    async def main():
+        async with server() as (port, accepted):
+            stream = await dial(port)
+            theirs = await accepted.get()
+            for i in range(3):  # before anyone serves: queued
+                await stream.send(Frame(MsgType.CONTROL, i, {"i": i}))
+            await until(lambda: len(theirs._protocol._frames) == 3, what="three frames queued")
+            got = []
+
+            def handler(frame):
+                got.append(frame.request_id)
+                if frame.request_id == 4:
+                    raise RuntimeError("a handler's bug")
+
+            serving = asyncio.create_task(theirs.serve(handler))
+            for i in range(3, 8):
+                await stream.send(Frame(MsgType.CONTROL, i, {"i": i}))
+            await until(lambda: len(got) == 8, what="eight frames handled")
+            assert got == list(range(8))
+            stream.close()
+            with pytest.raises(ConnectionError, match="closed the connection"):
+                await asyncio.wait_for(serving, 10)
+
+    with caplog.at_level(logging.ERROR, logger="wire.stream"):
+        run(main())
+    assert any("a handler's bug" in (r.exc_text or "") or "failed" in r.getMessage() for r in caplog.records)
