@@ -15,13 +15,16 @@ entries.
 
 Decode rows of several requests in one micro-batch run as one batch through
 the layers when their caches allow it (``batched``): their caches are merged
-into mlx-lm's batched caches (``BatchKVCache``: left padding, per-row offsets)
-and stay merged, as a group, for as long as the same requests come in the same
-order, which is the steady state of decoding; a request that leaves the group
+into mlx-lm's batched caches by the caches' own ``merge`` (``KVCache`` into
+``BatchKVCache``: left padding, per-row offsets; a sliding window's
+``RotatingKVCache`` into ``BatchRotatingKVCache``; linear attention's
+``ArraysCache`` into one of batched states; ``CacheList`` layer by layer) and stay
+merged, as a group, for as long as the same requests come in the same order,
+which is the steady state of decoding; a request that leaves the group
 (released, or stepping alone) gets its own caches back (``extract``, and the
-group ``filter``s it out). Only plain ``KVCache`` layers are batched so far:
-other kinds (rotating windows, quantized, linear-attention state) step one row
-at a time, which is exact, just not batched.
+group ``filter``s it out). Quantized caches (``kv_bits``) and the rotating cache
+of ``max_kv_size`` (which keeps its first positions, as mlx-lm's does, and whose
+batched twin does not) step one row at a time, which is exact, just not batched.
 
 Only the compute thread mutates sessions (FORWARD and RELEASE of one request
 are applied there in arrival order); the event loop only reads counts.
@@ -34,7 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from ringd.stage.sampling import RequestSampler
 
@@ -67,7 +70,28 @@ class Group:
 
 def batchable(cache: list[Any]) -> bool:
     """Whether a request's caches may be merged with others' (see the module's docstring)."""
-    return all(type(c) is KVCache and c.keys is not None for c in cache)
+    return all(_mergeable(c) and not c.empty() for c in cache)
+
+
+def mergeable_kind(c: Any) -> bool:
+    """Whether caches of ``c``'s kind merge into a batched cache that steps as they do alone
+    (``Shard`` asks it of a fresh one at load, before trying a batched step)."""
+    return _mergeable(c)
+
+
+def _kind(c: Any) -> tuple:
+    """What two caches of one layer must share to merge."""
+    if type(c) is CacheList:
+        return ("CacheList", tuple(_kind(x) for x in c.caches))
+    return (type(c).__name__, getattr(c, "max_size", None), getattr(c, "keep", None))
+
+
+def _mergeable(c: Any) -> bool:
+    if type(c) is CacheList:
+        return all(_mergeable(x) for x in c.caches)
+    # A sliding window merges; max_kv_size's rotating cache keeps its first positions (keep),
+    # which BatchRotatingKVCache does not.
+    return type(c) in (KVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0)
 
 
 @dataclass
@@ -180,6 +204,8 @@ class Sessions:
         # does it, one request at a time: such requests step alone.
         if not all(batchable(s.cache) and (s.kv is None or s.kv.bits is None) for s in sessions):
             return None
+        if len({tuple(map(_kind, s.cache)) for s in sessions}) > 1:
+            return None  # layers of other kinds (another request's options): never merged together
         layers = len(sessions[0].cache)
         group = Group(tuple(request_ids), [type(sessions[0].cache[i]).merge([s.cache[i] for s in sessions]) for i in range(layers)])
         for session in sessions:

@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, KVCache, RotatingKVCache
 from mlx_lm.utils import load_model, maybe_set_recommended_wired_limit
 
 from ringd.leader.admission import KvCost
@@ -44,6 +44,7 @@ from ringd.models.checkpoint import (
 )
 from ringd.models.gguf import GgufFile
 from ringd.models.progress import LOAD, LoadProgress
+from ringd.stage.sessions import mergeable_kind
 
 # A stage's parameters are read in groups of about this many bytes (a group ends with
 # the tensor that reaches it): progress then moves within a multi-GB weight file, and
@@ -129,6 +130,8 @@ def _cache_kind(c: Any) -> tuple:
         return ("CacheList", tuple(_cache_kind(x) for x in c.caches))
     if isinstance(c, BatchKVCache):  # several requests' KVCaches merged (sessions.py): masks as theirs
         return ("KVCache", None, None, None)
+    if isinstance(c, BatchRotatingKVCache):  # their sliding windows merged (keep 0: sessions.py)
+        return ("RotatingKVCache", c.max_size, 0, None)
     size = len(c.cache) if isinstance(c, ArraysCache) else None
     return (type(c).__name__, getattr(c, "max_size", None), getattr(c, "keep", None), size)
 
@@ -271,12 +274,13 @@ class Shard:
     def _batches_right(self) -> bool:
         """Whether this stage may run several requests' decode rows as one batch (sessions.py).
 
-        Only plain KVCache layers are merged, and not every model's code takes batched caches
-        (gemma2's soft-capped attention does not broadcast their masks; others might ignore
-        the left padding): so two requests of different lengths take one step batched and
-        one step each alone, here at load, and the stage batches only if the two agree.
+        Only caches whose kind merges (``sessions.mergeable_kind``) are merged, and not every
+        model's code takes batched caches (gemma2's soft-capped attention does not broadcast
+        their masks; others might ignore the left padding): so two requests of different
+        lengths take one step batched and one step each alone, here at load, and the stage
+        batches only if the two agree.
         """
-        if not all(type(c) is KVCache for c in self.make_cache()):
+        if not all(mergeable_kind(c) for c in self.make_cache()):
             return False
         dtype = self._activation_dtype()
 

@@ -78,14 +78,23 @@ def test_release_keep_and_expiry_of_a_grouped_request():
     assert len(sessions) == 0 and sessions.kv_bytes == 0
 
 
+def rotating(keep: int = 0) -> RotatingKVCache:
+    cache = RotatingKVCache(max_size=8, keep=keep)
+    cache.update_and_fetch(mx.zeros((1, HEADS, 2, DIM)), mx.zeros((1, HEADS, 2, DIM)))
+    return cache
+
+
 def test_caches_of_other_kinds_are_not_merged():
     sessions = Sessions()
     open_three(sessions)
-    rotating = RotatingKVCache(max_size=8)
-    rotating.update_and_fetch(mx.zeros((1, HEADS, 2, DIM)), mx.zeros((1, HEADS, 2, DIM)))
-    sessions.open(4, [rotating, rotating], None, tokens=[0, 0])
+    sessions.open(4, [rotating(), rotating()], None, tokens=[0, 0])
+    sessions.open(5, [rotating(), rotating()], None, tokens=[0, 0])
+    # max_kv_size's rotating cache keeps its first positions: BatchRotatingKVCache does not.
+    sessions.open(6, [rotating(keep=4), rotating(keep=4)], None, tokens=[0, 0])
     assert sessions.batched((1, 4)) is None
+    assert sessions.batched((4, 6)) is None
     assert sessions.batched((1, 2)) is not None
+    assert sessions.batched((4, 5)) is not None  # sliding windows merge among themselves
 
 
 def test_requests_whose_caches_are_quantized_later_are_not_merged():
