@@ -50,8 +50,19 @@ async def _serve(cfg: config_mod.Config) -> int:
 
         watcher = loop.create_task(watch_parent())
     daemon = Daemon(cfg)
+    # Raced with a signal: a start that waits (for a peer holding the model) still stops on one.
+    starting = asyncio.ensure_future(daemon.start())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        logging.getLogger("ringd").info("stopping before the node was up")
+        await daemon.stop()
+        return 0
+    stopped.cancel()
     try:
-        await daemon.start()
+        starting.result()
     except (config_mod.ConfigError, ModelError, OSError) as e:
         logging.getLogger("ringd").error("ringd serve: %s", e)
         await daemon.stop()

@@ -228,6 +228,8 @@ KEYS: list[Key] = [
     Key("api_keys_file", _optional(_str), None, "file of API keys, one a line, that /v1/* requires as a Bearer token (default: none, the API is open)"),
     Key("ring_encryption", _bool, False, "encrypt ring links (AES-GCM) for networks you don't trust; integrity (HMAC) is always on"),
     Key("model", _optional(_str), None, "mlx-lm model directory, Hugging Face repo id, .gguf file or ollama:NAME[:TAG]"),
+    Key("model_from_peers", _bool, False, "with no model of its own (or before the Hub), fetch the layers this node runs from peers that hold the model: config, tokenizer and its stages' tensors only, checked chunk by chunk"),
+    Key("models_dir", _optional(_str), None, "where a model fetched from peers is kept, so the next start finds it (default: from-peers in ringd's cache)"),
     Key("draft_model", _optional(_str), None, "a small model sharing the served model's tokenizer, run whole on the leader for speculative decoding of greedy requests (directory, repo id or .gguf)"),
     Key("num_draft_tokens", _int_between(1, MAX_NUM_DRAFT), DEFAULT_NUM_DRAFT, f"tokens the draft model proposes per step (1 to {MAX_NUM_DRAFT})", int),
     Key("model_id", _optional(_str), None, "model name the API serves (default: the model's directory or repo name)"),
@@ -281,6 +283,8 @@ class Config:
     api_keys_file: str | None
     ring_encryption: bool
     model: str | None
+    model_from_peers: bool
+    models_dir: str | None
     draft_model: str | None
     num_draft_tokens: int
     model_id: str | None
@@ -513,6 +517,12 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
         raise ConfigError(
             f"dead_after_s ({cfg.dead_after_s}) must be longer than heartbeat_interval_s ({cfg.heartbeat_interval_s}), "
             "or every peer looks dead between two heartbeats"
+        )
+    if cfg.model_from_peers and cfg.ring_encryption:
+        raise ConfigError(
+            "model_from_peers: a model's files travel between peers authenticated and checked but not "
+            "encrypted, and ring_encryption says this network is not trusted; copy the model to this node, "
+            "or turn one of them off"
         )
     if cfg.split is not None and len(cfg.split) != cfg.expected_nodes:
         raise ConfigError(

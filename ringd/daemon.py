@@ -24,12 +24,16 @@ import time
 from pathlib import Path
 
 from ringd.cluster.coordinator import Coordinator
+from ringd.cluster.holders import holder_of, model_from_peers
 from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_order, local_networks, own_addresses
 from ringd.cluster.members import Cluster, DrainError
 from ringd.cluster.messages import MessageError, parse_loaded
 from ringd.cluster.stagehost import StageHost
 from ringd.config import Config, ConfigError
 from ringd.device import DeviceProfile, default_cache_dir, probe_speed, read_profile
+from ringd.http.files import Holding
+from ringd.models.ollama import PREFIX as OLLAMA_PREFIX
+from ringd.models.peers import Holder, PeerModel
 from ringd.http.api import Api
 from ringd.leader.draft import Drafter
 from ringd.leader.engine import Engine
@@ -73,6 +77,8 @@ class Daemon:
         self.discovery: Discovery | None = None
         self.profile: DeviceProfile | None = None
         self.budget: int | None = None  # bytes for weights + KV cache, from the profile and memory_budget_gb
+        self.peer_model: PeerModel | None = None  # the model, fetched from peers (model_from_peers)
+        self.files: Holding | None = None  # the model this node serves to peers fetching theirs
         self.addr = ""
         self.http_addr = ""
         self._own: dict = {}  # what peers learn of this node once it has proved the secret
@@ -84,13 +90,22 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.cfg
-        if cfg.model is None:
-            raise ModelError("model: no model configured; set model (or RINGD_MODEL, --model)")
+        if cfg.model is None and not cfg.model_from_peers:
+            raise ModelError("model: no model configured; set model (or RINGD_MODEL, --model), or model_from_peers to fetch it from peers that hold it")
         self.secret = cfg.read_secret()
         self.api_keys = cfg.read_api_keys() if cfg.api_keys_file else frozenset()
         self._networks = local_networks()
         loop = asyncio.get_running_loop()
-        self.info = await loop.run_in_executor(None, model_info, cfg.model)
+        model = cfg.model
+        if cfg.model_from_peers and not _on_disk(model):
+            self.peer_model = await model_from_peers(cfg, self.secret, self.metrics, local_networks=self._networks)
+            if self.peer_model is not None:
+                model = str(self.peer_model.path)
+        self.info = await loop.run_in_executor(None, model_info, model)
+        if self.peer_model is None and not cfg.ring_encryption:
+            # A model of its own, whole: served to peers that fetch theirs (never in the clear on a
+            # network ring_encryption calls untrusted).
+            self.files = Holding(self.info.path, self.info.fingerprint, self.info.name, default_cache_dir())
         self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.info)
         self.model_id = cfg.model_id or self.info.name
         profile = await loop.run_in_executor(None, read_profile, cfg.capabilities)
@@ -104,12 +119,13 @@ class Daemon:
         addresses = own_addresses(cfg.advertise, cfg.host, cfg.prefer_interfaces)
         own: dict = {
             "model": self.info.fingerprint, "budget": self.budget, "priority": cfg.priority,
-            "profile": self.profile.to_wire(), "api_only": cfg.api_only,
+            "profile": self.profile.to_wire(), "api_only": cfg.api_only, "files": self.files is not None,
         }  # fmt: skip
         self._own = own
         self.stage = StageHost(
-            self.name, cfg.model, self.info, self.compute, self._send, self._on_change, self.metrics,
+            self.name, model, self.info, self.compute, self._send, self._on_change, self.metrics,
             tokenizer_source=lambda: self.tokenizer, departed=lambda node: node in self.cluster.left,
+            peer_model=self.peer_model, holders=self._holders,
         )
         self.cluster = Cluster(
             node=self.name, cluster=cfg.cluster, priority=cfg.priority, secret=self.secret, info=own,
@@ -237,6 +253,11 @@ class Daemon:
         if self.coordinator is not None:
             self.coordinator.changed()
 
+    def _holders(self, model: str) -> list[Holder]:
+        """The linked peers that serve the files of ``model``."""
+        found = (holder_of(p, peer.info, model) for p, peer in self.cluster.peers.items())
+        return [h for h in found if h is not None]
+
     def _serving(self):
         return self.coordinator.serving() if self.coordinator is not None else (None, "not leading")
 
@@ -320,6 +341,14 @@ class Daemon:
 
     def _kv_capacity(self, start: int, end: int) -> int | None:
         return None if self.budget is None else self.budget - self.info.weights.stage(start, end)
+
+
+def _on_disk(model: str | None) -> bool:
+    """Whether ``model`` names a model on this machine (a directory, a GGUF file, Ollama's store),
+    not a Hub repo id still to fetch, or nothing."""
+    if model is None:
+        return False
+    return model.startswith(OLLAMA_PREFIX) or Path(model).expanduser().exists()
 
 
 async def _bind(key: str, host: str, port: int, bind):

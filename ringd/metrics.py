@@ -214,6 +214,11 @@ class Metrics:
             ["node", "outcome"], registry=r,
         )  # fmt: skip
         self.plans = Counter("ringd_plan_changes", "Plans this node made as leader", n, registry=r).labels(node)
+        self.files_served = Counter("ringd_files_served_bytes", "Bytes of the model's files this node sent to peers fetching their layers", n, registry=r).labels(node)
+        self._files_fetched = Counter(
+            "ringd_files_fetched_bytes", "Bytes of the model's files this node fetched from peers, by outcome (verified, or refused: a chunk that did not match the manifest)",
+            ["node", "outcome"], registry=r,
+        )  # fmt: skip
         r.register(_Collector(node, read))
         self.live = Live()
 
@@ -227,6 +232,9 @@ class Metrics:
         """One verify row's proposals: how many the last stage kept, how many it cut."""
         self._draft.labels(self.node, "accepted").inc(accepted)
         self._draft.labels(self.node, "rejected").inc(rejected)
+
+    def files_fetched(self, verified: bool, nbytes: int) -> None:
+        self._files_fetched.labels(self.node, "verified" if verified else "refused").inc(nbytes)
 
     def stage_compute(self, prefill: bool, seconds: float) -> None:
         (self.stage_prefill if prefill else self.stage_decode).observe(seconds)

@@ -489,14 +489,20 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_reference(smollm2_gguf, tmp_path_factory):
-    """mlx-lm's model and tokenizer for SmolLM2, loaded by mlx-lm from the directory `ringd convert` writes."""
-    from mlx_lm import load
-
+def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2 as an mlx-lm directory: what `ringd convert` writes of the GGUF file."""
     out = tmp_path_factory.mktemp("smollm2") / "converted"
     r = subprocess.run([sys.executable, "-m", "ringd", "convert", str(smollm2_gguf), str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    return load(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_dir):
+    """mlx-lm's model and tokenizer for SmolLM2, loaded by mlx-lm from the directory `ringd convert` writes."""
+    from mlx_lm import load
+
+    return load(str(smollm2_dir))
 
 
 @pytest.fixture(scope="session")

@@ -351,6 +351,7 @@ class Discovery:
         addresses: list[str],
         on_peer: Callable[[Advert], None],
         interfaces: list[str] | None = None,
+        advertise: bool = True,
     ):
         addresses = [_check_ipv4(a) for a in addresses]
         if len(addresses) > MAX_ADVERTISED_ADDRESSES:
@@ -367,6 +368,7 @@ class Discovery:
             properties=self.advert.to_txt(),
             server=host_name(node, cluster),
         )
+        self.advertise = advertise  # False: browse only (a node looking for peers before it joins)
         self.advertising = False  # False until registered, and for good after a name conflict
         self._found: dict[str, Advert] = {}  # by service instance name
         self._aiozc: AsyncZeroconf | None = None
@@ -411,6 +413,8 @@ class Discovery:
         # Browse before registering: the answers land in the cache that probing
         # checks, so a daemon already holding our name is noticed.
         self._browser = AsyncServiceBrowser(self._aiozc.zeroconf, SERVICE_TYPE, handlers=[self._on_state_change])
+        if not self.advertise:
+            return
         a = self.advert
         try:
             self._announce = await asyncio.wait_for(self._aiozc.async_register_service(self.info), REGISTER_TIMEOUT_S)

@@ -304,6 +304,11 @@ class Links:
         if self._closing:  # a handshake that finished as this node began to leave
             stream.close()
             return
+        if (stream.peer_info or {}).get("probe") is True:
+            # A node with no model yet asking who holds one (cluster/holders.py): it has read our
+            # INFO in the handshake, and is no member of the ring.
+            stream.close()
+            return
         if peer_id == self.node:
             log.warning("dropping a link to ourselves (a peer address points at this node)")
             stream.close()

@@ -29,6 +29,7 @@ from ringd.names import parse_hostport
 from ringd.stage.compute import ComputeThread
 from ringd.stage.runner import StageRunner
 from ringd.stage.shard import Shard
+from ringd.models.peers import Holder, PeerModel
 from ringd.steps import Failure, term_of
 from wire.frames import Frame, MsgType
 
@@ -58,8 +59,14 @@ class StageHost:
         metrics: Metrics,
         tokenizer_source: Callable[[], Any] | None = None,
         departed: Callable[[str], bool] = lambda node: False,
+        peer_model: PeerModel | None = None,
+        holders: Callable[[str], list[Holder]] = lambda model: [],
     ):
         self.node = node
+        # A model fetched from peers (model_from_peers): a plan's layers are fetched from the peers
+        # that hold the model (``holders(fingerprint)``) before they load.
+        self.peer_model = peer_model
+        self.holders = holders
         # Whether a peer said LEAVE: a link to it that drops, or a frame it can no longer take,
         # breaks no ring, as the leader plans without it anyway (and a whole ring stopped at
         # once, whose signals land a little apart, stays quiet).
@@ -178,6 +185,9 @@ class StageHost:
             t0 = time.monotonic()
             progress = self.progress = LoadProgress(want.start, want.end)
             try:
+                if self.peer_model is not None:
+                    holders = self.holders(plan.model)
+                    await self.peer_model.ensure(want.start, want.end, self.info.num_layers, holders, progress)
                 self.shard = await self.compute.run(Shard.load, self.model, want.start, want.end, progress)
             except asyncio.CancelledError:
                 # The node is stopping: the compute thread gives the load up at its next step

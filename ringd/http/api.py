@@ -34,6 +34,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from ringd import logs
 from ringd.http import anthropic_api, ollama_api
 from ringd.http.anthropic_api import AnthropicApi
+from ringd.http.files import FileServer, Holding
 from ringd.http.auth import AuthError, ControlAuth, ForwardAuth, body_sha256, check_api_key, is_signed, sign
 from ringd.http.guard import AIOHTTP_LOG, BODY_READ_TIMEOUT_S, HTTP_IDLE_TIMEOUT_S, BodyBudget, listen, raise_fd_limit, undecodable_header
 from ringd.http.ollama_api import OllamaApi
@@ -87,6 +88,7 @@ class ApiNode(Protocol):
     metrics: "Metrics"
     chat_template_kwargs: dict  # what every chat template gets unless a request sets it
     failover_wait_s: float  # how long a request waits for the next ring when the last was lost
+    files: "Holding | None"  # the model this node serves to peers fetching theirs (http/files.py)
 
     @property
     def engine(self) -> "Engine | None": ...
@@ -217,6 +219,7 @@ class Api:
                 web.get("/cluster/status", self.cluster_status),
                 web.post("/cluster/leader", self.set_leader),
                 web.post("/cluster/drain", self.drain),
+                *FileServer(node).routes(),
                 web.get("/metrics", make_aiohttp_handler(node.metrics.registry)),
                 web.get("/openapi.json", self.openapi),
                 web.get("/", self.dashboard),

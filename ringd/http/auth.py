@@ -31,6 +31,19 @@ sends the header itself is refused:
                                 method LF path LF leader LF follower LF timestamp
                                 LF nonce LF SHA-256(body) in hex)
 
+A node fetching its layers from a peer that holds the model (``models/peers.py``)
+proves the secret the same way, under a key of its own, for every file it asks for
+(``files.py``); the holder signs the manifest it answers with, whose chunk hashes
+then vouch for every byte of the files:
+
+    X-Ringd-Files-Holder:       the node asked (refused by any other node)
+    X-Ringd-Files-Fetcher:      the asking node's name
+    X-Ringd-Files-Timestamp, X-Ringd-Files-Nonce, X-Ringd-Files-Signature:
+                                as above, label "ringd-files-v1", body none
+    X-Ringd-Files-Body-Signature (the answer's):
+                                HMAC-SHA256(files key, "ringd-files-body-v1" LF
+                                the request's nonce LF SHA-256(body) in hex)
+
 Each key is derived from the secret (HMAC-SHA256(secret, a label)) so that no
 signature made here is ever valid in the ring handshake, which uses the
 secret itself. A request is refused unless its timestamp is within
@@ -70,6 +83,13 @@ FORWARD_TIMESTAMP_HEADER = "X-Ringd-Forward-Timestamp"
 FORWARD_NONCE_HEADER = "X-Ringd-Forward-Nonce"
 FORWARD_SIGNATURE_HEADER = "X-Ringd-Forward-Signature"
 
+FILES_HOLDER_HEADER = "X-Ringd-Files-Holder"
+FILES_FETCHER_HEADER = "X-Ringd-Files-Fetcher"
+FILES_TIMESTAMP_HEADER = "X-Ringd-Files-Timestamp"
+FILES_NONCE_HEADER = "X-Ringd-Files-Nonce"
+FILES_SIGNATURE_HEADER = "X-Ringd-Files-Signature"
+FILES_BODY_SIGNATURE_HEADER = "X-Ringd-Files-Body-Signature"
+
 _NONCE = re.compile(r"[0-9a-f]{32}")
 _SIGNATURE = re.compile(r"[0-9a-f]{64}")
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
@@ -106,6 +126,16 @@ _FORWARD = _Scheme(
     f"(missing {{}}); a client must not send it",
     "the request was forwarded to node {!r:.80}, but this is {}; the follower retries with the leader it sees now",
 )  # fmt: skip
+
+
+_FILES = _Scheme(
+    b"ringd-files-v1", b"ringd weight-files key v1", FILES_HOLDER_HEADER, FILES_TIMESTAMP_HEADER, FILES_NONCE_HEADER,
+    FILES_SIGNATURE_HEADER, FILES_FETCHER_HEADER,
+    "the request's proof of the cluster secret",
+    "a model's files are served to members of the cluster only, which prove its secret (missing {})",
+    "the request was signed for node {!r:.80}, but this is {}",
+)  # fmt: skip
+_FILES_BODY_LABEL = b"ringd-files-body-v1"
 
 
 class AuthError(Exception):
@@ -152,6 +182,23 @@ def sign(secret: bytes, method: str, path: str, node: str, body: bytes, now: flo
 def sign_forward(secret: bytes, method: str, path: str, follower: str, leader: str, digest: str, now: float) -> dict[str, str]:
     """The headers with which ``follower`` forwards one API call to ``leader``; ``digest`` is body_sha256(body)."""
     return _sign(_FORWARD, secret, method, path, leader, follower, digest, now)
+
+
+def sign_files(secret: bytes, method: str, path: str, fetcher: str, holder: str, now: float) -> dict[str, str]:
+    """The headers with which ``fetcher`` asks ``holder`` for a file of its model (no body)."""
+    return _sign(_FILES, secret, method, path, holder, fetcher, body_sha256(b""), now)
+
+
+def files_body_signature(secret: bytes, request_nonce: str, digest: str) -> str:
+    """What a holder signs its answer with (``digest``: body_sha256 of it), bound to the request."""
+    return hmac.new(_key(_FILES, secret), b"\n".join([_FILES_BODY_LABEL, request_nonce.encode(), digest.encode()]), hashlib.sha256).hexdigest()
+
+
+def check_files_body(secret: bytes, request_nonce: str, body: bytes, signature: str | None) -> None:
+    """Raise AuthError unless ``signature`` is the holder's over ``body``, answering our request."""
+    expected = files_body_signature(secret, request_nonce, body_sha256(body))
+    if signature is None or not hmac.compare_digest(expected, signature):
+        raise AuthError(403, "the holder's answer is not signed with this cluster's secret (or was altered on the way)")
 
 
 def is_signed(headers) -> bool:
@@ -221,6 +268,12 @@ class ControlAuth(_Verifier):
     """Signed control requests (leader pin, drain, status with the secret) for one node."""
 
     scheme = _CONTROL
+
+
+class FilesAuth(_Verifier):
+    """Requests for this node's model files; ``verify`` returns the fetching node's name."""
+
+    scheme = _FILES
 
 
 class ForwardAuth(_Verifier):

@@ -54,7 +54,14 @@ NON_WEIGHT_PATTERNS = [
     "*.jinja",
 ]
 
+# In the directory of a model fetched from peers (models/peers.py): whose model it is, its
+# fingerprint (its files are sparse, holes where other stages' tensors are: no fingerprint can
+# be read from them) and the manifest its bytes were checked against.
+PEER_RECORD = "ringd-peer.json"
+
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# A decoder's embeddings, whatever the model calls them beyond "embed_tokens" ("embed_in", "embeddings").
+_EMBED_KEY = re.compile(r"(?:^|\.)embed")
 # Checkpoint keys of parts of a multimodal model that are not its text decoder.
 _NOT_THE_DECODER = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector", "audio_tower")
 
@@ -275,6 +282,7 @@ def model_info(path_or_repo: str) -> ModelInfo:
     path = resolve_model_path(path_or_repo)
     config = _read_config(path)
     text = _check_supported(config, path / "config.json")
+    record = read_record(path)  # fetched from peers: its files are sparse
     return ModelInfo(
         path=path,
         config=config,
@@ -283,11 +291,23 @@ def model_info(path_or_repo: str) -> ModelInfo:
         hidden_size=text["hidden_size"],
         vocab_size=text["vocab_size"],
         context_length=int(text.get("max_position_embeddings") or 4096),
-        fingerprint=_fingerprint(config, weights_digest(path)),
+        fingerprint=record["fingerprint"] if record else _fingerprint(config, weights_digest(path)),
         weights=weight_bytes(path, text["num_hidden_layers"]),
         # A repo id names the model better than the snapshot folder it was fetched into.
-        label=path.name if Path(path_or_repo).expanduser().exists() else path_or_repo,
+        label=record["label"] if record else path.name if Path(path_or_repo).expanduser().exists() else path_or_repo,
     )
+
+
+def read_record(path: Path) -> dict | None:
+    """The peer record of a model fetched from peers (``path``: its directory, or the GGUF file in
+    it); None for a model of a node's own."""
+    root = path.parent if path.is_file() else path
+    try:
+        record = json.loads((root / PEER_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("fingerprint"), str) and isinstance(record.get("label"), str)
+    return record if ok else None
 
 
 def gguf_source(model: str) -> tuple[Path | None, str]:
@@ -312,6 +332,7 @@ def _gguf_info(file: Path, label: str) -> ModelInfo:
     g = GgufFile.open(file)
     text = _check_supported(g.config, file)
     layers, embed, norm, head = g.part_bytes()
+    record = read_record(file)  # fetched from peers: the file is sparse
     return ModelInfo(
         path=g.path,
         config=g.config,
@@ -320,9 +341,9 @@ def _gguf_info(file: Path, label: str) -> ModelInfo:
         hidden_size=text["hidden_size"],
         vocab_size=text["vocab_size"],
         context_length=int(text.get("max_position_embeddings") or 4096),
-        fingerprint=_fingerprint(g.config, g.fingerprint),
+        fingerprint=record["fingerprint"] if record else _fingerprint(g.config, g.fingerprint),
         weights=WeightBytes(tuple(layers), embed, norm, head),
-        label=label,
+        label=record["label"] if record else label,
     )
 
 
@@ -542,6 +563,24 @@ def weight_files_for(path: Path, start: int, end: int) -> list[str] | None:
         if m is None or start <= int(m.group(1)) < end:
             files.add(file)
     return sorted(files)
+
+
+def stage_keeps(key: str, start: int, end: int, num_layers: int, untied: bool) -> bool:
+    """Whether the stage holding layers [start, end) of ``num_layers`` takes the weight ``key``
+    (a model parameter's name, or a checkpoint's, which in MLX format are the same): its layers;
+    the embeddings on the first stage, and on the last when the head is tied to them
+    (``untied``: the model has an ``lm_head`` of its own); everything else of the decoder that is
+    not a layer (final norm, head) on the last. One rule for what a stage reads (shard.py) and
+    what it fetches from peers (peers.py)."""
+    if any(part in key for part in _NOT_THE_DECODER):
+        return False
+    m = _LAYER_KEY.search(key)
+    if m is not None:
+        return start <= int(m.group(1)) < end
+    first, last = start == 0, end == num_layers
+    if "embed_tokens" in key or _EMBED_KEY.search(key):
+        return first or (last and not untied)
+    return last
 
 
 def check_weights_present(path: Path, files: list[str] | None, kept: list[tuple[str, object]], start: int, end: int) -> None:

@@ -25,8 +25,9 @@ from typing import Callable, Mapping
 log = logging.getLogger(__name__)
 
 DOWNLOAD = "download"  # fetching the stage's weight files from the Hugging Face Hub
+FETCH = "fetch"  # fetching the stage's bytes of the model's files from peers that hold it
 LOAD = "load"  # reading the stage's parameters from the files into memory
-PHASES = (DOWNLOAD, LOAD)
+PHASES = (DOWNLOAD, FETCH, LOAD)
 
 # The rate is over the last this many seconds: long enough to smooth the bursts of a
 # download (huggingface_hub reports in chunks of 10 MiB), short enough that a stall
@@ -40,7 +41,7 @@ RATE_SAMPLE_S = 0.25
 # the log stays readable.
 PROGRESS_LOG_INTERVAL_S = 5.0
 
-_VERBS = {DOWNLOAD: ("downloading", "downloaded"), LOAD: ("loading", "loaded")}
+_VERBS = {DOWNLOAD: ("downloading", "downloaded"), FETCH: ("fetching from peers", "fetched from peers"), LOAD: ("loading", "loaded")}
 
 
 class LoadCancelled(Exception):

@@ -37,6 +37,7 @@ from ringd.models.checkpoint import (
     ModelError,
     ModelInfo,
     check_weights_present,
+    stage_keeps,
     model_info,
     resolve_model_path,
     weight_files_for,
@@ -461,26 +462,13 @@ def _kv_cost(caches: list[Any]) -> KvCost:
 
 
 def _stage_parameters(model: nn.Module, info: ModelInfo, start: int, end: int) -> list[tuple[str, mx.array]]:
-    """The parameters a stage materializes, by name: its layers; the embeddings on the first
-    stage; everything else that is not a layer (final norm, head, tied embeddings) on the last.
+    """The parameters a stage materializes, by name (``checkpoint.stage_keeps``): its layers; the
+    embeddings on the first stage; everything else that is not a layer (final norm, head, tied
+    embeddings) on the last.
 
     Anything else the model's own code touches loads on first use (it is lazy), so a stage
     never computes with weights it lacks; this list is what it reads up front and counts.
     """
-    prefix, inner = _inner_model(model)
-    layer_key = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
     params = tree_flatten(model.parameters())
-    first, last = start == 0, end == info.num_layers
     untied = any("lm_head" in name for name, _ in params)
-    kept = []
-    for name, value in params:
-        m = layer_key.match(name)
-        if m is not None:
-            if start <= int(m.group(1)) < end:
-                kept.append((name, value))
-        elif "embed_tokens" in name or name.startswith(prefix + "embed"):
-            if first or (last and not untied):
-                kept.append((name, value))
-        elif last:
-            kept.append((name, value))
-    return kept
+    return [(name, value) for name, value in params if stage_keeps(name, start, end, info.num_layers, untied)]

@@ -214,8 +214,8 @@
     return lines.join("\n");
   }
 
-  // progress.py names its phases "download" and "load".
-  const PHASE_VERBS = { download: "downloading", load: "loading" };
+  // progress.py names its phases "download", "fetch" and "load".
+  const PHASE_VERBS = { download: "downloading", fetch: "fetching from peers", load: "loading" };
   const phaseVerb = (phase) => PHASE_VERBS[phase] || (phase ? String(phase) : "loading");
 
   function progressNote(entry) {

@@ -1,0 +1,115 @@
+"""Which peers hold the model whole and serve its files (``http/files.py``).
+
+In the cluster, a linked peer's INFO says so (``files``, ``model``, ``http``). A node
+that has no model yet (``model_from_peers``) must know before it joins: it dials the
+ring ports it knows of (its static ``peers``, and what Bonjour finds) as a probe,
+completes the handshake (both sides prove the cluster secret, so only members
+answer, and it trusts what the INFO says as it trusts the ring), reads the INFO and
+hangs up; a probe never joins the peer table (``links.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
+
+from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_order
+from ringd.device import default_cache_dir
+from ringd.models.peers import Holder, PeerModel
+from ringd.names import check_name, parse_hostport
+from wire import stream as wire_stream
+
+if TYPE_CHECKING:
+    from ringd.config import Config
+    from ringd.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+# What a probe says of itself in its INFO: a node's links hang up on it at once.
+PROBE_INFO = {"probe": True}
+# How long Bonjour is listened to for holders (their adverts arrive within a second or two).
+BROWSE_S = 3.0
+# How often a node with no model asks again for a peer that holds one.
+PROBE_RETRY_S = 5.0
+# Where a model fetched from peers is kept when models_dir is not set: in ringd's cache.
+DEFAULT_MODELS_DIR = "from-peers"
+
+
+async def model_from_peers(cfg: "Config", secret: bytes, metrics: "Metrics", local_networks=()) -> PeerModel | None:
+    """The model this node fetches from the peers that hold it (its config, tokenizer and headers
+    fetched: its layers follow, plan by plan). None when no peer holds one and ``model`` names a
+    Hub repo id: that is fetched from the Hub, as without model_from_peers. With no ``model``, a
+    node waits for a holder, asking every PROBE_RETRY_S."""
+    models_dir = Path(cfg.models_dir).expanduser() if cfg.models_dir else default_cache_dir() / DEFAULT_MODELS_DIR
+    while True:
+        holders = await find_holders(cfg, secret, local_networks)
+        if holders:
+            log.info("fetching the model from peers: %s hold it", ", ".join(sorted(h.node for h in holders)))
+            return await PeerModel.bootstrap(models_dir, holders, secret, cfg.name, metrics)
+        if cfg.model is not None:
+            log.info("model_from_peers: no peer holds a model; fetching %s as configured", cfg.model)
+            return None
+        where = ", ".join(cfg.peers) + (" and Bonjour" if cfg.discovery else "") if cfg.peers else ("Bonjour" if cfg.discovery else "nobody (no peers, discovery off)")
+        log.warning("model_from_peers: no peer holding a model found yet (asked %s); asking again in %.0f s", where, PROBE_RETRY_S)
+        await asyncio.sleep(PROBE_RETRY_S)
+
+
+async def find_holders(cfg: "Config", secret: bytes, local_networks=()) -> list[Holder]:
+    """The holders among the static peers and, with discovery on, the nodes Bonjour finds."""
+    addrs = [parse_hostport(p) for p in cfg.peers]
+    if cfg.discovery:
+        addrs += await _browse(cfg, local_networks)
+    return await probe(addrs, secret=secret, node=cfg.name, cluster=cfg.cluster, encrypt=cfg.ring_encryption)
+
+
+async def _browse(cfg: "Config", local_networks) -> list[tuple[str, int]]:
+    """The ring addresses of the cluster's nodes Bonjour finds within BROWSE_S, without advertising."""
+    found: dict[str, Advert] = {}
+    try:
+        d = Discovery(
+            node=cfg.name, cluster=cfg.cluster, ring_port=1, http_port=0, addresses=["127.0.0.1"],
+            on_peer=lambda a: found.__setitem__(a.node, a), interfaces=cfg.mdns_interfaces, advertise=False,
+        )  # fmt: skip
+        await d.start()
+    except (DiscoveryError, ValueError) as e:
+        log.info("looking for holders without Bonjour: %s", e)
+        return []
+    try:
+        await asyncio.sleep(BROWSE_S)
+    finally:
+        await d.stop()
+    return [(dial_order(a.addresses, list(local_networks))[0], a.ring_port) for a in found.values()]
+
+
+def holder_of(node: str, info: dict, model: str | None = None) -> Holder | None:
+    """The peer as a holder if its INFO says it serves the files of ``model`` (None: any model)."""
+    http, fingerprint = info.get("http"), info.get("model")
+    if info.get("files") is not True or not isinstance(http, str) or not isinstance(fingerprint, str) or model not in (None, fingerprint):
+        return None
+    try:
+        check_name(node)
+        parse_hostport(http)
+    except ValueError:
+        return None
+    return Holder(node, http, fingerprint)
+
+
+async def probe(addrs: Iterable[tuple[str, int]], *, secret: bytes, node: str, cluster: str, encrypt: bool) -> list[Holder]:
+    """The holders among the ring ports at ``addrs``, each asked once, at once (a dial that fails
+    or times out is no holder)."""
+
+    async def ask(host: str, port: int) -> Holder | None:
+        try:
+            stream = await wire_stream.connect(host, port, secret=secret, node_id=node, cluster=cluster, info=PROBE_INFO, encrypt=encrypt)
+        except (OSError, TimeoutError, wire_stream.HandshakeError) as e:
+            log.debug("probe of %s:%d: %s", host, port, e)
+            return None
+        try:
+            return holder_of(stream.peer_id, stream.peer_info or {})
+        finally:
+            stream.close()
+
+    found = await asyncio.gather(*(ask(h, p) for h, p in dict.fromkeys(addrs)))
+    return list({h.node: h for h in found if h is not None}.values())

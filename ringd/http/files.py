@@ -1,0 +1,149 @@
+"""A holder's side of weights between peers: the model's files, to members of the cluster only.
+
+A node that holds its model whole (a directory or GGUF file of its own, not one
+fetched from peers) answers, on its HTTP port:
+
+    GET /cluster/files/{fingerprint}/manifest     the manifest (models/manifest.py), signed
+                                                  ("any" for a fingerprint: the model it holds)
+    GET /cluster/files/{fingerprint}/data/{name}  bytes of one file, a Range at a time
+
+Every request must prove the cluster secret (``auth.FilesAuth``: signed for this
+node, fresh, never replayed): anyone else gets a 401 or 403 and no byte. The
+manifest is built the first time it is asked for (every byte read and hashed,
+off the event loop; meanwhile a 503 with Retry-After) and kept in ringd's cache.
+File bytes go out with the kernel's sendfile, MAX_FILE_STREAMS at once: serving
+files costs the event loop next to nothing, and the ring's frames go first.
+
+Files travel authenticated and verified (each chunk against the signed manifest)
+but not encrypted: a node with ``ring_encryption`` serves none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from aiohttp import web
+
+from ringd.http.auth import FILES_NONCE_HEADER, FilesAuth, body_sha256, files_body_signature
+from ringd.http.openai_types import ApiError
+from ringd.models import manifest as manifests
+from ringd.models.manifest import FILES_PREFIX
+
+if TYPE_CHECKING:
+    from ringd.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+# File streams served at once: a few fetchers each pulling from several holders. More wait
+# for a 503's Retry-After; the kernel's sendfile does the copying, so these cost sockets, not CPU.
+MAX_FILE_STREAMS = 4
+# Retry-After while the manifest is being built (reading and hashing every byte of the model).
+MANIFEST_RETRY_S = 2
+
+
+@dataclass(frozen=True)
+class Holding:
+    """The checkpoint this node serves to its peers."""
+
+    path: Path  # the mlx-lm directory, or the GGUF file
+    fingerprint: str
+    label: str
+    cache_dir: Path  # where the manifest is kept
+
+
+class FilesNode(Protocol):
+    name: str
+    secret: bytes
+    metrics: "Metrics"
+    files: Holding | None  # None: this node serves no files (none whole, or ring_encryption)
+
+
+class FileServer:
+    def __init__(self, node: FilesNode):
+        self.d = node
+        self._auth: FilesAuth | None = None
+        self._manifest: manifests.Manifest | None = None
+        self._signed: bytes | None = None  # the manifest's body as sent
+        self._building: asyncio.Task | None = None
+        self._streams = asyncio.Semaphore(MAX_FILE_STREAMS)
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get(FILES_PREFIX + "/{fingerprint}/manifest", self.manifest),
+            web.get(FILES_PREFIX + "/{fingerprint}/data/{name:.+}", self.data),
+        ]
+
+    def _check(self, request: web.Request, any_model: bool = False) -> Holding:
+        """The holding, once the request proves the secret and names it; else an HTTP error."""
+        if self._auth is None:
+            self._auth = FilesAuth(self.d.secret, self.d.name)
+        fetcher = self._auth.verify(request.method, request.path, request.headers, b"", time.time())  # AuthError: 401, 403
+        holding = self.d.files
+        asked = request.match_info["fingerprint"]
+        if holding is None or asked != holding.fingerprint and not (any_model and asked == "any"):
+            raise ApiError(404, f"node {self.d.name} serves no files of model {asked!r:.80}", code="not_found")
+        log.debug("%s asks for %s", fetcher, request.path)
+        return holding
+
+    async def manifest(self, request: web.Request) -> web.Response:
+        holding = self._check(request, any_model=True)
+        if self._signed is None:
+            if self._building is None:
+                self._building = asyncio.ensure_future(self._build(holding))
+            if not self._building.done():
+                raise ApiError(503, "the holder is reading and hashing the model's files for its manifest; retry shortly", retry_after=MANIFEST_RETRY_S)
+            if self._building.exception() is not None:
+                self._building = None  # tried again by the next request
+                raise ApiError(500, "the holder could not build its manifest; its log says why")
+        body = self._signed
+        signature = files_body_signature(self.d.secret, request.headers[FILES_NONCE_HEADER], body_sha256(body))
+        return web.Response(body=body, content_type="application/json", headers={"X-Ringd-Files-Body-Signature": signature})
+
+    async def _build(self, holding: Holding) -> None:
+        import json
+
+        started = time.monotonic()
+        log.info("building the manifest of %s (reading and hashing every file) for a peer", holding.label)
+        try:
+            built = await asyncio.to_thread(manifests.cached, holding.path, holding.fingerprint, holding.label, holding.cache_dir)
+        except Exception:
+            log.exception("could not build the manifest of %s", holding.path)
+            raise
+        self._manifest = built
+        self._signed = json.dumps(built.to_wire(), separators=(",", ":")).encode()
+        log.info("manifest of %s ready: %d files, %.1f GB, in %.1f s", holding.label, len(built.files), built.total_bytes / 1e9, time.monotonic() - started)
+
+    async def data(self, request: web.Request) -> web.StreamResponse:
+        holding = self._check(request)
+        if self._manifest is None:
+            if self._building is None or self._building.done():
+                self._building = asyncio.ensure_future(self._build(holding))
+            raise ApiError(503, "the holder is reading and hashing the model's files for its manifest; retry shortly", retry_after=MANIFEST_RETRY_S)
+        name = request.match_info["name"]
+        try:
+            entry = self._manifest.file(name)
+        except manifests.ManifestError:
+            raise ApiError(404, f"the model has no file {name!r:.80}", code="not_found") from None
+        try:
+            rng = request.http_range
+        except ValueError:
+            rng = slice(None, None)
+        if rng.start is None or rng.stop is None or not 0 <= rng.start < rng.stop <= entry.size:
+            raise ApiError(416, f"ask for one Range inside {name}'s {entry.size} bytes (bytes=START-END)", "Range")
+        if self._streams.locked():
+            raise ApiError(503, f"{MAX_FILE_STREAMS} file streams are being served; retry shortly", retry_after=1)
+        base = holding.path.parent if holding.path.is_file() else holding.path
+        async with self._streams:
+            response = web.FileResponse(base / entry.name, chunk_size=1024 * 1024)
+            try:
+                await response.prepare(request)  # sends the range, with the kernel's sendfile
+            except ConnectionError:  # the fetcher hung up (it found a piece bad, or stopped)
+                log.debug("%s: the fetcher hung up during %s", self.d.name, request.path)
+                return response
+            self.d.metrics.files_served.inc(rng.stop - rng.start)
+            return response

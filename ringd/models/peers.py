@@ -1,0 +1,485 @@
+"""Weights that travel between peers: a node with no model fetches the bytes its stage needs.
+
+With ``model_from_peers``, a node that has no model of its own asks the peers that
+hold one (``http/files.py``) for it: first the signed manifest (models/manifest.py),
+the config and tokenizer files and every weights file's header, into a directory
+under ``models_dir`` named by the model; then, for each plan that gives the node
+layers, the bytes of those layers' tensors (and the embeddings or head where its
+place in the ring needs them, ``checkpoint.stage_keeps``), before the stage loads.
+
+The files are laid out as the holder's, at the same offsets, sparse: what the node
+has not fetched is a hole that takes no disk. So the directory is an mlx-lm
+checkpoint (or GGUF file) the stage loads as it loads any other, reading only its
+own tensors, and the next plan's layers are added to it. ``ringd-peer.json`` says
+whose model it is (its fingerprint: holes cannot be fingerprinted).
+
+Every piece (a tensor, or part of a long one: models/manifest.py) is checked
+against the manifest's SHA-256 before it is written; a piece that does not match
+is refused, its holder named in the log and asked for nothing more, and the piece
+fetched from another holder (the fetch fails, naming the holder, when none is
+left). Each file has a journal of the pieces written and checked, appended after
+each: a fetch stopped by kill -9 starts again where it was, and a piece not in its
+journal is never taken for fetched, whatever the file holds there. Several holders serve at once, a few streams each; the hashing and
+writing run off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from ringd.http.auth import FILES_BODY_SIGNATURE_HEADER, FILES_NONCE_HEADER, AuthError, check_files_body, sign_files
+from ringd.models.checkpoint import PEER_RECORD, ModelError, read_record, stage_keeps
+from ringd.models.manifest import FILES_PREFIX, MAX_MANIFEST_BYTES, Manifest, ManifestError, merge_ranges, pieces_of, safetensors_ranges, safetensors_stage_ranges
+from ringd.models.progress import FETCH, LoadProgress
+
+log = logging.getLogger(__name__)
+
+# Beside the files: each one's journal of pieces written and checked.
+JOURNALS = ".ringd-pieces"
+# Range requests at once, over all holders, and per holder: a few streams fill a LAN link
+# and let the hashing of one piece overlap the arrival of the next; more only split the link.
+FETCH_STREAMS = 4
+STREAMS_PER_HOLDER = 2
+# Streams of one file at once: what a fetch stopped by kill -9 may lose per file is the piece
+# each had under way, so one: a model of several files still draws on several holders at once.
+STREAMS_PER_FILE = 1
+# Pieces one Range request asks for at most: a long run is split, so that holders take turns
+# on one file and a failed stream leaves little to ask again.
+MAX_RUN_PIECES = 64
+# Deadlines: connecting to a holder on the LAN; silence within a stream (a holder gone).
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 60.0
+# A holder hashes every byte of its model for the first manifest it is asked for: minutes
+# for hundreds of GB. How long a fetcher waits for it, asking again every Retry-After.
+MANIFEST_WAIT_S = 1800.0
+# A holder that failed a request (not a bad piece: the link, a restart) is asked again after this.
+HOLDER_RETRY_S = 2.0
+# Failed requests in a row after which a fetch gives up (each one re-queues its pieces).
+MAX_FAILED_REQUESTS = 20
+
+
+class FetchError(ModelError):
+    """The model's bytes could not be had from any peer; the message says why and from whom."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    node: str
+    http: str  # host:port of its HTTP API
+    model: str  # the fingerprint of the model it serves
+
+
+def model_dir_name(manifest: Manifest) -> str:
+    """The directory a fetched model gets under models_dir: its label and fingerprint."""
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "-", manifest.label).strip("-.")[:80] or "model"
+    return f"{label}-{manifest.fingerprint.replace(':', '-')}"
+
+
+class Journal:
+    """Which pieces of one file are written and checked: one index a line, appended after each."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.done: set[int] = set()
+        try:
+            for line in path.read_text().splitlines():
+                if line.isdigit():  # a line cut short by a kill is not a piece
+                    self.done.add(int(line))
+        except OSError:
+            pass
+
+    def add(self, index: int) -> None:
+        """Record a piece (its bytes are written already): one small append, whole or not at all."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, f"{index}\n".encode())
+        finally:
+            os.close(fd)
+        self.done.add(index)
+
+
+class _Run:
+    """Pieces of one file to fetch in one Range request: consecutive indices."""
+
+    def __init__(self, file: str, pieces: list[int]):
+        self.file, self.pieces = file, pieces
+
+
+class PeerModel:
+    """A model fetched from peers into ``root``: its manifest, its sparse files and their journals."""
+
+    def __init__(self, root: Path, manifest: Manifest, secret: bytes, node: str, metrics=None):
+        self.root = root
+        self.manifest = manifest
+        self.secret = secret
+        self.node = node
+        self.metrics = metrics
+        self.journals = {f.name: Journal(root / JOURNALS / f"{f.name.replace('/', '%')}.log") for f in manifest.files}
+        self.refused: dict[str, str] = {}  # holders that served a bad piece -> what they served
+        self.vouched: set[str] = set()  # holders whose manifest is this one
+
+    @property
+    def path(self) -> Path:
+        """The model as ``model_info`` and ``Shard.load`` take it: the directory, or the GGUF file."""
+        return self.root / self.manifest.files[0].name if self.manifest.gguf else self.root
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest.fingerprint
+
+    @classmethod
+    def open(cls, root: Path, secret: bytes, node: str, metrics=None) -> "PeerModel | None":
+        """The model fetched into ``root`` before, or None if there is none (or its record is bad)."""
+        record = read_record(root)
+        if record is None:
+            return None
+        try:
+            manifest = Manifest.from_wire(record.get("manifest"))
+        except ManifestError as e:
+            log.warning("%s: the record of a fetched model does not parse (%s); fetching it again", root, e)
+            return None
+        return cls(root, manifest, secret, node, metrics)
+
+    @classmethod
+    async def bootstrap(cls, models_dir: Path, holders: list[Holder], secret: bytes, node: str, metrics=None, fingerprint: str | None = None) -> "PeerModel":
+        """The model the holders serve (``fingerprint``, if given), with its config, tokenizer and
+        every weights file's header fetched: enough to know the model and plan it; layers follow."""
+        if not holders:
+            raise FetchError("model_from_peers: no peer holding a model was found; start a node with the model (model: PATH or repo id), or give this node one")
+        async with _client() as http:
+            manifest = await _manifest(http, holders, secret, node, fingerprint)
+        holders = [h for h in holders if h.model == manifest.fingerprint]
+        root = models_dir / model_dir_name(manifest)
+        existing = cls.open(root, secret, node, metrics)
+        if existing is not None and existing.manifest == manifest:
+            model = existing
+        else:
+            (root / JOURNALS).mkdir(parents=True, exist_ok=True)
+            for j in (root / JOURNALS).iterdir():  # another manifest: nothing recorded holds
+                j.unlink()
+            tmp = root / f".{PEER_RECORD}.tmp"
+            tmp.write_text(json.dumps({"fingerprint": manifest.fingerprint, "label": manifest.label, "manifest": manifest.to_wire()}))
+            os.replace(tmp, root / PEER_RECORD)
+            model = cls(root, manifest, secret, node, metrics)
+        for f in manifest.files:  # every file at its size (empty ones too), holes until fetched
+            os.close(_open_sparse(root / f.name, f.size))
+        ranges = {f.name: [(0, f.head)] for f in manifest.files if f.head}
+        for name, a, b in manifest.always:
+            ranges.setdefault(name, []).append((a, b))
+        await model.fetch({k: merge_ranges(v) for k, v in ranges.items()}, holders, LoadProgress(0, 0))
+        return model
+
+    # --- what a stage needs ------------------------------------------------------------------
+
+    def stage_ranges(self, start: int, end: int, num_layers: int) -> dict[str, list[tuple[int, int]]]:
+        """The bytes of each file the stage holding layers [start, end) reads (blocking: reads the
+        files' headers; run it off the event loop)."""
+        if self.manifest.gguf:
+            from mlx.utils import tree_flatten
+
+            from ringd.models.gguf import GgufFile
+
+            g = GgufFile.open(self.path)
+            params = [name for name, _ in tree_flatten(g.build_model().parameters())]
+            untied = any("lm_head" in n for n in params)
+            spans = set()
+            for name in params:
+                if stage_keeps(name, start, end, num_layers, untied):
+                    t, _ = g.source(name)
+                    spans.add((t.offset, t.offset + t.nbytes))
+            return {self.manifest.files[0].name: merge_ranges(spans)}
+        tables = {}
+        for f in self.manifest.files:
+            if f.weights:
+                with open(self.root / f.name, "rb") as fh:
+                    tables[f.name] = safetensors_ranges(fh.read(f.head), f.head)
+        return safetensors_stage_ranges(tables, start, end, num_layers)
+
+    def missing(self, ranges: dict[str, list[tuple[int, int]]]) -> dict[str, list[int]]:
+        """The pieces of ``ranges`` not yet written and checked."""
+        return {name: [i for i in pieces if i not in self.journals[name].done] for name, pieces in pieces_of(self.manifest, ranges).items()}
+
+    def held_bytes(self) -> int:
+        """Bytes of the model on this node's disk (the pieces fetched)."""
+        total = 0
+        for name, journal in self.journals.items():
+            f = self.manifest.file(name)
+            for i in journal.done:
+                a, b = f.span(i)
+                total += b - a
+        return total
+
+    async def ensure(self, start: int, end: int, num_layers: int, holders: list[Holder], progress: LoadProgress) -> None:
+        """Fetch what the stage holding layers [start, end) reads and this node lacks."""
+        ranges = await asyncio.to_thread(self.stage_ranges, start, end, num_layers)
+        await self.fetch(ranges, holders, progress)
+
+    # --- fetching --------------------------------------------------------------------------
+
+    async def fetch(self, ranges: dict[str, list[tuple[int, int]]], holders: list[Holder], progress: LoadProgress) -> None:
+        """Fetch the pieces of ``ranges`` this node lacks from ``holders``, checked, written, journaled."""
+        todo = {name: pieces for name, pieces in self.missing(ranges).items() if pieces}
+        if not todo:
+            return
+        good = [h for h in holders if h.node not in self.refused]
+        if not good:
+            raise FetchError(self._nobody_left(holders))
+        size = lambda name, i: (lambda s: s[1] - s[0])(self.manifest.file(name).span(i))  # noqa: E731
+        progress.begin(FETCH, {name: sum(size(name, i) for i in pieces) for name, pieces in todo.items()})
+        started, total = time.monotonic(), sum(size(n, i) for n, ps in todo.items() for i in ps)
+        fds = {}
+        try:
+            for name in todo:
+                fds[name] = _open_sparse(self.root / name, self.manifest.file(name).size)
+            async with _client() as http:
+                await _Fetch(self, http, fds, good, progress, holders).run(todo)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        left = {name: pieces for name, pieces in self.missing(ranges).items() if pieces}
+        if left:  # never a stage over holes
+            raise FetchError(f"pieces of {', '.join(left)} are still missing after the fetch ended")
+        progress.end()
+        elapsed = time.monotonic() - started
+        log.info("fetched %.1f MiB of %s from peers in %.1f s (%.1f MiB/s)", total / 2**20, self.manifest.label, elapsed, total / 2**20 / max(elapsed, 1e-6))
+
+    def _nobody_left(self, holders: list[Holder]) -> str:
+        bad = "; ".join(f"{node} ({why})" for node, why in self.refused.items())
+        if not holders:
+            return f"no peer holds model {self.fingerprint} to fetch it from"
+        return f"no holder of model {self.fingerprint} is left to fetch from: refused {bad}"
+
+
+def _open_sparse(path: Path, size: int) -> int:
+    """The file, created at its full size with nothing written (a hole) if new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if os.fstat(fd).st_size != size:
+        os.ftruncate(fd, size)
+    return fd
+
+
+def _client() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S))
+
+
+def _url(holder: Holder, path: str) -> str:
+    return f"http://{holder.http}{path}"
+
+
+async def _manifest(http: aiohttp.ClientSession, holders: list[Holder], secret: bytes, node: str, fingerprint: str | None) -> Manifest:
+    """The signed manifest of the first holder that answers (waiting while it builds it)."""
+    errors = []
+    deadline = time.monotonic() + MANIFEST_WAIT_S
+    pending = list(holders)
+    while pending:
+        holder = pending.pop(0)
+        fp = fingerprint or "any"
+        path = f"{FILES_PREFIX}/{fp}/manifest"
+        try:
+            headers = sign_files(secret, "GET", path, node, holder.node, time.time())
+            async with http.get(_url(holder, path), headers=headers) as r:
+                body = await r.content.read(MAX_MANIFEST_BYTES + 1)
+                if r.status == 503 and time.monotonic() < deadline:
+                    await asyncio.sleep(float(r.headers.get("Retry-After", "2")))
+                    pending.insert(0, holder)  # building: ask it again
+                    continue
+                if r.status != 200:
+                    errors.append(f"{holder.node}: HTTP {r.status} {body[:200].decode(errors='replace')}")
+                    continue
+                if len(body) > MAX_MANIFEST_BYTES:
+                    errors.append(f"{holder.node}: a manifest over {MAX_MANIFEST_BYTES} bytes")
+                    continue
+                check_files_body(secret, headers[FILES_NONCE_HEADER], body, r.headers.get(FILES_BODY_SIGNATURE_HEADER))
+                manifest = Manifest.from_wire(json.loads(body))
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            errors.append(f"{holder.node}: {type(e).__name__}: {e}")
+            continue
+        except (AuthError, ManifestError, ValueError) as e:
+            errors.append(f"{holder.node}: {e}")
+            continue
+        if fingerprint is not None and manifest.fingerprint != fingerprint:
+            errors.append(f"{holder.node}: its manifest is of model {manifest.fingerprint}, not {fingerprint}")
+            continue
+        return manifest
+    raise FetchError("no holder answered with the model's manifest: " + "; ".join(errors))
+
+
+class _Fetch:
+    """One fetch: runs of pieces handed to streams, holders chosen, pieces checked and written."""
+
+    def __init__(self, model: PeerModel, http: aiohttp.ClientSession, fds: dict[str, int], holders: list[Holder], progress: LoadProgress, asked: list[Holder]):
+        self.m, self.http, self.fds, self.progress, self.asked = model, http, fds, progress, asked
+        self.holders = list(holders)
+        self.busy: dict[str, int] = {h.node: 0 for h in holders}  # streams per holder
+        self.resting: dict[str, float] = {}  # holder -> until when it is not asked (it failed a request)
+        self.files_busy: dict[str, int] = {}
+        self.queue: list[_Run] = []
+        self.failures = 0
+        self.changed = asyncio.Event()
+
+    async def run(self, todo: dict[str, list[int]]) -> None:
+        for name, pieces in todo.items():
+            self.queue += [_Run(name, run) for run in _consecutive(pieces)]
+        streams: set[asyncio.Task] = set()
+        try:
+            while self.queue or streams:
+                if not self.holders:
+                    raise FetchError(self.m._nobody_left(self.asked))
+                for run in list(self.queue):
+                    holder = self._pick(run.file)
+                    if holder is None or len(streams) >= FETCH_STREAMS:
+                        continue
+                    self.queue.remove(run)
+                    self.busy[holder.node] += 1
+                    self.files_busy[run.file] = self.files_busy.get(run.file, 0) + 1
+                    task = asyncio.ensure_future(self._stream(holder, run))
+                    task.add_done_callback(lambda _t: self.changed.set())
+                    streams.add(task)
+                self.changed.clear()
+                if not any(t.done() for t in streams):
+                    wake = min(self.resting.values(), default=time.monotonic() + 1.0) - time.monotonic()
+                    try:
+                        async with asyncio.timeout(min(max(wake, 0.01), 1.0)):
+                            await self.changed.wait()
+                    except TimeoutError:
+                        pass
+                for t in [t for t in streams if t.done()]:
+                    streams.discard(t)
+                    t.result()  # a FetchError from a stream ends the fetch
+        finally:
+            for t in streams:
+                t.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+
+    def _pick(self, file: str) -> Holder | None:
+        if self.files_busy.get(file, 0) >= STREAMS_PER_FILE:
+            return None
+        now = time.monotonic()
+        ready = [h for h in self.holders if self.busy[h.node] < STREAMS_PER_HOLDER and self.resting.get(h.node, 0) <= now]
+        return min(ready, key=lambda h: self.busy[h.node], default=None)
+
+    async def _stream(self, holder: Holder, run: _Run) -> None:
+        m, f = self.m, self.m.manifest.file(run.file)
+        first, last = run.pieces[0], run.pieces[-1]
+        start, end = f.span(first)[0], f.span(last)[1]
+        path = f"{FILES_PREFIX}/{m.fingerprint}/data/{run.file}"
+        done = 0
+        try:
+            if holder.node not in m.vouched:
+                await self._vouch(holder)
+            headers = {**sign_files(m.secret, "GET", path, m.node, holder.node, time.time()), "Range": f"bytes={start}-{end - 1}"}
+            async with self.http.get(_url(holder, path), headers=headers) as r:
+                if r.status == 503:  # busy: serving others, or building its manifest
+                    raise _HolderBusy(float(r.headers.get("Retry-After", HOLDER_RETRY_S)))
+                if r.status != 206:
+                    body = (await r.content.read(300)).decode(errors="replace")
+                    raise _HolderFailed(f"HTTP {r.status} for {run.file} bytes {start}-{end - 1}: {body}")
+                for index in run.pieces:
+                    a, b = f.span(index)
+                    try:
+                        piece = await r.content.readexactly(b - a)
+                    except asyncio.IncompleteReadError:
+                        raise _HolderFailed(f"{run.file}: the stream ended in piece {index} of {first}..{last}") from None
+                    await self._write(holder, run.file, index, piece)
+                    done += 1
+            self.failures = 0
+        except _BadPiece as e:
+            log.error("%s served a piece that does not match its manifest (%s); it is asked for nothing more", holder.node, e)
+            self._refuse(holder, f"it served {e}, which does not match the manifest")
+            self._requeue(run, done)
+        except _BadHolder as e:
+            log.error("%s: %s; it is asked for nothing more", holder.node, e)
+            self._refuse(holder, str(e))
+            self._requeue(run, done)
+        except _HolderBusy as e:
+            self.resting[holder.node] = time.monotonic() + min(max(e.retry_after, 0.1), 30.0)
+            self._requeue(run, done)
+        except (_HolderFailed, aiohttp.ClientError, TimeoutError, OSError) as e:
+            self.failures += 1
+            log.warning("fetching %s from %s failed: %s; asking again", run.file, holder.node, e)
+            if self.failures >= MAX_FAILED_REQUESTS:
+                raise FetchError(f"{MAX_FAILED_REQUESTS} requests for the model's bytes failed in a row; the last, to {holder.node}: {e}") from None
+            self.resting[holder.node] = time.monotonic() + HOLDER_RETRY_S
+            self._requeue(run, done)
+        finally:
+            self.busy[holder.node] -= 1
+            self.files_busy[run.file] -= 1
+
+    def _refuse(self, holder: Holder, why: str) -> None:
+        self.m.refused[holder.node] = why
+        self.holders = [h for h in self.holders if h.node != holder.node]
+
+    async def _vouch(self, holder: Holder) -> None:
+        """Ask a holder for its manifest before its bytes: it must be ours, piece for piece (and the
+        asking starts its building, if it never built it)."""
+        try:
+            theirs = await _manifest(self.http, [holder], self.m.secret, self.m.node, self.m.fingerprint)
+        except FetchError as e:
+            raise _HolderFailed(str(e)) from None
+        if theirs != self.m.manifest:
+            raise _BadHolder(f"its manifest of model {self.m.fingerprint} differs from the one this node fetches by")
+        self.m.vouched.add(holder.node)
+
+    def _requeue(self, run: _Run, done: int) -> None:
+        rest = run.pieces[done:]
+        if rest:
+            self.queue.append(_Run(run.file, rest))
+
+    async def _write(self, holder: Holder, file: str, index: int, piece: bytes) -> None:
+        m = self.m
+        expected = m.manifest.file(file).hashes[index]
+        ok = await asyncio.to_thread(_check_and_write, self.fds[file], m.journals[file], index, m.manifest.file(file).span(index)[0], piece, expected)
+        if m.metrics is not None:
+            m.metrics.files_fetched(ok, len(piece))
+        if not ok:
+            raise _BadPiece(f"piece {index} of {file}")
+        self.progress.advance(file, len(piece))
+
+
+def _check_and_write(fd: int, journal: Journal, index: int, offset: int, piece: bytes, expected: str) -> bool:
+    """Check a piece against its hash; if it holds, write it where it goes and record it."""
+    if hashlib.sha256(piece).hexdigest() != expected:
+        return False
+    os.pwrite(fd, piece, offset)
+    journal.add(index)
+    return True
+
+
+def _consecutive(pieces: list[int]) -> list[list[int]]:
+    """Runs of consecutive pieces, MAX_RUN_PIECES at most each."""
+    runs: list[list[int]] = []
+    for i in pieces:
+        if runs and i == runs[-1][-1] + 1 and len(runs[-1]) < MAX_RUN_PIECES:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+class _BadPiece(Exception):
+    pass
+
+
+class _BadHolder(Exception):
+    pass
+
+
+class _HolderBusy(Exception):
+    def __init__(self, retry_after: float):
+        super().__init__(f"busy; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class _HolderFailed(Exception):
+    pass

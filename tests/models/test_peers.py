@@ -1,0 +1,290 @@
+"""ringd.models.peers against real holders: a stage's share of the real SmolLM2, checked and resumed.
+
+Holders are ringd's own file routes (http/files.py) served by aiohttp on loopback;
+the fetcher is ``PeerModel`` as a daemon runs it (and, for kill -9, in a process of
+its own). The model is the real SmolLM2, as its GGUF file and as the mlx-lm
+directory ``ringd convert`` makes of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from aiohttp import web
+
+from ringd.http.api import _errors
+from ringd.http.auth import sign_files
+from ringd.http.files import FileServer, Holding
+from ringd.metrics import Metrics
+from ringd.models.checkpoint import model_info
+from ringd.models.manifest import FILES_PREFIX
+from ringd.models.peers import FetchError, Holder, PeerModel
+from ringd.models.progress import LoadProgress
+from ringd.stage.shard import Shard
+
+SECRET = b"s" * 32
+LAYERS = 30  # SmolLM2's
+MIDDLE = (10, 20)  # the middle stage of three
+
+
+@dataclass
+class HolderNode:
+    name: str
+    secret: bytes
+    metrics: Metrics
+    files: Holding | None
+
+
+@contextlib.asynccontextmanager
+async def holder(name: str, path: Path, cache: Path):
+    """ringd's file routes for the model at ``path``, on a loopback port: (Holder, its node)."""
+    info = model_info(str(path))
+    node = HolderNode(name, SECRET, Metrics(name), Holding(info.path, info.fingerprint, info.name, cache))
+    app = web.Application(middlewares=[_errors])
+    app.add_routes(FileServer(node).routes())
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield Holder(name, f"127.0.0.1:{port}", info.fingerprint), node
+    finally:
+        await runner.cleanup()
+
+
+def served(node: HolderNode) -> float:
+    return node.metrics.registry.get_sample_value("ringd_files_served_bytes_total", {"node": node.name}) or 0.0
+
+
+def disk_bytes(root: Path) -> int:
+    """What a directory's files take on disk (holes take nothing)."""
+    return sum(f.stat().st_blocks * 512 for f in root.rglob("*") if f.is_file())
+
+
+@pytest.fixture(params=["gguf", "dir"])
+def model(request, smollm2_gguf, smollm2_dir) -> Path:
+    return smollm2_gguf if request.param == "gguf" else smollm2_dir
+
+
+def test_a_stage_fetches_its_share_checked_and_loads_what_the_whole_model_computes(model, tmp_path):
+    async def main():
+        async with holder("node0", model, tmp_path / "cache") as (h, node):
+            fetched = await PeerModel.bootstrap(tmp_path / "models", [h], SECRET, "node1")
+            await fetched.ensure(*MIDDLE, LAYERS, [h], LoadProgress(*MIDDLE))
+            return fetched, served(node)
+
+    fetched, sent = asyncio.run(main())
+    # Its share: the stage's tensors, and the header and metadata files.
+    need = fetched.stage_ranges(*MIDDLE, LAYERS)
+    share = sum(b - a for spans in need.values() for a, b in spans)
+    meta = sum(f.head for f in fetched.manifest.files)
+    whole = fetched.manifest.total_bytes
+    assert fetched.held_bytes() <= 1.2 * (share + meta), (fetched.held_bytes(), share, meta)
+    assert disk_bytes(fetched.root) <= 1.2 * (share + meta) + 1_000_000 and disk_bytes(fetched.root) < whole / 2
+    assert sent <= 1.2 * (share + meta)
+    # Every byte of its share is the holder's, and the stage computes what the whole model's does.
+    src = model if model.is_dir() else model.parent
+    for name, spans in need.items():
+        with open(src / name, "rb") as a, open(fetched.root / name, "rb") as b:
+            for x, y in spans:
+                a.seek(x), b.seek(x)
+                assert a.read(y - x) == b.read(y - x), f"{name} [{x}, {y})"
+    mine, theirs = Shard.load(str(fetched.path), *MIDDLE), Shard.load(str(model), *MIDDLE)
+    h = mx.random.normal((1, 5, mine.info.hidden_size), key=mx.random.key(1)).astype(mx.float32)
+    tokens = mx.array([[1, 2, 3, 4, 5]])
+    assert mx.array_equal(mine(tokens, h, mine.make_cache()), theirs(tokens, h, theirs.make_cache()))
+    assert mine.info.fingerprint == theirs.info.fingerprint
+
+
+def _flip_every_piece(path: Path, bounds: tuple[int, ...], spans: list[tuple[int, int]]) -> None:
+    """Bit rot: a byte of every piece of ``spans`` changed, the file's times kept (its manifest stands)."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        for a, b in spans:
+            for at in [x for x in bounds if a <= x < b] or [a]:
+                f.seek(at)
+                byte = f.read(1)
+                f.seek(at)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_holder_that_serves_a_bad_byte_is_refused_named_and_another_asked(smollm2_gguf, tmp_path, caplog):
+    good_copy, bad_copy = tmp_path / "good" / smollm2_gguf.name, tmp_path / "bad" / smollm2_gguf.name
+    for copy in (good_copy, bad_copy):
+        copy.parent.mkdir()
+        shutil.copy2(smollm2_gguf, copy)
+
+    async def main():
+        async with holder("rotten", bad_copy, tmp_path / "cache-bad") as (bad, bad_node), holder("sound", good_copy, tmp_path / "cache-good") as (good, _):
+            alone = await PeerModel.bootstrap(tmp_path / "models-a", [bad], SECRET, "node1")  # headers: not rotten
+            need = alone.stage_ranges(*MIDDLE, LAYERS)
+            _flip_every_piece(bad_copy, alone.manifest.file(bad_copy.name).bounds, need[bad_copy.name])
+            # The rotten holder alone: nothing bad is written, and the fetch names it.
+            with pytest.raises(FetchError, match="rotten"):
+                await alone.ensure(*MIDDLE, LAYERS, [bad], LoadProgress(*MIDDLE))
+            assert not alone.missing(need) == {} and all(i not in alone.journals[bad_copy.name].done for i in alone.missing(need)[bad_copy.name])
+            # With a sound holder beside it: the rotten one is tried first, refused, and the sound one serves.
+            both = await PeerModel.bootstrap(tmp_path / "models-b", [bad, good], SECRET, "node1")
+            await both.ensure(*MIDDLE, LAYERS, [bad, good], LoadProgress(*MIDDLE))
+            return both, need
+
+    with caplog.at_level(logging.ERROR, logger="ringd.models.peers"):
+        both, need = asyncio.run(main())
+    assert "rotten" in both.refused and any("rotten served a piece" in r.getMessage() for r in caplog.records)
+    with open(smollm2_gguf, "rb") as a, open(both.path, "rb") as b:
+        for x, y in need[smollm2_gguf.name]:
+            a.seek(x), b.seek(x)
+            assert a.read(y - x) == b.read(y - x)
+
+
+def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_without_the_cluster_secret_no_byte_of_any_file(smollm2_gguf, tmp_path):
+    data = smollm2_gguf.read_bytes()
+
+    async def main():
+        async with holder("node0", smollm2_gguf, tmp_path / "cache") as (h, _):
+            fp = h.model
+            manifest = f"{FILES_PREFIX}/{fp}/manifest"
+            file = f"{FILES_PREFIX}/{fp}/data/{smollm2_gguf.name}"
+            url = lambda path: f"http://{h.http}{path}"  # noqa: E731
+            answers = {}
+            run = lambda *a: asyncio.to_thread(_get, *a)  # noqa: E731
+            answers["no proof"] = await run(url(file), {"Range": "bytes=0-1000000"})
+            answers["manifest, no proof"] = await run(url(manifest))
+            answers["another secret"] = await run(url(file), {**sign_files(b"t" * 32, "GET", file, "x", "node0", time.time()), "Range": "bytes=0-100"})
+            answers["for another node"] = await run(url(file), {**sign_files(SECRET, "GET", file, "x", "node9", time.time()), "Range": "bytes=0-100"})
+            answers["stale"] = await run(url(file), {**sign_files(SECRET, "GET", file, "x", "node0", time.time() - 3600), "Range": "bytes=0-100"})
+            signed = sign_files(SECRET, "GET", manifest, "x", "node0", time.time())
+            while (ok := await run(url(manifest), signed))[0] == 503:  # building it; the nonce may be reused only while refused
+                await asyncio.sleep(0.2)
+                signed = sign_files(SECRET, "GET", manifest, "x", "node0", time.time())
+            answers["replayed"] = await run(url(manifest), signed)
+            return ok, answers
+
+    ok, answers = asyncio.run(main())
+    assert ok[0] == 200
+    statuses = {k: v[0] for k, v in answers.items()}
+    assert statuses == {"no proof": 401, "manifest, no proof": 401, "another secret": 403, "for another node": 403, "stale": 401, "replayed": 401}
+    for status, body in answers.values():  # an error in words; never a byte of the file
+        assert len(body) < 1000 and body[:64] not in data and json.loads(body)["error"]["message"]
+
+
+FETCHER = """
+import asyncio, sys
+from pathlib import Path
+from ringd.models.peers import Holder, PeerModel
+from ringd.models.progress import LoadProgress
+h = Holder("node0", sys.argv[1], sys.argv[2])
+async def main():
+    m = await PeerModel.bootstrap(Path(sys.argv[3]), [h], b"s" * 32, "node1")
+    await m.ensure(10, 20, 30, [h], LoadProgress(10, 20))
+asyncio.run(main())
+print("done")
+"""
+
+
+class Throttle:
+    """A TCP relay toward a port that passes the answers at ``rate`` bytes/s and counts them."""
+
+    def __init__(self, target: int, rate: float):
+        self.target, self.rate, self.bytes = target, rate, 0
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.port = asyncio.run_coroutine_threadsafe(self._listen(), self.loop).result(10)
+
+    async def _listen(self) -> int:
+        self.server = await asyncio.start_server(self._on, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _on(self, r, w):
+        tr, tw = await asyncio.open_connection("127.0.0.1", self.target)
+
+        async def pipe(src, dst, slow):
+            try:
+                while data := await src.read(64 * 1024):
+                    if slow:
+                        self.bytes += len(data)
+                        await asyncio.sleep(len(data) / self.rate)
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(r, tw, False), pipe(tr, w, True))
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.server.close)
+
+
+def test_kill_9_halfway_and_the_restart_fetches_only_what_is_missing(smollm2_gguf, tmp_path):
+    """The bytes the holder sends over both runs are the stage's share and at most a piece per file more."""
+    ready, stop = threading.Event(), threading.Event()
+    box = {}
+
+    def serve_holder():
+        async def main():
+            async with holder("node0", smollm2_gguf, tmp_path / "cache") as (h, node):
+                box["holder"], box["node"] = h, node
+                ready.set()
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+
+        asyncio.run(main())
+
+    threading.Thread(target=serve_holder, daemon=True).start()
+    assert ready.wait(60)
+    h = box["holder"]
+    throttle = Throttle(int(h.http.rsplit(":", 1)[1]), rate=20e6)  # 20 MB/s: the share takes a few seconds
+    models = tmp_path / "models"
+    cmd = [sys.executable, "-c", FETCHER, f"127.0.0.1:{throttle.port}", h.model, str(models)]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    try:
+        first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while throttle.bytes < 12e6:  # about half of the middle stage's share (SmolLM2: ~24 MB)
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "the fetch did not get halfway"
+            time.sleep(0.02)
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        halfway = throttle.bytes
+        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0 and "done" in second.stdout, second.stderr[-3000:]
+    finally:
+        throttle.close()
+        stop.set()
+    fetched = PeerModel.open(next(models.iterdir()), SECRET, "node1")
+    share = sum(b - a for spans in fetched.stage_ranges(*MIDDLE, LAYERS).values() for a, b in spans) + sum(f.head for f in fetched.manifest.files)
+    piece = max(b - a for f in fetched.manifest.files for a, b in zip(f.bounds, f.bounds[1:]))
+    total = throttle.bytes
+    assert halfway < share < total, (halfway, share, total)
+    # The share, and one piece per file again at most (the one under way when it was killed); HTTP's own bytes besides.
+    assert total <= share + piece * len(fetched.manifest.files) + 200_000, (total, share, piece)
+    assert fetched.missing(fetched.stage_ranges(*MIDDLE, LAYERS)) == {smollm2_gguf.name: []}
