@@ -3,7 +3,7 @@
 The manifest lists every file of a checkpoint (an mlx-lm directory, or one GGUF
 file) with its size, the bytes at its start that every fetcher takes (a weights
 file's header: what it holds and where; any other file, config or tokenizer,
-whole), and its pieces, each with a SHA-256: a weights file is cut where its
+whole), and its pieces, each with a BLAKE3 hash: a weights file is cut where its
 tensors start (so a stage fetches its own tensors and not a byte more, however
 the file orders them), and no piece is longer than MAX_PIECE_BYTES. A fetcher
 checks each piece against its hash before the piece is written, so a byte that
@@ -21,7 +21,6 @@ pure, and ``Manifest.from_wire`` refuses anything a holder would not write.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import os
 import re
@@ -29,6 +28,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
+
+from blake3 import blake3
 
 from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, ModelError, stage_keeps
 
@@ -46,6 +47,9 @@ MAX_PIECES = 2_000_000  # all files together: a model of tens of thousands of te
 MAX_NAME_CHARS = 255
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MANIFEST_VERSION = 1
+# Each piece's hash: BLAKE3, 32 bytes in hex. A fetcher hashes every byte it receives; BLAKE3
+# does it several times as fast as SHA-256, so on a fast link checking costs little throughput.
+HASH = "blake3"
 # Where holders serve the manifest and the files, on their HTTP port (http/files.py).
 FILES_PREFIX = "/cluster/files"
 
@@ -65,7 +69,7 @@ class FileEntry:
     size: int
     head: int  # bytes at the start every fetcher takes: a weights file's header, else the whole file
     bounds: tuple[int, ...]  # where its pieces start, and its size: 0 = bounds[0] < ... < bounds[-1] = size
-    hashes: tuple[str, ...]  # SHA-256 (hex) of each piece
+    hashes: tuple[str, ...]  # BLAKE3 (hex) of each piece
     weights: bool  # tensors, fetched by the ranges a stage needs; else fetched whole
 
     def pieces(self, start: int, end: int) -> range:
@@ -101,7 +105,7 @@ class Manifest:
 
     def to_wire(self) -> dict:
         return {
-            "version": MANIFEST_VERSION, "fingerprint": self.fingerprint, "label": self.label, "gguf": self.gguf,
+            "version": MANIFEST_VERSION, "hash": HASH, "fingerprint": self.fingerprint, "label": self.label, "gguf": self.gguf,
             "always": [list(a) for a in self.always],
             "files": [
                 {"name": f.name, "size": f.size, "head": f.head, "weights": f.weights, "bounds": list(f.bounds), "hashes": list(f.hashes)}
@@ -112,11 +116,11 @@ class Manifest:
     @classmethod
     def from_wire(cls, d: object) -> "Manifest":
         """A manifest from a holder, every field checked; ManifestError names what is wrong."""
-        keys = {"version", "fingerprint", "label", "gguf", "always", "files"}
+        keys = {"version", "hash", "fingerprint", "label", "gguf", "always", "files"}
         if not isinstance(d, dict) or set(d) != keys:
             raise ManifestError(f"a manifest must have exactly the keys {sorted(keys)}")
-        if d["version"] != MANIFEST_VERSION:
-            raise ManifestError(f"manifest version {d['version']!r:.20}; this node reads version {MANIFEST_VERSION}: run the same ringd on every node")
+        if d["version"] != MANIFEST_VERSION or d["hash"] != HASH:
+            raise ManifestError(f"manifest version {d['version']!r:.20} of {d['hash']!r:.20} hashes; this node reads version {MANIFEST_VERSION} of {HASH}: run the same ringd on every node")
         fingerprint, label, gguf = d["fingerprint"], d["label"], d["gguf"]
         if not isinstance(fingerprint, str) or not 0 < len(fingerprint) <= 128 or not isinstance(label, str) or len(label) > MAX_NAME_CHARS:
             raise ManifestError("a manifest's fingerprint and label must be short strings")
@@ -163,7 +167,7 @@ def _file_from_wire(f: object) -> FileEntry:
     ):  # fmt: skip
         raise ManifestError(f"{name}: bounds must rise from 0 to its size, in pieces of 1 to {MAX_ACCEPTED_PIECE_BYTES} bytes")
     if not isinstance(hashes, list) or len(hashes) != len(bounds) - 1 or not all(isinstance(h, str) and _HASH.fullmatch(h) for h in hashes):
-        raise ManifestError(f"{name}: hashes must be one SHA-256 in hex per piece")
+        raise ManifestError(f"{name}: hashes must be one {HASH} hash in hex per piece")
     return FileEntry(name, size, head, tuple(bounds), tuple(hashes), weights)
 
 
@@ -236,7 +240,7 @@ def build(path: Path, fingerprint: str, label: str, max_piece: int = MAX_PIECE_B
         head = _head(file, weights, gguf)
         bounds = cut(size, [head, *_tensor_starts(file, gguf, head)] if weights else [], max_piece)
         with open(file, "rb") as f:
-            hashes = tuple(hashlib.sha256(os.pread(f.fileno(), b - a, a)).hexdigest() for a, b in zip(bounds, bounds[1:]))
+            hashes = tuple(blake3(os.pread(f.fileno(), b - a, a)).hexdigest() for a, b in zip(bounds, bounds[1:]))
         entries.append(FileEntry(name, size, head, bounds, hashes, weights))
     always = ()
     if gguf:

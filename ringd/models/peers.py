@@ -13,8 +13,8 @@ checkpoint (or GGUF file) the stage loads as it loads any other, reading only it
 own tensors, and the next plan's layers are added to it. ``ringd-peer.json`` says
 whose model it is (its fingerprint: holes cannot be fingerprinted).
 
-Every piece (a tensor, or part of a long one: models/manifest.py) is checked
-against the manifest's SHA-256 before it is written; a piece that does not match
+Every piece (a tensor, or part of a long one: models/manifest.py) is hashed as it
+arrives and checked against the manifest's BLAKE3 before it is written; a piece that does not match
 is refused, its holder named in the log and asked for nothing more, and the piece
 fetched from another holder (the fetch fails, naming the holder, when none is
 left). Each file has a journal of the pieces written and checked, appended after
@@ -26,7 +26,6 @@ writing run off the event loop.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+from blake3 import blake3
 
 from ringd.http.auth import FILES_BODY_SIGNATURE_HEADER, FILES_NONCE_HEADER, AuthError, check_files_body, sign_files
 from ringd.models.checkpoint import PEER_RECORD, ModelError, read_record, stage_keeps
@@ -56,6 +56,9 @@ STREAMS_PER_FILE = 1
 # Pieces one Range request asks for at most: a long run is split, so that holders take turns
 # on one file and a failed stream leaves little to ask again.
 MAX_RUN_PIECES = 64
+# Bytes of a piece hashed at once, off the loop, while the next arrive: a thread hop costs
+# tens of microseconds, a read of the socket brings 64 KiB; a few MiB a hop.
+HASH_BYTES = 4 * 1024 * 1024
 # Deadlines: connecting to a holder on the LAN; silence within a stream (a holder gone).
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 60.0
@@ -385,13 +388,11 @@ class _Fetch:
                 if r.status != 206:
                     body = (await r.content.read(300)).decode(errors="replace")
                     raise _HolderFailed(f"HTTP {r.status} for {run.file} bytes {start}-{end - 1}: {body}")
+                # One buffer for the stream's pieces (each is written before the next arrives): no
+                # fresh pages to fault in per piece.
+                buf = memoryview(bytearray(max(f.span(i)[1] - f.span(i)[0] for i in run.pieces)))
                 for index in run.pieces:
-                    a, b = f.span(index)
-                    try:
-                        piece = await r.content.readexactly(b - a)
-                    except asyncio.IncompleteReadError:
-                        raise _HolderFailed(f"{run.file}: the stream ended in piece {index} of {first}..{last}") from None
-                    await self._write(holder, run.file, index, piece)
+                    await self._piece(run.file, index, r.content, buf)
                     done += 1
             self.failures = 0
         except _BadPiece as e:
@@ -436,24 +437,39 @@ class _Fetch:
         if rest:
             self.queue.append(_Run(run.file, rest))
 
-    async def _write(self, holder: Holder, file: str, index: int, piece: bytes) -> None:
-        m = self.m
-        expected = m.manifest.file(file).hashes[index]
-        ok = await asyncio.to_thread(_check_and_write, self.fds[file], m.journals[file], index, m.manifest.file(file).span(index)[0], piece, expected)
+    async def _piece(self, file: str, index: int, content: aiohttp.StreamReader, into: memoryview) -> None:
+        """Receive one piece into ``into``, hashing it as it arrives (off the loop, while the next
+        bytes come); then, if it is the manifest's, write and record it."""
+        m, f = self.m, self.m.manifest.file(file)
+        a, b = f.span(index)
+        buf = into[: b - a]
+        hasher, hashing, got, hashed = blake3(), None, 0, 0
+        while got < b - a:
+            data = await content.read(b - a - got)
+            if not data:
+                raise _HolderFailed(f"{file}: the stream ended in piece {index}")
+            buf[got : got + len(data)] = data
+            got += len(data)
+            if got - hashed >= HASH_BYTES or got == b - a:  # a thread hop per HASH_BYTES, not per read
+                if hashing is not None:
+                    await hashing
+                hashing = asyncio.ensure_future(asyncio.to_thread(hasher.update, buf[hashed:got]))
+                hashed = got
+        if hashing is not None:
+            await hashing
+        ok = hasher.hexdigest() == f.hashes[index]
         if m.metrics is not None:
-            m.metrics.files_fetched(ok, len(piece))
+            m.metrics.files_fetched(ok, b - a)
         if not ok:
             raise _BadPiece(f"piece {index} of {file}")
-        self.progress.advance(file, len(piece))
+        await asyncio.to_thread(_write, self.fds[file], m.journals[file], index, a, buf)
+        self.progress.advance(file, b - a)
 
 
-def _check_and_write(fd: int, journal: Journal, index: int, offset: int, piece: bytes, expected: str) -> bool:
-    """Check a piece against its hash; if it holds, write it where it goes and record it."""
-    if hashlib.sha256(piece).hexdigest() != expected:
-        return False
+def _write(fd: int, journal: Journal, index: int, offset: int, piece: memoryview) -> None:
+    """Write a checked piece where it goes, then record it."""
     os.pwrite(fd, piece, offset)
     journal.add(index)
-    return True
 
 
 def _consecutive(pieces: list[int]) -> list[list[int]]:

@@ -1,0 +1,144 @@
+"""Weights between peers through real daemons: one node holds the real SmolLM2, two start with nothing.
+
+Three `ringd serve` processes on loopback; node0 has the model (its GGUF file, or the
+mlx-lm directory ``ringd convert`` makes of it), node1 and node2 have
+``model_from_peers`` and an empty ``models_dir``. They fetch their layers from node0,
+and the ring answers as single-process mlx-lm does; each fetcher's directory holds
+its stage's tensors, config and tokenizer, not the model. A drain gives node1 the
+layers node2 had: it fetches them, and the answers stay the same.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, RING_START_TIMEOUT_S, Cluster, post
+
+from ringd.models.peers import PeerModel
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+TOKENS = 24
+LAYERS = 30  # SmolLM2's
+
+
+class PeerCluster(Cluster):
+    """node0 holds ``model``; the others fetch theirs into models/nodeI."""
+
+    def command(self, i: int, secret: Path | None = None, name: str | None = None) -> list[str]:
+        cmd = super().command(i, secret, name)
+        if i == 0:
+            return cmd
+        at = cmd.index("--model")
+        return cmd[:at] + ["--model-from-peers", "true", "--models-dir", str(self.models_dir(i))] + cmd[at + 2 :]
+
+    def models_dir(self, i: int) -> Path:
+        return self.tmp / "models" / f"node{i}"
+
+
+def disk_bytes(root: Path) -> int:
+    return sum(f.stat().st_blocks * 512 for f in root.rglob("*") if f.is_file())
+
+
+def answer(c: Cluster) -> str:
+    status, body = post(c.url(0) + "/v1/chat/completions", {"model": "tiny", "messages": QUESTION, "max_tokens": TOKENS, "temperature": 0}, timeout=120)
+    assert status == 200, body
+    return body["choices"][0]["message"]["content"]
+
+
+def expected(reference) -> str:
+    from mlx_lm import generate
+
+    model, tokenizer = reference
+    return generate(model, tokenizer, tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True), max_tokens=TOKENS)
+
+
+def layers_of(c: Cluster) -> dict[str, tuple[int, int]]:
+    doc = c.status(0) or {}
+    return {n["node"]: tuple(n["layers"]) for n in doc.get("nodes", []) if n.get("layers")}
+
+
+def check_shares(c: Cluster, layers: dict[str, tuple[int, int]]) -> None:
+    """Each fetcher holds its stage's tensors, the headers, config and tokenizer: within 20%, not the model."""
+    for i in (1, 2):
+        (root,) = [d for d in c.models_dir(i).iterdir() if d.is_dir()]
+        fetched = PeerModel.open(root, b"", f"node{i}")
+        share = sum(b - a for spans in fetched.stage_ranges(*layers[f"node{i}"], LAYERS).values() for a, b in spans)
+        meta = sum(f.head for f in fetched.manifest.files)
+        held = disk_bytes(root)
+        assert held <= 1.2 * (share + meta), (f"node{i}", held, share, meta)
+        assert held < 0.75 * fetched.manifest.total_bytes
+
+
+def serving(c: Cluster) -> bool:
+    return all((c.get(i, "/health") or {}).get("ready") for i in range(3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["gguf", "mlx-lm directory"])
+def test_two_nodes_with_nothing_fetch_their_layers_and_the_ring_answers_as_mlx_lm(form, smollm2_gguf, smollm2_dir, smollm2_reference, tmp_path):
+    model = smollm2_gguf if form == "gguf" else smollm2_dir
+    c = PeerCluster(model, 3, tmp_path)
+    try:
+        c.wait(lambda: serving(c), 2 * RING_START_TIMEOUT_S, "the ring to serve, its layers fetched")
+        layers = layers_of(c)
+        assert layers == {"node0": (0, 10), "node1": (10, 20), "node2": (20, 30)}, layers
+        want = expected(smollm2_reference)
+        assert answer(c) == want
+        check_shares(c, layers)
+        if form != "gguf":
+            return
+        # A drain gives node1 layers it has not got: it fetches them, and the ring answers the same.
+        r = subprocess.run(
+            [sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[0]}", "--secret-file", str(c.secret), "drain", "node2"],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        c.wait(lambda: set(layers_of(c)) == {"node0", "node1"} and (c.status(0) or {}).get("ready"), 2 * RING_START_TIMEOUT_S, "the ring without node2")
+        moved = layers_of(c)["node1"]
+        assert moved[1] == LAYERS and moved[0] < 20, moved
+        assert answer(c) == want
+        fetches = [line for line in c.logs[1].read_text().splitlines() if "from peers in" in line]
+        assert len(fetches) == 3, fetches  # the headers, layers [10, 20), then the layers it lacked
+    finally:
+        c.stop()
+
+
+def test_with_no_peer_holding_the_model_the_hub_as_before(tiny_model, tmp_path):
+    """model_from_peers with a repo id and nobody to fetch from: the Hub (a local fake of it) serves."""
+    from fakehub import FakeHub
+
+    from ringd.local import free_port
+
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    http = free_port()
+    with FakeHub({"ringd-test/tiny": tiny_model(arch="llama", layers=4, dtype="float32")}) as hub:
+        cmd = [
+            sys.executable, "-m", "ringd", "serve", "--name", "node0", "--cluster", f"hub-{os.getpid()}", "--host", "127.0.0.1",
+            "--advertise", "127.0.0.1", "--http-host", "127.0.0.1", "--ring-port", str(free_port()), "--http-port", str(http),
+            "--model", "ringd-test/tiny", "--model-from-peers", "true", "--models-dir", str(tmp_path / "models"),
+            "--secret-file", str(secret), "--state-dir", str(tmp_path / "state"), "--discovery", "off", "--nodes", "1",
+            "--peer", f"127.0.0.1:{free_port()}",  # nobody there
+        ]  # fmt: skip
+        log = tmp_path / "node0.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **hub.env(tmp_path / "hf")}, stdout=out, stderr=out, start_new_session=True)
+        try:
+            status, body = 0, {}
+            deadline = time.monotonic() + RING_START_TIMEOUT_S
+            while status != 200:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                status, body = post(f"http://127.0.0.1:{http}/v1/completions", {"model": "ringd-test/tiny", "prompt": "hi", "max_tokens": 4}, timeout=10)
+                time.sleep(0.2)
+            assert "no peer holds a model; fetching ringd-test/tiny as configured" in log.read_text()
+            assert any(f.endswith(".safetensors") for f in hub.fetched())  # from the Hub
+            assert not any((tmp_path / "models").glob("*/*"))  # nothing from peers
+        finally:
+            proc.terminate()
+            proc.wait(30)
