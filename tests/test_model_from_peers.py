@@ -142,3 +142,32 @@ def test_with_no_peer_holding_the_model_the_hub_as_before(tiny_model, tmp_path):
         finally:
             proc.terminate()
             proc.wait(30)
+
+
+def test_a_node_waiting_for_a_holder_says_so_and_stops_on_a_signal(tmp_path):
+    import signal
+
+    from ringd.local import free_port
+
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    cmd = [
+        sys.executable, "-m", "ringd", "serve", "--name", "lonely", "--cluster", f"alone-{os.getpid()}", "--host", "127.0.0.1",
+        "--advertise", "127.0.0.1", "--http-host", "127.0.0.1", "--ring-port", str(free_port()), "--http-port", str(free_port()),
+        "--model-from-peers", "true", "--models-dir", str(tmp_path / "models"), "--secret-file", str(secret),
+        "--state-dir", str(tmp_path / "state"), "--discovery", "off", "--peer", f"127.0.0.1:{free_port()}",
+    ]  # fmt: skip
+    log = tmp_path / "lonely.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, start_new_session=True)
+    try:
+        deadline = time.monotonic() + RING_START_TIMEOUT_S
+        while "no peer holding a model found yet" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
