@@ -51,6 +51,11 @@ async def model_from_peers(cfg: "Config", secret: bytes, metrics: "Metrics", loc
         if cfg.model is not None:
             log.info("model_from_peers: no peer holds a model; fetching %s as configured", cfg.model)
             return None
+        kept = [m for d in sorted(models_dir.glob("*")) if d.is_dir() and (m := PeerModel.open(d, secret, cfg.name, metrics)) is not None]
+        if len(kept) == 1:
+            # Fetched before: serve it (its layers are here; others are fetched when a holder is back).
+            log.info("model_from_peers: no peer holds a model right now; starting with %s, fetched before", kept[0].root)
+            return kept[0]
         where = ", ".join(cfg.peers) + (" and Bonjour" if cfg.discovery else "") if cfg.peers else ("Bonjour" if cfg.discovery else "nobody (no peers, discovery off)")
         log.warning("model_from_peers: no peer holding a model found yet (asked %s); asking again in %.0f s", where, PROBE_RETRY_S)
         await asyncio.sleep(PROBE_RETRY_S)

@@ -288,3 +288,27 @@ def test_kill_9_halfway_and_the_restart_fetches_only_what_is_missing(smollm2_ggu
     # The share, and one piece per file again at most (the one under way when it was killed); HTTP's own bytes besides.
     assert total <= share + piece * len(fetched.manifest.files) + 200_000, (total, share, piece)
     assert fetched.missing(fetched.stage_ranges(*MIDDLE, LAYERS)) == {smollm2_gguf.name: []}
+
+
+def test_a_node_restarted_while_no_holder_answers_starts_with_what_it_fetched(smollm2_gguf, tmp_path):
+    import argparse
+
+    from ringd import config
+    from ringd.cluster.holders import model_from_peers
+
+    async def fetch_once():
+        async with holder("node0", smollm2_gguf, tmp_path / "cache") as (h, _):
+            m = await PeerModel.bootstrap(tmp_path / "models", [h], SECRET, "node1")
+            await m.ensure(*MIDDLE, LAYERS, [h], LoadProgress(*MIDDLE))
+            return m
+
+    fetched = asyncio.run(fetch_once())
+    parser = argparse.ArgumentParser()
+    config.add_flags(parser)
+    from ringd.local import free_port
+
+    argv = ["--name", "node1", "--model-from-peers", "true", "--models-dir", str(tmp_path / "models"), "--discovery", "off", "--peer", f"127.0.0.1:{free_port()}"]
+    cfg = config.load(parser.parse_args(argv), {})
+    again = asyncio.run(model_from_peers(cfg, SECRET, Metrics("node1")))
+    assert again is not None and again.root == fetched.root and again.manifest == fetched.manifest
+    assert again.missing(again.stage_ranges(*MIDDLE, LAYERS)) == {smollm2_gguf.name: []}
