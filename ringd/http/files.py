@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 # File streams served at once: a few fetchers each pulling from several holders. More wait
 # for a 503's Retry-After; the kernel's sendfile does the copying, so these cost sockets, not CPU.
 MAX_FILE_STREAMS = 4
+# Bytes read and written at once where the loop has no sendfile (uvloop): a thread hop per
+# few MiB, and no more held in memory per stream.
+SEND_CHUNK_BYTES = 4 * 1024 * 1024
 # Retry-After while the manifest is being built (reading and hashing every byte of the model).
 MANIFEST_RETRY_S = 2
 
@@ -147,9 +151,11 @@ class FileServer:
             f = await asyncio.to_thread(open, base / entry.name, "rb")
             try:
                 await response.prepare(request)
-                # The kernel's sendfile where the loop has it (asyncio's falls back to reading
-                # and writing in chunks, off nothing but this coroutine's turns).
-                await asyncio.get_running_loop().sendfile(request.transport, f, start, count)
+                try:  # the kernel's sendfile, where the loop has it
+                    await asyncio.get_running_loop().sendfile(request.transport, f, start, count)
+                except NotImplementedError:  # uvloop has none: chunks read off the loop, written on it
+                    for at in range(start, start + count, SEND_CHUNK_BYTES):
+                        await response.write(await asyncio.to_thread(os.pread, f.fileno(), min(SEND_CHUNK_BYTES, start + count - at), at))
                 await response.write_eof()
             except ConnectionError:  # the fetcher hung up (it found a piece bad, or stopped)
                 log.debug("%s: the fetcher hung up during %s", self.d.name, request.path)

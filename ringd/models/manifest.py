@@ -240,7 +240,7 @@ def build(path: Path, fingerprint: str, label: str, max_piece: int = MAX_PIECE_B
         head = _head(file, weights, gguf)
         bounds = cut(size, [head, *_tensor_starts(file, gguf, head)] if weights else [], max_piece)
         with open(file, "rb") as f:
-            hashes = tuple(blake3(os.pread(f.fileno(), b - a, a)).hexdigest() for a, b in zip(bounds, bounds[1:]))
+            hashes = tuple(blake3(os.pread(f.fileno(), b - a, a), max_threads=blake3.AUTO).hexdigest() for a, b in zip(bounds, bounds[1:]))
         entries.append(FileEntry(name, size, head, bounds, hashes, weights))
     always = ()
     if gguf:

@@ -13,8 +13,8 @@ checkpoint (or GGUF file) the stage loads as it loads any other, reading only it
 own tensors, and the next plan's layers are added to it. ``ringd-peer.json`` says
 whose model it is (its fingerprint: holes cannot be fingerprinted).
 
-Every piece (a tensor, or part of a long one: models/manifest.py) is hashed as it
-arrives and checked against the manifest's BLAKE3 before it is written; a piece that does not match
+Every piece (a tensor, or part of a long one: models/manifest.py) is checked against
+the manifest's BLAKE3 before it is written; a piece that does not match
 is refused, its holder named in the log and asked for nothing more, and the piece
 fetched from another holder (the fetch fails, naming the holder, when none is
 left). Each file has a journal of the pieces written and checked, appended after
@@ -56,9 +56,10 @@ STREAMS_PER_FILE = 1
 # Pieces one Range request asks for at most: a long run is split, so that holders take turns
 # on one file and a failed stream leaves little to ask again.
 MAX_RUN_PIECES = 64
-# Bytes of a piece hashed at once, off the loop, while the next arrive: a thread hop costs
-# tens of microseconds, a read of the socket brings 64 KiB; a few MiB a hop.
-HASH_BYTES = 4 * 1024 * 1024
+# Most a read of a holder's socket takes at once.
+RECV_BYTES = 4 * 1024 * 1024
+# An answer's status line and headers: a few hundred bytes from a holder; more is not one.
+MAX_RESPONSE_HEAD_BYTES = 16 * 1024
 # Deadlines: connecting to a holder on the LAN; silence within a stream (a holder gone).
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 60.0
@@ -192,8 +193,11 @@ class PeerModel:
 
             from ringd.models.gguf import GgufFile
 
+            import mlx.core as mx
+
             g = GgufFile.open(self.path)
             params = [name for name, _ in tree_flatten(g.build_model().parameters())]
+            mx.synchronize()  # the placeholders' lazy work done here, not left to the interpreter's exit
             untied = any("lm_head" in n for n in params)
             spans = set()
             for name in params:
@@ -244,6 +248,7 @@ class PeerModel:
         try:
             for name in todo:
                 fds[name] = _open_sparse(self.root / name, self.manifest.file(name).size)
+                await asyncio.to_thread(_reserve, fds[name], [self.manifest.file(name).span(i) for i in todo[name]])
             async with _client() as http:
                 await _Fetch(self, http, fds, good, progress, holders).run(todo)
         finally:
@@ -270,6 +275,19 @@ def _open_sparse(path: Path, size: int) -> int:
     if os.fstat(fd).st_size != size:
         os.ftruncate(fd, size)
     return fd
+
+
+def _reserve(fd: int, spans: list[tuple[int, int]]) -> None:
+    """Allocate the disk the pieces will take, before they come (where the system can): a write
+    into allocated blocks is several times as fast as one that allocates them, and the rest of
+    the file stays a hole."""
+    if not hasattr(os, "posix_fallocate"):  # macOS: APFS allocates as it goes
+        return
+    for a, b in merge_ranges(spans):
+        try:
+            os.posix_fallocate(fd, a, b - a)
+        except OSError:  # a file system that cannot: the writes allocate
+            return
 
 
 def _client() -> aiohttp.ClientSession:
@@ -382,17 +400,16 @@ class _Fetch:
             if holder.node not in m.vouched:
                 await self._vouch(holder)
             headers = {**sign_files(m.secret, "GET", path, m.node, holder.node, time.time()), "Range": f"bytes={start}-{end - 1}"}
-            async with self.http.get(_url(holder, path), headers=headers) as r:
+            async with _RangeReader(holder, path, headers) as r:
                 if r.status == 503:  # busy: serving others, or building its manifest
-                    raise _HolderBusy(float(r.headers.get("Retry-After", HOLDER_RETRY_S)))
-                if r.status != 206:
-                    body = (await r.content.read(300)).decode(errors="replace")
-                    raise _HolderFailed(f"HTTP {r.status} for {run.file} bytes {start}-{end - 1}: {body}")
+                    raise _HolderBusy(float(r.headers.get("retry-after", HOLDER_RETRY_S)))
+                if r.status != 206 or r.length != end - start:
+                    raise _HolderFailed(f"HTTP {r.status} for {run.file} bytes {start}-{end - 1}: {await r.text()}")
                 # One buffer for the stream's pieces (each is written before the next arrives): no
                 # fresh pages to fault in per piece.
                 buf = memoryview(bytearray(max(f.span(i)[1] - f.span(i)[0] for i in run.pieces)))
                 for index in run.pieces:
-                    await self._piece(run.file, index, r.content, buf)
+                    await self._piece(run.file, index, r, buf)
                     done += 1
             self.failures = 0
         except _BadPiece as e:
@@ -437,39 +454,99 @@ class _Fetch:
         if rest:
             self.queue.append(_Run(run.file, rest))
 
-    async def _piece(self, file: str, index: int, content: aiohttp.StreamReader, into: memoryview) -> None:
-        """Receive one piece into ``into``, hashing it as it arrives (off the loop, while the next
-        bytes come); then, if it is the manifest's, write and record it."""
+    async def _piece(self, file: str, index: int, r: "_RangeReader", into: memoryview) -> None:
+        """Receive one piece into ``into``; then, off the loop and in one go, hash it (BLAKE3 on
+        every core) and, if it is the manifest's, write and record it."""
         m, f = self.m, self.m.manifest.file(file)
         a, b = f.span(index)
         buf = into[: b - a]
-        hasher, hashing, got, hashed = blake3(), None, 0, 0
+        got = 0
         while got < b - a:
-            data = await content.read(b - a - got)
-            if not data:
+            n = await r.read_into(buf[got:])
+            if not n:
                 raise _HolderFailed(f"{file}: the stream ended in piece {index}")
-            buf[got : got + len(data)] = data
-            got += len(data)
-            if got - hashed >= HASH_BYTES or got == b - a:  # a thread hop per HASH_BYTES, not per read
-                if hashing is not None:
-                    await hashing
-                hashing = asyncio.ensure_future(asyncio.to_thread(hasher.update, buf[hashed:got]))
-                hashed = got
-        if hashing is not None:
-            await hashing
-        ok = hasher.hexdigest() == f.hashes[index]
+            got += n
+        ok = await asyncio.to_thread(_check_and_write, self.fds[file], m.journals[file], index, a, buf, f.hashes[index])
         if m.metrics is not None:
             m.metrics.files_fetched(ok, b - a)
         if not ok:
             raise _BadPiece(f"piece {index} of {file}")
-        await asyncio.to_thread(_write, self.fds[file], m.journals[file], index, a, buf)
         self.progress.advance(file, b - a)
 
 
-def _write(fd: int, journal: Journal, index: int, offset: int, piece: memoryview) -> None:
-    """Write a checked piece where it goes, then record it."""
+class _RangeReader:
+    """One GET of a byte range, HTTP/1.1, whose body lands straight in the caller's buffers: a
+    fetch reads gigabytes, and a stream of small ``bytes`` through a general client costs more
+    time than the bytes themselves. Every wait has a deadline (READ_TIMEOUT_S)."""
+
+    def __init__(self, holder: Holder, path: str, headers: dict[str, str]):
+        self.holder, self.path, self.headers = holder, path, headers
+        self.status, self.length, self.sock = 0, 0, None
+        self._early = b""  # body bytes that came with the headers
+
+    async def __aenter__(self) -> "_RangeReader":
+        import socket
+
+        loop = asyncio.get_running_loop()
+        host, port = self.holder.http.rsplit(":", 1)
+        infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        family, kind, proto, _, addr = infos[0]
+        self.sock = socket.socket(family, kind, proto)
+        self.sock.setblocking(False)
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            await loop.sock_connect(self.sock, addr)
+        lines = [f"GET {self.path} HTTP/1.1", f"Host: {self.holder.http}", "Connection: close", *(f"{k}: {v}" for k, v in self.headers.items())]
+        await loop.sock_sendall(self.sock, ("\r\n".join(lines) + "\r\n\r\n").encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            if len(head) > MAX_RESPONSE_HEAD_BYTES:
+                raise _HolderFailed(f"an answer whose headers run past {MAX_RESPONSE_HEAD_BYTES} bytes")
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                data = await loop.sock_recv(self.sock, 16384)
+            if not data:
+                raise _HolderFailed("the holder closed the connection before answering")
+            head += data
+        head, self._early = head.split(b"\r\n\r\n", 1)
+        status, *fields = head.decode("latin-1").split("\r\n")
+        try:
+            self.status = int(status.split()[1])
+        except (IndexError, ValueError):
+            raise _HolderFailed(f"a status line that does not parse: {status[:80]!r}") from None
+        self.headers = {k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in fields)}
+        try:
+            self.length = int(self.headers.get("content-length", "-1"))
+        except ValueError:
+            self.length = -1
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.sock.close()
+
+    async def read_into(self, buf: memoryview) -> int:
+        """Body bytes into ``buf`` (as many as came, at most its size); 0 at the end."""
+        if self._early:
+            n = min(len(self._early), len(buf))
+            buf[:n] = self._early[:n]
+            self._early = self._early[n:]
+            return n
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            return await asyncio.get_running_loop().sock_recv_into(self.sock, buf[:RECV_BYTES])
+
+    async def text(self) -> str:
+        """The start of an error answer's body, for a message."""
+        buf = memoryview(bytearray(300))
+        n = await self.read_into(buf)
+        return bytes(buf[:n]).decode(errors="replace")
+
+
+def _check_and_write(fd: int, journal: Journal, index: int, offset: int, piece: memoryview, expected: str) -> bool:
+    """Check a piece against its hash; if it holds, write it where it goes, then record it. One
+    thread hop per piece: BLAKE3 on every core takes a 16 MiB piece in a few milliseconds."""
+    if blake3(piece, max_threads=blake3.AUTO).hexdigest() != expected:
+        return False
     os.pwrite(fd, piece, offset)
     journal.add(index)
+    return True
 
 
 def _consecutive(pieces: list[int]) -> list[list[int]]:

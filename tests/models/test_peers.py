@@ -1,6 +1,7 @@
 """ringd.models.peers against real holders: a stage's share of the real SmolLM2, checked and resumed.
 
-Holders are ringd's own file routes (http/files.py) served by aiohttp on loopback;
+Holders are ringd's own file routes (http/files.py) served by aiohttp on loopback,
+under uvloop as a daemon runs them;
 the fetcher is ``PeerModel`` as a daemon runs it (and, for kill -9, in a process of
 its own). The model is the real SmolLM2, as its GGUF file and as the mlx-lm
 directory ``ringd convert`` makes of it.
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+import uvloop
 from aiohttp import web
 
 from ringd.http.api import _errors
@@ -90,7 +92,7 @@ def test_a_stage_fetches_its_share_checked_and_loads_what_the_whole_model_comput
             await fetched.ensure(*MIDDLE, LAYERS, [h], LoadProgress(*MIDDLE))
             return fetched, served(node)
 
-    fetched, sent = asyncio.run(main())
+    fetched, sent = uvloop.run(main())
     # Its share: the stage's tensors, and the header and metadata files.
     need = fetched.stage_ranges(*MIDDLE, LAYERS)
     share = sum(b - a for spans in need.values() for a, b in spans)
@@ -147,7 +149,7 @@ def test_a_holder_that_serves_a_bad_byte_is_refused_named_and_another_asked(smol
             return both, need
 
     with caplog.at_level(logging.ERROR, logger="ringd.models.peers"):
-        both, need = asyncio.run(main())
+        both, need = uvloop.run(main())
     assert "rotten" in both.refused and any("rotten served a piece" in r.getMessage() for r in caplog.records)
     with open(smollm2_gguf, "rb") as a, open(both.path, "rb") as b:
         for x, y in need[smollm2_gguf.name]:
@@ -186,7 +188,7 @@ def test_without_the_cluster_secret_no_byte_of_any_file(smollm2_gguf, tmp_path):
             answers["replayed"] = await run(url(manifest), signed)
             return ok, answers
 
-    ok, answers = asyncio.run(main())
+    ok, answers = uvloop.run(main())
     assert ok[0] == 200
     statuses = {k: v[0] for k, v in answers.items()}
     assert statuses == {"no proof": 401, "manifest, no proof": 401, "another secret": 403, "for another node": 403, "stale": 401, "replayed": 401}
@@ -195,7 +197,7 @@ def test_without_the_cluster_secret_no_byte_of_any_file(smollm2_gguf, tmp_path):
 
 
 FETCHER = """
-import asyncio, sys
+import asyncio, sys, uvloop
 from pathlib import Path
 from ringd.models.peers import Holder, PeerModel
 from ringd.models.progress import LoadProgress
@@ -203,7 +205,7 @@ h = Holder("node0", sys.argv[1], sys.argv[2])
 async def main():
     m = await PeerModel.bootstrap(Path(sys.argv[3]), [h], b"s" * 32, "node1")
     await m.ensure(10, 20, 30, [h], LoadProgress(10, 20))
-asyncio.run(main())
+uvloop.run(main())
 print("done")
 """
 
@@ -256,7 +258,7 @@ def test_kill_9_halfway_and_the_restart_fetches_only_what_is_missing(smollm2_ggu
                 while not stop.is_set():
                     await asyncio.sleep(0.05)
 
-        asyncio.run(main())
+        uvloop.run(main())
 
     threading.Thread(target=serve_holder, daemon=True).start()
     assert ready.wait(60)
@@ -302,13 +304,13 @@ def test_a_node_restarted_while_no_holder_answers_starts_with_what_it_fetched(sm
             await m.ensure(*MIDDLE, LAYERS, [h], LoadProgress(*MIDDLE))
             return m
 
-    fetched = asyncio.run(fetch_once())
+    fetched = uvloop.run(fetch_once())
     parser = argparse.ArgumentParser()
     config.add_flags(parser)
     from ringd.local import free_port
 
     argv = ["--name", "node1", "--model-from-peers", "true", "--models-dir", str(tmp_path / "models"), "--discovery", "off", "--peer", f"127.0.0.1:{free_port()}"]
     cfg = config.load(parser.parse_args(argv), {})
-    again = asyncio.run(model_from_peers(cfg, SECRET, Metrics("node1")))
+    again = uvloop.run(model_from_peers(cfg, SECRET, Metrics("node1")))
     assert again is not None and again.root == fetched.root and again.manifest == fetched.manifest
     assert again.missing(again.stage_ranges(*MIDDLE, LAYERS)) == {smollm2_gguf.name: []}
