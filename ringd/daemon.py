@@ -38,7 +38,7 @@ from ringd.http.api import Api
 from ringd.leader.draft import Drafter
 from ringd.leader.engine import Engine
 from ringd.metrics import Gauges, Metrics
-from ringd.models.checkpoint import ModelError, ModelInfo, load_tokenizer, model_info
+from ringd.models.checkpoint import ModelError, ModelInfo, load_tokenizer, model_info, weights_complete
 from ringd.names import check_name, parse_hostport
 from ringd.stage.compute import ComputeThread
 from ringd.status import Status
@@ -102,9 +102,9 @@ class Daemon:
             if self.peer_model is not None:
                 model = str(self.peer_model.path)
         self.info = await loop.run_in_executor(None, model_info, model)
-        if self.peer_model is None and not cfg.ring_encryption:
+        if self.peer_model is None and not cfg.ring_encryption and await loop.run_in_executor(None, weights_complete, self.info.path):
             # A model of its own, whole: served to peers that fetch theirs (never in the clear on a
-            # network ring_encryption calls untrusted).
+            # network ring_encryption calls untrusted; not by a node that fetched its stage's files only).
             self.files = Holding(self.info.path, self.info.fingerprint, self.info.name, default_cache_dir())
         self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.info)
         self.model_id = cfg.model_id or self.info.name

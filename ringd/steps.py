@@ -136,6 +136,10 @@ def _read_failed(r: _Reader, n: int) -> tuple[tuple[int, str], ...]:
     return tuple(out)
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")  # NaN, Infinity: what json.loads would let through
+
+
 def _number(v: float, what: str) -> float:
     """A logprob from a peer: finite (a client gets it as JSON, which has no NaN or infinity)."""
     if not math.isfinite(v):
@@ -272,7 +276,7 @@ class Row:
         open_ = None
         if opened:
             try:
-                d = json.loads(r.raw(opened, f"row {rid:x}'s open"))
+                d = json.loads(r.raw(opened, f"row {rid:x}'s open"), parse_constant=_no_constant)
             except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, NaN, too deep
                 raise FrameError(f"row {rid:x}'s open is not JSON: {e}") from None
             open_ = Open.from_wire(d, offset)

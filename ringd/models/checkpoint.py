@@ -565,6 +565,21 @@ def weight_files_for(path: Path, start: int, end: int) -> list[str] | None:
     return sorted(files)
 
 
+def weights_complete(path: Path) -> bool:
+    """Whether every weight file of the checkpoint at ``path`` is here (a GGUF file: itself). A
+    node that fetched only its own stage's files from the Hub does not hold the model whole."""
+    if path.is_file():
+        return True
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return any(path.glob("model*.safetensors"))
+    try:
+        needed = set(_index_weight_map(index).values())
+    except ModelFileError:
+        return False
+    return all((path / name).is_file() for name in needed)
+
+
 def stage_keeps(key: str, start: int, end: int, num_layers: int, untied: bool) -> bool:
     """Whether the stage holding layers [start, end) of ``num_layers`` takes the weight ``key``
     (a model parameter's name, or a checkpoint's, which in MLX format are the same): its layers;

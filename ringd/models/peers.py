@@ -485,6 +485,14 @@ class _RangeReader:
         self._early = b""  # body bytes that came with the headers
 
     async def __aenter__(self) -> "_RangeReader":
+        try:
+            return await self._open()
+        except BaseException:
+            if self.sock is not None:
+                self.sock.close()
+            raise
+
+    async def _open(self) -> "_RangeReader":
         import socket
 
         loop = asyncio.get_running_loop()

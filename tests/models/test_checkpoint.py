@@ -116,3 +116,17 @@ def test_ringd_serve_stops_at_start_with_one_line_naming_the_broken_file(broken_
     lines = c.logs[0].read_text().splitlines()
     assert len(lines) == 1 and "Traceback" not in lines[0], lines
     assert f"ringd serve: {file}" in lines[0] and words in lines[0], lines
+
+
+def test_a_checkpoint_is_whole_only_with_every_weight_file(tiny_model, tmp_path):
+    """What a node serves to peers: a checkpoint whose stages fetched only their own Hub files is not whole."""
+    import shutil
+
+    from ringd.models.checkpoint import weights_complete
+
+    src = tiny_model(arch="llama", layers=4, dtype="float32", shard_bytes=40_000)
+    assert weights_complete(src)
+    part = tmp_path / "part"
+    shutil.copytree(src, part)
+    next(part.glob("model-*.safetensors")).unlink()
+    assert not weights_complete(part)
