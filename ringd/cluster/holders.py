@@ -51,7 +51,7 @@ async def model_from_peers(cfg: "Config", secret: bytes, metrics: "Metrics", loc
         if cfg.model is not None:
             log.info("model_from_peers: no peer holds a model; fetching %s as configured", cfg.model)
             return None
-        kept = [m for d in sorted(models_dir.glob("*")) if d.is_dir() and (m := PeerModel.open(d, secret, cfg.name, metrics)) is not None]
+        kept = await asyncio.to_thread(_fetched_before, models_dir, secret, cfg.name, metrics)
         if len(kept) == 1:
             # Fetched before: serve it (its layers are here; others are fetched when a holder is back).
             log.info("model_from_peers: no peer holds a model right now; starting with %s, fetched before", kept[0].root)
@@ -59,6 +59,10 @@ async def model_from_peers(cfg: "Config", secret: bytes, metrics: "Metrics", loc
         where = ", ".join(cfg.peers) + (" and Bonjour" if cfg.discovery else "") if cfg.peers else ("Bonjour" if cfg.discovery else "nobody (no peers, discovery off)")
         log.warning("model_from_peers: no peer holding a model found yet (asked %s); asking again in %.0f s", where, PROBE_RETRY_S)
         await asyncio.sleep(PROBE_RETRY_S)
+
+
+def _fetched_before(models_dir: Path, secret: bytes, node: str, metrics) -> list[PeerModel]:
+    return [m for d in sorted(models_dir.glob("*")) if d.is_dir() and (m := PeerModel.open(d, secret, node, metrics)) is not None]
 
 
 async def find_holders(cfg: "Config", secret: bytes, local_networks=()) -> list[Holder]:

@@ -163,24 +163,31 @@ class PeerModel:
         async with _client() as http:
             manifest = await _manifest(http, holders, secret, node, fingerprint)
         holders = [h for h in holders if h.model == manifest.fingerprint]
-        root = models_dir / model_dir_name(manifest)
+        model = await asyncio.to_thread(cls._lay_out, models_dir / model_dir_name(manifest), manifest, secret, node, metrics)
+        ranges = {f.name: [(0, f.head)] for f in manifest.files if f.head}
+        for name, a, b in manifest.always:
+            ranges.setdefault(name, []).append((a, b))
+        await model.fetch({k: merge_ranges(v) for k, v in ranges.items()}, holders, LoadProgress(0, 0))
+        return model
+
+    @classmethod
+    def _lay_out(cls, root: Path, manifest: Manifest, secret: bytes, node: str, metrics) -> "PeerModel":
+        """The directory for ``manifest``: as it was, if it was fetched by the same manifest; else
+        its record written anew and its journals emptied (nothing recorded holds for other bytes).
+        Every file at its size, holes until fetched (blocking: off the event loop)."""
         existing = cls.open(root, secret, node, metrics)
         if existing is not None and existing.manifest == manifest:
             model = existing
         else:
             (root / JOURNALS).mkdir(parents=True, exist_ok=True)
-            for j in (root / JOURNALS).iterdir():  # another manifest: nothing recorded holds
+            for j in (root / JOURNALS).iterdir():
                 j.unlink()
             tmp = root / f".{PEER_RECORD}.tmp"
             tmp.write_text(json.dumps({"fingerprint": manifest.fingerprint, "label": manifest.label, "manifest": manifest.to_wire()}))
             os.replace(tmp, root / PEER_RECORD)
             model = cls(root, manifest, secret, node, metrics)
-        for f in manifest.files:  # every file at its size (empty ones too), holes until fetched
+        for f in manifest.files:
             os.close(_open_sparse(root / f.name, f.size))
-        ranges = {f.name: [(0, f.head)] for f in manifest.files if f.head}
-        for name, a, b in manifest.always:
-            ranges.setdefault(name, []).append((a, b))
-        await model.fetch({k: merge_ranges(v) for k, v in ranges.items()}, holders, LoadProgress(0, 0))
         return model
 
     # --- what a stage needs ------------------------------------------------------------------
@@ -189,11 +196,10 @@ class PeerModel:
         """The bytes of each file the stage holding layers [start, end) reads (blocking: reads the
         files' headers; run it off the event loop)."""
         if self.manifest.gguf:
+            import mlx.core as mx
             from mlx.utils import tree_flatten
 
             from ringd.models.gguf import GgufFile
-
-            import mlx.core as mx
 
             g = GgufFile.open(self.path)
             params = [name for name, _ in tree_flatten(g.build_model().parameters())]
