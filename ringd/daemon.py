@@ -24,21 +24,21 @@ import time
 from pathlib import Path
 
 from ringd.cluster.coordinator import Coordinator
-from ringd.cluster.holders import holder_of, model_from_peers
 from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_order, local_networks, own_addresses
+from ringd.cluster.holders import holder_of, model_from_peers
 from ringd.cluster.members import Cluster, DrainError
 from ringd.cluster.messages import MessageError, parse_loaded
 from ringd.cluster.stagehost import StageHost
 from ringd.config import Config, ConfigError
 from ringd.device import DeviceProfile, default_cache_dir, probe_speed, read_profile
-from ringd.http.files import Holding
-from ringd.models.ollama import PREFIX as OLLAMA_PREFIX
-from ringd.models.peers import Holder, PeerModel
 from ringd.http.api import Api
+from ringd.http.files import Holding
 from ringd.leader.draft import Drafter
 from ringd.leader.engine import Engine
 from ringd.metrics import Gauges, Metrics
 from ringd.models.checkpoint import ModelError, ModelInfo, load_tokenizer, model_info, weights_complete
+from ringd.models.ollama import PREFIX as OLLAMA_PREFIX
+from ringd.models.peers import Holder, PeerModel
 from ringd.names import check_name, parse_hostport
 from ringd.stage.compute import ComputeThread
 from ringd.status import Status

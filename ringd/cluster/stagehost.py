@@ -24,12 +24,12 @@ from ringd.cluster.placement import PlacementError, Plan
 from ringd.cluster.reconcile import BROKEN, LOADED, LOADING, OUTSIDE, Report, failure_report, plan_refusal
 from ringd.metrics import Metrics
 from ringd.models.checkpoint import ModelError, ModelFileError, ModelInfo
+from ringd.models.peers import Holder, PeerModel
 from ringd.models.progress import LoadProgress
 from ringd.names import parse_hostport
 from ringd.stage.compute import ComputeThread
 from ringd.stage.runner import StageRunner
 from ringd.stage.shard import Shard
-from ringd.models.peers import Holder, PeerModel
 from ringd.steps import Failure, term_of
 from wire.frames import Frame, MsgType
 
