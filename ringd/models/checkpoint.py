@@ -20,6 +20,7 @@ import math
 import os
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,8 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "qwen3_next",  # hybrid: linear and full attention, MoE
     }
 )  # fmt: skip
+# (file name, start, end) -> those bytes of the file: a digest's slices, from wherever they are.
+SampleReader = Callable[[str, int, int], bytes]
 # Weight digests read this many slices of this many bytes from each weight file.
 SAMPLES_PER_FILE = 16
 SAMPLE_BYTES = 16 * 1024
@@ -291,7 +294,7 @@ def model_info(path_or_repo: str) -> ModelInfo:
         hidden_size=text["hidden_size"],
         vocab_size=text["vocab_size"],
         context_length=int(text.get("max_position_embeddings") or 4096),
-        fingerprint=record["fingerprint"] if record else _fingerprint(config, weights_digest(path)),
+        fingerprint=record["fingerprint"] if record else model_fingerprint(config, weights_digest(path)),
         weights=weight_bytes(path, text["num_hidden_layers"]),
         # A repo id names the model better than the snapshot folder it was fetched into.
         label=record["label"] if record else path.name if Path(path_or_repo).expanduser().exists() else path_or_repo,
@@ -341,7 +344,7 @@ def _gguf_info(file: Path, label: str) -> ModelInfo:
         hidden_size=text["hidden_size"],
         vocab_size=text["vocab_size"],
         context_length=int(text.get("max_position_embeddings") or 4096),
-        fingerprint=record["fingerprint"] if record else _fingerprint(g.config, g.fingerprint),
+        fingerprint=record["fingerprint"] if record else model_fingerprint(g.config, g.fingerprint),
         weights=WeightBytes(tuple(layers), embed, norm, head),
         label=record["label"] if record else label,
     )
@@ -363,7 +366,8 @@ def _check_supported(config: dict, where: Path) -> dict:
     return text
 
 
-def _fingerprint(config: dict, weights: str) -> str:
+def model_fingerprint(config: dict, weights: str) -> str:
+    """The fingerprint plans name a model by: its config and its weights' digest."""
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     digest.update(weights.encode())
     return digest.hexdigest()[:16]
@@ -385,7 +389,7 @@ def load_tokenizer(info: ModelInfo, cache_dir: Path | None = None):
     return mlx_load_tokenizer(GgufFile.open(info.path).sidecar(cache_dir or default_cache_dir()), eos_token_ids=eos)
 
 
-def weights_digest(path: Path) -> str:
+def weights_digest(path: Path, read: "SampleReader | None" = None) -> str:
     """What identifies the weights, so that a fine-tune and its base model never share a ring.
 
     A Hugging Face snapshot is named by its commit, which fixes every file (and a
@@ -393,6 +397,8 @@ def weights_digest(path: Path) -> str:
     each weight file's name, size and header, and SAMPLES_PER_FILE slices of its
     data spread over the file: a fine-tune changes nearly every weight, and reading
     a few hundred KiB per file keeps this instant on a model of hundreds of GB.
+    ``read(name, start, end)`` gives the slices where the files are not whole (a model
+    fetched from peers, which checks itself against its fingerprint this way).
     """
     parts = path.resolve().parts
     if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
@@ -404,11 +410,39 @@ def weights_digest(path: Path) -> str:
         with open(file, "rb") as f:
             raw = _safetensors_header_bytes(f, file, size)
             h.update(raw)
-            data = 8 + len(raw)
-            for i in range(SAMPLES_PER_FILE):
-                f.seek(data + (size - data) * i // SAMPLES_PER_FILE)
-                h.update(f.read(SAMPLE_BYTES))
+            for a, b in sample_spans(size, 8 + len(raw)):
+                h.update(read(file.name, a, b) if read is not None else os.pread(f.fileno(), b - a, a))
     return "local:" + h.hexdigest()
+
+
+def identify(path: Path, read: SampleReader | None = None, digest: str | None = None) -> tuple[str, str]:
+    """(fingerprint, weights digest) of the checkpoint at ``path`` (a directory or a GGUF file),
+    read from its files as ``model_info`` reads them, slices from ``read`` where given, or with
+    ``digest`` as the weights' digest (a Hub snapshot's names its commit, not bytes). Blocking."""
+    if path.is_file():
+        from ringd.models.gguf import GgufFile
+
+        g = GgufFile.open(path)
+        digest = digest or g.digest(read)
+        return model_fingerprint(g.config, digest), digest
+    digest = digest or weights_digest(path, read)
+    return model_fingerprint(_read_config(path), digest), digest
+
+
+def digest_samples(path: Path) -> dict[str, list[tuple[int, int]]]:
+    """The slices of each weight file ``weights_digest`` reads (blocking: reads the headers)."""
+    out = {}
+    for file in sorted(path.glob("model*.safetensors")):
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            out[file.name] = sample_spans(size, 8 + len(_safetensors_header_bytes(f, file, size)))
+    return out
+
+
+def sample_spans(size: int, data: int, samples: int = SAMPLES_PER_FILE, sample_bytes: int = SAMPLE_BYTES) -> list[tuple[int, int]]:
+    """[start, end) of the slices a digest reads of a file of ``size`` bytes whose data starts at ``data``."""
+    starts = (data + (size - data) * i // samples for i in range(samples))
+    return [(a, min(a + sample_bytes, size)) for a in starts]
 
 
 def weight_bytes(path: Path, num_layers: int) -> WeightBytes:

@@ -48,7 +48,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ringd.models.checkpoint import ModelError
+from ringd.models.checkpoint import ModelError, sample_spans
 
 GGUF_MAGIC = b"GGUF"
 
@@ -199,15 +199,22 @@ class GgufFile:
     @functools.cached_property
     def fingerprint(self) -> str:
         """A digest of the header (metadata, tensor table) and of slices of the tensor data."""
+        return self.digest()
+
+    def digest_samples(self) -> list[tuple[int, int]]:
+        """[start, end) of the slices of tensor data the fingerprint reads."""
+        return sample_spans(self.path.stat().st_size, self.data_offset, DIGEST_SAMPLES, DIGEST_SAMPLE_BYTES)
+
+    def digest(self, read: Callable[[str, int, int], bytes] | None = None) -> str:
+        """The fingerprint, its slices from ``read(name, start, end)`` where the file is not whole
+        (a model fetched from peers checks itself against its fingerprint this way)."""
         h = hashlib.sha256(b"gguf:")
         size = self.path.stat().st_size
         h.update(f"{size}:".encode())
         with open(self.path, "rb") as f:
-            h.update(f.read(self.data_offset))
-            span = size - self.data_offset
-            for i in range(DIGEST_SAMPLES):
-                f.seek(self.data_offset + span * i // DIGEST_SAMPLES)
-                h.update(f.read(DIGEST_SAMPLE_BYTES))
+            h.update(os.pread(f.fileno(), self.data_offset, 0))
+            for a, b in self.digest_samples():
+                h.update(read(self.path.name, a, b) if read is not None else os.pread(f.fileno(), b - a, a))
         return "gguf:" + h.hexdigest()
 
     def part_bytes(self) -> tuple[list[int], int, int, int]:

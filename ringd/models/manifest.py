@@ -31,7 +31,7 @@ from typing import Iterable
 
 from blake3 import blake3
 
-from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, ModelError, stage_keeps
+from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, ModelError, identify, stage_keeps
 
 # A piece is what a fetcher checks, writes and records at once, and what a fetch stopped
 # by kill -9 may have to fetch again per file: a tensor, or MAX_PIECE_BYTES of a longer one
@@ -46,7 +46,9 @@ MAX_FILE_BYTES = 2**44  # 16 TiB
 MAX_PIECES = 2_000_000  # all files together: a model of tens of thousands of tensors, split
 MAX_NAME_CHARS = 255
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: the weights' digest
+# A weights digest: "local:" or "gguf:" and a SHA-256, or "hub:" and a repo's cache folder and commit.
+MAX_DIGEST_CHARS = 512
 # Each piece's hash: BLAKE3, 32 bytes in hex. A fetcher hashes every byte it receives; BLAKE3
 # does it several times as fast as SHA-256, so on a fast link checking costs little throughput.
 HASH = "blake3"
@@ -92,6 +94,9 @@ class Manifest:
     # Bytes of weights files every stage takes besides their heads: a GGUF's rope_freqs,
     # which its config is read from. (file, start, end)
     always: tuple[tuple[str, int, int], ...] = ()
+    # What the fingerprint was made of besides the config (checkpoint.identify): a fetcher
+    # makes it again from what it fetched and the same slices of the holder's files.
+    digest: str = ""
 
     def file(self, name: str) -> FileEntry:
         for f in self.files:
@@ -106,7 +111,7 @@ class Manifest:
     def to_wire(self) -> dict:
         return {
             "version": MANIFEST_VERSION, "hash": HASH, "fingerprint": self.fingerprint, "label": self.label, "gguf": self.gguf,
-            "always": [list(a) for a in self.always],
+            "digest": self.digest, "always": [list(a) for a in self.always],
             "files": [
                 {"name": f.name, "size": f.size, "head": f.head, "weights": f.weights, "bounds": list(f.bounds), "hashes": list(f.hashes)}
                 for f in self.files
@@ -116,7 +121,7 @@ class Manifest:
     @classmethod
     def from_wire(cls, d: object) -> "Manifest":
         """A manifest from a holder, every field checked; ManifestError names what is wrong."""
-        keys = {"version", "hash", "fingerprint", "label", "gguf", "always", "files"}
+        keys = {"version", "hash", "fingerprint", "label", "gguf", "digest", "always", "files"}
         if not isinstance(d, dict) or set(d) != keys:
             raise ManifestError(f"a manifest must have exactly the keys {sorted(keys)}")
         if d["version"] != MANIFEST_VERSION or d["hash"] != HASH:
@@ -126,6 +131,9 @@ class Manifest:
             raise ManifestError("a manifest's fingerprint and label must be short strings")
         if not isinstance(gguf, bool):
             raise ManifestError("a manifest's gguf must be true or false")
+        digest = d["digest"]
+        if not isinstance(digest, str) or not 0 < len(digest) <= MAX_DIGEST_CHARS:
+            raise ManifestError(f"a manifest's digest must be a string of 1 to {MAX_DIGEST_CHARS} characters")
         files = d["files"]
         if not isinstance(files, list) or not 0 < len(files) <= MAX_FILES:
             raise ManifestError(f"a manifest lists 1 to {MAX_FILES} files")
@@ -147,7 +155,7 @@ class Manifest:
             if not 0 <= a[1] <= a[2] <= entries[names.index(a[0])].size:
                 raise ManifestError(f"a manifest's always range {a!r:.80} is not inside its file")
             ranges.append((a[0], a[1], a[2]))
-        return cls(fingerprint, label, gguf, entries, tuple(ranges))
+        return cls(fingerprint, label, gguf, entries, tuple(ranges), digest)
 
 
 def _file_from_wire(f: object) -> FileEntry:
@@ -230,7 +238,11 @@ def cut(size: int, starts: Iterable[int], max_piece: int = MAX_PIECE_BYTES) -> t
 
 
 def build(path: Path, fingerprint: str, label: str, max_piece: int = MAX_PIECE_BYTES) -> Manifest:
-    """Read and hash every file of the checkpoint at ``path`` (blocking: off the event loop)."""
+    """Read and hash every file of the checkpoint at ``path`` (blocking: off the event loop).
+    The files must still be the model this node loaded, by its fingerprint."""
+    now, digest = identify(path)
+    if now != fingerprint:
+        raise ManifestError(f"{path}: its files are not the model this node loaded (fingerprint {fingerprint}, the files' now {now}): restart the node to serve them")
     gguf = path.is_file()
     base = path.parent if gguf else path
     entries = []
@@ -250,7 +262,7 @@ def build(path: Path, fingerprint: str, label: str, max_piece: int = MAX_PIECE_B
         t = g.tensors.get("rope_freqs.weight")
         if t is not None:
             always = ((path.name, t.offset, t.offset + t.nbytes),)
-    return Manifest(fingerprint, label, gguf, tuple(entries), always)
+    return Manifest(fingerprint, label, gguf, tuple(entries), always, digest)
 
 
 def cached(path: Path, fingerprint: str, label: str, cache_dir: Path) -> Manifest:

@@ -11,7 +11,10 @@ The files are laid out as the holder's, at the same offsets, sparse: what the no
 has not fetched is a hole that takes no disk. So the directory is an mlx-lm
 checkpoint (or GGUF file) the stage loads as it loads any other, reading only its
 own tensors, and the next plan's layers are added to it. ``ringd-peer.json`` says
-whose model it is (its fingerprint: holes cannot be fingerprinted).
+whose model it is (its fingerprint, which cannot be read from files with holes). Once the
+config and headers are in, the fingerprint is made again, as the holder made it, from them
+and the slices of the weights its digest reads (asked of a holder where this node has no
+piece there): a manifest that is not the model it names is refused before a byte of it loads.
 
 Every piece (a tensor, or part of a long one: models/manifest.py) is checked against
 the manifest's BLAKE3 before it is written; a piece that does not match
@@ -38,7 +41,7 @@ import aiohttp
 from blake3 import blake3
 
 from ringd.http.auth import FILES_BODY_SIGNATURE_HEADER, FILES_NONCE_HEADER, AuthError, check_files_body, sign_files
-from ringd.models.checkpoint import PEER_RECORD, ModelError, read_record, stage_keeps
+from ringd.models.checkpoint import PEER_RECORD, ModelError, digest_samples, identify, read_record, stage_keeps
 from ringd.models.manifest import FILES_PREFIX, MAX_MANIFEST_BYTES, Manifest, ManifestError, merge_ranges, pieces_of, safetensors_ranges, safetensors_stage_ranges
 from ringd.models.progress import FETCH, LoadProgress
 
@@ -122,8 +125,9 @@ class _Run:
 class PeerModel:
     """A model fetched from peers into ``root``: its manifest, its sparse files and their journals."""
 
-    def __init__(self, root: Path, manifest: Manifest, secret: bytes, node: str, metrics=None):
+    def __init__(self, root: Path, manifest: Manifest, secret: bytes, node: str, metrics=None, checked: bool = False):
         self.root = root
+        self.checked = checked  # found to be the model its fingerprint names (check_fingerprint)
         self.manifest = manifest
         self.secret = secret
         self.node = node
@@ -142,17 +146,18 @@ class PeerModel:
         return self.manifest.fingerprint
 
     @classmethod
-    def open(cls, root: Path, secret: bytes, node: str, metrics=None) -> "PeerModel | None":
-        """The model fetched into ``root`` before, or None if there is none (or its record is bad)."""
+    def open(cls, root: Path, secret: bytes, node: str, metrics=None, only_checked: bool = True) -> "PeerModel | None":
+        """The model fetched into ``root`` before, or None if there is none (or its record is bad,
+        or, with ``only_checked``, it was never found to be the model its fingerprint names)."""
         record = read_record(root)
-        if record is None:
+        if record is None or only_checked and record.get("checked") is not True:
             return None
         try:
             manifest = Manifest.from_wire(record.get("manifest"))
         except ManifestError as e:
             log.warning("%s: the record of a fetched model does not parse (%s); fetching it again", root, e)
             return None
-        return cls(root, manifest, secret, node, metrics)
+        return cls(root, manifest, secret, node, metrics, checked=record.get("checked") is True)
 
     @classmethod
     async def bootstrap(cls, models_dir: Path, holders: list[Holder], secret: bytes, node: str, metrics=None, fingerprint: str | None = None) -> "PeerModel":
@@ -168,6 +173,8 @@ class PeerModel:
         for name, a, b in manifest.always:
             ranges.setdefault(name, []).append((a, b))
         await model.fetch({k: merge_ranges(v) for k, v in ranges.items()}, holders, LoadProgress(0, 0))
+        if not model.checked:  # once per model: the slices it asks for are not its share
+            await model.check_fingerprint(holders)
         return model
 
     @classmethod
@@ -175,20 +182,91 @@ class PeerModel:
         """The directory for ``manifest``: as it was, if it was fetched by the same manifest; else
         its record written anew and its journals emptied (nothing recorded holds for other bytes).
         Every file at its size, holes until fetched (blocking: off the event loop)."""
-        existing = cls.open(root, secret, node, metrics)
+        existing = cls.open(root, secret, node, metrics, only_checked=False)
         if existing is not None and existing.manifest == manifest:
             model = existing
         else:
             (root / JOURNALS).mkdir(parents=True, exist_ok=True)
             for j in (root / JOURNALS).iterdir():
                 j.unlink()
-            tmp = root / f".{PEER_RECORD}.tmp"
-            tmp.write_text(json.dumps({"fingerprint": manifest.fingerprint, "label": manifest.label, "manifest": manifest.to_wire()}))
-            os.replace(tmp, root / PEER_RECORD)
             model = cls(root, manifest, secret, node, metrics)
+            model._record(checked=False)
         for f in manifest.files:
             os.close(_open_sparse(root / f.name, f.size))
         return model
+
+    def _record(self, checked: bool) -> None:
+        """Write ``ringd-peer.json``: whose model this is, its manifest, and whether it was found
+        to be the model its fingerprint names (a restart with no holder takes only such a one)."""
+        m = self.manifest
+        tmp = self.root / f".{PEER_RECORD}.tmp"
+        tmp.write_text(json.dumps({"fingerprint": m.fingerprint, "label": m.label, "checked": checked, "manifest": m.to_wire()}))
+        os.replace(tmp, self.root / PEER_RECORD)
+
+    # --- is it the model it says -------------------------------------------------------------
+
+    async def check_fingerprint(self, holders: list[Holder]) -> None:
+        """Make the model's fingerprint again, as its holder made it when it loaded the model: from
+        the config and weights headers fetched (every piece checked against the manifest) and the
+        slices of every weights file the digest reads, here where this node fetched them, asked
+        of a holder where it did not (of each in turn, until one's make the fingerprint: a slice
+        is checked by what it makes, not by a piece's hash). A manifest whose files are not the
+        model it names stops here (FetchError): its record goes, so nothing of it is loaded or
+        taken at a restart."""
+        m = self.manifest
+        if m.digest.startswith("hub:"):  # a Hub snapshot's digest names its commit: the config is what is made again
+            now, digest = await asyncio.to_thread(identify, self.path, None, m.digest)
+            made = [f"its config makes {now}"] if (now, digest) != (m.fingerprint, m.digest) else []
+        else:
+            spans = await asyncio.to_thread(self._digest_spans)
+            needed = [(name, a, b) for name, ss in spans.items() for a, b in ss if a < b and self.missing({name: [(a, b)]}).get(name)]
+            made = []
+            for holder in [h for h in holders if h.node not in self.refused] if needed else [None]:
+                try:
+                    slices = {k: await self._fetch_slice(holder, *k) for k in needed}
+                except (_HolderFailed, ValueError, OSError, TimeoutError) as e:
+                    made.append(f"{holder.node}: {e}")
+                    continue
+                now, digest = await asyncio.to_thread(identify, self.path, lambda name, a, b: slices.get((name, a, b)) or _pread(self.root / name, a, b))
+                if (now, digest) == (m.fingerprint, m.digest):
+                    made = []
+                    break
+                made.append(f"{holder.node if holder else 'this node'}: its files make {now}")
+            else:
+                made = made or ["no holder to ask for the slices"]
+        if made:
+            (self.root / PEER_RECORD).unlink(missing_ok=True)
+            raise FetchError(f"the files served as model {m.fingerprint} are not that model ({'; '.join(made)}); nothing of it is loaded")
+        await asyncio.to_thread(self._record, True)
+        self.checked = True
+
+    def _digest_spans(self) -> dict[str, list[tuple[int, int]]]:
+        if self.manifest.gguf:
+            from ringd.models.gguf import GgufFile
+
+            return {self.path.name: GgufFile.open(self.path).digest_samples()}
+        return digest_samples(self.root)
+
+    async def _fetch_slice(self, holder: Holder, name: str, a: int, b: int) -> bytes:
+        """Bytes [a, b) of a file from ``holder`` (waiting its turn while it serves others)."""
+        path = f"{FILES_PREFIX}/{self.fingerprint}/data/{name}"
+        deadline = time.monotonic() + READ_TIMEOUT_S
+        while True:
+            headers = {**sign_files(self.secret, "GET", path, self.node, holder.node, time.time()), "Range": f"bytes={a}-{b - 1}"}
+            async with _RangeReader(holder, path, headers) as r:
+                if r.status == 503 and time.monotonic() < deadline:  # serving others: its turn comes
+                    await asyncio.sleep(min(max(float(r.headers.get("retry-after", HOLDER_RETRY_S)), 0.1), HOLDER_RETRY_S))
+                    continue
+                if r.status != 206 or r.length != b - a:
+                    raise _HolderFailed(f"HTTP {r.status} for {name} bytes {a}-{b - 1}")
+                buf = memoryview(bytearray(b - a))
+                got = 0
+                while got < b - a:
+                    n = await r.read_into(buf[got:])
+                    if not n:
+                        raise _HolderFailed(f"the stream of {name} ended after {got} of {b - a} bytes")
+                    got += n
+                return bytes(buf)
 
     # --- what a stage needs ------------------------------------------------------------------
 
@@ -561,6 +639,11 @@ def _check_and_write(fd: int, journal: Journal, index: int, offset: int, piece: 
     os.pwrite(fd, piece, offset)
     journal.add(index)
     return True
+
+
+def _pread(path: Path, a: int, b: int) -> bytes:
+    with open(path, "rb") as f:
+        return os.pread(f.fileno(), b - a, a)
 
 
 def _consecutive(pieces: list[int]) -> list[list[int]]:

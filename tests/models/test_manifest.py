@@ -35,7 +35,7 @@ def manifests(draw):
         head = draw(st.integers(0, size)) if weights else size
         bounds = m.cut(size, draw(st.lists(st.integers(0, size), max_size=6)), PIECE)
         files.append(m.FileEntry(name, size, head, bounds, tuple(draw(st.lists(hashes, min_size=len(bounds) - 1, max_size=len(bounds) - 1))), weights))
-    return m.Manifest("fp0123", "tiny", False, tuple(files))
+    return m.Manifest("fp0123", "tiny", False, tuple(files), digest="local:0123")
 
 
 @given(manifests())
@@ -77,7 +77,7 @@ def test_any_other_document_is_a_manifest_error_and_no_name_leaves_the_directory
     ["../etc/passwd", "/etc/passwd", "a/../../b", "a\\b", "", ".", "a//b", "x" * 300, "a/./b"],
 )
 def test_names_outside_the_model_are_refused(name):
-    doc = m.Manifest("fp", "t", False, (m.FileEntry("config.json", 1, 1, (0, 1), ("0" * 64,), False),)).to_wire()
+    doc = m.Manifest("fp", "t", False, (m.FileEntry("config.json", 1, 1, (0, 1), ("0" * 64,), False),), digest="local:0").to_wire()
     doc["files"][0]["name"] = name
     with pytest.raises(m.ManifestError):
         m.Manifest.from_wire(doc)
@@ -140,3 +140,24 @@ def test_a_manifest_is_kept_while_the_files_are_unchanged(tiny_model, tmp_path):
     assert m.cached(path, info.fingerprint, "tiny", tmp_path).label == "kept"
     os.utime(path / "config.json", ns=(0, 0))  # a file that changed: built again
     assert m.cached(path, info.fingerprint, "tiny", tmp_path).label == "tiny"
+
+
+def test_a_holder_whose_files_changed_since_it_loaded_them_builds_no_manifest(tiny_model, tmp_path):
+    """Its peers would fetch bytes the ring does not compute with: it says to restart instead."""
+    import shutil
+
+    from ringd.models.checkpoint import digest_samples, model_info
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model(arch="llama"), path)
+    fingerprint = model_info(str(path)).fingerprint
+    assert m.build(path, fingerprint, "t").digest.startswith("local:")
+    [(name, spans)] = digest_samples(path).items()
+    with open(path / name, "r+b") as f:  # a byte where the fingerprint reads
+        f.seek(spans[1][0])
+        byte = f.read(1)
+        f.seek(spans[1][0])
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(m.ManifestError, match="restart the node"):
+        m.build(path, fingerprint, "t")
+

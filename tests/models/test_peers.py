@@ -54,10 +54,12 @@ class HolderNode:
 
 
 @contextlib.asynccontextmanager
-async def holder(name: str, path: Path, cache: Path):
-    """ringd's file routes for the model at ``path``, on a loopback port: (Holder, its node)."""
+async def holder(name: str, path: Path, cache: Path, fingerprint: str | None = None):
+    """ringd's file routes for the model at ``path`` (served as ``fingerprint``, if given), on a
+    loopback port: (Holder, its node)."""
     info = model_info(str(path))
-    node = HolderNode(name, SECRET, Metrics(name), Holding(info.path, info.fingerprint, info.name, cache))
+    fingerprint = fingerprint or info.fingerprint
+    node = HolderNode(name, SECRET, Metrics(name), Holding(info.path, fingerprint, info.name, cache))
     app = web.Application(middlewares=[_errors])
     app.add_routes(FileServer(node).routes())
     runner = web.AppRunner(app, access_log=None)
@@ -66,7 +68,7 @@ async def holder(name: str, path: Path, cache: Path):
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     try:
-        yield Holder(name, f"127.0.0.1:{port}", info.fingerprint), node
+        yield Holder(name, f"127.0.0.1:{port}", fingerprint), node
     finally:
         await runner.cleanup()
 
@@ -155,6 +157,48 @@ def test_a_holder_that_serves_a_bad_byte_is_refused_named_and_another_asked(smol
         for x, y in need[smollm2_gguf.name]:
             a.seek(x), b.seek(x)
             assert a.read(y - x) == b.read(y - x)
+
+
+def test_files_that_are_not_the_model_their_fingerprint_names_are_refused_before_anything_loads(smollm2_dir, tmp_path, monkeypatch):
+    """A member serving other weights as a model (a fine-tune as its base, say): its manifest is
+    true to its bytes, its fingerprint is not. ringd's own holder will not (manifest.build checks
+    its files against the fingerprint it loaded), so this one's build is told they match."""
+    from ringd.models import manifest as manifests
+    from ringd.models.checkpoint import digest_samples, identify, read_record
+
+    other = tmp_path / "other"
+    shutil.copytree(smollm2_dir, other)
+    for name, spans in digest_samples(other).items():  # a byte of weights where the digest reads
+        _flip_every_piece(other / name, (), [spans[len(spans) // 2]])
+    claimed = identify(smollm2_dir)
+    assert identify(other) != claimed
+    monkeypatch.setattr(manifests, "identify", lambda path, read=None, digest=None: claimed)
+
+    async def main():
+        async with holder("liar", other, tmp_path / "cache", fingerprint=claimed[0]) as (h, _):
+            with pytest.raises(FetchError, match="liar: its files make") as e:
+                await PeerModel.bootstrap(tmp_path / "models", [h], SECRET, "node1", fingerprint=claimed[0])
+            return str(e.value)
+
+    message = uvloop.run(main())
+    assert claimed[0] in message and "nothing of it is loaded" in message
+    [root] = (tmp_path / "models").iterdir()
+    assert read_record(root) is None and PeerModel.open(root, SECRET, "node1") is None  # nor taken at a restart
+
+
+def test_a_hub_snapshot_is_checked_by_its_commit_and_config(tiny_model, tmp_path):
+    """A holder that fetched the model from the Hub fingerprinted it by the snapshot's commit, not
+    by bytes: a fetcher makes that fingerprint again from the config it fetched."""
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_model(arch="llama"), snapshot)
+
+    async def main():
+        async with holder("node0", snapshot, tmp_path / "cache") as (h, _):
+            return await PeerModel.bootstrap(tmp_path / "models", [h], SECRET, "node1")
+
+    fetched = uvloop.run(main())
+    assert fetched.manifest.digest == "hub:models--org--tiny@0123abcd" and fetched.checked
+    assert PeerModel.open(fetched.root, SECRET, "node1") is not None
 
 
 def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
@@ -287,8 +331,11 @@ def test_kill_9_halfway_and_the_restart_fetches_only_what_is_missing(smollm2_ggu
     piece = max(b - a for f in fetched.manifest.files for a, b in zip(f.bounds, f.bounds[1:]))
     total = throttle.bytes
     assert halfway < share < total, (halfway, share, total)
-    # The share, and one piece per file again at most (the one under way when it was killed); HTTP's own bytes besides.
-    assert total <= share + piece * len(fetched.manifest.files) + 200_000, (total, share, piece)
+    # The share, and one piece per file again at most (the one under way when it was killed);
+    # the slices the fingerprint's check reads, asked once; HTTP's own bytes besides.
+    slices = sum(b - a for spans in fetched._digest_spans().values() for a, b in spans)
+    assert fetched.checked and slices <= 300_000
+    assert total <= share + piece * len(fetched.manifest.files) + slices + 200_000, (total, share, piece)
     assert fetched.missing(fetched.stage_ranges(*MIDDLE, LAYERS)) == {smollm2_gguf.name: []}
 
 
