@@ -260,12 +260,7 @@ class PeerModel:
                 if r.status != 206 or r.length != b - a:
                     raise _HolderFailed(f"HTTP {r.status} for {name} bytes {a}-{b - 1}")
                 buf = memoryview(bytearray(b - a))
-                got = 0
-                while got < b - a:
-                    n = await r.read_into(buf[got:])
-                    if not n:
-                        raise _HolderFailed(f"the stream of {name} ended after {got} of {b - a} bytes")
-                    got += n
+                await r.fill(buf, f"{name} bytes {a}-{b - 1}")
                 return bytes(buf)
 
     # --- what a stage needs ------------------------------------------------------------------
@@ -544,12 +539,7 @@ class _Fetch:
         m, f = self.m, self.m.manifest.file(file)
         a, b = f.span(index)
         buf = into[: b - a]
-        got = 0
-        while got < b - a:
-            n = await r.read_into(buf[got:])
-            if not n:
-                raise _HolderFailed(f"{file}: the stream ended in piece {index}")
-            got += n
+        await r.fill(buf, f"piece {index} of {file}")
         ok = await asyncio.to_thread(_check_and_write, self.fds[file], m.journals[file], index, a, buf, f.hashes[index])
         if m.metrics is not None:
             m.metrics.files_fetched(ok, b - a)
@@ -613,6 +603,15 @@ class _RangeReader:
 
     async def __aexit__(self, *exc) -> None:
         self.sock.close()
+
+    async def fill(self, buf: memoryview, what: str) -> None:
+        """Body bytes into all of ``buf``; _HolderFailed naming ``what`` if the body ends first."""
+        got = 0
+        while got < len(buf):
+            n = await self.read_into(buf[got:])
+            if not n:
+                raise _HolderFailed(f"the stream ended in {what}, after {got} of {len(buf)} bytes")
+            got += n
 
     async def read_into(self, buf: memoryview) -> int:
         """Body bytes into ``buf`` (as many as came, at most its size); 0 at the end."""
