@@ -28,7 +28,7 @@ from typing import Any, Callable
 import yaml
 
 from ringd.cluster.links import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S
-from ringd.leader.admission import MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S
+from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S
 from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, MAX_NUM_DRAFT
 from ringd.logs import LOG_FORMATS
@@ -264,7 +264,7 @@ KEYS: list[Key] = [
     Key("prefix_cache_entries", _non_negative_int, DEFAULT_PREFIX_CACHE_ENTRIES, "finished requests whose KV caches stay for prefix reuse (0: off)", int),
     Key("max_queued_requests", _non_negative_int, MAX_QUEUED_REQUESTS, "requests that may wait for KV room before 429s", int),
     Key("queue_timeout_s", _positive_float, QUEUE_TIMEOUT_S, "longest wait for KV room before a 429", float),
-    Key("failover_wait_s", _positive_float, 60.0, "how long a request waits for a ring being re-planned, or a follower for a new leader to carry a proxied request over, before it gives up", float),
+    Key("failover_wait_s", _positive_float, FAILOVER_WAIT_S, "how long a request waits for a ring being re-planned, or a follower for a new leader to carry a proxied request over, before it gives up", float),
     Key("heartbeat_interval_s", _positive_float, HEARTBEAT_INTERVAL_S, "seconds between heartbeats on each link", float),
     Key("dead_after_s", _positive_float, DEAD_AFTER_S, "seconds of silence after which a peer is dead", float),
     Key("log_level", _log_level, "info", "debug, info, warning or error"),

@@ -101,6 +101,7 @@ class Coordinator:
             prefix_cache_entries=cfg.prefix_cache_entries, max_queued=cfg.max_queued_requests,
             queue_timeout_s=cfg.queue_timeout_s, metrics=metrics, micro_batches=cfg.micro_batches, max_batch_rows=cfg.max_batch_rows,
             interleaved_chunk_tokens=cfg.interleaved_chunk_tokens, drafter=drafter, num_draft=cfg.num_draft_tokens,
+            failover_wait_s=cfg.failover_wait_s,
         )  # fmt: skip
         self._closed = False
         self._task = supervisor.forever("reconcile", self._loop, restart_on_return=False)

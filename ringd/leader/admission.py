@@ -21,6 +21,10 @@ MAX_QUEUED_REQUESTS = 32
 # Longest a request waits for KV room before a 429; generating a long answer
 # takes about this long, so waiting longer rarely pays off.
 QUEUE_TIMEOUT_S = 60.0
+# Longest a request that arrives while a lost ring is being re-planned waits for the
+# next: re-planning over the survivors takes a few heartbeats (links.py), a stage
+# that loads new layers from disk tens of seconds.
+FAILOVER_WAIT_S = 60.0
 
 # mlx-lm's KVCache grows its buffers this many positions at a time
 # (KVCache.step), so a request of n tokens holds ceil(n / 256) * 256 of them.

@@ -53,7 +53,7 @@ from mlx_lm.generate import TextStateMachine
 
 from ringd import steps
 from ringd.cluster.placement import Plan
-from ringd.leader.admission import MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S, AdmissionError, KvLedger
+from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S, AdmissionError, KvLedger
 from ringd.leader.draft import Drafter
 from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES, MIN_REUSE_TOKENS, PrefixIndex
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, Deliver, Draft, Fail, Release, Scheduler, Send
@@ -190,6 +190,7 @@ class Engine:
         interleaved_chunk_tokens: int = DEFAULT_INTERLEAVED_CHUNK,
         drafter: Drafter | None = None,
         num_draft: int = DEFAULT_NUM_DRAFT,
+        failover_wait_s: float = FAILOVER_WAIT_S,
     ):
         self.node = node
         self.metrics = metrics if metrics is not None else Metrics(node)
@@ -198,6 +199,7 @@ class Engine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.max_active = max_active
         self.step_timeout_s = step_timeout_s
+        self.failover_wait_s = failover_wait_s
         self.plan: Plan | None = None
         self.eos_ids = set(tokenizer.eos_token_ids)
         self._flights: dict[int, _Flight] = {}  # every request until its booking is settled
@@ -282,6 +284,21 @@ class Engine:
             if entry in self._waiting:
                 self._waiting.remove(entry)
 
+    async def _admit_on_ring(self, rid: int, need: int, request_id: str | None) -> None:
+        """Book ``need`` positions on the ring that serves. A request that arrives while a lost
+        ring is being re-planned (or whose booking went with it while it waited for room) waits
+        up to ``failover_wait_s`` for the next, as the requests the lost ring held do."""
+        while True:
+            if self.plan is None and not await self.ring_back(self.failover_wait_s):
+                raise EngineError("the ring is not ready", 503)
+            await self._admit(rid, need, request_id)
+            if self.plan is not None:
+                return
+            # The ring broke as room was found: the booking is void on the next ring's ledger.
+            if self.ledger is not None:
+                self.ledger.release(rid)
+                self._wake()
+
     def _make_room(self, need: int) -> bool:
         """Evict cached prefixes, oldest first, until ``need`` positions fit; False if they cannot."""
         ledger = self.ledger
@@ -317,11 +334,6 @@ class Engine:
             fut.set_result(None)
             self._waiting.popleft()
 
-    def _first_stage(self) -> str:
-        if self.plan is None:
-            raise EngineError("the ring is not ready", 503)
-        return self.plan.stages[0].node
-
     async def generate(
         self,
         prompt: list[int],
@@ -347,14 +359,9 @@ class Engine:
             raise EngineError("the prompt is empty", 400)
         if self.active >= self.max_active:
             raise EngineError(f"{self.max_active} requests are already generating; retry shortly", 429, RETRY_AFTER_S)
-        self._first_stage()  # 503 now if there is no ring
         rid = next(self._ids)
-        await self._admit(rid, len(prompt) + max_tokens, request_id)
+        await self._admit_on_ring(rid, len(prompt) + max_tokens, request_id)
         self.metrics.queue_wait.observe(time.monotonic() - arrived)
-        if self.plan is None:  # the ring broke while we waited
-            if self.ledger is not None:
-                self.ledger.release(rid)
-            raise EngineError("the ring is not ready", 503)
         flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue(), generated=list(resume), request_id=request_id)
         if self._prefix_term == self.plan.term:
             flight.reuse = self.prefix.take(flight.prompt)

@@ -266,6 +266,45 @@ def test_a_request_arriving_while_a_lost_ring_is_replanned_waits_for_the_next(ti
     assert asyncio.run(main()) == (False, True, False, False, False)
 
 
+def test_a_request_that_arrives_while_the_ring_is_re_planned_waits_for_the_next(tiny_model):
+    """A request that reaches the engine after a stage was lost and before the next ring is
+    planned (its HTTP handler saw the ring up, then tokenized its prompt off the loop) waits for
+    that ring and gets the tokens it gets with no break; once no ring can serve, one fails at once."""
+    path = tiny_model(arch="llama", layers=2, dtype="float32")
+    tokenizer = load_tokenizer(model_info(str(path)))
+    prompt = tokenizer.encode("hello there", add_special_tokens=False)
+
+    async def main():
+        ring = StageRing(path, [1], tokenizer)
+        engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0))
+
+        async def run():
+            return [e.token async for e in engine.generate(prompt, SamplingParams(temperature=0), 6)]
+
+        try:
+            alone = await asyncio.wait_for(run(), 120)
+            engine.suspend_all("node1 left")
+            waiting = asyncio.ensure_future(run())
+            for _ in range(10):
+                await asyncio.sleep(0)
+            held = not waiting.done()
+            engine.set_plan(ring.plan)
+            served = await asyncio.wait_for(waiting, 120)
+            engine.fail_all("no ring can serve")
+            try:
+                await asyncio.wait_for(run(), 10)
+                refused = None
+            except EngineError as e:
+                refused = e
+            return alone, held, served, refused
+        finally:
+            await ring.stop()
+
+    alone, held, served, refused = asyncio.run(main())
+    assert held and served == alone and len(alone) >= 1
+    assert isinstance(refused, EngineError) and refused.status == 503, refused
+
+
 def test_a_micro_batch_lost_on_a_live_ring_fails_its_request_and_frees_its_slot(tiny_model):
     """A stage that swallows a FORWARD (a bug, a frame lost without the link breaking): the
     watchdog fails that micro-batch's request with a 503 once the step timeout has passed, and
