@@ -1,0 +1,96 @@
+"""ringd.stage.compute: the node's one MLX thread.
+
+Jobs run in the order they were queued, on one thread that is not the event
+loop's; an awaited job gives its result or raises its exception; a job nobody
+awaits that raises is logged and the thread goes on; stopping drops what is
+queued (its awaiters are cancelled) and lets the job under way finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+from ringd.stage.compute import ComputeThread
+
+
+def test_jobs_run_in_order_on_one_thread_and_give_their_results():
+    async def main():
+        compute = ComputeThread()
+        seen = []
+        try:
+            for i in range(50):
+                compute.submit(lambda i=i: seen.append((i, threading.get_ident())))
+            last = await compute.run(lambda: seen.append((50, threading.get_ident())) or "done")
+            return last, seen, threading.get_ident()
+        finally:
+            await compute.stop()
+
+    last, seen, loop_thread = asyncio.run(main())
+    assert last == "done"
+    assert [i for i, _ in seen] == list(range(51))
+    threads = {t for _, t in seen}
+    assert len(threads) == 1 and loop_thread not in threads
+
+
+def test_an_awaited_job_raises_its_error_and_one_nobody_awaits_is_logged(caplog):
+    def boom():
+        raise ValueError("no such layer")
+
+    async def main():
+        compute = ComputeThread()
+        try:
+            with pytest.raises(ValueError, match="no such layer"):
+                await compute.run(boom)
+            compute.submit(boom)
+            return await compute.run(lambda: "still up")
+        finally:
+            await compute.stop()
+
+    with caplog.at_level(logging.ERROR, logger="ringd.stage.compute"):
+        assert asyncio.run(main()) == "still up"
+    assert any("boom" in r.getMessage() and r.exc_info for r in caplog.records), caplog.text
+
+
+def test_stopping_drops_what_is_queued_and_lets_the_job_under_way_finish():
+    async def main():
+        compute = ComputeThread()
+        started, release = threading.Event(), threading.Event()
+        ran = []
+
+        def slow():
+            started.set()
+            release.wait(30)
+            ran.append("slow")
+            return "finished"
+
+        under_way = asyncio.ensure_future(compute.run(slow))
+        await asyncio.to_thread(started.wait, 30)
+        queued = asyncio.ensure_future(compute.run(lambda: ran.append("queued")))
+        compute.submit(lambda: ran.append("submitted"))
+        await asyncio.sleep(0)  # both are in the queue, behind the slow job
+        stopping = asyncio.ensure_future(compute.stop())
+        await asyncio.sleep(0)
+        release.set()
+        await asyncio.wait_for(stopping, 30)
+        with pytest.raises(RuntimeError, match="stopping"):
+            await compute.run(lambda: None)
+        return await under_way, queued, ran
+
+    result, queued, ran = asyncio.run(main())
+    assert result == "finished" and ran == ["slow"]
+    assert queued.cancelled()
+
+
+def test_stop_gives_up_on_a_job_that_does_not_end():
+    async def main():
+        compute = ComputeThread()
+        hung = threading.Event()
+        compute.submit(lambda: hung.wait(30))
+        await asyncio.wait_for(compute.stop(timeout_s=0.2), 10)  # returns, with a warning
+        hung.set()
+
+    asyncio.run(main())
