@@ -40,10 +40,29 @@ STOP_GRACE_S = 5.0
 PROGRESS_POLL_S = 1.0
 
 
+# Ports for listeners that start a moment later (the local ring's nodes) come from
+# below every OS's ephemeral range (Linux 32768-60999, macOS 49152-65535): a port the
+# kernel picks for a bind to port 0 goes back to that pool when the check closes, and
+# an outbound connection (a node dialing a peer) can take it before the node binds it,
+# which then fails with "port in use".
+LISTEN_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()  # never handed out twice by this process
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port on ``host`` that nothing listens on or is connected from, for a listener to bind."""
+    for _ in range(len(LISTEN_PORTS)):
+        port = LISTEN_PORTS[secrets.randbelow(len(LISTEN_PORTS))]
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise OSError(f"no free port on {host} in {LISTEN_PORTS.start}-{LISTEN_PORTS.stop - 1}")
 
 
 def _health(url: str) -> tuple[int, dict]:

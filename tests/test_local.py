@@ -143,3 +143,26 @@ def test_local_shows_the_download_of_a_hub_model_while_the_ring_gets_ready(tiny_
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(30)
+
+
+def test_ports_for_the_nodes_are_free_outside_the_ephemeral_range_and_never_handed_out_twice():
+    """A port the kernel hands to an outbound connection (a node dialing a peer) between the
+    check and the node's bind would fail the node with "port in use": the local ring's ports
+    come from below every OS's ephemeral range, each once, and one that is taken is passed over."""
+    import socket
+
+    from ringd.local import LISTEN_PORTS, free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_start = int(f.read().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(p in LISTEN_PORTS and p < ephemeral_start for p in ports)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", ports[0] + 1 if ports[0] + 1 in LISTEN_PORTS else ports[0] - 1))
+        taken.listen()
+        held = taken.getsockname()[1]
+        assert held not in [free_port() for _ in range(200)]
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # still free: nothing was left holding it
