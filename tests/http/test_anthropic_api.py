@@ -408,14 +408,19 @@ def test_a_streamed_call_assembles_to_the_same_input(client):
 
 def test_a_tool_result_gets_an_answer(client):
     m = create(client, ASK, tools=[WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True})
-    use = next(b for b in m.content if b.type == "tool_use")
+    assert any(b.type == "tool_use" for b in m.content)
+    # The call's id is in the prompt (the generic format names each result's call), and a new
+    # one is made at random each run: one fixed id keeps the answer the same run after run.
+    called = [{**b.model_dump(exclude_none=True), "id": "toolu_weather"} if b.type == "tool_use" else b.model_dump(exclude_none=True) for b in m.content]
     history = [
         {"role": "user", "content": ASK},
-        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C and sunny"}]},
+        {"role": "assistant", "content": called},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_weather", "content": "18 C and sunny"}]},
     ]
     answer = create(client, history, tools=[WEATHER], tool_choice={"type": "none"})
-    assert text_of(answer) and answer.stop_reason == "end_turn" and not [b for b in answer.content if b.type == "tool_use"]
+    # A text answer, not another call; whether this 135M model ends its turn within 60 tokens
+    # is its own affair (as in test_openai_api's twin).
+    assert text_of(answer) and answer.stop_reason in ("end_turn", "max_tokens") and not [b for b in answer.content if b.type == "tool_use"]
 
 
 def test_an_output_format_answer_validates_plain_and_streamed(client):
