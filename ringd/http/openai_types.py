@@ -104,6 +104,8 @@ class CompletionRequest:
     include_usage: bool = False
     # vLLM's extension: logprobs name tokens "token_id:123", exact where text is not.
     tokens_as_ids: bool = False
+    # vLLM's extension: end-of-sequence does not end the answer (a benchmark's fixed length).
+    ignore_eos: bool = False
     tools: list[Tool] = field(default_factory=list)
     tool_choice: str = "auto"
     tool_name: str | None = None
@@ -117,7 +119,7 @@ class CompletionRequest:
             model=self.model, params=self.params, max_tokens=self.max_tokens, messages=self.messages, prompt=self.prompt,
             stop=self.stop, tools=self.tools, tool_choice=self.tool_choice, tool_name=self.tool_name,
             parallel_tool_calls=self.parallel_tool_calls, response_format=self.response_format,
-            template_kwargs=self.template_kwargs,
+            template_kwargs=self.template_kwargs, ignore_eos=self.ignore_eos,
         )  # fmt: skip
 
 
@@ -479,6 +481,7 @@ def parse_request(body: dict, chat: bool) -> CompletionRequest:
         stream=stream,
         include_usage=include_usage and stream,
         tokens_as_ids=opt("return_tokens_as_token_ids", lambda v: isinstance(v, bool), "a boolean") or False,
+        ignore_eos=opt("ignore_eos", lambda v: isinstance(v, bool), "a boolean") or False,
     )
 
 

@@ -72,6 +72,8 @@ class Request:
     prefill: bool = False
     # Passed to the chat template (mlx-lm's server's chat_template_kwargs), e.g. enable_thinking.
     template_kwargs: dict = field(default_factory=dict)
+    # The end-of-sequence token does not end the answer (vLLM's ignore_eos): max_tokens or a stop does.
+    ignore_eos: bool = False
     # The API's own names for fields an error may point at ("messages", "max_tokens", ...).
     names: dict[str, str] = field(default_factory=dict)
 

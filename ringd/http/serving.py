@@ -118,7 +118,7 @@ class Serving:
             raise ApiError(400, f"the stream carried over already holds max_tokens ({max_tokens}) tokens")
         params = req.params if rendered.grammar is None else dataclasses.replace(req.params, grammar=rendered.grammar)
         self.d.metrics.prompt_tokens.inc(len(prompt))
-        events = engine.generate(prompt, params, max_tokens, req.stop, list(resumed), request_id, emit_resumed=True)
+        events = engine.generate(prompt, params, max_tokens, req.stop, list(resumed), request_id, emit_resumed=True, ignore_eos=req.ignore_eos)
         return Generation(req, rendered, events, self.d.tokenizer, len(resumed))
 
     async def count_tokens(self, req: Request) -> int:

@@ -343,6 +343,7 @@ class Engine:
         resume: list[int] = (),
         request_id: str | None = None,
         emit_resumed: bool = False,
+        ignore_eos: bool = False,
     ) -> AsyncIterator[TokenEvent]:
         """Generate up to ``max_tokens`` after ``prompt``.
 
@@ -352,7 +353,9 @@ class Engine:
         ``request_id``: the client's name for the request, in every line about it
         on every stage. ``emit_resumed``: yield the ``resume`` tokens first, marked
         ``resumed``, so a consumer that reads the text (tool calls, reasoning) can
-        bring its own state to where the stream was.
+        bring its own state to where the stream was. ``ignore_eos``: the end-of-sequence
+        tokens do not end it (vLLM's option; a benchmark's fixed length): it runs to
+        ``max_tokens`` or a ``stop`` string.
         """
         arrived = time.monotonic()
         if not prompt:
@@ -386,7 +389,8 @@ class Engine:
         produced, last, first_after = 0, None, None
         outcome = "ended by its client"  # unless it finishes or fails
         try:
-            text = _Text(self.tokenizer.detokenizer, stop, self.eos_ids, flight.max_tokens)
+            eos_ids = set() if ignore_eos else self.eos_ids
+            text = _Text(self.tokenizer.detokenizer, stop, eos_ids, flight.max_tokens)
             finish = None
             for token in resume:  # the client has their text: bring the state to where it was
                 piece, finish = text.next(token)
@@ -395,7 +399,7 @@ class Engine:
             if finish is not None:
                 raise EngineError("the stream carried over had ended already: nothing is left to generate", 400)
             draft = self._speculates(params, len(prompt) + max_tokens)
-            self._run(self.scheduler.join(rid, flight.prompt, max_tokens, flight.generated, flight.cached, draft))
+            self._run(self.scheduler.join(rid, flight.prompt, max_tokens, flight.generated, flight.cached, draft, frozenset(eos_ids)))
             while True:
                 try:
                     async with asyncio.timeout(self.step_timeout_s):

@@ -212,18 +212,23 @@ class Scheduler:
 
     # --- events ----------------------------------------------------------------------
 
-    def join(self, rid: int, prompt: list[int], max_tokens: int, generated: list[int] = (), cached: int = 0, draft: bool = False) -> list:
+    def join(
+        self, rid: int, prompt: list[int], max_tokens: int, generated: list[int] = (), cached: int = 0, draft: bool = False,
+        stops: frozenset[int] | None = None,
+    ) -> list:
         """A request enters. ``generated``: tokens an earlier leader delivered already (replayed
         silently, as after a lost ring). ``cached``: positions of its prompt the current ring's
         caches hold already (a cached prefix); its first row starts there. ``draft``: its decode
-        steps verify a draft model's proposals (when ``num_draft`` is above 0)."""
+        steps verify a draft model's proposals (when ``num_draft`` is above 0). ``stops``: the
+        tokens that end it, if not the schedule's (none: it runs to ``max_tokens``)."""
         if rid in self._requests:
             raise SchedulerError(f"request {rid:x} is already scheduled")
         if not prompt or max_tokens < 1 or len(generated) > max_tokens:
             raise SchedulerError("a request needs a prompt, max_tokens of at least 1, and no more tokens generated than that")
         if not 0 <= cached < len(prompt):
             raise SchedulerError(f"a cached prefix of {cached} positions must leave the prompt's last token ({len(prompt)}) to compute")
-        req = _Request(rid, list(prompt), max_tokens, list(generated), waited=next(self._clock), stops=self.stops, speculative=draft)
+        stops = self.stops if stops is None else frozenset(stops)
+        req = _Request(rid, list(prompt), max_tokens, list(generated), waited=next(self._clock), stops=stops, speculative=draft)
         req.sent = req.queued = cached if self.term is not None else 0
         self._requests[rid] = req
         if req.done():  # every token delivered already: nothing to compute

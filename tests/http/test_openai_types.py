@@ -247,6 +247,15 @@ def test_top_logprobs_without_logprobs_is_a_400_naming_it(logprobs):
     assert request({**CHAT, "top_logprobs": None}).params.logprobs is False  # null is not asking
 
 
+@pytest.mark.parametrize("chat", [True, False])
+def test_ignore_eos_reaches_the_internal_request_and_must_be_a_boolean(chat):
+    body = CHAT if chat else COMPLETION
+    assert request({**body, "ignore_eos": True}, chat).to_request().ignore_eos is True
+    assert request(body, chat).to_request().ignore_eos is False
+    e = refused({**body, "ignore_eos": "yes"}, chat)
+    assert e.param == "ignore_eos" and "boolean" in e.message
+
+
 def test_a_float_json_reads_as_infinity_is_a_400():
     raw = json.dumps(CHAT).encode()[:-1] + b', "temperature": 1e400}'
     assert refused(raw).param == "temperature"
@@ -303,7 +312,7 @@ FIELDS = [
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "best_of", "echo", "suffix",
     "stream", "stream_options", "logprobs", "top_logprobs", "temperature", "top_p", "top_k", "min_p", "seed",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "stop",
-    "return_tokens_as_token_ids", "user", *UNSUPPORTED_FIELDS,
+    "return_tokens_as_token_ids", "ignore_eos", "user", *UNSUPPORTED_FIELDS,
 ]  # fmt: skip
 
 # Text with everything JSON can carry; a lone surrogate is put in on purpose, as

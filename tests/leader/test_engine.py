@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+import mlx.core as mx
+
 from hypothesis import given
 from hypothesis import strategies as st
 from stagering import StageRing
@@ -116,6 +118,36 @@ def test_requests_at_once_through_real_stages_get_mlx_lms_tokens_and_leave_nothi
         assert len(got) == leaves_after.get(i, 12) or ended and len(got) < leaves_after.get(i, 12), (i, got)
         bad = teacher_forced_mismatches(model, prompts[i], got)
         assert not bad, f"request {i}: " + "; ".join(bad)
+
+
+def test_ignore_eos_runs_past_the_end_token_to_max_tokens(tiny_model):
+    """The tiny model's third greedy token made its end token: a request ends there, with
+    ``ignore_eos`` it runs on to max_tokens with mlx-lm's greedy tokens (the end token among
+    them, spelt as nothing), finishing for its length."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load as mlx_load
+
+    path = tiny_model(arch="llama", layers=2, dtype="float32")
+    tokenizer = load_tokenizer(model_info(str(path)))
+    prompt = tokenizer.encode("hello there", add_special_tokens=False)
+    model, _ = mlx_load(str(path))
+    greedy = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=8)]
+    assert greedy[2] not in greedy[:2], greedy  # the end token ends the request at the third
+    tokenizer.eos_token_ids = {greedy[2]}
+
+    async def main():
+        ring = StageRing(path, [1], tokenizer)
+        engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0))
+        try:
+            outs = []
+            for ignore in (False, True):
+                events = [e async for e in engine.generate(prompt, SamplingParams(temperature=0), 8, ignore_eos=ignore)]
+                outs.append(([e.token for e in events], events[-1].finish_reason))
+            return outs
+        finally:
+            await ring.stop()
+
+    assert asyncio.run(main()) == [(greedy[:3], "stop"), (greedy, "length")]
 
 
 def test_a_request_failing_on_a_stage_fails_alone(tiny_model):

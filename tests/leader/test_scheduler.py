@@ -341,6 +341,18 @@ def test_a_carried_over_stream_replays_what_was_delivered_silently_and_stops_at_
     assert sched.tokens(send.batch, 1, {1: 0}) == [Deliver(1, 0), Release(1, 4)]
 
 
+def test_a_request_with_stops_of_its_own_runs_past_the_schedules():
+    """``ignore_eos``: the engine joins a request with no stop tokens; it runs to max_tokens."""
+    sched = Scheduler(max_in_flight=1, stops=frozenset({0}))
+    [send] = sched.ring_up(1) + sched.join(1, [1], 3, stops=frozenset())
+    delivered = []
+    for token in (0, 0, 0):
+        out = sched.tokens(send.batch, 1, {1: token})
+        delivered += [c for c in out if isinstance(c, Deliver)]
+        send = next((c for c in out if isinstance(c, Send)), None)
+    assert delivered == [Deliver(1, 0)] * 3 and send is None and 1 not in sched
+
+
 def test_a_prompts_chunks_go_around_together_leaving_decoding_a_slot():
     sched = Scheduler(max_in_flight=3, prefill_chunk=4)
     out = sched.ring_up(1) + sched.join(1, list(range(13)), 5)
