@@ -377,6 +377,15 @@ def _url(holder: Holder, path: str) -> str:
     return f"http://{holder.http}{path}"
 
 
+async def _read_at_most(r: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or its first ``limit + 1`` bytes if it is longer: ``StreamReader.read(n)``
+    gives what has arrived (up to n), so one call may end a body split over TCP segments early."""
+    body = bytearray()
+    while len(body) <= limit and (chunk := await r.content.read(limit + 1 - len(body))):
+        body += chunk
+    return bytes(body)
+
+
 async def _manifest(http: aiohttp.ClientSession, holders: list[Holder], secret: bytes, node: str, fingerprint: str | None) -> Manifest:
     """The signed manifest of the first holder that answers (waiting while it builds it)."""
     errors = []
@@ -389,7 +398,7 @@ async def _manifest(http: aiohttp.ClientSession, holders: list[Holder], secret: 
         try:
             headers = sign_files(secret, "GET", path, node, holder.node, time.time())
             async with http.get(_url(holder, path), headers=headers) as r:
-                body = await r.content.read(MAX_MANIFEST_BYTES + 1)
+                body = await _read_at_most(r, MAX_MANIFEST_BYTES)
                 if r.status == 503 and time.monotonic() < deadline:
                     await asyncio.sleep(float(r.headers.get("Retry-After", "2")))
                     pending.insert(0, holder)  # building: ask it again

@@ -255,10 +255,11 @@ print("done")
 
 
 class Throttle:
-    """A TCP relay toward a port that passes the answers at ``rate`` bytes/s and counts them."""
+    """A TCP relay toward a port that passes the answers at ``rate`` bytes/s, ``chunk`` bytes
+    at a time, and counts them."""
 
-    def __init__(self, target: int, rate: float):
-        self.target, self.rate, self.bytes = target, rate, 0
+    def __init__(self, target: int, rate: float, chunk: int = 64 * 1024):
+        self.target, self.rate, self.chunk, self.bytes = target, rate, chunk, 0
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.port = asyncio.run_coroutine_threadsafe(self._listen(), self.loop).result(10)
@@ -272,7 +273,7 @@ class Throttle:
 
         async def pipe(src, dst, slow):
             try:
-                while data := await src.read(64 * 1024):
+                while data := await src.read(self.chunk if slow else 64 * 1024):
                     if slow:
                         self.bytes += len(data)
                         await asyncio.sleep(len(data) / self.rate)
@@ -287,6 +288,23 @@ class Throttle:
 
     def close(self):
         self.loop.call_soon_threadsafe(self.server.close)
+
+
+def test_a_manifest_that_arrives_in_pieces_is_read_whole_before_its_signature_is_checked(smollm2_dir, tmp_path):
+    """An answer split over many TCP segments (a slow link; a CI run lost a node to a manifest
+    read in part and so 'not signed') is read to its end, then checked."""
+
+    async def main():
+        async with holder("node0", smollm2_dir, tmp_path / "cache") as (h, _):
+            throttle = Throttle(int(h.http.rsplit(":", 1)[1]), rate=2e6, chunk=512)
+            try:
+                relayed = Holder(h.node, f"127.0.0.1:{throttle.port}", h.model)
+                return h, await PeerModel.bootstrap(tmp_path / "models", [relayed], SECRET, "node1"), throttle.bytes
+            finally:
+                throttle.close()
+
+    h, fetched, relayed = uvloop.run(main())
+    assert fetched.manifest.fingerprint == h.model and relayed > 4 * 512
 
 
 def test_kill_9_halfway_and_the_restart_fetches_only_what_is_missing(smollm2_gguf, tmp_path):
