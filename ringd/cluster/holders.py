@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_order
 from ringd.device import default_cache_dir
-from ringd.models.peers import Holder, PeerModel
+from ringd.models.peers import FetchError, Holder, PeerModel
 from ringd.names import check_name, parse_hostport
 from wire import stream as wire_stream
 
@@ -47,7 +47,15 @@ async def model_from_peers(cfg: "Config", secret: bytes, metrics: "Metrics", loc
         holders = await find_holders(cfg, secret, local_networks)
         if holders:
             log.info("fetching the model from peers: %s hold it", ", ".join(sorted(h.node for h in holders)))
-            return await PeerModel.bootstrap(models_dir, holders, secret, cfg.name, metrics)
+            try:
+                return await PeerModel.bootstrap(models_dir, holders, secret, cfg.name, metrics)
+            except FetchError as e:
+                # A holder that went to sleep or away between the probe and the fetch, or one
+                # that serves what it should not: said, and asked again, as when none is found
+                # (a node that exited here would only be restarted by launchd to do the same).
+                log.warning("model_from_peers: %s; asking again in %.0f s", e, PROBE_RETRY_S)
+                await asyncio.sleep(PROBE_RETRY_S)
+                continue
         if cfg.model is not None:
             log.info("model_from_peers: no peer holds a model; fetching %s as configured", cfg.model)
             return None

@@ -10,7 +10,6 @@ directory ``ringd convert`` makes of it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -22,55 +21,22 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 import uvloop
-from aiohttp import web
+from fileholder import SECRET, HolderNode, holder
 
-from ringd.http.api import _errors
 from ringd.http.auth import sign_files
-from ringd.http.files import FileServer, Holding
 from ringd.metrics import Metrics
-from ringd.models.checkpoint import model_info
 from ringd.models.manifest import FILES_PREFIX
 from ringd.models.peers import FetchError, Holder, PeerModel
 from ringd.models.progress import LoadProgress
 from ringd.stage.shard import Shard
 
-SECRET = b"s" * 32
 LAYERS = 30  # SmolLM2's
 MIDDLE = (10, 20)  # the middle stage of three
-
-
-@dataclass
-class HolderNode:
-    name: str
-    secret: bytes
-    metrics: Metrics
-    files: Holding | None
-
-
-@contextlib.asynccontextmanager
-async def holder(name: str, path: Path, cache: Path, fingerprint: str | None = None):
-    """ringd's file routes for the model at ``path`` (served as ``fingerprint``, if given), on a
-    loopback port: (Holder, its node)."""
-    info = model_info(str(path))
-    fingerprint = fingerprint or info.fingerprint
-    node = HolderNode(name, SECRET, Metrics(name), Holding(info.path, fingerprint, info.name, cache))
-    app = web.Application(middlewares=[_errors])
-    app.add_routes(FileServer(node).routes())
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        yield Holder(name, f"127.0.0.1:{port}", fingerprint), node
-    finally:
-        await runner.cleanup()
 
 
 def served(node: HolderNode) -> float:
@@ -379,3 +345,35 @@ def test_a_node_restarted_while_no_holder_answers_starts_with_what_it_fetched(sm
     again = uvloop.run(model_from_peers(cfg, SECRET, Metrics("node1")))
     assert again is not None and again.root == fetched.root and again.manifest == fetched.manifest
     assert again.missing(again.stage_ranges(*MIDDLE, LAYERS)) == {smollm2_gguf.name: []}
+
+
+def test_a_fetch_that_fails_is_said_and_tried_again_and_the_node_carries_on(smollm2_gguf, tmp_path, monkeypatch, caplog):
+    """The holder a probe found is gone when its manifest is asked for (its Mac went to sleep):
+    the node says why and asks again, and fetches from the holder found next."""
+    import argparse
+
+    from ringd import config
+    from ringd.cluster import holders
+    from ringd.local import free_port
+
+    parser = argparse.ArgumentParser()
+    config.add_flags(parser)
+    argv = ["--name", "node1", "--model-from-peers", "true", "--models-dir", str(tmp_path / "models"), "--discovery", "off", "--peer", f"127.0.0.1:{free_port()}"]
+    cfg = config.load(parser.parse_args(argv), {})
+    monkeypatch.setattr(holders, "PROBE_RETRY_S", 0.1)
+
+    async def main():
+        async with holder("node0", smollm2_gguf, tmp_path / "cache") as (h, _):
+            asleep = Holder(h.node, f"127.0.0.1:{free_port()}", h.model)  # nobody listens there
+            found = iter([[asleep], [h]])
+
+            async def find(*_args, **_kw):  # the probe's answers (real probes: tests/cluster/test_holders.py)
+                return next(found)
+
+            monkeypatch.setattr(holders, "find_holders", find)
+            return h, await holders.model_from_peers(cfg, SECRET, Metrics("node1"))
+
+    with caplog.at_level(logging.WARNING, logger="ringd.cluster.holders"):
+        h, fetched = uvloop.run(main())
+    assert fetched is not None and fetched.manifest.fingerprint == h.model
+    assert any("no holder answered with the model's manifest: node0" in r.getMessage() and "asking again" in r.getMessage() for r in caplog.records)
