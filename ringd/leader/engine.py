@@ -128,8 +128,9 @@ class _Flight:
 class _Text:
     """A request's text, token by token: detokenized, stop strings held back until they cannot match."""
 
-    def __init__(self, detokenizer, stop: list[str], eos_ids: set[int], max_tokens: int):
+    def __init__(self, detokenizer, stop: list[str], eos_ids: set[int], max_tokens: int, ignore_eos: bool = False):
         self.detokenizer = detokenizer
+        self.ignore_eos = ignore_eos  # an end token does not end it, and is spelt as nothing (vLLM's ignore_eos)
         self.stops = TextStateMachine({"normal": [(s, None) for s in stop]}) if stop else None
         self.state = self.stops.make_state() if self.stops else None
         self.eos_ids = eos_ids
@@ -145,11 +146,13 @@ class _Text:
         """The text to emit for ``token``, and the finish reason if it ends the request."""
         self.produced += 1
         finish = None
-        if token in self.eos_ids:
+        if token in self.eos_ids and not self.ignore_eos:
             finish, text = "stop", ""
         else:
-            self.detokenizer.add_token(token)
-            text = self.detokenizer.last_segment
+            text = ""
+            if token not in self.eos_ids:
+                self.detokenizer.add_token(token)
+                text = self.detokenizer.last_segment
             if self.produced >= self.max_tokens:
                 finish = "length"
         if finish is not None:
@@ -389,8 +392,7 @@ class Engine:
         produced, last, first_after = 0, None, None
         outcome = "ended by its client"  # unless it finishes or fails
         try:
-            eos_ids = set() if ignore_eos else self.eos_ids
-            text = _Text(self.tokenizer.detokenizer, stop, eos_ids, flight.max_tokens)
+            text = _Text(self.tokenizer.detokenizer, stop, self.eos_ids, flight.max_tokens, ignore_eos)
             finish = None
             for token in resume:  # the client has their text: bring the state to where it was
                 piece, finish = text.next(token)
@@ -399,7 +401,7 @@ class Engine:
             if finish is not None:
                 raise EngineError("the stream carried over had ended already: nothing is left to generate", 400)
             draft = self._speculates(params, len(prompt) + max_tokens)
-            self._run(self.scheduler.join(rid, flight.prompt, max_tokens, flight.generated, flight.cached, draft, frozenset(eos_ids)))
+            self._run(self.scheduler.join(rid, flight.prompt, max_tokens, flight.generated, flight.cached, draft, frozenset() if ignore_eos else None))
             while True:
                 try:
                     async with asyncio.timeout(self.step_timeout_s):

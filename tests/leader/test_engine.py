@@ -60,6 +60,16 @@ def test_the_stop_that_ends_the_text_is_named_even_across_tokens():
     assert run(["xbab"], ["ab", "bab"]) == ("x", "stop", "bab")  # two end at once: the longest, as the matcher strips it
 
 
+def test_with_ignore_eos_an_end_token_is_spelt_as_nothing_and_a_stop_or_the_length_still_ends_it():
+    def feed(tokens, stop, max_tokens):
+        text = _Text(Spelling({1: "ab", 2: "c", 3: "d!"}), stop, {EOS}, max_tokens, ignore_eos=True)
+        out = [text.next(t) for t in tokens]
+        return "".join(piece for piece, _ in out), [finish for _, finish in out], text.matched
+
+    assert feed([1, EOS, 2, EOS, 3], ["cd"], 10) == ("ab", [None] * 4 + ["stop"], "cd")
+    assert feed([1, EOS, EOS], [], 3) == ("ab", [None, None, "length"], None)
+
+
 @given(
     words=st.lists(st.sampled_from(["a", "b", "ab", "ba", "END", "E", "ND", " "]), max_size=12),
     stops=st.lists(st.sampled_from(["END", "ab", "bab", "DE"]), min_size=1, max_size=3, unique=True),
@@ -143,11 +153,13 @@ def test_ignore_eos_runs_past_the_end_token_to_max_tokens(tiny_model):
             for ignore in (False, True):
                 events = [e async for e in engine.generate(prompt, SamplingParams(temperature=0), 8, ignore_eos=ignore)]
                 outs.append(([e.token for e in events], events[-1].finish_reason))
-            return outs
+            return outs, events[2].text
         finally:
             await ring.stop()
 
-    assert asyncio.run(main()) == [(greedy[:3], "stop"), (greedy, "length")]
+    outs, end_text = asyncio.run(main())
+    assert outs == [(greedy[:3], "stop"), (greedy, "length")]
+    assert end_text == ""  # the end token ignored adds no text
 
 
 def test_a_request_failing_on_a_stage_fails_alone(tiny_model):
