@@ -323,10 +323,21 @@ def test_kill_9_halfway_and_the_restart_fetches_only_what_is_missing(smollm2_ggu
     assert fetched.missing(fetched.stage_ranges(*MIDDLE, LAYERS)) == {smollm2_gguf.name: []}
 
 
-def test_a_node_restarted_while_no_holder_answers_starts_with_what_it_fetched(smollm2_gguf, tmp_path):
+def fetcher_config(models: Path):
+    """node1's config as ``ringd serve --model-from-peers true`` reads it: no model, models kept in
+    ``models``, no discovery, one peer where nobody listens (holders come from the test)."""
     import argparse
 
     from ringd import config
+    from ringd.local import free_port
+
+    parser = argparse.ArgumentParser()
+    config.add_flags(parser)
+    argv = ["--name", "node1", "--model-from-peers", "true", "--models-dir", str(models), "--discovery", "off", "--peer", f"127.0.0.1:{free_port()}"]
+    return config.load(parser.parse_args(argv), {})
+
+
+def test_a_node_restarted_while_no_holder_answers_starts_with_what_it_fetched(smollm2_gguf, tmp_path):
     from ringd.cluster.holders import model_from_peers
 
     async def fetch_once():
@@ -336,13 +347,7 @@ def test_a_node_restarted_while_no_holder_answers_starts_with_what_it_fetched(sm
             return m
 
     fetched = uvloop.run(fetch_once())
-    parser = argparse.ArgumentParser()
-    config.add_flags(parser)
-    from ringd.local import free_port
-
-    argv = ["--name", "node1", "--model-from-peers", "true", "--models-dir", str(tmp_path / "models"), "--discovery", "off", "--peer", f"127.0.0.1:{free_port()}"]
-    cfg = config.load(parser.parse_args(argv), {})
-    again = uvloop.run(model_from_peers(cfg, SECRET, Metrics("node1")))
+    again = uvloop.run(model_from_peers(fetcher_config(tmp_path / "models"), SECRET, Metrics("node1")))
     assert again is not None and again.root == fetched.root and again.manifest == fetched.manifest
     assert again.missing(again.stage_ranges(*MIDDLE, LAYERS)) == {smollm2_gguf.name: []}
 
@@ -350,16 +355,10 @@ def test_a_node_restarted_while_no_holder_answers_starts_with_what_it_fetched(sm
 def test_a_fetch_that_fails_is_said_and_tried_again_and_the_node_carries_on(smollm2_gguf, tmp_path, monkeypatch, caplog):
     """The holder a probe found is gone when its manifest is asked for (its Mac went to sleep):
     the node says why and asks again, and fetches from the holder found next."""
-    import argparse
-
-    from ringd import config
     from ringd.cluster import holders
     from ringd.local import free_port
 
-    parser = argparse.ArgumentParser()
-    config.add_flags(parser)
-    argv = ["--name", "node1", "--model-from-peers", "true", "--models-dir", str(tmp_path / "models"), "--discovery", "off", "--peer", f"127.0.0.1:{free_port()}"]
-    cfg = config.load(parser.parse_args(argv), {})
+    cfg = fetcher_config(tmp_path / "models")
     monkeypatch.setattr(holders, "PROBE_RETRY_S", 0.1)
 
     async def main():
