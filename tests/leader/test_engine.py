@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 
 import mlx.core as mx
-
 from hypothesis import given
 from hypothesis import strategies as st
 from stagering import StageRing
