@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ringd import config as config_mod
 from ringd import logs
-from ringd.config import DEFAULT_HTTP_PORT
+from ringd.names import DEFAULT_HTTP_PORT
 
 # How often a `ringd local` node checks that its launcher is still alive.
 PARENT_CHECK_S = 1.0
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         logs.setup(cfg.name, cfg.log_level, cfg.log_format)
         return _run(_serve(cfg))
 
-    from ringd.cluster.placement import PlacementError, parse_split
+    from ringd.ring.plan import PlacementError, parse_split
     from ringd.local import run_local
 
     if args.command == "local":

@@ -33,12 +33,10 @@ from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, MAX_NUM_DRAFT
 from ringd.logs import LOG_FORMATS
 from ringd.names import check_host as _host
-from ringd.names import check_name, parse_hostport
+from ringd.names import DEFAULT_HTTP_PORT, DEFAULT_RING_PORT, check_name, parse_hostport
 from ringd.names import check_port as _port
-from ringd.steps import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES, MAX_ROWS
+from ringd.ring.steps import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES, MAX_ROWS
 
-DEFAULT_RING_PORT = 50051
-DEFAULT_HTTP_PORT = 8100
 # Where `ringd serve` and `ringctl` look for the cluster secret unless told
 # otherwise (the README has users put it there).
 DEFAULT_SECRET_FILE = "~/.config/ringd/secret"

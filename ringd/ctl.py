@@ -46,10 +46,10 @@ import urllib.request
 from pathlib import Path
 
 from ringd import service
-from ringd.config import DEFAULT_HTTP_PORT, DEFAULT_SECRET_FILE, ConfigError, read_secret_file
-from ringd.http.auth import sign
+from ringd.config import DEFAULT_SECRET_FILE, ConfigError, read_secret_file
+from ringd.auth import sign
 from ringd.models import progress
-from ringd.names import check_name
+from ringd.names import DEFAULT_HTTP_PORT, check_name
 
 DEFAULT_NODE = f"127.0.0.1:{DEFAULT_HTTP_PORT}"
 # Where ringctl pins the name of each node it has signed for (HOST:PORT -> name), beside

@@ -23,12 +23,12 @@ import logging
 import time
 from pathlib import Path
 
-from ringd.cluster.coordinator import Coordinator
+from ringd.node.coordinator import Coordinator
 from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_order, local_networks, own_addresses
-from ringd.cluster.holders import holder_of, model_from_peers
+from ringd.node.holders import holder_of, model_from_peers
 from ringd.cluster.members import Cluster, DrainError
 from ringd.cluster.messages import MessageError, parse_loaded
-from ringd.cluster.stagehost import StageHost
+from ringd.node.stagehost import StageHost
 from ringd.config import Config, ConfigError
 from ringd.device import DeviceProfile, default_cache_dir, probe_speed, read_profile
 from ringd.http.api import Api

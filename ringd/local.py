@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ringd.config import DEFAULT_HTTP_PORT
+from ringd.names import DEFAULT_HTTP_PORT
 
 # Loading a model and linking N processes takes seconds; a minute of no
 # progress means something is wrong, and the user should hear what.
@@ -119,7 +119,7 @@ def run_local(
     if nodes < 1:
         print("ringd local: --nodes must be at least 1", file=sys.stderr)
         return 2
-    from ringd.cluster.placement import PlacementError, make_plan
+    from ringd.ring.plan import PlacementError, make_plan
     from ringd.models.checkpoint import ModelError, model_info
 
     try:

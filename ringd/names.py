@@ -12,6 +12,11 @@ import ipaddress
 import re
 from typing import Any
 
+# The ports a node listens on unless told otherwise: the ring's (every daemon-to-daemon
+# frame) and the HTTP API's (8100, where the earliest users pointed their clients).
+DEFAULT_RING_PORT = 50051
+DEFAULT_HTTP_PORT = 8100
+
 # Node and cluster names: also what election and discovery accept, so one rule everywhere.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 

@@ -18,7 +18,7 @@ from typing import Callable
 from ringd.cluster.links import LinkError
 from ringd.cluster.members import Cluster
 from ringd.cluster.reconcile import follower_readiness
-from ringd.cluster.stagehost import StageHost
+from ringd.node.stagehost import StageHost
 from ringd.metrics import Gauges, Metrics
 from ringd.names import natural_key
 from ringd.tasks import Supervisor

@@ -19,10 +19,10 @@ from ringd.models.checkpoint import model_info
 from ringd.stage.compute import ComputeThread
 from ringd.metrics import Metrics
 from ringd.stage.runner import StageRunner
-from ringd.cluster.placement import Plan, Stage
-from ringd.stage.sampling import SamplingParams
+from ringd.ring.plan import Plan, Stage
+from ringd.ring.sampling import SamplingParams
 from ringd.stage.shard import Shard
-from ringd.steps import Failure, Forward, Open, Row, Tokens, release
+from ringd.ring.steps import Failure, Forward, Open, Row, Tokens, release
 from wire.frames import Frame, MsgType, encode_frame
 
 TERM = 1

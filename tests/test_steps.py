@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringd.steps import _FAILED, _FORWARD, _ROW, _SAMPLED, _TOKENS, MAX_ROWS, MAX_STEP_TOKENS, Failure, Forward, KvOptions, Open, Row, Sampled, Tokens, parse_release, release, term_of
+from ringd.ring.steps import _FAILED, _FORWARD, _ROW, _SAMPLED, _TOKENS, MAX_ROWS, MAX_STEP_TOKENS, Failure, Forward, KvOptions, Open, Row, Sampled, Tokens, parse_release, release, term_of
 from wire.frames import MAX_DESCRIPTOR_BYTES, Frame, FrameDecoder, FrameError, MsgType, encode_frame
 from wire.tensors import DTYPE_CODES, tensor_to_buffer
 

@@ -48,7 +48,7 @@ import ifaddr
 from zeroconf import InterfaceChoice, IPVersion, NonUniqueNameException, ServiceInfo, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
-from ringd.names import check_name
+from ringd.names import DEFAULT_HTTP_PORT, DEFAULT_RING_PORT, check_name
 from wire.frames import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -566,8 +566,6 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ringd.config import DEFAULT_HTTP_PORT, DEFAULT_RING_PORT
-
     parser = argparse.ArgumentParser(
         prog="python -m ringd.cluster.discovery",
         description="Advertise a ringd node and print the adverts of its cluster as JSON lines.",

@@ -31,7 +31,7 @@ from typing import Callable
 from ringd.cluster.election import Election, ElectionError, Pin, Term
 from ringd.cluster.links import LinkError, Links
 from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, Heartbeat, MessageError, clip, parse_control
-from ringd.cluster.placement import MAX_ADDR_CHARS
+from ringd.ring.plan import MAX_ADDR_CHARS
 from ringd.cluster.reconcile import Report
 from ringd.names import natural_key, parse_hostport
 from ringd.tasks import Supervisor

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ringd.cluster.election import Announce, ElectionError, Term
-from ringd.cluster.placement import MAX_ADDR_CHARS
+from ringd.ring.plan import MAX_ADDR_CHARS
 from ringd.cluster.reconcile import Report, ReportError
 from ringd.names import check_name, parse_hostport
 

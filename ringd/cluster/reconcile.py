@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ringd.cluster.election import ElectionError, Term
-from ringd.leader.admission import KvCost, KvCostError
+from ringd.ring.kvcost import KvCost, KvCostError
 from ringd.names import natural_key
 
 # Each member's report rides its heartbeats (every heartbeat_interval_s): this many

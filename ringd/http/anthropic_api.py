@@ -71,7 +71,7 @@ from ringd.http.openai_types import (
     template_kwargs,
 )
 from ringd.http.request import MAX_TOOLS, Output, Request, ResponseFormat, Tool, ToolCall, Usage
-from ringd.stage.sampling import SamplingError, SamplingParams, brief_repr
+from ringd.ring.sampling import SamplingError, SamplingParams, brief_repr
 
 if TYPE_CHECKING:
     from ringd.http.api import Api

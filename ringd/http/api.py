@@ -35,7 +35,7 @@ from ringd import logs
 from ringd.http import anthropic_api, ollama_api
 from ringd.http.anthropic_api import AnthropicApi
 from ringd.http.files import FileServer, Holding
-from ringd.http.auth import AuthError, ControlAuth, ForwardAuth, body_sha256, check_api_key, is_signed, sign
+from ringd.auth import AuthError, ControlAuth, ForwardAuth, body_sha256, check_api_key, is_signed, sign
 from ringd.http.guard import AIOHTTP_LOG, BODY_READ_TIMEOUT_S, HTTP_IDLE_TIMEOUT_S, BodyBudget, listen, raise_fd_limit, undecodable_header
 from ringd.http.ollama_api import OllamaApi
 from ringd.http.openai_api import OpenAiApi

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringd.http.request import MAX_TOOLS, Request, ResponseFormat, Tool
-from ringd.stage.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr
+from ringd.ring.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr
 
 # OpenAI accepts up to 4 stop sequences; a few more costs nothing here.
 MAX_STOP_SEQUENCES = 16

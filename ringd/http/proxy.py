@@ -36,7 +36,7 @@ import aiohttp
 from aiohttp import web
 
 from ringd import logs
-from ringd.http.auth import FORWARDED_BY_HEADER, body_sha256, sign_forward
+from ringd.auth import FORWARDED_BY_HEADER, body_sha256, sign_forward
 from ringd.http.openai_types import ApiError
 
 log = logging.getLogger(__name__)

@@ -192,7 +192,7 @@ def strict(schema):
 
 
 # Schema keywords that describe and do not constrain: a grammar travels in the
-# request's first frame (grammar.MAX_GRAMMAR_BYTES), and an agent's tools are
+# request's first frame (ring/sampling.py's MAX_GRAMMAR_BYTES), and an agent's tools are
 # mostly prose.
 _ANNOTATIONS = ("description", "title", "examples", "$comment", "deprecated", "readOnly", "writeOnly")
 

@@ -21,7 +21,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from ringd.stage.sampling import SamplingParams
+from ringd.ring.sampling import SamplingParams
 
 # How a request may use its tools (OpenAI's tool_choice; the other APIs map onto it).
 TOOL_CHOICES = ("auto", "none", "required", "function")

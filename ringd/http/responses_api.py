@@ -71,7 +71,7 @@ from aiohttp import web
 
 from ringd.http.openai_types import MAX_MESSAGES, MAX_MODEL_CHARS, ApiError, _valid_text, check_schema, check_tool_name, template_kwargs
 from ringd.http.request import MAX_TOOLS, Output, Request, ResponseFormat, Tool, ToolCall, Usage
-from ringd.stage.sampling import SamplingError, SamplingParams, brief_repr
+from ringd.ring.sampling import SamplingError, SamplingParams, brief_repr
 
 if TYPE_CHECKING:
     from ringd.http.api import Api

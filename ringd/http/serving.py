@@ -27,7 +27,7 @@ from ringd.http.reader import Reader
 from ringd.http.render import Rendered, RenderError, render
 from ringd.http.request import Output, Request, Usage
 from ringd.leader.engine import EngineError
-from ringd.stage.sampling import SamplingError
+from ringd.ring.sampling import SamplingError
 
 if TYPE_CHECKING:
     from ringd.http.api import ApiNode

@@ -51,16 +51,16 @@ from typing import AsyncIterator, Callable
 
 from mlx_lm.generate import TextStateMachine
 
-from ringd import steps
-from ringd.cluster.placement import Plan
+from ringd.ring import steps
+from ringd.ring.plan import Plan
 from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S, AdmissionError, KvLedger
 from ringd.leader.draft import Drafter
 from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES, MIN_REUSE_TOKENS, PrefixIndex
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, Deliver, Draft, Fail, Release, Scheduler, Send
 from ringd.logs import about
 from ringd.metrics import Metrics
-from ringd.stage.sampling import SamplingParams
-from ringd.steps import KvOptions
+from ringd.ring.sampling import SamplingParams
+from ringd.ring.steps import KvOptions
 from wire.frames import Frame, FrameError, MsgType
 
 log = logging.getLogger(__name__)

@@ -29,14 +29,8 @@ import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-from wire.frames import MAX_DESCRIPTOR_BYTES
+from ringd.ring.sampling import MAX_GRAMMAR_BYTES, wire_bytes
 
-# A grammar travels in its request's first FORWARD frame, whose JSON descriptor is
-# at most MAX_DESCRIPTOR_BYTES (64 KiB) together with a prefill chunk of token ids
-# (512 by default: under 4 KiB) and the sampling parameters (a full logit_bias: ~5
-# KiB). Half of the descriptor is the grammar's, measured as the frame spells it
-# (JSON-escaped: a quote is two bytes, a non-ASCII character six).
-MAX_GRAMMAR_BYTES = MAX_DESCRIPTOR_BYTES // 2
 # Threads computing masks. Requests are sampled one at a time on a node's one
 # compute thread, so at most one mask is ever wanted at once; one thread overlaps
 # it with MLX's step.
@@ -57,11 +51,6 @@ class GrammarError(ValueError):
     def __init__(self, message: str, where: str):
         super().__init__(message)
         self.where = where
-
-
-def wire_bytes(grammar: str) -> int:
-    """The bytes ``grammar`` takes in a frame's descriptor (JSON, ASCII-escaped, as wire.frames writes it)."""
-    return len(json.dumps(grammar))
 
 
 def _bounded(grammar: str, where: str) -> str:

@@ -35,14 +35,15 @@ from typing import TYPE_CHECKING, Callable
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
 
-from ringd.cluster.placement import Plan
+from ringd.ring.plan import Plan
 from ringd.logs import about
 from ringd.metrics import Metrics
 from ringd.stage.compute import ComputeThread
-from ringd.stage.sampling import RequestSampler, SamplingError, SamplingParams, draw_greedy
+from ringd.ring.sampling import SamplingError, SamplingParams
+from ringd.stage.sampling import RequestSampler, draw_greedy
 from ringd.stage.sessions import SessionError, Sessions
 from ringd.stage.shard import Shard
-from ringd.steps import Failure, Forward, KvOptions, Row, Sampled, Tokens, parse_release, term_of
+from ringd.ring.steps import Failure, Forward, KvOptions, Row, Sampled, Tokens, parse_release, term_of
 from wire.frames import Frame, FrameError, MsgType
 from wire.tensors import tensor_to_buffer, wire_bits
 

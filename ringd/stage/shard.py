@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, KVCache, RotatingKVCache
 from mlx_lm.utils import load_model, maybe_set_recommended_wired_limit
 
-from ringd.leader.admission import KvCost
+from ringd.ring.kvcost import KvCost
 from ringd.models.checkpoint import (
     NON_WEIGHT_PATTERNS,
     ModelError,

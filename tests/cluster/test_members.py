@@ -286,7 +286,7 @@ def test_a_relay_without_the_secret_between_two_nodes_gets_nothing_it_can_use(ti
         closed = [line for line in (log0 + log1).splitlines() if "link to node" in line and "failed its MAC check" in line]
         assert len(closed) >= 3, "\n".join(closed) + c.log_tails()
         # Only the two real nodes were ever planned.
-        planned = {n for line in log0.splitlines() if "ringd.cluster.coordinator: plan term" in line for n in re.findall(r"([\w.-]+)\[\d+,\d+\)", line)}
+        planned = {n for line in log0.splitlines() if "ringd.node.coordinator: plan term" in line for n in re.findall(r"([\w.-]+)\[\d+,\d+\)", line)}
         assert planned == {"node0", "node1"}, planned
     finally:
         c.stop()

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from ringd.cluster.election import Announce, Pin, Term
 from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, Heartbeat, MessageError, parse_control, parse_loaded
-from ringd.steps import Failure, parse_release
-from ringd.cluster.placement import Plan, PlacementError, make_plan
+from ringd.ring.steps import Failure, parse_release
+from ringd.ring.plan import Plan, PlacementError, make_plan
 from ringd.cluster.reconcile import LOADED, Report
 from wire.frames import Frame, FrameError, MsgType
 

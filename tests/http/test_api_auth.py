@@ -24,7 +24,7 @@ import pytest
 from conftest import REPO
 from conftest import serving_leader
 
-from ringd.http.auth import body_sha256, sign, sign_forward
+from ringd.auth import body_sha256, sign, sign_forward
 
 KEY = "ringd-test-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}

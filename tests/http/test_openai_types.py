@@ -25,7 +25,7 @@ from ringd.http.openai_types import (
     parse_request,
 
 )
-from ringd.stage.sampling import SamplingError
+from ringd.ring.sampling import SamplingError
 
 # api.py's cap on a request body (MAX_BODY_BYTES), which parse_json must handle.
 BODY_BYTES = 16 * 1024 * 1024

@@ -15,7 +15,7 @@ from llguidance import LLMatcher
 from ringd.models.checkpoint import load_tokenizer, model_info
 from ringd.http.render import RenderError, render, tool_prompt
 from ringd.http.request import Request, ResponseFormat, Tool
-from ringd.stage.sampling import SamplingParams
+from ringd.ring.sampling import SamplingParams
 
 WEATHER = Tool("get_weather", "The weather of a city", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 TIME = Tool("get_time", "The time in a zone", {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]})

@@ -20,7 +20,8 @@ import urllib.request
 import pytest
 from conftest import reference
 
-from ringd.leader.admission import KV_STEP_TOKENS, AdmissionError, KvCost, KvCostError, KvLedger, StageKv, kv_tokens
+from ringd.leader.admission import AdmissionError, KvLedger, StageKv
+from ringd.ring.kvcost import KV_STEP_TOKENS, KvCost, KvCostError, kv_tokens
 
 BUDGET_BYTES = 400_000
 BUDGET_FLAGS = ["--memory-budget-gb", f"{BUDGET_BYTES / 2**30:.12f}", "--kv-reserve-tokens", "256"]

@@ -20,7 +20,7 @@ from stagering import teacher_forced_mismatches
 
 from ringd.models.checkpoint import load_tokenizer, model_info
 from ringd.leader.engine import Engine, EngineError, _Text
-from ringd.stage.sampling import SamplingParams
+from ringd.ring.sampling import SamplingParams
 from wire.frames import MsgType
 
 EOS = 0
@@ -258,7 +258,7 @@ def test_only_requests_whose_caches_can_be_cut_back_speculate(tiny_model):
     """Greedy requests without logprobs, penalties or a grammar, on caches that can drop a rejected
     proposal for the request's whole length (a sliding window cannot once it wraps; linear
     attention never)."""
-    from ringd.steps import KvOptions
+    from ringd.ring.steps import KvOptions
 
     tokenizer = load_tokenizer(model_info(str(tiny_model(arch="llama", layers=2, dtype="float32"))))
     engine = Engine("node0", tokenizer, None, drafter=object())
@@ -279,7 +279,7 @@ def test_only_requests_whose_caches_can_be_cut_back_speculate(tiny_model):
 def test_a_request_arriving_while_a_lost_ring_is_replanned_waits_for_the_next(tiny_model):
     """Between a lost ring and the next, new requests wait as the held ones do (ring_back); when
     none ever served, or none can, they are told at once."""
-    from ringd.cluster.placement import Plan, Stage
+    from ringd.ring.plan import Plan, Stage
 
     tokenizer = load_tokenizer(model_info(str(tiny_model(arch="llama", layers=2, dtype="float32"))))
 

@@ -28,7 +28,7 @@ import pytest
 import uvloop
 from fileholder import SECRET, HolderNode, holder
 
-from ringd.http.auth import sign_files
+from ringd.auth import sign_files
 from ringd.metrics import Metrics
 from ringd.models.manifest import FILES_PREFIX
 from ringd.models.peers import FetchError, Holder, PeerModel
@@ -338,7 +338,7 @@ def fetcher_config(models: Path):
 
 
 def test_a_node_restarted_while_no_holder_answers_starts_with_what_it_fetched(smollm2_gguf, tmp_path):
-    from ringd.cluster.holders import model_from_peers
+    from ringd.node.holders import model_from_peers
 
     async def fetch_once():
         async with holder("node0", smollm2_gguf, tmp_path / "cache") as (h, _):
@@ -355,7 +355,7 @@ def test_a_node_restarted_while_no_holder_answers_starts_with_what_it_fetched(sm
 def test_a_fetch_that_fails_is_said_and_tried_again_and_the_node_carries_on(smollm2_gguf, tmp_path, monkeypatch, caplog):
     """The holder a probe found is gone when its manifest is asked for (its Mac went to sleep):
     the node says why and asks again, and fetches from the holder found next."""
-    from ringd.cluster import holders
+    from ringd.node import holders
     from ringd.local import free_port
 
     cfg = fetcher_config(tmp_path / "models")
@@ -372,7 +372,7 @@ def test_a_fetch_that_fails_is_said_and_tried_again_and_the_node_carries_on(smol
             monkeypatch.setattr(holders, "find_holders", find)
             return h, await holders.model_from_peers(cfg, SECRET, Metrics("node1"))
 
-    with caplog.at_level(logging.WARNING, logger="ringd.cluster.holders"):
+    with caplog.at_level(logging.WARNING, logger="ringd.node.holders"):
         h, fetched = uvloop.run(main())
     assert fetched is not None and fetched.manifest.fingerprint == h.model
     assert any("no holder answered with the model's manifest: node0" in r.getMessage() and "asking again" in r.getMessage() for r in caplog.records)

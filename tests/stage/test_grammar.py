@@ -22,13 +22,14 @@ from stagering import StageRing
 from ringd.stage import grammar
 from ringd.models.checkpoint import load_tokenizer, model_info
 from ringd.stage.compute import ComputeThread
-from ringd.stage.grammar import MAX_GRAMMAR_BYTES, Constraint, GrammarError
+from ringd.ring.sampling import MAX_GRAMMAR_BYTES, wire_bytes
+from ringd.stage.grammar import Constraint, GrammarError
 from ringd.metrics import Metrics
-from ringd.cluster.placement import Plan, Stage
+from ringd.ring.plan import Plan, Stage
 from ringd.cluster.reconcile import LOADED
-from ringd.stage.sampling import SamplingParams
-from ringd.cluster.stagehost import StageHost
-from ringd.steps import Open, Row
+from ringd.ring.sampling import SamplingParams
+from ringd.node.stagehost import StageHost
+from ringd.ring.steps import Open, Row
 
 # Random logits are sharp enough (std) that a few tokens dominate each step, as a model's
 # do; every answer of the schemas below ends well within this many tokens.
@@ -118,7 +119,7 @@ def test_good_grammars_check(tokenizer, vocab_size):
 def test_the_byte_limit_is_checked_before_compiling():
     # Just under the limit as a schema: fits. Over it (as a frame spells it): refused, with the limit.
     big = {"enum": ["v" * 100] * (MAX_GRAMMAR_BYTES // 110)}
-    assert grammar.wire_bytes(grammar.from_json_schema(big, "response_format")) <= MAX_GRAMMAR_BYTES
+    assert wire_bytes(grammar.from_json_schema(big, "response_format")) <= MAX_GRAMMAR_BYTES
     huge = {"enum": ["v" * 100] * (MAX_GRAMMAR_BYTES // 100)}
     for make in (lambda: grammar.from_json_schema(huge, "response_format"), lambda: grammar.from_lark("start: " + json.dumps("é" * MAX_GRAMMAR_BYTES), "response_format")):
         with pytest.raises(GrammarError) as e:

@@ -19,9 +19,9 @@ import pytest
 from mlx_lm.utils import load as mlx_load
 from stagering import TERM, StageRing, teacher_forced_mismatches
 
-from ringd.stage.sampling import SamplingParams
+from ringd.ring.sampling import SamplingParams
 from ringd.models.tinyarchs import ARCHS
-from ringd.steps import Open, Row, Tokens, release
+from ringd.ring.steps import Open, Row, Tokens, release
 
 # float32 logits of a tiny random model: batched matmuls and masked attention change the
 # summation order, so two logits closer than this may swap; further apart they may not.

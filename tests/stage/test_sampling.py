@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from ringd.stage import grammar
 from ringd.models.checkpoint import load_tokenizer, model_info
-from ringd.stage.grammar import MAX_GRAMMAR_BYTES
-from ringd.stage.sampling import MAX_LOGIT_BIAS_ENTRIES, RequestSampler, SamplingError, SamplingParams
+from ringd.ring.sampling import MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS_ENTRIES, SamplingError, SamplingParams
+from ringd.stage.sampling import RequestSampler
 
 
 @pytest.mark.parametrize(

@@ -98,7 +98,7 @@ def test_caches_of_other_kinds_are_not_merged():
 
 
 def test_requests_whose_caches_are_quantized_later_are_not_merged():
-    from ringd.steps import KvOptions
+    from ringd.ring.steps import KvOptions
 
     sessions = Sessions()
     open_three(sessions)

@@ -22,19 +22,21 @@ import time
 from ringd.cluster.election import Term
 from ringd.cluster.links import LinkError
 from ringd.cluster.members import Cluster
-from ringd.cluster.placement import ModelCost, NodeSpec, PlacementError, Plan, plan_for
+from ringd.cluster.placement import ModelCost, NodeSpec, plan_for
 from ringd.cluster.reconcile import Member, Reconciler
-from ringd.cluster.stagehost import StageHost
+from ringd.node.stagehost import StageHost
 from ringd.config import Config
 from ringd.device import DeviceProfile
-from ringd.leader.admission import KvCost, KvLedger, StageKv
+from ringd.leader.admission import KvLedger, StageKv
+from ringd.ring.kvcost import KvCost
 from ringd.leader.draft import Drafter
 from ringd.leader.engine import Engine
 from ringd.logs import about
 from ringd.metrics import Metrics
 from ringd.models.checkpoint import ModelInfo
+from ringd.ring.plan import PlacementError, Plan
 from ringd.names import natural_key
-from ringd.steps import KvOptions
+from ringd.ring.steps import KvOptions
 from ringd.tasks import Supervisor
 from wire.frames import Frame, MsgType
 

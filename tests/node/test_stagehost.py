@@ -1,4 +1,4 @@
-"""ringd.cluster.stagehost: what a node does with the plans it is given when its model's files cannot be read.
+"""ringd.node.stagehost: what a node does with the plans it is given when its model's files cannot be read.
 
 In-process: a real StageHost with a real compute thread loads a real tiny
 model through ``Shard.load``; only the ring is absent (its frames are kept in
@@ -14,9 +14,9 @@ import shutil
 from ringd.models.checkpoint import model_info
 from ringd.stage.compute import ComputeThread
 from ringd.metrics import Metrics
-from ringd.cluster.placement import Plan, Stage
+from ringd.ring.plan import Plan, Stage
 from ringd.cluster.reconcile import FAILED, LOADED
-from ringd.cluster.stagehost import StageHost
+from ringd.node.stagehost import StageHost
 
 NODE = "node0"
 
@@ -48,10 +48,10 @@ def test_a_model_file_cut_short_after_start_fails_the_load_once_and_is_not_read_
         finally:
             await compute.stop()
 
-    with caplog.at_level(logging.DEBUG, logger="ringd.cluster.stagehost"):
+    with caplog.at_level(logging.DEBUG, logger="ringd.node.stagehost"):
         asyncio.run(main())
     assert len(loads) == 1, "the broken file was read again for a later plan"
-    errors = [r for r in caplog.records if r.name == "ringd.cluster.stagehost" and r.levelno >= logging.WARNING]
+    errors = [r for r in caplog.records if r.name == "ringd.node.stagehost" and r.levelno >= logging.WARNING]
     assert len(errors) == 1 and errors[0].exc_info is None, [r.getMessage() for r in errors]
     line = errors[0].getMessage()
     assert str(weights) in line and "truncated" in line and "restarted" in line, line
@@ -111,7 +111,7 @@ def test_a_neighbour_that_said_leave_breaks_no_ring(tiny_model, caplog):
         finally:
             await compute.stop()
 
-    with caplog.at_level(logging.DEBUG, logger="ringd.cluster.stagehost"):
+    with caplog.at_level(logging.DEBUG, logger="ringd.node.stagehost"):
         asyncio.run(main())
-    warnings = [r.getMessage() for r in caplog.records if r.name == "ringd.cluster.stagehost" and r.levelno >= logging.WARNING]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ringd.node.stagehost" and r.levelno >= logging.WARNING]
     assert all("req=7" not in w for w in warnings) and any("broken here" in w for w in warnings), warnings

@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable
 
 from ringd.cluster.election import Term
-from ringd.cluster.placement import PlacementError, Plan
+from ringd.ring.plan import PlacementError, Plan
 from ringd.cluster.reconcile import BROKEN, LOADED, LOADING, OUTSIDE, Report, failure_report, plan_refusal
 from ringd.metrics import Metrics
 from ringd.models.checkpoint import ModelError, ModelFileError, ModelInfo
@@ -30,7 +30,7 @@ from ringd.names import parse_hostport
 from ringd.stage.compute import ComputeThread
 from ringd.stage.runner import StageRunner
 from ringd.stage.shard import Shard
-from ringd.steps import Failure, term_of
+from ringd.ring.steps import Failure, term_of
 from wire.frames import Frame, MsgType
 
 log = logging.getLogger(__name__)

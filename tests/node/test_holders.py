@@ -1,4 +1,4 @@
-"""ringd.cluster.holders: a node with no model finds who holds one by probing, and never joins by it.
+"""ringd.node.holders: a node with no model finds who holds one by probing, and never joins by it.
 
 Real ``Links`` listeners on loopback, each with the INFO a daemon gives; the probe
 runs the real handshake.
@@ -10,7 +10,7 @@ import asyncio
 
 import uvloop
 
-from ringd.cluster.holders import holder_of, probe
+from ringd.node.holders import holder_of, probe
 from ringd.cluster.links import Links
 from ringd.models.peers import Holder
 
