@@ -14,6 +14,7 @@ import faulthandler
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RINGD_CACHE", Path.home() / ".cache" / "ringd"))
 
 
-async def _serve(cfg: config_mod.Config) -> int:
+async def _serve(cfg: config_mod.Config, ring_sock: socket.socket | None = None, http_sock: socket.socket | None = None) -> int:
     from ringd.daemon import Daemon
     from ringd.models.checkpoint import ModelError
 
@@ -49,7 +50,7 @@ async def _serve(cfg: config_mod.Config) -> int:
             stop.set()
 
         watcher = loop.create_task(watch_parent())
-    daemon = Daemon(cfg)
+    daemon = Daemon(cfg, ring_sock, http_sock)
     # Raced with a signal: a start that waits (for a peer holding the model) still stops on one.
     starting = asyncio.ensure_future(daemon.start())
     stopped = asyncio.ensure_future(stop.wait())
@@ -118,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = sub.add_parser("serve", help="run one daemon")
     config_mod.add_flags(serve)
+    # Not config: a process's plumbing, handed down by whoever started it.
+    for which in ("ring", "http"):
+        serve.add_argument(
+            f"--{which}-fd", type=int, metavar="FD",
+            help=f"listen on this inherited socket instead of binding {which}_port (ringd local; socket activation)",
+        )  # fmt: skip
 
     local = sub.add_parser("local", help="run a ring of N daemon processes on this machine")
     local.add_argument("--nodes", type=int, required=True, help="number of daemon processes")
@@ -149,8 +156,15 @@ def main(argv: list[str] | None = None) -> int:
         except config_mod.ConfigError as e:
             print(f"ringd serve: config error: {e}", file=sys.stderr)
             return 2
+        from ringd.listeners import ListenerError, adopt
+
+        try:
+            listeners = {key: adopt(fd, f"--{key.replace('_', '-')}") for key, fd in (("ring_fd", args.ring_fd), ("http_fd", args.http_fd)) if fd is not None}
+        except ListenerError as e:
+            print(f"ringd serve: {e}", file=sys.stderr)
+            return 2
         logs.setup(cfg.name, cfg.log_level, cfg.log_format)
-        return _run(_serve(cfg))
+        return _run(_serve(cfg, listeners.get("ring_fd"), listeners.get("http_fd")))
 
     from ringd.ring.plan import PlacementError, parse_split
     from ringd.local import run_local

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import errno
 import logging
+import socket
 import time
 from pathlib import Path
 
@@ -54,8 +55,11 @@ STOPPING = "this node is stopping; retry the request (any other node of the clus
 
 
 class Daemon:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, ring_sock: socket.socket | None = None, http_sock: socket.socket | None = None):
+        """``ring_sock``, ``http_sock``: listening sockets handed down by a launcher (listeners.py),
+        used instead of binding ring_port and http_port."""
         self.cfg = cfg
+        self._ring_sock, self._http_sock = ring_sock, http_sock
         self.name = cfg.name
         self.started = int(time.time())
         self.supervisor = Supervisor(log)
@@ -115,7 +119,7 @@ class Daemon:
         self.profile = dataclasses.replace(profile, speed=speed)
         self.budget = self.profile.budget(cfg.memory_budget_gb)
 
-        http_port = await _bind("http_port", cfg.http_host, cfg.http_port, self.api.start(cfg.http_host, cfg.http_port))
+        http_port = await _bind("http_port", cfg.http_host, cfg.http_port, self.api.start(cfg.http_host, cfg.http_port, self._http_sock))
         addresses = own_addresses(cfg.advertise, cfg.host, cfg.prefer_interfaces)
         own: dict = {
             "model": self.info.fingerprint, "budget": self.budget, "priority": cfg.priority,
@@ -140,7 +144,7 @@ class Daemon:
             self.name, self.cluster, self.stage, self._facts, lambda: self.coordinator, self._kv_capacity,
             self.budget, self.supervisor, self.metrics,
         )  # fmt: skip
-        ring_port = await _bind("ring_port", cfg.host, cfg.ring_port, self.cluster.links.listen(cfg.host, cfg.ring_port))
+        ring_port = await _bind("ring_port", cfg.host, cfg.ring_port, self.cluster.links.listen(cfg.host, cfg.ring_port, self._ring_sock))
         self.addr = f"{addresses[0]}:{ring_port}"
         self.http_addr = f"{addresses[0] if cfg.http_host in ('0.0.0.0', '::') else cfg.http_host}:{http_port}"
         # Peers learn these after the handshake; filled in now that the ports are bound.

@@ -16,7 +16,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ringd import listeners
 from ringd.names import DEFAULT_HTTP_PORT
 
 # Loading a model and linking N processes takes seconds; a minute of no
@@ -38,31 +38,6 @@ STOP_GRACE_S = 5.0
 # for the nodes' download and load progress: a line a second per loading node is
 # as fast as a person reads, and the leader asks every node for each answer.
 PROGRESS_POLL_S = 1.0
-
-
-# Ports for listeners that start a moment later (the local ring's nodes) come from
-# below every OS's ephemeral range (Linux 32768-60999, macOS 49152-65535): a port the
-# kernel picks for a bind to port 0 goes back to that pool when the check closes, and
-# an outbound connection (a node dialing a peer) can take it before the node binds it,
-# which then fails with "port in use".
-LISTEN_PORTS = range(20000, 32768)
-_handed_out: set[int] = set()  # never handed out twice by this process
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port on ``host`` that nothing listens on or is connected from, for a listener to bind."""
-    for _ in range(len(LISTEN_PORTS)):
-        port = LISTEN_PORTS[secrets.randbelow(len(LISTEN_PORTS))]
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise OSError(f"no free port on {host} in {LISTEN_PORTS.start}-{LISTEN_PORTS.stop - 1}")
 
 
 def _health(url: str) -> tuple[int, dict]:
@@ -129,6 +104,20 @@ def run_local(
     except (ModelError, PlacementError) as e:
         print(f"ringd local: {e}", file=sys.stderr)
         return 2
+    # Every node's listeners, bound here and handed down (listeners.py): no port is free
+    # between its choice and its use. The API of node0 on --port, the rest where the kernel says.
+    rings: list = []
+    https: list = []
+    try:
+        for i in range(nodes):
+            rings.append(listeners.bind("127.0.0.1"))
+            https.append(listeners.bind(host, port if i == 0 else 0))
+    except OSError as e:
+        for s in rings + https:
+            s.close()
+        where = f"the API's port {host}:{port} (choose another with --port, or 0 for a free one)" if len(https) < len(rings) == 1 else f"node{len(https)}"
+        print(f"ringd local: cannot listen for {where}: {e.strerror}", file=sys.stderr)
+        return 1
     workdir = Path(tempfile.mkdtemp(prefix="ringd-local-"))
     secret_file = workdir / "secret"
     secret_file.write_text(secrets.token_hex(32))
@@ -136,8 +125,8 @@ def run_local(
     # A cluster of its own: two `ringd local` runs on one machine never mix.
     cluster = f"local-{secrets.token_hex(4)}"
 
-    ring_ports = [free_port() for _ in range(nodes)]
-    http_ports = [port if port else free_port(host)] + [free_port(host) for _ in range(nodes - 1)]
+    ring_ports = [s.getsockname()[1] for s in rings]
+    http_ports = [s.getsockname()[1] for s in https]
     env = dict(os.environ, RINGD_EXIT_WITH_PARENT=str(os.getpid()))
     procs: list[subprocess.Popen] = []
     stop = threading.Event()
@@ -150,8 +139,8 @@ def run_local(
                 sys.executable, "-m", "ringd", "serve",
                 "--name", f"node{i}",
                 "--host", "127.0.0.1", "--advertise", "127.0.0.1",
-                "--ring-port", str(ring_ports[i]),
-                "--http-host", host, "--http-port", str(http_ports[i]),
+                "--ring-port", str(ring_ports[i]), "--ring-fd", str(rings[i].fileno()),
+                "--http-host", host, "--http-port", str(http_ports[i]), "--http-fd", str(https[i].fileno()),
                 "--model", model, "--secret-file", str(secret_file),
                 "--cluster", cluster, "--state-dir", str(workdir), "--nodes", str(nodes),
                 "--log-level", log_level,
@@ -167,7 +156,10 @@ def run_local(
                 cmd += ["--model-id", model_id]
             if draft_model:  # on every node: whichever leads drafts
                 cmd += ["--draft-model", draft_model]
-            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, pass_fds=(rings[i].fileno(), https[i].fileno())))
+            # The node holds its listeners now: when it exits, they close (peers see it refuse).
+            rings[i].close()
+            https[i].close()
 
         url = f"http://{host}:{http_ports[0]}"
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -206,6 +198,8 @@ def run_local(
                 return 1
         return 0
     finally:
+        for s in rings + https:
+            s.close()  # those no node took, if a start failed
         for p in procs:
             if p.poll() is None:
                 p.terminate()

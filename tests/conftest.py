@@ -163,13 +163,13 @@ class Cluster:
     """
 
     def __init__(self, model: Path, n: int, tmp: Path, extra: list[str] | None = None, static_peers: bool = True):
-        from ringd.local import free_port
+        from ports import ports
 
         self.model, self.n, self.tmp, self.extra = model, n, tmp, extra or []
         # Static peers (discovery off), or none and Bonjour on loopback only.
         self.static_peers = static_peers
-        self.ring_ports = [free_port() for _ in range(n)]
-        self.http_ports = [free_port() for _ in range(n)]
+        self.ring_ports = ports(n)
+        self.http_ports = ports(n)
         self.secret = tmp / "secret"
         self.secret.write_text("s" * 32)
         self.secret.chmod(0o600)  # serve refuses a secret others can read

@@ -112,19 +112,19 @@ def test_with_no_peer_holding_the_model_the_hub_as_before(tiny_model, tmp_path):
     """model_from_peers with a repo id and nobody to fetch from: the Hub (a local fake of it) serves."""
     from fakehub import FakeHub
 
-    from ringd.local import free_port
+    from ports import port
 
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
     secret.chmod(0o600)
-    http = free_port()
+    http = port()
     with FakeHub({"ringd-test/tiny": tiny_model(arch="llama", layers=4, dtype="float32")}) as hub:
         cmd = [
             sys.executable, "-m", "ringd", "serve", "--name", "node0", "--cluster", f"hub-{os.getpid()}", "--host", "127.0.0.1",
-            "--advertise", "127.0.0.1", "--http-host", "127.0.0.1", "--ring-port", str(free_port()), "--http-port", str(http),
+            "--advertise", "127.0.0.1", "--http-host", "127.0.0.1", "--ring-port", str(port()), "--http-port", str(http),
             "--model", "ringd-test/tiny", "--model-from-peers", "true", "--models-dir", str(tmp_path / "models"),
             "--secret-file", str(secret), "--state-dir", str(tmp_path / "state"), "--discovery", "off", "--nodes", "1",
-            "--peer", f"127.0.0.1:{free_port()}",  # nobody there
+            "--peer", f"127.0.0.1:{port()}",  # nobody there
         ]  # fmt: skip
         log = tmp_path / "node0.log"
         with open(log, "w") as out:
@@ -147,16 +147,16 @@ def test_with_no_peer_holding_the_model_the_hub_as_before(tiny_model, tmp_path):
 def test_a_node_waiting_for_a_holder_says_so_and_stops_on_a_signal(tmp_path):
     import signal
 
-    from ringd.local import free_port
+    from ports import port
 
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
     secret.chmod(0o600)
     cmd = [
         sys.executable, "-m", "ringd", "serve", "--name", "lonely", "--cluster", f"alone-{os.getpid()}", "--host", "127.0.0.1",
-        "--advertise", "127.0.0.1", "--http-host", "127.0.0.1", "--ring-port", str(free_port()), "--http-port", str(free_port()),
+        "--advertise", "127.0.0.1", "--http-host", "127.0.0.1", "--ring-port", str(port()), "--http-port", str(port()),
         "--model-from-peers", "true", "--models-dir", str(tmp_path / "models"), "--secret-file", str(secret),
-        "--state-dir", str(tmp_path / "state"), "--discovery", "off", "--peer", f"127.0.0.1:{free_port()}",
+        "--state-dir", str(tmp_path / "state"), "--discovery", "off", "--peer", f"127.0.0.1:{port()}",
     ]  # fmt: skip
     log = tmp_path / "lonely.log"
     with open(log, "w") as out:

@@ -32,7 +32,7 @@ import pytest
 from conftest import REPO, RING_START_TIMEOUT_S
 
 from ringd import service
-from ringd.local import free_port
+from ports import port
 
 # Seconds for a ringctl command that only reads a config and writes a file (imports included).
 CTL_TIMEOUT_S = 60
@@ -62,12 +62,12 @@ def write_config(folder: Path, model: str, **keys) -> Path:
 def test_the_printed_launchd_job_starts_a_node_that_serves(tiny_model, tmp_path):
     home = tmp_path / "home"
     home.mkdir()
-    http_port = free_port()
+    http_port = port()
     # A space in the folder: launchd passes arguments as an array, no shell splits them.
     # state_dir is relative, so the node's state lands in WorkingDirectory (the config's folder).
     config = write_config(
         tmp_path / "node conf", str(tiny_model(arch="llama", layers=2)), model_id="tiny",
-        host="127.0.0.1", advertise="127.0.0.1", ring_port=free_port(), http_host="127.0.0.1", http_port=http_port,
+        host="127.0.0.1", advertise="127.0.0.1", ring_port=port(), http_host="127.0.0.1", http_port=http_port,
         discovery=False, nodes=1, state_dir="state",
     )  # fmt: skip
     r = ringctl(ctl_env(home, "macos"), "install", "--config", str(config), "--print")

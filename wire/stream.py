@@ -557,8 +557,12 @@ async def serve(
     info: dict | None = None,
     encrypt: bool = False,
     trusted: Callable[[str], bool] = lambda host: False,
+    sock: socket.socket | None = None,
 ) -> asyncio.AbstractServer:
     """Listen for peers; run `on_stream` in a task for each one that completes the handshake.
+
+    `sock`: a listening socket to accept on instead of binding host:port (one a
+    launcher bound and handed down, so nobody can take its port in between).
 
     `info` is read each time it is sent, once a peer has proved the secret.
     `encrypt` makes every accepted link encrypted; without it a link is
@@ -602,6 +606,8 @@ async def serve(
         protocol.authenticated.add_done_callback(functools.partial(on_handshake_over, protocol))
         return protocol
 
+    if sock is not None:
+        return await asyncio.get_running_loop().create_server(new_protocol, sock=sock)
     return await asyncio.get_running_loop().create_server(new_protocol, host, port)
 
 

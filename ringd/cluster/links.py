@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -133,11 +134,12 @@ class Links:
         # Peers that left (said LEAVE): not dialed back, until one links again.
         self._departed: set[str] = set()
 
-    async def listen(self, host: str, port: int) -> int:
-        """Start accepting peers; returns the bound port (useful with port 0)."""
+    async def listen(self, host: str, port: int, sock: socket.socket | None = None) -> int:
+        """Start accepting peers on host:port, or on ``sock`` (a listening socket handed down by a
+        launcher); returns the bound port (useful with port 0)."""
         self._server = await wire_stream.serve(
             host, port, self._accepted, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info,
-            encrypt=self.encrypt, trusted=self._known_host,
+            encrypt=self.encrypt, trusted=self._known_host, sock=sock,
         )  # fmt: skip
         self._supervisor.forever("heartbeats", self._heartbeat_loop)
         return self._server.sockets[0].getsockname()[1]

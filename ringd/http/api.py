@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -239,7 +240,7 @@ class Api:
         self._page = (WEB_DIR / "index.html").read_bytes()
         self._openapi = OPENAPI.read_bytes()
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> int:
         raise_fd_limit()
         # handler_cancellation: a client that disconnects cancels its handler at
         # once, which releases its request's caches instead of generating on.
@@ -252,7 +253,7 @@ class Api:
             logger=AIOHTTP_LOG,
         )  # fmt: skip
         await self._runner.setup()
-        self._server, _ = await listen(self._runner, host, port)
+        self._server, _ = await listen(self._runner, host, port, sock=sock)
         return self._server.sockets[0].getsockname()[1]
 
     def stop_serving(self, reason: str) -> None:

@@ -121,10 +121,16 @@ class ConnectionCap:
         return _Refused()
 
 
-async def listen(runner: web.AppRunner, host: str, port: int, cap: int = MAX_HTTP_CONNECTIONS) -> tuple[asyncio.AbstractServer, ConnectionCap]:
-    """Serve ``runner``'s app on host:port behind the connection cap."""
+async def listen(
+    runner: web.AppRunner, host: str, port: int, cap: int = MAX_HTTP_CONNECTIONS, sock: socket.socket | None = None
+) -> tuple[asyncio.AbstractServer, ConnectionCap]:
+    """Serve ``runner``'s app on host:port, or on ``sock`` (a listening socket handed down by a
+    launcher), behind the connection cap."""
     guard = ConnectionCap(runner.server, cap)
-    server = await asyncio.get_running_loop().create_server(guard, host, port, reuse_address=True, backlog=1024, family=socket.AF_INET if ":" not in host else socket.AF_INET6)
+    loop = asyncio.get_running_loop()
+    if sock is not None:
+        return await loop.create_server(guard, sock=sock), guard
+    server = await loop.create_server(guard, host, port, reuse_address=True, backlog=1024, family=socket.AF_INET if ":" not in host else socket.AF_INET6)
     return server, guard
 
 

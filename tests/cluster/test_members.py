@@ -127,10 +127,10 @@ def test_a_daemon_with_the_wrong_secret_is_never_admitted(tiny_model, cluster_fa
     bad_secret = tmp_path / "bad-secret"
     bad_secret.write_text("x" * 32)
     bad_secret.chmod(0o600)
-    from ringd.local import free_port
+    from ports import port
 
-    c.ring_ports.append(free_port())
-    c.http_ports.append(free_port())
+    c.ring_ports.append(port())
+    c.http_ports.append(port())
     cmd = c.command(2, secret=bad_secret, name="intruder")
     log = tmp_path / "intruder.log"
     with open(log, "w") as f:

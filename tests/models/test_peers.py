@@ -329,11 +329,11 @@ def fetcher_config(models: Path):
     import argparse
 
     from ringd import config
-    from ringd.local import free_port
+    from ports import port
 
     parser = argparse.ArgumentParser()
     config.add_flags(parser)
-    argv = ["--name", "node1", "--model-from-peers", "true", "--models-dir", str(models), "--discovery", "off", "--peer", f"127.0.0.1:{free_port()}"]
+    argv = ["--name", "node1", "--model-from-peers", "true", "--models-dir", str(models), "--discovery", "off", "--peer", f"127.0.0.1:{port()}"]
     return config.load(parser.parse_args(argv), {})
 
 
@@ -356,14 +356,14 @@ def test_a_fetch_that_fails_is_said_and_tried_again_and_the_node_carries_on(smol
     """The holder a probe found is gone when its manifest is asked for (its Mac went to sleep):
     the node says why and asks again, and fetches from the holder found next."""
     from ringd.node import holders
-    from ringd.local import free_port
+    from ports import port
 
     cfg = fetcher_config(tmp_path / "models")
     monkeypatch.setattr(holders, "PROBE_RETRY_S", 0.1)
 
     async def main():
         async with holder("node0", smollm2_gguf, tmp_path / "cache") as (h, _):
-            asleep = Holder(h.node, f"127.0.0.1:{free_port()}", h.model)  # nobody listens there
+            asleep = Holder(h.node, f"127.0.0.1:{port()}", h.model)  # nobody listens there
             found = iter([[asleep], [h]])
 
             async def find(*_args, **_kw):  # the probe's answers (real probes: tests/cluster/test_holders.py)
