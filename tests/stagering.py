@@ -30,16 +30,20 @@ ANSWER_TIMEOUT_S = 120.0  # one micro-batch's way around, on a loaded two-core m
 
 
 class StageRing:
-    def __init__(self, model, cuts: list[int], tokenizer=None):
+    """``nodes``: the stages' names (node0, node1, ... by default); ``term``: the plan's; ``compute``:
+    a compute thread to share with another ring (a re-planned one, with the leader's draft model)."""
+
+    def __init__(self, model, cuts: list[int], tokenizer=None, term: int = TERM, nodes: list[str] | None = None, compute: ComputeThread | None = None):
         info = model_info(str(model))
         bounds = [0, *cuts, info.num_layers]
-        self.stages = [Stage(f"node{i}", f"127.0.0.1:{i + 1}", a, b) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-        self.plan = Plan(TERM, "node0", info.fingerprint, info.num_layers, tuple(self.stages))
+        names = nodes or [f"node{i}" for i in range(len(bounds) - 1)]
+        self.stages = [Stage(name, f"127.0.0.1:{i + 1}", a, b) for i, (name, a, b) in enumerate(zip(names, bounds, bounds[1:]))]
+        self.plan = Plan(term, names[0], info.fingerprint, info.num_layers, tuple(self.stages))
         self.shards = [Shard.load(str(model), s.start, s.end) for s in self.stages]
         self.tokenizer, self.vocab_size = tokenizer, info.vocab_size
         self.eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
         self.to_leader: asyncio.Queue = asyncio.Queue()
-        self.compute = ComputeThread()
+        self.compute = compute or ComputeThread()
         self.metrics = Metrics("node-last")
         self.runners = {}
         self._batches = iter(range(1, 2**62))
@@ -59,10 +63,10 @@ class StageRing:
         else:
             self.to_leader.put_nowait(frame)
 
-    def lead(self, engine, lose=lambda node, frame: False):
+    def lead(self, engine, lose=lambda node, frame: False, ledger=None):
         """Wire ``engine`` (an ``Engine`` built with no ``send``) as this ring's leader: its FORWARD and
         RELEASE frames go to the stages, the last stage's answers to it, except the frames ``lose``
-        says are lost on the way; then it gets the plan. Returns the engine."""
+        says are lost on the way; then it gets the plan (and ``ledger``, the ring's KV room). Returns the engine."""
         last = self.stages[-1].node
 
         def send(node: str, frame: Frame) -> None:
@@ -76,7 +80,7 @@ class StageRing:
         engine.send = send
         for runner in self.runners.values():
             runner.send = send
-        engine.set_plan(self.plan)
+        engine.set_plan(self.plan, ledger)
         return engine
 
     def forward(self, rows: list[Row]) -> int:
