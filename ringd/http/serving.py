@@ -26,7 +26,7 @@ from ringd.http.openai_types import ApiError
 from ringd.http.reader import Reader
 from ringd.http.render import Rendered, RenderError, render
 from ringd.http.request import Output, Request, Usage
-from ringd.leader.engine import EngineError
+from ringd.leader.errors import EngineError
 from ringd.ring.sampling import SamplingError
 
 if TYPE_CHECKING:

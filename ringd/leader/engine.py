@@ -25,7 +25,7 @@ replayed from its first token: correct, but its caches are then the cold
 run's rather than bit for bit the interrupted ring's.)
 
 Admission: a request's whole context (prompt plus max_tokens) is booked on
-every stage's KV capacity (``admission.KvLedger``) before it enters the ring.
+every stage's KV capacity (``admission.Admission``, over the ring's ``KvLedger``) before it enters the ring.
 Cached prefixes are evicted first to make room; then it waits in a bounded
 FIFO queue, and a full queue or a wait past ``queue_timeout_s`` is a 429 with
 Retry-After. A context that could never fit is a 400.
@@ -41,7 +41,6 @@ asyncio shell: frames out, frames in, tokens to consumers.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import secrets
@@ -53,8 +52,9 @@ from mlx_lm.generate import TextStateMachine
 
 from ringd.ring import steps
 from ringd.ring.plan import Plan
-from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S, AdmissionError, KvLedger
+from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S, Admission, KvLedger
 from ringd.leader.draft import Drafter
+from ringd.leader.errors import RETRY_AFTER_S, EngineError
 from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES, MIN_REUSE_TOKENS, PrefixIndex
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, Deliver, Draft, Fail, Release, Scheduler, Send
 from ringd.logs import about
@@ -72,21 +72,6 @@ MAX_ACTIVE_REQUESTS = 64
 # model on a slow Mac takes seconds; two minutes of silence means the ring is
 # broken, and the request fails instead of hanging.
 STEP_TIMEOUT_S = 120.0
-# Retry-After for a 429: seconds until KV room is likely.
-RETRY_AFTER_S = 2
-
-
-class EngineError(Exception):
-    """A request could not be served; ``status`` is the HTTP status to answer with."""
-
-    status = 500
-    retry_after: int | None = None  # seconds, for a 429
-
-    def __init__(self, message: str, status: int | None = None, retry_after: int | None = None):
-        super().__init__(message)
-        if status is not None:
-            self.status = status
-        self.retry_after = retry_after
 
 
 @dataclass
@@ -119,6 +104,11 @@ class _Flight:
     suspended: bool = False  # its ring was lost: replayed on the next
     released: bool = False  # its caches are released (or kept as a prefix): its booking is settled
     request_id: str | None = None  # the client's name for it (logs.py)
+    arrived: float = 0.0  # when it reached the engine (time.monotonic())
+    produced: int = 0  # tokens it yielded here
+    first_token_s: float | None = None  # from arrival to its first token here
+    last_token_at: float | None = None
+    outcome: str = "ended by its client"  # unless it finishes or fails
 
     def about(self, term: int | None = None, **fields) -> dict:
         """``extra`` for a log line about this request."""
@@ -224,7 +214,8 @@ class Engine:
         self._sent_at: dict[int, tuple[int, float]] = {}
         self.micro_batches = micro_batches  # 0: one in flight per stage of the ring
         self.kv = kv
-        self.ledger: KvLedger | None = None
+        # Who may enter now: KV room booked on the ring's ledger, or a place in line for it.
+        self.admission = Admission(self._make_room, max_queued, queue_timeout_s)
         # A rotating cache that has wrapped cannot be trimmed to a prefix.
         self.prefix = PrefixIndex(0 if kv is not None and kv.max_size is not None else prefix_cache_entries)
         self._prefix_term: int | None = None  # the ring whose stages hold the indexed prefixes
@@ -232,9 +223,6 @@ class Engine:
         # than this (None: any; 0: never, prefix reuse is off); why, for the status.
         self.prefix_limit: int | None = None
         self.prefix_note = ""
-        self.max_queued = max_queued
-        self.queue_timeout_s = queue_timeout_s
-        self._waiting: collections.deque[tuple[int, int, asyncio.Future]] = collections.deque()
         # Random start: ids of a restarted leader never meet a stale session.
         self._ids = itertools.count(secrets.randbits(62) + 1)
 
@@ -244,48 +232,13 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        return sum(not f.done() for _, _, f in self._waiting)
+        return self.admission.queued
+
+    @property
+    def ledger(self) -> KvLedger | None:
+        return self.admission.ledger
 
     # --- admission --------------------------------------------------------------------
-
-    async def _admit(self, rid: int, need: int, request_id: str | None) -> None:
-        """Book ``need`` positions on every stage, waiting in line for room if there is none."""
-        ledger = self.ledger
-        if ledger is None:
-            return
-        try:
-            ledger.check_possible(need)
-        except AdmissionError as e:
-            raise EngineError(str(e), 400) from None
-        if not self._waiting and self._make_room(need):
-            ledger.book(rid, need)
-            return
-        if self.queued >= self.max_queued:
-            raise EngineError(
-                f"the ring's KV cache is full and {self.max_queued} requests are already waiting; retry shortly",
-                429, RETRY_AFTER_S,
-            )  # fmt: skip
-        fut = asyncio.get_running_loop().create_future()
-        entry = (rid, need, fut)
-        self._waiting.append(entry)
-        log.info("req=%x: waiting for KV room (%d queued)", rid, self.queued, extra=about(request_id, rid=f"{rid:x}", queued=self.queued))
-        try:
-            async with asyncio.timeout(self.queue_timeout_s):
-                await fut
-        except TimeoutError:
-            if fut.done() and not fut.cancelled():
-                return  # booked just as the time ran out
-            raise EngineError(
-                f"no KV room for this request within {self.queue_timeout_s:.0f} s; retry shortly", 429, RETRY_AFTER_S
-            ) from None
-        except BaseException:
-            if fut.done() and not fut.cancelled() and self.ledger is ledger:
-                ledger.release(rid)  # booked just as the client left
-                self._wake()
-            raise
-        finally:
-            if entry in self._waiting:
-                self._waiting.remove(entry)
 
     async def _admit_on_ring(self, rid: int, need: int, request_id: str | None) -> None:
         """Book ``need`` positions on the ring that serves. A request that arrives while a lost
@@ -294,18 +247,16 @@ class Engine:
         while True:
             if self.plan is None and not await self.ring_back(self.failover_wait_s):
                 raise EngineError("the ring is not ready", 503)
-            await self._admit(rid, need, request_id)
+            await self.admission.admit(rid, need, request_id)
             if self.plan is not None:
                 return
             # The ring broke as room was found: the booking is void on the next ring's ledger.
-            if self.ledger is not None:
-                self.ledger.release(rid)
-                self._wake()
+            self.admission.release(rid)
+            self.admission.wake()
 
     def _make_room(self, need: int) -> bool:
         """Evict cached prefixes, oldest first, until ``need`` positions fit; False if they cannot."""
-        ledger = self.ledger
-        while not ledger.fits(need):
+        while not self.ledger.fits(need):
             key = self.prefix.pop_oldest()
             if key is None:
                 return False
@@ -316,26 +267,12 @@ class Engine:
         """Drop a cached prefix: ``why`` "room" (a request needed its KV room) or "entries"
         (prefix_cache_entries are kept at most)."""
         self.metrics.eviction(why)
-        if self.ledger is not None:
-            self.ledger.release(key)
+        self.admission.release(key)
         if self.plan is not None and self._prefix_term == self.plan.term:
             try:
                 self.send(self.plan.stages[0].node, steps.release(key, self.plan.term, "evict"))
             except Exception as e:  # the ring is breaking; its stores go with it
                 log.debug("could not evict cached prefix %x: %s", key, e)
-
-    def _wake(self) -> None:
-        """Admit waiting requests, in order, while they fit."""
-        while self._waiting and self.ledger is not None:
-            rid, need, fut = self._waiting[0]
-            if fut.done():
-                self._waiting.popleft()
-                continue
-            if not self._make_room(need):
-                return
-            self.ledger.book(rid, need)
-            fut.set_result(None)
-            self._waiting.popleft()
 
     async def generate(
         self,
@@ -360,6 +297,32 @@ class Engine:
         tokens do not end it (vLLM's option; a benchmark's fixed length): it runs to
         ``max_tokens`` or a ``stop`` string.
         """
+        flight = await self._enter(prompt, params, max_tokens, resume, request_id)
+        try:
+            text = _Text(self.tokenizer.detokenizer, stop, self.eos_ids, max_tokens, ignore_eos)
+            finish = None
+            for token in resume:  # the client has their text: bring the state to where it was
+                piece, finish = text.next(token)
+                if emit_resumed:
+                    yield TokenEvent(token, piece, 0.0, [], None, 0, resumed=True)
+            if finish is not None:
+                raise EngineError("the stream carried over had ended already: nothing is left to generate", 400)
+            draft = self._speculates(params, len(prompt) + max_tokens)
+            self._run(self.scheduler.join(flight.rid, flight.prompt, max_tokens, flight.generated, flight.cached, draft, frozenset() if ignore_eos else None))
+            while True:
+                event = await self._next(flight, text, bool(resume))
+                yield event
+                if event.finish_reason is not None:
+                    return
+        except EngineError as e:
+            flight.outcome = f"failed ({e.status}: {e})"
+            raise
+        finally:
+            self._leave(flight)
+
+    async def _enter(self, prompt: list[int], params: SamplingParams, max_tokens: int, resume: list[int], request_id: str | None) -> _Flight:
+        """Admit a request on the ring that serves (waiting for room, or for the next ring) and
+        open its flight, from a cached prefix where one shares its start."""
         arrived = time.monotonic()
         if not prompt:
             raise EngineError("the prompt is empty", 400)
@@ -368,13 +331,12 @@ class Engine:
         rid = next(self._ids)
         await self._admit_on_ring(rid, len(prompt) + max_tokens, request_id)
         self.metrics.queue_wait.observe(time.monotonic() - arrived)
-        flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue(), generated=list(resume), request_id=request_id)
+        flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue(), generated=list(resume), request_id=request_id, arrived=arrived)
         if self._prefix_term == self.plan.term:
             flight.reuse = self.prefix.take(flight.prompt)
             if flight.reuse is not None:
                 flight.cached = flight.reuse[1]
-                if self.ledger is not None:  # its positions are now part of this request's booking
-                    self.ledger.release(flight.reuse[0])
+                self.admission.release(flight.reuse[0])  # its positions are now part of this request's booking
         self._flights[flight.rid] = flight
         if resume:
             self.metrics.replays.inc()  # carried over from a leader that went away
@@ -389,66 +351,53 @@ class Engine:
                 max_tokens=max_tokens, resumed=len(resume),
             ),
         )  # fmt: skip
-        produced, last, first_after = 0, None, None
-        outcome = "ended by its client"  # unless it finishes or fails
+        return flight
+
+    async def _next(self, flight: _Flight, text: _Text, resumed: bool) -> TokenEvent:
+        """The request's next token from the ring, as text; an EngineError if the ring says it failed
+        or says nothing for ``step_timeout_s``."""
         try:
-            text = _Text(self.tokenizer.detokenizer, stop, self.eos_ids, flight.max_tokens, ignore_eos)
-            finish = None
-            for token in resume:  # the client has their text: bring the state to where it was
-                piece, finish = text.next(token)
-                if emit_resumed:
-                    yield TokenEvent(token, piece, 0.0, [], None, 0, resumed=True)
-            if finish is not None:
-                raise EngineError("the stream carried over had ended already: nothing is left to generate", 400)
-            draft = self._speculates(params, len(prompt) + max_tokens)
-            self._run(self.scheduler.join(rid, flight.prompt, max_tokens, flight.generated, flight.cached, draft, frozenset() if ignore_eos else None))
-            while True:
-                try:
-                    async with asyncio.timeout(self.step_timeout_s):
-                        sampled = await flight.queue.get()
-                except TimeoutError:
-                    raise EngineError(
-                        f"the ring did not answer within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)", 503
-                    ) from None
-                if isinstance(sampled, EngineError):
-                    raise sampled
-                token = sampled.token
-                piece, finish = text.next(token)
-                now = time.monotonic()
-                if last is None:
-                    first_after = now - arrived
-                    if not resume:  # a carried-over stream's first token here is not its first
-                        self.metrics.first_token(first_after)
-                self.metrics.token(now - last if last is not None else None)
-                last = now
-                produced += 1
-                if finish is not None:
-                    outcome = f"finished ({finish})"
-                yield TokenEvent(token, piece, sampled.logprob, list(sampled.top), finish, flight.cached, stop_sequence=text.matched)
-                if finish is not None:
-                    return
-        except EngineError as e:
-            outcome = f"failed ({e.status}: {e})"
-            raise
-        finally:
-            flight.finished = True
-            self._run(self.scheduler.leave(rid))
-            if self.drafter is not None:
-                self.drafter.forget(rid)
-            if rid not in self.scheduler:  # else its RELEASE follows its last row, and settles it
-                if flight.released:
-                    self._flights.pop(rid, None)
-                else:
-                    self._settle(flight)  # no release will come: no ring holds its caches
-            duration = time.monotonic() - arrived
-            self.metrics.request_duration.observe(duration)
-            log.info(
-                "req=%x: %s after %d tokens in %.2f s", rid, outcome, produced, duration,
-                extra=flight.about(
-                    self.plan.term if self.plan else None, outcome=outcome, completion_tokens=produced, duration_s=round(duration, 4),
-                    ttft_s=round(first_after, 4) if first_after is not None else None,
-                ),
-            )  # fmt: skip
+            async with asyncio.timeout(self.step_timeout_s):
+                sampled = await flight.queue.get()
+        except TimeoutError:
+            raise EngineError(f"the ring did not answer within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)", 503) from None
+        if isinstance(sampled, EngineError):
+            raise sampled
+        piece, finish = text.next(sampled.token)
+        now = time.monotonic()
+        if flight.last_token_at is None:
+            flight.first_token_s = now - flight.arrived
+            if not resumed:  # a carried-over stream's first token here is not its first
+                self.metrics.first_token(flight.first_token_s)
+        self.metrics.token(now - flight.last_token_at if flight.last_token_at is not None else None)
+        flight.last_token_at = now
+        flight.produced += 1
+        if finish is not None:
+            flight.outcome = f"finished ({finish})"
+        return TokenEvent(sampled.token, piece, sampled.logprob, list(sampled.top), finish, flight.cached, stop_sequence=text.matched)
+
+    def _leave(self, flight: _Flight) -> None:
+        """However the request ended: it leaves the schedule, its booking is settled once no row of
+        it is in flight, and one line says how it went."""
+        rid = flight.rid
+        flight.finished = True
+        self._run(self.scheduler.leave(rid))
+        if self.drafter is not None:
+            self.drafter.forget(rid)
+        if rid not in self.scheduler:  # else its RELEASE follows its last row, and settles it
+            if flight.released:
+                self._flights.pop(rid, None)
+            else:
+                self._settle(flight)  # no release will come: no ring holds its caches
+        duration = time.monotonic() - flight.arrived
+        self.metrics.request_duration.observe(duration)
+        log.info(
+            "req=%x: %s after %d tokens in %.2f s", rid, flight.outcome, flight.produced, duration,
+            extra=flight.about(
+                self.plan.term if self.plan else None, outcome=flight.outcome, completion_tokens=flight.produced,
+                duration_s=round(duration, 4), ttft_s=round(flight.first_token_s, 4) if flight.first_token_s is not None else None,
+            ),
+        )  # fmt: skip
 
     def _speculates(self, params: SamplingParams, positions: int) -> bool:
         """Whether a request's decode steps verify the draft's proposals: a draft model is loaded,
@@ -549,25 +498,23 @@ class Engine:
             keep = False
         if keep:
             tokens = (flight.prompt + flight.generated)[: release.sent]
-            if self.ledger is not None:
-                self.ledger.book(rid, len(tokens))  # now the entry's, no longer the request's
+            self.admission.book(rid, len(tokens))  # now the entry's, no longer the request's
             for old in self.prefix.add(rid, tokens):
                 self._evict(old, "entries")
             flight.released = True
             if flight.finished:
                 del self._flights[rid]
-            self._wake()
+            self.admission.wake()
         elif flight is not None:
             self._settle(flight)
 
     def _settle(self, flight: _Flight) -> None:
         """The request's booking goes (its caches are freed or gone); it is forgotten once its consumer is done."""
         flight.released = True
-        if self.ledger is not None:
-            self.ledger.release(flight.rid)
+        self.admission.release(flight.rid)
         if flight.finished:
             self._flights.pop(flight.rid, None)
-        self._wake()
+        self.admission.wake()
 
     def on_frame(self, peer: str, frame: Frame) -> None:
         """A TOKEN or ERROR frame from ``peer`` (event loop): a micro-batch's answer, or its failure."""
@@ -669,14 +616,14 @@ class Engine:
         if self._prefix_term != plan.term:
             self.prefix.clear()  # new stages, empty stores
             self._prefix_term = plan.term
-        self.ledger = ledger
+        self.admission.ledger = ledger
         if ledger is not None:
             for flight in self._flights.values():
                 if not flight.released:
                     ledger.book(flight.rid, len(flight.prompt) + flight.max_tokens)
             for key in self.prefix.keys():
                 ledger.book(key, len(self.prefix.tokens(key)))
-        self._wake()
+        self.admission.wake()
         for flight in self._flights.values():
             if flight.suspended:
                 flight.suspended = False

@@ -19,7 +19,8 @@ from stagering import StageRing
 from stagering import teacher_forced_mismatches
 
 from ringd.models.checkpoint import load_tokenizer, model_info
-from ringd.leader.engine import Engine, EngineError, _Text
+from ringd.leader.engine import Engine, _Text
+from ringd.leader.errors import EngineError
 from ringd.ring.sampling import SamplingParams
 from wire.frames import MsgType
 
