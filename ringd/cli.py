@@ -31,7 +31,7 @@ def cache_dir() -> Path:
 
 async def _serve(cfg: config_mod.Config) -> int:
     from ringd.daemon import Daemon
-    from ringd.models.checkpoint import ModelError
+    from ringd.models.errors import ModelError
 
     loop = asyncio.get_running_loop()
     # `kill -USR1 <pid>` writes every thread's stack to the log: how an operator
@@ -76,7 +76,8 @@ async def _serve(cfg: config_mod.Config) -> int:
 
 
 def _convert(model: str, out_dir: Path) -> int:
-    from ringd.models.checkpoint import ModelError, gguf_source
+    from ringd.models.checkpoint import gguf_source
+    from ringd.models.errors import ModelError
     from ringd.models.gguf import GgufFile
 
     try:

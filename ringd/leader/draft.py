@@ -22,7 +22,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from ringd.models.checkpoint import ModelError, ModelInfo, model_info
+from ringd.models.checkpoint import ModelInfo, model_info
+from ringd.models.errors import ModelError
 from ringd.stage.compute import ComputeThread
 from ringd.stage.shard import Shard
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from mlx_lm.utils import load_config
 
+from ringd.models.errors import ModelError, ModelFileError
 from ringd.models.progress import DOWNLOAD, LoadCancelled, LoadProgress
 
 # The mlx-lm architectures (module names) a ring runs, bit for bit as one process does:
@@ -77,16 +78,6 @@ _SAFETENSORS_ITEM_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
     "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
 }  # fmt: skip
-
-
-class ModelError(ValueError):
-    """The model cannot be served by a ring: unsupported, incomplete, bad range."""
-
-
-class ModelFileError(ModelError):
-    """A file of the model on this disk is not what it claims to be: invalid JSON, a corrupt
-    or truncated safetensors file. Trying again reads the same bytes: it is not transient,
-    and the message names the file and what is wrong with it."""
 
 
 @dataclass(frozen=True)

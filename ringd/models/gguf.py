@@ -48,7 +48,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ringd.models.checkpoint import ModelError, sample_spans
+from ringd.models.checkpoint import sample_spans
+from ringd.models.errors import ModelError
 
 GGUF_MAGIC = b"GGUF"
 

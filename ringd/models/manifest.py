@@ -31,7 +31,8 @@ from typing import Iterable
 
 from blake3 import blake3
 
-from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, ModelError, identify, stage_keeps
+from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, identify, stage_keeps
+from ringd.models.errors import ModelError
 
 # A piece is what a fetcher checks, writes and records at once, and what a fetch stopped
 # by kill -9 may have to fetch again per file: a tensor, or MAX_PIECE_BYTES of a longer one

@@ -34,15 +34,15 @@ from mlx_lm.utils import load_model, maybe_set_recommended_wired_limit
 from ringd.ring.kvcost import KvCost
 from ringd.models.checkpoint import (
     NON_WEIGHT_PATTERNS,
-    ModelError,
     ModelInfo,
     check_weights_present,
-    stage_keeps,
     model_info,
     resolve_model_path,
+    stage_keeps,
     weight_files_for,
     weight_map,
 )
+from ringd.models.errors import ModelError
 from ringd.models.gguf import GgufFile
 from ringd.models.progress import LOAD, LoadProgress
 from ringd.stage.sessions import mergeable_kind

@@ -18,7 +18,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ringd.models.checkpoint import ModelError, model_info
+from ringd.models.checkpoint import model_info
+from ringd.models.errors import ModelError
 from ringd.models.gguf import NATIVE_TYPES, GgufFile, is_gguf, read_tensor
 from stagering import reference, ring
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ringd.models import ollama
-from ringd.models.checkpoint import ModelError
+from ringd.models.errors import ModelError
 from ringd.models.ollama import MODEL_MEDIA_TYPE, is_ollama_ref, parse_name, resolve
 
 FAKE_GGUF = b"GGUF" + (3).to_bytes(4, "little") + bytes(56)

@@ -22,7 +22,8 @@ import pytest
 from mlx_lm import load
 from mlx.utils import tree_flatten
 
-from ringd.models.checkpoint import SUPPORTED_ARCHITECTURES, ModelError, _model_module
+from ringd.models.checkpoint import SUPPORTED_ARCHITECTURES, _model_module
+from ringd.models.errors import ModelError
 from ringd.stage.shard import Shard
 from stagering import reference, ring
 from ringd.models.tinyarchs import ARCHS

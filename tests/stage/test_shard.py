@@ -10,7 +10,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
 
-from ringd.models.checkpoint import ModelError, model_info, resolve_model_path, weight_files_for
+from ringd.models.checkpoint import model_info, resolve_model_path, weight_files_for
+from ringd.models.errors import ModelError
 from ringd.models.progress import LoadProgress
 from ringd.stage.shard import Shard
 
