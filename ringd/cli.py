@@ -76,9 +76,9 @@ async def _serve(cfg: config_mod.Config) -> int:
 
 
 def _convert(model: str, out_dir: Path) -> int:
-    from ringd.models.checkpoint import gguf_source
     from ringd.models.errors import ModelError
     from ringd.models.gguf import GgufFile
+    from ringd.models.source import gguf_source
 
     try:
         file, _ = gguf_source(model)

@@ -36,8 +36,6 @@ from ringd.models.checkpoint import (
     NON_WEIGHT_PATTERNS,
     ModelInfo,
     check_weights_present,
-    model_info,
-    resolve_model_path,
     stage_keeps,
     weight_files_for,
     weight_map,
@@ -45,6 +43,7 @@ from ringd.models.checkpoint import (
 from ringd.models.errors import ModelError
 from ringd.models.gguf import GgufFile
 from ringd.models.progress import LOAD, LoadProgress
+from ringd.models.source import model_info, resolve_model_path
 from ringd.stage.sessions import mergeable_kind
 
 # A stage's parameters are read in groups of about this many bytes (a group ends with

@@ -8,8 +8,9 @@ import struct
 
 import pytest
 
-from ringd.models.checkpoint import model_info, weight_files_for, weight_map, weights_digest
+from ringd.models.checkpoint import weight_files_for, weight_map, weights_digest
 from ringd.models.errors import ModelFileError
+from ringd.models.source import model_info
 
 
 def test_the_fingerprint_covers_the_weights_not_only_the_config(tiny_model, tmp_path):

@@ -188,7 +188,7 @@ def test_parse_name_fills_the_defaults_as_ollama_does():
 
 
 def test_the_real_smollm2_through_an_ollama_store_is_a_model(store, smollm2_gguf):
-    from ringd.models.checkpoint import gguf_source, model_info
+    from ringd.models.source import gguf_source, model_info
 
     # Ollama names a blob by its sha256; the test links the real file under a made-up
     # digest, which is all a store's reader can see (it does not hash blobs).

@@ -95,7 +95,7 @@ def test_an_untested_architecture_is_refused_with_the_list(tiny_model, tmp_path)
     import json
     import shutil
 
-    from ringd.models.checkpoint import model_info
+    from ringd.models.source import model_info
 
     path = tmp_path / "olmo"
     shutil.copytree(tiny_model(arch="llama", layers=2), path)
