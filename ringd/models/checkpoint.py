@@ -3,31 +3,31 @@
 Everything a node and the leader need to know about a model before (or without)
 loading it, as a ``ModelInfo``: the config and the architecture (and whether the
 ring supports it), the bytes of each layer and of the embeddings and head from the
-safetensors headers (each checked against its file; no tensor is read), a
-fingerprint that covers config and weights, which weight files a stage holding
-some layers needs (a Hugging Face repo id's files are fetched stage by stage) and
-which weights it keeps, and the tokenizer.
+safetensors headers (each checked against its file; no tensor is read), which
+weight files a stage holding some layers needs (a Hugging Face repo id's files are
+fetched stage by stage) and which weights it keeps, and the tokenizer.
 
 It ignores where the model comes from (``source.py`` finds the directory, the Hub
 snapshot, the GGUF file or the Ollama blob a user names, and makes its
-``ModelInfo``), GGUF's own format (``gguf.py``), and running a stage (``shard.py``).
+``ModelInfo``), what identifies it (``fingerprint.py``), GGUF's own format
+(``gguf.py``), and running a stage (``shard.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import re
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_lm.utils import load_config
 
+from ringd.device import default_cache_dir
 from ringd.models.errors import ModelError, ModelFileError
+from ringd.models.gguf import GgufFile
 
 # The mlx-lm architectures (module names) a ring runs, bit for bit as one process does:
 # decided by tests/stage/test_archs.py, which splits a tiny model of each at every cut and
@@ -40,11 +40,6 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "qwen3_next",  # hybrid: linear and full attention, MoE
     }
 )  # fmt: skip
-# (file name, start, end) -> those bytes of the file: a digest's slices, from wherever they are.
-SampleReader = Callable[[str, int, int], bytes]
-# Weight digests read this many slices of this many bytes from each weight file.
-SAMPLES_PER_FILE = 16
-SAMPLE_BYTES = 16 * 1024
 
 # Files a stage needs besides weights: config, tokenizer, chat template.
 NON_WEIGHT_PATTERNS = [
@@ -173,13 +168,6 @@ def check_supported(config: dict, where: Path) -> dict:
     return text
 
 
-def model_fingerprint(config: dict, weights: str) -> str:
-    """The fingerprint plans name a model by: its config and its weights' digest."""
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    digest.update(weights.encode())
-    return digest.hexdigest()[:16]
-
-
 def load_tokenizer(info: ModelInfo, cache_dir: Path | None = None):
     """mlx-lm's TokenizerWrapper for the model: from its directory, or for a GGUF file from the
     config and tokenizer files its metadata makes (written once under ``cache_dir``)."""
@@ -190,66 +178,7 @@ def load_tokenizer(info: ModelInfo, cache_dir: Path | None = None):
     eos = info.config.get("eos_token_id")
     if not info.is_gguf:
         return mlx_load_tokenizer(info.path, eos_token_ids=eos)
-    from ringd.device import default_cache_dir
-    from ringd.models.gguf import GgufFile
-
     return mlx_load_tokenizer(GgufFile.open(info.path).sidecar(cache_dir or default_cache_dir()), eos_token_ids=eos)
-
-
-def weights_digest(path: Path, read: "SampleReader | None" = None) -> str:
-    """What identifies the weights, so that a fine-tune and its base model never share a ring.
-
-    A Hugging Face snapshot is named by its commit, which fixes every file (and a
-    node that fetched only its own layers' files still knows it). A local directory:
-    each weight file's name, size and header, and SAMPLES_PER_FILE slices of its
-    data spread over the file: a fine-tune changes nearly every weight, and reading
-    a few hundred KiB per file keeps this instant on a model of hundreds of GB.
-    ``read(name, start, end)`` gives the slices where the files are not whole (a model
-    fetched from peers, which checks itself against its fingerprint this way).
-    """
-    parts = path.resolve().parts
-    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        return f"hub:{parts[-3]}@{parts[-1]}"
-    h = hashlib.sha256()
-    for file in sorted(path.glob("model*.safetensors")):
-        size = file.stat().st_size
-        h.update(f"{file.name}:{size}:".encode())
-        with open(file, "rb") as f:
-            raw = _safetensors_header_bytes(f, file, size)
-            h.update(raw)
-            for a, b in sample_spans(size, 8 + len(raw)):
-                h.update(read(file.name, a, b) if read is not None else os.pread(f.fileno(), b - a, a))
-    return "local:" + h.hexdigest()
-
-
-def identify(path: Path, read: SampleReader | None = None, digest: str | None = None) -> tuple[str, str]:
-    """(fingerprint, weights digest) of the checkpoint at ``path`` (a directory or a GGUF file),
-    read from its files as ``model_info`` reads them, slices from ``read`` where given, or with
-    ``digest`` as the weights' digest (a Hub snapshot's names its commit, not bytes). Blocking."""
-    if path.is_file():
-        from ringd.models.gguf import GgufFile
-
-        g = GgufFile.open(path)
-        digest = digest or g.digest(read)
-        return model_fingerprint(g.config, digest), digest
-    digest = digest or weights_digest(path, read)
-    return model_fingerprint(read_config(path), digest), digest
-
-
-def digest_samples(path: Path) -> dict[str, list[tuple[int, int]]]:
-    """The slices of each weight file ``weights_digest`` reads (blocking: reads the headers)."""
-    out = {}
-    for file in sorted(path.glob("model*.safetensors")):
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            out[file.name] = sample_spans(size, 8 + len(_safetensors_header_bytes(f, file, size)))
-    return out
-
-
-def sample_spans(size: int, data: int, samples: int = SAMPLES_PER_FILE, sample_bytes: int = SAMPLE_BYTES) -> list[tuple[int, int]]:
-    """[start, end) of the slices a digest reads of a file of ``size`` bytes whose data starts at ``data``."""
-    starts = (data + (size - data) * i // samples for i in range(samples))
-    return [(a, min(a + sample_bytes, size)) for a in starts]
 
 
 def weight_bytes(path: Path, num_layers: int) -> WeightBytes:
@@ -295,7 +224,7 @@ def _model_module(config: dict) -> str:
     return model_class.__module__.rsplit(".", 1)[-1]
 
 
-def _safetensors_header_bytes(f, file: Path, size: int) -> bytes:
+def safetensors_header_bytes(f, file: Path, size: int) -> bytes:
     """The JSON header of the safetensors file open as ``f`` (``size`` bytes), its length checked first."""
     head = f.read(8)
     if len(head) < 8:
@@ -316,7 +245,7 @@ def _safetensors_header(file: Path, keep_metadata: bool = False) -> dict:
     """
     with open(file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        raw = _safetensors_header_bytes(f, file, size)
+        raw = safetensors_header_bytes(f, file, size)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

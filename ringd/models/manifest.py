@@ -31,8 +31,9 @@ from typing import Iterable
 
 from blake3 import blake3
 
-from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, identify, stage_keeps
+from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, stage_keeps
 from ringd.models.errors import ModelError
+from ringd.models.fingerprint import identify
 
 # A piece is what a fetcher checks, writes and records at once, and what a fetch stopped
 # by kill -9 may have to fetch again per file: a tensor, or MAX_PIECE_BYTES of a longer one

@@ -41,8 +41,9 @@ import aiohttp
 from blake3 import blake3
 
 from ringd.auth import FILES_BODY_SIGNATURE_HEADER, FILES_NONCE_HEADER, AuthError, check_files_body, sign_files
-from ringd.models.checkpoint import digest_samples, identify, stage_keeps
+from ringd.models.checkpoint import stage_keeps
 from ringd.models.errors import ModelError
+from ringd.models.fingerprint import digest_samples, identify
 from ringd.models.manifest import FILES_PREFIX, MAX_MANIFEST_BYTES, Manifest, ManifestError, merge_ranges, pieces_of, safetensors_ranges, safetensors_stage_ranges
 from ringd.models.progress import FETCH, LoadProgress
 from ringd.models.source import PEER_RECORD, read_record

@@ -20,8 +20,9 @@ import json
 from pathlib import Path
 
 from ringd.models import ollama
-from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, ModelInfo, WeightBytes, check_supported, model_fingerprint, read_config, weight_bytes, weights_digest
+from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, ModelInfo, WeightBytes, check_supported, read_config, weight_bytes
 from ringd.models.errors import ModelError
+from ringd.models.fingerprint import model_fingerprint, weights_digest
 from ringd.models.gguf import GgufFile, is_gguf
 from ringd.models.progress import DOWNLOAD, LoadCancelled, LoadProgress
 
