@@ -34,6 +34,7 @@ from blake3 import blake3
 from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, stage_keeps
 from ringd.models.errors import ModelError
 from ringd.models.fingerprint import identify
+from ringd.models.gguf import GgufFile
 
 # A piece is what a fetcher checks, writes and records at once, and what a fetch stopped
 # by kill -9 may have to fetch again per file: a tensor, or MAX_PIECE_BYTES of a longer one
@@ -205,8 +206,6 @@ def _head(file: Path, weights: bool, gguf: bool) -> int:
     if not weights:
         return size
     if gguf:
-        from ringd.models.gguf import GgufFile
-
         return GgufFile.open(file).data_offset
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -222,8 +221,6 @@ def _stats(path: Path) -> dict[str, list[int]]:
 def _tensor_starts(file: Path, gguf: bool, head: int) -> list[int]:
     """Where each tensor of a weights file starts."""
     if gguf:
-        from ringd.models.gguf import GgufFile
-
         return [t.offset for t in GgufFile.open(file).tensors.values()]
     with open(file, "rb") as f:
         return [a for a, _ in safetensors_ranges(f.read(head), head).values()]
@@ -258,8 +255,6 @@ def build(path: Path, fingerprint: str, label: str, max_piece: int = MAX_PIECE_B
         entries.append(FileEntry(name, size, head, bounds, hashes, weights))
     always = ()
     if gguf:
-        from ringd.models.gguf import GgufFile
-
         g = GgufFile.open(path)
         t = g.tensors.get("rope_freqs.weight")
         if t is not None:
