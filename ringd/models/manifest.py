@@ -97,7 +97,7 @@ class Manifest:
     # Bytes of weights files every stage takes besides their heads: a GGUF's rope_freqs,
     # which its config is read from. (file, start, end)
     always: tuple[tuple[str, int, int], ...] = ()
-    # What the fingerprint was made of besides the config (checkpoint.identify): a fetcher
+    # What the fingerprint was made of besides the config (fingerprint.identify): a fetcher
     # makes it again from what it fetched and the same slices of the holder's files.
     digest: str = ""
 

@@ -11,7 +11,7 @@ reference must wander (at least MIN_DISTINCT_TOKENS distinct of 40), or equality
 would prove little. Quantized checkpoints (mlx-lm's 4- and 8-bit) of a dense and
 a MoE model too.
 
-``shard.SUPPORTED_ARCHITECTURES`` must be exactly the mlx-lm modules tested here:
+``checkpoint.SUPPORTED_ARCHITECTURES`` must be exactly the mlx-lm modules tested here:
 the list in the code is this test's result, not a reading of source.
 """
 
