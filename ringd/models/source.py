@@ -7,8 +7,8 @@ whose model it is. ``model_info`` turns any of these into a ``ModelInfo``: it fi
 the files (a repo id is fetched into the Hugging Face cache, only the files asked
 for, so a stage can fetch its own layers' files, with progress), has them read
 (``checkpoint.py`` a directory, ``gguf.py`` a GGUF file), fingerprints them
-(``fingerprint.py``; a peers' model by its record, its sparse files make none), and
-says what the API calls the model.
+(``fingerprint.py``; a model fetched from peers by its record, as its sparse files
+make none), and says what the API calls the model.
 
 It ignores what is in the files: reading them is the readers'; fetching from
 peers is ``peers.py``'s.
