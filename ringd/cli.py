@@ -32,7 +32,7 @@ def cache_dir() -> Path:
 
 async def _serve(cfg: config_mod.Config, ring_sock: socket.socket | None = None, http_sock: socket.socket | None = None) -> int:
     from ringd.daemon import Daemon
-    from ringd.models.checkpoint import ModelError
+    from ringd.models.errors import ModelError
 
     loop = asyncio.get_running_loop()
     # `kill -USR1 <pid>` writes every thread's stack to the log: how an operator
@@ -77,8 +77,9 @@ async def _serve(cfg: config_mod.Config, ring_sock: socket.socket | None = None,
 
 
 def _convert(model: str, out_dir: Path) -> int:
-    from ringd.models.checkpoint import ModelError, gguf_source
+    from ringd.models.errors import ModelError
     from ringd.models.gguf import GgufFile
+    from ringd.models.source import gguf_source
 
     try:
         file, _ = gguf_source(model)

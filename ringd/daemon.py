@@ -37,7 +37,9 @@ from ringd.http.files import Holding
 from ringd.leader.draft import Drafter
 from ringd.leader.engine import Engine
 from ringd.metrics import Gauges, Metrics
-from ringd.models.checkpoint import ModelError, ModelInfo, load_tokenizer, model_info, weights_complete
+from ringd.models.checkpoint import ModelInfo, load_tokenizer, weights_complete
+from ringd.models.source import model_info
+from ringd.models.errors import ModelError
 from ringd.models.ollama import PREFIX as OLLAMA_PREFIX
 from ringd.models.peers import Holder, PeerModel
 from ringd.names import check_name, parse_hostport

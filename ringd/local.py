@@ -95,7 +95,8 @@ def run_local(
         print("ringd local: --nodes must be at least 1", file=sys.stderr)
         return 2
     from ringd.ring.plan import PlacementError, make_plan
-    from ringd.models.checkpoint import ModelError, model_info
+    from ringd.models.source import model_info
+    from ringd.models.errors import ModelError
 
     try:
         info = model_info(model)

@@ -12,8 +12,8 @@ from aiohttp import web
 from ringd.http.api import _errors
 from ringd.http.files import FileServer, Holding
 from ringd.metrics import Metrics
-from ringd.models.checkpoint import model_info
 from ringd.models.peers import Holder
+from ringd.models.source import model_info
 
 SECRET = b"s" * 32
 

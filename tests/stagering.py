@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ringd.stage import grammar
-from ringd.models.checkpoint import model_info
+from ringd.models.source import model_info
 from ringd.stage.compute import ComputeThread
 from ringd.metrics import Metrics
 from ringd.stage.runner import StageRunner

@@ -83,7 +83,7 @@ def test_survivors_too_small_get_a_503_naming_the_shortfall_on_every_node(tiny_m
     from conftest import serving_leader
 
     model = tiny_model(arch="llama", layers=8, hidden_size=128, dtype="float32")
-    from ringd.models.checkpoint import model_info
+    from ringd.models.source import model_info
 
     weights = model_info(str(model)).weights
     # Each node can hold a little less than half the model: three fit, two do not.

@@ -22,7 +22,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from ringd.models.checkpoint import ModelError, ModelInfo, model_info
+from ringd.models.checkpoint import ModelInfo
+from ringd.models.errors import ModelError
+from ringd.models.source import model_info
 from ringd.stage.compute import ComputeThread
 from ringd.stage.shard import Shard
 

@@ -1,32 +1,33 @@
-"""A model on disk: what it is, what its weights cost per layer, which files hold what.
+"""A checkpoint on disk, read: what the model is, what its weights cost per layer, which files hold what.
 
 Everything a node and the leader need to know about a model before (or without)
-loading it: the config and the architecture (and whether the ring supports it),
-the bytes of each layer and of the embeddings and head from the safetensors
-headers (no tensor is read), a fingerprint that covers config and weights, and
-which weight files a stage holding some layers needs, for a Hugging Face repo id
-whose files are fetched stage by stage. Running a stage is ``shard.py``'s.
+loading it, as a ``ModelInfo``: the config and the architecture (and whether the
+ring supports it), the bytes of each layer and of the embeddings and head from the
+safetensors headers (each checked against its file; no tensor is read), which
+weight files a stage holding some layers needs (a Hugging Face repo id's files are
+fetched stage by stage) and which weights it keeps, and the tokenizer.
 
-A model is named by an mlx-lm directory, a Hugging Face repo id, a GGUF file
-(``gguf.py`` reads it), or ``ollama:NAME[:TAG]``, a GGUF in the local Ollama store
-(``ollama.py`` finds it).
+It ignores where the model comes from (``source.py`` finds the directory, the Hub
+snapshot, the GGUF file or the Ollama blob a user names, and makes its
+``ModelInfo``), what identifies it (``fingerprint.py``), GGUF's own format
+(``gguf.py``), and running a stage (``shard.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import re
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_lm.utils import load_config
 
-from ringd.models.progress import DOWNLOAD, LoadCancelled, LoadProgress
+from ringd.device import default_cache_dir
+from ringd.models.errors import ModelError, ModelFileError
+from ringd.models.gguf import GgufFile
 
 # The mlx-lm architectures (module names) a ring runs, bit for bit as one process does:
 # decided by tests/stage/test_archs.py, which splits a tiny model of each at every cut and
@@ -39,11 +40,6 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "qwen3_next",  # hybrid: linear and full attention, MoE
     }
 )  # fmt: skip
-# (file name, start, end) -> those bytes of the file: a digest's slices, from wherever they are.
-SampleReader = Callable[[str, int, int], bytes]
-# Weight digests read this many slices of this many bytes from each weight file.
-SAMPLES_PER_FILE = 16
-SAMPLE_BYTES = 16 * 1024
 
 # Files a stage needs besides weights: config, tokenizer, chat template.
 NON_WEIGHT_PATTERNS = [
@@ -56,11 +52,6 @@ NON_WEIGHT_PATTERNS = [
     "*.jsonl",
     "*.jinja",
 ]
-
-# In the directory of a model fetched from peers (models/peers.py): whose model it is, its
-# fingerprint (its files are sparse, holes where other stages' tensors are: no fingerprint can
-# be read from them) and the manifest its bytes were checked against.
-PEER_RECORD = "ringd-peer.json"
 
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # A decoder's embeddings, whatever the model calls them beyond "embed_tokens" ("embed_in", "embeddings").
@@ -77,16 +68,6 @@ _SAFETENSORS_ITEM_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
     "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
 }  # fmt: skip
-
-
-class ModelError(ValueError):
-    """The model cannot be served by a ring: unsupported, incomplete, bad range."""
-
-
-class ModelFileError(ModelError):
-    """A file of the model on this disk is not what it claims to be: invalid JSON, a corrupt
-    or truncated safetensors file. Trying again reads the same bytes: it is not transient,
-    and the message names the file and what is wrong with it."""
 
 
 @dataclass(frozen=True)
@@ -156,112 +137,6 @@ class ModelInfo:
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def resolve_model_path(path_or_repo: str, allow_patterns: list[str] | None = None, progress: LoadProgress | None = None) -> Path:
-    """A local model directory as is, or a Hugging Face repo id fetched into the hub cache.
-
-    Only the files matching ``allow_patterns`` are fetched, so a stage can ask for
-    the weight files of its own layers and nothing else. With ``progress``, the files
-    not in the cache yet are fetched one by one and reported to it (phase "download").
-    """
-    path = Path(path_or_repo).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ModelError(f"{path} has no config.json; is it an mlx-lm model directory?")
-        return path
-    if path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1:
-        raise ModelError(
-            f"model {path_or_repo!r} is neither an existing directory nor a Hugging Face "
-            "repo id of the form owner/name"
-        )
-    from huggingface_hub import snapshot_download
-
-    patterns = allow_patterns or NON_WEIGHT_PATTERNS
-    try:
-        if progress is None:
-            return Path(snapshot_download(path_or_repo, allow_patterns=patterns))
-        commit = _download_with_progress(path_or_repo, patterns, progress)
-        # Everything is in the cache now: this only names the snapshot's folder.
-        return Path(snapshot_download(path_or_repo, revision=commit, allow_patterns=patterns, tqdm_class=_hub_bar(None, "")))
-    except LoadCancelled:
-        raise
-    except Exception as e:  # the hub raises many kinds; all mean the same to the user
-        raise ModelError(f"could not fetch {path_or_repo!r} from the Hugging Face Hub: {e}") from e
-
-
-def _download_with_progress(repo: str, patterns: list[str], progress: LoadProgress) -> str | None:
-    """Fetch the files of ``repo`` matching ``patterns`` that the hub cache lacks, reporting each
-    file's bytes to ``progress``; the commit they were fetched at (None: the repo has no such file).
-
-    huggingface_hub's dry run says which files a download would fetch and their sizes; each is
-    then fetched with ``hf_hub_download`` into the normal cache (so mlx-lm and a second run find
-    it there), its progress bar feeding ``progress``. One file at a time: the progress names the
-    file being fetched, and hf_xet already fetches a file's chunks in parallel.
-    """
-    from huggingface_hub import hf_hub_download, snapshot_download
-
-    plan = snapshot_download(repo, allow_patterns=patterns, dry_run=True, tqdm_class=_hub_bar(None, ""))
-    if not plan:
-        return None
-    commit = plan[0].commit_hash
-    fetch = sorted((f for f in plan if f.will_download), key=lambda f: f.filename)
-    if not fetch:
-        return commit
-    progress.begin(DOWNLOAD, {f.filename: f.file_size for f in fetch})
-    for f in fetch:
-        progress.start_file(f.filename)
-        hf_hub_download(repo, f.filename, revision=commit, tqdm_class=_hub_bar(progress, f.filename))
-        progress.finish_file(f.filename)
-    progress.end()
-    return commit
-
-
-class _HubBar:
-    """The part of tqdm that huggingface_hub calls on a ``tqdm_class`` (per-file bars, xet's
-    reporter, snapshot_download's bars), passing a file's bytes to a LoadProgress, or nowhere."""
-
-    progress: LoadProgress | None = None
-    file = ""
-
-    def __init__(self, *args, total: int | None = None, initial: int = 0, **kwargs):
-        self.n, self.total = 0, total
-        if self.progress is not None and total is not None:
-            self.progress.set_size(self.file, total)
-        if initial:
-            self.update(initial)
-
-    def update(self, n: int | float | None = 1) -> None:
-        self.n += n or 0
-        if self.progress is not None and n:
-            self.progress.advance(self.file, int(n))
-
-    def update_transfer(self, n: int | float | None = 1) -> None:
-        pass  # bytes off the network (xet: compressed, deduplicated); ``update`` counts the file's own
-
-    def __enter__(self) -> "_HubBar":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    format_dict: dict = {}
-
-    def set_postfix_str(self, *args, **kwargs) -> None:
-        pass
-
-    set_transfer_postfix_str = set_description = set_description_str = set_postfix_str
-
-    def refresh(self, *args, **kwargs) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _hub_bar(progress: LoadProgress | None, file: str) -> type[_HubBar]:
-    """A tqdm_class for huggingface_hub (it wants a class) reporting ``file`` to ``progress``."""
-    return type("_FileBar", (_HubBar,), {"progress": progress, "file": file})
-
-
 def weight_map(path: Path) -> dict[str, str]:
     """Checkpoint key -> the weight file holding it: from the index, else from the headers of the
     model*.safetensors files present (a checkpoint in one file needs no index)."""
@@ -277,80 +152,7 @@ def text_config(config: dict) -> dict:
     return {**config, **text} if isinstance(text, dict) else config
 
 
-def model_info(path_or_repo: str) -> ModelInfo:
-    """Read a model's config and check that it can be split into a ring."""
-    gguf_file, label = gguf_source(path_or_repo)
-    if gguf_file is not None:
-        return _gguf_info(gguf_file, label)
-    path = resolve_model_path(path_or_repo)
-    config = _read_config(path)
-    text = _check_supported(config, path / "config.json")
-    record = read_record(path)  # fetched from peers: its files are sparse
-    return ModelInfo(
-        path=path,
-        config=config,
-        model_type=config.get("model_type", "?"),
-        num_layers=text["num_hidden_layers"],
-        hidden_size=text["hidden_size"],
-        vocab_size=text["vocab_size"],
-        context_length=int(text.get("max_position_embeddings") or 4096),
-        fingerprint=record["fingerprint"] if record else model_fingerprint(config, weights_digest(path)),
-        weights=weight_bytes(path, text["num_hidden_layers"]),
-        # A repo id names the model better than the snapshot folder it was fetched into.
-        label=record["label"] if record else path.name if Path(path_or_repo).expanduser().exists() else path_or_repo,
-    )
-
-
-def read_record(path: Path) -> dict | None:
-    """The peer record of a model fetched from peers (``path``: its directory, or the GGUF file in
-    it); None for a model of a node's own."""
-    root = path.parent if path.is_file() else path
-    try:
-        record = json.loads((root / PEER_RECORD).read_text())
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(record, dict) and isinstance(record.get("fingerprint"), str) and isinstance(record.get("label"), str)
-    return record if ok else None
-
-
-def gguf_source(model: str) -> tuple[Path | None, str]:
-    """The GGUF file ``model`` names, and what to call it; (None, "") when it names no GGUF."""
-    from ringd.models import gguf, ollama
-
-    if ollama.is_ollama_ref(model):
-        return ollama.resolve(model), model.removeprefix(ollama.PREFIX)
-    path = Path(model).expanduser()
-    if path.suffix.lower() == ".gguf" or path.is_file():
-        if not path.is_file():
-            raise ModelError(f"{path}: no such GGUF file")
-        if not gguf.is_gguf(path):
-            raise ModelError(f"{path}: not a GGUF file (it does not start with 'GGUF'); a model is an mlx-lm directory, a Hugging Face repo id, a .gguf file or ollama:NAME")
-        return path.resolve(), path.name.removesuffix(".gguf")
-    return None, ""
-
-
-def _gguf_info(file: Path, label: str) -> ModelInfo:
-    from ringd.models.gguf import GgufFile
-
-    g = GgufFile.open(file)
-    text = _check_supported(g.config, file)
-    layers, embed, norm, head = g.part_bytes()
-    record = read_record(file)  # fetched from peers: the file is sparse
-    return ModelInfo(
-        path=g.path,
-        config=g.config,
-        model_type=g.config["model_type"],
-        num_layers=text["num_hidden_layers"],
-        hidden_size=text["hidden_size"],
-        vocab_size=text["vocab_size"],
-        context_length=int(text.get("max_position_embeddings") or 4096),
-        fingerprint=record["fingerprint"] if record else model_fingerprint(g.config, g.fingerprint),
-        weights=WeightBytes(tuple(layers), embed, norm, head),
-        label=record["label"] if record else label,
-    )
-
-
-def _check_supported(config: dict, where: Path) -> dict:
+def check_supported(config: dict, where: Path) -> dict:
     """The decoder's settings, once the ring is known to run the model's architecture."""
     model_type = config.get("model_type", "?")
     module = _model_module(config)
@@ -366,13 +168,6 @@ def _check_supported(config: dict, where: Path) -> dict:
     return text
 
 
-def model_fingerprint(config: dict, weights: str) -> str:
-    """The fingerprint plans name a model by: its config and its weights' digest."""
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    digest.update(weights.encode())
-    return digest.hexdigest()[:16]
-
-
 def load_tokenizer(info: ModelInfo, cache_dir: Path | None = None):
     """mlx-lm's TokenizerWrapper for the model: from its directory, or for a GGUF file from the
     config and tokenizer files its metadata makes (written once under ``cache_dir``)."""
@@ -383,66 +178,7 @@ def load_tokenizer(info: ModelInfo, cache_dir: Path | None = None):
     eos = info.config.get("eos_token_id")
     if not info.is_gguf:
         return mlx_load_tokenizer(info.path, eos_token_ids=eos)
-    from ringd.device import default_cache_dir
-    from ringd.models.gguf import GgufFile
-
     return mlx_load_tokenizer(GgufFile.open(info.path).sidecar(cache_dir or default_cache_dir()), eos_token_ids=eos)
-
-
-def weights_digest(path: Path, read: "SampleReader | None" = None) -> str:
-    """What identifies the weights, so that a fine-tune and its base model never share a ring.
-
-    A Hugging Face snapshot is named by its commit, which fixes every file (and a
-    node that fetched only its own layers' files still knows it). A local directory:
-    each weight file's name, size and header, and SAMPLES_PER_FILE slices of its
-    data spread over the file: a fine-tune changes nearly every weight, and reading
-    a few hundred KiB per file keeps this instant on a model of hundreds of GB.
-    ``read(name, start, end)`` gives the slices where the files are not whole (a model
-    fetched from peers, which checks itself against its fingerprint this way).
-    """
-    parts = path.resolve().parts
-    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        return f"hub:{parts[-3]}@{parts[-1]}"
-    h = hashlib.sha256()
-    for file in sorted(path.glob("model*.safetensors")):
-        size = file.stat().st_size
-        h.update(f"{file.name}:{size}:".encode())
-        with open(file, "rb") as f:
-            raw = _safetensors_header_bytes(f, file, size)
-            h.update(raw)
-            for a, b in sample_spans(size, 8 + len(raw)):
-                h.update(read(file.name, a, b) if read is not None else os.pread(f.fileno(), b - a, a))
-    return "local:" + h.hexdigest()
-
-
-def identify(path: Path, read: SampleReader | None = None, digest: str | None = None) -> tuple[str, str]:
-    """(fingerprint, weights digest) of the checkpoint at ``path`` (a directory or a GGUF file),
-    read from its files as ``model_info`` reads them, slices from ``read`` where given, or with
-    ``digest`` as the weights' digest (a Hub snapshot's names its commit, not bytes). Blocking."""
-    if path.is_file():
-        from ringd.models.gguf import GgufFile
-
-        g = GgufFile.open(path)
-        digest = digest or g.digest(read)
-        return model_fingerprint(g.config, digest), digest
-    digest = digest or weights_digest(path, read)
-    return model_fingerprint(_read_config(path), digest), digest
-
-
-def digest_samples(path: Path) -> dict[str, list[tuple[int, int]]]:
-    """The slices of each weight file ``weights_digest`` reads (blocking: reads the headers)."""
-    out = {}
-    for file in sorted(path.glob("model*.safetensors")):
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            out[file.name] = sample_spans(size, 8 + len(_safetensors_header_bytes(f, file, size)))
-    return out
-
-
-def sample_spans(size: int, data: int, samples: int = SAMPLES_PER_FILE, sample_bytes: int = SAMPLE_BYTES) -> list[tuple[int, int]]:
-    """[start, end) of the slices a digest reads of a file of ``size`` bytes whose data starts at ``data``."""
-    starts = (data + (size - data) * i // samples for i in range(samples))
-    return [(a, min(a + sample_bytes, size)) for a in starts]
 
 
 def weight_bytes(path: Path, num_layers: int) -> WeightBytes:
@@ -488,7 +224,7 @@ def _model_module(config: dict) -> str:
     return model_class.__module__.rsplit(".", 1)[-1]
 
 
-def _safetensors_header_bytes(f, file: Path, size: int) -> bytes:
+def safetensors_header_bytes(f, file: Path, size: int) -> bytes:
     """The JSON header of the safetensors file open as ``f`` (``size`` bytes), its length checked first."""
     head = f.read(8)
     if len(head) < 8:
@@ -509,7 +245,7 @@ def _safetensors_header(file: Path, keep_metadata: bool = False) -> dict:
     """
     with open(file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        raw = _safetensors_header_bytes(f, file, size)
+        raw = safetensors_header_bytes(f, file, size)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -563,7 +299,7 @@ def _index_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def _read_config(path: Path) -> dict:
+def read_config(path: Path) -> dict:
     """config.json as mlx-lm reads it (with generation_config.json's end tokens), checked first."""
     _json_file(path / "config.json")  # a ModelFileError naming the file, not mlx-lm's traceback
     return load_config(path)

@@ -48,7 +48,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ringd.models.checkpoint import ModelError, sample_spans
+from ringd.models.errors import ModelError
+from ringd.models.samples import SampleReader, sample_spans
 
 GGUF_MAGIC = b"GGUF"
 
@@ -205,7 +206,7 @@ class GgufFile:
         """[start, end) of the slices of tensor data the fingerprint reads."""
         return sample_spans(self.path.stat().st_size, self.data_offset, DIGEST_SAMPLES, DIGEST_SAMPLE_BYTES)
 
-    def digest(self, read: Callable[[str, int, int], bytes] | None = None) -> str:
+    def digest(self, read: SampleReader | None = None) -> str:
         """The fingerprint, its slices from ``read(name, start, end)`` where the file is not whole
         (a model fetched from peers checks itself against its fingerprint this way)."""
         h = hashlib.sha256(b"gguf:")

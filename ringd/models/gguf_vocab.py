@@ -40,7 +40,7 @@ from typing import Any
 from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from ringd.models.checkpoint import ModelError
+from ringd.models.errors import ModelError
 
 # ------------------------------------------------------------ pre-tokenizers
 #

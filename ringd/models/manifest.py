@@ -31,7 +31,10 @@ from typing import Iterable
 
 from blake3 import blake3
 
-from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, ModelError, identify, stage_keeps
+from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, stage_keeps
+from ringd.models.errors import ModelError
+from ringd.models.fingerprint import identify
+from ringd.models.gguf import GgufFile
 
 # A piece is what a fetcher checks, writes and records at once, and what a fetch stopped
 # by kill -9 may have to fetch again per file: a tensor, or MAX_PIECE_BYTES of a longer one
@@ -94,7 +97,7 @@ class Manifest:
     # Bytes of weights files every stage takes besides their heads: a GGUF's rope_freqs,
     # which its config is read from. (file, start, end)
     always: tuple[tuple[str, int, int], ...] = ()
-    # What the fingerprint was made of besides the config (checkpoint.identify): a fetcher
+    # What the fingerprint was made of besides the config (fingerprint.identify): a fetcher
     # makes it again from what it fetched and the same slices of the holder's files.
     digest: str = ""
 
@@ -203,8 +206,6 @@ def _head(file: Path, weights: bool, gguf: bool) -> int:
     if not weights:
         return size
     if gguf:
-        from ringd.models.gguf import GgufFile
-
         return GgufFile.open(file).data_offset
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -220,8 +221,6 @@ def _stats(path: Path) -> dict[str, list[int]]:
 def _tensor_starts(file: Path, gguf: bool, head: int) -> list[int]:
     """Where each tensor of a weights file starts."""
     if gguf:
-        from ringd.models.gguf import GgufFile
-
         return [t.offset for t in GgufFile.open(file).tensors.values()]
     with open(file, "rb") as f:
         return [a for a, _ in safetensors_ranges(f.read(head), head).values()]
@@ -256,8 +255,6 @@ def build(path: Path, fingerprint: str, label: str, max_piece: int = MAX_PIECE_B
         entries.append(FileEntry(name, size, head, bounds, hashes, weights))
     always = ()
     if gguf:
-        from ringd.models.gguf import GgufFile
-
         g = GgufFile.open(path)
         t = g.tensors.get("rope_freqs.weight")
         if t is not None:

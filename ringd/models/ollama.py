@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ringd.models.checkpoint import ModelError
+from ringd.models.errors import ModelError
 
 PREFIX = "ollama:"
 

@@ -41,9 +41,13 @@ import aiohttp
 from blake3 import blake3
 
 from ringd.auth import FILES_BODY_SIGNATURE_HEADER, FILES_NONCE_HEADER, AuthError, check_files_body, sign_files
-from ringd.models.checkpoint import PEER_RECORD, ModelError, digest_samples, identify, read_record, stage_keeps
+from ringd.models.checkpoint import stage_keeps
+from ringd.models.errors import ModelError
+from ringd.models.fingerprint import digest_samples, identify
+from ringd.models.gguf import GgufFile
 from ringd.models.manifest import FILES_PREFIX, MAX_MANIFEST_BYTES, Manifest, ManifestError, merge_ranges, pieces_of, safetensors_ranges, safetensors_stage_ranges
 from ringd.models.progress import FETCH, LoadProgress
+from ringd.models.source import PEER_RECORD, read_record
 
 log = logging.getLogger(__name__)
 
@@ -242,8 +246,6 @@ class PeerModel:
 
     def _digest_spans(self) -> dict[str, list[tuple[int, int]]]:
         if self.manifest.gguf:
-            from ringd.models.gguf import GgufFile
-
             return {self.path.name: GgufFile.open(self.path).digest_samples()}
         return digest_samples(self.root)
 
@@ -271,8 +273,6 @@ class PeerModel:
         if self.manifest.gguf:
             import mlx.core as mx
             from mlx.utils import tree_flatten
-
-            from ringd.models.gguf import GgufFile
 
             g = GgufFile.open(self.path)
             params = [name for name, _ in tree_flatten(g.build_model().parameters())]

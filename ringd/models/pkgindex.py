@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urldefrag, urljoin, urlsplit, urlunsplit
 
-from ringd.models.checkpoint import ModelError
+from ringd.models.errors import ModelError
 from ringd.models.pkgsettings import PYPI, index_urls
 
 log = logging.getLogger(__name__)

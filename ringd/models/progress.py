@@ -8,7 +8,7 @@ last few seconds (a download that stalls shows 0 B/s within RATE_WINDOW_S, not a
 slowly sinking average since the start). It logs a line now and then, and one at
 the end of each phase.
 
-It ignores where the bytes come from: ``checkpoint.py`` feeds it from
+It ignores where the bytes come from: ``source.py`` feeds it from
 huggingface_hub's progress bars, ``shard.py`` as groups of parameters are
 evaluated. ``describe`` turns its wire form into a line, for the log and for
 ``ringd local``.

@@ -13,7 +13,7 @@ layers), and how its norms are parameterized (Gemma's RMSNorm computes with
 ``1 + weight``, so its weights start around 0, not 1).
 
 What it deliberately ignores: anything about quality; and architectures the
-ring does not claim (``shard.SUPPORTED_ARCHITECTURES`` is the list tests prove).
+ring does not claim (``checkpoint.SUPPORTED_ARCHITECTURES`` is the list tests prove).
 """
 
 from __future__ import annotations

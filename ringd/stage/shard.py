@@ -34,17 +34,16 @@ from mlx_lm.utils import load_model, maybe_set_recommended_wired_limit
 from ringd.ring.kvcost import KvCost
 from ringd.models.checkpoint import (
     NON_WEIGHT_PATTERNS,
-    ModelError,
     ModelInfo,
     check_weights_present,
     stage_keeps,
-    model_info,
-    resolve_model_path,
     weight_files_for,
     weight_map,
 )
+from ringd.models.errors import ModelError
 from ringd.models.gguf import GgufFile
 from ringd.models.progress import LOAD, LoadProgress
+from ringd.models.source import model_info, resolve_model_path
 from ringd.stage.sessions import mergeable_kind
 
 # A stage's parameters are read in groups of about this many bytes (a group ends with

@@ -168,7 +168,7 @@ def test_the_error_shape_is_ollamas():
 
 
 def test_the_model_is_described_as_ollama_lists_models(smollm2_gguf):
-    from ringd.models.checkpoint import model_info
+    from ringd.models.source import model_info
 
     d = describe(model_info(str(smollm2_gguf)))
     assert d["details"] == {

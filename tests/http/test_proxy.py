@@ -54,7 +54,7 @@ def test_kill_9_of_the_leader_mid_stream_through_a_follower_loses_nothing(tiny_m
 
 
 def test_with_no_leader_to_carry_it_over_a_stream_ends_with_an_error_event_and_done(tiny_model, tmp_path):
-    from ringd.models.checkpoint import model_info
+    from ringd.models.source import model_info
 
     model = tiny_model(arch="llama", layers=8, hidden_size=128, dtype="float32")
     # Each node can hold a little more than half the model: when node0 dies,

@@ -12,7 +12,8 @@ import llguidance.hf
 import pytest
 from llguidance import LLMatcher
 
-from ringd.models.checkpoint import load_tokenizer, model_info
+from ringd.models.checkpoint import load_tokenizer
+from ringd.models.source import model_info
 from ringd.http.render import RenderError, render, tool_prompt
 from ringd.http.request import Request, ResponseFormat, Tool
 from ringd.ring.sampling import SamplingParams

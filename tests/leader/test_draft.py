@@ -14,7 +14,8 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load as mlx_load
 
-from ringd.models.checkpoint import ModelError, model_info
+from ringd.models.source import model_info
+from ringd.models.errors import ModelError
 from ringd.stage.compute import ComputeThread
 from ringd.leader.draft import Drafter
 

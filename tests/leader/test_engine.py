@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from stagering import StageRing
 from stagering import teacher_forced_mismatches
 
-from ringd.models.checkpoint import load_tokenizer, model_info
 from ringd.leader.engine import Engine, _Text
 from ringd.leader.errors import EngineError
+from ringd.models.checkpoint import load_tokenizer
+from ringd.models.source import model_info
 from ringd.ring.sampling import SamplingParams
 from wire.frames import MsgType
 

@@ -21,7 +21,8 @@ from stagering import StageRing
 from ringd.leader.admission import KvLedger, StageKv
 from ringd.leader.draft import Drafter
 from ringd.leader.engine import Engine
-from ringd.models.checkpoint import load_tokenizer, model_info
+from ringd.models.checkpoint import load_tokenizer
+from ringd.models.source import model_info
 from ringd.ring.kvcost import KV_STEP_TOKENS, KvCost
 from ringd.ring.sampling import SamplingParams
 from ringd.ring.steps import Forward

@@ -18,8 +18,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ringd.models.checkpoint import ModelError, model_info
+from ringd.models.errors import ModelError
 from ringd.models.gguf import NATIVE_TYPES, GgufFile, is_gguf, read_tensor
+from ringd.models.source import model_info
 from stagering import reference, ring
 
 
@@ -114,7 +115,7 @@ def test_a_stage_holds_its_share_and_reads_no_other_tensor(smollm2_gguf):
     script = textwrap.dedent(
         f"""
         import json, psutil, mlx.core as mx
-        from ringd.models.checkpoint import model_info
+        from ringd.models.source import model_info
         from ringd.stage.shard import Shard
         info = model_info({str(smollm2_gguf)!r})
         out = {{}}

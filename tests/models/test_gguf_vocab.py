@@ -19,7 +19,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 from mlx_lm.utils import load_tokenizer
 from tokenizers import Tokenizer
 
-from ringd.models.checkpoint import ModelError
+from ringd.models.errors import ModelError
 from ringd.models.gguf_vocab import PRE_TOKENIZERS, tokenizer_files
 from ringd.models.tinymodel import CORPUS, build_tokenizer
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringd.models import manifest as m
-from ringd.models.checkpoint import model_info
+from ringd.models.source import model_info
 from ringd.models.tinyarchs import ARCHS
 from ringd.stage.shard import Shard
 
@@ -146,7 +146,8 @@ def test_a_holder_whose_files_changed_since_it_loaded_them_builds_no_manifest(ti
     """Its peers would fetch bytes the ring does not compute with: it says to restart instead."""
     import shutil
 
-    from ringd.models.checkpoint import digest_samples, model_info
+    from ringd.models.fingerprint import digest_samples
+    from ringd.models.source import model_info
 
     path = tmp_path / "model"
     shutil.copytree(tiny_model(arch="llama"), path)

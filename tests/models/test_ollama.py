@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ringd.models import ollama
-from ringd.models.checkpoint import ModelError
+from ringd.models.errors import ModelError
 from ringd.models.ollama import MODEL_MEDIA_TYPE, is_ollama_ref, parse_name, resolve
 
 FAKE_GGUF = b"GGUF" + (3).to_bytes(4, "little") + bytes(56)
@@ -188,7 +188,7 @@ def test_parse_name_fills_the_defaults_as_ollama_does():
 
 
 def test_the_real_smollm2_through_an_ollama_store_is_a_model(store, smollm2_gguf):
-    from ringd.models.checkpoint import gguf_source, model_info
+    from ringd.models.source import gguf_source, model_info
 
     # Ollama names a blob by its sha256; the test links the real file under a made-up
     # digest, which is all a store's reader can see (it does not hash blobs).

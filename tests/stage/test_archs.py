@@ -11,7 +11,7 @@ reference must wander (at least MIN_DISTINCT_TOKENS distinct of 40), or equality
 would prove little. Quantized checkpoints (mlx-lm's 4- and 8-bit) of a dense and
 a MoE model too.
 
-``shard.SUPPORTED_ARCHITECTURES`` must be exactly the mlx-lm modules tested here:
+``checkpoint.SUPPORTED_ARCHITECTURES`` must be exactly the mlx-lm modules tested here:
 the list in the code is this test's result, not a reading of source.
 """
 
@@ -22,7 +22,8 @@ import pytest
 from mlx_lm import load
 from mlx.utils import tree_flatten
 
-from ringd.models.checkpoint import SUPPORTED_ARCHITECTURES, ModelError, _model_module
+from ringd.models.checkpoint import SUPPORTED_ARCHITECTURES, _model_module
+from ringd.models.errors import ModelError
 from ringd.stage.shard import Shard
 from stagering import reference, ring
 from ringd.models.tinyarchs import ARCHS
@@ -94,7 +95,7 @@ def test_an_untested_architecture_is_refused_with_the_list(tiny_model, tmp_path)
     import json
     import shutil
 
-    from ringd.models.checkpoint import model_info
+    from ringd.models.source import model_info
 
     path = tmp_path / "olmo"
     shutil.copytree(tiny_model(arch="llama", layers=2), path)

@@ -20,7 +20,8 @@ from llguidance import LLTokenizer
 from stagering import StageRing
 
 from ringd.stage import grammar
-from ringd.models.checkpoint import load_tokenizer, model_info
+from ringd.models.checkpoint import load_tokenizer
+from ringd.models.source import model_info
 from ringd.stage.compute import ComputeThread
 from ringd.ring.sampling import MAX_GRAMMAR_BYTES, wire_bytes
 from ringd.stage.grammar import Constraint, GrammarError

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringd.stage import grammar
-from ringd.models.checkpoint import load_tokenizer, model_info
+from ringd.models.checkpoint import load_tokenizer
+from ringd.models.source import model_info
 from ringd.ring.sampling import MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS_ENTRIES, SamplingError, SamplingParams
 from ringd.stage.sampling import RequestSampler
 

@@ -10,8 +10,10 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
 
-from ringd.models.checkpoint import ModelError, model_info, resolve_model_path, weight_files_for
+from ringd.models.checkpoint import weight_files_for
+from ringd.models.errors import ModelError
 from ringd.models.progress import LoadProgress
+from ringd.models.source import model_info, resolve_model_path
 from ringd.stage.shard import Shard
 
 
