@@ -30,13 +30,18 @@ RING_START_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="session")
-def model_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
+def model_cache() -> Path:
+    """Where tiny models are written: shared by every test process and kept between runs
+    (buildcache.py), under a folder named by the generator's sources and the libraries'
+    versions; inside it each model's folder names its arguments (tinymodel.ensure_tiny_model)."""
+    from buildcache import digest, root, sources
+
+    return root() / f"tiny-{digest(sources('ringd/models/tinymodel.py', 'ringd/models/tinyarchs.py'))}"
 
 
 @pytest.fixture(scope="session")
 def tiny_model(model_cache):
-    """tiny_model(arch=..., dtype=..., layers=...) -> path, written once per session."""
+    """tiny_model(arch=..., dtype=..., layers=...) -> path, written once."""
     from ringd.models.tinymodel import ensure_tiny_model
 
     def make(**kwargs) -> Path:
@@ -489,12 +494,27 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
-    """SmolLM2 as an mlx-lm directory: what `ringd convert` writes of the GGUF file."""
-    out = tmp_path_factory.mktemp("smollm2") / "converted"
-    r = subprocess.run([sys.executable, "-m", "ringd", "convert", str(smollm2_gguf), str(out)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return out
+def smollm2_dir(smollm2_gguf) -> Path:
+    """SmolLM2 as an mlx-lm directory: what `ringd convert` writes of the GGUF file, converted
+    once for these GGUF readers (buildcache.py)."""
+    from buildcache import built, sources
+
+    def convert(tmp: Path) -> None:
+        out = tmp / "converted"
+        r = subprocess.run([sys.executable, "-m", "ringd", "convert", str(smollm2_gguf), str(out)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+
+    return built("smollm2", sources("ringd/models/*.py", "ringd/cli.py"), convert, smollm2_gguf.name) / "converted"
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2(smollm2_dir) -> Path:
+    """A tiny llama with SmolLM2's tokenizer and chat template (tests/tinysmol.py): for API
+    translation, tool calls, structured output and sampling, where words prove nothing."""
+    from buildcache import built, sources
+    from tinysmol import build
+
+    return built("tiny-smollm2", sources("tests/tinysmol.py", "ringd/models/*.py"), lambda out: build(out, smollm2_dir))
 
 
 @pytest.fixture(scope="session")
@@ -532,11 +552,13 @@ def ringctl_known_nodes(tmp_path_factory, monkeypatch) -> Path:
 
 
 @pytest.fixture(scope="session")
-def think_model(model_cache) -> Path:
-    """The tiny qwen3 trained to think and call tools (tests/thinkmodel.py): ~40 s to build here, once a session."""
-    from thinkmodel import ensure_think_model
+def think_model() -> Path:
+    """The tiny qwen3 trained to think and call tools (tests/thinkmodel.py): ~40-80 s to build here,
+    once for its builder's sources (buildcache.py)."""
+    from buildcache import built, sources
+    from thinkmodel import build
 
-    return ensure_think_model(model_cache)
+    return built("think-qwen3", sources("tests/thinkmodel.py", "ringd/models/tinymodel.py", "ringd/models/tinyarchs.py"), build)
 
 
 # --- HTTP against a ring's nodes (the multi-process tests share these) ---

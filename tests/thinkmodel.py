@@ -19,16 +19,13 @@ template, until greedy decoding says what they say:
 mlx-lm itself recognizes it: its ``TokenizerWrapper`` finds the think markers and
 the ``json_tools`` parser from the template. The build checks the result with
 mlx-lm's own step-by-step greedy decoding and raises ``ThinkModelError`` if it
-says anything else. Same seed, same model; built once per cache directory, into
-a temporary folder renamed into place.
+says anything else. Same seed, same model; built once for this file's text and the
+libraries' versions, and kept (``tests/buildcache.py``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 # Qwen/Qwen3-0.6B's chat_template, as llama.cpp keeps it (models/templates/Qwen-Qwen3-0.6B.jinja).
@@ -121,30 +118,15 @@ LEARNING_RATE = 1e-2
 MIN_MARGIN = 2.0
 MAX_EPOCHS = 400
 SEED = 0
-VERSION = 3  # bump when anything above changes: the cache folder is named by it
 
 
 class ThinkModelError(RuntimeError):
     pass
 
 
-def ensure_think_model(cache_dir: Path) -> Path:
-    out = Path(cache_dir) / f"think-qwen3-v{VERSION}"
-    if (out / "config.json").is_file():
-        return out
-    tmp = Path(tempfile.mkdtemp(prefix=".think-", dir=cache_dir))
-    try:
-        _build(tmp)
-        os.replace(tmp, out)
-    except OSError:
-        if not (out / "config.json").is_file():  # another process won the race, or it is a real error
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _build(path: Path) -> None:
+def build(path: Path) -> None:
+    """Write the trained model into the folder ``path`` (tests/buildcache.py keeps it: a change to
+    this file builds it anew); ThinkModelError if it does not say every completion."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
