@@ -29,6 +29,22 @@ TEST_PREFILL_CHUNK = 16
 RING_START_TIMEOUT_S = 120.0
 
 
+# Tests that talk to one shared ring run in one pytest-xdist worker (``--dist loadgroup``), so
+# it starts once: the first of these fixtures a test uses (directly or through others) names
+# its group. Tests with rings of their own go wherever a worker is free.
+RING_GROUPS = [("think_model", "think"), ("tiny_smollm2", "tiny-smollm2"), ("observed_ring", "observed")]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        group = next((g for fixture, g in RING_GROUPS if fixture in used), None)
+        if group is None and {"smollm2_gguf", "ring_pool"} <= used:
+            group = "smollm2"  # the real SmolLM2's ring, which every test of it shares
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def model_cache() -> Path:
     """Where tiny models are written: shared by every test process and kept between runs
