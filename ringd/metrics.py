@@ -76,10 +76,11 @@ class Gauges:
     # Counts, kept by the parts themselves and exposed as counters.
     leader_changes: int = 0
     task_restarts: int = 0
+    heartbeats: int = 0
 
 
 # Gauges fields that only ever grow: exposed as counters (name_total).
-_COUNTS = {"leader_changes", "task_restarts"}
+_COUNTS = {"leader_changes", "task_restarts", "heartbeats"}
 
 
 _GAUGE_HELP = {
@@ -97,6 +98,7 @@ _GAUGE_HELP = {
     "prefix_entries": "Finished requests whose caches this stage keeps for prefix reuse",
     "leader_changes": "Times the leader this node follows changed (elections it saw decided)",
     "task_restarts": "Restarts of this node's long-running tasks after an unexpected error",
+    "heartbeats": "Rounds of this node's heartbeat loop: each pings every peer and declares dead any silent past dead_after_s",
 }
 
 

@@ -119,6 +119,7 @@ class Status:
             prefix_entries=stage.sessions.stored if stage else 0,
             leader_changes=self.cluster.leader_changes,
             task_restarts=sum(self.supervisor.restarts.values()),
+            heartbeats=self.cluster.links.heartbeat_rounds,
         )
 
     async def cluster_status(self) -> dict:

@@ -181,3 +181,12 @@ def test_a_failed_handshake_is_counted(observed_ring):
         s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 64)  # not a ringd hello
         s.recv(1)  # returns when the node hangs up on it
     c.wait(lambda: value(scrape(c, 2), "ringd_ring_peer_events_total", **kind) == before + 1, 30, "the failed handshake to be counted")
+
+
+def test_the_heartbeat_loop_counts_its_rounds(observed_ring):
+    """ringd_heartbeats_total rises while a node runs: the loop that pings peers and declares the
+    silent ones dead is alive (tests read it to know dead_after_s has been checked past a moment)."""
+    c = observed_ring
+    before = [value(scrape(c, i), "ringd_heartbeats_total", node=f"node{i}") for i in range(3)]
+    assert all(b > 0 for b in before), before
+    c.wait(lambda: all(value(scrape(c, i), "ringd_heartbeats_total", node=f"node{i}") >= before[i] + 2 for i in range(3)), 60, "two more heartbeat rounds on every node")

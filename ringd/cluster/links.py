@@ -133,6 +133,9 @@ class Links:
         self._linked_hosts: dict[str, None] = {}  # oldest link first, at most MAX_KNOWN_HOSTS
         # Peers that left (said LEAVE): not dialed back, until one links again.
         self._departed: set[str] = set()
+        # Rounds of the heartbeat loop so far: each PINGs every peer and declares dead those silent
+        # past dead_after_s (what an operator, or a test, reads to know the loop is alive).
+        self.heartbeat_rounds = 0
 
     async def listen(self, host: str, port: int, sock: socket.socket | None = None) -> int:
         """Start accepting peers on host:port, or on ``sock`` (a listening socket handed down by a
@@ -226,6 +229,7 @@ class Links:
                     peer.stream.write(beat)
                 except ConnectionError:
                     pass  # its reader notices and forgets it
+            self.heartbeat_rounds += 1
 
     def _forget(self, peer: Peer) -> None:
         if self.peers.get(peer.node) is peer:
