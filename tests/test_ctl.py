@@ -47,7 +47,9 @@ class Pane:
         self.status_file = tmp / "exit-status"
         conf = tmp / "tmux.conf"
         conf.write_text("set -g remain-on-exit on\n")  # keep the pane (and what it shows) if the command dies early
-        env = {k: v for k, v in os.environ.items() if k != "TMUX"}
+        # The pane's own size governs, as a terminal's does: not COLUMNS and LINES (pytest-xdist's
+        # workers set 80 x 24, and rich would draw that narrow in a 160-column pane).
+        env = {k: v for k, v in os.environ.items() if k not in ("TMUX", "COLUMNS", "LINES")}
         # The trap keeps the shell alive through Ctrl-C (the command still gets it: a trapped
         # signal is the default again in a child) so that it can write the exit status.
         shell = f"trap : INT; {shlex.join(command)}; echo $? > {shlex.quote(str(self.status_file))}"
