@@ -59,12 +59,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from ringd.http.errors import ApiError
 from ringd.http.openai_types import (
     MAX_MESSAGES,
     MAX_MODEL_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
-    ApiError,
     _valid_text,
     check_schema,
     check_tool_name,

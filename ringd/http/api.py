@@ -39,7 +39,8 @@ from ringd.auth import AuthError, ControlAuth, ForwardAuth, body_sha256, check_a
 from ringd.http.guard import AIOHTTP_LOG, BODY_READ_TIMEOUT_S, HTTP_IDLE_TIMEOUT_S, BodyBudget, listen, raise_fd_limit, undecodable_header
 from ringd.http.ollama_api import OllamaApi
 from ringd.http.openai_api import OpenAiApi
-from ringd.http.openai_types import ApiError, parse_json
+from ringd.http.errors import ApiError
+from ringd.http.openai_types import parse_json
 from ringd.http.proxy import FORWARDED_HEADER, REQUEST_ID_HEADER, Proxy
 from ringd.http.responses_api import ResponsesApi
 from ringd.http.serving import Serving

@@ -57,7 +57,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from ringd.http.openai_types import MAX_MESSAGES, MAX_MODEL_CHARS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, ApiError, _tools, _valid_text, check_schema
+from ringd.http.errors import ApiError
+from ringd.http.openai_types import MAX_MESSAGES, MAX_MODEL_CHARS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, _tools, _valid_text, check_schema
 from ringd.http.request import Output, Request, ResponseFormat, ToolCall
 from ringd.models.checkpoint import text_config
 from ringd.ring.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from ringd.http.openai_types import ApiError, CompletionRequest, envelope, new_id, now, parse_request
+from ringd.http.errors import ApiError
+from ringd.http.openai_types import CompletionRequest, envelope, new_id, now, parse_request
 from ringd.http.proxy import RESUME_FIELD, TOKEN_COMMENT
 from ringd.http.request import Output, ToolCall, Usage
 

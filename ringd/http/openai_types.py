@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringd.http.errors import ApiError
 from ringd.http.request import MAX_TOOLS, Request, ResponseFormat, Tool
 from ringd.ring.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr
 
@@ -60,35 +61,6 @@ MAX_SCHEMA_DEPTH = 64
 # decoder joins a valid \ud83d\ude00 pair into one character), and no tokenizer
 # can encode it: UTF-8 has no bytes for it.
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type_: str | None = None,
-        retry_after: int | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after  # seconds, for 429 and 503
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type_ or {
-            400: "invalid_request_error",
-            401: "authentication_error",
-            404: "not_found_error",
-            413: "invalid_request_error",
-            429: "rate_limit_error",
-            503: "service_unavailable",
-        }.get(status, "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass

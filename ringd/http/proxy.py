@@ -37,7 +37,7 @@ from aiohttp import web
 
 from ringd import logs
 from ringd.auth import FORWARDED_BY_HEADER, body_sha256, sign_forward
-from ringd.http.openai_types import ApiError
+from ringd.http.errors import ApiError
 
 log = logging.getLogger(__name__)
 

@@ -69,7 +69,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from ringd.http.openai_types import MAX_MESSAGES, MAX_MODEL_CHARS, ApiError, _valid_text, check_schema, check_tool_name, template_kwargs
+from ringd.http.errors import ApiError
+from ringd.http.openai_types import MAX_MESSAGES, MAX_MODEL_CHARS, _valid_text, check_schema, check_tool_name, template_kwargs
 from ringd.http.request import MAX_TOOLS, Output, Request, ResponseFormat, Tool, ToolCall, Usage
 from ringd.ring.sampling import SamplingError, SamplingParams, brief_repr
 

@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, AsyncIterator
 
-from ringd.http.openai_types import ApiError
+from ringd.http.errors import ApiError
 from ringd.http.reader import Reader
 from ringd.http.render import Rendered, RenderError, render
 from ringd.http.request import Output, Request, Usage

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ringd.http.errors import ApiError
 from ringd.http.openai_types import (
     MAX_MODEL_CHARS,
     UNSUPPORTED_FIELDS,
-    ApiError,
     CompletionRequest,
     parse_json,
     parse_request,
