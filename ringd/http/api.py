@@ -40,7 +40,7 @@ from ringd.http.guard import AIOHTTP_LOG, BODY_READ_TIMEOUT_S, HTTP_IDLE_TIMEOUT
 from ringd.http.ollama_api import OllamaApi
 from ringd.http.openai_api import OpenAiApi
 from ringd.http.errors import ApiError
-from ringd.http.openai_types import parse_json
+from ringd.http.fields import parse_json
 from ringd.http.proxy import FORWARDED_HEADER, REQUEST_ID_HEADER, Proxy
 from ringd.http.responses_api import ResponsesApi
 from ringd.http.serving import Serving

@@ -58,7 +58,17 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from ringd.http.errors import ApiError
-from ringd.http.openai_types import MAX_MESSAGES, MAX_MODEL_CHARS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, _tools, _valid_text, check_schema
+from ringd.http.fields import (
+    MAX_MESSAGES,
+    MAX_MODEL_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    bad,
+    check_schema,
+    function_tools,
+    optional,
+    valid_text,
+)
 from ringd.http.request import Output, Request, ResponseFormat, ToolCall
 from ringd.models.checkpoint import text_config
 from ringd.ring.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr
@@ -128,10 +138,6 @@ def error_body(e: ApiError) -> dict:
     return {"error": e.message}
 
 
-def _bad(message: str) -> ApiError:
-    return ApiError(400, message)
-
-
 # --- the request ------------------------------------------------------------------
 
 
@@ -152,10 +158,10 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
     """
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("model is required")
+        raise bad("model is required")
     if len(model) > MAX_MODEL_CHARS:
-        raise _bad(f"model must be a name of at most {MAX_MODEL_CHARS} characters; GET /api/tags lists it")
-    _valid_text(model, "model")
+        raise bad(f"model must be a name of at most {MAX_MODEL_CHARS} characters; GET /api/tags lists it")
+    valid_text(model, "model")
     if model == f"{model_id}:latest" and ":" not in model_id:
         model = model_id
     stream = _optional(body, "stream", bool, True)
@@ -168,13 +174,13 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
         if not prompt:
             return Parsed(model, stream, None)
 
-    tools = _tools(body.get("tools")) if chat else []
+    tools = function_tools(body.get("tools")) if chat else []
     response_format = _format(body.get("format"))
     if tools and response_format is not None:
-        raise _bad("format and tools cannot be combined: the answer is either a call or text of the format")
+        raise bad("format and tools cannot be combined: the answer is either a call or text of the format")
     template_kwargs = _think(body.get("think"), model, thinks)
     if template_kwargs and not chat and raw:
-        raise _bad("think needs the model's template; a raw prompt goes to the model as it is")
+        raise bad("think needs the model's template; a raw prompt goes to the model as it is")
     options = _options(body.get("options"), context_length)
     logprobs, top = _logprobs(body)
     try:
@@ -182,7 +188,7 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
     except SamplingError as e:
         # SamplingParams names its own fields; the client named Ollama's options.
         option = next((name for name, field in SAMPLED_OPTIONS.items() if field == e.field), None)
-        raise _bad(f"options.{str(e).replace(e.field, option, 1)}" if option else str(e)) from None
+        raise bad(f"options.{str(e).replace(e.field, option, 1)}" if option else str(e)) from None
     req = Request(
         model=model, params=params, max_tokens=options.max_tokens, messages=messages,
         prompt=prompt if raw else None, stop=options.stop, tools=tools, tool_choice="auto",
@@ -193,35 +199,31 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
 
 def _optional(body: dict, name: str, kind: type, default: Any) -> Any:
     """A field of ``kind``; absent or null is ``default``, as Go reads a missing field."""
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, kind):
-        raise _bad(f"{name} must be a {'boolean' if kind is bool else 'string'}; got {brief_repr(v)}")
-    return v
+    v = optional(body, name, lambda v: isinstance(v, kind), "a boolean" if kind is bool else "a string")
+    return default if v is None else v
 
 
 def _generate_input(body: dict) -> tuple[str, bool, list[dict] | None]:
     """/api/generate's prompt, whether it is raw, and the chat it makes unless raw ("" is the load call)."""
     for name, why in (("suffix", "fill-in-the-middle is not supported"), ("template", "ringd renders prompts with the model's own chat template")):
         if body.get(name) not in (None, ""):
-            raise _bad(f"{name} is not supported: {why}")
+            raise bad(f"{name} is not supported: {why}")
     if body.get("context") not in (None, []):
-        raise _bad("context (the token memory of an earlier answer) is not supported: send the conversation as messages to /api/chat")
+        raise bad("context (the token memory of an earlier answer) is not supported: send the conversation as messages to /api/chat")
     _no_images(body.get("images"), "images")
-    prompt = _valid_text(_optional(body, "prompt", str, ""), "prompt")
+    prompt = valid_text(_optional(body, "prompt", str, ""), "prompt")
     raw = _optional(body, "raw", bool, False)
-    system = _valid_text(_optional(body, "system", str, ""), "system")
+    system = valid_text(_optional(body, "system", str, ""), "system")
     if raw:
         if system:
-            raise _bad("system has no place in a raw prompt, which goes to the model as it is; put it in the prompt")
+            raise bad("system has no place in a raw prompt, which goes to the model as it is; put it in the prompt")
         return prompt, True, None
     return prompt, False, ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
 
 def _no_images(v: Any, where: str) -> None:
     if v not in (None, []):
-        raise _bad(f"{where}: images are not supported; ringd serves text models")
+        raise bad(f"{where}: images are not supported; ringd serves text models")
 
 
 def _messages(v: Any) -> list[dict]:
@@ -229,44 +231,44 @@ def _messages(v: Any) -> list[dict]:
     if v is None:
         return []
     if not isinstance(v, list):
-        raise _bad("messages must be a list")
+        raise bad("messages must be a list")
     if len(v) > MAX_MESSAGES:
-        raise _bad(f"at most {MAX_MESSAGES} messages are accepted")
+        raise bad(f"at most {MAX_MESSAGES} messages are accepted")
     out: list[dict] = []
     unanswered: list[tuple[str, str]] = []  # (call id, name) of calls no result has answered yet
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _bad(f"{where} must be an object")
+            raise bad(f"{where} must be an object")
         role = m.get("role")
         if role not in ROLES:
-            raise _bad(f"{where}.role must be one of {', '.join(ROLES)}; got {brief_repr(role)}")
+            raise bad(f"{where}.role must be one of {', '.join(ROLES)}; got {brief_repr(role)}")
         content = m.get("content")
         if content is None:
             content = ""
         if not isinstance(content, str):
-            raise _bad(f"{where}.content must be a string; got {brief_repr(content)}")
+            raise bad(f"{where}.content must be a string; got {brief_repr(content)}")
         _no_images(m.get("images"), f"{where}.images")
-        msg: dict[str, Any] = {"role": role, "content": _valid_text(content, f"{where}.content")}
+        msg: dict[str, Any] = {"role": role, "content": valid_text(content, f"{where}.content")}
         if role == "assistant":
             thinking = m.get("thinking")
             if thinking not in (None, ""):
                 if not isinstance(thinking, str):
-                    raise _bad(f"{where}.thinking must be a string")
-                msg["reasoning_content"] = _valid_text(thinking, f"{where}.thinking")
+                    raise bad(f"{where}.thinking must be a string")
+                msg["reasoning_content"] = valid_text(thinking, f"{where}.thinking")
             calls = m.get("tool_calls")
             if calls not in (None, []):
                 if not isinstance(calls, list):
-                    raise _bad(f"{where}.tool_calls must be a list")
+                    raise bad(f"{where}.tool_calls must be a list")
                 msg["tool_calls"] = [_past_call(c, f"{where}.tool_calls[{j}]", f"call_{i}_{j}") for j, c in enumerate(calls)]
                 unanswered += [(c["id"], c["function"]["name"]) for c in msg["tool_calls"]]
         elif role == "tool":
             name = m.get("tool_name", m.get("name"))
             if name is not None and not isinstance(name, str):
-                raise _bad(f"{where}.tool_name must be a string")
+                raise bad(f"{where}.tool_name must be a string")
             call_id = m.get("tool_call_id")
             if call_id is not None and not isinstance(call_id, str):
-                raise _bad(f"{where}.tool_call_id must be a string")
+                raise bad(f"{where}.tool_call_id must be a string")
             # Ollama's results name their tool, not their call: they answer the
             # earliest call of that tool not yet answered (or the earliest call).
             match = next((c for c in unanswered if c[0] == call_id), None) or next(
@@ -283,7 +285,7 @@ def _messages(v: Any) -> list[dict]:
 def _past_call(c: Any, where: str, default_id: str) -> dict:
     fn = c.get("function") if isinstance(c, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise _bad(f"{where} must be {{'function': {{'name', 'arguments'}}}}")
+        raise bad(f"{where} must be {{'function': {{'name', 'arguments'}}}}")
     args = fn.get("arguments")
     if args is None:
         args = {}
@@ -291,11 +293,11 @@ def _past_call(c: Any, where: str, default_id: str) -> dict:
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError:
-            raise _bad(f"{where}.function.arguments must be an object; got {brief_repr(args)}") from None
+            raise bad(f"{where}.function.arguments must be an object; got {brief_repr(args)}") from None
     if not isinstance(args, dict):
-        raise _bad(f"{where}.function.arguments must be an object; got {brief_repr(args)}")
+        raise bad(f"{where}.function.arguments must be an object; got {brief_repr(args)}")
     call_id = c.get("id") if isinstance(c.get("id"), str) and c.get("id") else default_id
-    return {"id": call_id, "type": "function", "function": {"name": _valid_text(fn["name"], f"{where}.function.name"), "arguments": args}}
+    return {"id": call_id, "type": "function", "function": {"name": valid_text(fn["name"], f"{where}.function.name"), "arguments": args}}
 
 
 def _format(v: Any) -> ResponseFormat | None:
@@ -305,7 +307,7 @@ def _format(v: Any) -> ResponseFormat | None:
         return ResponseFormat("json_object")
     if isinstance(v, dict):
         return ResponseFormat("json_schema", check_schema(v, "format"), "format")
-    raise _bad(f'format must be "json" or a JSON schema object; got {brief_repr(v)}')
+    raise bad(f'format must be "json" or a JSON schema object; got {brief_repr(v)}')
 
 
 def _think(v: Any, model: str, thinks: bool) -> dict:
@@ -314,18 +316,18 @@ def _think(v: Any, model: str, thinks: bool) -> dict:
     if v is False:
         return {"enable_thinking": False}
     if v is not True and v not in THINK_LEVELS:
-        raise _bad(f'think must be true, false or one of "low", "medium", "high"; got {brief_repr(v)}')
+        raise bad(f'think must be true, false or one of "low", "medium", "high"; got {brief_repr(v)}')
     if not thinks:
-        raise _bad(f'"{model}" does not support thinking')
+        raise bad(f'"{model}" does not support thinking')
     return {"enable_thinking": True} if v is True else {"enable_thinking": True, "reasoning_effort": v}
 
 
 def _logprobs(body: dict) -> tuple[bool, int]:
     on, top = body.get("logprobs"), body.get("top_logprobs")
     if on is not None and not isinstance(on, bool):
-        raise _bad(f"logprobs must be a boolean; got {brief_repr(on)}")
+        raise bad(f"logprobs must be a boolean; got {brief_repr(on)}")
     if top is not None and (not _integral(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
-        raise _bad(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}; got {brief_repr(top)}")
+        raise bad(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}; got {brief_repr(top)}")
     top = int(top or 0)
     return bool(on) or top > 0, top
 
@@ -348,28 +350,28 @@ def _options(v: Any, context_length: int) -> _Options:
     if v is None:
         v = {}
     if not isinstance(v, dict):
-        raise _bad(f"options must be an object; got {brief_repr(v)}")
+        raise bad(f"options must be an object; got {brief_repr(v)}")
     checked: dict[str, Any] = {}
     for name, value in v.items():
         kind = OPTION_TYPES.get(name)
         if kind is None or value is None:
             continue  # Ollama ignores options it does not know, and nulls
         if kind is int and not _integral(value):
-            raise _bad(f'option "{name}" must be of type integer; got {brief_repr(value)}')
+            raise bad(f'option "{name}" must be of type integer; got {brief_repr(value)}')
         if kind is float and not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
-            raise _bad(f'option "{name}" must be of type float; got {brief_repr(value)}')
+            raise bad(f'option "{name}" must be of type float; got {brief_repr(value)}')
         if kind is bool and not isinstance(value, bool):
-            raise _bad(f'option "{name}" must be of type boolean; got {brief_repr(value)}')
+            raise bad(f'option "{name}" must be of type boolean; got {brief_repr(value)}')
         checked[name] = int(value) if kind is int else value
     for name, off in UNSUPPORTED_OPTIONS.items():
         if checked.get(name, off) != off:
-            raise _bad(f"option {name!r} is not supported by ringd (only {off} is accepted)")
+            raise bad(f"option {name!r} is not supported by ringd (only {off} is accepted)")
     num_ctx = checked.get("num_ctx")
     if num_ctx is not None and not 0 <= num_ctx <= context_length:
-        raise _bad(f"options.num_ctx {num_ctx} is above the model's context of {context_length} tokens" if num_ctx > 0 else "options.num_ctx must not be negative")
+        raise bad(f"options.num_ctx {num_ctx} is above the model's context of {context_length} tokens" if num_ctx > 0 else "options.num_ctx must not be negative")
     predict = checked.get("num_predict")
     if predict is not None and predict < -2:
-        raise _bad(f"options.num_predict must be a number of tokens, or -1 for until the context ends; got {predict}")
+        raise bad(f"options.num_predict must be a number of tokens, or -1 for until the context ends; got {predict}")
     sampling = {SAMPLED_OPTIONS[k]: checked[k] for k in SAMPLED_OPTIONS if k in checked}
     if sampling.get("seed", 0) < 0:  # Ollama's -1: a random seed
         del sampling["seed"]
@@ -383,10 +385,10 @@ def _stop(v: Any) -> list[str]:
         return []
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
-        raise _bad(f'option "stop" must be a list of non-empty strings of at most {MAX_STOP_CHARS} characters')
+        raise bad(f'option "stop" must be a list of non-empty strings of at most {MAX_STOP_CHARS} characters')
     if len(stops) > MAX_STOP_SEQUENCES:
-        raise _bad(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
-    return [_valid_text(s, "options.stop") for s in stops]
+        raise bad(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
+    return [valid_text(s, "options.stop") for s in stops]
 
 
 # --- the answer -------------------------------------------------------------------
@@ -605,7 +607,7 @@ class OllamaApi:
         body = await api.json(await api.read(request))
         name = body.get("model", body.get("name"))  # "name": Ollama's older field
         if not isinstance(name, str) or not name:
-            raise _bad("model is required")
+            raise bad("model is required")
         self._check_model(name)
         d = await self._description()
         tokenizer = api.d.tokenizer
