@@ -1,4 +1,4 @@
-"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``), a thin layer over ``serving.py``.
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``), a thin translation for ``endpoint.py``.
 
 The body becomes a ``request.Request`` (``parse``); the ``Output`` events
 become Anthropic's content blocks (``Blocks``): ``thinking`` for the model's
@@ -52,12 +52,9 @@ Errors have Anthropic's shape (``{"type": "error", "error": {"type",
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-from aiohttp import web
 
 from ringd.http.errors import ApiError
 from ringd.http.fields import (
@@ -77,13 +74,13 @@ from ringd.http.fields import (
     template_kwargs,
     valid_text,
 )
+from ringd.http.framing import NAMED_SSE
 from ringd.http.request import MAX_TOOLS, Output, Request, ResponseFormat, Tool, ToolCall, Usage
 from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
-    from ringd.http.api import Api
-
-log = logging.getLogger(__name__)
+    from ringd.http.node import ApiNode
+    from ringd.http.serving import Generation
 
 # Anthropic's error types, by status.
 _TYPES = {
@@ -673,123 +670,69 @@ class Blocks:
         return events
 
 
-def sse(event: dict) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+class Messages:
+    """``POST /v1/messages``."""
+
+    framing = NAMED_SSE
+    resumable = False  # a follower relays these events as they come; a new leader cannot continue them
+
+    def __init__(self, node: "ApiNode"):
+        self.d = node
+
+    def streams(self, body: dict) -> bool:
+        return body.get("stream") is True
+
+    def parse(self, body: dict) -> "MessageAnswer":
+        return MessageAnswer(parse(body), self.d.model_id)
 
 
-class AnthropicApi:
-    def __init__(self, api: "Api"):
-        self.api = api
+class CountTokens:
+    """``POST /v1/messages/count_tokens``: the prompt tokens a Messages body would take."""
 
-    def routes(self) -> list:
+    def parse(self, body: dict) -> Request:
+        return parse(body, count_only=True).request
+
+    def counted(self, tokens: int) -> dict:
+        return {"input_tokens": tokens}
+
+
+class MessageAnswer:
+    """One message: Anthropic's message object, or its stream events."""
+
+    def __init__(self, p: MessagesRequest, model_id: str):
+        self.request = p.request
+        self.stream = p.stream
+        self.model_id = model_id
+        self.id = new_id("msg")
+        self.blocks = Blocks(p.show_thinking)
+        self.last: Output | None = None
+
+    def _ending(self) -> tuple[str | None, str | None]:
+        last = self.last
+        return (last.finish_reason, last.stop_sequence) if last is not None else (None, None)
+
+    def start(self, gen: "Generation", resume) -> list[dict]:
+        start = message(self.id, self.model_id, [], None, None, gen.usage)
+        start["usage"]["output_tokens"] = 0
+        return [{"type": "message_start", "message": start}, {"type": "ping"}]
+
+    def feed(self, out: Output) -> list[dict]:
+        self.last = out
+        return self.blocks.feed(out)
+
+    def end(self, gen: "Generation") -> list[dict]:
+        finish, stop = self._ending()
+        delta = {"stop_reason": stop_reason(finish, stop), "stop_sequence": stop if finish == "stop" else None}
         return [
-            web.post("/v1/messages", self.create),
-            web.post("/v1/messages/count_tokens", self.count_tokens),
+            *self.blocks.finish(),
+            {"type": "message_delta", "delta": delta, "usage": {"output_tokens": gen.usage.completion_tokens}},
+            {"type": "message_stop"},
         ]
 
-    async def _body(self, request: web.Request, stream_field: bool) -> tuple[dict | None, web.StreamResponse | None]:
-        """The parsed body here, or a follower's forwarded answer from the leader."""
-        api = self.api
-        api.need_key(request)
-        raw = await api.read(request)
-        await api.forwarded_by(request, raw)  # a follower's mark must be proven; nothing carries over here
-        body = await api.json(raw)
-        if api.d.engine is None:
-            stream = stream_field and body.get("stream") is True
-            return None, await api.proxy.forward(request, raw, stream, resumable=False)
-        return body, None
+    def error(self, e: ApiError) -> list[dict]:
+        return [error_body(e)]  # in-band, as Anthropic reports a failure mid-stream
 
-    async def count_tokens(self, request: web.Request) -> web.StreamResponse:
-        body, forwarded = await self._body(request, stream_field=False)
-        if forwarded is not None:
-            return forwarded
-        req = parse(body, count_only=True).request
-        return web.json_response({"input_tokens": await self.api.serving.count_tokens(req)})
-
-    async def create(self, request: web.Request) -> web.StreamResponse:
-        body, forwarded = await self._body(request, stream_field=True)
-        if forwarded is not None:
-            return forwarded
-        p = parse(body)
-        gen = await self.api.serving.open(p.request, self.api.request_id(request))
-        try:
-            if p.stream:
-                return await self._stream(request, gen, Blocks(p.show_thinking))
-            return await self._whole(gen, Blocks(p.show_thinking))
-        finally:
-            await gen.aclose()
-
-    async def _whole(self, gen, blocks: Blocks) -> web.Response:
-        last = None
-        try:
-            async for out in gen:
-                blocks.feed(out)
-                last = out
-        finally:
-            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
-        blocks.finish()
-        finish, stop = (last.finish_reason, last.stop_sequence) if last is not None else (None, None)
-        return web.json_response(
-            message(
-                new_id("msg"),
-                self.api.d.model_id,
-                blocks.content,
-                finish,
-                stop,
-                gen.usage,
-            )
-        )
-
-    async def _stream(self, request: web.Request, gen, blocks: Blocks) -> web.StreamResponse:
-        events = aiter(gen)
-        # Pull the first event before answering 200, so a ring that fails at once
-        # still gets a proper error status.
-        first = await anext(events, None)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-
-        async def send(batch: list[dict]) -> None:
-            if batch:
-                await resp.write(b"".join(sse(ev) for ev in batch))
-
-        try:
-            start = message(new_id("msg"), self.api.d.model_id, [], None, None, gen.usage)
-            start["usage"]["output_tokens"] = 0
-            await send([{"type": "message_start", "message": start}, {"type": "ping"}])
-            out, last = first, None
-            while out is not None:
-                await send(blocks.feed(out))
-                last = out
-                out = await anext(events, None)
-            finish, stop = (last.finish_reason, last.stop_sequence) if last is not None else (None, None)
-            delta = {
-                "stop_reason": stop_reason(finish, stop),
-                "stop_sequence": stop if finish == "stop" else None,
-            }
-            await send(
-                [
-                    *blocks.finish(),
-                    {
-                        "type": "message_delta",
-                        "delta": delta,
-                        "usage": {"output_tokens": gen.usage.completion_tokens},
-                    },
-                    {"type": "message_stop"},
-                ]
-            )
-        except ApiError as e:
-            # The stream has started: report the failure in-band, as Anthropic does, and end it.
-            await send([error_body(e)])
-        except ConnectionResetError:  # aiohttp's "Cannot write to closing transport"
-            log.debug(
-                "the client closed the stream after %d token(s)",
-                gen.usage.completion_tokens,
-            )
-            return resp  # the caller's gen.aclose() frees the ring
-        finally:
-            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
-        try:
-            await resp.write_eof()
-        except ConnectionResetError:
-            pass
-        return resp
+    def whole(self, gen: "Generation") -> dict:
+        self.blocks.finish()
+        finish, stop = self._ending()
+        return message(self.id, self.model_id, self.blocks.content, finish, stop, gen.usage)

@@ -9,7 +9,8 @@ ringd cannot honour (``n`` > 1, ``best_of``, ``echo``, ``suffix``, the old
 unknown fields are ignored, as clients send many. Nothing a client sends makes
 these functions raise anything but ``ApiError``.
 
-No HTTP, no tokenizer: ``api.py`` does the I/O, this module the shapes.
+No HTTP, no tokenizer: ``openai_api.py`` translates, ``endpoint.py`` does the
+I/O, this module the shapes (the checks every API shares are ``fields.py``'s).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (``POST /v1/responses``), as a thin, stateless layer over ``serving.py``.
+"""OpenAI's Responses API (``POST /v1/responses``), as a thin, stateless translation for ``endpoint.py``.
 
 The body becomes a ``request.Request`` (``parse``); the ``Output`` events
 become Responses' output items (``OutputItems``): a ``reasoning`` item for
@@ -61,13 +61,10 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-from aiohttp import web
 
 from ringd.http.errors import ApiError
 from ringd.http.fields import (
@@ -86,13 +83,13 @@ from ringd.http.fields import (
     template_kwargs,
     valid_text,
 )
+from ringd.http.framing import NAMED_SSE
 from ringd.http.request import MAX_TOOLS, Output, Request, ResponseFormat, Tool, ToolCall, Usage
 from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
-    from ringd.http.api import Api
-
-log = logging.getLogger(__name__)
+    from ringd.http.node import ApiNode
+    from ringd.http.serving import Generation
 
 # Input items in one request: as many as chat completions takes messages.
 MAX_INPUT_ITEMS = MAX_MESSAGES
@@ -120,10 +117,6 @@ REFUSED: dict[str, tuple[tuple, str]] = {
 INCLUDES = ("reasoning.encrypted_content",)
 # A reasoning item's encrypted_content as ringd writes it: this, then the text in base64.
 ENCRYPTED_PREFIX = "ringd-reasoning:"
-
-
-def error_body(e: ApiError) -> dict:
-    return e.body()
 
 
 @dataclass
@@ -571,88 +564,58 @@ class OutputItems:
         return events
 
 
-def sse(event: dict) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+class Responses:
+    """``POST /v1/responses``."""
+
+    framing = NAMED_SSE
+    resumable = False  # a follower relays these events as they come; a new leader cannot continue them
+
+    def __init__(self, node: "ApiNode"):
+        self.d = node
+
+    def streams(self, body: dict) -> bool:
+        return body.get("stream") is True
+
+    def parse(self, body: dict) -> "ResponseAnswer":
+        return ResponseAnswer(parse(body), self.d.model_id)
 
 
-class ResponsesApi:
-    def __init__(self, api: "Api"):
-        self.api = api
+class ResponseAnswer:
+    """One response: the response object, or Responses' stream events, each numbered in order."""
 
-    def routes(self) -> list:
-        return [web.post("/v1/responses", self.create)]
+    def __init__(self, p: ResponsesRequest, model_id: str):
+        self.p = p
+        self.request = p.request
+        self.stream = p.stream
+        self.model_id = model_id
+        self.id = new_id("resp")
+        self.items = OutputItems(p.encrypted_reasoning)
+        self.finish: str | None = None
+        self._sequence = 0
 
-    async def create(self, request: web.Request) -> web.StreamResponse:
-        api = self.api
-        api.need_key(request)
-        raw = await api.read(request)
-        await api.forwarded_by(request, raw)  # a follower's mark must be proven; nothing carries over here
-        body = await api.json(raw)
-        if api.d.engine is None:
-            return await api.proxy.forward(request, raw, body.get("stream") is True, resumable=False)
-        p = parse(body)
-        gen = await api.serving.open(p.request, api.request_id(request))
-        try:
-            if p.stream:
-                return await self._stream(request, p, gen)
-            return await self._whole(p, gen)
-        finally:
-            await gen.aclose()
+    def _numbered(self, events: list[dict]) -> list[dict]:
+        for ev in events:
+            ev["sequence_number"] = self._sequence
+            self._sequence += 1
+        return events
 
-    async def _whole(self, p: ResponsesRequest, gen) -> web.Response:
-        items, finish = OutputItems(p.encrypted_reasoning), None
-        try:
-            async for out in gen:
-                items.feed(out)
-                finish = out.finish_reason
-        finally:
-            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
-        items.finish(finish)
-        body = response_object(p, new_id("resp"), gen.created, self.api.d.model_id, items.output, items.status, gen.usage)
-        return web.json_response(body)
+    def start(self, gen: "Generation", resume) -> list[dict]:
+        start = response_object(self.p, self.id, gen.created, self.model_id, [], "in_progress", None)
+        return self._numbered([{"type": "response.created", "response": start}, {"type": "response.in_progress", "response": start}])
 
-    async def _stream(self, request: web.Request, p: ResponsesRequest, gen) -> web.StreamResponse:
-        events = aiter(gen)
-        # Pull the first event before answering 200, so a ring that fails at once
-        # still gets a proper error status.
-        first = await anext(events, None)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        rid, model = new_id("resp"), self.api.d.model_id
-        items = OutputItems(p.encrypted_reasoning)
-        sequence = 0
+    def feed(self, out: Output) -> list[dict]:
+        self.finish = out.finish_reason
+        return self._numbered(self.items.feed(out))
 
-        async def send(batch: list[dict]) -> None:
-            nonlocal sequence
-            data = []
-            for ev in batch:
-                ev["sequence_number"] = sequence
-                sequence += 1
-                data.append(sse(ev))
-            if data:
-                await resp.write(b"".join(data))
+    def end(self, gen: "Generation") -> list[dict]:
+        events = self.items.finish(self.finish)
+        whole = response_object(self.p, self.id, gen.created, self.model_id, self.items.output, self.items.status, gen.usage)
+        return self._numbered([*events, {"type": f"response.{whole['status']}", "response": whole}])
 
-        try:
-            start = response_object(p, rid, gen.created, model, [], "in_progress", None)
-            await send([{"type": "response.created", "response": start}, {"type": "response.in_progress", "response": start}])
-            out, finish = first, None
-            while out is not None:
-                await send(items.feed(out))
-                finish = out.finish_reason
-                out = await anext(events, None)
-            await send(items.finish(finish))
-            whole = response_object(p, rid, gen.created, model, items.output, items.status, gen.usage)
-            await send([{"type": f"response.{whole['status']}", "response": whole}])
-        except ApiError as e:
-            # The stream has started: report the failure in-band, as OpenAI does, and end it.
-            await send([{"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param}])
-        except ConnectionResetError:  # aiohttp's "Cannot write to closing transport"
-            log.debug("the client closed the stream after %d token(s)", gen.usage.completion_tokens)
-            return resp  # the caller's gen.aclose() frees the ring
-        finally:
-            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
-        try:
-            await resp.write_eof()
-        except ConnectionResetError:
-            pass
-        return resp
+    def error(self, e: ApiError) -> list[dict]:
+        # In-band, as OpenAI reports a failure mid-stream.
+        return self._numbered([{"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param}])
+
+    def whole(self, gen: "Generation") -> dict:
+        self.items.finish(self.finish)
+        return response_object(self.p, self.id, gen.created, self.model_id, self.items.output, self.items.status, gen.usage)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringd.http.errors import ApiError
-from ringd.http.fields import MAX_MODEL_CHARS, asks_nothing, model_name, optional, parse_json, sampling_fields, sampling_params, is_bool
+from ringd.http.fields import MAX_MODEL_CHARS, asks_nothing, is_bool, model_name, optional, parse_json, sampling_fields, sampling_params
 
 
 def refused(raw: bytes) -> ApiError:

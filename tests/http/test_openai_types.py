@@ -21,7 +21,7 @@ from ringd.http.fields import MAX_MODEL_CHARS, parse_json
 from ringd.http.openai_types import UNSUPPORTED_FIELDS, CompletionRequest, parse_request
 from ringd.ring.sampling import SamplingError
 
-# api.py's cap on a request body (MAX_BODY_BYTES), which parse_json must handle.
+# intake.py's cap on a request body (MAX_BODY_BYTES), which parse_json must handle.
 BODY_BYTES = 16 * 1024 * 1024
 
 CHAT = {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}
@@ -44,7 +44,7 @@ def refused(body: dict | bytes, chat: bool = True) -> ApiError:
 
 
 def test_parse_json_is_safe_in_an_executor_on_the_largest_body():
-    """api.py runs parse_json off the event loop on bodies up to 16 MiB: a thread's stack and time."""
+    """intake.py runs parse_json off the event loop on bodies up to 16 MiB: a thread's stack and time."""
     deep = b"[" * BODY_BYTES
     text = json.dumps({**CHAT, "messages": [{"role": "user", "content": "a" * (BODY_BYTES - 100)}]}).encode()
     assert len(text) <= BODY_BYTES
