@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from ringd.http.api import _errors
+from ringd.http.api import error_answers
 from ringd.http.files import FileServer, Holding
 from ringd.metrics import Metrics
 from ringd.models.peers import Holder
@@ -33,7 +33,7 @@ async def holder(name: str, path: Path, cache: Path, fingerprint: str | None = N
     info = model_info(str(path))
     fingerprint = fingerprint or info.fingerprint
     node = HolderNode(name, SECRET, Metrics(name), Holding(info.path, fingerprint, info.name, cache))
-    app = web.Application(middlewares=[_errors])
+    app = web.Application(middlewares=[error_answers])
     app.add_routes(FileServer(node).routes())
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

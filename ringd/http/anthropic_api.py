@@ -1,4 +1,4 @@
-"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``), a thin layer over ``serving.py``.
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``), a thin translation for ``endpoint.py``.
 
 The body becomes a ``request.Request`` (``parse``); the ``Output`` events
 become Anthropic's content blocks (``Blocks``): ``thinking`` for the model's
@@ -52,31 +52,35 @@ Errors have Anthropic's shape (``{"type": "error", "error": {"type",
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
-from ringd.http.openai_types import (
+from ringd.http.errors import ApiError
+from ringd.http.fields import (
     MAX_MESSAGES,
-    MAX_MODEL_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
-    ApiError,
-    _valid_text,
+    asks_nothing,
+    bad,
     check_schema,
     check_tool_name,
+    is_bool,
+    is_int,
+    model_name,
+    optional,
+    sampling_fields,
+    sampling_params,
     template_kwargs,
+    valid_text,
 )
+from ringd.http.framing import NAMED_SSE
 from ringd.http.request import MAX_TOOLS, Output, Request, ResponseFormat, Tool, ToolCall, Usage
-from ringd.ring.sampling import SamplingError, SamplingParams, brief_repr
+from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
-    from ringd.http.api import Api
-
-log = logging.getLogger(__name__)
+    from ringd.http.node import ApiNode
+    from ringd.http.serving import Generation
 
 # Anthropic's error types, by status.
 _TYPES = {
@@ -103,8 +107,6 @@ REFUSED = {
 }
 # Blocks that carry what a text model cannot read.
 MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
-# ringd's sampling beyond Anthropic's, as chat completions takes it.
-EXTRA_NUMBERS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def error_body(e: ApiError) -> dict:
@@ -112,18 +114,6 @@ def error_body(e: ApiError) -> dict:
         "type": "error",
         "error": {"type": _TYPES.get(e.status, "api_error"), "message": e.message},
     }
-
-
-def _bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -141,50 +131,23 @@ def parse(body: dict, count_only: bool = False) -> MessagesRequest:
 
     ``count_only``: a count_tokens body, which has no ``max_tokens`` nor sampling.
     """
-
-    def opt(name: str, check, rule: str):
-        v = body.get(name)
-        if v is not None and not check(v):
-            raise _bad(f"{name} must be {rule}; got {brief_repr(v)}", name)
-        return v
-
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("model is required and must be a string", "model")
-    if len(model) > MAX_MODEL_CHARS:
-        raise _bad(
-            f"model must be a name of at most {MAX_MODEL_CHARS} characters; GET /v1/models lists it",
-            "model",
-        )
-    _valid_text(model, "model")
+    model = model_name(body)
     for name, why in REFUSED.items():
-        if body.get(name) not in (None, [], {}):
-            raise _bad(f"{name} is not supported: {why}", name)
+        if not asks_nothing(body.get(name)):
+            raise bad(f"{name} is not supported: {why}", name)
 
     max_tokens = None
     if not count_only:
         max_tokens = body.get("max_tokens")
-        if not _is_int(max_tokens) or max_tokens < 1:
-            raise _bad(
+        if not is_int(max_tokens) or max_tokens < 1:
+            raise bad(
                 f"max_tokens is required: an integer of at least 1; got {brief_repr(max_tokens)}",
                 "max_tokens",
             )
-    stream = opt("stream", lambda v: isinstance(v, bool), "a boolean") or False
-    sampling: dict[str, Any] = {}
-    for name in ("temperature", "top_p", *EXTRA_NUMBERS):
-        v = opt(name, _is_number, "a number")
-        if v is not None:
-            sampling[name] = v
-    for name in ("top_k", "seed"):
-        v = opt(name, _is_int, "an integer")
-        if v is not None:
-            sampling[name] = v
-    if "seed" in sampling and sampling["seed"] < 0:
-        sampling["seed"] %= 2**63
-    try:
-        params = SamplingParams(**sampling)
-    except SamplingError as e:
-        raise _bad(str(e), e.field) from None
+    stream = optional(body, "stream", is_bool, "a boolean") or False
+    # Anthropic's temperature, top_p and top_k, and ringd's sampling beyond them, as chat
+    # completions takes it; a negative top_k is a 400 here (-1 for "off" is OpenAI clients' habit).
+    params = sampling_params(sampling_fields(body), negative_top_k_is_off=False)
 
     messages, prefill = _messages(body.get("messages"))
     system = _system(body.get("system"))
@@ -207,38 +170,38 @@ def _system(v: Any) -> str:
     if v is None:
         return ""
     if isinstance(v, str):
-        return _valid_text(v, "system")
+        return valid_text(v, "system")
     if isinstance(v, list):
         return "\n\n".join(_text_block(b, f"system[{i}]") for i, b in enumerate(v))
-    raise _bad("system must be a string or a list of text blocks", "system")
+    raise bad("system must be a string or a list of text blocks", "system")
 
 
 def _text_block(b: Any, where: str) -> str:
     if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
         kind = b.get("type") if isinstance(b, dict) else b
-        raise _bad(
+        raise bad(
             f"{where} must be a text block {{'type': 'text', 'text'}}; got {brief_repr(kind)}",
             where,
         )
-    return _valid_text(b["text"], f"{where}.text")
+    return valid_text(b["text"], f"{where}.text")
 
 
 def _messages(v: Any) -> tuple[list[dict], bool]:
     """The conversation in the form templates take, and whether it ends in a prefill."""
     if not isinstance(v, list) or not v:
-        raise _bad("messages is required: a non-empty list of {role, content}", "messages")
+        raise bad("messages is required: a non-empty list of {role, content}", "messages")
     if len(v) > MAX_MESSAGES:
-        raise _bad(f"at most {MAX_MESSAGES} messages are accepted", "messages")
+        raise bad(f"at most {MAX_MESSAGES} messages are accepted", "messages")
     out: list[dict] = []
     names: dict[str, str] = {}  # tool_use id -> tool name, for the results that answer them
     pending: set[str] = set()  # calls of the last assistant turn, not answered yet
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _bad(f"{where} must be an object {{role, content}}", where)
+            raise bad(f"{where} must be an object {{role, content}}", where)
         role = m.get("role")
         if role not in ("user", "assistant"):
-            raise _bad(
+            raise bad(
                 f'{where}.role must be "user" or "assistant"; got {brief_repr(role)} (the system prompt goes in system)',
                 f"{where}.role",
             )
@@ -248,7 +211,7 @@ def _messages(v: Any) -> tuple[list[dict], bool]:
         elif isinstance(content, list):
             blocks = content
         else:
-            raise _bad(
+            raise bad(
                 f"{where}.content must be a string or a list of content blocks",
                 f"{where}.content",
             )
@@ -259,7 +222,7 @@ def _messages(v: Any) -> tuple[list[dict], bool]:
     last = out[-1]
     prefill = last["role"] == "assistant"
     if prefill and last.get("tool_calls"):
-        raise _bad(
+        raise bad(
             "the last message holds tool_use blocks: send their tool_result blocks in a user message after it",
             f"messages[{len(v) - 1}]",
         )
@@ -291,7 +254,7 @@ def _user(blocks: list, where: str, out: list[dict], names: dict[str, str], pend
                 texts = []
             call_id = b.get("tool_use_id")
             if not isinstance(call_id, str) or call_id not in names:
-                raise _bad(
+                raise bad(
                     f"{at}.tool_use_id must name a tool_use block of an earlier assistant message; got {brief_repr(call_id)}",
                     f"{at}.tool_use_id",
                 )
@@ -300,11 +263,11 @@ def _user(blocks: list, where: str, out: list[dict], names: dict[str, str], pend
             if result is None:
                 text = ""
             elif isinstance(result, str):
-                text = _valid_text(result, f"{at}.content")
+                text = valid_text(result, f"{at}.content")
             elif isinstance(result, list):
                 text = "\n\n".join(_text_block(p, f"{at}.content[{k}]") for k, p in enumerate(result))
             else:
-                raise _bad(
+                raise bad(
                     f"{at}.content must be a string or a list of text blocks",
                     f"{at}.content",
                 )
@@ -319,17 +282,17 @@ def _user(blocks: list, where: str, out: list[dict], names: dict[str, str], pend
                 }
             )
         elif kind in MEDIA_BLOCKS:
-            raise _bad(
+            raise bad(
                 f"{at} is an {kind} block: ringd serves text models, which cannot read it",
                 f"{at}.type",
             )
         else:
-            raise _bad(
+            raise bad(
                 f"{at} must be a text or tool_result block; got {brief_repr(kind)}",
                 f"{at}.type",
             )
     if pending:
-        raise _bad(
+        raise bad(
             f"{where} must answer every tool_use of the message before it; missing: {', '.join(sorted(pending))}",
             where,
         )
@@ -346,23 +309,23 @@ def _assistant(blocks: list, where: str, out: list[dict], names: dict[str, str],
             texts.append(_text_block(b, at))
         elif kind == "thinking":
             if not isinstance(b.get("thinking"), str):
-                raise _bad(f"{at}.thinking must be a string", f"{at}.thinking")
-            reasoning.append(_valid_text(b["thinking"], f"{at}.thinking"))
+                raise bad(f"{at}.thinking must be a string", f"{at}.thinking")
+            reasoning.append(valid_text(b["thinking"], f"{at}.thinking"))
         elif kind == "redacted_thinking":
             continue  # encrypted by Anthropic for its own models: nothing here can read it
         elif kind == "tool_use":
             call_id = b.get("id")
             if not isinstance(call_id, str) or not call_id or len(call_id) > MAX_TOOL_USE_ID_CHARS:
-                raise _bad(
+                raise bad(
                     f"{at}.id must be a string of 1 to {MAX_TOOL_USE_ID_CHARS} characters",
                     f"{at}.id",
                 )
             if call_id in names:
-                raise _bad(f"{at}.id {call_id!r} is used twice", f"{at}.id")
+                raise bad(f"{at}.id {call_id!r} is used twice", f"{at}.id")
             name = check_tool_name(b.get("name"), f"{at}.name", MAX_TOOL_NAME_CHARS)
             args = b.get("input")
             if not isinstance(args, dict):
-                raise _bad(
+                raise bad(
                     f"{at}.input must be an object; got {brief_repr(args)}",
                     f"{at}.input",
                 )
@@ -376,9 +339,9 @@ def _assistant(blocks: list, where: str, out: list[dict], names: dict[str, str],
                 }
             )
         elif kind in MEDIA_BLOCKS:
-            raise _bad(f"{at} is an {kind} block: ringd serves text models", f"{at}.type")
+            raise bad(f"{at} is an {kind} block: ringd serves text models", f"{at}.type")
         else:
-            raise _bad(
+            raise bad(
                 f"{at} must be a text, thinking or tool_use block; got {brief_repr(kind)}",
                 f"{at}.type",
             )
@@ -394,41 +357,41 @@ def _tools(v: Any) -> list[Tool]:
     if v is None or v == []:
         return []
     if not isinstance(v, list):
-        raise _bad("tools must be a list", "tools")
+        raise bad("tools must be a list", "tools")
     if len(v) > MAX_TOOLS:
-        raise _bad(f"at most {MAX_TOOLS} tools are accepted", "tools")
+        raise bad(f"at most {MAX_TOOLS} tools are accepted", "tools")
     out, seen = [], set()
     for i, t in enumerate(v):
         where = f"tools[{i}]"
         if not isinstance(t, dict):
-            raise _bad(f"{where} must be an object {{name, description, input_schema}}", where)
+            raise bad(f"{where} must be an object {{name, description, input_schema}}", where)
         kind = t.get("type")
         if kind not in (None, "custom"):
-            raise _bad(
+            raise bad(
                 f"{where} is Anthropic's {brief_repr(kind)} tool; ringd runs no tools of its own, so only custom tools "
                 "({name, description, input_schema}) are supported",
                 f"{where}.type",
             )
         name = check_tool_name(t.get("name"), f"{where}.name", MAX_TOOL_NAME_CHARS)
         if name in seen:
-            raise _bad(f"{where}.name {name!r} is declared twice", f"{where}.name")
+            raise bad(f"{where}.name {name!r} is declared twice", f"{where}.name")
         seen.add(name)
         description = t.get("description") or ""
         if not isinstance(description, str):
-            raise _bad(f"{where}.description must be a string", f"{where}.description")
+            raise bad(f"{where}.description must be a string", f"{where}.description")
         if "input_schema" not in t:
-            raise _bad(
+            raise bad(
                 f"{where}.input_schema is required: a JSON schema of the tool's input",
                 f"{where}.input_schema",
             )
         schema = check_schema(t["input_schema"], f"{where}.input_schema")
         strict = t.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise _bad(f"{where}.strict must be a boolean", f"{where}.strict")
+            raise bad(f"{where}.strict must be a boolean", f"{where}.strict")
         out.append(
             Tool(
                 name,
-                _valid_text(description, f"{where}.description"),
+                valid_text(description, f"{where}.description"),
                 schema,
                 strict is True,
             )
@@ -442,23 +405,23 @@ def _tool_choice(v: Any, tools: list[Tool]) -> tuple[str, str | None, bool]:
         return "auto", None, True
     kind = v.get("type") if isinstance(v, dict) else None
     if kind not in ("auto", "any", "tool", "none"):
-        raise _bad(
+        raise bad(
             f'tool_choice must be {{"type": "auto" | "any" | "tool" | "none"}}; got {brief_repr(v)}',
             "tool_choice",
         )
     parallel = v.get("disable_parallel_tool_use")
     if parallel is not None and not isinstance(parallel, bool):
-        raise _bad(
+        raise bad(
             "tool_choice.disable_parallel_tool_use must be a boolean",
             "tool_choice.disable_parallel_tool_use",
         )
     if kind in ("any", "tool") and not tools:
-        raise _bad(f"tool_choice {kind!r} needs tools", "tool_choice")
+        raise bad(f"tool_choice {kind!r} needs tools", "tool_choice")
     name = None
     if kind == "tool":
         name = v.get("name")
         if name not in {t.name for t in tools}:
-            raise _bad(
+            raise bad(
                 f"tool_choice names the tool {brief_repr(name)}, which is not among the tools",
                 "tool_choice.name",
             )
@@ -472,26 +435,26 @@ def _thinking(v: Any, max_tokens: int | None) -> tuple[dict, bool]:
         return {}, True
     kind = v.get("type") if isinstance(v, dict) else None
     if kind not in THINKING:
-        raise _bad(
+        raise bad(
             f"thinking.type must be one of {', '.join(THINKING)}; got {brief_repr(v)}",
             "thinking",
         )
     if kind == "disabled":
         return {"enable_thinking": False}, True
     budget = v.get("budget_tokens")
-    if kind == "enabled" and (not _is_int(budget) or budget < 1):
-        raise _bad(
+    if kind == "enabled" and (not is_int(budget) or budget < 1):
+        raise bad(
             f"thinking.budget_tokens must be a positive integer; got {brief_repr(budget)}",
             "thinking.budget_tokens",
         )
     if budget is not None and max_tokens is not None and budget >= max_tokens:
-        raise _bad(
+        raise bad(
             f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
             "thinking.budget_tokens",
         )
     display = v.get("display")
     if display is not None and display not in DISPLAYS:
-        raise _bad(
+        raise bad(
             f"thinking.display must be one of {', '.join(DISPLAYS)}; got {brief_repr(display)}",
             "thinking.display",
         )
@@ -504,10 +467,10 @@ def _output_config(body: dict) -> tuple[ResponseFormat | None, str, dict]:
     if config is None:
         config = {}
     if not isinstance(config, dict):
-        raise _bad("output_config must be an object {format?, effort?}", "output_config")
+        raise bad("output_config must be an object {format?, effort?}", "output_config")
     effort = config.get("effort")
     if effort is not None and effort not in EFFORTS:
-        raise _bad(
+        raise bad(
             f"output_config.effort must be one of {', '.join(EFFORTS)}; got {brief_repr(effort)}",
             "output_config.effort",
         )
@@ -521,7 +484,7 @@ def _output_config(body: dict) -> tuple[ResponseFormat | None, str, dict]:
         return None, where, kwargs
     kind = v.get("type") if isinstance(v, dict) else None
     if kind != "json_schema" or "schema" not in v:
-        raise _bad(
+        raise bad(
             f'{where} must be {{"type": "json_schema", "schema"}}; got {brief_repr(v)}',
             where,
         )
@@ -537,16 +500,16 @@ def _stop_sequences(v: Any) -> list[str]:
     if v is None:
         return []
     if not isinstance(v, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in v):
-        raise _bad(
+        raise bad(
             f"stop_sequences must be a list of non-empty strings of at most {MAX_STOP_CHARS} characters",
             "stop_sequences",
         )
     if len(v) > MAX_STOP_SEQUENCES:
-        raise _bad(
+        raise bad(
             f"at most {MAX_STOP_SEQUENCES} stop_sequences are supported",
             "stop_sequences",
         )
-    return [_valid_text(s, f"stop_sequences[{i}]") for i, s in enumerate(v)]
+    return [valid_text(s, f"stop_sequences[{i}]") for i, s in enumerate(v)]
 
 
 # --- the answer --------------------------------------------------------------------
@@ -707,123 +670,69 @@ class Blocks:
         return events
 
 
-def sse(event: dict) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+class Messages:
+    """``POST /v1/messages``."""
+
+    framing = NAMED_SSE
+    resumable = False  # a follower relays these events as they come; a new leader cannot continue them
+
+    def __init__(self, node: "ApiNode"):
+        self.d = node
+
+    def streams(self, body: dict) -> bool:
+        return body.get("stream") is True
+
+    def parse(self, body: dict) -> "MessageAnswer":
+        return MessageAnswer(parse(body), self.d.model_id)
 
 
-class AnthropicApi:
-    def __init__(self, api: "Api"):
-        self.api = api
+class CountTokens:
+    """``POST /v1/messages/count_tokens``: the prompt tokens a Messages body would take."""
 
-    def routes(self) -> list:
+    def parse(self, body: dict) -> Request:
+        return parse(body, count_only=True).request
+
+    def counted(self, tokens: int) -> dict:
+        return {"input_tokens": tokens}
+
+
+class MessageAnswer:
+    """One message: Anthropic's message object, or its stream events."""
+
+    def __init__(self, p: MessagesRequest, model_id: str):
+        self.request = p.request
+        self.stream = p.stream
+        self.model_id = model_id
+        self.id = new_id("msg")
+        self.blocks = Blocks(p.show_thinking)
+        self.last: Output | None = None
+
+    def _ending(self) -> tuple[str | None, str | None]:
+        last = self.last
+        return (last.finish_reason, last.stop_sequence) if last is not None else (None, None)
+
+    def start(self, gen: "Generation", resume) -> list[dict]:
+        start = message(self.id, self.model_id, [], None, None, gen.usage)
+        start["usage"]["output_tokens"] = 0
+        return [{"type": "message_start", "message": start}, {"type": "ping"}]
+
+    def feed(self, out: Output) -> list[dict]:
+        self.last = out
+        return self.blocks.feed(out)
+
+    def end(self, gen: "Generation") -> list[dict]:
+        finish, stop = self._ending()
+        delta = {"stop_reason": stop_reason(finish, stop), "stop_sequence": stop if finish == "stop" else None}
         return [
-            web.post("/v1/messages", self.create),
-            web.post("/v1/messages/count_tokens", self.count_tokens),
+            *self.blocks.finish(),
+            {"type": "message_delta", "delta": delta, "usage": {"output_tokens": gen.usage.completion_tokens}},
+            {"type": "message_stop"},
         ]
 
-    async def _body(self, request: web.Request, stream_field: bool) -> tuple[dict | None, web.StreamResponse | None]:
-        """The parsed body here, or a follower's forwarded answer from the leader."""
-        api = self.api
-        api.need_key(request)
-        raw = await api.read(request)
-        await api.forwarded_by(request, raw)  # a follower's mark must be proven; nothing carries over here
-        body = await api.json(raw)
-        if api.d.engine is None:
-            stream = stream_field and body.get("stream") is True
-            return None, await api.proxy.forward(request, raw, stream, resumable=False)
-        return body, None
+    def error(self, e: ApiError) -> list[dict]:
+        return [error_body(e)]  # in-band, as Anthropic reports a failure mid-stream
 
-    async def count_tokens(self, request: web.Request) -> web.StreamResponse:
-        body, forwarded = await self._body(request, stream_field=False)
-        if forwarded is not None:
-            return forwarded
-        req = parse(body, count_only=True).request
-        return web.json_response({"input_tokens": await self.api.serving.count_tokens(req)})
-
-    async def create(self, request: web.Request) -> web.StreamResponse:
-        body, forwarded = await self._body(request, stream_field=True)
-        if forwarded is not None:
-            return forwarded
-        p = parse(body)
-        gen = await self.api.serving.open(p.request, self.api.request_id(request))
-        try:
-            if p.stream:
-                return await self._stream(request, gen, Blocks(p.show_thinking))
-            return await self._whole(gen, Blocks(p.show_thinking))
-        finally:
-            await gen.aclose()
-
-    async def _whole(self, gen, blocks: Blocks) -> web.Response:
-        last = None
-        try:
-            async for out in gen:
-                blocks.feed(out)
-                last = out
-        finally:
-            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
-        blocks.finish()
-        finish, stop = (last.finish_reason, last.stop_sequence) if last is not None else (None, None)
-        return web.json_response(
-            message(
-                new_id("msg"),
-                self.api.d.model_id,
-                blocks.content,
-                finish,
-                stop,
-                gen.usage,
-            )
-        )
-
-    async def _stream(self, request: web.Request, gen, blocks: Blocks) -> web.StreamResponse:
-        events = aiter(gen)
-        # Pull the first event before answering 200, so a ring that fails at once
-        # still gets a proper error status.
-        first = await anext(events, None)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-
-        async def send(batch: list[dict]) -> None:
-            if batch:
-                await resp.write(b"".join(sse(ev) for ev in batch))
-
-        try:
-            start = message(new_id("msg"), self.api.d.model_id, [], None, None, gen.usage)
-            start["usage"]["output_tokens"] = 0
-            await send([{"type": "message_start", "message": start}, {"type": "ping"}])
-            out, last = first, None
-            while out is not None:
-                await send(blocks.feed(out))
-                last = out
-                out = await anext(events, None)
-            finish, stop = (last.finish_reason, last.stop_sequence) if last is not None else (None, None)
-            delta = {
-                "stop_reason": stop_reason(finish, stop),
-                "stop_sequence": stop if finish == "stop" else None,
-            }
-            await send(
-                [
-                    *blocks.finish(),
-                    {
-                        "type": "message_delta",
-                        "delta": delta,
-                        "usage": {"output_tokens": gen.usage.completion_tokens},
-                    },
-                    {"type": "message_stop"},
-                ]
-            )
-        except ApiError as e:
-            # The stream has started: report the failure in-band, as Anthropic does, and end it.
-            await send([error_body(e)])
-        except ConnectionResetError:  # aiohttp's "Cannot write to closing transport"
-            log.debug(
-                "the client closed the stream after %d token(s)",
-                gen.usage.completion_tokens,
-            )
-            return resp  # the caller's gen.aclose() frees the ring
-        finally:
-            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
-        try:
-            await resp.write_eof()
-        except ConnectionResetError:
-            pass
-        return resp
+    def whole(self, gen: "Generation") -> dict:
+        self.blocks.finish()
+        finish, stop = self._ending()
+        return message(self.id, self.model_id, self.blocks.content, finish, stop, gen.usage)

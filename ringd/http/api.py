@@ -1,11 +1,14 @@
-"""The HTTP face of a node, with aiohttp: OpenAI endpoints, health, status, control, metrics.
+"""The HTTP face of a node, with aiohttp: the routes and the app, health, status, control, metrics.
 
-The leader serves ``/v1/*`` through its ``Engine``; a follower forwards them
-(``proxy.py``). Every node answers ``/health``, ``/cluster/status`` and
-``/metrics`` about itself. Errors have OpenAI's shape and status; a malformed
-request is answered and forgotten, and nothing a client sends can take the
-node down. A client that goes away mid-stream cancels its request, which frees
-its caches on every stage.
+Which route runs what: each route that generates runs the endpoint driver
+(``endpoint.py``: the one request lifecycle) with its API's translation
+(``openai_api.py``, ``responses_api.py``, ``anthropic_api.py``,
+``ollama_api.py``); the leader serves them through its ``Engine``, a follower
+forwards them (``proxy.py``). Every node answers ``/health``, ``/cluster/status``
+and ``/metrics`` about itself. Errors have each API's own shape and status
+(``ERROR_SHAPES``); a malformed request is answered and forgotten, and nothing
+a client sends can take the node down. A client that goes away mid-stream
+cancels its request, which frees its caches on every stage.
 
 Who may do what (``auth.py``): with ``api_keys_file`` set, ``/v1/*`` needs a
 key on every node, and ``/cluster/status`` a key or a request signed with the
@@ -13,10 +16,11 @@ cluster secret; ``/health`` stays open. Control routes (leader pin, drain)
 always need a request signed with the cluster secret, and a request marked as
 forwarded by a follower the follower's own proof of it (a client's mark is refused).
 
-Work per request is bounded before it is paid for (``http/guard.py``): a body's
-bytes are booked against the node's budget before it is read, it is parsed off
-the event loop, its character count is checked against the model's context
-before it is tokenized, and tokenizing runs off the loop a few at a time.
+Work per request is bounded before it is paid for (``http/guard.py``,
+``intake.py``): a body's bytes are booked against the node's budget before it is
+read, it is parsed off the event loop, its character count is checked against
+the model's context before it is tokenized, and tokenizing runs off the loop a
+few at a time (``serving.py``).
 """
 
 from __future__ import annotations
@@ -27,29 +31,25 @@ import logging
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from ringd import logs
-from ringd.http import anthropic_api, ollama_api
-from ringd.http.anthropic_api import AnthropicApi
-from ringd.http.files import FileServer, Holding
-from ringd.auth import AuthError, ControlAuth, ForwardAuth, body_sha256, check_api_key, is_signed, sign
-from ringd.http.guard import AIOHTTP_LOG, BODY_READ_TIMEOUT_S, HTTP_IDLE_TIMEOUT_S, BodyBudget, listen, raise_fd_limit, undecodable_header
-from ringd.http.ollama_api import OllamaApi
-from ringd.http.openai_api import OpenAiApi
-from ringd.http.openai_types import ApiError, parse_json
-from ringd.http.proxy import FORWARDED_HEADER, REQUEST_ID_HEADER, Proxy
-from ringd.http.responses_api import ResponsesApi
+from ringd.auth import AuthError, ControlAuth, is_signed, sign
+from ringd.http import anthropic_api, ollama_api, openai_api, responses_api
+from ringd.http.endpoint import Endpoint
+from ringd.http.errors import ApiError
+from ringd.http.files import FileServer
+from ringd.http.guard import AIOHTTP_LOG, HTTP_IDLE_TIMEOUT_S, listen, raise_fd_limit, undecodable_header
+from ringd.http.intake import MAX_BODY_BYTES, REQUEST_ID_KEY, Intake
+from ringd.http.proxy import REQUEST_ID_HEADER, Proxy
 from ringd.http.serving import Serving
 from ringd.names import check_name
 
 if TYPE_CHECKING:
-    from ringd.leader.engine import Engine
-    from ringd.metrics import Metrics
-    from ringd.models.checkpoint import ModelInfo
+    from ringd.http.node import ApiNode
 
 log = logging.getLogger(__name__)
 
@@ -62,52 +62,6 @@ HTTP_SHUTDOWN_GRACE_S = 3.0
 OPENAPI = Path(__file__).with_name("openapi.json")
 # The dashboard's page, script and style.
 WEB_DIR = Path(__file__).with_name("web")
-
-# Anthropic's SDKs send the API key in this header instead of Authorization.
-API_KEY_HEADER = "x-api-key"
-# Where a request's id is kept on the aiohttp request.
-REQUEST_ID_KEY = "ringd_request_id"
-
-# Largest request body: a long chat history is a few MB of JSON; more is abuse.
-MAX_BODY_BYTES = 16 * 1024 * 1024
-# Bodies parsed at once: each is CPU-bound work off the event loop that holds a
-# copy of the body (json holds the GIL while it parses), so a burst of giant
-# requests waits its turn instead of taking all memory.
-MAX_CONCURRENT_PARSES = 2
-
-
-class ApiNode(Protocol):
-    """What the HTTP face needs of its node (``daemon.Daemon`` provides it)."""
-
-    name: str
-    model_id: str
-    started: int
-    info: "ModelInfo"
-    tokenizer: object
-    secret: bytes
-    api_keys: frozenset[str]
-    metrics: "Metrics"
-    chat_template_kwargs: dict  # what every chat template gets unless a request sets it
-    failover_wait_s: float  # how long a request waits for the next ring when the last was lost
-    files: "Holding | None"  # the model this node serves to peers fetching theirs (http/files.py)
-
-    @property
-    def engine(self) -> "Engine | None": ...
-    @property
-    def leading(self) -> bool: ...
-    @property
-    def drained(self) -> set[str]: ...
-    @property
-    def leader(self) -> str | None: ...
-    def readiness(self) -> tuple[bool, str]: ...
-    def local_status(self) -> dict: ...
-    async def cluster_status(self) -> dict: ...
-    def leader_http(self) -> str | None: ...
-    async def leader_changed(self) -> None: ...
-    def members(self) -> set[str]: ...
-    def set_pin(self, node: str | None) -> dict: ...
-    def drain(self, node: str, undo: bool) -> None: ...
-
 
 # Each API's own error shape, by path prefix; OpenAI's (Responses' too) for the rest.
 ERROR_SHAPES: list[tuple[str, Callable[[ApiError], dict]]] = [
@@ -177,7 +131,8 @@ async def _send_request_id(request: web.Request, response: web.StreamResponse) -
 
 
 @web.middleware
-async def _errors(request: web.Request, handler):
+async def error_answers(request: web.Request, handler):
+    """Every refusal answered in its API's shape (``ERROR_SHAPES``); anything unforeseen a 500 and a logged traceback."""
     try:
         if (bad := undecodable_header(request.headers)) is not None:
             # Named, never echoed: it may be an Authorization header, a key and all.
@@ -203,18 +158,31 @@ async def _errors(request: web.Request, handler):
 
 
 class Api:
-    def __init__(self, node: ApiNode):
+    def __init__(self, node: "ApiNode"):
         self.d = node
-        self.app = web.Application(middlewares=[_context(node.metrics), _errors, self._while_stopping], client_max_size=MAX_BODY_BYTES)
+        self.app = web.Application(middlewares=[_context(node.metrics), error_answers, self._while_stopping], client_max_size=MAX_BODY_BYTES)
         self._stopping = ""  # why this node takes no more requests ("" while it serves)
         self.app.on_response_prepare.append(_send_request_id)
+        self.proxy = Proxy(node)
+        self.intake = Intake(node)
         self.serving = Serving(node)
+        # Each route that generates: the one lifecycle, with its API's translation.
+        endpoint = Endpoint(node, self.intake, self.serving, self.proxy)
+        generating, counting = endpoint.generating, endpoint.counting
+        ollama = ollama_api.Models(node, self.intake)
         self.app.add_routes(
             [
-                *OpenAiApi(self).routes(),
-                *ResponsesApi(self).routes(),
-                *AnthropicApi(self).routes(),
-                *OllamaApi(self).routes(),
+                web.post("/v1/chat/completions", generating(openai_api.Completions(node, chat=True))),
+                web.post("/v1/completions", generating(openai_api.Completions(node, chat=False))),
+                web.post("/v1/responses", generating(responses_api.Responses(node))),
+                web.post("/v1/messages", generating(anthropic_api.Messages(node))),
+                web.post("/v1/messages/count_tokens", counting(anthropic_api.CountTokens())),
+                web.post("/api/chat", generating(ollama_api.Generate(node, chat=True))),
+                web.post("/api/generate", generating(ollama_api.Generate(node, chat=False))),
+                web.get("/api/tags", ollama.tags),
+                web.post("/api/show", ollama.show),
+                web.get("/api/ps", ollama.ps),
+                web.get("/api/version", ollama.version),
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
                 web.get("/cluster/status", self.cluster_status),
@@ -231,11 +199,7 @@ class Api:
         )
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
-        self.proxy = Proxy(node)
-        self.bodies = BodyBudget()
-        self._parses = asyncio.Semaphore(MAX_CONCURRENT_PARSES)
         self._control: ControlAuth | None = None
-        self._forwards: ForwardAuth | None = None
         # Read once: no file I/O on the event loop per request.
         self._page = (WEB_DIR / "index.html").read_bytes()
         self._openapi = OPENAPI.read_bytes()
@@ -283,63 +247,18 @@ class Api:
 
     # --- who may ------------------------------------------------------------------
 
-    def need_key(self, request: web.Request) -> None:
-        """A key of ``api_keys_file`` as a Bearer token, or as Anthropic's ``x-api-key``."""
-        given = request.headers.get("Authorization")
-        if given is None and (key := request.headers.get(API_KEY_HEADER)) is not None:
-            given = f"Bearer {key}"
-        check_api_key(given, self.d.api_keys)
-
-    @staticmethod
-    def request_id(request: web.Request) -> str | None:
-        return request.get(REQUEST_ID_KEY)
-
     async def _need_secret(self, request: web.Request, body: bytes) -> None:
         if self._control is None:
             self._control = ControlAuth(self.d.secret, self.d.name)
         self._control.verify(request.method, request.path_qs, request.headers, body, time.time())
 
-    async def forwarded_by(self, request: web.Request, body: bytes) -> str | None:
-        """The follower that forwarded this request, once its proof of the secret holds; None for a
-        client's own request. The mark lets a request carry a stream over (RESUME_FIELD): a client
-        that sends it without the proof is refused, not served as if it had not."""
-        if FORWARDED_HEADER not in request.headers:
-            return None
-        if self._forwards is None:
-            self._forwards = ForwardAuth(self.d.secret, self.d.name)
-        digest = await asyncio.get_running_loop().run_in_executor(None, body_sha256, body)  # up to 16 MiB: off the loop
-        try:
-            return self._forwards.verify_digest(request.method, request.path_qs, request.headers, digest, time.time())
-        except AuthError as e:
-            raise ApiError(e.status, str(e), FORWARDED_HEADER.lower(), "forwarding_not_proven", "authentication_error") from None
-
-    # --- reading a request ------------------------------------------------------------
-
-    async def read(self, request: web.Request) -> bytes:
-        """The body, its bytes booked against the node's budget and read within a deadline."""
-        declared = request.content_length
-        if declared is not None and declared > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is {declared} bytes; at most {MAX_BODY_BYTES} are accepted")
-        with self.bodies.book(declared if declared is not None else MAX_BODY_BYTES) as booked:
-            if not booked:
-                raise ApiError(503, "this node is reading too many large requests right now; retry in a moment", retry_after=2)
-            try:
-                async with asyncio.timeout(BODY_READ_TIMEOUT_S):
-                    return await request.read()
-            except TimeoutError:
-                raise ApiError(408, f"the request body did not arrive within {BODY_READ_TIMEOUT_S:.0f} s") from None
-
-    async def json(self, raw: bytes) -> dict:
-        async with self._parses:
-            return await asyncio.get_running_loop().run_in_executor(None, parse_json, raw)
-
     # --- control --------------------------------------------------------------------
 
     async def set_leader(self, request: web.Request) -> web.Response:
         """`ringctl leader set NODE` ({"node": NODE}) or `leader auto` ({"node": null})."""
-        raw = await self.read(request)
+        raw = await self.intake.read(request)
         await self._need_secret(request, raw)
-        body = await self.json(raw)
+        body = await self.intake.json(raw)
         node = body.get("node")
         if node is not None and not isinstance(node, str):
             raise ApiError(400, 'leader takes {"node": NAME} or {"node": null} for auto', "node")
@@ -350,9 +269,9 @@ class Api:
 
     async def drain(self, request: web.Request) -> web.Response:
         """`ringctl drain NODE`: the leader plans rings without it ({"undo": true} takes it back)."""
-        raw = await self.read(request)
+        raw = await self.intake.read(request)
         await self._need_secret(request, raw)
-        body = await self.json(raw)
+        body = await self.intake.json(raw)
         node, undo = body.get("node"), body.get("undo", False)
         if not isinstance(undo, bool):
             raise ApiError(400, 'drain takes {"node": NAME, "undo": false}', "undo")
@@ -391,7 +310,7 @@ class Api:
             if is_signed(request.headers):
                 await self._need_secret(request, b"")
             else:
-                self.need_key(request)
+                self.intake.need_key(request)
         except AuthError:
             return False
         return True
@@ -401,7 +320,7 @@ class Api:
             if is_signed(request.headers):
                 await self._need_secret(request, b"")
             else:
-                self.need_key(request)
+                self.intake.need_key(request)
         return web.json_response(await self.d.cluster_status())
 
 
@@ -413,7 +332,7 @@ class Api:
         return web.Response(body=self._openapi, content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
-        self.need_key(request)
+        self.intake.need_key(request)
         # OpenAI's list and Anthropic's page at once (each SDK reads its own fields), so
         # either client's models.list() works against the one route.
         model_id, started = self.d.model_id, self.d.started

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 from aiohttp import web
 
 from ringd.auth import FILES_NONCE_HEADER, FilesAuth, body_sha256, files_body_signature
-from ringd.http.openai_types import ApiError
+from ringd.http.errors import ApiError
 from ringd.models import manifest as manifests
 from ringd.models.manifest import FILES_PREFIX
 

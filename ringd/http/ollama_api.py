@@ -1,4 +1,4 @@
-"""Ollama's REST API, as a thin layer over ``serving.py``: what the official ``ollama``
+"""Ollama's REST API, as a thin translation for ``endpoint.py``: what the official ``ollama``
 clients and the desktop apps built on them call.
 
 ``POST /api/chat`` and ``POST /api/generate`` become a ``request.Request``
@@ -7,8 +7,8 @@ clients and the desktop apps built on them call.
 ``done_reason`` and the counts and durations (nanoseconds, as Ollama reports
 them). Thinking goes to ``thinking``, tool calls to ``tool_calls`` with their
 arguments as objects. ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``
-and ``GET /api/version`` describe the one model the ring serves; any node
-answers them, and a follower forwards what generates to the leader.
+and ``GET /api/version`` describe the one model the ring serves (``Models``);
+any node answers them, and a follower forwards what generates to the leader.
 
 Ollama's request, mapped:
 
@@ -48,7 +48,6 @@ import json
 import logging
 import math
 import os
-import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -57,13 +56,27 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from ringd.http.openai_types import MAX_MESSAGES, MAX_MODEL_CHARS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, ApiError, _tools, _valid_text, check_schema
+from ringd.http.errors import ApiError
+from ringd.http.fields import (
+    MAX_MESSAGES,
+    MAX_MODEL_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    bad,
+    check_schema,
+    function_tools,
+    optional,
+    valid_text,
+)
+from ringd.http.framing import NDJSON
 from ringd.http.request import Output, Request, ResponseFormat, ToolCall
 from ringd.models.checkpoint import text_config
 from ringd.ring.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr
 
 if TYPE_CHECKING:
-    from ringd.http.api import Api
+    from ringd.http.intake import Intake
+    from ringd.http.node import ApiNode
+    from ringd.http.serving import Generation
     from ringd.models.checkpoint import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -76,7 +89,6 @@ OLLAMA_VERSION = "0.12.0"
 VERSION_HEADER = "X-Ringd-Version"
 # /api/ps: when the model would be unloaded. Never: the ring holds it while it runs.
 NEVER_EXPIRES = "9999-12-31T23:59:59Z"
-NDJSON = "application/x-ndjson"
 # Ollama's roles; "tool" carries a result back.
 ROLES = ("system", "user", "assistant", "tool")
 # think levels (gpt-oss's reasoning efforts); each also means "think".
@@ -127,10 +139,6 @@ def error_body(e: ApiError) -> dict:
     return {"error": e.message}
 
 
-def _bad(message: str) -> ApiError:
-    return ApiError(400, message)
-
-
 # --- the request ------------------------------------------------------------------
 
 
@@ -151,10 +159,10 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
     """
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("model is required")
+        raise bad("model is required")
     if len(model) > MAX_MODEL_CHARS:
-        raise _bad(f"model must be a name of at most {MAX_MODEL_CHARS} characters; GET /api/tags lists it")
-    _valid_text(model, "model")
+        raise bad(f"model must be a name of at most {MAX_MODEL_CHARS} characters; GET /api/tags lists it")
+    valid_text(model, "model")
     if model == f"{model_id}:latest" and ":" not in model_id:
         model = model_id
     stream = _optional(body, "stream", bool, True)
@@ -167,13 +175,13 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
         if not prompt:
             return Parsed(model, stream, None)
 
-    tools = _tools(body.get("tools")) if chat else []
+    tools = function_tools(body.get("tools")) if chat else []
     response_format = _format(body.get("format"))
     if tools and response_format is not None:
-        raise _bad("format and tools cannot be combined: the answer is either a call or text of the format")
+        raise bad("format and tools cannot be combined: the answer is either a call or text of the format")
     template_kwargs = _think(body.get("think"), model, thinks)
     if template_kwargs and not chat and raw:
-        raise _bad("think needs the model's template; a raw prompt goes to the model as it is")
+        raise bad("think needs the model's template; a raw prompt goes to the model as it is")
     options = _options(body.get("options"), context_length)
     logprobs, top = _logprobs(body)
     try:
@@ -181,7 +189,7 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
     except SamplingError as e:
         # SamplingParams names its own fields; the client named Ollama's options.
         option = next((name for name, field in SAMPLED_OPTIONS.items() if field == e.field), None)
-        raise _bad(f"options.{str(e).replace(e.field, option, 1)}" if option else str(e)) from None
+        raise bad(f"options.{str(e).replace(e.field, option, 1)}" if option else str(e)) from None
     req = Request(
         model=model, params=params, max_tokens=options.max_tokens, messages=messages,
         prompt=prompt if raw else None, stop=options.stop, tools=tools, tool_choice="auto",
@@ -192,35 +200,31 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
 
 def _optional(body: dict, name: str, kind: type, default: Any) -> Any:
     """A field of ``kind``; absent or null is ``default``, as Go reads a missing field."""
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, kind):
-        raise _bad(f"{name} must be a {'boolean' if kind is bool else 'string'}; got {brief_repr(v)}")
-    return v
+    v = optional(body, name, lambda v: isinstance(v, kind), "a boolean" if kind is bool else "a string")
+    return default if v is None else v
 
 
 def _generate_input(body: dict) -> tuple[str, bool, list[dict] | None]:
     """/api/generate's prompt, whether it is raw, and the chat it makes unless raw ("" is the load call)."""
     for name, why in (("suffix", "fill-in-the-middle is not supported"), ("template", "ringd renders prompts with the model's own chat template")):
         if body.get(name) not in (None, ""):
-            raise _bad(f"{name} is not supported: {why}")
+            raise bad(f"{name} is not supported: {why}")
     if body.get("context") not in (None, []):
-        raise _bad("context (the token memory of an earlier answer) is not supported: send the conversation as messages to /api/chat")
+        raise bad("context (the token memory of an earlier answer) is not supported: send the conversation as messages to /api/chat")
     _no_images(body.get("images"), "images")
-    prompt = _valid_text(_optional(body, "prompt", str, ""), "prompt")
+    prompt = valid_text(_optional(body, "prompt", str, ""), "prompt")
     raw = _optional(body, "raw", bool, False)
-    system = _valid_text(_optional(body, "system", str, ""), "system")
+    system = valid_text(_optional(body, "system", str, ""), "system")
     if raw:
         if system:
-            raise _bad("system has no place in a raw prompt, which goes to the model as it is; put it in the prompt")
+            raise bad("system has no place in a raw prompt, which goes to the model as it is; put it in the prompt")
         return prompt, True, None
     return prompt, False, ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
 
 def _no_images(v: Any, where: str) -> None:
     if v not in (None, []):
-        raise _bad(f"{where}: images are not supported; ringd serves text models")
+        raise bad(f"{where}: images are not supported; ringd serves text models")
 
 
 def _messages(v: Any) -> list[dict]:
@@ -228,44 +232,44 @@ def _messages(v: Any) -> list[dict]:
     if v is None:
         return []
     if not isinstance(v, list):
-        raise _bad("messages must be a list")
+        raise bad("messages must be a list")
     if len(v) > MAX_MESSAGES:
-        raise _bad(f"at most {MAX_MESSAGES} messages are accepted")
+        raise bad(f"at most {MAX_MESSAGES} messages are accepted")
     out: list[dict] = []
     unanswered: list[tuple[str, str]] = []  # (call id, name) of calls no result has answered yet
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _bad(f"{where} must be an object")
+            raise bad(f"{where} must be an object")
         role = m.get("role")
         if role not in ROLES:
-            raise _bad(f"{where}.role must be one of {', '.join(ROLES)}; got {brief_repr(role)}")
+            raise bad(f"{where}.role must be one of {', '.join(ROLES)}; got {brief_repr(role)}")
         content = m.get("content")
         if content is None:
             content = ""
         if not isinstance(content, str):
-            raise _bad(f"{where}.content must be a string; got {brief_repr(content)}")
+            raise bad(f"{where}.content must be a string; got {brief_repr(content)}")
         _no_images(m.get("images"), f"{where}.images")
-        msg: dict[str, Any] = {"role": role, "content": _valid_text(content, f"{where}.content")}
+        msg: dict[str, Any] = {"role": role, "content": valid_text(content, f"{where}.content")}
         if role == "assistant":
             thinking = m.get("thinking")
             if thinking not in (None, ""):
                 if not isinstance(thinking, str):
-                    raise _bad(f"{where}.thinking must be a string")
-                msg["reasoning_content"] = _valid_text(thinking, f"{where}.thinking")
+                    raise bad(f"{where}.thinking must be a string")
+                msg["reasoning_content"] = valid_text(thinking, f"{where}.thinking")
             calls = m.get("tool_calls")
             if calls not in (None, []):
                 if not isinstance(calls, list):
-                    raise _bad(f"{where}.tool_calls must be a list")
+                    raise bad(f"{where}.tool_calls must be a list")
                 msg["tool_calls"] = [_past_call(c, f"{where}.tool_calls[{j}]", f"call_{i}_{j}") for j, c in enumerate(calls)]
                 unanswered += [(c["id"], c["function"]["name"]) for c in msg["tool_calls"]]
         elif role == "tool":
             name = m.get("tool_name", m.get("name"))
             if name is not None and not isinstance(name, str):
-                raise _bad(f"{where}.tool_name must be a string")
+                raise bad(f"{where}.tool_name must be a string")
             call_id = m.get("tool_call_id")
             if call_id is not None and not isinstance(call_id, str):
-                raise _bad(f"{where}.tool_call_id must be a string")
+                raise bad(f"{where}.tool_call_id must be a string")
             # Ollama's results name their tool, not their call: they answer the
             # earliest call of that tool not yet answered (or the earliest call).
             match = next((c for c in unanswered if c[0] == call_id), None) or next(
@@ -282,7 +286,7 @@ def _messages(v: Any) -> list[dict]:
 def _past_call(c: Any, where: str, default_id: str) -> dict:
     fn = c.get("function") if isinstance(c, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise _bad(f"{where} must be {{'function': {{'name', 'arguments'}}}}")
+        raise bad(f"{where} must be {{'function': {{'name', 'arguments'}}}}")
     args = fn.get("arguments")
     if args is None:
         args = {}
@@ -290,11 +294,11 @@ def _past_call(c: Any, where: str, default_id: str) -> dict:
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError:
-            raise _bad(f"{where}.function.arguments must be an object; got {brief_repr(args)}") from None
+            raise bad(f"{where}.function.arguments must be an object; got {brief_repr(args)}") from None
     if not isinstance(args, dict):
-        raise _bad(f"{where}.function.arguments must be an object; got {brief_repr(args)}")
+        raise bad(f"{where}.function.arguments must be an object; got {brief_repr(args)}")
     call_id = c.get("id") if isinstance(c.get("id"), str) and c.get("id") else default_id
-    return {"id": call_id, "type": "function", "function": {"name": _valid_text(fn["name"], f"{where}.function.name"), "arguments": args}}
+    return {"id": call_id, "type": "function", "function": {"name": valid_text(fn["name"], f"{where}.function.name"), "arguments": args}}
 
 
 def _format(v: Any) -> ResponseFormat | None:
@@ -304,7 +308,7 @@ def _format(v: Any) -> ResponseFormat | None:
         return ResponseFormat("json_object")
     if isinstance(v, dict):
         return ResponseFormat("json_schema", check_schema(v, "format"), "format")
-    raise _bad(f'format must be "json" or a JSON schema object; got {brief_repr(v)}')
+    raise bad(f'format must be "json" or a JSON schema object; got {brief_repr(v)}')
 
 
 def _think(v: Any, model: str, thinks: bool) -> dict:
@@ -313,18 +317,18 @@ def _think(v: Any, model: str, thinks: bool) -> dict:
     if v is False:
         return {"enable_thinking": False}
     if v is not True and v not in THINK_LEVELS:
-        raise _bad(f'think must be true, false or one of "low", "medium", "high"; got {brief_repr(v)}')
+        raise bad(f'think must be true, false or one of "low", "medium", "high"; got {brief_repr(v)}')
     if not thinks:
-        raise _bad(f'"{model}" does not support thinking')
+        raise bad(f'"{model}" does not support thinking')
     return {"enable_thinking": True} if v is True else {"enable_thinking": True, "reasoning_effort": v}
 
 
 def _logprobs(body: dict) -> tuple[bool, int]:
     on, top = body.get("logprobs"), body.get("top_logprobs")
     if on is not None and not isinstance(on, bool):
-        raise _bad(f"logprobs must be a boolean; got {brief_repr(on)}")
+        raise bad(f"logprobs must be a boolean; got {brief_repr(on)}")
     if top is not None and (not _integral(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
-        raise _bad(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}; got {brief_repr(top)}")
+        raise bad(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}; got {brief_repr(top)}")
     top = int(top or 0)
     return bool(on) or top > 0, top
 
@@ -347,28 +351,28 @@ def _options(v: Any, context_length: int) -> _Options:
     if v is None:
         v = {}
     if not isinstance(v, dict):
-        raise _bad(f"options must be an object; got {brief_repr(v)}")
+        raise bad(f"options must be an object; got {brief_repr(v)}")
     checked: dict[str, Any] = {}
     for name, value in v.items():
         kind = OPTION_TYPES.get(name)
         if kind is None or value is None:
             continue  # Ollama ignores options it does not know, and nulls
         if kind is int and not _integral(value):
-            raise _bad(f'option "{name}" must be of type integer; got {brief_repr(value)}')
+            raise bad(f'option "{name}" must be of type integer; got {brief_repr(value)}')
         if kind is float and not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
-            raise _bad(f'option "{name}" must be of type float; got {brief_repr(value)}')
+            raise bad(f'option "{name}" must be of type float; got {brief_repr(value)}')
         if kind is bool and not isinstance(value, bool):
-            raise _bad(f'option "{name}" must be of type boolean; got {brief_repr(value)}')
+            raise bad(f'option "{name}" must be of type boolean; got {brief_repr(value)}')
         checked[name] = int(value) if kind is int else value
     for name, off in UNSUPPORTED_OPTIONS.items():
         if checked.get(name, off) != off:
-            raise _bad(f"option {name!r} is not supported by ringd (only {off} is accepted)")
+            raise bad(f"option {name!r} is not supported by ringd (only {off} is accepted)")
     num_ctx = checked.get("num_ctx")
     if num_ctx is not None and not 0 <= num_ctx <= context_length:
-        raise _bad(f"options.num_ctx {num_ctx} is above the model's context of {context_length} tokens" if num_ctx > 0 else "options.num_ctx must not be negative")
+        raise bad(f"options.num_ctx {num_ctx} is above the model's context of {context_length} tokens" if num_ctx > 0 else "options.num_ctx must not be negative")
     predict = checked.get("num_predict")
     if predict is not None and predict < -2:
-        raise _bad(f"options.num_predict must be a number of tokens, or -1 for until the context ends; got {predict}")
+        raise bad(f"options.num_predict must be a number of tokens, or -1 for until the context ends; got {predict}")
     sampling = {SAMPLED_OPTIONS[k]: checked[k] for k in SAMPLED_OPTIONS if k in checked}
     if sampling.get("seed", 0) < 0:  # Ollama's -1: a random seed
         del sampling["seed"]
@@ -382,10 +386,10 @@ def _stop(v: Any) -> list[str]:
         return []
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
-        raise _bad(f'option "stop" must be a list of non-empty strings of at most {MAX_STOP_CHARS} characters')
+        raise bad(f'option "stop" must be a list of non-empty strings of at most {MAX_STOP_CHARS} characters')
     if len(stops) > MAX_STOP_SEQUENCES:
-        raise _bad(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
-    return [_valid_text(s, "options.stop") for s in stops]
+        raise bad(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
+    return [valid_text(s, "options.stop") for s in stops]
 
 
 # --- the answer -------------------------------------------------------------------
@@ -413,209 +417,190 @@ def _arguments(text: str) -> dict:
     return args if isinstance(args, dict) else {}
 
 
-class _Clock:
-    """Ollama's durations, in nanoseconds: before the generation opened ("load": the
+def counts(gen: "Generation") -> dict:
+    """Ollama's counts and durations, in nanoseconds: before the generation opened ("load": the
     checks and the template), until the first token (the prompt), and after it."""
-
-    def __init__(self, started: int):
-        self.started = started
-        self.opened = self.first = self.ended = started
-
-    @staticmethod
-    def now() -> int:
-        return time.monotonic_ns()
-
-    def counts(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        return {
-            "total_duration": self.ended - self.started,
-            "load_duration": self.opened - self.started,
-            "prompt_eval_count": prompt_tokens,
-            "prompt_eval_duration": self.first - self.opened,
-            "eval_count": completion_tokens,
-            "eval_duration": self.ended - self.first,
-        }
+    ended = gen.ended_ns if gen.ended_ns is not None else gen.opened_ns
+    first = gen.first_ns if gen.first_ns is not None else ended
+    return {
+        "total_duration": ended - gen.received_ns,
+        "load_duration": gen.opened_ns - gen.received_ns,
+        "prompt_eval_count": gen.usage.prompt_tokens,
+        "prompt_eval_duration": first - gen.opened_ns,
+        "eval_count": gen.usage.completion_tokens,
+        "eval_duration": ended - first,
+    }
 
 
-def _line(obj: dict) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+def answer_part(chat: bool, text: str, reasoning: str, calls: list[ToolCall], first_call: int = 0) -> dict:
+    """The answer part of an object: chat's ``message`` or generate's ``response``."""
+    if chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning:
+            message["thinking"] = reasoning
+        if calls:
+            message["tool_calls"] = tool_calls(calls, first_call)
+        return {"message": message}
+    return {"response": text, **({"thinking": reasoning} if reasoning else {})}
 
 
-class OllamaApi:
-    def __init__(self, api: "Api"):
-        self.api = api
-        self._described: dict | None = None
+class Generate:
+    """``POST /api/chat`` (``chat``) or ``POST /api/generate``."""
 
-    def routes(self) -> list:
-        return [
-            web.post("/api/chat", self.chat),
-            web.post("/api/generate", self.generate),
-            web.get("/api/tags", self.tags),
-            web.post("/api/show", self.show),
-            web.get("/api/ps", self.ps),
-            web.get("/api/version", self.version),
-        ]
+    framing = NDJSON
+    resumable = False  # a follower relays the lines as they come; a new leader cannot continue them
 
-    # --- generating -----------------------------------------------------------------
+    def __init__(self, node: "ApiNode", chat: bool):
+        self.d = node
+        self.chat = chat
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+    def streams(self, body: dict) -> bool:
+        return body.get("stream") is not False  # Ollama streams unless told not to
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
-
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        clock = _Clock(_Clock.now())
-        api = self.api
-        api.need_key(request)
-        raw = await api.read(request)
-        await api.forwarded_by(request, raw)  # refuses a client's forged mark
-        body = await api.json(raw)
-        if api.d.engine is None:
-            return await api.proxy.forward(request, raw, body.get("stream") is not False, resumable=False)
-        p = parse(body, chat, api.d.model_id, api.d.info.context_length, getattr(api.d.tokenizer, "has_thinking", False))
+    def parse(self, body: dict) -> "GenerateAnswer | Loaded":
+        d = self.d
+        p = parse(body, self.chat, d.model_id, d.info.context_length, getattr(d.tokenizer, "has_thinking", False))
         if p.request is None:
-            return self._loaded(p, chat)
-        gen = await api.serving.open(p.request, api.request_id(request))
-        clock.opened = _Clock.now()
-        try:
-            if p.stream:
-                return await self._stream(request, p, gen, chat, clock)
-            return await self._whole(p, gen, chat, clock)
-        finally:
-            await gen.aclose()
+            # Ollama's "load the model" call: the ring has it loaded once it is ready.
+            check_model(p.model, d.model_id)
+            ready, reason = d.readiness()
+            if not ready:
+                raise ApiError(503, f"the ring is not ready: {reason}")
+            return Loaded(p.model, self.chat)
+        return GenerateAnswer(p, self.chat, d.tokenizer)
 
-    def _loaded(self, p: Parsed, chat: bool) -> web.Response:
-        """Ollama's "load the model" call: the ring has it loaded once it is ready."""
-        self._check_model(p.model)
-        ready, reason = self.api.d.readiness()
-        if not ready:
-            raise ApiError(503, f"the ring is not ready: {reason}")
-        answer = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
-        return web.json_response({"model": p.model, "created_at": created_at(), **answer, "done": True, "done_reason": "load"})
 
-    def _answer(self, chat: bool, text: str, reasoning: str, calls: list[ToolCall], first_call: int = 0) -> dict:
-        """The answer part of an object: chat's ``message`` or generate's ``response``."""
-        if chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if reasoning:
-                message["thinking"] = reasoning
-            if calls:
-                message["tool_calls"] = tool_calls(calls, first_call)
-            return {"message": message}
-        return {"response": text, **({"thinking": reasoning} if reasoning else {})}
+class Loaded:
+    """The answer to Ollama's "load the model" call, which generates nothing."""
+
+    request = None
+    stream = False
+
+    def __init__(self, model: str, chat: bool):
+        self.model = model
+        self.chat = chat
+
+    def whole(self, gen: None) -> dict:
+        answer = {"message": {"role": "assistant", "content": ""}} if self.chat else {"response": ""}
+        return {"model": self.model, "created_at": created_at(), **answer, "done": True, "done_reason": "load"}
+
+
+class GenerateAnswer:
+    """One answer of chat or generate: one object, or NDJSON lines, the last with the counts."""
+
+    def __init__(self, p: Parsed, chat: bool, tokenizer):
+        self.p = p
+        self.request = p.request
+        self.stream = p.stream
+        self.chat = chat
+        self.tokenizer = tokenizer
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.logprobs: list[dict] = []
+        self.finish: str | None = None
+        self.calls_sent = 0
 
     def _logprob(self, out: Output) -> dict:
-        decode = self.api.d.tokenizer.decode
+        decode = self.tokenizer.decode
         entry = {"token": decode([out.token]), "logprob": out.logprob}
         if out.top_logprobs:
             entry["top_logprobs"] = [{"token": decode([t]), "logprob": v} for t, v in out.top_logprobs]
         return entry
 
-    async def _whole(self, p: Parsed, gen, chat: bool, clock: _Clock) -> web.Response:
-        text, reasoning, calls, logprobs, finish = [], [], [], [], None
-        async for out in gen:
-            if finish is None and not text:
-                clock.first = _Clock.now()
-            text.append(out.text)
-            reasoning.append(out.reasoning)
-            calls += out.calls
+    def start(self, gen: "Generation", resume) -> list[dict]:
+        return []
+
+    def feed(self, out: Output) -> list[dict]:
+        self.finish = out.finish_reason
+        p = self.p
+        if not self.stream:
+            self.text.append(out.text)
+            self.reasoning.append(out.reasoning)
+            self.calls += out.calls
             if p.logprobs:
-                logprobs.append(self._logprob(out))
-            finish = out.finish_reason
-        clock.ended = _Clock.now()
-        self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
-        body = {"model": p.model, "created_at": created_at(), **self._answer(chat, "".join(text), "".join(reasoning), calls)}
+                self.logprobs.append(self._logprob(out))
+            return []
+        if not (out.text or out.reasoning or out.calls or p.logprobs):
+            return []
+        line = {"model": p.model, "created_at": created_at(), **answer_part(self.chat, out.text, out.reasoning, out.calls, self.calls_sent)}
         if p.logprobs:
-            body["logprobs"] = logprobs
-        body.update(done=True, done_reason=done_reason(finish), **clock.counts(gen.usage.prompt_tokens, gen.usage.completion_tokens))
-        return web.json_response(body)
+            line["logprobs"] = [self._logprob(out)]
+        line["done"] = False
+        self.calls_sent += len(out.calls)
+        return [line]
 
-    async def _stream(self, request: web.Request, p: Parsed, gen, chat: bool, clock: _Clock) -> web.StreamResponse:
-        events = aiter(gen)
-        # The first event before answering 200, so a ring that fails at once gets a proper status.
-        first = await anext(events, None)
-        clock.first = _Clock.now()
-        resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        calls_sent, finish = 0, None
-        try:
-            out = first
-            while out is not None:
-                finish = out.finish_reason
-                if out.text or out.reasoning or out.calls or p.logprobs:
-                    line = {"model": p.model, "created_at": created_at(), **self._answer(chat, out.text, out.reasoning, out.calls, calls_sent)}
-                    if p.logprobs:
-                        line["logprobs"] = [self._logprob(out)]
-                    line["done"] = False
-                    calls_sent += len(out.calls)
-                    await resp.write(_line(line))
-                out = await anext(events, None)
-            clock.ended = _Clock.now()
-            last = {"model": p.model, "created_at": created_at(), **self._answer(chat, "", "", []), "done": True, "done_reason": done_reason(finish)}
-            await resp.write(_line({**last, **clock.counts(gen.usage.prompt_tokens, gen.usage.completion_tokens)}))
-        except ApiError as e:
-            # The stream has started: Ollama reports the failure as a line of its own.
-            await resp.write(_line(error_body(e)))
-        except ConnectionResetError:  # aiohttp's "Cannot write to closing transport"
-            log.debug("the client closed the stream after %d token(s)", gen.usage.completion_tokens)
-            return resp  # the caller's gen.aclose() frees the ring
-        finally:
-            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
-        try:
-            await resp.write_eof()
-        except ConnectionResetError:
-            pass
-        return resp
+    def end(self, gen: "Generation") -> list[dict]:
+        last = {"model": self.p.model, "created_at": created_at(), **answer_part(self.chat, "", "", []), "done": True, "done_reason": done_reason(self.finish)}
+        return [{**last, **counts(gen)}]
 
-    # --- describing the model -------------------------------------------------------
+    def error(self, e: ApiError) -> list[dict]:
+        return [error_body(e)]  # Ollama reports a failure mid-stream as a line of its own
 
-    def _check_model(self, name: Any) -> None:
-        served = self.api.d.model_id
-        if name not in (served, f"{served}:latest"):
-            raise ApiError(404, f"model {brief_repr(name)} not found; this ring serves {served!r}")
+    def whole(self, gen: "Generation") -> dict:
+        body = {"model": self.p.model, "created_at": created_at(), **answer_part(self.chat, "".join(self.text), "".join(self.reasoning), self.calls)}
+        if self.p.logprobs:
+            body["logprobs"] = self.logprobs
+        body.update(done=True, done_reason=done_reason(self.finish), **counts(gen))
+        return body
+
+
+def check_model(name: Any, served: str) -> None:
+    """``name`` is the served model (``NAME:latest`` too, as Ollama tags an untagged name), or a 404."""
+    if name not in (served, f"{served}:latest"):
+        raise ApiError(404, f"model {brief_repr(name)} not found; this ring serves {served!r}")
+
+
+class Models:
+    """Ollama's descriptions of the one model the ring serves: ``GET /api/tags``, ``POST /api/show``,
+    ``GET /api/ps``, ``GET /api/version``. Any node answers them, about the model it serves."""
+
+    def __init__(self, node: "ApiNode", intake: "Intake"):
+        self.d = node
+        self.intake = intake
+        self._described: dict | None = None
 
     async def _description(self) -> dict:
         """What Ollama lists of a model (``/api/tags``, ``/api/ps``), worked out once off the loop."""
         if self._described is None:
-            self._described = await asyncio.get_running_loop().run_in_executor(None, describe, self.api.d.info)
+            self._described = await asyncio.get_running_loop().run_in_executor(None, describe, self.d.info)
         return self._described
 
     async def tags(self, request: web.Request) -> web.Response:
-        self.api.need_key(request)
+        self.intake.need_key(request)
         d = await self._description()
-        model = {"name": self.api.d.model_id, "model": self.api.d.model_id, "modified_at": d["modified_at"], "size": d["size"], "digest": d["digest"], "details": d["details"]}
+        model = {"name": self.d.model_id, "model": self.d.model_id, "modified_at": d["modified_at"], "size": d["size"], "digest": d["digest"], "details": d["details"]}
         return web.json_response({"models": [model]})
 
     async def ps(self, request: web.Request) -> web.Response:
-        self.api.need_key(request)
+        self.intake.need_key(request)
         d = await self._description()
-        profile = getattr(self.api.d, "profile", None)
+        profile = getattr(self.d, "profile", None)
         # Apple silicon's memory is the GPU's: on a Mac the whole model is "in VRAM".
         vram = d["size"] if getattr(profile, "gpu_cores", None) else 0
         model = {
-            "name": self.api.d.model_id, "model": self.api.d.model_id, "size": d["size"], "digest": d["digest"],
-            "details": d["details"], "expires_at": NEVER_EXPIRES, "size_vram": vram, "context_length": self.api.d.info.context_length,
+            "name": self.d.model_id, "model": self.d.model_id, "size": d["size"], "digest": d["digest"],
+            "details": d["details"], "expires_at": NEVER_EXPIRES, "size_vram": vram, "context_length": self.d.info.context_length,
         }  # fmt: skip
         return web.json_response({"models": [model]})
 
     async def show(self, request: web.Request) -> web.Response:
-        api = self.api
-        api.need_key(request)
-        body = await api.json(await api.read(request))
+        self.intake.need_key(request)
+        body = await self.intake.json(await self.intake.read(request))
         name = body.get("model", body.get("name"))  # "name": Ollama's older field
         if not isinstance(name, str) or not name:
-            raise _bad("model is required")
-        self._check_model(name)
+            raise bad("model is required")
+        check_model(name, self.d.model_id)
         d = await self._description()
-        tokenizer = api.d.tokenizer
+        tokenizer = self.d.tokenizer
         template = getattr(tokenizer, "chat_template", None)
         capabilities = ["completion", "tools"]  # ringd calls tools with any model (render.py)
         if getattr(tokenizer, "has_thinking", False):
             capabilities.append("thinking")
-        context = api.d.info.context_length
+        context = self.d.info.context_length
         return web.json_response(
             {
-                "modelfile": f"# Modelfile of the model ringd serves as {api.d.model_id}\nFROM {api.d.info.name}\nPARAMETER num_ctx {context}\n",
+                "modelfile": f"# Modelfile of the model ringd serves as {self.d.model_id}\nFROM {self.d.info.name}\nPARAMETER num_ctx {context}\n",
                 "parameters": f"num_ctx {context}",
                 "template": template if isinstance(template, str) else "",
                 "details": d["details"],
@@ -626,7 +611,7 @@ class OllamaApi:
         )
 
     async def version(self, request: web.Request) -> web.Response:
-        self.api.need_key(request)
+        self.intake.need_key(request)
         return web.json_response({"version": OLLAMA_VERSION}, headers={VERSION_HEADER: ringd_version()})
 
 

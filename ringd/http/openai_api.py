@@ -1,4 +1,4 @@
-"""OpenAI's chat completions and completions, as a thin layer over ``serving.py``.
+"""OpenAI's chat completions and completions, as a thin translation for ``endpoint.py``.
 
 The body becomes a ``request.Request`` (``openai_types.parse_request``); the
 ``Output`` events become OpenAI's response or its SSE chunks: answer text in
@@ -6,32 +6,26 @@ The body becomes a ``request.Request`` (``openai_types.parse_request``); the
 (streamed as OpenAI streams them: a call's id and name first, then its
 arguments in pieces) with ``finish_reason: "tool_calls"``.
 
-A follower forwards these requests to the leader (``proxy.py``); for a
-forwarded stream each token's id rides in an SSE comment beside its chunk, so
-the follower can carry the stream over to another leader.
+These streams are resumable: a follower that forwards one (``proxy.py``) gets
+each token's id beside its chunk and can carry the stream over to another
+leader, which continues the same response (its id and creation time, no second
+role chunk). The driver does the carrying; ``start`` keeps the response's identity.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-
-from ringd.http.openai_types import ApiError, CompletionRequest, envelope, new_id, now, parse_request
-from ringd.http.proxy import RESUME_FIELD, TOKEN_COMMENT
+from ringd.http.errors import ApiError
+from ringd.http.framing import OPENAI_SSE
+from ringd.http.openai_types import CompletionRequest, envelope, new_id, now, parse_request
 from ringd.http.request import Output, ToolCall, Usage
 
 if TYPE_CHECKING:
-    from ringd.http.api import Api
+    from ringd.http.node import ApiNode
+    from ringd.http.proxy import Resume
+    from ringd.http.serving import Generation
 
-log = logging.getLogger(__name__)
-
-# A follower's resumed stream names at most this many tokens already streamed:
-# no stream is longer than a context.
-MAX_RESUME_TOKENS = 1 << 20
 # A streamed call's arguments go out in pieces of about this many characters.
 ARGUMENT_PIECE_CHARS = 32
 
@@ -61,148 +55,99 @@ def call_pieces(call: ToolCall, index: int) -> list[dict]:
     return pieces
 
 
-class OpenAiApi:
-    def __init__(self, api: "Api"):
-        self.api = api
+class Completions:
+    """``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions``."""
 
-    def routes(self) -> list:
-        return [web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions)]
+    framing = OPENAI_SSE
+    resumable = True
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._complete(request, chat=True)
+    def __init__(self, node: "ApiNode", chat: bool):
+        self.d = node
+        self.chat = chat
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._complete(request, chat=False)
+    def streams(self, body: dict) -> bool:
+        return body.get("stream") is True
 
-    async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        api = self.api
-        api.need_key(request)
-        raw = await api.read(request)
-        forwarded = await api.forwarded_by(request, raw) is not None
-        body = await api.json(raw)
-        if api.d.engine is None:
-            return await api.proxy.forward(request, raw, body.get("stream") is True)
-        req = parse_request(body, chat)
-        resume = None
-        if forwarded and body.get(RESUME_FIELD) is not None:
-            if not req.stream:  # followers carry streams over; anything else is sent again whole
-                raise ApiError(400, f"{RESUME_FIELD} carries a stream over; this request does not stream", RESUME_FIELD)
-            # Up to MAX_RESUME_TOKENS ids, each checked: tens of milliseconds, not on the loop.
-            resume = await asyncio.get_running_loop().run_in_executor(None, _resume, body[RESUME_FIELD], api.d.info.vocab_size)
-        gen = await api.serving.open(req.to_request(), api.request_id(request), resume["tokens"] if resume else ())
-        try:
-            if req.stream:
-                return await self._stream(request, req, gen, forwarded, resume)
-            return await self._whole(req, gen)
-        finally:
-            await gen.aclose()
+    def parse(self, body: dict) -> "CompletionAnswer":
+        return CompletionAnswer(parse_request(body, self.chat), self.d.tokenizer, self.d.model_id)
 
-    async def _whole(self, req: CompletionRequest, gen) -> web.Response:
-        text, reasoning, calls, logprobs, finish = [], [], [], _Logprobs(self.api.d.tokenizer, req), None
-        async for out in gen:
-            text.append(out.text)
-            reasoning.append(out.reasoning)
-            calls += out.calls
-            logprobs.add(out)
-            finish = out.finish_reason
-        self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
-        content = "".join(text)
-        choice = {"index": 0, "logprobs": logprobs.whole(), "finish_reason": finish}
-        if req.chat:
+
+class CompletionAnswer:
+    """One completion's answer: OpenAI's response, or its chunks one token at a time."""
+
+    def __init__(self, req: CompletionRequest, tokenizer, model_id: str):
+        self.req = req
+        self.request = req.to_request()
+        self.stream = req.stream
+        self.model_id = model_id
+        self.logprobs = _Logprobs(tokenizer, req)
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.finish: str | None = None
+        self.head: dict = {}  # what every chunk repeats: id, object, created, model
+        self.calls_sent = 0
+
+    def start(self, gen: "Generation", resume: "Resume | None") -> list[dict]:
+        self.head = envelope(self.req, new_id(self.req.chat), now(), self.model_id, chunk=True)
+        if resume is not None:  # the same response, carried over: keep its id
+            self.head.update({k: v for k, v in (("id", resume.id), ("created", resume.created)) if v is not None})
+        if not self.req.chat or resume is not None:
+            return []
+        return [{**self.head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}]
+
+    def feed(self, out: Output) -> list[dict]:
+        if self.stream:
+            return self._chunks(out)
+        self.text.append(out.text)
+        self.reasoning.append(out.reasoning)
+        self.calls += out.calls
+        self.logprobs.add(out)
+        self.finish = out.finish_reason
+        return []
+
+    def _chunks(self, out: Output) -> list[dict]:
+        finish, logprobs, head = out.finish_reason, self.logprobs.chunk(out), self.head
+        # One chunk a token at least (empty while text is held back or a call is read):
+        # clients count chunks as tokens, and a follower needs each token's id.
+        if not self.req.chat:
+            return [{**head, "choices": [{"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": finish}]}]
+        deltas = []
+        if out.reasoning:
+            deltas.append({"reasoning_content": out.reasoning})
+        if out.text or not (out.reasoning or out.calls):
+            deltas.append({"content": out.text})
+        for call in out.calls:
+            deltas += [{"tool_calls": [piece]} for piece in call_pieces(call, self.calls_sent)]
+            self.calls_sent += 1
+        chunks = [{**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}]} for d in deltas]
+        if chunks:
+            chunks[-1]["choices"][0]["finish_reason"] = finish
+            if logprobs is not None:
+                chunks[0]["choices"][0]["logprobs"] = logprobs
+        return chunks
+
+    def end(self, gen: "Generation") -> list[dict]:
+        return [{**self.head, "choices": [], "usage": usage(gen.usage)}] if self.req.include_usage else []
+
+    def error(self, e: ApiError) -> list[dict]:
+        return [e.body()]  # in-band, as OpenAI reports a failure mid-stream
+
+    def whole(self, gen: "Generation") -> dict:
+        content, calls = "".join(self.text), self.calls
+        choice = {"index": 0, "logprobs": self.logprobs.whole(), "finish_reason": self.finish}
+        if self.req.chat:
             message = {"role": "assistant", "content": content if content or not calls else None}
-            if any(reasoning):
-                message["reasoning_content"] = "".join(reasoning)
+            if any(self.reasoning):
+                message["reasoning_content"] = "".join(self.reasoning)
             if calls:
                 message["tool_calls"] = tool_calls(calls)
             choice["message"] = message
         else:
             choice["text"] = content
-        body = envelope(req, new_id(req.chat), gen.created, self.api.d.model_id, chunk=False)
+        body = envelope(self.req, new_id(self.req.chat), gen.created, self.model_id, chunk=False)
         body.update(choices=[choice], usage=usage(gen.usage))
-        return web.json_response(body)
-
-    async def _stream(self, request: web.Request, req: CompletionRequest, gen, forwarded: bool, resume: dict | None) -> web.StreamResponse:
-        events = aiter(gen)
-        # Pull the first event before answering 200, so a ring that fails at once
-        # still gets a proper error status.
-        first = await anext(events, None)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        head = envelope(req, new_id(req.chat), now(), self.api.d.model_id, chunk=True)
-        if resume is not None:  # the same response, carried over: keep its id
-            head.update({k: resume[k] for k in ("id", "created") if resume.get(k) is not None})
-        lp = _Logprobs(self.api.d.tokenizer, req)
-        resumed = len(resume["tokens"]) if resume else 0
-        calls_sent = 0
-
-        async def send(chunks: list[dict], token: int | None = None) -> None:
-            data = b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks)
-            if forwarded and token is not None:
-                # For the follower that proxies this stream: the token's id, so it can
-                # carry the stream over to another leader (proxy.py strips the line).
-                data = TOKEN_COMMENT + str(token).encode() + b"\n" + data
-            await resp.write(data)
-
-        def chunks_of(out: Output) -> list[dict]:
-            nonlocal calls_sent
-            finish, logprobs = out.finish_reason, lp.chunk(out)
-            # One chunk a token at least (empty while text is held back or a call is read):
-            # clients count chunks as tokens, and a follower needs each token's id.
-            if not req.chat:
-                return [{**head, "choices": [{"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": finish}]}]
-            deltas = []
-            if out.reasoning:
-                deltas.append({"reasoning_content": out.reasoning})
-            if out.text or not (out.reasoning or out.calls):
-                deltas.append({"content": out.text})
-            for call in out.calls:
-                deltas += [{"tool_calls": [piece]} for piece in call_pieces(call, calls_sent)]
-                calls_sent += 1
-            chunks = [{**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}]} for d in deltas]
-            if chunks:
-                chunks[-1]["choices"][0]["finish_reason"] = finish
-                if logprobs is not None:
-                    chunks[0]["choices"][0]["logprobs"] = logprobs
-            return chunks
-
-        try:
-            if req.chat and resume is None:
-                await send([{**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}])
-            out = first
-            while out is not None:
-                await send(chunks_of(out), out.token)
-                out = await anext(events, None)
-            if req.include_usage:
-                await send([{**head, "choices": [], "usage": usage(gen.usage)}])
-            await resp.write(b"data: [DONE]\n\n")
-        except ApiError as e:
-            # The stream has started: report the failure in-band, as OpenAI does, and end it properly.
-            await send([e.body()])
-            await resp.write(b"data: [DONE]\n\n")
-        except ConnectionResetError:  # aiohttp's "Cannot write to closing transport"
-            log.debug("the client closed the stream after %d token(s)", gen.usage.completion_tokens)
-            return resp  # the caller's gen.aclose() frees the ring
-        finally:
-            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens - resumed)
-        try:
-            await resp.write_eof()
-        except ConnectionResetError:
-            pass  # the client closed once it had data: [DONE], before the last empty chunk: done all the same
-        return resp
-
-
-def _resume(v, vocab_size: int) -> dict | None:
-    """A follower's RESUME_FIELD: the ids a stream already carried, and its id and time."""
-    if v is None:
-        return None
-    if not isinstance(v, dict) or set(v) != {"tokens", "id", "created"}:
-        raise ApiError(400, f"{RESUME_FIELD} must hold tokens, id and created", RESUME_FIELD)
-    tokens, rid, created = v["tokens"], v["id"], v["created"]
-    if not isinstance(tokens, list) or len(tokens) > MAX_RESUME_TOKENS or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
-        raise ApiError(400, f"{RESUME_FIELD}.tokens must be token ids below {vocab_size}", RESUME_FIELD)
-    if not (rid is None or isinstance(rid, str) and len(rid) <= 64) or not (created is None or type(created) is int):
-        raise ApiError(400, f"{RESUME_FIELD}.id must be a short string and created an integer", RESUME_FIELD)
-    return v
+        return body
 
 
 class _Logprobs:

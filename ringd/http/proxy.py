@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
@@ -37,7 +38,7 @@ from aiohttp import web
 
 from ringd import logs
 from ringd.auth import FORWARDED_BY_HEADER, body_sha256, sign_forward
-from ringd.http.openai_types import ApiError
+from ringd.http.errors import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,33 @@ TOKEN_COMMENT = b": ringd-token "
 # The body field a follower adds to carry a stream over: the ids already
 # streamed, and the response's id and creation time so the chunks keep them.
 RESUME_FIELD = "ringd_resume"
+# A follower's resumed stream names at most this many tokens already streamed:
+# no stream is longer than a context.
+MAX_RESUME_TOKENS = 1 << 20
 # Headers a follower passes to the leader: the API key goes along (as Bearer or x-api-key).
 _PASSED_HEADERS = ("Authorization", "x-api-key", "anthropic-version", "Content-Type", REQUEST_ID_HEADER)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A stream carried over (RESUME_FIELD, as the leader reads it): the ids of the tokens the
+    client has, and the response's id and creation time, which its chunks keep."""
+
+    tokens: list[int]
+    id: str | None
+    created: int | None
+
+
+def read_resume(v, vocab_size: int) -> Resume:
+    """A follower's RESUME_FIELD, checked (up to MAX_RESUME_TOKENS ids: run it off the event loop)."""
+    if not isinstance(v, dict) or set(v) != {"tokens", "id", "created"}:
+        raise ApiError(400, f"{RESUME_FIELD} must hold tokens, id and created", RESUME_FIELD)
+    tokens, rid, created = v["tokens"], v["id"], v["created"]
+    if not isinstance(tokens, list) or len(tokens) > MAX_RESUME_TOKENS or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
+        raise ApiError(400, f"{RESUME_FIELD}.tokens must be token ids below {vocab_size}", RESUME_FIELD)
+    if not (rid is None or isinstance(rid, str) and len(rid) <= 64) or not (created is None or type(created) is int):
+        raise ApiError(400, f"{RESUME_FIELD}.id must be a short string and created an integer", RESUME_FIELD)
+    return Resume(tokens, rid, created)
 
 
 class ProxyNode(Protocol):

@@ -3,8 +3,9 @@
 OpenAI's chat completions, completions and Responses, Anthropic's Messages and
 Ollama's chat and generate each parse their own body into a ``Request`` and turn
 ``Output`` events back into their own wire format; nothing in between knows
-which API a request came by (``serving.py`` runs it, ``render.py`` makes its
-prompt and grammar, ``reader.py`` splits what the model writes).
+which API a request came by (``endpoint.py`` drives it, ``serving.py`` runs it,
+``render.py`` makes its prompt and grammar, ``reader.py`` splits what the model
+writes).
 
 Messages are kept in the form chat templates take (Hugging Face's convention,
 as mlx-lm's server passes them): ``{"role", "content": str}``; an assistant's

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (``POST /v1/responses``), as a thin, stateless layer over ``serving.py``.
+"""OpenAI's Responses API (``POST /v1/responses``), as a thin, stateless translation for ``endpoint.py``.
 
 The body becomes a ``request.Request`` (``parse``); the ``Output`` events
 become Responses' output items (``OutputItems``): a ``reasoning`` item for
@@ -61,22 +61,35 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
-from ringd.http.openai_types import MAX_MESSAGES, MAX_MODEL_CHARS, ApiError, _valid_text, check_schema, check_tool_name, template_kwargs
+from ringd.http.errors import ApiError
+from ringd.http.fields import (
+    MAX_MESSAGES,
+    asks_nothing,
+    bad,
+    check_schema,
+    check_tool_name,
+    is_bool,
+    is_int,
+    is_object,
+    model_name,
+    optional,
+    sampling_fields,
+    sampling_params,
+    template_kwargs,
+    valid_text,
+)
+from ringd.http.framing import NAMED_SSE
 from ringd.http.request import MAX_TOOLS, Output, Request, ResponseFormat, Tool, ToolCall, Usage
-from ringd.ring.sampling import SamplingError, SamplingParams, brief_repr
+from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
-    from ringd.http.api import Api
-
-log = logging.getLogger(__name__)
+    from ringd.http.node import ApiNode
+    from ringd.http.serving import Generation
 
 # Input items in one request: as many as chat completions takes messages.
 MAX_INPUT_ITEMS = MAX_MESSAGES
@@ -104,24 +117,6 @@ REFUSED: dict[str, tuple[tuple, str]] = {
 INCLUDES = ("reasoning.encrypted_content",)
 # A reasoning item's encrypted_content as ringd writes it: this, then the text in base64.
 ENCRYPTED_PREFIX = "ringd-reasoning:"
-# ringd's sampling beyond Responses' own, as chat completions takes it.
-EXTRA_NUMBERS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-
-
-def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param, code)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def error_body(e: ApiError) -> dict:
-    return e.body()
 
 
 @dataclass
@@ -137,60 +132,34 @@ class ResponsesRequest:
 
 
 def parse(body: dict) -> ResponsesRequest:
-    """A JSON object (``openai_types.parse_json``) as a request, or a 400 ``ApiError``; nothing else escapes."""
+    """A JSON object (``fields.parse_json``) as a request, or a 400 ``ApiError``; nothing else escapes."""
 
     def opt(name: str, check, rule: str):
-        v = body.get(name)
-        if v is not None and not check(v):
-            raise _bad(f"{name} must be {rule}; got {brief_repr(v)}", name)
-        return v
+        return optional(body, name, check, rule)
 
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("model is required and must be a string", "model")
-    if len(model) > MAX_MODEL_CHARS:
-        raise _bad(f"model must be a name of at most {MAX_MODEL_CHARS} characters; GET /v1/models lists it", "model")
-    _valid_text(model, "model")
+    model = model_name(body)
     for name, (accepted, why) in REFUSED.items():
-        v = body.get(name)
-        if v is None or v == [] or v == {} or any(v == a and type(v) is type(a) for a in accepted):
-            continue
-        raise _bad(f"{name} is not supported: {why}", name, "unsupported_parameter")
+        if not asks_nothing(body.get(name), accepted):
+            raise bad(f"{name} is not supported: {why}", name, "unsupported_parameter")
 
-    max_tokens = opt("max_output_tokens", _is_int, "an integer")
+    max_tokens = opt("max_output_tokens", is_int, "an integer")
     if max_tokens is not None and max_tokens < 1:
-        raise _bad("max_output_tokens must be at least 1", "max_output_tokens")
-    stream = opt("stream", lambda v: isinstance(v, bool), "a boolean") or False
-    opt("store", lambda v: isinstance(v, bool), "a boolean")
-    top_logprobs = opt("top_logprobs", lambda v: _is_int(v) and 0 <= v <= 20, "an integer from 0 to 20")
-
-    sampling: dict[str, Any] = {}
-    for name in ("temperature", "top_p", *EXTRA_NUMBERS):
-        v = opt(name, _is_number, "a number")
-        if v is not None:
-            sampling[name] = v
-    for name in ("top_k", "seed"):
-        v = opt(name, _is_int, "an integer")
-        if v is not None:
-            sampling[name] = v
-    if sampling.get("top_k", 0) < 0:  # clients send -1 for "off"
-        sampling["top_k"] = 0
-    if "seed" in sampling and sampling["seed"] < 0:
-        sampling["seed"] %= 2**63
-    try:
-        params = SamplingParams(**sampling)
-    except SamplingError as e:
-        raise _bad(str(e), e.field) from None
+        raise bad("max_output_tokens must be at least 1", "max_output_tokens")
+    stream = opt("stream", is_bool, "a boolean") or False
+    opt("store", is_bool, "a boolean")
+    top_logprobs = opt("top_logprobs", lambda v: is_int(v) and 0 <= v <= 20, "an integer from 0 to 20")
+    # Responses' own temperature and top_p, and ringd's sampling beyond them, as chat completions takes it.
+    params = sampling_params(sampling_fields(body))
 
     instructions = opt("instructions", lambda v: isinstance(v, str), "a string")
     messages = _input(body.get("input"))
     if instructions:
-        messages.insert(0, {"role": "system", "content": _valid_text(instructions, "instructions")})
+        messages.insert(0, {"role": "system", "content": valid_text(instructions, "instructions")})
 
     declared = _tools(body.get("tools"))
     choice, tool_name, tools = _tool_choice(body.get("tool_choice"), declared)
-    parallel = opt("parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean")
-    text = opt("text", lambda v: isinstance(v, dict), "an object") or {}
+    parallel = opt("parallel_tool_calls", is_bool, "a boolean")
+    text = opt("text", is_object, "an object") or {}
     fmt, fmt_echo = _text_format(text.get("format"))
     kwargs, effort = _reasoning(body.get("reasoning"))
     kwargs = {**template_kwargs(body.get("chat_template_kwargs")), **kwargs}
@@ -223,10 +192,10 @@ def parse(body: dict) -> ResponsesRequest:
     }
     include = body.get("include")
     if include is not None and (not isinstance(include, list) or not all(isinstance(v, str) for v in include)):
-        raise _bad(f"include must be a list of strings; got {brief_repr(include)}", "include")
+        raise bad(f"include must be a list of strings; got {brief_repr(include)}", "include")
     for v in include or ():
         if v not in INCLUDES:
-            raise _bad(
+            raise bad(
                 f"include {brief_repr(v)} is not supported: ringd returns no extra output data but {', '.join(INCLUDES)}",
                 "include",
                 "unsupported_parameter",
@@ -236,23 +205,23 @@ def parse(body: dict) -> ResponsesRequest:
 
 def _input(v: Any) -> list[dict]:
     if isinstance(v, str):
-        return [{"role": "user", "content": _valid_text(v, "input")}]
+        return [{"role": "user", "content": valid_text(v, "input")}]
     if not isinstance(v, list) or not v:
-        raise _bad("input is required: a string, or a non-empty list of items (messages, function calls and their outputs)", "input")
+        raise bad("input is required: a string, or a non-empty list of items (messages, function calls and their outputs)", "input")
     if len(v) > MAX_INPUT_ITEMS:
-        raise _bad(f"at most {MAX_INPUT_ITEMS} input items are accepted", "input")
+        raise bad(f"at most {MAX_INPUT_ITEMS} input items are accepted", "input")
     out: list[dict] = []
     names: dict[str, str] = {}  # call id -> function name, for the outputs that answer them
     reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(v):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise _bad(f"{where} must be an object", where)
+            raise bad(f"{where} must be an object", where)
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in MESSAGE_ROLES:
-                raise _bad(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}; got {brief_repr(role)}", f"{where}.role")
+                raise bad(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}; got {brief_repr(role)}", f"{where}.role")
             msg = {"role": "system" if role == "developer" else role, "content": _content(item.get("content"), f"{where}.content")}
             if role == "assistant" and reasoning:
                 msg["reasoning_content"], reasoning = reasoning, ""
@@ -266,7 +235,7 @@ def _input(v: Any) -> list[dict]:
             except (ValueError, RecursionError):  # RecursionError: arrays nested past the interpreter's limit
                 parsed = None
             if not isinstance(parsed, dict):
-                raise _bad(f"{where}.arguments must be a JSON object, as text; got {brief_repr(args)}", f"{where}.arguments")
+                raise bad(f"{where}.arguments must be a JSON object, as text; got {brief_repr(args)}", f"{where}.arguments")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
             names[call_id] = name
             last = out[-1] if out else None
@@ -281,46 +250,46 @@ def _input(v: Any) -> list[dict]:
             output = item.get("output")
             content = output if isinstance(output, str) else _content(output, f"{where}.output") if isinstance(output, list) else None
             if content is None:
-                raise _bad(f"{where}.output must be a string or a list of input_text parts", f"{where}.output")
-            out.append({"role": "tool", "content": _valid_text(content, f"{where}.output"), "tool_call_id": call_id, "name": names.get(call_id, "")})
+                raise bad(f"{where}.output must be a string or a list of input_text parts", f"{where}.output")
+            out.append({"role": "tool", "content": valid_text(content, f"{where}.output"), "tool_call_id": call_id, "name": names.get(call_id, "")})
         elif kind == "reasoning":
             reasoning = _reasoning_text(item, where)
         elif kind == "item_reference":
-            raise _bad(f"{where} refers to a stored item; ringd keeps no items: send the item itself", where, "unsupported_parameter")
+            raise bad(f"{where} refers to a stored item; ringd keeps no items: send the item itself", where, "unsupported_parameter")
         else:
-            raise _bad(
+            raise bad(
                 f"{where} is a {brief_repr(kind)} item; ringd takes messages, function_call, function_call_output and reasoning items",
                 f"{where}.type",
             )
     if not out:
-        raise _bad("input holds no message: reasoning items alone give the model nothing to answer", "input")
+        raise bad("input holds no message: reasoning items alone give the model nothing to answer", "input")
     return out
 
 
 def _string(item: dict, key: str, where: str) -> str:
     v = item.get(key)
     if not isinstance(v, str) or not v:
-        raise _bad(f"{where}.{key} is required and must be a string", f"{where}.{key}")
-    return _valid_text(v, f"{where}.{key}")
+        raise bad(f"{where}.{key} is required and must be a string", f"{where}.{key}")
+    return valid_text(v, f"{where}.{key}")
 
 
 def _content(content: Any, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return _valid_text(content, where)
+        return valid_text(content, where)
     if not isinstance(content, list):
-        raise _bad(f"{where} must be a string or a list of content parts", where)
+        raise bad(f"{where} must be a string or a list of content parts", where)
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None or not isinstance(part.get(key), str):
-            raise _bad(
+            raise bad(
                 f"{where}[{j}] must be a text part ({', '.join(TEXT_PARTS)}); got {brief_repr(kind)}: ringd serves text models",
                 f"{where}[{j}]",
             )
-        parts.append(_valid_text(part[key], f"{where}[{j}].{key}"))
+        parts.append(valid_text(part[key], f"{where}[{j}].{key}"))
     return "".join(parts)
 
 
@@ -329,16 +298,16 @@ def _reasoning_text(item: dict, where: str) -> str:
     sealed = item.get("encrypted_content")
     if isinstance(sealed, str) and sealed.startswith(ENCRYPTED_PREFIX):
         try:
-            return _valid_text(base64.b64decode(sealed[len(ENCRYPTED_PREFIX) :], validate=True).decode(), f"{where}.encrypted_content")
+            return valid_text(base64.b64decode(sealed[len(ENCRYPTED_PREFIX) :], validate=True).decode(), f"{where}.encrypted_content")
         except (ValueError, UnicodeDecodeError):  # binascii.Error is a ValueError
-            raise _bad(f"{where}.encrypted_content is not reasoning ringd wrote; send it back as it came", f"{where}.encrypted_content") from None
+            raise bad(f"{where}.encrypted_content is not reasoning ringd wrote; send it back as it came", f"{where}.encrypted_content") from None
     for key in ("content", "summary"):
         parts = item.get(key)
         if parts in (None, []):
             continue
         if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
-            raise _bad(f"{where}.{key} must be a list of {{'type', 'text'}} parts", f"{where}.{key}")
-        return _valid_text("\n".join(p["text"] for p in parts), f"{where}.{key}")
+            raise bad(f"{where}.{key} must be a list of {{'type', 'text'}} parts", f"{where}.{key}")
+        return valid_text("\n".join(p["text"] for p in parts), f"{where}.{key}")
     return ""  # another server's encrypted_content only (OpenAI's): nothing here can read it
 
 
@@ -346,15 +315,15 @@ def _tools(v: Any) -> list[Tool]:
     if v is None or v == []:
         return []
     if not isinstance(v, list):
-        raise _bad("tools must be a list", "tools")
+        raise bad("tools must be a list", "tools")
     if len(v) > MAX_TOOLS:
-        raise _bad(f"at most {MAX_TOOLS} tools are accepted", "tools")
+        raise bad(f"at most {MAX_TOOLS} tools are accepted", "tools")
     out, seen = [], set()
     for i, t in enumerate(v):
         where = f"tools[{i}]"
         kind = t.get("type") if isinstance(t, dict) else None
         if kind != "function":
-            raise _bad(
+            raise bad(
                 f"{where} is a {brief_repr(kind)} tool; ringd runs no tools of its own, so only function tools "
                 '({"type": "function", "name", "description", "parameters"}) are supported',
                 where,
@@ -362,18 +331,18 @@ def _tools(v: Any) -> list[Tool]:
             )
         name = check_tool_name(t.get("name"), f"{where}.name")
         if name in seen:
-            raise _bad(f"{where}.name {name!r} is declared twice", f"{where}.name")
+            raise bad(f"{where}.name {name!r} is declared twice", f"{where}.name")
         seen.add(name)
         description = t.get("description") or ""
         if not isinstance(description, str):
-            raise _bad(f"{where}.description must be a string", f"{where}.description")
+            raise bad(f"{where}.description must be a string", f"{where}.description")
         params = t.get("parameters")
         params = {"type": "object", "properties": {}} if params is None else check_schema(params, f"{where}.parameters")
         strict = t.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise _bad(f"{where}.strict must be a boolean", f"{where}.strict")
+            raise bad(f"{where}.strict must be a boolean", f"{where}.strict")
         # Responses' default is strict: arguments have exactly the properties the schema names.
-        out.append(Tool(name, _valid_text(description, f"{where}.description"), params, strict is not False))
+        out.append(Tool(name, valid_text(description, f"{where}.description"), params, strict is not False))
     return out
 
 
@@ -386,18 +355,18 @@ def _tool_choice(v: Any, tools: list[Tool]) -> tuple[str, str | None, list[Tool]
     if kind == "function":
         name = v.get("name")
         if name not in {t.name for t in tools}:
-            raise _bad(f"tool_choice names the function {brief_repr(name)}, which is not among the tools", "tool_choice")
+            raise bad(f"tool_choice names the function {brief_repr(name)}, which is not among the tools", "tool_choice")
         return "function", name, tools
     if kind == "allowed_tools":
         mode, allowed = v.get("mode"), v.get("tools")
         if mode not in ("auto", "required") or not isinstance(allowed, list):
-            raise _bad('tool_choice allowed_tools takes {"mode": "auto" | "required", "tools": [{"type": "function", "name"}]}', "tool_choice")
+            raise bad('tool_choice allowed_tools takes {"mode": "auto" | "required", "tools": [{"type": "function", "name"}]}', "tool_choice")
         names = {a.get("name") for a in allowed if isinstance(a, dict) and a.get("type") == "function"}
         missing = names - {t.name for t in tools}
         if len(names) != len(allowed) or missing:
-            raise _bad(f"tool_choice.tools must name function tools among the tools; not there: {brief_repr(sorted(map(str, missing)))}", "tool_choice.tools")
+            raise bad(f"tool_choice.tools must name function tools among the tools; not there: {brief_repr(sorted(map(str, missing)))}", "tool_choice.tools")
         return mode, None, [t for t in tools if t.name in names]
-    raise _bad(
+    raise bad(
         'tool_choice must be "auto", "none", "required", {"type": "function", "name"} or {"type": "allowed_tools", ...}; '
         f"got {brief_repr(v)}",
         "tool_choice",
@@ -418,12 +387,12 @@ def _text_format(v: Any) -> tuple[ResponseFormat | None, dict]:
         return ResponseFormat("json_object"), {"type": "json_object"}
     if kind == "json_schema":
         if "schema" not in v:
-            raise _bad("text.format json_schema needs a schema: {type, name, schema, strict?}", "text.format.schema")
+            raise bad("text.format json_schema needs a schema: {type, name, schema, strict?}", "text.format.schema")
         schema = check_schema(v["schema"], "text.format.schema")
         name = v.get("name") if isinstance(v.get("name"), str) else None
         strict = v.get("strict") is True
         return ResponseFormat("json_schema", schema, name, strict), {"type": "json_schema", "name": name or "response", "schema": schema, "strict": strict}
-    raise _bad(f'text.format.type must be "text", "json_object" or "json_schema"; got {brief_repr(kind)}', "text.format.type")
+    raise bad(f'text.format.type must be "text", "json_object" or "json_schema"; got {brief_repr(kind)}', "text.format.type")
 
 
 def _reasoning(v: Any) -> tuple[dict, str | None]:
@@ -431,12 +400,12 @@ def _reasoning(v: Any) -> tuple[dict, str | None]:
     if v is None:
         return {}, None
     if not isinstance(v, dict):
-        raise _bad("reasoning must be an object, e.g. {\"effort\": \"low\"}", "reasoning")
+        raise bad("reasoning must be an object, e.g. {\"effort\": \"low\"}", "reasoning")
     effort = v.get("effort")
     if effort is None:
         return {}, None
     if effort not in EFFORTS:
-        raise _bad(f"reasoning.effort must be one of {', '.join(EFFORTS)}; got {brief_repr(effort)}", "reasoning.effort")
+        raise bad(f"reasoning.effort must be one of {', '.join(EFFORTS)}; got {brief_repr(effort)}", "reasoning.effort")
     if effort in ("none", "minimal"):
         return {"enable_thinking": False}, effort
     return {"enable_thinking": True, "reasoning_effort": TEMPLATE_EFFORT.get(effort, effort)}, effort
@@ -595,88 +564,58 @@ class OutputItems:
         return events
 
 
-def sse(event: dict) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+class Responses:
+    """``POST /v1/responses``."""
+
+    framing = NAMED_SSE
+    resumable = False  # a follower relays these events as they come; a new leader cannot continue them
+
+    def __init__(self, node: "ApiNode"):
+        self.d = node
+
+    def streams(self, body: dict) -> bool:
+        return body.get("stream") is True
+
+    def parse(self, body: dict) -> "ResponseAnswer":
+        return ResponseAnswer(parse(body), self.d.model_id)
 
 
-class ResponsesApi:
-    def __init__(self, api: "Api"):
-        self.api = api
+class ResponseAnswer:
+    """One response: the response object, or Responses' stream events, each numbered in order."""
 
-    def routes(self) -> list:
-        return [web.post("/v1/responses", self.create)]
+    def __init__(self, p: ResponsesRequest, model_id: str):
+        self.p = p
+        self.request = p.request
+        self.stream = p.stream
+        self.model_id = model_id
+        self.id = new_id("resp")
+        self.items = OutputItems(p.encrypted_reasoning)
+        self.finish: str | None = None
+        self._sequence = 0
 
-    async def create(self, request: web.Request) -> web.StreamResponse:
-        api = self.api
-        api.need_key(request)
-        raw = await api.read(request)
-        await api.forwarded_by(request, raw)  # a follower's mark must be proven; nothing carries over here
-        body = await api.json(raw)
-        if api.d.engine is None:
-            return await api.proxy.forward(request, raw, body.get("stream") is True, resumable=False)
-        p = parse(body)
-        gen = await api.serving.open(p.request, api.request_id(request))
-        try:
-            if p.stream:
-                return await self._stream(request, p, gen)
-            return await self._whole(p, gen)
-        finally:
-            await gen.aclose()
+    def _numbered(self, events: list[dict]) -> list[dict]:
+        for ev in events:
+            ev["sequence_number"] = self._sequence
+            self._sequence += 1
+        return events
 
-    async def _whole(self, p: ResponsesRequest, gen) -> web.Response:
-        items, finish = OutputItems(p.encrypted_reasoning), None
-        try:
-            async for out in gen:
-                items.feed(out)
-                finish = out.finish_reason
-        finally:
-            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
-        items.finish(finish)
-        body = response_object(p, new_id("resp"), gen.created, self.api.d.model_id, items.output, items.status, gen.usage)
-        return web.json_response(body)
+    def start(self, gen: "Generation", resume) -> list[dict]:
+        start = response_object(self.p, self.id, gen.created, self.model_id, [], "in_progress", None)
+        return self._numbered([{"type": "response.created", "response": start}, {"type": "response.in_progress", "response": start}])
 
-    async def _stream(self, request: web.Request, p: ResponsesRequest, gen) -> web.StreamResponse:
-        events = aiter(gen)
-        # Pull the first event before answering 200, so a ring that fails at once
-        # still gets a proper error status.
-        first = await anext(events, None)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        rid, model = new_id("resp"), self.api.d.model_id
-        items = OutputItems(p.encrypted_reasoning)
-        sequence = 0
+    def feed(self, out: Output) -> list[dict]:
+        self.finish = out.finish_reason
+        return self._numbered(self.items.feed(out))
 
-        async def send(batch: list[dict]) -> None:
-            nonlocal sequence
-            data = []
-            for ev in batch:
-                ev["sequence_number"] = sequence
-                sequence += 1
-                data.append(sse(ev))
-            if data:
-                await resp.write(b"".join(data))
+    def end(self, gen: "Generation") -> list[dict]:
+        events = self.items.finish(self.finish)
+        whole = response_object(self.p, self.id, gen.created, self.model_id, self.items.output, self.items.status, gen.usage)
+        return self._numbered([*events, {"type": f"response.{whole['status']}", "response": whole}])
 
-        try:
-            start = response_object(p, rid, gen.created, model, [], "in_progress", None)
-            await send([{"type": "response.created", "response": start}, {"type": "response.in_progress", "response": start}])
-            out, finish = first, None
-            while out is not None:
-                await send(items.feed(out))
-                finish = out.finish_reason
-                out = await anext(events, None)
-            await send(items.finish(finish))
-            whole = response_object(p, rid, gen.created, model, items.output, items.status, gen.usage)
-            await send([{"type": f"response.{whole['status']}", "response": whole}])
-        except ApiError as e:
-            # The stream has started: report the failure in-band, as OpenAI does, and end it.
-            await send([{"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param}])
-        except ConnectionResetError:  # aiohttp's "Cannot write to closing transport"
-            log.debug("the client closed the stream after %d token(s)", gen.usage.completion_tokens)
-            return resp  # the caller's gen.aclose() frees the ring
-        finally:
-            self.api.d.metrics.completion_tokens.inc(gen.usage.completion_tokens)
-        try:
-            await resp.write_eof()
-        except ConnectionResetError:
-            pass
-        return resp
+    def error(self, e: ApiError) -> list[dict]:
+        # In-band, as OpenAI reports a failure mid-stream.
+        return self._numbered([{"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param}])
+
+    def whole(self, gen: "Generation") -> dict:
+        self.items.finish(self.finish)
+        return response_object(self.p, self.id, gen.created, self.model_id, self.items.output, self.items.status, gen.usage)

@@ -1,8 +1,9 @@
 """One engine under every API: check a ``Request``, render it, generate, read the outputs.
 
-Each API module (``openai_api.py``, ``anthropic_api.py``, ``ollama_api.py``,
-``responses_api.py``) parses its body into a ``request.Request``, calls
-``Serving.open`` and turns the ``Output`` events back into its own format. So
+Each API's translation (``openai_api.py``, ``anthropic_api.py``, ``ollama_api.py``,
+``responses_api.py``) parses its body into a ``request.Request``; the endpoint
+driver (``endpoint.py``) calls ``Serving.open`` and hands the ``Output`` events
+back to the translation, which writes them in its own format. So
 the same checks, in the same order, guard every API: the model's name, a ring
 that is ready, sampling parameters against the vocabulary, a prompt that fits
 the context (characters before tokens, so an absurd prompt is refused before
@@ -22,7 +23,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, AsyncIterator
 
-from ringd.http.openai_types import ApiError
+from ringd.http.errors import ApiError
 from ringd.http.reader import Reader
 from ringd.http.render import Rendered, RenderError, render
 from ringd.http.request import Output, Request, Usage
@@ -30,7 +31,7 @@ from ringd.leader.errors import EngineError
 from ringd.ring.sampling import SamplingError
 
 if TYPE_CHECKING:
-    from ringd.http.api import ApiNode
+    from ringd.http.node import ApiNode
 
 # Prompts rendered and grammars checked at once: CPU-bound work off the event
 # loop that holds a copy of the prompt; a burst of giant requests waits its turn.
@@ -41,13 +42,22 @@ CHECKED_GRAMMARS = 256
 
 
 class Generation:
-    """One request's outputs: iterate for ``Output`` events; ``usage`` counts as they come."""
+    """One request's outputs: iterate for ``Output`` events; ``usage`` counts as they come.
 
-    def __init__(self, req: Request, rendered: Rendered, events, tokenizer, resumed: int):
+    And when it happened (``time.monotonic_ns``): the request arrived
+    (``received_ns``, given by the driver), was opened (checked and rendered),
+    had its first token, ended; Ollama reports the durations between them.
+    """
+
+    def __init__(self, req: Request, rendered: Rendered, events, tokenizer, resumed: int, received_ns: int | None = None):
         self.req = req
         self.rendered = rendered
         self.created = int(time.time())
         self.usage = Usage(prompt_tokens=len(rendered.prompt), completion_tokens=resumed)
+        self.opened_ns = time.monotonic_ns()
+        self.received_ns = self.opened_ns if received_ns is None else received_ns
+        self.first_ns: int | None = None
+        self.ended_ns: int | None = None
         self._events = events
         self._reader = Reader(rendered.read)
         self._tokenizer = tokenizer
@@ -63,6 +73,8 @@ class Generation:
                 text, reasoning, calls = self._reader.feed(ev.text, final)
                 if ev.resumed:
                     continue  # the client has it: it only brings the reader to where it was
+                if self.first_ns is None:
+                    self.first_ns = time.monotonic_ns()
                 self.usage.completion_tokens += 1
                 self.usage.cached_tokens = ev.cached_tokens
                 if reasoning or (self._reader.state == "reasoning" and not text):
@@ -71,6 +83,7 @@ class Generation:
                 if finish == "stop" and self._reader.calls:
                     finish = "tool_calls"
                 yield Output(ev.token, ev.logprob, ev.top_logprobs, text, reasoning, calls, finish, ev.cached_tokens, ev.stop_sequence)
+            self.ended_ns = time.monotonic_ns()
         except EngineError as e:
             raise ApiError(e.status, str(e), retry_after=e.retry_after) from None
 
@@ -87,8 +100,10 @@ class Serving:
         self._checked: OrderedDict[str, None] = OrderedDict()
         self._chars_per_token: int | None = None
 
-    async def open(self, req: Request, request_id: str | None, resumed: list[int] = ()) -> Generation:
-        """Check, render and start ``req``; its first token is not awaited here."""
+    async def open(self, req: Request, request_id: str | None, resumed: list[int] = (), received_ns: int | None = None) -> Generation:
+        """Check, render and start ``req``; its first token is not awaited here.
+
+        ``resumed``: the ids a stream carried over already sent; ``received_ns``: when the request arrived."""
         engine = self.d.engine
         if engine is None:
             raise ApiError(503, "this node does not lead; retry in a moment")
@@ -119,7 +134,7 @@ class Serving:
         params = req.params if rendered.grammar is None else dataclasses.replace(req.params, grammar=rendered.grammar)
         self.d.metrics.prompt_tokens.inc(len(prompt))
         events = engine.generate(prompt, params, max_tokens, req.stop, list(resumed), request_id, emit_resumed=True, ignore_eos=req.ignore_eos)
-        return Generation(req, rendered, events, self.d.tokenizer, len(resumed))
+        return Generation(req, rendered, events, self.d.tokenizer, len(resumed), received_ns)
 
     async def count_tokens(self, req: Request) -> int:
         """The prompt tokens ``req`` would take (Anthropic's count_tokens): checked and rendered, not run."""

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringd.http.anthropic_api import Blocks, message, parse
-from ringd.http.openai_types import ApiError
+from ringd.http.errors import ApiError
 from ringd.http.request import Output, ToolCall, Usage
 
 MODEL_ID = "tiny-smollm2"

@@ -27,8 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ringd.http.errors import ApiError
 from ringd.http.ollama_api import describe, error_body, parameter_size, parse
-from ringd.http.openai_types import ApiError
 
 MODEL_ID = "tiny-smollm2"
 NODES = 3

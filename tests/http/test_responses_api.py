@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
-from ringd.http.openai_types import ApiError
+from ringd.http.errors import ApiError
 from ringd.http.request import Output, ToolCall, Usage
 from ringd.http.responses_api import OutputItems, parse, response_object
 

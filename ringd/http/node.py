@@ -1,0 +1,48 @@
+"""What the HTTP face needs of its node (``daemon.Daemon`` provides it), as a Protocol.
+
+Every part of http/ that asks the node something (the driver, the serving
+engine, each API's translation, the control and status routes) types it with
+``ApiNode``, so none of them imports the daemon, and none imports ``api.py``
+for it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ringd.http.files import Holding
+    from ringd.leader.engine import Engine
+    from ringd.metrics import Metrics
+    from ringd.models.checkpoint import ModelInfo
+
+
+class ApiNode(Protocol):
+    name: str
+    model_id: str
+    started: int
+    info: "ModelInfo"
+    tokenizer: object
+    secret: bytes
+    api_keys: frozenset[str]
+    metrics: "Metrics"
+    chat_template_kwargs: dict  # what every chat template gets unless a request sets it
+    failover_wait_s: float  # how long a request waits for the next ring when the last was lost
+    files: "Holding | None"  # the model this node serves to peers fetching theirs (http/files.py)
+
+    @property
+    def engine(self) -> "Engine | None": ...
+    @property
+    def leading(self) -> bool: ...
+    @property
+    def drained(self) -> set[str]: ...
+    @property
+    def leader(self) -> str | None: ...
+    def readiness(self) -> tuple[bool, str]: ...
+    def local_status(self) -> dict: ...
+    async def cluster_status(self) -> dict: ...
+    def leader_http(self) -> str | None: ...
+    async def leader_changed(self) -> None: ...
+    def members(self) -> set[str]: ...
+    def set_pin(self, node: str | None) -> dict: ...
+    def drain(self, node: str, undo: bool) -> None: ...
