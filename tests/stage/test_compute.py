@@ -85,7 +85,7 @@ def test_stopping_drops_what_is_queued_and_lets_the_job_under_way_finish():
     assert queued.cancelled()
 
 
-def test_stop_gives_up_on_a_job_that_does_not_end():
+def test_stop_gives_up_on_a_job_that_does_not_end(caplog):
     async def main():
         compute = ComputeThread()
         hung = threading.Event()
@@ -93,4 +93,7 @@ def test_stop_gives_up_on_a_job_that_does_not_end():
         await asyncio.wait_for(compute.stop(timeout_s=0.2), 10)  # returns, with a warning
         hung.set()
 
-    asyncio.run(main())
+    with caplog.at_level(logging.WARNING, logger="ringd.stage.compute"):
+        asyncio.run(main())
+    warnings = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "ringd.stage.compute"]
+    assert warnings == [(logging.WARNING, "MLX work still running after 0 s of stopping; exiting anyway")], warnings
