@@ -87,8 +87,8 @@ def row(text: str, node: str) -> str:
     return next((line for line in text.splitlines() if re.search(rf"│ {node}\s+│", line)), "")
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (.ci/run installs it); top needs a real terminal")
 def test_top_redraws_what_changes_keeps_trying_and_quits_on_ctrl_c(tiny_model, cluster_factory, tmp_path):
+    assert shutil.which("tmux"), "tmux is not installed: top needs a real terminal; `apt-get install tmux` (.ci/run installs it)"
     c = cluster_factory(tiny_model(arch="llama", layers=2), 2)
     c.wait(lambda: serving_leader(c, range(2)) == "node0", what="node0 to lead a ring of two")
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import serving_leader
+from playwright.sync_api import expect, sync_playwright
 
 pytestmark = pytest.mark.slow
 
@@ -54,10 +55,8 @@ RECORD_TOKENS_PER_S = """() => {
 @pytest.fixture
 def browser(tmp_path):
     """A fresh headless Chromium (its own profile under tmp_path), closed after the test."""
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"Chromium is not installed ({CHROMIUM}); `apt-get install chromium` (.ci/run does it)")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
+    assert Path(CHROMIUM).exists(), f"Chromium is not installed ({CHROMIUM}); `apt-get install chromium` (.ci/run installs it)"
+    with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
             str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
             viewport={"width": 1440, "height": 900}, service_workers="block",
@@ -91,7 +90,6 @@ def keep_screenshot(page, tmp_path: Path, name: str) -> Path:
 
 
 def test_dashboard_on_a_follower_draws_the_ring_and_chats(tiny_model, cluster_factory, browser, tmp_path):
-    from playwright.sync_api import expect
 
     c = cluster_factory(tiny_model(arch="llama", layers=6), 3)
     c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
@@ -157,7 +155,6 @@ def test_dashboard_on_a_follower_draws_the_ring_and_chats(tiny_model, cluster_fa
 
 
 def test_dashboard_asks_for_the_api_key_and_rides_out_a_restart(tiny_model, cluster_factory, browser, tmp_path):
-    from playwright.sync_api import expect
 
     key = "dashboard-key-0123456789abcdef"
     (tmp_path / "keys").write_text(key + "\n")
@@ -213,7 +210,6 @@ def test_dashboard_draws_progress_encryption_silent_and_drained_nodes(browser, t
     """What a ring here cannot show on demand (a Hub download needs the network; a node that stops
     answering mid-poll is a moment): a status document of that shape, served to the real page
     through the browser's request routing, with the page's own files from ringd/http/web/."""
-    from playwright.sync_api import expect
 
     from ringd.http.api import WEB_DIR
 

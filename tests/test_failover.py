@@ -6,14 +6,15 @@ Real `ringd local` rings, real kill -9 of a node process, the real openai client
 from __future__ import annotations
 
 import json
+import os
 import signal
-import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
 
 import openai
+import psutil
 import pytest
 
 from conftest import Ring, stream_text
@@ -22,9 +23,14 @@ TOKENS = 400
 
 
 def node_pid(ring: Ring, name: str) -> int:
-    out = subprocess.run(["pgrep", "-P", str(ring.proc.pid), "-f", f"ringd serve --name {name} "], capture_output=True, text=True).stdout.split()
-    assert len(out) == 1, f"expected one process for {name}, got {out}"
-    return int(out[0])
+    """The pid of the `ringd serve --name NAME` process that `ringd local` started."""
+
+    def serves(args: list[str]) -> bool:
+        return "serve" in args and "--name" in args[:-1] and args[args.index("--name") + 1] == name
+
+    found = [c.pid for c in psutil.Process(ring.proc.pid).children() if serves(c.cmdline())]
+    assert len(found) == 1, f"expected one `ringd serve --name {name}` under ringd local ({ring.proc.pid}), got {found}"
+    return found[0]
 
 
 def cluster(ring: Ring) -> dict:
@@ -62,7 +68,7 @@ def test_kill_9_of_a_stage_mid_stream_loses_nothing(tiny_model, victim, model_ar
 
         def kill_at(i):
             if i == 30 and not killed.is_set():
-                subprocess.run(["kill", "-9", str(pid)], check=True)
+                os.kill(pid, signal.SIGKILL)
                 killed.set()
 
         t0 = time.monotonic()
@@ -151,7 +157,7 @@ def test_kill_9_of_a_middle_stage_with_8_batched_streams_in_flight_loses_nothing
 
         def kill_at(i):
             if i == 20 and not killed.is_set():
-                subprocess.run(["kill", "-9", str(pid)], check=True)
+                os.kill(pid, signal.SIGKILL)
                 killed.set()
 
         again = all_at_once(kill_at)

@@ -9,14 +9,14 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from conftest import REPO, Ring, wait_for_line
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    return [c.pid for c in psutil.Process(pid).children()]
 
 
 def _alive(pid: int) -> bool:

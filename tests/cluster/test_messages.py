@@ -39,17 +39,23 @@ heartbeats = st.builds(
 )
 
 
-def valid_docs():
+def valid_messages():
+    """kind -> (a valid document, what its parser makes of it)."""
     beat = Heartbeat(Announce(Term(4, "node1"), "node1", Pin()), Report(Term(4, "node1"), LOADED), {"node2": "10.0.0.2:50051"}, ("node3",), Term(4, "node1"), "")
     plan = make_plan(7, "node1", "fp", 6, [("node1", "10.0.0.1:50051"), ("node2", "10.0.0.2:50051")])
+    failure = Failure(3, 7, "node2", "no stage loaded here", 503)  # 3: the frame's id, as PARSERS sends it
     return {
-        "heartbeat": beat.to_wire(),
-        "control": {"election": beat.election.to_wire()},
-        "loaded": beat.report.to_wire(),
-        "plan": plan.to_wire(),
-        "error": {"term": 7, "node": "node2", "message": "no stage loaded here", "status": 503},
-        "release": {"term": 7, "keep": True},
+        "heartbeat": (beat.to_wire(), beat),
+        "control": ({"election": beat.election.to_wire()}, beat.election),
+        "loaded": (beat.report.to_wire(), beat.report),
+        "plan": (plan.to_wire(), plan),
+        "error": (failure.frame().descriptor, failure),
+        "release": ({"term": 7, "keep": True}, (7, "keep")),
     }
+
+
+def valid_docs():
+    return {kind: doc for kind, (doc, _) in valid_messages().items()}
 
 
 PARSERS = {
@@ -81,7 +87,8 @@ def mutate(doc, data):
 @pytest.mark.parametrize("kind", sorted(PARSERS))
 def test_valid_messages_parse(kind):
     parse, _ = PARSERS[kind]
-    parse(valid_docs()[kind])
+    doc, value = valid_messages()[kind]
+    assert parse(json.loads(json.dumps(doc))) == value  # as it arrives: through JSON
 
 
 @pytest.mark.parametrize("kind", sorted(PARSERS))

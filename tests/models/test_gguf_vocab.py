@@ -14,10 +14,13 @@ import json
 from pathlib import Path
 
 import pytest
+import regex
+import sentencepiece
 from gguf import TokenType
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 from mlx_lm.utils import load_tokenizer
 from tokenizers import Tokenizer
+from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
 from ringd.models.errors import ModelError
 from ringd.models.gguf_vocab import PRE_TOKENIZERS, tokenizer_files
@@ -149,7 +152,6 @@ SPM_TEXTS = [
 def spm(tmp_path_factory):
     """A SentencePiece BPE model trained like Llama 2's: byte fallback, digits split,
     no normalization, extra whitespace kept, a dummy prefix space."""
-    sentencepiece = pytest.importorskip("sentencepiece")
     prefix = tmp_path_factory.mktemp("spm") / "m"
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(CORPUS.splitlines()),
@@ -299,10 +301,6 @@ def _backend(meta: dict) -> Tokenizer:
 @pytest.mark.parametrize("pre", TRANSFORMERS_KNOWS)
 def test_byte_level_matches_transformers_gguf_loader(tiny_vocab, pre):
     """transformers builds the same GGUF tokenizers on its own; both must give the same ids."""
-    try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
-    except ImportError as e:  # older transformers: no GGUF tokenizer builder of this shape
-        pytest.skip(f"transformers has no convert_gguf_tokenizer here: {e}")
     reference, _ = convert_gguf_tokenizer(
         "llama",
         {
@@ -328,8 +326,6 @@ def test_byte_level_digit_splits(tiny_vocab, pre):
 def _llama_cpp_split(text: str, regexes: tuple[str, ...]) -> list[str]:
     """llama.cpp's unicode_regex_split: each regex in turn cuts every piece into its
     matches and the gaps between them."""
-    import regex
-
     pieces = [text]
     for expression in regexes:
         pattern = regex.compile(expression)
@@ -369,7 +365,6 @@ LLAMA_CPP_ADAPTED = {
 def test_byte_level_split_is_llama_cpps(tiny_vocab, pre):
     """The tokenizers pipeline (Split "isolated", in sequence) cuts text as llama.cpp's
     loop does with llama.cpp's own regexes, run here by Python's regex engine."""
-    pytest.importorskip("regex")
     tokenizer = _backend(_byte_level_meta(tiny_vocab, pre))
     reference = (LLAMA_CPP_ADAPTED[pre],) if pre in LLAMA_CPP_ADAPTED else PRE_TOKENIZERS[pre].splits
     texts = SPLIT_TEXTS + ROUND_TRIP
@@ -384,7 +379,6 @@ def test_byte_level_split_is_llama_cpps(tiny_vocab, pre):
 def test_byte_level_case_split_follows_the_model_not_the_approximation(tiny_vocab, pre):
     """llama.cpp's rewrite takes a non-ASCII capital for a lowercase letter; the
     model's own regex (Mistral's and OpenAI's) keeps a capitalized word whole."""
-    pytest.importorskip("regex")
     text = "ÉCOLE Straße"
     pieces = _backend(_byte_level_meta(tiny_vocab, pre)).pre_tokenizer.pre_tokenize_str(text)
     assert [text[a:b] for _, (a, b) in pieces] == ["ÉCOLE", " Straße"]

@@ -193,9 +193,10 @@ def test_without_the_cluster_secret_no_byte_of_any_file(smollm2_gguf, tmp_path):
             answers["for another node"] = await run(url(file), {**sign_files(SECRET, "GET", file, "x", "node9", time.time()), "Range": "bytes=0-100"})
             answers["stale"] = await run(url(file), {**sign_files(SECRET, "GET", file, "x", "node0", time.time() - 3600), "Range": "bytes=0-100"})
             signed = sign_files(SECRET, "GET", manifest, "x", "node0", time.time())
-            while (ok := await run(url(manifest), signed))[0] == 503:  # building it; the nonce may be reused only while refused
-                await asyncio.sleep(0.2)
-                signed = sign_files(SECRET, "GET", manifest, "x", "node0", time.time())
+            async with asyncio.timeout(120):  # a generous deadline for the holder to build the manifest
+                while (ok := await run(url(manifest), signed))[0] == 503:  # building it; the nonce may be reused only while refused
+                    await asyncio.sleep(0.2)
+                    signed = sign_files(SECRET, "GET", manifest, "x", "node0", time.time())
             answers["replayed"] = await run(url(manifest), signed)
             return ok, answers
 
@@ -223,17 +224,24 @@ print("done")
 
 class Throttle:
     """A TCP relay toward a port that passes the answers at ``rate`` bytes/s, ``chunk`` bytes
-    at a time, and counts them."""
+    at a time, and counts them. With ``hold_at``, it stops passing answers before their count
+    would pass that many bytes (``holding`` is set) until ``release()``."""
 
-    def __init__(self, target: int, rate: float, chunk: int = 64 * 1024):
-        self.target, self.rate, self.chunk, self.bytes = target, rate, chunk, 0
+    def __init__(self, target: int, rate: float, chunk: int = 64 * 1024, hold_at: float | None = None):
+        self.target, self.rate, self.chunk, self.bytes, self.hold_at = target, rate, chunk, 0, hold_at
+        self.holding = threading.Event()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.port = asyncio.run_coroutine_threadsafe(self._listen(), self.loop).result(10)
 
     async def _listen(self) -> int:
+        self._released = asyncio.Event()
         self.server = await asyncio.start_server(self._on, "127.0.0.1", 0)
         return self.server.sockets[0].getsockname()[1]
+
+    def release(self):
+        """Pass answers again, with no more holding."""
+        self.loop.call_soon_threadsafe(self._released.set)
 
     async def _on(self, r, w):
         tr, tw = await asyncio.open_connection("127.0.0.1", self.target)
@@ -242,6 +250,9 @@ class Throttle:
             try:
                 while data := await src.read(self.chunk if slow else 64 * 1024):
                     if slow:
+                        if self.hold_at is not None and not self._released.is_set() and self.bytes + len(data) > self.hold_at:
+                            self.holding.set()
+                            await self._released.wait()
                         self.bytes += len(data)
                         await asyncio.sleep(len(data) / self.rate)
                     dst.write(data)
@@ -292,20 +303,22 @@ def test_kill_9_halfway_and_the_restart_fetches_only_what_is_missing(smollm2_ggu
     threading.Thread(target=serve_holder, daemon=True).start()
     assert ready.wait(60)
     h = box["holder"]
-    throttle = Throttle(int(h.http.rsplit(":", 1)[1]), rate=20e6)  # 20 MB/s: the share takes a few seconds
+    # 20 MB/s, and nothing past about half of the middle stage's share (SmolLM2: ~24 MB) until
+    # the first fetcher is killed: it is killed halfway however slowly or quickly it runs.
+    throttle = Throttle(int(h.http.rsplit(":", 1)[1]), rate=20e6, hold_at=12e6)
     models = tmp_path / "models"
     cmd = [sys.executable, "-c", FETCHER, f"127.0.0.1:{throttle.port}", h.model, str(models)]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     try:
         first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
-        while throttle.bytes < 12e6:  # about half of the middle stage's share (SmolLM2: ~24 MB)
+        while not throttle.holding.wait(0.05):
             assert first.poll() is None, first.communicate()
             assert time.monotonic() < deadline, "the fetch did not get halfway"
-            time.sleep(0.02)
         first.send_signal(signal.SIGKILL)
         first.wait(30)
         halfway = throttle.bytes
+        throttle.release()
         second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert second.returncode == 0 and "done" in second.stdout, second.stderr[-3000:]
     finally:

@@ -13,6 +13,7 @@ import uvloop
 from ringd.node.holders import holder_of, probe
 from ringd.cluster.links import Links
 from ringd.models.peers import Holder
+from wire import stream as wire_stream
 
 SECRET = b"x" * 32
 
@@ -30,18 +31,46 @@ def test_what_an_info_says_of_its_node():
 
 def test_a_probe_reads_holders_and_joins_nobody():
     async def main():
-        holder = Links("node0", "lab", SECRET, {"files": True, "model": "fp", "http": "127.0.0.1:8100"}, on_frame=lambda p, f: None)
-        plain = Links("node1", "lab", SECRET, {"files": False, "model": "fp", "http": "127.0.0.1:8101"}, on_frame=lambda p, f: None)
-        stranger = Links("node9", "lab", b"y" * 32, {"files": True, "model": "fp", "http": "127.0.0.1:8109"}, on_frame=lambda p, f: None)
+        changes = []  # (listener, its peer table) at every change, so a join that left again still shows
+
+        def links(node, secret, info):
+            n = Links(node, "lab", secret, info, on_frame=lambda p, f: None)
+            n.on_change = lambda: changes.append((node, set(n.peers)))
+            return n
+
+        holder = links("node0", SECRET, {"files": True, "model": "fp", "http": "127.0.0.1:8100"})
+        plain = links("node1", SECRET, {"files": False, "model": "fp", "http": "127.0.0.1:8101"})
+        stranger = links("node9", b"y" * 32, {"files": True, "model": "fp", "http": "127.0.0.1:8109"})
+        # The members' listeners are done with the probe once their handler for its (authenticated)
+        # connection has returned: wrapped here, around the real one, to see that happen.
+        handled: dict[str, asyncio.Event] = {}
+        for n in (holder, plain):
+            handled[n.node] = done = asyncio.Event()
+
+            async def accepted(stream, real=n._accepted, done=done):
+                await real(stream)
+                if stream.peer_id == "newcomer":
+                    done.set()
+
+            n._accepted = accepted
+        # The stranger's is done once it has counted the probe's failed handshake.
+        failed_before = wire_stream.EVENTS["failed handshakes"]
         ports = [await n.listen("127.0.0.1", 0) for n in (holder, plain, stranger)]
         try:
             found = await probe([("127.0.0.1", p) for p in ports] + [("127.0.0.1", 1)], secret=SECRET, node="newcomer", cluster="lab", encrypt=False)
-            await asyncio.sleep(0.2)  # the window in which a probe that joined would show in the tables
-            return found, [set(n.peers) for n in (holder, plain, stranger)]
+            async with asyncio.timeout(10):
+                for done in handled.values():
+                    await done.wait()
+                while wire_stream.EVENTS["failed handshakes"] == failed_before:
+                    await asyncio.sleep(0.01)
+            return found, [set(n.peers) for n in (holder, plain, stranger)], changes
         finally:
             for n in (holder, plain, stranger):
+                n.on_change = lambda: None  # closing is no part of what the probe did
                 await n.close()
 
-    found, tables = uvloop.run(main())
+    found, tables, changes = uvloop.run(main())
     assert found == [Holder("node0", "127.0.0.1:8100", "fp")]  # not the one without files, nor the stranger's
     assert tables == [set(), set(), set()]
+    assert not [c for c in changes if "newcomer" in c[1]], f"the probe joined a peer table: {changes}"
+    assert changes == [], f"the peer tables changed during a probe: {changes}"

@@ -85,12 +85,22 @@ def test_stopping_drops_what_is_queued_and_lets_the_job_under_way_finish():
     assert queued.cancelled()
 
 
-def test_stop_gives_up_on_a_job_that_does_not_end():
+def test_stop_gives_up_on_a_job_that_does_not_end(caplog):
     async def main():
         compute = ComputeThread()
-        hung = threading.Event()
-        compute.submit(lambda: hung.wait(30))
+        started, hung = threading.Event(), threading.Event()
+
+        def stuck():
+            started.set()
+            hung.wait(30)
+
+        compute.submit(stuck)
+        # Under way, not queued: stop drops a queued job, and would have nothing to give up on.
+        assert await asyncio.to_thread(started.wait, 30), "the job never started"
         await asyncio.wait_for(compute.stop(timeout_s=0.2), 10)  # returns, with a warning
         hung.set()
 
-    asyncio.run(main())
+    with caplog.at_level(logging.WARNING, logger="ringd.stage.compute"):
+        asyncio.run(main())
+    warnings = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "ringd.stage.compute"]
+    assert warnings == [(logging.WARNING, "MLX work still running after 0 s of stopping; exiting anyway")], warnings

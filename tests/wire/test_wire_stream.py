@@ -311,14 +311,19 @@ def test_encryption_is_on_if_either_side_asks(dialer, listener):
     asyncio.run(main())
 
 
-def test_other_cluster_is_refused():
+def test_other_cluster_is_refused(caplog):
     async def main():
         async with server(cluster="prod") as (port, accepted):
             with pytest.raises(HandshakeError, match="peer is in cluster 'prod'"):
                 await dial(port)
+            # The server refuses it too, and says so: it is done with the connection then.
+            await until(lambda: stream_warnings(caplog), what="the server's refusal")
             assert accepted.empty()
 
-    asyncio.run(main())
+    with caplog.at_level(logging.WARNING, "wire.stream"):
+        asyncio.run(main())
+    [warning] = stream_warnings(caplog)
+    assert re.fullmatch(r"handshake with 127\.0\.0\.1:\d+ failed: peer is in cluster 'lab', this node in 'prod'", warning), warning
 
 
 @pytest.mark.parametrize(
@@ -329,7 +334,7 @@ def test_other_cluster_is_refused():
         (HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.FORWARD, 0, 0, 0, 1 << 20), "limit of 0"),
     ],
 )
-def test_strangers_are_dropped_within_the_handshake_timeout(monkeypatch, caplog, garbage, reason):
+def test_strangers_are_dropped_and_why_is_logged(monkeypatch, caplog, garbage, reason):
     monkeypatch.setattr(wire.stream, "HANDSHAKE_TIMEOUT_S", 0.3)
     called = Recorder()
 
@@ -337,9 +342,9 @@ def test_strangers_are_dropped_within_the_handshake_timeout(monkeypatch, caplog,
         async with server(called) as (port, _):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(garbage)
-            start = time.monotonic()
-            await read_until_eof(reader, timeout=5)
-            assert time.monotonic() - start < 2
+            # The server hangs up (a generous deadline that raises; the logged reason says
+            # which rule dropped it, the handshake timeout for the one that says nothing).
+            await read_until_eof(reader, timeout=30)
             writer.close()
             # The server closed with our garbage unread: the kernel may answer with a reset.
             with contextlib.suppress(ConnectionResetError):
@@ -370,15 +375,15 @@ def test_connect_to_a_silent_server_times_out(monkeypatch):
     asyncio.run(main())
 
 
-def test_connect_to_a_closed_port_fails_fast():
+def test_connect_to_a_closed_port_fails_with_the_refusal_and_no_retry():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here once it is closed
 
-    start = time.monotonic()
-    with pytest.raises(ConnectionError, match=f"cannot connect to 127.0.0.1:{port}"):
+    with pytest.raises(ConnectionError, match=f"cannot connect to 127.0.0.1:{port}") as e:
         asyncio.run(dial(port))
-    assert time.monotonic() - start < 1
+    # The kernel's refusal itself, passed on: not a timeout, nor the last of several tries.
+    assert type(e.value.__cause__) is ConnectionRefusedError, repr(e.value.__cause__)
 
 
 def test_oversized_header_after_the_handshake_drops_the_peer(caplog):
@@ -763,39 +768,48 @@ def test_failed_handshakes_are_logged_rate_limited(monkeypatch, caplog):
 
     async def main():
         async with server(Recorder()) as (port, _):
-            start = time.monotonic()
+
+            async def fail(host):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(host, 0))
+                writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                await read_until_eof(reader, timeout=30)
+                writer.close()
+                with contextlib.suppress(ConnectionError):
+                    await writer.wait_closed()
+
             for host, count in attempts.items():
                 for _ in range(count):
-                    reader, writer = await asyncio.open_connection(
-                        "127.0.0.1", port, local_addr=(host, 0)
-                    )
-                    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-                    await read_until_eof(reader, timeout=5)
-                    writer.close()
-                    with contextlib.suppress(ConnectionError):
-                        await writer.wait_closed()
+                    await fail(host)
             # The summary comes at the end of the interval; the events are all in by now.
             suppressed = sum(attempts.values()) - len(attempts)  # all but one per address
             await until(
                 lambda: sum(counted(w) for w in stream_warnings(caplog)) == suppressed,
                 what="the summary of suppressed failures",
             )
-            return time.monotonic() - start
+            # One more from an address logged before, after a summary: counted in the next one,
+            # which comes an interval after it at the soonest.
+            await fail("127.0.0.1")
+            await until(
+                lambda: sum(counted(w) for w in stream_warnings(caplog)) == suppressed + 1,
+                what="the next summary",
+            )
 
     def counted(line: str) -> int:
         match = re.search(r"failed handshakes: (\d+)", line)
         return int(match[1]) if match and "not logged one by one" in line else 0
 
     with caplog.at_level(logging.WARNING, "wire.stream"):
-        elapsed = asyncio.run(main())
+        asyncio.run(main())
     lines = stream_warnings(caplog)
     firsts = [w for w in lines if "not logged one by one" not in w]
     assert len(firsts) == 2  # one per address
     assert {re.search(r"handshake with (127\.0\.0\.\d):", w)[1] for w in firsts} == set(attempts)
     assert all("bad magic" in w for w in firsts)
-    summaries = [w for w in lines if "not logged one by one" in w]
-    # At most one summary line per interval, however many failures.
-    assert 1 <= len(summaries) <= elapsed / wire.stream.LOG_SUMMARY_INTERVAL_S + 1
+    summaries = [r.created for r in caplog.records if r.name == "wire.stream" and "not logged one by one" in r.getMessage()]
+    # At most one summary line per interval, however many failures: consecutive ones an interval
+    # apart at least. (Records carry the wall clock and the loop times by the monotonic one: they
+    # may disagree by a millisecond over an interval, hence the 10 ms.)
+    assert len(summaries) >= 2 and all(b - a >= wire.stream.LOG_SUMMARY_INTERVAL_S - 0.01 for a, b in zip(summaries, summaries[1:])), summaries
     assert all(SECRET.decode() not in w for w in lines)
 
 
@@ -828,4 +842,6 @@ def test_serve_hands_every_frame_to_the_handler_in_order_and_says_why_the_link_e
 
     with caplog.at_level(logging.ERROR, logger="wire.stream"):
         run(main())
-    assert any("a handler's bug" in (r.exc_text or "") or "failed" in r.getMessage() for r in caplog.records)
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]  # the handler's bug, once
+    assert record.name == "wire.stream" and re.fullmatch(r"handling a CONTROL frame from 127\.0\.0\.1:\d+ failed", record.getMessage()), record.getMessage()
+    assert record.exc_info[0] is RuntimeError and str(record.exc_info[1]) == "a handler's bug"
