@@ -21,6 +21,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Hypothesis's example counts: CI's are its defaults, what every property test was written
+# against; `HYPOTHESIS_PROFILE=dev uv run pytest` tries a tenth as many, for a quick loop
+# while developing (a property that fails there fails in CI too, not the other way round).
+settings.register_profile("ci", settings.get_profile("default"))
+settings.register_profile("dev", max_examples=10)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 REPO = Path(__file__).resolve().parent.parent
 # Prefill chunk used by test rings and by the mlx-lm reference alike: small, so
