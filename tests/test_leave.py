@@ -27,6 +27,9 @@ pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "Tell me everything about rings."}]
 # Long enough that the stream is still running when the signal lands.
 STREAM_TOKENS = 2000
+# A stream that runs to its end across the leader's leaving: still running when the signal lands
+# (after its 40th chunk), and hundreds of tokens carried over to the next leader.
+CARRIED_TOKENS = 400
 # "Within seconds": what a leaving node may take to end its streams, close its
 # links and exit, on a loaded two-core machine.
 EXIT_DEADLINE_S = 15.0
@@ -110,9 +113,9 @@ def test_sigterm_of_a_follower_forwarding_a_stream(model, cluster_factory):
 def test_sigterm_of_the_leader_moves_streams_through_followers_to_the_next(model, cluster_factory):
     c = cluster_factory(model, 3)
     c.wait(lambda: serving_leader(c, range(3)) == "node0", what="node0 to lead")
-    whole = Stream(c.url(2), MESSAGES, STREAM_TOKENS)
-    assert whole.join(120) and whole.clean, whole
-    through = Stream(c.url(2), MESSAGES, STREAM_TOKENS)
+    whole = Stream(c.url(2), MESSAGES, CARRIED_TOKENS)
+    assert whole.join(120) and whole.clean and whole.finish == "length", whole
+    through = Stream(c.url(2), MESSAGES, CARRIED_TOKENS)
     through.wait_started(40)
     before = log_sizes(c)
     left = time.monotonic()
