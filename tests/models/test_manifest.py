@@ -126,7 +126,10 @@ def test_a_stage_fetches_what_it_loads_for_every_architecture(tiny_model, arch):
 
 
 def test_a_manifest_is_kept_while_the_files_are_unchanged(tiny_model, tmp_path):
-    path = tiny_model(arch="llama", layers=2, dtype="float32")
+    import shutil
+
+    path = tmp_path / "model"  # a copy: the tiny models are kept between runs, and this one is touched
+    shutil.copytree(tiny_model(arch="llama", layers=2, dtype="float32"), path)
     info = model_info(str(path))
     first = m.cached(path, info.fingerprint, "tiny", tmp_path)
     assert {f.name for f in first.files} >= {"config.json", "model.safetensors", "tokenizer.json"}
