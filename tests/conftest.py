@@ -43,6 +43,7 @@ RING_START_TIMEOUT_S = 120.0
 RING_GROUPS = [("think_model", "think"), ("tiny_smollm2", "tiny-smollm2"), ("observed_ring", "observed")]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the marks into the test ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
@@ -51,6 +52,25 @@ def pytest_collection_modifyitems(config, items):
             group = "smollm2"  # the real SmolLM2's ring, which every test of it shares
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+# In the process that runs the workers: which workers ran each group's tests. A group split
+# between workers starts its ring in each (it happened: pytest 9.2 broke loadgroup silently).
+_group_workers: dict[str, set[str]] = {}
+
+
+def pytest_runtest_logreport(report):
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    nodeid = report.nodeid
+    if worker is not None and report.when == "call" and nodeid.rfind("@") > nodeid.rfind("]"):  # xdist's own rule
+        _group_workers.setdefault(nodeid.rpartition("@")[2], set()).add(worker.id)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    split = {g: sorted(w) for g, w in _group_workers.items() if len(w) > 1}
+    if split:
+        session.config.get_terminal_writer().line(f"tests of one ring group ran in several workers: {split}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
