@@ -45,7 +45,7 @@ import itertools
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 from mlx_lm.generate import TextStateMachine
@@ -451,12 +451,11 @@ class Engine:
         rows = []
         for row in send.rows:
             flight = self._flights[row.rid]
-            opened = None
-            if flight.opened != send.term:
+            if flight.opened != send.term:  # its first row on this ring opens it on every stage
                 flight.opened = send.term
-                opened = steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id)
+                row = replace(row, open=steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id))
                 flight.reuse = None  # a replay on another ring starts cold
-            rows.append(steps.Row(row.rid, row.offset, row.tokens, row.sample, row.silent, opened, row.verify))
+            rows.append(row)
         self.metrics.micro_batch_rows.observe(len(rows))
         self._sent_at[send.batch] = (send.term, time.monotonic())
         try:

@@ -52,6 +52,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from ringd.ring.steps import Row  # the one row type: what the scheduler decides is what the ring carries
+
 # Micro-batches around the ring at once: one per stage keeps every stage busy.
 DEFAULT_MAX_IN_FLIGHT = 3
 # Rows in one decode micro-batch: each is a request's KV cache read per layer.
@@ -69,16 +71,6 @@ DEFAULT_INTERLEAVED_CHUNK = 128
 DEFAULT_NUM_DRAFT = 3
 # The most a step may propose: a verify row computes this many positions more than a plain one.
 MAX_NUM_DRAFT = 16
-
-
-@dataclass(frozen=True)
-class Row:
-    rid: int
-    offset: int  # the position of tokens[0]: what the stage's caches must already hold
-    tokens: tuple[int, ...]
-    sample: bool  # the last stage samples after this row
-    silent: bool = False  # a replayed step: sample (the key advances), deliver nothing
-    verify: bool = False  # tokens[1:] are a draft's proposals: sample after each position, keep what agrees
 
 
 @dataclass(frozen=True)

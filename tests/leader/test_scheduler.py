@@ -31,7 +31,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ringd.leader.scheduler import Deliver, Draft, Fail, Release, Row, Scheduler, SchedulerError, Send
+from ringd.leader.scheduler import Deliver, Draft, Fail, Release, Scheduler, SchedulerError, Send
+from ringd.ring.steps import Row
 
 VOCAB = 1000
 HOG = 10**6  # the request id of a stream that never ends
