@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from ringd import config as config_mod
 from ringd import logs
@@ -114,6 +115,24 @@ def _run(coro) -> int:
         return asyncio.run(coro)
 
 
+def _exit_stopped(code: int) -> NoReturn:
+    """End the process of a daemon that has stopped (``Daemon.stop`` ran: peers told, streams
+    ended, the compute thread idle), without the interpreter's finalization.
+
+    Every thread that ran MLX holds thread-local MLX state whose destructor takes the GIL as
+    the thread ends. A thread that ends while the interpreter finalizes (the compute thread
+    just stopped, an executor thread that built a GGUF model's layout, shut down a moment
+    earlier) is ended by ``pthread_exit`` inside that destructor, through a ``noexcept``
+    frame: the process aborts (SIGABRT, "terminate called without an active exception"),
+    one clean stop in a few dozen here. Nothing is left for finalization to do: the logs
+    are flushed here and the daemon owns no temporary files.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ringd", description="Run one LLM across several machines in a ring.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ringd serve: {e}", file=sys.stderr)
             return 2
         logs.setup(cfg.name, cfg.log_level, cfg.log_format)
-        return _run(_serve(cfg, listeners.get("ring_fd"), listeners.get("http_fd")))
+        _exit_stopped(_run(_serve(cfg, listeners.get("ring_fd"), listeners.get("http_fd"))))
 
     from ringd.ring.plan import PlacementError, parse_split
     from ringd.local import run_local

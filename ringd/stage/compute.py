@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0
 
 _STOP = object()  # the last item of the queue: the thread ends there
+_PARK = object()  # the last item at the interpreter's exit: the thread blocks there for good
 _running: weakref.WeakSet[ComputeThread] = weakref.WeakSet()
 
 
@@ -38,6 +39,7 @@ class ComputeThread:
     def __init__(self, name: str = "ringd-compute"):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = False
+        self._parked = threading.Event()
         # A daemon, so a node that never called ``stop`` still exits; ``_at_exit`` lets its job
         # finish first, as the executor's own exit hook did.
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
@@ -67,9 +69,9 @@ class ComputeThread:
         except TimeoutError:
             log.warning("MLX work still running after %.0f s of stopping; exiting anyway", timeout_s)
 
-    def _end(self) -> None:
+    def _end(self, last: object = _STOP) -> None:
         """No job starts from now on: what is queued is dropped (its awaiters cancelled) at once,
-        even while the job under way still runs."""
+        even while the job under way still runs; ``last`` is what the thread does after it."""
         if self._stopping:
             return
         self._stopping = True
@@ -80,13 +82,16 @@ class ComputeThread:
                 break
             if future is not None:
                 future.cancel()
-        self._jobs.put((_STOP, (), None))
+        self._jobs.put((last, (), None))
 
     def _work(self) -> None:
         while True:
             fn, args, future = self._jobs.get()
             if fn is _STOP:
                 return
+            if fn is _PARK:
+                self._parked.set()
+                threading.Event().wait()  # never set: the process ends around this thread
             if self._stopping:  # queued before the stop: dropped
                 if future is not None:
                     future.cancel()
@@ -114,7 +119,14 @@ def _synchronize() -> None:
 @atexit.register
 def _at_exit() -> None:
     """An interpreter that exits with a compute thread still up (its node never stopped) lets
-    the job under way finish first, so no MLX call is cut off mid-way."""
+    the job under way finish first, so no MLX call is cut off mid-way; the thread then parks
+    rather than ends. A thread that has run MLX and ends while the interpreter finalizes aborts
+    the process: its thread-local MLX state's destructor takes the GIL, which then ends the
+    thread by ``pthread_exit`` through a ``noexcept`` frame (``ringd serve`` skips finalization
+    for this reason: cli.py, ``_exit_stopped``)."""
     for compute in list(_running):
-        compute._end()
-        compute._thread.join(STOP_TIMEOUT_S)
+        if not compute._stopping:
+            compute._end(_PARK)
+            compute._parked.wait(STOP_TIMEOUT_S)
+        elif compute._thread.is_alive():  # a stop under way: it ends as that stop asked
+            compute._thread.join(STOP_TIMEOUT_S)

@@ -219,6 +219,10 @@ async def main():
     await m.ensure(10, 20, 30, [h], LoadProgress(10, 20))
 uvloop.run(main())
 print("done")
+# Ended as ringd serve ends (cli.py): the GGUF layout was built on an executor thread, whose
+# MLX state torn down as the interpreter finalizes would abort the process.
+from ringd.cli import _exit_stopped
+_exit_stopped(0)
 """
 
 
