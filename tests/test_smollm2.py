@@ -33,13 +33,22 @@ def reference(smollm2_reference):
     return smollm2_reference
 
 
+_answers: dict = {}
+
+
 def generate(reference, messages: list[dict], max_tokens: int) -> str:
-    """mlx-lm's greedy answer (it stops at the end-of-turn token, as the ring does)."""
+    """mlx-lm's greedy answer (it stops at the end-of-turn token, as the ring does); each asked
+    once per run, as greedy decoding of one model gives one answer (~0.2 s a token here)."""
+    import json
+
     from mlx_lm import generate as mlx_generate
 
-    model, tokenizer = reference
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return mlx_generate(model, tokenizer, prompt, max_tokens=max_tokens)
+    key = (json.dumps(messages), max_tokens)
+    if key not in _answers:
+        model, tokenizer = reference
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        _answers[key] = mlx_generate(model, tokenizer, prompt, max_tokens=max_tokens)
+    return _answers[key]
 
 
 def chat(ring, messages, max_tokens: int, **kwargs):
@@ -147,20 +156,19 @@ def test_completions_take_plain_text(ring, reference):
     assert r.choices[0].text == want
 
 
+# Four: rows of different prompts and lengths share every micro-batch (eight batched streams
+# through a killed stage are test_failover.py's, on a tiny model); each question costs the
+# ring and mlx-lm ~35 tokens of ~0.2 s here.
 QUESTIONS = [
     "What is the capital of France?",
     "Name three colors of the rainbow.",
     "What is 12 plus 30?",
-    "Who wrote Romeo and Juliet?",
-    "What do bees make?",
-    "How many legs does a spider have?",
-    "What is the boiling point of water in Celsius?",
     "Say hello in Spanish.",
 ]
 
 
-def test_eight_questions_asked_at_once_get_the_answers_each_gets_alone(ring, reference):
-    """Eight streams decode together, in micro-batches whose rows each stage computes in one pass."""
+def test_questions_asked_at_once_get_the_answers_each_gets_alone(ring, reference):
+    """Four streams decode together, in micro-batches whose rows each stage computes in one pass."""
     from concurrent.futures import ThreadPoolExecutor
 
     # A short system prompt in place of SmolLM2's default: on MLX's CPU backend a prompt's
