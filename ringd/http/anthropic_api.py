@@ -65,6 +65,7 @@ from ringd.http.fields import (
     bad,
     check_schema,
     check_tool_name,
+    declared_tool,
     is_bool,
     is_int,
     model_name,
@@ -372,13 +373,7 @@ def _tools(v: Any) -> list[Tool]:
                 "({name, description, input_schema}) are supported",
                 f"{where}.type",
             )
-        name = check_tool_name(t.get("name"), f"{where}.name", MAX_TOOL_NAME_CHARS)
-        if name in seen:
-            raise bad(f"{where}.name {name!r} is declared twice", f"{where}.name")
-        seen.add(name)
-        description = t.get("description") or ""
-        if not isinstance(description, str):
-            raise bad(f"{where}.description must be a string", f"{where}.description")
+        name, description = declared_tool(t, where, seen, MAX_TOOL_NAME_CHARS)
         if "input_schema" not in t:
             raise bad(
                 f"{where}.input_schema is required: a JSON schema of the tool's input",
@@ -391,7 +386,7 @@ def _tools(v: Any) -> list[Tool]:
         out.append(
             Tool(
                 name,
-                valid_text(description, f"{where}.description"),
+                description,
                 schema,
                 strict is True,
             )

@@ -212,6 +212,19 @@ def check_tool_name(name: Any, where: str, max_chars: int = MAX_TOOL_NAME_CHARS)
     return name
 
 
+def declared_tool(t: dict, where: str, seen: set[str], max_name_chars: int = MAX_TOOL_NAME_CHARS) -> tuple[str, str]:
+    """A declared tool's name (valid, and not declared before: ``seen`` keeps the names) and its
+    description (text, empty when absent), as every API's tool declaration has them under ``where``."""
+    name = check_tool_name(t.get("name"), f"{where}.name", max_name_chars)
+    if name in seen:
+        raise bad(f"{where}.name {name!r} is declared twice", f"{where}.name")
+    seen.add(name)
+    description = t.get("description") or ""
+    if not isinstance(description, str):
+        raise bad(f"{where}.description must be a string", f"{where}.description")
+    return name, valid_text(description, f"{where}.description")
+
+
 def template_kwargs(v: Any, where: str = "chat_template_kwargs") -> dict:
     if v is None:
         return {}
@@ -236,15 +249,8 @@ def function_tools(v: Any) -> list[Tool]:
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
             raise bad(f"{where} must be {{'type': 'function', 'function': {{'name', 'description', 'parameters'}}}}; only function tools are supported", where)
         fn = t["function"]
-        name = check_tool_name(fn.get("name"), f"{where}.function.name")
-        if name in seen:
-            raise bad(f"{where}.function.name {name!r} is declared twice", f"{where}.function.name")
-        seen.add(name)
-        description = fn.get("description") or ""
-        if not isinstance(description, str):
-            raise bad(f"{where}.function.description must be a string", f"{where}.function.description")
+        name, description = declared_tool(fn, f"{where}.function", seen)
         params = fn.get("parameters")
         params = {"type": "object", "properties": {}} if params is None else check_schema(params, f"{where}.function.parameters")
-        is_strict = fn.get("strict") is True
-        out.append(Tool(name, valid_text(description, f"{where}.function.description"), params, is_strict))
+        out.append(Tool(name, description, params, fn.get("strict") is True))
     return out

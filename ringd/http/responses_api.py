@@ -72,7 +72,7 @@ from ringd.http.fields import (
     asks_nothing,
     bad,
     check_schema,
-    check_tool_name,
+    declared_tool,
     is_bool,
     is_int,
     is_object,
@@ -329,20 +329,14 @@ def _tools(v: Any) -> list[Tool]:
                 where,
                 "unsupported_tool",
             )
-        name = check_tool_name(t.get("name"), f"{where}.name")
-        if name in seen:
-            raise bad(f"{where}.name {name!r} is declared twice", f"{where}.name")
-        seen.add(name)
-        description = t.get("description") or ""
-        if not isinstance(description, str):
-            raise bad(f"{where}.description must be a string", f"{where}.description")
+        name, description = declared_tool(t, where, seen)
         params = t.get("parameters")
         params = {"type": "object", "properties": {}} if params is None else check_schema(params, f"{where}.parameters")
         strict = t.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise bad(f"{where}.strict must be a boolean", f"{where}.strict")
         # Responses' default is strict: arguments have exactly the properties the schema names.
-        out.append(Tool(name, valid_text(description, f"{where}.description"), params, strict is not False))
+        out.append(Tool(name, description, params, strict is not False))
     return out
 
 
