@@ -608,6 +608,13 @@ def think_model() -> Path:
 # --- HTTP against a ring's nodes (the multi-process tests share these) ---
 
 
+def exits_of(script: str, n: int, timeout: float = 60) -> list[tuple[int, str]]:
+    """Each exit code and output of ``n`` Python processes running ``script`` at once: how a test
+    of how a process ends catches a race that shows in some exits only."""
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(n)]
+    return [(p.returncode, out) for p in procs for out, _ in [p.communicate(timeout=timeout)]]
+
+
 def post(url: str, body: dict, timeout: float = 30) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:

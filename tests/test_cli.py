@@ -3,8 +3,7 @@ end to end by test_local.py, test_demo.py and the ring tests)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from conftest import exits_of
 
 # A process that finalizes while a thread is in MLX aborts in about one exit of three here
 # (a race): several at once, and each must exit as asked.
@@ -30,7 +29,5 @@ _exit_stopped(3)
 
 
 def test_a_stopped_daemon_exits_with_its_code_and_its_last_log_line_whatever_mlx_is_doing():
-    procs = [subprocess.Popen([sys.executable, "-c", STOPPED], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(EXITS)]
-    for p in procs:
-        code, out = p.wait(60), p.stdout.read()
+    for code, out in exits_of(STOPPED, EXITS):
         assert code == 3 and "the last line" in out and "terminate" not in out, out

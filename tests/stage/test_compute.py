@@ -129,15 +129,9 @@ started.wait()
 """
 
 
-def _exits(script: str) -> list[tuple[int, str]]:
-    import subprocess
-    import sys
-
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(EXITS)]
-    return [(p.wait(60), p.stdout.read()) for p in procs]
-
-
 def test_an_interpreter_exiting_mid_job_lets_it_finish_and_exits_cleanly():
     """The job under way finishes; the thread then parks rather than ends as the interpreter finalizes."""
-    for code, out in _exits(AT_EXIT):
+    from conftest import exits_of
+
+    for code, out in exits_of(AT_EXIT, EXITS):
         assert code == 0 and "job done" in out, out
