@@ -1,11 +1,14 @@
-"""Weights between peers through real daemons: one node holds the real SmolLM2, two start with nothing.
+"""Weights between peers through real daemons: one node holds the model, two start with nothing.
 
-Three `ringd serve` processes on loopback; node0 has the model (its GGUF file, or the
-mlx-lm directory ``ringd convert`` makes of it), node1 and node2 have
+Three `ringd serve` processes on loopback; node0 has the model (a Q4_1 GGUF file as
+llama.cpp writes one, the real SmolLM2's type, or the mlx-lm directory ``ringd convert``
+makes of it), node1 and node2 have
 ``model_from_peers`` and an empty ``models_dir``. They fetch their layers from node0,
 and the ring answers as single-process mlx-lm does; each fetcher's directory holds
 its stage's tensors, config and tokenizer, not the model. A drain gives node1 the
-layers node2 had: it fetches them, and the answers stay the same.
+layers node2 had: it fetches them, and the answers stay the same. The model is a tiny
+random llama (the answers are compared token for token, not read): the real SmolLM2
+costs ~0.3 s of CPU a token here, and its fetch is ``ringd demo``'s (tests/test_demo.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from ringd.models.peers import PeerModel
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TOKENS = 24
-LAYERS = 30  # SmolLM2's
+LAYERS = 12
 
 
 class PeerCluster(Cluster):
@@ -50,11 +53,30 @@ def answer(c: Cluster) -> str:
     return body["choices"][0]["message"]["content"]
 
 
-def expected(reference) -> str:
-    from mlx_lm import generate
+@pytest.fixture(scope="module")
+def q4_1(tiny_model, tmp_path_factory) -> tuple[Path, Path]:
+    """A 12-layer llama as a Q4_1 GGUF (tests/ggufmake.py), and what `ringd convert` makes of it."""
+    from ggufmake import write_gguf
 
-    model, tokenizer = reference
-    return generate(model, tokenizer, tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True), max_tokens=TOKENS)
+    # Rows of 320 and 640: whole Q4_1 blocks but no K-quant super-blocks (llama-quantize would
+    # write the head as Q6_K), and tensors far above a disk block, so that what a fetcher holds
+    # on disk measures what it fetched.
+    source = tiny_model(arch="llama", layers=LAYERS, hidden_size=320, intermediate_size=640, dtype="float32")
+    out = tmp_path_factory.mktemp("q4_1")
+    gguf_file = write_gguf(source, out / "tiny-llama.Q4_1.gguf", qtype="q4_1")
+    r = subprocess.run([sys.executable, "-m", "ringd", "convert", str(gguf_file), str(out / "converted")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return gguf_file, out / "converted"
+
+
+def expected(converted: Path) -> str:
+    """mlx-lm's greedy answer, from the directory `ringd convert` wrote of the file."""
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(str(converted))
+    text = generate(model, tokenizer, tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True), max_tokens=TOKENS)
+    assert len(tokenizer.encode(text)) >= TOKENS // 2, f"too short an answer to compare: {text!r}"
+    return text
 
 
 def layers_of(c: Cluster) -> dict[str, tuple[int, int]]:
@@ -80,14 +102,15 @@ def serving(c: Cluster) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["gguf", "mlx-lm directory"])
-def test_two_nodes_with_nothing_fetch_their_layers_and_the_ring_answers_as_mlx_lm(form, smollm2_gguf, smollm2_dir, smollm2_reference, tmp_path):
-    model = smollm2_gguf if form == "gguf" else smollm2_dir
+def test_two_nodes_with_nothing_fetch_their_layers_and_the_ring_answers_as_mlx_lm(form, q4_1, tmp_path):
+    gguf_file, converted = q4_1
+    model = gguf_file if form == "gguf" else converted
     c = PeerCluster(model, 3, tmp_path)
     try:
         c.wait(lambda: serving(c), 2 * RING_START_TIMEOUT_S, "the ring to serve, its layers fetched")
         layers = layers_of(c)
-        assert layers == {"node0": (0, 10), "node1": (10, 20), "node2": (20, 30)}, layers
-        want = expected(smollm2_reference)
+        assert layers == {"node0": (0, 4), "node1": (4, 8), "node2": (8, 12)}, layers
+        want = expected(converted)
         assert answer(c) == want
         check_shares(c, layers)
         if form != "gguf":
@@ -100,10 +123,10 @@ def test_two_nodes_with_nothing_fetch_their_layers_and_the_ring_answers_as_mlx_l
         assert r.returncode == 0, r.stderr
         c.wait(lambda: set(layers_of(c)) == {"node0", "node1"} and (c.status(0) or {}).get("ready"), 2 * RING_START_TIMEOUT_S, "the ring without node2")
         moved = layers_of(c)["node1"]
-        assert moved[1] == LAYERS and moved[0] < 20, moved
+        assert moved[1] == LAYERS and moved[0] < 8, moved
         assert answer(c) == want
         fetches = [line for line in c.logs[1].read_text().splitlines() if "from peers in" in line]
-        assert len(fetches) == 3, fetches  # the headers, layers [10, 20), then the layers it lacked
+        assert len(fetches) == 3, fetches  # the headers, layers [4, 8), then the layers it lacked
     finally:
         c.stop()
 

@@ -34,6 +34,11 @@ RINGS = [
     ("llama", "float32", 3, [1, 5, 1]),
     ("qwen3", "float32", 4, None),
 ]
+# The tests of one shared ring run in one pytest-xdist worker (conftest.py), so each starts once.
+QWEN3_3 = pytest.mark.xdist_group("tiny-qwen3-bfloat16-3")
+LLAMA_3 = pytest.mark.xdist_group("tiny-llama-bfloat16-3")
+LLAMA_2 = pytest.mark.xdist_group("tiny-llama-bfloat16-2")
+SHARED = {("qwen3", "bfloat16", 3): QWEN3_3, ("llama", "bfloat16", 3): LLAMA_3, ("llama", "bfloat16", 2): LLAMA_2}
 
 
 def chat_prompt(model_path, text: str) -> list[int]:
@@ -67,7 +72,11 @@ def assert_matches_reference(model, ring, prompt, max_tokens=MAX_TOKENS):
         assert abs(a - b) <= 1e-3, f"logprob of token {i}: ring {a}, mlx-lm {b}"
 
 
-@pytest.mark.parametrize(("arch", "dtype", "nodes", "split"), RINGS, ids=[f"{a}-{d}-{n}{'-' + ','.join(map(str, s)) if s else ''}" for a, d, n, s in RINGS])
+@pytest.mark.parametrize(
+    ("arch", "dtype", "nodes", "split"),
+    [pytest.param(*r, marks=[SHARED[r[:3]]] if r[:3] in SHARED and not r[3] else []) for r in RINGS],
+    ids=[f"{a}-{d}-{n}{'-' + ','.join(map(str, s)) if s else ''}" for a, d, n, s in RINGS],
+)
 def test_greedy_matches_mlx_lm(tiny_model, ring_pool, arch, dtype, nodes, split):
     model = tiny_model(arch=arch, dtype=dtype, layers=LAYERS)
     ring = ring_pool(model, nodes, split)
@@ -113,6 +122,7 @@ def test_moe_mla_sliding_and_hybrid_rings_match_mlx_lm(tiny_model, arch, bits, n
         ring.stop()
 
 
+@QWEN3_3
 def test_long_prompt_spans_many_prefill_chunks(tiny_model, ring_pool):
     model = tiny_model(arch="qwen3", dtype="bfloat16", layers=LAYERS)
     ring = ring_pool(model, 3)
@@ -122,6 +132,7 @@ def test_long_prompt_spans_many_prefill_chunks(tiny_model, ring_pool):
     assert_matches_reference(model, ring, prompt)
 
 
+@LLAMA_3
 def test_concurrent_requests_get_what_they_get_alone(tiny_model, ring_pool):
     model = tiny_model(arch="llama", dtype="bfloat16", layers=LAYERS)
     ring = ring_pool(model, 3)
@@ -136,6 +147,7 @@ def test_concurrent_requests_get_what_they_get_alone(tiny_model, ring_pool):
     assert len({tuple(t) for t in alone}) == 4, "the prompts should lead to different outputs"
 
 
+@QWEN3_3
 def test_openai_client_streaming_concatenates_to_whole(tiny_model, ring_pool):
     model = tiny_model(arch="qwen3", dtype="bfloat16", layers=LAYERS)
     ring = ring_pool(model, 3)
@@ -168,6 +180,7 @@ def test_openai_client_streaming_concatenates_to_whole(tiny_model, ring_pool):
     assert "".join(c.choices[0].text for c in pieces) == plain.choices[0].text
 
 
+@QWEN3_3
 def test_stop_strings_cut_the_text(tiny_model, ring_pool):
     model = tiny_model(arch="qwen3", dtype="bfloat16", layers=LAYERS)
     ring = ring_pool(model, 3)
@@ -182,6 +195,7 @@ def test_stop_strings_cut_the_text(tiny_model, ring_pool):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == full[: full.index(stop)]
 
 
+@LLAMA_2
 def test_seeded_sampling_is_reproducible(tiny_model, ring_pool):
     model = tiny_model(arch="llama", dtype="bfloat16", layers=LAYERS)
     ring = ring_pool(model, 2)
@@ -218,6 +232,7 @@ def _stage_sessions(ring) -> dict[str, int]:
     return {n["node"]: n["sessions"] for n in body["nodes"]}
 
 
+@QWEN3_3
 def test_client_disconnect_frees_every_stage(tiny_model, ring_pool):
     import http.client
 
@@ -243,6 +258,7 @@ def test_client_disconnect_frees_every_stage(tiny_model, ring_pool):
     assert _stage_sessions(ring) == {"node0": 0, "node1": 0, "node2": 0}
 
 
+@LLAMA_2
 def test_bad_requests_get_openai_errors_and_the_ring_keeps_serving(tiny_model, ring_pool):
     model = tiny_model(arch="llama", dtype="bfloat16", layers=LAYERS)
     ring = ring_pool(model, 2)
@@ -289,6 +305,7 @@ def test_bad_requests_get_openai_errors_and_the_ring_keeps_serving(tiny_model, r
     assert status == 200 and answer["choices"][0]["message"]["content"] is not None
 
 
+@LLAMA_2
 def test_health_models_and_metrics(tiny_model, ring_pool):
     model = tiny_model(arch="llama", dtype="bfloat16", layers=LAYERS)
     ring = ring_pool(model, 2)
