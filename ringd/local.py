@@ -199,6 +199,11 @@ def run_local(
                 return 1
         return 0
     finally:
+        # Stopping: a signal has nothing more to do here. Ignored, not handled: at exit Python
+        # puts its handlers back to the default, and a second Ctrl-C (or `uv run` passing the
+        # terminal's on) would then kill a launcher that stopped cleanly (exit -2, not 0).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         for s in rings + https:
             s.close()  # those no node took, if a start failed
         for p in procs:
