@@ -47,6 +47,7 @@ from ringd.http.intake import MAX_BODY_BYTES, REQUEST_ID_KEY, Intake
 from ringd.http.proxy import REQUEST_ID_HEADER, Proxy
 from ringd.http.serving import Serving
 from ringd.names import check_name
+from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
     from ringd.http.node import ApiNode
@@ -68,11 +69,18 @@ ERROR_SHAPES: list[tuple[str, Callable[[ApiError], dict]]] = [
     ("/v1/messages", anthropic_api.error_body),
     ("/api/", ollama_api.error_body),
 ]
+# Routes OpenAI's and Anthropic's clients share: the header Anthropic's SDKs send says whose.
+SHARED_PREFIX = "/v1/models"
+ANTHROPIC_HEADER = "anthropic-version"
 
 
-def _error(e: ApiError, path: str = "") -> web.Response:
+def _error(e: ApiError, request: web.Request | None = None) -> web.Response:
     headers = {"Retry-After": str(e.retry_after or 1)} if e.status in (429, 503) else None
-    shape = next((f for prefix, f in ERROR_SHAPES if path.startswith(prefix)), ApiError.body)
+    path = request.path if request is not None else ""
+    if path.startswith(SHARED_PREFIX) and ANTHROPIC_HEADER in request.headers:
+        shape = anthropic_api.error_body
+    else:
+        shape = next((f for prefix, f in ERROR_SHAPES if path.startswith(prefix)), ApiError.body)
     return web.json_response(shape(e), status=e.status, headers=headers)
 
 
@@ -100,7 +108,7 @@ def _context(metrics) -> Callable:
             except logs.RequestIdError as e:
                 request_id = logs.new_request_id()
                 request[REQUEST_ID_KEY] = request_id
-                response = _error(ApiError(400, str(e), REQUEST_ID_HEADER.lower()), request.path)
+                response = _error(ApiError(400, str(e), REQUEST_ID_HEADER.lower()), request)
                 status = response.status
                 return response
             request[REQUEST_ID_KEY] = request_id
@@ -139,22 +147,22 @@ async def error_answers(request: web.Request, handler):
             raise ApiError(400, f"the {bad} header is not text: it holds a byte that is not UTF-8; send it as ASCII", bad.lower(), "invalid_header")
         return await handler(request)
     except ApiError as e:
-        return _error(e, request.path)
+        return _error(e, request)
     except AuthError as e:
-        return _error(ApiError(e.status, str(e), code="invalid_api_key" if e.status == 401 else "forbidden", type_="authentication_error"), request.path)
+        return _error(ApiError(e.status, str(e), code="invalid_api_key" if e.status == 401 else "forbidden", type_="authentication_error"), request)
     except web.HTTPRequestEntityTooLarge:
-        return _error(ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes"), request.path)
+        return _error(ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes"), request)
     except web.HTTPException as e:
         if e.status == 404:
-            return _error(ApiError(404, f"no route {request.method} {request.path}", code="not_found"), request.path)
+            return _error(ApiError(404, f"no route {request.method} {request.path}", code="not_found"), request)
         if e.status == 405:
-            return _error(ApiError(405, f"{request.method} is not allowed on {request.path}", type_="invalid_request_error"), request.path)
+            return _error(ApiError(405, f"{request.method} is not allowed on {request.path}", type_="invalid_request_error"), request)
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
-        log.exception("unhandled error serving %s %s", request.method, request.path)
-        return _error(ApiError(500, "internal error; the node's log has the details"), request.path)
+        log.exception("unhandled error serving %s %s", request.method, request)
+        return _error(ApiError(500, "internal error; the node's log has the details"), request)
 
 
 class Api:
@@ -184,6 +192,7 @@ class Api:
                 web.get("/api/ps", ollama.ps),
                 web.get("/api/version", ollama.version),
                 web.get("/v1/models", self.models),
+                web.get("/v1/models/{model:.+}", self.model),
                 web.get("/health", self.health),
                 web.get("/cluster/status", self.cluster_status),
                 web.post("/cluster/leader", self.set_leader),
@@ -240,7 +249,7 @@ class Api:
     @web.middleware
     async def _while_stopping(self, request: web.Request, handler):
         if self._stopping and request.path.startswith(("/v1/", "/api/", "/cluster/")):
-            response = _error(ApiError(503, self._stopping), request.path)
+            response = _error(ApiError(503, self._stopping), request)
             response.force_close()  # no keep-alive: the client's next request goes to another node
             return response
         return await handler(request)
@@ -331,11 +340,21 @@ class Api:
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=self._openapi, content_type="application/json")
 
-    async def models(self, request: web.Request) -> web.Response:
-        self.intake.need_key(request)
-        # OpenAI's list and Anthropic's page at once (each SDK reads its own fields), so
-        # either client's models.list() works against the one route.
+    def _model(self) -> dict:
+        """The served model in OpenAI's shape and Anthropic's at once (each SDK reads its own
+        fields), so either client's models.list() and models.retrieve() work on one route."""
         model_id, started = self.d.model_id, self.d.started
         created_at = datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
-        model = {"id": model_id, "object": "model", "created": started, "owned_by": "ringd", "type": "model", "display_name": model_id, "created_at": created_at}
-        return web.json_response({"object": "list", "data": [model], "has_more": False, "first_id": model_id, "last_id": model_id})
+        return {"id": model_id, "object": "model", "created": started, "owned_by": "ringd", "type": "model", "display_name": model_id, "created_at": created_at}
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.intake.need_key(request)
+        model_id = self.d.model_id
+        return web.json_response({"object": "list", "data": [self._model()], "has_more": False, "first_id": model_id, "last_id": model_id})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self.intake.need_key(request)
+        asked = request.match_info["model"]
+        if asked != self.d.model_id:
+            raise ApiError(404, f"model {brief_repr(asked)} is not served here; this ring serves {self.d.model_id!r}", "model", "model_not_found")
+        return web.json_response(self._model())

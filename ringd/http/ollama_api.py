@@ -163,8 +163,8 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
     if len(model) > MAX_MODEL_CHARS:
         raise bad(f"model must be a name of at most {MAX_MODEL_CHARS} characters; GET /api/tags lists it")
     valid_text(model, "model")
-    if model == f"{model_id}:latest" and ":" not in model_id:
-        model = model_id
+    # The answers name the model as the client did (Ollama's do); the engine knows one name.
+    served = model_id if model == ollama_name(model_id) else model
     stream = _optional(body, "stream", bool, True)
     if chat:
         messages, prompt, raw = _messages(body.get("messages")), None, False
@@ -191,7 +191,7 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
         option = next((name for name, field in SAMPLED_OPTIONS.items() if field == e.field), None)
         raise bad(f"options.{str(e).replace(e.field, option, 1)}" if option else str(e)) from None
     req = Request(
-        model=model, params=params, max_tokens=options.max_tokens, messages=messages,
+        model=served, params=params, max_tokens=options.max_tokens, messages=messages,
         prompt=prompt if raw else None, stop=options.stop, tools=tools, tool_choice="auto",
         response_format=response_format, template_kwargs=template_kwargs, names=dict(NAMES),
     )  # fmt: skip
@@ -545,9 +545,14 @@ class GenerateAnswer:
         return body
 
 
+def ollama_name(model_id: str) -> str:
+    """The served model as Ollama names it: with its tag, ``latest`` where the name has none."""
+    return model_id if ":" in model_id.rsplit("/", 1)[-1] else f"{model_id}:latest"
+
+
 def check_model(name: Any, served: str) -> None:
     """``name`` is the served model (``NAME:latest`` too, as Ollama tags an untagged name), or a 404."""
-    if name not in (served, f"{served}:latest"):
+    if name not in (served, ollama_name(served)):
         raise ApiError(404, f"model {brief_repr(name)} not found; this ring serves {served!r}")
 
 
@@ -569,7 +574,8 @@ class Models:
     async def tags(self, request: web.Request) -> web.Response:
         self.intake.need_key(request)
         d = await self._description()
-        model = {"name": self.d.model_id, "model": self.d.model_id, "modified_at": d["modified_at"], "size": d["size"], "digest": d["digest"], "details": d["details"]}
+        name = ollama_name(self.d.model_id)
+        model = {"name": name, "model": name, "modified_at": d["modified_at"], "size": d["size"], "digest": d["digest"], "details": d["details"]}
         return web.json_response({"models": [model]})
 
     async def ps(self, request: web.Request) -> web.Response:
@@ -578,8 +584,9 @@ class Models:
         profile = getattr(self.d, "profile", None)
         # Apple silicon's memory is the GPU's: on a Mac the whole model is "in VRAM".
         vram = d["size"] if getattr(profile, "gpu_cores", None) else 0
+        name = ollama_name(self.d.model_id)
         model = {
-            "name": self.d.model_id, "model": self.d.model_id, "size": d["size"], "digest": d["digest"],
+            "name": name, "model": name, "size": d["size"], "digest": d["digest"],
             "details": d["details"], "expires_at": NEVER_EXPIRES, "size_vram": vram, "context_length": self.d.info.context_length,
         }  # fmt: skip
         return web.json_response({"models": [model]})

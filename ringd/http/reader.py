@@ -5,9 +5,13 @@ does: robust to a marker's bytes being tokenized any which way), and stripped:
 ``<think>`` ... ``</think>`` is reasoning, a native tool call's text between its
 markers goes to mlx-lm's own tool parser once its end marker arrives. In the
 generic format (``render.py``) an answer whose first character is ``{`` is the
-JSON of calls, read whole when the answer ends; any other answer is text.
+JSON of calls, each read the moment its object closes (``callscan.py``); any other
+answer is text. The generic format is the engine's own: it never reaches a client as
+text. A list that max_tokens cut keeps the calls it completed; a call that repeats one
+before it (a model that would go on repeating it) is dropped, and ``repeated`` says the
+answer is over.
 
-A call that does not parse (cut off by max_tokens, or a model that broke its
+A native call that does not parse (cut off by max_tokens, or a model that broke its
 own format) is given back as text, markers and all, rather than lost.
 
 Sans-I/O: text in, ``Output`` fields out; ``serving.py`` feeds it.
@@ -20,6 +24,7 @@ import logging
 
 from mlx_lm.generate import TextStateMachine
 
+from ringd.http.callscan import Called, CallScanner
 from ringd.http.render import ReadPlan
 from ringd.http.request import ToolCall
 
@@ -42,8 +47,10 @@ class Reader:
         self._state = self._sm.make_state(plan.initial if plan.initial in transitions else "normal")
         self._tool_text = ""
         self._generic: str | None = None  # generic format: "json" or "text", once the first character shows
-        self._json = ""
+        self._scanner = CallScanner()
+        self._seen: set[tuple[str, str]] = set()  # the calls read so far: name and arguments
         self.calls = 0  # tool calls read so far
+        self.repeated = False  # a call came again: the answer is over (its repeats would be too)
 
     @property
     def state(self) -> str:
@@ -73,8 +80,20 @@ class Reader:
         if self.plan.tools == "generic":
             text_out, more = self._generic_feed(text_out, final)
             calls += more
+        calls = self._new(calls)
         self.calls += len(calls)
         return text_out, "".join(reasoning), calls
+
+    def _new(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """The calls not made before; at the first that was, the answer is over."""
+        fresh = []
+        for c in calls:
+            if self.repeated or (c.name, c.arguments) in self._seen:
+                self.repeated = True
+                continue
+            self._seen.add((c.name, c.arguments))
+            fresh.append(c)
+        return fresh
 
     def _close_native(self, answer: list[str]) -> list[ToolCall]:
         raw, self._tool_text = self._tool_text, ""
@@ -96,17 +115,7 @@ class Reader:
             self._generic = "json" if text[0] == "{" else "text"
         if self._generic != "json":
             return text, []
-        self._json += text
-        if not final:
-            return "", []
-        raw, self._json = self._json, ""
-        try:
-            doc = json.loads(raw)
-            calls = [
-                ToolCall(ToolCall.new_id(), c["name"], json.dumps(c["arguments"], ensure_ascii=False))
-                for c in doc["tool_calls"]
-            ]
-        except (ValueError, KeyError, TypeError) as e:
-            log.warning("the generic tool-call JSON did not parse (%s); returned as text", e)
-            return raw, []
+        calls = [ToolCall(ToolCall.new_id(), e.name, e.arguments) for e in self._scanner.feed(text) if isinstance(e, Called)]
+        if final and not self._scanner.done and not self.repeated:
+            log.info("the answer ended inside its list of calls (max_tokens?): its %d complete call(s) kept", self._scanner.calls)
         return "", calls

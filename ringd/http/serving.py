@@ -80,9 +80,13 @@ class Generation:
                 if reasoning or (self._reader.state == "reasoning" and not text):
                     self.usage.reasoning_tokens += 1
                 finish = ev.finish_reason
-                if finish == "stop" and self._reader.calls:
-                    finish = "tool_calls"
+                if self._reader.repeated:
+                    finish = "tool_calls"  # a call came again: what it would go on writing is not wanted
+                elif finish in ("stop", "length") and self._reader.calls:
+                    finish = "tool_calls"  # max_tokens cut a list of calls: the complete ones are the answer
                 yield Output(ev.token, ev.logprob, ev.top_logprobs, text, reasoning, calls, finish, ev.cached_tokens, ev.stop_sequence)
+                if finish is not None and ev.finish_reason is None:
+                    break  # ended here, not by the engine: the consumer's aclose() releases it on every stage
             self.ended_ns = time.monotonic_ns()
         except EngineError as e:
             raise ApiError(e.status, str(e), retry_after=e.retry_after) from None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 
 import anthropic
+import openai
 import jsonschema
 import pydantic
 import pytest
@@ -466,10 +467,20 @@ def test_bad_requests_are_anthropic_errors(client, kw, needle):
     assert set(err) == {"type", "error"}  # Anthropic's shape has no param: the message names the field
 
 
-def test_models_list_is_anthropics_page_too(client, oai):
+def test_models_list_and_retrieve_are_anthropics_and_openais(client, oai):
     [model] = client.models.list().data
     assert model.id == MODEL_ID and model.type == "model" and model.display_name == MODEL_ID and model.created_at.year >= 2026
     assert [m.id for m in oai.models.list()] == [MODEL_ID]
+    assert client.models.retrieve(MODEL_ID) == model
+    one = oai.models.retrieve(MODEL_ID)
+    assert one.id == MODEL_ID and one.object == "model" and one.owned_by == "ringd" and one.created > 0
+    # Another id: a 404 in each client's own shape (the header Anthropic's SDK sends says whose).
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert set(e.value.body) == {"type", "error"} and e.value.body["error"]["type"] == "not_found_error", e.value.body
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.models.retrieve("org/gpt-4o")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model" and "org/gpt-4o" in e.value.body["message"]
 
 
 def test_an_unknown_model_is_an_anthropic_error(client):

@@ -137,6 +137,10 @@ def test_generate_is_a_chat_of_one_user_message_unless_raw():
     r = parsed({"model": "m", "prompt": "Hi", "raw": True}, chat=False).request
     assert r.prompt == "Hi" and r.messages is None
     assert parsed({"model": "m:latest", "prompt": ""}, chat=False).request is None  # the load call, for m:latest too
+    # NAME:latest is the served NAME to the engine, and stays NAME:latest in the answer.
+    tagged = parsed({"model": "m:latest", "prompt": "Hi"}, chat=False)
+    assert tagged.model == "m:latest" and tagged.request.model == "m"
+    assert parsed({"model": "m:7b", "prompt": "Hi"}, chat=False).request.model == "m:7b"  # another tag: not served
     assert parsed({"model": "m"}).request is None
 
 
@@ -264,6 +268,12 @@ def test_chat_gives_openais_greedy_answer_plain_and_streamed(client, openai_clie
     assert [c.done for c in chunks] == [False] * (len(chunks) - 1) + [True]
     last = chunks[-1]
     assert last.done_reason == "stop" and last.eval_count == r.eval_count and last.prompt_eval_count == r.prompt_eval_count
+    # As Ollama lists it, with its tag; and answered under the name it was asked by.
+    tagged = f"{MODEL_ID}:latest"
+    assert [m.model for m in client.list().models] == [tagged]
+    r = client.chat(model=tagged, messages=FRANCE, options=GREEDY)
+    assert r.model == tagged and r.message.content == want
+    assert [c.model for c in client.chat(model=tagged, messages=FRANCE, options=GREEDY, stream=True)][-1] == tagged
 
 
 def test_generate_is_chat_with_one_user_message_and_raw_is_a_completion(client, openai_client):
@@ -357,7 +367,7 @@ def test_the_model_is_listed_shown_and_loaded(smollm2_gguf, ring_pool):
     client = ollama.Client(host=ring.url, timeout=120)
     MODEL_ID = "smollm2"  # noqa: N806: this ring's
     [m] = client.list().models
-    assert m.model == MODEL_ID and m.size > 90_000_000 and m.digest and m.details.format == "gguf"
+    assert m.model == f"{MODEL_ID}:latest" and m.size > 90_000_000 and m.digest and m.details.format == "gguf"
     assert m.details.family == "llama" and m.details.parameter_size == "134.52M" and m.details.quantization_level == "Q4_1"
     s = client.show(MODEL_ID)
     assert s.capabilities == ["completion", "tools"]  # no thinking: SmolLM2's template has none
@@ -368,7 +378,7 @@ def test_the_model_is_listed_shown_and_loaded(smollm2_gguf, ring_pool):
         client.show("llama3")
     assert e.value.status_code == 404
     [p] = client.ps().models
-    assert p.model == MODEL_ID and p.size == m.size and p.digest == m.digest and p.expires_at.year > 3000
+    assert p.model == f"{MODEL_ID}:latest" and p.size == m.size and p.digest == m.digest and p.expires_at.year > 3000
     r = httpx.get(ring.url + "/api/version")
     assert r.status_code == 200 and tuple(map(int, r.json()["version"].split("."))) >= (0, 5, 0)
     assert r.headers["X-Ringd-Version"]
@@ -386,7 +396,7 @@ def test_a_follower_forwards_what_generates_and_answers_the_rest(ring, client):
     assert via.chat(model=MODEL_ID, messages=FRANCE, options=GREEDY).message.content == want
     chunks = list(via.chat(model=MODEL_ID, messages=FRANCE, options=GREEDY, stream=True))
     assert "".join(c.message.content for c in chunks) == want and chunks[-1].done
-    assert via.list().models[0].model == MODEL_ID
+    assert via.list().models[0].model == f"{MODEL_ID}:latest"
     with pytest.raises(ollama.ResponseError) as e:
         via.chat(model="nope", messages=FRANCE)
     assert e.value.status_code == 404 and e.value.error.startswith("model 'nope'")

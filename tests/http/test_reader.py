@@ -84,9 +84,18 @@ GENERIC_CALL = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "P
 
 @settings(max_examples=100, deadline=None)
 @given(st.data())
-def test_generic_format_reads_calls_whole_at_the_end(data):
-    text, _, calls = read(ReadPlan(tools="generic"), data.draw(splits(GENERIC_CALL)))
+def test_generic_format_reads_each_call_as_its_object_closes(data):
+    pieces = data.draw(splits(GENERIC_CALL))
+    text, _, calls = read(ReadPlan(tools="generic"), pieces)
     assert text == "" and calls == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    # Not held to the end: the first call is out with the piece that closes its object.
+    r, fed = Reader(ReadPlan(tools="generic")), ""
+    for piece in pieces:
+        r.feed(piece)
+        fed += piece
+        if len(fed) > GENERIC_CALL.index("}}") + 1:
+            break
+    assert r.calls >= 1
 
 
 @settings(max_examples=100, deadline=None)
@@ -98,6 +107,26 @@ def test_generic_format_passes_text_through_as_it_comes(answer, data):
     assert got == pieces  # streamed as it comes: nothing held back
 
 
-def test_generic_json_cut_short_is_text():
+def test_generic_json_cut_short_keeps_its_complete_calls_and_is_never_text():
     text, _, calls = read(ReadPlan(tools="generic"), ['{"tool_calls": [{"name": "get_w', ""])
-    assert calls == [] and text == '{"tool_calls": [{"name": "get_w'
+    assert calls == [] and text == ""  # the engine's own format reaches no client
+    cut = GENERIC_CALL[: GENERIC_CALL.index("Rome")]
+    text, _, calls = read(ReadPlan(tools="generic"), [cut, ""])
+    assert calls == [("get_weather", {"city": "Paris"})] and text == ""
+
+
+def test_a_call_that_comes_again_ends_the_answer():
+    """SmolLM2 at temperature 0, forced to call with parallel calls allowed, repeats its call until
+    max_tokens: the repeat is dropped and ``repeated`` tells the server to end the answer there."""
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    r = Reader(ReadPlan(tools="generic"))
+    text, _, first = r.feed('{"tool_calls": [' + call + ", ")
+    assert [(c.name, c.arguments) for c in first] == [("get_weather", '{"city": "Paris"}')] and not r.repeated
+    text, _, again = r.feed(call[:-1])
+    assert again == [] and not r.repeated  # not yet complete: it may still differ
+    text, _, again = r.feed("}, ")
+    assert again == [] and r.repeated and r.calls == 1 and text == ""
+    # A call that differs is another call.
+    r = Reader(ReadPlan(tools="generic"))
+    _, _, calls = r.feed('{"tool_calls": [' + call + ", " + call.replace("Paris", "Rome") + "]}")
+    assert len(calls) == 2 and not r.repeated

@@ -79,3 +79,67 @@ def test_every_api_gives_mlx_lms_greedy_answer_plain_and_streamed(ring, mlx_lm_a
     prompt, want = mlx_lm_answers[question]
     got = answers(ring, question, prompt)
     assert want.strip() and {api: text for api, text in got.items() if text != want} == {}, want
+
+
+# The issue's smallest reproducer: a named tool_choice with parallel calls left allowed (every
+# API's default), max_tokens 48, temperature 0. SmolLM2 repeats its call until max_tokens; the
+# answer is that one call, finish tool_calls, and the engine's JSON never reaches the client.
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER_QUESTION = "What is the weather in Paris right now?"
+CALL_TOKENS = 48
+
+
+def test_a_forced_call_with_parallel_calls_allowed_comes_back_once_in_every_api_plain_and_streamed(ring):
+    """Chat completions, Responses and Anthropic's Messages (Ollama's API has no tool_choice)."""
+    import json
+
+    oai = ring.client()
+    ant = anthropic.Anthropic(base_url=ring.url, api_key="not-needed", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": WEATHER_QUESTION}]
+    got: dict[str, list[tuple[str, dict]]] = {}
+
+    kw = {
+        "model": MODEL_ID, "messages": messages, "max_tokens": CALL_TOKENS, "temperature": 0,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }  # fmt: skip
+    chat = oai.chat.completions.create(**kw).choices[0]
+    assert chat.finish_reason == "tool_calls" and not chat.message.content, chat
+    got["chat"] = [(c.function.name, json.loads(c.function.arguments)) for c in chat.message.tool_calls]
+    chunks = [c for c in oai.chat.completions.create(**kw, stream=True) if c.choices]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks) and chunks[-1].choices[0].finish_reason == "tool_calls"
+    streamed: dict[int, list[str]] = {}
+    for c in chunks:
+        for d in c.choices[0].delta.tool_calls or []:
+            streamed.setdefault(d.index, ["", ""])
+            streamed[d.index][0] += (d.function.name or "") if d.function else ""
+            streamed[d.index][1] += (d.function.arguments or "") if d.function else ""
+    got["chat streamed"] = [(n, json.loads(a)) for n, a in streamed.values()]
+
+    kw = {
+        "model": MODEL_ID, "input": WEATHER_QUESTION, "max_output_tokens": CALL_TOKENS, "temperature": 0,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA, "strict": False}],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+    }  # fmt: skip
+    r = oai.responses.create(**kw)
+    assert r.status == "completed" and not r.output_text, r
+    got["responses"] = [(o.name, json.loads(o.arguments)) for o in r.output if o.type == "function_call"]
+    [done] = [e.response for e in oai.responses.create(**kw, stream=True) if e.type == "response.completed"]
+    assert not done.output_text
+    got["responses streamed"] = [(o.name, json.loads(o.arguments)) for o in done.output if o.type == "function_call"]
+
+    kw = {
+        "model": MODEL_ID, "messages": messages, "max_tokens": CALL_TOKENS, "extra_body": {"temperature": 0},
+        "tools": [{"name": "get_weather", "input_schema": WEATHER_SCHEMA}], "tool_choice": {"type": "tool", "name": "get_weather"},
+    }  # fmt: skip
+    m = ant.messages.create(**kw)
+    assert m.stop_reason == "tool_use" and not [b for b in m.content if b.type == "text"], m
+    got["anthropic"] = [(b.name, b.input) for b in m.content if b.type == "tool_use"]
+    with ant.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use" and not [b for b in final.content if b.type == "text"], final
+    got["anthropic streamed"] = [(b.name, b.input) for b in final.content if b.type == "tool_use"]
+
+    want = got["chat"]
+    assert len(want) == 1 and want[0][0] == "get_weather" and "city" in want[0][1], want  # its repeats dropped
+    assert {api: calls for api, calls in got.items() if calls != want} == {}, want
