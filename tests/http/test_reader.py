@@ -130,3 +130,12 @@ def test_a_call_that_comes_again_ends_the_answer():
     r = Reader(ReadPlan(tools="generic"))
     _, _, calls = r.feed('{"tool_calls": [' + call + ", " + call.replace("Paris", "Rome") + "]}")
     assert len(calls) == 2 and not r.repeated
+
+
+def test_a_native_call_that_comes_again_ends_the_answer_too():
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    r = Reader(native())
+    _, _, calls = r.feed(call + call.replace("Paris", "Rome"))
+    assert [c.arguments for c in calls] == ['{"city": "Paris"}', '{"city": "Rome"}'] and not r.repeated
+    _, _, calls = r.feed(call)
+    assert calls == [] and r.repeated and r.calls == 2
