@@ -161,7 +161,7 @@ async def error_answers(request: web.Request, handler):
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
-        log.exception("unhandled error serving %s %s", request.method, request)
+        log.exception("unhandled error serving %s %s", request.method, request.path)
         return _error(ApiError(500, "internal error; the node's log has the details"), request)
 
 
