@@ -74,9 +74,9 @@ SHARED_PREFIX = "/v1/models"
 ANTHROPIC_HEADER = "anthropic-version"
 
 
-def _error(e: ApiError, request: web.Request | None = None) -> web.Response:
+def _error(e: ApiError, request: web.Request) -> web.Response:
     headers = {"Retry-After": str(e.retry_after or 1)} if e.status in (429, 503) else None
-    path = request.path if request is not None else ""
+    path = request.path
     if path.startswith(SHARED_PREFIX) and ANTHROPIC_HEADER in request.headers:
         shape = anthropic_api.error_body
     else:

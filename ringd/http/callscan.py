@@ -59,8 +59,7 @@ class CallScanner:
         self._string: list[str] = []
         self._listed = False  # the array open at depth 2 is the top object's "tool_calls"
         # The call being read (at depth 3).
-        self._name: str | None = None
-        self._named = False
+        self._name: str | None = None  # once written: its arguments go out from then on
         self._args: list[str] = []  # all of its arguments' text
         self._args_state = ""  # "", "open" (being written), "done"
         self._args_kind = ""  # "container", "string" or "scalar"
@@ -140,20 +139,17 @@ class CallScanner:
             self._keys[-1] = _decoded(self._string)  # a key
             return
         self._awaiting[-1] = False
-        if not self._listed and depth == _TOP and self._keys[-1] == "tool_calls":
-            return  # a string where the list belongs: not the format
         if self._listed and depth == _CALL:
             if self._keys[-1] == "name" and self._name is None:
                 name = _decoded(self._string)
                 if isinstance(name, str):
                     self._name = name
-                    self._named = True
                     out.append(Named(self.calls, name))
             elif self._args_state == "open" and self._args_kind == "string":
                 self._args_state = "done"
 
     def _new_call(self) -> None:
-        self._name, self._named = None, False
+        self._name = None
         self._args, self._unsent = [], []
         self._args_state = self._args_kind = ""
 
@@ -170,7 +166,7 @@ class CallScanner:
 
     def _send_arguments(self, out: list) -> None:
         # A call's arguments go out once it is named: until then they wait.
-        if self._unsent and self._named:
+        if self._unsent and self._name is not None:
             out.append(Arguments(self.calls, "".join(self._unsent)))
             self._unsent = []
 
