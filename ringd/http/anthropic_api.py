@@ -76,7 +76,7 @@ from ringd.http.fields import (
     valid_text,
 )
 from ringd.http.framing import NAMED_SSE
-from ringd.http.request import MAX_TOOLS, Output, Request, ResponseFormat, Tool, ToolCall, Usage
+from ringd.http.request import MAX_TOOLS, CallArguments, CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage
 from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
@@ -92,8 +92,6 @@ _TYPES = {
 MAX_TOOL_NAME_CHARS = 128
 # A tool_use block's id, as a client sends it back: Anthropic's are ~30 characters.
 MAX_TOOL_USE_ID_CHARS = 256
-# A streamed call's input goes out in pieces of about this many characters (as chat's arguments).
-INPUT_PIECE_CHARS = 32
 # What Anthropic calls the internal request's fields, for the errors that name them.
 NAMES = {"stop": "stop_sequences"}
 THINKING = ("enabled", "disabled", "adaptive", "between_tools")
@@ -570,6 +568,7 @@ class Blocks:
         self._open: dict | None = None  # the text or thinking block being written
         self._blank = ""
         self.show_thinking = show_thinking
+        self.cut = False
 
     def feed(self, out: Output) -> list[dict]:
         events = []
@@ -582,12 +581,23 @@ class Blocks:
             else:
                 text, self._blank = self._blank + out.text, ""
                 events += self._write("text", text)
-        for call in out.calls:
-            events += self._call(call)
+        for piece in out.pieces:
+            events += self._call(piece)
         return events
 
-    def finish(self) -> list[dict]:
+    def finish(self, streamed: bool) -> list[dict]:
+        """The events that end the content; ``content`` is then final.
+
+        A call max_tokens cut (``streamed``: whose start went out) is stopped where it was
+        cut, and ``cut`` says the answer ended so; a whole answer drops it and keeps the
+        calls it completed."""
         events = []
+        if self._open is not None and self._open["type"] == "tool_use":
+            if streamed:
+                self.cut = True
+            else:
+                self.content.pop()
+                self._open = None
         if self._blank and not any(b["type"] in ("text", "tool_use") for b in self.content):
             events += self._write("text", self._blank)
         return events + self._end()
@@ -624,45 +634,25 @@ class Blocks:
         self._open = None
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
-    def _call(self, call: ToolCall) -> list[dict]:
-        self._blank = ""  # whitespace before a call is no answer
-        events = self._end()
-        call_id = "toolu_" + call.id.removeprefix("call_")
-        self.content.append(
-            {
-                "type": "tool_use",
-                "id": call_id,
-                "name": call.name,
-                "input": json.loads(call.arguments),
-            }
-        )
-        index = len(self.content) - 1
-        events.append(
-            {
-                "type": "content_block_start",
-                "index": index,
-                "content_block": {
-                    "type": "tool_use",
-                    "id": call_id,
-                    "name": call.name,
-                    "input": {},
-                },
-            }
-        )
-        args = call.arguments
-        for i in range(0, len(args), INPUT_PIECE_CHARS):
-            events.append(
+    def _call(self, piece: CallPiece) -> list[dict]:
+        """A call as it is written: its tool_use block opens with its name, its input streams, it ends."""
+        if isinstance(piece, CallOpened):
+            self._blank = ""  # whitespace before a call is no answer
+            events = self._end()
+            block = {"type": "tool_use", "id": "toolu_" + piece.id.removeprefix("call_"), "name": piece.name, "input": {}}
+            self.content.append(block)
+            self._open = block
+            return events + [{"type": "content_block_start", "index": len(self.content) - 1, "content_block": dict(block)}]
+        if isinstance(piece, CallArguments):
+            return [
                 {
                     "type": "content_block_delta",
-                    "index": index,
-                    "delta": {
-                        "type": "input_json_delta",
-                        "partial_json": args[i : i + INPUT_PIECE_CHARS],
-                    },
+                    "index": len(self.content) - 1,
+                    "delta": {"type": "input_json_delta", "partial_json": piece.text},
                 }
-            )
-        events.append({"type": "content_block_stop", "index": index})
-        return events
+            ]
+        self._open["input"] = json.loads(piece.call.arguments)
+        return self._end()
 
 
 class Messages:
@@ -717,9 +707,12 @@ class MessageAnswer:
 
     def end(self, gen: "Generation") -> list[dict]:
         finish, stop = self._ending()
+        blocks = self.blocks.finish(streamed=True)
+        if self.blocks.cut:
+            finish = "length"  # max_tokens cut the call this stream has begun
         delta = {"stop_reason": stop_reason(finish, stop), "stop_sequence": stop if finish == "stop" else None}
         return [
-            *self.blocks.finish(),
+            *blocks,
             {"type": "message_delta", "delta": delta, "usage": {"output_tokens": gen.usage.completion_tokens}},
             {"type": "message_stop"},
         ]
@@ -728,6 +721,6 @@ class MessageAnswer:
         return [error_body(e)]  # in-band, as Anthropic reports a failure mid-stream
 
     def whole(self, gen: "Generation") -> dict:
-        self.blocks.finish()
+        self.blocks.finish(streamed=False)
         finish, stop = self._ending()
         return message(self.id, self.model_id, self.blocks.content, finish, stop, gen.usage)

@@ -181,8 +181,9 @@ class Endpoint:
             data = b"".join(framing.frame(ev) for ev in batch)
             if token_ids and token is not None:
                 # For the follower that proxies this stream: the token's id, so it can
-                # carry the stream over to another leader (proxy.py strips the line).
-                data = TOKEN_COMMENT + str(token).encode() + b"\n" + data
+                # carry the stream over to another leader (proxy.py strips the line). A
+                # token with no events of its own still has its id, as an event by itself.
+                data = TOKEN_COMMENT + str(token).encode() + b"\n" + (data or b"\n")
             if data:
                 await resp.write(data)
 

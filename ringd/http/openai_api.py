@@ -3,8 +3,8 @@
 The body becomes a ``request.Request`` (``openai_types.parse_request``); the
 ``Output`` events become OpenAI's response or its SSE chunks: answer text in
 ``content``, thinking in ``reasoning_content``, tool calls in ``tool_calls``
-(streamed as OpenAI streams them: a call's id and name first, then its
-arguments in pieces) with ``finish_reason: "tool_calls"``.
+(streamed as they are generated, as OpenAI streams them: a call's id and name
+first, then its arguments in pieces) with ``finish_reason: "tool_calls"``.
 
 These streams are resumable: a follower that forwards one (``proxy.py``) gets
 each token's id beside its chunk and can carry the stream over to another
@@ -19,16 +19,12 @@ from typing import TYPE_CHECKING
 from ringd.http.errors import ApiError
 from ringd.http.framing import OPENAI_SSE
 from ringd.http.openai_types import CompletionRequest, envelope, new_id, now, parse_request
-from ringd.http.request import Output, ToolCall, Usage
+from ringd.http.request import CallArguments, CallDone, CallOpened, CallPiece, Output, ToolCall, Usage
 
 if TYPE_CHECKING:
     from ringd.http.node import ApiNode
     from ringd.http.proxy import Resume
     from ringd.http.serving import Generation
-
-# A streamed call's arguments go out in pieces of about this many characters.
-ARGUMENT_PIECE_CHARS = 32
-
 
 def usage(u: Usage) -> dict:
     out = {
@@ -46,13 +42,13 @@ def tool_calls(calls: list[ToolCall]) -> list[dict]:
     return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
-def call_pieces(call: ToolCall, index: int) -> list[dict]:
-    """A call as streamed deltas: its id and name, then its arguments in pieces."""
-    pieces = [{"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]
-    args = call.arguments
-    for i in range(0, len(args), ARGUMENT_PIECE_CHARS):
-        pieces.append({"index": index, "function": {"arguments": args[i : i + ARGUMENT_PIECE_CHARS]}})
-    return pieces
+def call_delta(piece: CallPiece) -> dict | None:
+    """A call's piece as OpenAI streams it: its id and name first, then its arguments in pieces."""
+    if isinstance(piece, CallOpened):
+        return {"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function", "function": {"name": piece.name, "arguments": ""}}]}
+    if isinstance(piece, CallArguments):
+        return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]}
+    return None  # the call is complete: OpenAI's stream says nothing more of it
 
 
 class Completions:
@@ -86,7 +82,7 @@ class CompletionAnswer:
         self.calls: list[ToolCall] = []
         self.finish: str | None = None
         self.head: dict = {}  # what every chunk repeats: id, object, created, model
-        self.calls_sent = 0
+        self.open_call: int | None = None  # a streamed call not complete yet
 
     def start(self, gen: "Generation", resume: "Resume | None") -> list[dict]:
         self.head = envelope(self.req, new_id(self.req.chat), now(), self.model_id, chunk=True)
@@ -108,18 +104,26 @@ class CompletionAnswer:
 
     def _chunks(self, out: Output) -> list[dict]:
         finish, logprobs, head = out.finish_reason, self.logprobs.chunk(out), self.head
-        # One chunk a token at least (empty while text is held back or a call is read):
-        # clients count chunks as tokens, and a follower needs each token's id.
         if not self.req.chat:
+            # One chunk a token (empty while text is held back): clients count chunks as tokens.
             return [{**head, "choices": [{"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": finish}]}]
         deltas = []
         if out.reasoning:
             deltas.append({"reasoning_content": out.reasoning})
-        if out.text or not (out.reasoning or out.calls):
+        if out.text:
             deltas.append({"content": out.text})
-        for call in out.calls:
-            deltas += [{"tool_calls": [piece]} for piece in call_pieces(call, self.calls_sent)]
-            self.calls_sent += 1
+        for piece in out.pieces:
+            # By index, not id: a stream carried over to another leader goes on with a call begun
+            # before (the reader, replayed, numbers calls as it did).
+            self.open_call = None if isinstance(piece, CallDone) else piece.index
+            if (delta := call_delta(piece)) is not None:
+                deltas.append(delta)
+        if finish is not None and self.open_call is not None:
+            finish = "length"  # max_tokens cut the call this stream has begun: it ends as OpenAI's cut answers do
+        if not deltas and (finish is not None or logprobs is not None):
+            # A token that adds nothing has no chunk (no empty content before a call), unless it ends
+            # the answer or brings the logprobs asked for.
+            deltas.append({} if logprobs is None else {"content": ""})
         chunks = [{**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}]} for d in deltas]
         if chunks:
             chunks[-1]["choices"][0]["finish_reason"] = finish

@@ -113,14 +113,51 @@ class ToolCall:
         return "call_" + uuid.uuid4().hex[:24]
 
 
+@dataclass(frozen=True)
+class CallOpened:
+    """Call ``index`` (its place in the answer, from 0) is named: its first piece."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    """More of call ``index``'s arguments, as JSON text: a call's pieces join to the whole."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class CallDone:
+    """Call ``index`` is complete; ``call.arguments`` is its whole (normalized) JSON."""
+
+    index: int
+    call: ToolCall
+
+
+CallPiece = CallOpened | CallArguments | CallDone
+
+
+def whole_call(call: ToolCall, index: int) -> list[CallPiece]:
+    """A call known only once complete (a native format's parser reads it whole), as its pieces."""
+    return [CallOpened(index, call.id, call.name), CallArguments(index, call.arguments), CallDone(index, call)]
+
+
 @dataclass
 class Output:
     """What one generated token adds to the answer, already split by channel.
 
-    ``text`` is answer text, ``reasoning`` thinking text, ``calls`` tool calls
-    that this token completed. Most tokens add to one of them; a marker token
-    (``<think>``) adds to none. The last event carries ``finish_reason``:
-    "stop", "length" or "tool_calls".
+    ``text`` is answer text, ``reasoning`` thinking text, ``pieces`` the tool
+    calls as the model writes them (streams send them so); ``calls`` are the
+    calls that this token completed (whole answers keep those). Most tokens add
+    to one of them; a marker token (``<think>``) adds to none. The last event
+    carries ``finish_reason``: "stop", "length" or "tool_calls". A stream that
+    opened a call this answer never completed (max_tokens cut it) has sent a cut
+    call: each API ends it as its own cut answer ("length"), where a whole answer
+    drops it and keeps "tool_calls".
     """
 
     token: int
@@ -128,10 +165,14 @@ class Output:
     top_logprobs: list[tuple[int, float]]
     text: str = ""
     reasoning: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    pieces: list[CallPiece] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
     stop_sequence: str | None = None  # with finish_reason "stop": the stop string that ended it, if one did
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [p.call for p in self.pieces if isinstance(p, CallDone)]
 
 
 @dataclass

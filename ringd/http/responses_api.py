@@ -84,7 +84,7 @@ from ringd.http.fields import (
     valid_text,
 )
 from ringd.http.framing import NAMED_SSE
-from ringd.http.request import MAX_TOOLS, Output, Request, ResponseFormat, Tool, ToolCall, Usage
+from ringd.http.request import MAX_TOOLS, CallArguments, CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage
 from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
@@ -93,8 +93,6 @@ if TYPE_CHECKING:
 
 # Input items in one request: as many as chat completions takes messages.
 MAX_INPUT_ITEMS = MAX_MESSAGES
-# A streamed call's arguments go out in pieces of about this many characters (as chat's).
-ARGUMENT_PIECE_CHARS = 32
 # What Responses calls the internal request's fields, for the errors that name them.
 NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input", "response_format": "text.format"}
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
@@ -476,14 +474,25 @@ class OutputItems:
             else:
                 text, self._blank = self._blank + out.text, ""
                 events += self._write("message", text)
-        for call in out.calls:
-            events += self._call(call)
+        for piece in out.pieces:
+            events += self._call(piece)
         return events
 
-    def finish(self, finish_reason: str | None) -> list[dict]:
-        """The events that end the answer; ``output`` and ``status`` are then final."""
-        status = self.status = "incomplete" if finish_reason == "length" else "completed"
+    def finish(self, finish_reason: str | None, streamed: bool) -> list[dict]:
+        """The events that end the answer; ``output`` and ``status`` are then final.
+
+        A call max_tokens cut (``streamed``: whose start went out) ends the stream as a cut
+        answer does, the call ``incomplete``; a whole answer drops it and keeps the calls it
+        completed."""
         events = []
+        if self._open is not None and self._open["type"] == "function_call":
+            if streamed:
+                finish_reason = "length"
+                events += self._end("incomplete")
+            else:
+                self.output.pop()
+                self._open = None
+        status = self.status = "incomplete" if finish_reason == "length" else "completed"
         answered = any(item["type"] in ("message", "function_call") for item in self.output)
         if not answered and (self._blank or status == "completed"):
             # Every answer has a message (an empty one if need be), unless it was cut off while thinking.
@@ -525,7 +534,16 @@ class OutputItems:
         item = self._open
         if item is None:
             return []
-        text, where = "".join(self._text), self._where()
+        text = "".join(self._text)
+        self._open, self._text = None, []
+        if item["type"] == "function_call":
+            where = {"item_id": item["id"], "output_index": len(self.output) - 1}
+            item.update(status=status, arguments=text)
+            return [
+                {"type": "response.function_call_arguments.done", **where, "arguments": text},
+                {"type": "response.output_item.done", "output_index": where["output_index"], "item": dict(item)},
+            ]
+        where = {"item_id": item["id"], "output_index": len(self.output) - 1, "content_index": 0}
         if item["type"] == "message":
             part = {"type": "output_text", "text": text, "annotations": []}
             done = {"type": "response.output_text.done", **where, "text": text, "logprobs": []}
@@ -535,27 +553,26 @@ class OutputItems:
         item.update(status=status, content=[part])
         if item["type"] == "reasoning" and self.encrypted_reasoning:
             item["encrypted_content"] = ENCRYPTED_PREFIX + base64.b64encode(text.encode()).decode()
-        self._open, self._text = None, []
         return [
             done,
             {"type": "response.content_part.done", **where, "part": dict(part)},
             {"type": "response.output_item.done", "output_index": where["output_index"], "item": {**item, "content": [dict(part)]}},
         ]
 
-    def _call(self, call: ToolCall) -> list[dict]:
-        self._blank = ""  # whitespace before a call is no answer
-        events = self._end("completed")
-        item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id, "name": call.name, "arguments": ""}
-        self.output.append(item)
-        where = {"item_id": item["id"], "output_index": len(self.output) - 1}
-        events.append({"type": "response.output_item.added", "output_index": where["output_index"], "item": dict(item)})
-        args = call.arguments
-        for i in range(0, len(args), ARGUMENT_PIECE_CHARS):
-            events.append({"type": "response.function_call_arguments.delta", **where, "delta": args[i : i + ARGUMENT_PIECE_CHARS]})
-        events.append({"type": "response.function_call_arguments.done", **where, "arguments": args})
-        item.update(status="completed", arguments=args)
-        events.append({"type": "response.output_item.done", "output_index": where["output_index"], "item": dict(item)})
-        return events
+    def _call(self, piece: CallPiece) -> list[dict]:
+        """A call as it is written: its item opens with its name, its arguments stream, it ends."""
+        if isinstance(piece, CallOpened):
+            self._blank = ""  # whitespace before a call is no answer
+            events = self._end("completed")
+            item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": piece.id, "name": piece.name, "arguments": ""}
+            self.output.append(item)
+            self._open, self._text = item, []
+            return events + [{"type": "response.output_item.added", "output_index": len(self.output) - 1, "item": dict(item)}]
+        if isinstance(piece, CallArguments):
+            self._text.append(piece.text)
+            where = {"item_id": self._open["id"], "output_index": len(self.output) - 1}
+            return [{"type": "response.function_call_arguments.delta", **where, "delta": piece.text}]
+        return self._end("completed")
 
 
 class Responses:
@@ -602,7 +619,7 @@ class ResponseAnswer:
         return self._numbered(self.items.feed(out))
 
     def end(self, gen: "Generation") -> list[dict]:
-        events = self.items.finish(self.finish)
+        events = self.items.finish(self.finish, streamed=True)
         whole = response_object(self.p, self.id, gen.created, self.model_id, self.items.output, self.items.status, gen.usage)
         return self._numbered([*events, {"type": f"response.{whole['status']}", "response": whole}])
 
@@ -611,5 +628,5 @@ class ResponseAnswer:
         return self._numbered([{"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param}])
 
     def whole(self, gen: "Generation") -> dict:
-        self.items.finish(self.finish)
+        self.items.finish(self.finish, streamed=False)
         return response_object(self.p, self.id, gen.created, self.model_id, self.items.output, self.items.status, gen.usage)

@@ -70,7 +70,7 @@ class Generation:
         try:
             async for ev in self._events:
                 final = ev.finish_reason is not None
-                text, reasoning, calls = self._reader.feed(ev.text, final)
+                text, reasoning, pieces = self._reader.feed(ev.text, final)
                 if ev.resumed:
                     continue  # the client has it: it only brings the reader to where it was
                 if self.first_ns is None:
@@ -84,7 +84,7 @@ class Generation:
                     finish = "tool_calls"  # a call came again: what it would go on writing is not wanted
                 elif finish in ("stop", "length") and self._reader.calls:
                     finish = "tool_calls"  # max_tokens cut a list of calls: the complete ones are the answer
-                yield Output(ev.token, ev.logprob, ev.top_logprobs, text, reasoning, calls, finish, ev.cached_tokens, ev.stop_sequence)
+                yield Output(ev.token, ev.logprob, ev.top_logprobs, text, reasoning, pieces, finish, ev.cached_tokens, ev.stop_sequence)
                 if finish is not None and ev.finish_reason is None:
                     break  # ended here, not by the engine: the consumer's aclose() releases it on every stage
             self.ended_ns = time.monotonic_ns()

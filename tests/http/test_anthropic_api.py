@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from ringd.http.anthropic_api import Blocks, message, parse
 from ringd.http.errors import ApiError
-from ringd.http.request import Output, ToolCall, Usage
+from ringd.http.request import CallArguments, CallDone, CallOpened, Output, ToolCall, Usage, whole_call
 
 MODEL_ID = "tiny-smollm2"
 NODES = 3
@@ -232,31 +232,50 @@ def test_any_json_body_is_a_request_or_a_400(body, with_model):
 # --- events -> the SDK's own models (no ring) --------------------------------------------
 
 
-def events_of(outputs: list[Output], blocks: Blocks | None = None) -> tuple[list[dict], Blocks]:
+def events_of(outputs: list[Output], blocks: Blocks | None = None, streamed: bool = True) -> tuple[list[dict], Blocks]:
     blocks = blocks or Blocks()
-    return [e for out in outputs for e in blocks.feed(out)] + blocks.finish(), blocks
+    return [e for out in outputs for e in blocks.feed(out)] + blocks.finish(streamed), blocks
 
 
-def test_streamed_events_are_the_sdks_and_accumulate_to_the_whole_message():
+PARIS = ToolCall("call_1", "get_weather", '{"city": "a city with a long name, Paris"}')
+ROME = ToolCall("call_2", "get_weather", '{"city": "Rome"}')
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_streamed_events_are_the_sdks_and_accumulate_to_the_whole_message(cut):
     outputs = [
         Output(1, 0.0, [], reasoning="Think"), Output(2, 0.0, [], reasoning="ing."), Output(3, 0.0, [], text="\n\n"),
-        Output(4, 0.0, [], text="Let me see."), Output(5, 0.0, [], calls=[ToolCall("call_1", "get_weather", '{"city": "a city with a long name, Paris"}')]),
-        Output(6, 0.0, [], calls=[ToolCall("call_2", "get_weather", '{"city": "Rome"}')], finish_reason="tool_calls"),
+        Output(4, 0.0, [], text="Let me see."), Output(5, 0.0, [], pieces=[CallOpened(0, PARIS.id, PARIS.name)]),
+        Output(6, 0.0, [], pieces=[CallArguments(0, '{"city": "a city')]),
+        Output(7, 0.0, [], pieces=[CallArguments(0, ' with a long name, Paris"}'), CallDone(0, PARIS), CallOpened(1, ROME.id, ROME.name)]),
+        Output(8, 0.0, [], pieces=[CallArguments(1, ROME.arguments), CallDone(1, ROME)], finish_reason="tool_calls"),
     ]  # fmt: skip
+    if cut:  # max_tokens cut a third call, whose start went out
+        outputs[-1].finish_reason = None
+        outputs.append(Output(9, 0.0, [], pieces=[CallOpened(2, "call_3", "get_weather"), CallArguments(2, '{"ci')], finish_reason="tool_calls"))
     events, blocks = events_of(outputs)
+    assert [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta"][:3] == [
+        '{"city": "a city', ' with a long name, Paris"}', '{"city": "Rome"}'
+    ]  # as written, not at the end
     u = Usage(5, 6, 2, 2)
-    whole = message("msg_1", "m", blocks.content, "tool_calls", None, u)
-    Message.model_validate(whole)
+    whole = message("msg_1", "m", blocks.content, "length" if cut else "tool_calls", None, u)
     start = message("msg_1", "m", [], None, None, u)
     tail = [
-        {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None}, "usage": {"output_tokens": 6}},
+        {"type": "message_delta", "delta": {"stop_reason": "max_tokens" if cut else "tool_use", "stop_sequence": None}, "usage": {"output_tokens": 6}},
         {"type": "message_stop"},
     ]
     snapshot, bufs = None, {}
     for e in [{"type": "message_start", "message": start}, *events, *tail]:
         snapshot = accumulate_event(event=EVENTS.validate_python(e), current_snapshot=snapshot, json_bufs=bufs)
+    assert blocks.cut == cut
+    if cut:
+        # Streamed, the cut block was stopped where it was cut; a whole answer drops it, the two complete calls kept.
+        assert snapshot.content[-1].type == "tool_use" and len(snapshot.content) == 5
+        _, blocks = events_of(outputs, streamed=False)
+        whole = message("msg_1", "m", blocks.content, "tool_calls", None, u)
+    Message.model_validate(whole)
     assert [b["type"] for b in whole["content"]] == ["thinking", "text", "tool_use", "tool_use"]
-    assert [b.model_dump(exclude_none=True) for b in snapshot.content] == [
+    assert [b.model_dump(exclude_none=True) for b in snapshot.content[:4]] == [
         Message.model_validate(whole).content[i].model_dump(exclude_none=True) for i in range(4)
     ]
     assert whole["content"][1]["text"] == "\n\nLet me see." and whole["content"][2]["input"] == {"city": "a city with a long name, Paris"}
@@ -270,7 +289,7 @@ def test_streamed_events_are_the_sdks_and_accumulate_to_the_whole_message():
 
 
 def test_blank_text_before_a_call_opens_no_block_and_omitted_thinking_is_empty():
-    _, blocks = events_of([Output(1, 0.0, [], text="\n"), Output(2, 0.0, [], calls=[ToolCall("call_1", "f", "{}")], finish_reason="tool_calls")])
+    _, blocks = events_of([Output(1, 0.0, [], text="\n"), Output(2, 0.0, [], pieces=whole_call(ToolCall("call_1", "f", "{}"), 0), finish_reason="tool_calls")])
     assert [b["type"] for b in blocks.content] == ["tool_use"]
     events, blocks = events_of(
         [Output(1, 0.0, [], reasoning="secret"), Output(2, 0.0, [], text="Paris.", finish_reason="stop")], Blocks(show_thinking=False)

@@ -29,7 +29,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
 from ringd.http.errors import ApiError
-from ringd.http.request import Output, ToolCall, Usage
+from ringd.http.request import CallArguments, CallDone, CallOpened, Output, ToolCall, Usage, whole_call
 from ringd.http.responses_api import OutputItems, parse, response_object
 
 MODEL_ID = "tiny-smollm2"
@@ -177,23 +177,36 @@ def test_any_json_body_is_a_request_or_a_400(body, with_model):
 # --- events -> the SDK's own models (no ring) --------------------------------------------
 
 
-def events_of(outputs: list[Output], finish: str) -> tuple[list[dict], OutputItems]:
+def events_of(outputs: list[Output], finish: str, streamed: bool = True) -> tuple[list[dict], OutputItems]:
     items = OutputItems()
-    events = [e for out in outputs for e in items.feed(out)] + items.finish(finish)
+    events = [e for out in outputs for e in items.feed(out)] + items.finish(finish, streamed)
     for i, e in enumerate(events):
         e["sequence_number"] = i + 2
     return events, items
 
 
-@pytest.mark.parametrize("finish", ["tool_calls", "length"])
+PARIS = ToolCall("call_1", "get_weather", '{"city": "a city with a long name, Paris"}')
+ROME = ToolCall("call_2", "get_weather", '{"city": "Rome"}')
+# Two calls as the model writes them: each named, its arguments in pieces, complete.
+CALLS = [
+    Output(5, 0.0, [], pieces=[CallOpened(0, PARIS.id, PARIS.name)]), Output(6, 0.0, [], pieces=[CallArguments(0, '{"city": "a city')]),
+    Output(7, 0.0, [], pieces=[CallArguments(0, ' with a long name, Paris"}'), CallDone(0, PARIS), CallOpened(1, ROME.id, ROME.name)]),
+    Output(8, 0.0, [], pieces=[CallArguments(1, ROME.arguments), CallDone(1, ROME)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("finish", ["tool_calls", "length", "cut"])
 def test_streamed_events_are_the_sdks_and_build_the_whole_response(finish):
     p = parse({"model": "m", "input": "hi", "tools": [WEATHER]})
     outputs = [
         Output(1, 0.0, [], reasoning="Think"), Output(2, 0.0, [], reasoning="ing."), Output(3, 0.0, [], text="\n\n"),
-        Output(4, 0.0, [], text="Let me see."), Output(5, 0.0, [], calls=[ToolCall("call_1", "get_weather", '{"city": "a city with a long name, Paris"}')]),
-        Output(6, 0.0, [], calls=[ToolCall("call_2", "get_weather", '{"city": "Rome"}')], finish_reason=finish),
+        Output(4, 0.0, [], text="Let me see."), *CALLS,
     ]  # fmt: skip
-    events, items = events_of(outputs, finish)
+    if finish == "cut":  # max_tokens cut a third call: its start went out
+        outputs += [Output(9, 0.0, [], pieces=[CallOpened(2, "call_3", "get_weather"), CallArguments(2, '{"ci')], finish_reason="tool_calls")]
+    else:
+        outputs[-1].finish_reason = finish
+    events, items = events_of(outputs, outputs[-1].finish_reason)
     for e in events:
         EVENTS.validate_python(e)  # strict: every field the SDK's model requires, of its type
     start = response_object(p, "resp_1", 1, "m", [], "in_progress", None)
@@ -202,14 +215,22 @@ def test_streamed_events_are_the_sdks_and_build_the_whole_response(finish):
     state = ResponseStreamState(input_tools=[WEATHER], text_format=openai.omit)
     for e in [{"type": "response.created", "response": start, "sequence_number": 0}, {"type": "response.in_progress", "response": start, "sequence_number": 1}, *events]:
         state.handle_event(EVENTS.validate_python(e))
-    assert [o["type"] for o in whole["output"]] == ["reasoning", "message", "function_call", "function_call"]
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert deltas[:3] == ['{"city": "a city', ' with a long name, Paris"}', '{"city": "Rome"}']  # as written, not at the end
     if finish == "tool_calls":
+        assert [o["type"] for o in whole["output"]] == ["reasoning", "message", "function_call", "function_call"]
         state.handle_event(EVENTS.validate_python({"type": "response.completed", "response": whole, "sequence_number": len(events) + 2}))
         final = state._completed_response
         assert final.output_text == "\n\nLet me see." and final.status == "completed" and final.usage.output_tokens_details.reasoning_tokens == 2
         assert [json.loads(o.arguments) for o in final.output if o.type == "function_call"] == [{"city": "a city with a long name, Paris"}, {"city": "Rome"}]
     else:
+        # Streamed, a cut call ends the response as a cut one; a whole answer drops it and keeps the two it completed.
         assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    if finish == "cut":
+        assert whole["output"][-1]["status"] == "incomplete" and whole["output"][-1]["arguments"] == '{"ci'
+        _, items = events_of(outputs, "tool_calls", streamed=False)
+        assert [(o["type"], o.get("arguments")) for o in items.output][2:] == [("function_call", PARIS.arguments), ("function_call", ROME.arguments)]
+        assert items.status == "completed"
 
 
 def test_included_encrypted_reasoning_comes_back_as_the_turns_reasoning():
@@ -217,7 +238,7 @@ def test_included_encrypted_reasoning_comes_back_as_the_turns_reasoning():
     p = parse({"model": "m", "input": "hi", "include": ["reasoning.encrypted_content"]})
     items = OutputItems(p.encrypted_reasoning)
     events = [e for out in [Output(1, 0.0, [], reasoning="Think é."), Output(2, 0.0, [], text="Paris.", finish_reason="stop")] for e in items.feed(out)]
-    events += items.finish("stop")
+    events += items.finish("stop", True)
     reasoning = items.output[0]
     assert reasoning["encrypted_content"].startswith("ringd-reasoning:")
     Response.model_validate(response_object(p, "resp_1", 1, "m", items.output, items.status, Usage(1, 2)))
@@ -229,7 +250,7 @@ def test_included_encrypted_reasoning_comes_back_as_the_turns_reasoning():
 
 
 def test_blank_text_before_a_call_opens_no_message_and_an_empty_answer_has_one():
-    _, items = events_of([Output(1, 0.0, [], text="\n"), Output(2, 0.0, [], calls=[ToolCall("call_1", "f", "{}")], finish_reason="tool_calls")], "tool_calls")
+    _, items = events_of([Output(1, 0.0, [], text="\n"), Output(2, 0.0, [], pieces=whole_call(ToolCall("call_1", "f", "{}"), 0), finish_reason="tool_calls")], "tool_calls")
     assert [o["type"] for o in items.output] == ["function_call"]
     _, items = events_of([Output(1, 0.0, [], finish_reason="stop")], "stop")
     assert [(o["type"], o["content"][0]["text"]) for o in items.output] == [("message", "")]

@@ -110,12 +110,16 @@ def test_a_forced_call_with_parallel_calls_allowed_comes_back_once_in_every_api(
     got["chat"] = [(c.function.name, json.loads(c.function.arguments)) for c in chat.message.tool_calls]
     chunks = [c for c in oai.chat.completions.create(**kw, stream=True) if c.choices]
     assert not "".join(c.choices[0].delta.content or "" for c in chunks) and chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Streamed as generated: the role, then at once the call's name, then its arguments a few
+    # characters a chunk; no empty content chunks while the engine's own format is read.
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[1].choices[0].delta.tool_calls[0].function.name == "get_weather"
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert len(deltas) >= 4 and all(c.choices[0].delta.tool_calls or c.choices[0].finish_reason for c in chunks[1:]), chunks
     streamed: dict[int, list[str]] = {}
-    for c in chunks:
-        for d in c.choices[0].delta.tool_calls or []:
-            streamed.setdefault(d.index, ["", ""])
-            streamed[d.index][0] += (d.function.name or "") if d.function else ""
-            streamed[d.index][1] += (d.function.arguments or "") if d.function else ""
+    for d in deltas:
+        streamed.setdefault(d.index, ["", ""])
+        streamed[d.index][0] += (d.function.name or "") if d.function else ""
+        streamed[d.index][1] += (d.function.arguments or "") if d.function else ""
     got["chat streamed"] = [(n, json.loads(a)) for n, a in streamed.values()]
 
     kw = {
@@ -123,8 +127,10 @@ def test_a_forced_call_with_parallel_calls_allowed_comes_back_once_in_every_api(
         "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA, "strict": False}],
         "tool_choice": {"type": "function", "name": "get_weather"},
     }  # fmt: skip
-    [done] = [e.response for e in oai.responses.create(**kw, stream=True) if e.type == "response.completed"]
+    events = list(oai.responses.create(**kw, stream=True))
+    [done] = [e.response for e in events if e.type == "response.completed"]
     assert done.status == "completed" and not done.output_text, done
+    assert len([e for e in events if e.type == "response.function_call_arguments.delta"]) >= 3
     got["responses streamed"] = [(o.name, json.loads(o.arguments)) for o in done.output if o.type == "function_call"]
 
     kw = {
@@ -132,7 +138,9 @@ def test_a_forced_call_with_parallel_calls_allowed_comes_back_once_in_every_api(
         "tools": [{"name": "get_weather", "input_schema": WEATHER_SCHEMA}], "tool_choice": {"type": "tool", "name": "get_weather"},
     }  # fmt: skip
     with ant.messages.stream(**kw) as s:
+        events = list(s)
         final = s.get_final_message()
+    assert len([e for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]) >= 3
     assert final.stop_reason == "tool_use" and not [b for b in final.content if b.type == "text"], final
     got["anthropic streamed"] = [(b.name, b.input) for b in final.content if b.type == "tool_use"]
 
