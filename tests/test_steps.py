@@ -12,11 +12,15 @@ import json
 import struct
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringd.ring.steps import _FAILED, _FORWARD, _ROW, _SAMPLED, _TOKENS, MAX_ROWS, MAX_STEP_TOKENS, Failure, Forward, KvOptions, Open, Row, Sampled, Tokens, parse_release, release, term_of
+from ringd.ring.steps import (
+    _FAILED, _FORWARD, _ROW, _SAMPLED, _TOKENS, MAX_EMBEDDING_WIDTH, MAX_ROWS, MAX_STEP_TOKENS, Embedded, Failure, Forward, KvOptions, Open, Row, Sampled,
+    Tokens, parse_release, release, term_of,
+)  # fmt: skip
 from wire.frames import MAX_DESCRIPTOR_BYTES, Frame, FrameDecoder, FrameError, MsgType, encode_frame
 from wire.tensors import DTYPE_CODES, tensor_to_buffer
 
@@ -182,11 +186,11 @@ def test_forwards_of_the_wrong_shape_are_refused(frame, match):
 @pytest.mark.parametrize(
     "descriptor, match",
     [
-        (_TOKENS.pack(1, 1, 0) + _SAMPLED.pack(1, 0, 5, float("nan"), 0, 0), "finite"),
-        (_TOKENS.pack(1, 1, 0) + _SAMPLED.pack(1, 0, 5, -1.0, 0, 21), "at most 20"),
-        (_TOKENS.pack(1, 1, 0) + _SAMPLED.pack(1, 0, 5, -1.0, MAX_STEP_TOKENS + 1, 0), "accepted"),
-        (_TOKENS.pack(1, MAX_ROWS + 1, 0), "more than"),
-        (_TOKENS.pack(1, 1, 0), "ends early"),
+        (_TOKENS.pack(1, 1, 0, 0, 0) + _SAMPLED.pack(1, 0, 5, float("nan"), 0, 0), "finite"),
+        (_TOKENS.pack(1, 1, 0, 0, 0) + _SAMPLED.pack(1, 0, 5, -1.0, 0, 21), "at most 20"),
+        (_TOKENS.pack(1, 1, 0, 0, 0) + _SAMPLED.pack(1, 0, 5, -1.0, MAX_STEP_TOKENS + 1, 0), "accepted"),
+        (_TOKENS.pack(1, MAX_ROWS + 1, 0, 0, 0), "more than"),
+        (_TOKENS.pack(1, 1, 0, 0, 0), "ends early"),
     ],
 )
 def test_tokens_no_last_stage_sends_are_refused_by_name(descriptor, match):
@@ -216,3 +220,35 @@ def test_random_and_mutated_binary_descriptors_raise_only_frame_errors(data):
             parse(doc)
         except FrameError:
             pass
+
+
+@given(
+    ids, st.integers(1, 2**40), st.lists(sampled, max_size=4).map(tuple),
+    st.integers(1, 64).flatmap(lambda width: st.lists(st.tuples(ids, st.integers(1, 2**40), st.lists(st.floats(-1e6, 1e6, width=32), min_size=width, max_size=width)), max_size=4)),
+)  # fmt: skip
+def test_embeddings_ride_a_tokens_frame_as_float32(batch, term, rows_, embedded):
+    sent = Tokens(batch, term, rows_, (), tuple(Embedded(rid, offset, np.array(v, dtype=np.float32)) for rid, offset, v in embedded))
+    back = Tokens.parse(through_the_wire(sent.frame()))
+    assert (back.rows, [(e.rid, e.offset) for e in back.embedded]) == (rows_, [(rid, offset) for rid, offset, _ in embedded])
+    assert all(np.array_equal(a.vector, np.array(v, dtype=np.float32)) for a, (_, _, v) in zip(back.embedded, embedded))
+
+
+def test_embeddings_that_do_not_fit_their_frame_are_refused_by_name():
+    frame = Tokens(1, 7, (), (), (Embedded(5, 3, np.ones(4, np.float32)),)).frame()
+    with pytest.raises(FrameError, match="1 embedding\\(s\\) of 4 float32, not 12 bytes"):
+        Tokens.parse(Frame(MsgType.TOKEN, 1, frame.descriptor, bytes(frame.payload)[:12]))
+    with pytest.raises(FrameError, match="must be finite"):
+        Tokens.parse(Frame(MsgType.TOKEN, 1, frame.descriptor, np.array([1, np.nan, 0, 0], "<f4").tobytes()))
+    wide = _TOKENS.pack(7, 0, 0, 1, MAX_EMBEDDING_WIDTH + 1) + struct.pack("<QQ", 5, 3)
+    with pytest.raises(FrameError, match="1 to 65536 wide"):
+        Tokens.parse(Frame(MsgType.TOKEN, 1, wide))
+    with pytest.raises(FrameError, match="TOKEN carries 0 rows and 65"):
+        Tokens.parse(Frame(MsgType.TOKEN, 1, _TOKENS.pack(7, 0, 0, MAX_ROWS + 1, 4)))
+
+
+def test_an_embeddings_open_names_a_known_pooling_and_no_cached_prefix():
+    assert Open.from_wire({"params": {}, "pool": "cls"}, 0).pool == "cls"
+    with pytest.raises(FrameError, match="'pool' must be one of"):
+        Open.from_wire({"params": {}, "pool": "max"}, 0)
+    with pytest.raises(FrameError, match="cannot start from a cached prefix"):
+        Open.from_wire({"params": {}, "pool": "mean", "reuse": [9, 4]}, 4)

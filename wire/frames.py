@@ -33,7 +33,8 @@ from typing import Protocol
 MAGIC = b"RNGD"
 # 2: HELLO without node info, INFO after the proofs, every later frame sealed.
 # 3: FORWARD and TOKEN descriptors in a fixed binary layout (RAW_TYPES).
-PROTOCOL_VERSION = 3
+# 4: TOKEN carries pooled hidden states (embeddings) beside sampled tokens.
+PROTOCOL_VERSION = 4
 
 HEADER = struct.Struct("<4sBBHQII")
 HEADER_BYTES = HEADER.size

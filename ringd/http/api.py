@@ -38,7 +38,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from ringd import logs
 from ringd.auth import AuthError, ControlAuth, is_signed, sign
-from ringd.http import anthropic_api, ollama_api, openai_api, responses_api
+from ringd.http import anthropic_api, embeddings, ollama_api, openai_api, responses_api
 from ringd.http.endpoint import Endpoint
 from ringd.http.errors import ApiError
 from ringd.http.files import FileServer
@@ -176,7 +176,7 @@ class Api:
         self.serving = Serving(node)
         # Each route that generates: the one lifecycle, with its API's translation.
         endpoint = Endpoint(node, self.intake, self.serving, self.proxy)
-        generating, counting = endpoint.generating, endpoint.counting
+        generating, counting, embedding = endpoint.generating, endpoint.counting, endpoint.embedding
         ollama = ollama_api.Models(node, self.intake)
         self.app.add_routes(
             [
@@ -187,6 +187,9 @@ class Api:
                 web.post("/v1/messages/count_tokens", counting(anthropic_api.CountTokens())),
                 web.post("/api/chat", generating(ollama_api.Generate(node, chat=True))),
                 web.post("/api/generate", generating(ollama_api.Generate(node, chat=False))),
+                web.post("/v1/embeddings", embedding(embeddings.OpenAIEmbeddings(node))),
+                web.post("/api/embed", embedding(embeddings.OllamaEmbed(node))),
+                web.post("/api/embeddings", embedding(embeddings.OllamaEmbed(node, legacy=True))),
                 web.get("/api/tags", ollama.tags),
                 web.post("/api/show", ollama.show),
                 web.get("/api/ps", ollama.ps),

@@ -20,6 +20,10 @@ client that goes away mid-stream (a write meets ``ConnectionResetError``, or
 aiohttp cancels the handler) ends the request quietly: the generation is closed,
 which frees the request's caches on every stage.
 
+A route that embeds (``embeddings.py``) has the same first steps (key, body, proof,
+JSON, a follower's forward) and then its own: the translation's request, the vectors
+through the ring, the answer written off the loop.
+
 A follower carries an OpenAI stream over to a new leader when its leader dies
 (``proxy.py``): for a proven forward of a resumable translation, each token's id
 goes out in a comment line (TOKEN_COMMENT) before that token's events, and a
@@ -36,6 +40,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
 
 from aiohttp import web
 
+from ringd.http import embeddings
 from ringd.http.errors import ApiError
 from ringd.http.intake import Intake, request_id
 from ringd.http.proxy import RESUME_FIELD, TOKEN_COMMENT, Proxy, Resume, read_resume
@@ -105,6 +110,7 @@ class Endpoint:
         self.intake = intake
         self.serving = serving
         self.proxy = proxy
+        self.embedder = embeddings.Embedder(node, serving)
 
     def generating(self, api: Translation) -> Handler:
         """The aiohttp handler of a route that generates through ``api``."""
@@ -122,6 +128,14 @@ class Endpoint:
 
         return handler
 
+    def embedding(self, api: "embeddings.Translation") -> Handler:
+        """The aiohttp handler of a route that embeds through ``api``."""
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self.embed(request, api)
+
+        return handler
+
     async def _receive(self, request: web.Request) -> tuple[bytes, dict, bool]:
         """The body as bytes and as JSON, and whether a follower (proven) forwarded it."""
         self.intake.need_key(request)
@@ -134,6 +148,16 @@ class Endpoint:
         if self.d.engine is None:
             return await self.proxy.forward(request, raw, False, resumable=False)
         return web.json_response(api.counted(await self.serving.count_tokens(api.parse(body))))
+
+    async def embed(self, request: web.Request, api: "embeddings.Translation") -> web.StreamResponse:
+        raw, body, _ = await self._receive(request)
+        if self.d.engine is None:
+            return await self.proxy.forward(request, raw, False, resumable=False)
+        req = api.parse(body)
+        done = await self.embedder.embed(req, request_id(request))
+        # Thousands of vectors are megabytes of JSON: written off the loop.
+        answer = await asyncio.get_running_loop().run_in_executor(None, api.answer, req, done)
+        return web.Response(body=answer, content_type="application/json")
 
     async def generate(self, request: web.Request, api: Translation) -> web.StreamResponse:
         received_ns = time.monotonic_ns()

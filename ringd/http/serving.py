@@ -32,6 +32,7 @@ from ringd.ring.sampling import SamplingError
 
 if TYPE_CHECKING:
     from ringd.http.node import ApiNode
+    from ringd.leader.engine import Engine
 
 # Prompts rendered and grammars checked at once: CPU-bound work off the event
 # loop that holds a copy of the prompt; a burst of giant requests waits its turn.
@@ -108,16 +109,8 @@ class Serving:
         """Check, render and start ``req``; its first token is not awaited here.
 
         ``resumed``: the ids a stream carried over already sent; ``received_ns``: when the request arrived."""
-        engine = self.d.engine
-        if engine is None:
-            raise ApiError(503, "this node does not lead; retry in a moment")
         self._check_model(req)
-        ready, reason = self.d.readiness()
-        if not ready and await engine.ring_back(self.d.failover_wait_s):
-            # The ring was lost a moment ago: this request waits for the next, as those in flight do.
-            ready, reason = self.d.readiness()
-        if not ready:
-            raise ApiError(503, f"the ring is not ready: {reason}")
+        engine = await self.ready()
         try:
             req.params.check_vocab(self.d.info.vocab_size)
         except SamplingError as e:
@@ -139,6 +132,19 @@ class Serving:
         self.d.metrics.prompt_tokens.inc(len(prompt))
         events = engine.generate(prompt, params, max_tokens, req.stop, list(resumed), request_id, emit_resumed=True, ignore_eos=req.ignore_eos)
         return Generation(req, rendered, events, self.d.tokenizer, len(resumed), received_ns)
+
+    async def ready(self) -> "Engine":
+        """The engine, once a ring serves (a ring lost a moment ago: waiting for the next, as the
+        requests in flight do); a 503 if this node does not lead or no ring serves."""
+        engine = self.d.engine
+        if engine is None:
+            raise ApiError(503, "this node does not lead; retry in a moment")
+        ready, reason = self.d.readiness()
+        if not ready and await engine.ring_back(self.d.failover_wait_s):
+            ready, reason = self.d.readiness()
+        if not ready:
+            raise ApiError(503, f"the ring is not ready: {reason}")
+        return engine
 
     async def count_tokens(self, req: Request) -> int:
         """The prompt tokens ``req`` would take (Anthropic's count_tokens): checked and rendered, not run."""

@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
+import numpy as np
 from mlx_lm.generate import TextStateMachine
 
 from ringd.ring import steps
@@ -68,6 +69,10 @@ log = logging.getLogger(__name__)
 # Requests generating at once on this leader. Each holds KV caches on every
 # stage; past this a request is refused with 429 rather than queued forever.
 MAX_ACTIVE_REQUESTS = 64
+# An embedding runs as a prompt does, with greedy parameters the last stage never samples with,
+# and its vector stands for the one token that ends its schedule (never fed back: max_tokens 1).
+EMBEDDING_PARAMS = SamplingParams(temperature=0.0)
+EMBEDDED_TOKEN = 0
 # Longest wait for the ring to answer one step. A prefill chunk of a large
 # model on a slow Mac takes seconds; two minutes of silence means the ring is
 # broken, and the request fails instead of hanging.
@@ -109,6 +114,7 @@ class _Flight:
     first_token_s: float | None = None  # from arrival to its first token here
     last_token_at: float | None = None
     outcome: str = "ended by its client"  # unless it finishes or fails
+    pool: str | None = None  # an embedding: pooled on the last stage (steps.POOLINGS), not sampled
 
     def about(self, term: int | None = None, **fields) -> dict:
         """``extra`` for a log line about this request."""
@@ -320,7 +326,35 @@ class Engine:
         finally:
             self._leave(flight)
 
-    async def _enter(self, prompt: list[int], params: SamplingParams, max_tokens: int, resume: list[int], request_id: str | None) -> _Flight:
+    async def embed(self, prompt: list[int], pool: str, request_id: str | None = None) -> np.ndarray:
+        """The pooled final hidden states of ``prompt`` (float32, not normalized; ``pool``: one of
+        ``steps.POOLINGS``), computed as a prompt is: in prefill chunks, its last token alone, so
+        several embeddings share the ring's micro-batches with everything else. Its caches are freed
+        after (a pooling needs every position computed: it neither starts from a cached prefix nor
+        leaves one)."""
+        flight = await self._enter(prompt, EMBEDDING_PARAMS, 1, [], request_id, pool)
+        try:
+            self._run(self.scheduler.join(flight.rid, flight.prompt, 1, stops=frozenset()))
+            try:
+                async with asyncio.timeout(self.step_timeout_s):
+                    got = await flight.queue.get()
+            except TimeoutError:
+                raise EngineError(f"the ring did not answer within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)", 503) from None
+            if isinstance(got, EngineError):
+                raise got
+            if not isinstance(got, steps.Embedded):
+                raise self._error(flight, "the ring sampled a token for an embedding: a stage that does not pool (mixed versions?)", 500)
+            flight.outcome = "embedded"
+            return got.vector
+        except EngineError as e:
+            flight.outcome = f"failed ({e.status}: {e})"
+            raise
+        finally:
+            self._leave(flight)
+
+    async def _enter(
+        self, prompt: list[int], params: SamplingParams, max_tokens: int, resume: list[int], request_id: str | None, pool: str | None = None
+    ) -> _Flight:
         """Admit a request on the ring that serves (waiting for room, or for the next ring) and
         open its flight, from a cached prefix where one shares its start."""
         arrived = time.monotonic()
@@ -331,8 +365,8 @@ class Engine:
         rid = next(self._ids)
         await self._admit_on_ring(rid, len(prompt) + max_tokens, request_id)
         self.metrics.queue_wait.observe(time.monotonic() - arrived)
-        flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue(), generated=list(resume), request_id=request_id, arrived=arrived)
-        if self._prefix_term == self.plan.term:
+        flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue(), generated=list(resume), request_id=request_id, arrived=arrived, pool=pool)
+        if self._prefix_term == self.plan.term and pool is None:
             flight.reuse = self.prefix.take(flight.prompt)
             if flight.reuse is not None:
                 flight.cached = flight.reuse[1]
@@ -453,7 +487,7 @@ class Engine:
             flight = self._flights[row.rid]
             if flight.opened != send.term:  # its first row on this ring opens it on every stage
                 flight.opened = send.term
-                row = replace(row, open=steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id))
+                row = replace(row, open=steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id, flight.pool))
                 flight.reuse = None  # a replay on another ring starts cold
             rows.append(row)
         self.metrics.micro_batch_rows.observe(len(rows))
@@ -485,6 +519,7 @@ class Engine:
         keep = (
             flight is not None
             and not flight.failed
+            and flight.pool is None
             and self.prefix.max_entries > 0
             and self._prefix_term == plan.term
             and release.sent >= MIN_REUSE_TOKENS
@@ -535,6 +570,8 @@ class Engine:
                 by_rid = {s.rid: s for s in answer.rows}
                 sampled = {rid: s.token for rid, s in by_rid.items()}
                 accepted = {rid: s.accepted for rid, s in by_rid.items() if s.accepted}
+                for e in answer.embedded:  # an embedding's one answer: its schedule ends as a 1-token request's
+                    by_rid[e.rid], sampled[e.rid] = e, EMBEDDED_TOKEN
                 self._run(self.scheduler.tokens(answer.batch, answer.term, sampled, dict(answer.failed), accepted), by_rid)
             else:
                 failure = steps.Failure.parse(frame)

@@ -84,6 +84,9 @@ CONVERT_CHUNK_BYTES = 64 * 2**20
 # The fingerprint reads the whole header (metadata and tensor table) and this many
 # slices of this many bytes spread over the tensor data: a different quantization or
 # fine-tune changes both, and reading a few hundred KiB keeps it instant on a 40 GB file.
+# llama.cpp's pooling types (``{arch}.pooling_type``) that make one vector of an input, by
+# the name ``steps.POOLINGS`` gives them (0, none, and 4, rank, make no embedding of it).
+GGUF_POOLINGS = {1: "mean", 2: "cls", 3: "last"}
 DIGEST_SAMPLES = 16
 DIGEST_SAMPLE_BYTES = 16 * 1024
 
@@ -514,6 +517,9 @@ def _config(g: GgufFile) -> dict:
         "vocab_size": embed.shape[0],
         "tie_word_embeddings": "output.weight" not in g.tensors,
     }
+    pooling = GGUF_POOLINGS.get(meta.get(f"{arch}.pooling_type"))
+    if pooling is not None:  # an embedding model's: how its embeddings pool (checkpoint.ModelInfo.pooling)
+        config["pooling"] = pooling
     if g.arch.model_type == "qwen3_moe":
         config.update(_qwen3_moe(g, key))
     if g.arch.rope_interleaved:

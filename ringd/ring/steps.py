@@ -15,6 +15,11 @@ frame answers every row, with a token or with the reason it failed. A FORWARD
 that cannot be parsed at all fails the whole micro-batch: an ERROR frame with
 the micro-batch's id goes to the leader.
 
+A request opened with a ``pool`` (an embedding) is pooled, not sampled: the last
+stage keeps the pooling of its final hidden states (after the model's norm) over
+its rows, and its last row (the one that would sample) is answered with the pooled
+vector (``Embedded``), in the TOKEN frame's payload.
+
 RELEASE (one request's caches: free them, keep them as a cached prefix, or drop
 a cached prefix) follows the request's last row around the ring.
 
@@ -33,6 +38,7 @@ import struct
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from ringd.logs import RequestIdError, check_request_id
 from wire.frames import MAX_REQUEST_ID, Frame, FrameError, MsgType
@@ -49,6 +55,12 @@ MAX_ROWS = 64
 MAX_REASON_CHARS = 500
 # Alternatives per sampled position (OpenAI allows at most 20; sampling.MAX_TOP_LOGPROBS).
 MAX_TOP = 20
+# How an embedding pools a request's final hidden states (llama.cpp's pooling types that
+# give one vector: mean, its first token's (CLS), its last token's).
+POOLINGS = ("mean", "cls", "last")
+# Widest pooled vector a TOKEN frame may carry: past any model's hidden size (16384 for the
+# largest open models), bounds what a peer's frame makes the leader read.
+MAX_EMBEDDING_WIDTH = 65536
 
 # What mlx.core.quantize supports for KV caches.
 KV_BITS = (2, 3, 4, 5, 6, 8)
@@ -110,10 +122,11 @@ class _Reader:
 # its Open (JSON: sampling parameters and options, once per request) and a failure's reason.
 _FORWARD = struct.Struct("<QHHBI")  # term, rows, failed rows, hidden states' dtype code (0: none), hidden size
 _ROW = struct.Struct("<QQIBI")  # rid, offset, tokens (then as many u32), flags, Open's bytes (then as many)
-_TOKENS = struct.Struct("<QHH")  # term, rows, failed rows
+_TOKENS = struct.Struct("<QHHHI")  # term, rows, failed rows, embedded rows, the embeddings' width
 _SAMPLED = struct.Struct("<QQIdHB")  # rid, offset, token, logprob, proposals accepted, top (then as many _TOP)
 _TOP = struct.Struct("<Id")  # token, logprob
 _FAILED = struct.Struct("<QH")  # rid, the reason's bytes (then as many, UTF-8)
+_EMBEDDED = struct.Struct("<QQ")  # rid, offset (its vector: the payload's row of the same place)
 
 
 def _write_failed(out: list, failed: tuple[tuple[int, str], ...]) -> None:
@@ -203,9 +216,12 @@ class Open:
     kv: KvOptions | None = None
     reuse: tuple[int, int] | None = None
     request_id: str | None = None
+    pool: str | None = None  # an embedding: how the last stage pools (POOLINGS)
 
     def to_wire(self) -> dict:
         d: dict = {"params": self.params}
+        if self.pool is not None:
+            d["pool"] = self.pool
         if self.kv is not None:
             d["kv"] = self.kv.to_wire()
         if self.reuse is not None:
@@ -216,8 +232,11 @@ class Open:
 
     @classmethod
     def from_wire(cls, d: object, offset: int) -> "Open":
-        if not isinstance(d, dict) or not {"params"} <= set(d) <= {"params", "kv", "reuse", "request_id"}:
-            raise FrameError(f"a row's 'open' must be {{params, kv?, reuse?, request_id?}}, got {d!r:.200}")
+        if not isinstance(d, dict) or not {"params"} <= set(d) <= {"params", "kv", "reuse", "request_id", "pool"}:
+            raise FrameError(f"a row's 'open' must be {{params, kv?, reuse?, request_id?, pool?}}, got {d!r:.200}")
+        pool = d.get("pool")
+        if pool is not None and pool not in POOLINGS:
+            raise FrameError(f"open 'pool' must be one of {POOLINGS}, got {pool!r:.40}")
         if not isinstance(d["params"], dict):
             raise FrameError("a row's open 'params' must be an object")
         reuse = d.get("reuse")
@@ -236,7 +255,9 @@ class Open:
                 check_request_id(request_id if isinstance(request_id, str) else "")
             except RequestIdError as e:
                 raise FrameError(f"open 'request_id': {e}") from None
-        return cls(d["params"], KvOptions.from_wire(d.get("kv")), reuse, request_id)
+        if pool is not None and reuse is not None:
+            raise FrameError("an embedding ('pool') pools every position of its input: it cannot start from a cached prefix ('reuse')")
+        return cls(d["params"], KvOptions.from_wire(d.get("kv")), reuse, request_id, pool)
 
 
 @dataclass(frozen=True)
@@ -370,22 +391,39 @@ class Sampled:
 
 
 @dataclass(frozen=True)
+class Embedded:
+    """A pooling row's answer from the last stage: its request's pooled final hidden states
+    (``vector``, float32, not normalized), after position ``offset`` - 1."""
+
+    rid: int
+    offset: int
+    vector: np.ndarray
+
+
+@dataclass(frozen=True)
 class Tokens:
-    """The last stage's answer to a micro-batch: a token for each row that sampled aloud, and the
-    rows that failed on the way (every row the leader sent is one or the other, or a silent or
-    prefill row, which gets no answer)."""
+    """The last stage's answer to a micro-batch: a token for each row that sampled aloud, a vector
+    for each that pooled, and the rows that failed on the way (every row the leader sent is one
+    or the other, or a silent or prefill row, which gets no answer). The vectors are the payload,
+    ``[embedded, width]`` float32, in the order of ``embedded``."""
 
     batch: int
     term: int
     rows: tuple[Sampled, ...]
     failed: tuple[tuple[int, str], ...] = ()
+    embedded: tuple[Embedded, ...] = ()
 
     def frame(self) -> Frame:
-        out: list = [_TOKENS.pack(self.term, len(self.rows), len(self.failed))]
+        width = len(self.embedded[0].vector) if self.embedded else 0
+        out: list = [_TOKENS.pack(self.term, len(self.rows), len(self.failed), len(self.embedded), width)]
         for row in self.rows:
             row.write(out)
         _write_failed(out, self.failed)
-        return Frame(MsgType.TOKEN, self.batch, b"".join(out))
+        payload = b""
+        if self.embedded:
+            out += [_EMBEDDED.pack(e.rid, e.offset) for e in self.embedded]
+            payload = np.stack([np.asarray(e.vector, dtype="<f4") for e in self.embedded]).tobytes()
+        return Frame(MsgType.TOKEN, self.batch, b"".join(out), payload)
 
     @classmethod
     def parse(cls, frame: Frame) -> "Tokens":
@@ -393,15 +431,21 @@ class Tokens:
         if not isinstance(d, (bytes, bytearray)):
             raise FrameError("a TOKEN descriptor must be binary")
         r = _Reader(d, "TOKEN")
-        term, rows, failed = r.take(_TOKENS)
-        if rows > MAX_ROWS:
-            raise FrameError(f"TOKEN carries {rows} rows, more than {MAX_ROWS}")
+        term, rows, failed, embedded, width = r.take(_TOKENS)
+        if rows + embedded > MAX_ROWS:
+            raise FrameError(f"TOKEN carries {rows} rows and {embedded} embeddings, more than {MAX_ROWS}")
         sampled = tuple(Sampled.read(r) for _ in range(rows))
         failures = _read_failed(r, failed)
+        where = [r.take(_EMBEDDED) for _ in range(embedded)]
         r.done()
-        if len(frame.payload):
-            raise FrameError("a TOKEN frame carries no payload")
-        return cls(frame.request_id, term, sampled, failures)
+        if embedded and not 1 <= width <= MAX_EMBEDDING_WIDTH:
+            raise FrameError(f"TOKEN embeddings must be 1 to {MAX_EMBEDDING_WIDTH} wide, not {width}")
+        if len(frame.payload) != 4 * embedded * width:
+            raise FrameError(f"a TOKEN payload must be its {embedded} embedding(s) of {width} float32, not {len(frame.payload)} bytes")
+        vectors = np.frombuffer(frame.payload, dtype="<f4").reshape(embedded, width) if embedded else None
+        if vectors is not None and not np.isfinite(vectors).all():
+            raise FrameError("TOKEN embeddings must be finite numbers")
+        return cls(frame.request_id, term, sampled, failures, tuple(Embedded(rid, offset, vectors[i]) for i, (rid, offset) in enumerate(where)))
 
 
 @dataclass(frozen=True)

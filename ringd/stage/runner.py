@@ -7,7 +7,8 @@ layers over each row on the compute thread, keeping every request's KV caches
 in its ``Sessions``, then either forwards the new hidden states to the next
 stage or, on the last stage, samples each row that asks (within its request's
 grammar, if it has one) and answers the leader with one TOKEN frame for the
-micro-batch (``steps.Tokens``). RELEASE frees a request's caches here and
+micro-batch (``steps.Tokens``). An embedding's rows are pooled there instead
+(``pooling.py``): its last row is answered with the pooled vector. RELEASE frees a request's caches here and
 travels on, behind the request's last row, so it frees every stage.
 
 A verify row (speculative decoding) carries a fed-back token and a draft
@@ -33,17 +34,19 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import maybe_quantize_kv_cache
 
 from ringd.ring.plan import Plan
 from ringd.logs import about
 from ringd.metrics import Metrics
 from ringd.stage.compute import ComputeThread
+from ringd.stage.pooling import Pooling
 from ringd.ring.sampling import SamplingError, SamplingParams
 from ringd.stage.sampling import RequestSampler, draw_greedy
 from ringd.stage.sessions import SessionError, Sessions
 from ringd.stage.shard import Shard
-from ringd.ring.steps import Failure, Forward, KvOptions, Row, Sampled, Tokens, parse_release, term_of
+from ringd.ring.steps import Embedded, Failure, Forward, KvOptions, Row, Sampled, Tokens, parse_release, term_of
 from wire.frames import Frame, FrameError, MsgType
 from wire.tensors import tensor_to_buffer, wire_bits
 
@@ -207,7 +210,8 @@ class StageRunner:
             # step's are part of its output's graph already.
             mx.eval(bits, self.sessions.states(row.rid for row in rows) if prefill else [])
             return [(self.next_node, out.frame(h, tensor_to_buffer(bits)))], prefill
-        return [(self.leader, Tokens(batch.batch, batch.term, self._sample(blocks, failed), tuple(failed)).frame())], prefill
+        sampled, embedded = self._sample(blocks, failed)
+        return [(self.leader, Tokens(batch.batch, batch.term, sampled, tuple(failed), embedded).frame())], prefill
 
     def _one_by_one(self, rows: tuple[Row, ...], hidden: mx.array | None, failed: list) -> list[tuple[tuple[Row], mx.array]]:
         """Each row through the layers on its own: prompt chunks, a request's first row, and
@@ -230,7 +234,7 @@ class StageRunner:
     def _batched(self, rows: tuple[Row, ...], hidden: mx.array | None, failed: list) -> list[tuple[tuple[Row, ...], mx.array]] | None:
         """Decode rows of requests open here (one token each) through the layers as one batch,
         their caches merged (``Sessions.batched``): one block; None where the rows must go one by one."""
-        if not self.shard.batchable or len(rows) < 2 or any(len(row.tokens) != 1 or row.open is not None for row in rows):
+        if not self.shard.batchable or len(rows) < 2 or any(len(row.tokens) != 1 or row.open is not None or self._pools(row) for row in rows):
             return None
         fit, at = [], []
         for i, row in enumerate(rows):  # rows that do not fit their sessions fail before anything runs
@@ -261,6 +265,13 @@ class StageRunner:
                 session.sampler.observe(tokens[i])
         return [(tuple(fit), h)]
 
+    def _pools(self, row: Row) -> bool:
+        """Whether ``row`` is an embedding's on this (the last) stage: its hidden states, not logits."""
+        try:
+            return self.shard.is_last and self.sessions.get(row.rid).pool is not None
+        except SessionError:
+            return False  # it fails where it is computed, with its reason
+
     def _fail_row(self, row: Row, reason: str) -> tuple[int, str]:
         log.warning("req=%x: failed on this stage: %s", row.rid, reason, extra=self.describe(row.rid, row, reason=reason))
         self.sessions.release(row.rid)
@@ -284,8 +295,11 @@ class StageRunner:
             session = self.sessions.solo(rid)
         session = self._at_row(session, row)
         tokens = mx.array(row.tokens, dtype=mx.int32)[None]
-        # The last stage gets the model's logits (computed only if sampled: MLX is lazy).
-        h = shard(tokens, hidden, session.cache)
+        # The last stage gets the model's logits (computed only if sampled: MLX is lazy), or for an
+        # embedding the final hidden states, pooled as they come.
+        h = shard(tokens, hidden, session.cache, head=session.pool is None)
+        if session.pool is not None and shard.is_last:
+            session.pool.add(h)
         session.offset += len(row.tokens)
         session.tokens += row.tokens
         session.provisional = len(row.tokens) - 1 if row.verify else 0
@@ -293,7 +307,7 @@ class StageRunner:
         if kv is not None and kv.bits is not None:
             # As generate_step after every model call, so the caches match mlx-lm's.
             maybe_quantize_kv_cache(session.cache, kv.start, kv.group_size, kv.bits)
-        if shard.is_last:
+        if session.sampler is not None:
             session.sampler.observe(tokens[0])
         return h
 
@@ -301,7 +315,7 @@ class StageRunner:
         shard, rid, opened = self.shard, row.rid, row.open
         params = SamplingParams.from_wire(opened.params)
         params.check_vocab(shard.info.vocab_size)
-        sampler = RequestSampler(params, self.grammar_tokenizer) if shard.is_last else None
+        sampler = RequestSampler(params, self.grammar_tokenizer) if shard.is_last and opened.pool is None else None
         kv = opened.kv or KvOptions()
         if opened.reuse is not None:
             stored = self.sessions.take(*opened.reuse)
@@ -310,6 +324,8 @@ class StageRunner:
                 sampler.observe(mx.array(stored.tokens, dtype=mx.int32))
         else:
             session = self.sessions.open(rid, shard.make_cache(kv.max_size), sampler, kv=kv, name=opened.request_id)
+            if opened.pool is not None and shard.is_last:
+                session.pool = Pooling(opened.pool)
         log.debug(
             "req=%x: opened on layers [%d, %d)%s", rid, shard.start, shard.end,
             f" from a cached prefix of {opened.reuse[1]} positions" if opened.reuse else "",
@@ -317,13 +333,13 @@ class StageRunner:
         )  # fmt: skip
         return session
 
-    def _sample(self, blocks: list[tuple[tuple[Row, ...], mx.array]], failed: list) -> tuple[Sampled, ...]:
+    def _sample(self, blocks: list[tuple[tuple[Row, ...], mx.array]], failed: list) -> tuple[tuple[Sampled, ...], tuple[Embedded, ...]]:
         """The last stage after the micro-batch's rows (their logits): each row that samples draws its
         token, and all of it, with the caches of rows that only fill them, is evaluated at once: one
         round trip to MLX's thread per micro-batch, not one per row. Plain greedy rows of a batched
         block are drawn together (``draw_greedy``). A verify row samples on its own (what it keeps
-        depends on each position's token)."""
-        sampled, draws, greedy, filled = [], [], [], []
+        depends on each position's token). An embedding's last row gives its pooled vector."""
+        sampled, draws, greedy, filled, pooled = [], [], [], [], []
         for rows, out in blocks:
             plain = []
             for i, row in enumerate(rows):
@@ -331,6 +347,9 @@ class StageRunner:
                     filled.append(row.rid)
                     continue
                 session = self.sessions.get(row.rid)
+                if session.pool is not None:
+                    pooled.append((row, session, session.pool.vector()))
+                    continue
                 logits = out[i : i + 1] if len(rows) > 1 else out
                 try:
                     if row.verify:
@@ -346,7 +365,8 @@ class StageRunner:
                 last = out[:, -1, :] if len(at) == len(rows) else out[mx.array(at), -1, :]
                 greedy.append((plain, *draw_greedy(last)))
         arrays = [a for _, _, draw in draws for a in draw.arrays] + [a for _, tokens, logprobs in greedy for a in (tokens, logprobs)]
-        mx.eval(arrays, self.sessions.states(filled))
+        arrays += [vector for _, _, vector in pooled]
+        mx.eval(arrays, self.sessions.states(filled + [row.rid for row, _, _ in pooled]))
         for row, session, draw in draws:
             s = draw.result()
             if s.mask_s is not None:
@@ -357,7 +377,8 @@ class StageRunner:
             for (_, row, session), token, (logprob,) in zip(plain, tokens.tolist(), logprobs.tolist()):
                 if not row.silent:
                     sampled.append(Sampled(row.rid, session.offset, token, logprob))
-        return tuple(sampled)
+        embedded = tuple(Embedded(row.rid, session.offset, np.array(vector)) for row, session, vector in pooled)
+        return tuple(sampled), embedded
 
     def _verify(self, row: Row, session, logits: mx.array) -> Sampled:
         """A verify row on the last stage, as mlx-lm's speculative_generate_step: sample after each

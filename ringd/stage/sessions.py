@@ -39,6 +39,7 @@ from typing import Any
 
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
+from ringd.stage.pooling import Pooling
 from ringd.stage.sampling import RequestSampler
 
 # A request silent this long is abandoned: its leader died or lost track of it.
@@ -106,6 +107,7 @@ class Session:
     name: str | None = None  # the client's request id (logs.py), for the lines about it
     group: Group | None = None
     provisional: int = 0  # positions at the end a next row may cut: the proposals of a verify row
+    pool: Pooling | None = None  # an embedding's, on the last stage: pooled, not sampled
 
     @property
     def kv_bytes(self) -> int:
@@ -213,7 +215,7 @@ class Sessions:
         return group.cache
 
     def states(self, request_ids) -> list:
-        """The cache states of these live requests (a group's once), for ``mx.eval``."""
+        """The cache states of these live requests (a group's once), and their poolings, for ``mx.eval``."""
         seen, out = set(), []
         for rid in request_ids:
             session = self._live.get(rid)
@@ -223,6 +225,8 @@ class Sessions:
             if id(cache) not in seen:
                 seen.add(id(cache))
                 out += [c.state for c in cache]
+            if session.pool is not None:
+                out += session.pool.arrays()
         return out
 
     def _leave_group(self, session: Session, extract: bool) -> None:

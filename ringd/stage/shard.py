@@ -350,18 +350,20 @@ class Shard:
         n = len(self._kinds)
         return [stand_in(i) for i in range(self.start)] + list(cache) + [stand_in(i) for i in range(self.end, n)]
 
-    def __call__(self, tokens: mx.array, hidden: mx.array | None, cache: list[Any]) -> mx.array:
+    def __call__(self, tokens: mx.array, hidden: mx.array | None, cache: list[Any], head: bool = True) -> mx.array:
         """One step of the ring on this stage.
 
         ``tokens``: the step's token ids [B, L] (every stage gets them: some models use
         them beyond the embedding). ``hidden``: the previous stage's output [B, L, D]
         (None on the first stage). Returns this stage's hidden states, or on the last
-        stage the model's logits.
+        stage the model's logits; without the ``head``, the last stage's final hidden
+        states (the decoder's own output, its norm applied: what an embedding pools).
         """
         if self._first is not None:
             self._first.set_hidden(hidden)
         try:
-            return self.model(tokens, cache=self._all_caches(cache))
+            model = self.model if head or not self.is_last else _inner_model(self.model)[1]
+            return model(tokens, cache=self._all_caches(cache))
         except _StageOutput as out:
             return out.value
         finally:

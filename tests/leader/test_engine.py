@@ -14,6 +14,7 @@ import asyncio
 import functools
 
 import mlx.core as mx
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 from stagering import StageRing
@@ -436,3 +437,49 @@ def test_a_micro_batch_lost_on_a_live_ring_fails_its_request_and_frees_its_slot(
     prompt = tokenizer.encode("hello", add_special_tokens=False)[:1]
     assert served == greedy_tokens(path, prompt, 4, set(tokenizer.eos_token_ids)), served
     assert in_flight == 0
+
+
+def pooled_reference(model, prompt: list[int], pool: str) -> mx.array:
+    """mlx-lm in one process: the decoder's final hidden states (its norm applied) over the whole
+    prompt at once, pooled (the mean, the first position's, the last's)."""
+    h = model.model(mx.array(prompt)[None])[0].astype(mx.float32)
+    return {"mean": h.mean(axis=0), "cls": h[0], "last": h[-1]}[pool]
+
+
+def test_embeddings_through_real_stages_are_mlx_lms_pooled_hidden_states(tiny_model):
+    """Through one stage and three, in prefill chunks, beside a request that generates: each
+    embedding (every pooling) is the single process's pooled hidden states within float32
+    rounding, and nothing is left behind (an embedding keeps no cached prefix)."""
+    from mlx_lm.utils import load as mlx_load
+
+    path = tiny_model(arch="llama", layers=4, dtype="float32")
+    tokenizer = load_tokenizer(model_info(str(path)))
+    prompts = [tokenizer.encode(f"Text number {i} is about {'rings ' * (3 * i)}", add_special_tokens=False) for i in range(4)]
+    prompts.append(prompts[0][:1])  # one token: its only row opens and answers at once
+
+    async def main(cuts):
+        ring = StageRing(path, cuts, tokenizer)
+        engine = ring.lead(Engine("node0", tokenizer, None, prefill_chunk_tokens=8))
+
+        async def generate():
+            return [e.token async for e in engine.generate(prompts[1], SamplingParams(temperature=0), 6)]
+
+        try:
+            asks = [(p, pool) for pool in ("mean", "cls", "last") for p in prompts]
+            *got, beside = await asyncio.wait_for(asyncio.gather(*(engine.embed(p, pool) for p, pool in asks), engine.embed(prompts[0], "mean"), generate()), 300)
+            # What is left: the generation's cached prefix on every stage; no embedding's.
+            await until(lambda: not any(len(r.sessions) for r in ring.runners.values()) and not engine._flights, "every request released")
+            return asks, got, beside, engine, [r.sessions.stored for r in ring.runners.values()]
+        finally:
+            await ring.stop()
+
+    model, _ = mlx_load(str(path))
+    for cuts in ([], [1, 3]):
+        asks, got, beside, engine, stored = asyncio.run(main(cuts))
+        assert len(engine.prefix.keys()) == 1 and stored == [1] * (len(cuts) + 1), stored
+        for (prompt, pool), vector in zip(asks, got):
+            want = np.array(pooled_reference(model, prompt, pool))
+            assert vector.dtype == np.float32 and vector.shape == want.shape
+            assert np.allclose(vector, want, atol=1e-4, rtol=1e-4), f"{len(cuts) + 1} stage(s), {pool}: {np.abs(vector - want).max()}"
+        assert np.array_equal(got[-1], got[0])  # the same input again: the same vector
+        assert beside == greedy_tokens(path, prompts[1], 6, set(tokenizer.eos_token_ids))
