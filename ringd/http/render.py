@@ -226,8 +226,10 @@ def _compact(schema) -> dict:
 
 def _call_schema(tool: Tool) -> dict:
     params = tool.parameters if isinstance(tool.parameters, dict) and tool.parameters else {"type": "object"}
-    if tool.strict:
-        params = strict(params)
+    # A call's arguments take only the properties their schema names, strict or not, unless it
+    # allows others (additionalProperties): as llama.cpp's grammars (Ollama's too) read a tool's
+    # schema. Free to add one, SmolLM2 writes on in invented properties until max_tokens.
+    params = strict(params)
     return {
         "type": "object",
         "properties": {"name": {"const": tool.name}, "arguments": params},
@@ -339,9 +341,32 @@ def _generic_history(messages: list[dict]) -> list[dict]:
     return out
 
 
+# What a tool's schema says that the model need not read: a title repeats a name, and which
+# properties may be added is the grammar's to hold (``_call_schema``). Left out of the prompt.
+_UNREAD = ("title", "additionalProperties", "$schema")
+
+
+def _readable(schema):
+    """A tool's schema as the prompt lists it: without ``_UNREAD``, keys sorted. One tool reads the
+    same whichever client declared it (pydantic, an agent SDK, plain JSON), so the prompts of
+    requests with the same tools share their prefix, and the ring's cached prefixes serve them."""
+    if isinstance(schema, list):
+        return [_readable(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k in sorted(schema):
+        v = schema[k]
+        if k in ("properties", "patternProperties", "$defs", "definitions") and isinstance(v, dict):
+            out[k] = {name: _readable(sub) for name, sub in sorted(v.items())}
+        elif k not in _UNREAD:
+            out[k] = v if k in ("const", "enum", "default", "examples") else _readable(v)
+    return out
+
+
 def tool_prompt(req: Request) -> str:
     """The system text that teaches a model without a tool template the generic format."""
-    tools = [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in req.tools]
+    tools = [{"name": t.name, "description": t.description, "parameters": _readable(t.parameters)} for t in req.tools]
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     form = '{"tool_calls": [{"name": "<tool name>", "arguments": {<its arguments>}}]}'
     if req.tool_choice == "function":

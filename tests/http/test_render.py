@@ -85,12 +85,16 @@ def test_a_named_function_and_no_parallel_calls_narrow_the_grammar(smollm2):
     assert accepts(smollm2, one, CALL) and not accepts(smollm2, one, TWO)
 
 
-def test_strict_tools_and_schemas_take_no_other_properties(smollm2):
-    loose = render(request(tools=[TIME], tool_choice="required"), smollm2).grammar
+def test_calls_and_strict_schemas_take_no_other_properties(smollm2):
+    """A call's arguments, strict or not, as llama.cpp reads a tool's schema: only the properties
+    it names, unless it allows more; a response_format schema only in strict mode."""
+    plain = render(request(tools=[TIME], tool_choice="required"), smollm2).grammar
     tight = render(request(tools=[Tool(TIME.name, TIME.description, TIME.parameters, strict=True)], tool_choice="required"), smollm2).grammar
     extra = '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "UTC", "note": "x"}}]}'
-    assert accepts(smollm2, loose, extra) and not accepts(smollm2, tight, extra)
-    assert accepts(smollm2, tight, '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "UTC"}}]}')
+    assert not accepts(smollm2, plain, extra) and not accepts(smollm2, tight, extra)
+    assert accepts(smollm2, plain, '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "UTC"}}]}')
+    open_ = Tool(TIME.name, TIME.description, {**TIME.parameters, "additionalProperties": True})
+    assert accepts(smollm2, render(request(tools=[open_], tool_choice="required"), smollm2).grammar, extra)
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}}}
     g = render(request(response_format=ResponseFormat("json_schema", schema, strict=True)), smollm2).grammar
     assert accepts(smollm2, g, '{"a": {"b": 1}}') and not accepts(smollm2, g, '{"a": {"b": 1, "c": 2}}')
