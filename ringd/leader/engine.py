@@ -56,7 +56,7 @@ from ringd.ring.plan import Plan
 from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S, Admission, KvLedger
 from ringd.leader.draft import Drafter
 from ringd.leader.errors import RETRY_AFTER_S, EngineError
-from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES, MIN_REUSE_TOKENS, PrefixIndex
+from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES, MIN_REUSE_TOKENS, PrefixIndex, common_prefix
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, Deliver, Draft, Fail, Release, Scheduler, Send
 from ringd.logs import about
 from ringd.metrics import Metrics
@@ -73,6 +73,9 @@ MAX_ACTIVE_REQUESTS = 64
 # and its vector stands for the one token that ends its schedule (never fed back: max_tokens 1).
 EMBEDDING_PARAMS = SamplingParams(temperature=0.0)
 EMBEDDED_TOKEN = 0
+# Longest a request waits for one that is leaving, and shares its prompt's start, to be kept as
+# a cached prefix: its last row's way around the ring (tens of milliseconds on Macs), generously.
+LEAVING_WAIT_S = 5.0
 # Longest wait for the ring to answer one step. A prefill chunk of a large
 # model on a slow Mac takes seconds; two minutes of silence means the ring is
 # broken, and the request fails instead of hanging.
@@ -114,6 +117,7 @@ class _Flight:
     first_token_s: float | None = None  # from arrival to its first token here
     last_token_at: float | None = None
     outcome: str = "ended by its client"  # unless it finishes or fails
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``released``
     pool: str | None = None  # an embedding: pooled on the last stage (steps.POOLINGS), not sampled
 
     def about(self, term: int | None = None, **fields) -> dict:
@@ -366,6 +370,8 @@ class Engine:
         await self._admit_on_ring(rid, len(prompt) + max_tokens, request_id)
         self.metrics.queue_wait.observe(time.monotonic() - arrived)
         flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue(), generated=list(resume), request_id=request_id, arrived=arrived, pool=pool)
+        if pool is None:
+            await self._kept_by_those_leaving(flight.prompt)
         if self._prefix_term == self.plan.term and pool is None:
             flight.reuse = self.prefix.take(flight.prompt)
             if flight.reuse is not None:
@@ -386,6 +392,23 @@ class Engine:
             ),
         )  # fmt: skip
         return flight
+
+    async def _kept_by_those_leaving(self, prompt: list[int]) -> None:
+        """Wait (up to LEAVING_WAIT_S) for a request that is leaving and shares ``prompt``'s start to
+        be kept as a cached prefix. An agent's next turn arrives the moment the last answer ends, and
+        one that ended early (its client stopped reading, or it repeated a call) still has a row on
+        the ring, whose return releases it: without the wait the turn would find no prefix."""
+        for flight in list(self._flights.values()):
+            if (
+                flight.finished and not flight.released and not flight.failed and flight.pool is None
+                and flight.rid in self.scheduler and common_prefix(flight.prompt + flight.generated, prompt) >= MIN_REUSE_TOKENS
+            ):  # fmt: skip
+                try:
+                    async with asyncio.timeout(LEAVING_WAIT_S):
+                        await flight.settled.wait()
+                except TimeoutError:
+                    pass  # it computes cold: no worse than without the wait
+                return
 
     async def _next(self, flight: _Flight, text: _Text, resumed: bool) -> TokenEvent:
         """The request's next token from the ring, as text; an EngineError if the ring says it failed
@@ -536,6 +559,7 @@ class Engine:
             for old in self.prefix.add(rid, tokens):
                 self._evict(old, "entries")
             flight.released = True
+            flight.settled.set()
             if flight.finished:
                 del self._flights[rid]
             self.admission.wake()
@@ -545,6 +569,7 @@ class Engine:
     def _settle(self, flight: _Flight) -> None:
         """The request's booking goes (its caches are freed or gone); it is forgotten once its consumer is done."""
         flight.released = True
+        flight.settled.set()
         self.admission.release(flight.rid)
         if flight.finished:
             self._flights.pop(flight.rid, None)

@@ -11,6 +11,7 @@ The ring over real processes and TCP is exercised in test_ring and test_failover
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 
 import mlx.core as mx
@@ -483,3 +484,34 @@ def test_embeddings_through_real_stages_are_mlx_lms_pooled_hidden_states(tiny_mo
             assert np.allclose(vector, want, atol=1e-4, rtol=1e-4), f"{len(cuts) + 1} stage(s), {pool}: {np.abs(vector - want).max()}"
         assert np.array_equal(got[-1], got[0])  # the same input again: the same vector
         assert beside == greedy_tokens(path, prompts[1], 6, set(tokenizer.eos_token_ids))
+
+
+def test_the_next_turn_finds_the_prefix_of_an_answer_its_client_stopped_reading(tiny_model, monkeypatch):
+    """An agent's next turn arrives the moment the last answer ends; one that ended early (its client
+    stopped reading, as the server does at a repeated call) still has a row on the ring. The turn
+    waits for it to be kept, and starts from its caches: not without the wait (LEAVING_WAIT_S 0)."""
+    import ringd.leader.engine as engine_module
+
+    path = tiny_model(arch="llama", layers=2, dtype="float32")
+    tokenizer = load_tokenizer(model_info(str(path)))
+    prompt = tokenizer.encode("An agent asks about " + "rings " * 12, add_special_tokens=False)
+
+    async def main():
+        ring = StageRing(path, [1], tokenizer)
+        engine = ring.lead(Engine("node0", tokenizer, None))
+        try:
+            answer = []
+            async with contextlib.aclosing(engine.generate(prompt, SamplingParams(temperature=0), 12, ignore_eos=True)) as events:
+                async for event in events:
+                    answer.append(event.token)
+                    if len(answer) == 3:
+                        break  # closed as the server closes it; the next row is on the ring already
+            turn = prompt + answer + tokenizer.encode(" and then?", add_special_tokens=False)
+            async for event in engine.generate(turn, SamplingParams(temperature=0), 1):
+                return event.cached_tokens
+        finally:
+            await ring.stop()
+
+    assert asyncio.run(main()) >= len(prompt)
+    monkeypatch.setattr(engine_module, "LEAVING_WAIT_S", 0)
+    assert asyncio.run(main()) == 0
