@@ -369,8 +369,10 @@ def tool_prompt(req: Request) -> str:
     tools = [{"name": t.name, "description": t.description, "parameters": _readable(t.parameters)} for t in req.tools]
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     form = '{"tool_calls": [{"name": "<tool name>", "arguments": {<its arguments>}}]}'
-    if req.tool_choice == "function":
-        how = f'You must call the tool "{req.tool_name}" now. Reply with only this JSON object:\n{form}'
+    if req.tool_choice == "function" or (req.tool_choice == "required" and len(req.tools) == 1):
+        # One tool required is that tool named: the same words, so the same prompt (and cached prefix).
+        name = req.tool_name if req.tool_choice == "function" else req.tools[0].name
+        how = f'You must call the tool "{name}" now. Reply with only this JSON object:\n{form}'
     elif req.tool_choice == "required":
         how = f"You must call one or more tools now. Reply with only this JSON object:\n{form}"
     else:

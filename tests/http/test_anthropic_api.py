@@ -417,8 +417,9 @@ def test_a_forced_call_is_a_tool_use_whose_input_validates(client, choice):
     for use in uses:
         assert use.id.startswith("toolu_")
         jsonschema.validate(use.input, SCHEMAS[use.name])
-    # Greedy and deterministic: one call, of the named tool (and of the weather's, asked about the weather).
-    assert [u.name for u in uses] == ["get_weather"]
+    # One call (parallel use disabled), of the named tool; with "any", of either (the tiny model's
+    # greedy pick between them is no answer to the question).
+    assert len(uses) == 1 and (choice["type"] == "any" or uses[0].name == "get_weather"), uses
 
 
 def test_a_streamed_call_assembles_to_the_same_input(client):
@@ -443,8 +444,8 @@ def test_a_tool_result_gets_an_answer(client):
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_weather", "content": "18 C and sunny"}]},
     ]
     answer = create(client, history, tools=[WEATHER], tool_choice={"type": "none"})
-    # A text answer, not another call (greedy, this one ends its turn).
-    assert text_of(answer) and answer.stop_reason == "end_turn" and not [b for b in answer.content if b.type == "tool_use"]
+    # A text answer, not another call (the tiny model's text: it may end its turn or run to max_tokens).
+    assert text_of(answer) and answer.stop_reason in ("end_turn", "max_tokens") and not [b for b in answer.content if b.type == "tool_use"]
     # The result reached the prompt: with another, the same request answers otherwise.
     other = [*history[:2], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_weather", "content": "3 C and snowing"}]}]
     assert text_of(create(client, other, tools=[WEATHER], tool_choice={"type": "none"})) != text_of(answer)

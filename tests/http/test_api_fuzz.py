@@ -76,9 +76,22 @@ def assert_error_shape(path: str, body: dict) -> None:
 
 
 def test_the_node_still_serves_after_the_fuzzing(node):
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).encode()
-    req = urllib.request.Request(node.url(0) + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        assert r.status == 200 and json.loads(r.read())["choices"]
+    def post(path: str, doc: dict) -> dict:
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+        with urllib.request.urlopen(urllib.request.Request(node.url(0) + path, data=json.dumps(doc).encode(), headers=headers), timeout=30) as r:
+            assert r.status == 200
+            return json.loads(r.read())
+
+    assert post("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})["choices"]
+    # And embeds, through this ring of one daemon, as mlx-lm computes it in this process (the
+    # mean of the decoder's final hidden states, normalized; 3 daemons: test_embeddings.py).
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+
+    tokens = [5, 17, 99, 3, 42, 7]
+    [got] = post("/v1/embeddings", {"model": "tiny", "input": [tokens]})["data"]
+    h = load(str(node.model))[0].model(mx.array(tokens)[None])[0].astype(mx.float32).mean(axis=0)
+    assert np.allclose(got["embedding"], np.array(h / mx.linalg.norm(h)), atol=1e-4)
     assert node.procs[0].poll() is None
     assert "unhandled error" not in node.logs[0].read_text()

@@ -335,9 +335,10 @@ def test_a_tool_result_reaches_the_prompt(client):
 
 
 def test_without_an_example_the_model_may_answer_in_words_well_formed_either_way(client):
-    """Ollama has no tool_choice: the model chooses, and greedy, this one answers in words up to num_predict."""
+    """Ollama has no tool_choice: the model chooses, and greedy, this one answers in words (ending
+    them or running to num_predict: the tiny model's text)."""
     r = client.chat(model=MODEL_ID, messages=[{"role": "user", "content": "What is the weather in Paris right now?"}], tools=[WEATHER], options={**GREEDY, "num_predict": 60})
-    assert not r.message.tool_calls and r.message.content and not r.message.content.startswith("{") and r.done_reason == "length", r
+    assert not r.message.tool_calls and r.message.content and not r.message.content.startswith("{") and r.done_reason in ("stop", "length"), r
 
 
 def test_format_json_parses_and_a_schema_validates(client):
@@ -430,7 +431,7 @@ def test_the_client_raises_on_bad_options(client):
 
 
 def test_unknown_routes_answer_in_ollamas_shape(ring):
-    r = httpx.post(ring.url + "/api/embed", json={"model": MODEL_ID, "input": "x"})
+    r = httpx.post(ring.url + "/api/create", json={"model": MODEL_ID, "from": "x"})
     assert r.status_code == 404 and set(r.json()) == {"error"}
 
 

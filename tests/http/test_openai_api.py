@@ -96,8 +96,9 @@ def test_a_forced_call_parses_and_validates(client, choice):
         assert call.type == "function" and call.id.startswith("call_")
         schema = {"get_weather": WEATHER_SCHEMA, "get_time": TIME["function"]["parameters"]}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), schema)
-    # Greedy and deterministic: one call, of the named tool (and of the weather's, asked about the weather).
-    assert [call.function.name for call in c.message.tool_calls] == ["get_weather"]
+    # One call (the tiny model's greedy answer: it makes one, then ends or repeats it), of the named
+    # tool; "required", of either (its pick between them is no answer to the question).
+    assert len(c.message.tool_calls) == 1 and (choice == "required" or c.message.tool_calls[0].function.name == "get_weather")
 
 
 def test_one_call_when_parallel_calls_are_off(client):
@@ -159,7 +160,7 @@ def test_a_tool_result_gets_an_answer(client):
     ]
     # tool_choice none: the answer is text (the thinking qwen3 below answers a result under "auto").
     c = create(client, messages=history, tools=[WEATHER], tool_choice="none").choices[0]
-    assert c.finish_reason == "length" and c.message.content and c.message.tool_calls is None
+    assert c.finish_reason in ("stop", "length") and c.message.content and c.message.tool_calls is None
     # The result reached the prompt: without it, the same request answers otherwise.
     assert create(client, messages=history[:2] + [{**history[2], "content": "3 C and snowing"}], tools=[WEATHER], tool_choice="none").choices[0].message.content != c.message.content
 

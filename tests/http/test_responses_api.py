@@ -347,8 +347,8 @@ def test_a_forced_call_is_a_function_call_item_that_validates(client, choice):
     for call in calls:
         assert call.id.startswith("fc_") and call.call_id.startswith("call_") and call.status == "completed"
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-    # Greedy and deterministic: one call, of the named tool (and of the weather's, asked about the weather).
-    assert [c.name for c in calls] == ["get_weather"]
+    # One call (the tiny model's greedy answer), of the named tool; "required", of either.
+    assert len(calls) == 1 and (choice == "required" or calls[0].name == "get_weather")
 
 
 def test_a_streamed_call_joins_to_the_same_arguments(client):

@@ -85,6 +85,9 @@ def test_every_api_gives_mlx_lms_greedy_answer_plain_and_streamed(ring, mlx_lm_a
 # API's default), max_tokens 48, temperature 0. SmolLM2 repeats its call until max_tokens; the
 # answer is that one call, finish tool_calls, and the engine's JSON never reaches the client.
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+# The tool test_agents.py's clients declare, described the same: the prompts are one, and the
+# ring's cached prefix serves all but the first of them.
+WEATHER_DOC = "The current weather of a city."
 WEATHER_QUESTION = "What is the weather in Paris right now?"
 CALL_TOKENS = 48
 
@@ -102,7 +105,7 @@ def test_a_forced_call_with_parallel_calls_allowed_comes_back_once_in_every_api(
 
     kw = {
         "model": MODEL_ID, "messages": messages, "max_tokens": CALL_TOKENS, "temperature": 0,
-        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "description": WEATHER_DOC, "parameters": WEATHER_SCHEMA}}],
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
     }  # fmt: skip
     chat = oai.chat.completions.create(**kw).choices[0]
@@ -124,7 +127,7 @@ def test_a_forced_call_with_parallel_calls_allowed_comes_back_once_in_every_api(
 
     kw = {
         "model": MODEL_ID, "input": WEATHER_QUESTION, "max_output_tokens": CALL_TOKENS, "temperature": 0,
-        "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA, "strict": False}],
+        "tools": [{"type": "function", "name": "get_weather", "description": WEATHER_DOC, "parameters": WEATHER_SCHEMA, "strict": False}],
         "tool_choice": {"type": "function", "name": "get_weather"},
     }  # fmt: skip
     events = list(oai.responses.create(**kw, stream=True))
@@ -135,7 +138,7 @@ def test_a_forced_call_with_parallel_calls_allowed_comes_back_once_in_every_api(
 
     kw = {
         "model": MODEL_ID, "messages": messages, "max_tokens": CALL_TOKENS, "extra_body": {"temperature": 0},
-        "tools": [{"name": "get_weather", "input_schema": WEATHER_SCHEMA}], "tool_choice": {"type": "tool", "name": "get_weather"},
+        "tools": [{"name": "get_weather", "description": WEATHER_DOC, "input_schema": WEATHER_SCHEMA}], "tool_choice": {"type": "tool", "name": "get_weather"},
     }  # fmt: skip
     with ant.messages.stream(**kw) as s:
         events = list(s)
