@@ -11,8 +11,9 @@ final hidden states pooled as the model declares (``ModelInfo.pooling``: a GGUF 
 ``/api/embed``'s are normalized to unit length (as Ollama's are); the older route's are
 not (nor are Ollama's).
 
-Nothing here grows on the event loop with what a client sends: tokenizing, and writing
-thousands of vectors as JSON or base64, run in the executor.
+Nothing here grows on the event loop with what a client sends: parsing (up to MAX_INPUTS
+inputs, token ids each checked), tokenizing, and writing thousands of vectors as JSON or
+base64 run in the executor (``endpoint.py`` runs ``parse`` and ``answer`` there).
 """
 
 from __future__ import annotations
@@ -80,14 +81,21 @@ class Embedder:
         pool = self.d.info.pooling
         gate = asyncio.Semaphore(INPUTS_IN_FLIGHT)
 
-        async def one(i: int, prompt: list[int]) -> np.ndarray:
+        async def one(prompt: list[int]) -> np.ndarray:
             async with gate:
-                return await engine.embed(prompt, pool, f"{request_id}-{i}" if request_id and len(prompts) > 1 else request_id)
+                # Each input under the request's own id (the id is checked as it is, at its limit).
+                return await engine.embed(prompt, pool, request_id)
 
         try:
-            vectors = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        except EngineError as e:
+            # One input that fails ends the request, and the inputs still in the ring leave it.
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(p)) for p in prompts]
+        except BaseExceptionGroup as failed:
+            e = next((x for x in failed.exceptions if isinstance(x, EngineError)), None)
+            if e is None:
+                raise
             raise ApiError(e.status, str(e), retry_after=e.retry_after) from None
+        vectors = [t.result() for t in tasks]
         if req.normalize:
             vectors = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
         return Embedded(list(vectors), sum(map(len, prompts)), time.monotonic_ns() - started)
@@ -105,9 +113,7 @@ class Embedder:
                 if not req.truncate and len(item) > fits * self._chars_per_token:
                     raise ApiError(400, f"{where} is {len(item)} characters, which cannot fit the model's context of {info.context_length} tokens", where, "context_length_exceeded")
                 tokens = tokenizer.encode(item[: (fits + 1) * self._chars_per_token])
-            else:
-                if any(t >= info.vocab_size for t in item):
-                    raise ApiError(400, f"{where}: token ids must be below the vocabulary size {info.vocab_size}", where)
+            else:  # token ids, checked against the vocabulary when parsed
                 tokens = list(item)
             if not tokens:
                 raise ApiError(400, f"{where} is empty: there is nothing to embed", where)
@@ -133,14 +139,14 @@ def _inputs(v: Any, where: str, vocab_size: int, ids: bool) -> list[str | list[i
     """A string or a list of them (``ids``: or token ids, a list of them or of lists), as a list."""
     if isinstance(v, str):
         return [v]
+    if isinstance(v, list) and len(v) > MAX_INPUTS and not (ids and all(type(t) is int for t in v)):
+        raise ApiError(400, f"{where} holds {len(v)} inputs; at most {MAX_INPUTS} are embedded in one request", where)
     if ids and isinstance(v, list) and v and all(type(t) is int for t in v):
         v = [v]
     ok = isinstance(v, list) and v and all(isinstance(x, str) or (ids and isinstance(x, list) and x and all(type(t) is int for t in x)) for x in v)
     if not ok:
         kinds = "a string, a list of strings, a list of token ids or a list of such lists" if ids else "a string or a list of strings"
         raise ApiError(400, f"{where} must be {kinds}, not empty; got {brief_repr(v)}", where)
-    if len(v) > MAX_INPUTS:
-        raise ApiError(400, f"{where} holds {len(v)} inputs; at most {MAX_INPUTS} are embedded in one request", where)
     for i, x in enumerate(v):
         if isinstance(x, str):
             valid_text(x, f"{where}[{i}]")

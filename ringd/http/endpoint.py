@@ -153,10 +153,12 @@ class Endpoint:
         raw, body, _ = await self._receive(request)
         if self.d.engine is None:
             return await self.proxy.forward(request, raw, False, resumable=False)
-        req = api.parse(body)
+        loop = asyncio.get_running_loop()
+        # Up to MAX_INPUTS inputs of token ids each checked: not on the loop.
+        req = await loop.run_in_executor(None, api.parse, body)
         done = await self.embedder.embed(req, request_id(request))
         # Thousands of vectors are megabytes of JSON: written off the loop.
-        answer = await asyncio.get_running_loop().run_in_executor(None, api.answer, req, done)
+        answer = await loop.run_in_executor(None, api.answer, req, done)
         return web.Response(body=answer, content_type="application/json")
 
     async def generate(self, request: web.Request, api: Translation) -> web.StreamResponse:
