@@ -26,6 +26,10 @@ from collections import OrderedDict
 # and a longer match may come): a chat template's first few tokens are the
 # same in every request, a real system prompt is longer than this.
 MIN_REUSE_TOKENS = 16
+# An entry is used up when taken (trimmed to the prefix it shares). A request that would keep less
+# than this share of it (a system prompt it has in common with another conversation) computes its
+# prompt cold instead, and leaves the entry to the conversation whose next turn reuses all of it.
+MIN_REUSE_SHARE = 0.5
 # Finished requests whose caches the stages keep for prefix reuse.
 DEFAULT_PREFIX_CACHE_ENTRIES = 8
 
@@ -53,12 +57,13 @@ class PrefixIndex:
         """The entry sharing the longest prefix with ``prompt``, removed: (key, positions to keep).
 
         At least the prompt's last token is left to compute: the ring samples
-        from its position, as in a cold run.
+        from its position, as in a cold run. An entry it would keep less than
+        MIN_REUSE_SHARE of is left for another.
         """
         best, best_len = None, 0
         for key, tokens in self._entries.items():
             n = min(common_prefix(tokens, prompt), len(prompt) - 1)
-            if n > best_len:
+            if n > best_len and n >= MIN_REUSE_SHARE * len(tokens):
                 best, best_len = key, n
         if best is None or best_len < MIN_REUSE_TOKENS:
             return None

@@ -28,6 +28,16 @@ def test_take_finds_the_longest_shared_prefix_and_leaves_the_last_prompt_token()
     assert index.take(list(range(MIN_REUSE_TOKENS)) + [50] * 10) == (2, MIN_REUSE_TOKENS)
 
 
+def test_a_short_share_of_a_long_entry_leaves_it_for_its_own_conversation():
+    """A system prompt in common with another conversation's cache does not use that cache up."""
+    index = PrefixIndex(4)
+    conversation = list(range(100))
+    index.add(1, conversation)
+    stranger = conversation[:40] + [500] * 20  # the same 40-token system prompt, then its own question
+    assert index.take(stranger) is None and 1 in index
+    assert index.take(conversation + [7, 8]) == (1, 100)  # the conversation's next turn reuses all of it
+
+
 def test_entries_past_the_limit_are_evicted_oldest_first():
     index = PrefixIndex(2)
     assert index.add(1, [1] * 20) == []
