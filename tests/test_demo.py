@@ -96,8 +96,7 @@ def test_a_fresh_home_fetches_the_model_and_then_serves_it_with_no_network(smoll
     try:
         demo = Demo(env, nodes=2)
         try:
-            assert demo.model == "SmolLM2-135M-Instruct", demo.output
-            assert "Paris" in ask(demo.url, demo.model)
+            assert demo.model == "SmolLM2-135M-Instruct", demo.output  # serving what it fetched (asked offline below)
         finally:
             demo.stop()
         # It said what it fetched, up to the whole file, and the fetch left the model in the cache.

@@ -93,9 +93,9 @@ CALL_TOKENS = 48
 
 
 def test_a_forced_call_with_parallel_calls_allowed_comes_back_once_in_every_api(ring):
-    """Chat completions plain and streamed; Responses and Anthropic's Messages streamed, whose final
-    response is what a plain answer would be (their plain forced calls: each API's own tests, on the
-    tiny SmolLM2). Ollama's API has no tool_choice. Each answer costs the ring ~42 tokens here."""
+    """Chat completions, Responses and Anthropic's Messages, each plain and streamed (Ollama's API has
+    no tool_choice). The prompt is one (test_agents' too): after the first answer the ring's cached
+    prefix serves it, and each answer costs ~42 decoded tokens."""
     import json
 
     oai = ring.client()
@@ -130,6 +130,9 @@ def test_a_forced_call_with_parallel_calls_allowed_comes_back_once_in_every_api(
         "tools": [{"type": "function", "name": "get_weather", "description": WEATHER_DOC, "parameters": WEATHER_SCHEMA, "strict": False}],
         "tool_choice": {"type": "function", "name": "get_weather"},
     }  # fmt: skip
+    plain = oai.responses.create(**kw)
+    assert plain.status == "completed" and not plain.output_text, plain
+    got["responses"] = [(o.name, json.loads(o.arguments)) for o in plain.output if o.type == "function_call"]
     events = list(oai.responses.create(**kw, stream=True))
     [done] = [e.response for e in events if e.type == "response.completed"]
     assert done.status == "completed" and not done.output_text, done
@@ -140,6 +143,9 @@ def test_a_forced_call_with_parallel_calls_allowed_comes_back_once_in_every_api(
         "model": MODEL_ID, "messages": messages, "max_tokens": CALL_TOKENS, "extra_body": {"temperature": 0},
         "tools": [{"name": "get_weather", "description": WEATHER_DOC, "input_schema": WEATHER_SCHEMA}], "tool_choice": {"type": "tool", "name": "get_weather"},
     }  # fmt: skip
+    plain = ant.messages.create(**kw)
+    assert plain.stop_reason == "tool_use" and not [b for b in plain.content if b.type == "text"], plain
+    got["anthropic"] = [(b.name, b.input) for b in plain.content if b.type == "tool_use"]
     with ant.messages.stream(**kw) as s:
         events = list(s)
         final = s.get_final_message()
