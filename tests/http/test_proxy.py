@@ -128,3 +128,32 @@ def test_a_client_that_closes_right_after_done_on_a_follower_logs_no_error(tiny_
         assert "carrying it over" not in c.logs[1].read_text()  # a client that left is no lost leader
     finally:
         c.stop()
+
+
+def test_a_token_with_no_chunk_of_its_own_still_reaches_the_follower_as_an_id():
+    """A token that adds nothing to the answer (a call's held piece, text held for a stop string)
+    sends no chunk; the leader still sends its id, as a comment-only event (endpoint.py), so a
+    stream carried over to another leader resumes after it. The follower's side, in process: the
+    bytes as the leader writes them, split into events as ``_Stream`` reads them."""
+    import asyncio
+
+    from ringd.http.proxy import TOKEN_COMMENT, _Stream
+
+    class Client:  # what _Stream writes to: the client's response (aiohttp's, in the daemon)
+        def __init__(self):
+            self.data = b""
+
+        async def write(self, data: bytes) -> None:
+            self.data += data
+
+    chunk = b'data: {"id": "c1", "created": 1, "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": null}]}\n\n'
+    wire = TOKEN_COMMENT + b"5\n" + chunk + TOKEN_COMMENT + b"6\n\n" + TOKEN_COMMENT + b"7\n" + chunk
+    stream = _Stream(None, None, b"")
+    stream.resp = Client()
+
+    async def relay():
+        for event in wire.split(b"\n\n")[:-1]:
+            await stream._relay(event)
+
+    asyncio.run(relay())
+    assert stream.tokens == [5, 6, 7] and stream.resp.data == chunk + chunk and stream.id == "c1"
