@@ -63,6 +63,7 @@ from ringd.http.fields import (
     MAX_STOP_SEQUENCES,
     asks_nothing,
     bad,
+    chosen_tool,
     check_schema,
     check_tool_name,
     declared_tool,
@@ -412,12 +413,7 @@ def _tool_choice(v: Any, tools: list[Tool]) -> tuple[str, str | None, bool]:
         raise bad(f"tool_choice {kind!r} needs tools", "tool_choice")
     name = None
     if kind == "tool":
-        name = v.get("name")
-        if name not in {t.name for t in tools}:
-            raise bad(
-                f"tool_choice names the tool {brief_repr(name)}, which is not among the tools",
-                "tool_choice.name",
-            )
+        name = chosen_tool(v.get("name"), tools, "tool_choice.name", "tool")
     choice = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[kind]
     return choice, name, parallel is not True
 

@@ -212,6 +212,14 @@ def check_tool_name(name: Any, where: str, max_chars: int = MAX_TOOL_NAME_CHARS)
     return name
 
 
+def chosen_tool(name: Any, tools: list[Tool], where: str, what: str = "function") -> str:
+    """``name``, a tool_choice's, if it is a string naming one of ``tools``; else a 400 naming
+    ``where`` (a list or an object there is a client's mistake, not a lookup that fails)."""
+    if not isinstance(name, str) or name not in {t.name for t in tools}:
+        raise bad(f"tool_choice names the {what} {brief_repr(name)}, which is not among the tools", where)
+    return name
+
+
 def declared_tool(t: dict, where: str, seen: set[str], max_name_chars: int = MAX_TOOL_NAME_CHARS) -> tuple[str, str]:
     """A declared tool's name (valid, and not declared before: ``seen`` keeps the names) and its
     description (text, empty when absent), as every API's tool declaration has them under ``where``."""

@@ -27,6 +27,7 @@ from ringd.http.fields import (
     MAX_STOP_SEQUENCES,
     asks_nothing,
     bad,
+    chosen_tool,
     check_schema,
     function_tools,
     is_bool,
@@ -166,10 +167,7 @@ def _tool_choice(v: Any, tools: list[Tool]) -> tuple[str, str | None]:
     if v in ("auto", "none", "required"):
         return v, None
     if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict):
-        name = v["function"].get("name")
-        if name not in {t.name for t in tools}:
-            raise bad(f"tool_choice names the function {brief_repr(name)}, which is not among the tools", "tool_choice")
-        return "function", name
+        return "function", chosen_tool(v["function"].get("name"), tools, "tool_choice")
     raise bad('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}', "tool_choice")
 
 

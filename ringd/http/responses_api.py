@@ -71,6 +71,7 @@ from ringd.http.fields import (
     MAX_MESSAGES,
     asks_nothing,
     bad,
+    chosen_tool,
     check_schema,
     declared_tool,
     is_bool,
@@ -345,18 +346,14 @@ def _tool_choice(v: Any, tools: list[Tool]) -> tuple[str, str | None, list[Tool]
         return v, None, tools
     kind = v.get("type") if isinstance(v, dict) else None
     if kind == "function":
-        name = v.get("name")
-        if name not in {t.name for t in tools}:
-            raise bad(f"tool_choice names the function {brief_repr(name)}, which is not among the tools", "tool_choice")
-        return "function", name, tools
+        return "function", chosen_tool(v.get("name"), tools, "tool_choice"), tools
     if kind == "allowed_tools":
         mode, allowed = v.get("mode"), v.get("tools")
         if mode not in ("auto", "required") or not isinstance(allowed, list):
             raise bad('tool_choice allowed_tools takes {"mode": "auto" | "required", "tools": [{"type": "function", "name"}]}', "tool_choice")
-        names = {a.get("name") for a in allowed if isinstance(a, dict) and a.get("type") == "function"}
-        missing = names - {t.name for t in tools}
-        if len(names) != len(allowed) or missing:
-            raise bad(f"tool_choice.tools must name function tools among the tools; not there: {brief_repr(sorted(map(str, missing)))}", "tool_choice.tools")
+        names = {chosen_tool(a.get("name"), tools, "tool_choice.tools") for a in allowed if isinstance(a, dict) and a.get("type") == "function"}
+        if len(names) != len(allowed):
+            raise bad("tool_choice.tools must name function tools among the tools, each once", "tool_choice.tools")
         return mode, None, [t for t in tools if t.name in names]
     raise bad(
         'tool_choice must be "auto", "none", "required", {"type": "function", "name"} or {"type": "allowed_tools", ...}; '

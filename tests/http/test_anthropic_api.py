@@ -179,6 +179,7 @@ def test_a_final_assistant_message_is_a_prefill_and_settings_map():
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type", "web_search_20250305"),
         ({"tools": [{"name": "f"}]}, "tools[0].input_schema", "input_schema is required"),
         ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name", "nope"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": ["get_weather"]}}, "tool_choice.name", "['get_weather']"),
         ({"tool_choice": {"type": "any"}}, "tool_choice", "needs tools"),
         ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens", "budget_tokens"),
         ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens", "less than max_tokens"),

@@ -157,6 +157,9 @@ def test_tools_and_choices_become_the_internal_request():
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools[0].function.parameters"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        # A name that is a list or an object is a client's mistake, not a 500 (issue 28).
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": {"a": 1}}}}, "tool_choice"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format.json_schema.schema"),
