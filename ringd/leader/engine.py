@@ -366,12 +366,12 @@ class Engine:
             raise EngineError("the prompt is empty", 400)
         if self.active >= self.max_active:
             raise EngineError(f"{self.max_active} requests are already generating; retry shortly", 429, RETRY_AFTER_S)
+        if pool is None:  # before its booking: from the booking on, nothing awaits until its flight is open
+            await self._kept_by_those_leaving(prompt)
         rid = next(self._ids)
         await self._admit_on_ring(rid, len(prompt) + max_tokens, request_id)
         self.metrics.queue_wait.observe(time.monotonic() - arrived)
         flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue(), generated=list(resume), request_id=request_id, arrived=arrived, pool=pool)
-        if pool is None:
-            await self._kept_by_those_leaving(flight.prompt)
         if self._prefix_term == self.plan.term and pool is None:
             flight.reuse = self.prefix.take(flight.prompt)
             if flight.reuse is not None:
@@ -398,6 +398,8 @@ class Engine:
         be kept as a cached prefix. An agent's next turn arrives the moment the last answer ends, and
         one that ended early (its client stopped reading, or it repeated a call) still has a row on
         the ring, whose return releases it: without the wait the turn would find no prefix."""
+        if self.prefix.max_entries <= 0:
+            return  # nothing is kept to wait for
         for flight in list(self._flights.values()):
             if (
                 flight.finished and not flight.released and not flight.failed and flight.pool is None

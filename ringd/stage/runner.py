@@ -8,8 +8,9 @@ in its ``Sessions``, then either forwards the new hidden states to the next
 stage or, on the last stage, samples each row that asks (within its request's
 grammar, if it has one) and answers the leader with one TOKEN frame for the
 micro-batch (``steps.Tokens``). An embedding's rows are pooled there instead
-(``pooling.py``): its last row is answered with the pooled vector. RELEASE frees a request's caches here and
-travels on, behind the request's last row, so it frees every stage.
+(``pooling.py``): its last row is answered with the pooled vector. RELEASE frees
+a request's caches here and travels on, behind the request's last row, so it
+frees every stage.
 
 A verify row (speculative decoding) carries a fed-back token and a draft
 model's proposals: every stage computes all their positions; the last stage
