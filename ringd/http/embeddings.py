@@ -101,7 +101,7 @@ class Embedder:
         return Embedded(list(vectors), sum(map(len, prompts)), time.monotonic_ns() - started)
 
     def _tokens(self, req: EmbedRequest) -> list[list[int]]:
-        """On an executor thread: each input's token ids, checked against the vocabulary and the context."""
+        """On an executor thread: each input's token ids, checked against the context (cut to it, with ``truncate``)."""
         info, tokenizer = self.d.info, self.d.tokenizer
         fits = info.context_length - 1  # the ring books one position past the input for its answer
         if self._chars_per_token is None:
