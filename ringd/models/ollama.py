@@ -36,6 +36,9 @@ DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
 
+# An Ollama manifest names a handful of layers, about a kilobyte of JSON: a file past this is no
+# manifest, and is refused before it is read (a damaged or hostile store costs nothing).
+MAX_MANIFEST_BYTES = 1 << 20
 # The layer of a manifest that is the model's weights: a GGUF file.
 MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
 GGUF_MAGIC = b"GGUF"
@@ -144,9 +147,13 @@ def resolve(ref: str, models_dir: Path | None = None) -> Path:
     if not manifest_path.is_file():
         raise ModelError(f"{what}: no such model in the Ollama store {store} (no manifest {manifest_path}); {pull} fetches it, `ollama list` shows what is there")
     try:
-        manifest = json.loads(manifest_path.read_text())
+        with open(manifest_path, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"over {MAX_MANIFEST_BYTES} bytes, where a manifest is about a kilobyte")
+        manifest = json.loads(raw.decode())
         layers = [layer for layer in manifest.get("layers") or [] if isinstance(layer, dict)]
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError, TypeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, TypeError, RecursionError) as e:  # RecursionError: nested too deep
         raise ModelError(f"{what}: cannot read its manifest {manifest_path} ({e}); {pull} writes it again") from None
     layer = next((layer for layer in layers if layer.get("mediaType") == MODEL_MEDIA_TYPE), None)
     if layer is None:

@@ -16,7 +16,7 @@ import pytest
 
 from ringd.models import ollama
 from ringd.models.errors import ModelError
-from ringd.models.ollama import MODEL_MEDIA_TYPE, is_ollama_ref, parse_name, resolve
+from ringd.models.ollama import MAX_MANIFEST_BYTES, MODEL_MEDIA_TYPE, is_ollama_ref, parse_name, resolve
 
 FAKE_GGUF = b"GGUF" + (3).to_bytes(4, "little") + bytes(56)
 
@@ -158,6 +158,24 @@ def test_a_manifest_that_is_not_json_says_which_file(store):
     file.write_text("{not json")
     with pytest.raises(ModelError, match=f"cannot read its manifest {file}"):
         resolve("ollama:smollm2")
+
+
+@pytest.mark.parametrize(
+    "write, why",
+    [
+        (lambda f: f.write_text("[" * 200_000), "maximum recursion depth"),  # json's own limit, not a traceback
+        (lambda f: f.write_bytes(b" " * (MAX_MANIFEST_BYTES + 1)), "over 1048576 bytes"),  # refused unread
+    ],
+    ids=["nested", "huge"],
+)
+def test_a_hostile_manifest_is_one_line_not_a_traceback_nor_a_read_of_it_all(store, write, why):
+    """Issue 28: 200,000 nested [ made a RecursionError traceback; a 1 GiB manifest was read whole."""
+    file = store / "manifests" / "registry.ollama.ai" / "library" / "smollm2" / "latest"
+    file.parent.mkdir(parents=True)
+    write(file)
+    with pytest.raises(ModelError, match=f"cannot read its manifest {file} \\(.*{why}") as e:
+        resolve("ollama:smollm2")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(
