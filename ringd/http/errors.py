@@ -37,7 +37,8 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type_ or TYPES.get(status, "server_error")
+        # A status without its own type: the client's mistake (4xx) or the server's.
+        self.type = type_ or TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
