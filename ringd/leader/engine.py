@@ -339,13 +339,7 @@ class Engine:
         flight = await self._enter(prompt, EMBEDDING_PARAMS, 1, [], request_id, pool)
         try:
             self._run(self.scheduler.join(flight.rid, flight.prompt, 1, stops=frozenset()))
-            try:
-                async with asyncio.timeout(self.step_timeout_s):
-                    got = await flight.queue.get()
-            except TimeoutError:
-                raise EngineError(f"the ring did not answer within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)", 503) from None
-            if isinstance(got, EngineError):
-                raise got
+            got = await self._answer(flight)
             if not isinstance(got, steps.Embedded):
                 raise self._error(flight, "the ring sampled a token for an embedding: a stage that does not pool (mixed versions?)", 500)
             flight.outcome = "embedded"
@@ -412,16 +406,21 @@ class Engine:
                     pass  # it computes cold: no worse than without the wait
                 return
 
-    async def _next(self, flight: _Flight, text: _Text, resumed: bool) -> TokenEvent:
-        """The request's next token from the ring, as text; an EngineError if the ring says it failed
-        or says nothing for ``step_timeout_s``."""
+    async def _answer(self, flight: _Flight) -> steps.Sampled | steps.Embedded:
+        """The ring's next answer for ``flight``; an EngineError if the ring says it failed or says
+        nothing for ``step_timeout_s``."""
         try:
             async with asyncio.timeout(self.step_timeout_s):
-                sampled = await flight.queue.get()
+                got = await flight.queue.get()
         except TimeoutError:
             raise EngineError(f"the ring did not answer within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)", 503) from None
-        if isinstance(sampled, EngineError):
-            raise sampled
+        if isinstance(got, EngineError):
+            raise got
+        return got
+
+    async def _next(self, flight: _Flight, text: _Text, resumed: bool) -> TokenEvent:
+        """The request's next token from the ring, as text (``_answer``'s errors)."""
+        sampled = await self._answer(flight)
         piece, finish = text.next(sampled.token)
         now = time.monotonic()
         if flight.last_token_at is None:
