@@ -219,7 +219,7 @@ def _messages(v: Any) -> tuple[list[dict], bool]:
             _user(blocks, where, out, names, pending)
         else:
             _assistant(blocks, where, out, names, pending)
-    last = out[-1]
+    last = _joined(out)[-1]
     prefill = last["role"] == "assistant"
     if prefill and last.get("tool_calls"):
         raise bad(
@@ -229,16 +229,35 @@ def _messages(v: Any) -> tuple[list[dict], bool]:
     return out, prefill
 
 
+# Where a turn joined of several messages keeps their texts until they are joined once.
+PARTS = "_parts"
+# How the texts of joined turns are joined: paragraphs; thinking runs on.
+JOINED_BY = {"content": "\n\n", "reasoning_content": ""}
+
+
 def _append(out: list[dict], msg: dict) -> None:
-    """Add a turn, joined to the one before if it has the same role (as Anthropic joins them)."""
+    """Add a turn, joined to the one before if it has the same role (as Anthropic joins them).
+
+    A joined turn keeps its texts as parts (PARTS) until ``_joined`` makes them one string: joining
+    at each step copied the turn so far every time, quadratic in a run of same-role messages
+    (4,096 of them, 16 MB, held the event loop for seconds)."""
     last = out[-1] if out else None
     if last is not None and last["role"] == msg["role"] and msg["role"] in ("user", "assistant") and not last.get("tool_calls"):
-        last["content"] = "\n\n".join(t for t in (last["content"], msg["content"]) if t)
-        for key in ("reasoning_content", "tool_calls"):
-            if key in msg:
-                last[key] = last.get(key, "" if key == "reasoning_content" else []) + msg[key]
+        for key in JOINED_BY:
+            if msg.get(key):
+                last.setdefault(PARTS, {}).setdefault(key, [last[key]] if last.get(key) else []).append(msg[key])
+        if "tool_calls" in msg:
+            last["tool_calls"] = last.get("tool_calls", []) + msg["tool_calls"]  # once per turn: it ends the joining
         return
     out.append(msg)
+
+
+def _joined(out: list[dict]) -> list[dict]:
+    """The turns ``_append`` joined, each text one string again."""
+    for m in out:
+        for key, parts in m.pop(PARTS, {}).items():
+            m[key] = JOINED_BY[key].join(parts)
+    return out
 
 
 def _user(blocks: list, where: str, out: list[dict], names: dict[str, str], pending: set[str]) -> None:
