@@ -43,7 +43,8 @@ from ringd.http.endpoint import Endpoint
 from ringd.http.errors import ApiError
 from ringd.http.files import FileServer
 from ringd.http.guard import AIOHTTP_LOG, HTTP_IDLE_TIMEOUT_S, listen, raise_fd_limit, undecodable_header
-from ringd.http.intake import MAX_BODY_BYTES, REQUEST_ID_KEY, Intake
+from ringd.http.bodies import MAX_BODY_BYTES
+from ringd.http.intake import REQUEST_ID_KEY, Intake
 from ringd.http.proxy import REQUEST_ID_HEADER, Proxy
 from ringd.http.serving import Serving
 from ringd.names import check_name
@@ -225,6 +226,9 @@ class Api:
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, keepalive_timeout=HTTP_IDLE_TIMEOUT_S,
             shutdown_timeout=HTTP_SHUTDOWN_GRACE_S,
+            # Bodies are inflated by intake (bodies.py), bounded and off the loop; aiohttp's own
+            # inflating runs on the loop as the bytes arrive, without a bound.
+            auto_decompress=False,
             # What aiohttp logs of requests its parser refuses: one line, without their bytes.
             logger=AIOHTTP_LOG,
         )  # fmt: skip

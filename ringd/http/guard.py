@@ -14,9 +14,7 @@ no word in the log; four 16 MiB bodies at once cost gigabytes.
     - A connection that has not sent a whole request line and headers within
       HTTP_IDLE_TIMEOUT_S of opening (or of its last response) is closed:
       aiohttp's keep-alive timer does it, given that value.
-    - Request bodies: ``BodyBudget`` books each body's bytes before reading it,
-      out of BODY_BYTES_IN_FLIGHT for the whole node; a body that does not
-      arrive within BODY_READ_TIMEOUT_S is dropped.
+    - Request bodies: booked, paced and inflated within bounds by ``bodies.py``.
     - Headers: a request line or header aiohttp's parser refuses (a control
       byte, a bad name, a line over its limit) is answered 400 by aiohttp
       before any route sees it; aiohttp logs each with a traceback that quotes
@@ -34,7 +32,6 @@ an error (the API's), and what a body says (``openai_types.py``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import resource
@@ -55,12 +52,6 @@ FD_HEADROOM = 1024
 # A client sends a request's line and headers in milliseconds; one still
 # sending after this is stuck or hostile. The same bounds an idle keep-alive.
 HTTP_IDLE_TIMEOUT_S = 30.0
-# The largest body (16 MiB) arrives in well under a second on a LAN; a minute
-# covers Wi-Fi at its worst.
-BODY_READ_TIMEOUT_S = 60.0
-# Request bodies being read at once, in bytes, across all connections: a dozen
-# of the largest allowed, a few hundred MiB at most, never gigabytes.
-BODY_BYTES_IN_FLIGHT = 256 * 1024 * 1024
 # Refused connections and malformed requests are counted and reported at most this often.
 LOG_INTERVAL_S = 60.0
 # What of aiohttp's reason for refusing a request goes into the log: its leading
@@ -202,27 +193,3 @@ def undecodable_header(headers) -> str | None:
         except UnicodeEncodeError:
             return name
     return None
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class BodyBudget:
-    """Bytes of request bodies being read, node-wide, within BODY_BYTES_IN_FLIGHT."""
-
-    def __init__(self, limit: int = BODY_BYTES_IN_FLIGHT):
-        self.limit = limit
-        self.in_flight = 0
-
-    @contextlib.contextmanager
-    def book(self, nbytes: int):
-        """Hold ``nbytes`` while reading; False (and nothing held) if they do not fit now."""
-        if self.in_flight + nbytes > self.limit:
-            yield False
-            return
-        self.in_flight += nbytes
-        try:
-            yield True
-        finally:
-            self.in_flight -= nbytes

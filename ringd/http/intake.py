@@ -5,14 +5,14 @@ Every route that takes a body reads it here, and every ``/v1/*`` and
 
 - the key: one of ``api_keys_file``'s, as a Bearer token or as Anthropic's
   ``x-api-key`` (``auth.check_api_key``);
-- the body: its bytes booked against the node's budget before it is read
-  (``guard.BodyBudget``), a declared length over MAX_BODY_BYTES refused before
-  a byte is read, and the whole of it within BODY_READ_TIMEOUT_S;
+- the body: its bytes booked against the node's budget and its client's share
+  before it is read, at a minimum pace, inflated within MAX_BODY_BYTES where it
+  came as gzip (``bodies.py``);
 - a follower's mark (FORWARDED_HEADER) holds only with the follower's proof of
   the cluster secret over this body (``auth.ForwardAuth``): a client that sends
   the mark without it is refused, not served as if it had not;
 - the JSON: parsed off the event loop, MAX_CONCURRENT_PARSES at once
-  (``fields.parse_json``).
+  (``fields.parse_json``), and so is each API's reading of it (``off_loop``).
 
 What is done with the body is the endpoint driver's (``endpoint.py``) or the route's.
 """
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from aiohttp import web
 
 from ringd.auth import AuthError, ForwardAuth, body_sha256, check_api_key
 from ringd.http.errors import ApiError
 from ringd.http.fields import parse_json
-from ringd.http.guard import BODY_READ_TIMEOUT_S, BodyBudget
+from ringd.http.bodies import BodyBudget, coding_of, inflate, read_body
 from ringd.http.proxy import FORWARDED_HEADER
 
 if TYPE_CHECKING:
@@ -39,12 +39,13 @@ API_KEY_HEADER = "x-api-key"
 # Where a request's id is kept on the aiohttp request (api.py's middleware puts it there).
 REQUEST_ID_KEY = "ringd_request_id"
 
-# Largest request body: a long chat history is a few MB of JSON; more is abuse.
-MAX_BODY_BYTES = 16 * 1024 * 1024
 # Bodies parsed at once: each is CPU-bound work off the event loop that holds a
 # copy of the body (json holds the GIL while it parses), so a burst of giant
 # requests waits its turn instead of taking all memory.
 MAX_CONCURRENT_PARSES = 2
+
+
+T = TypeVar("T")
 
 
 def request_id(request: web.Request) -> str | None:
@@ -66,22 +67,21 @@ class Intake:
         check_api_key(given, self.d.api_keys)
 
     async def read(self, request: web.Request) -> bytes:
-        """The body, its bytes booked against the node's budget and read within a deadline."""
-        declared = request.content_length
-        if declared is not None and declared > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is {declared} bytes; at most {MAX_BODY_BYTES} are accepted")
-        with self.bodies.book(declared if declared is not None else MAX_BODY_BYTES) as booked:
-            if not booked:
-                raise ApiError(503, "this node is reading too many large requests right now; retry in a moment", retry_after=2)
-            try:
-                async with asyncio.timeout(BODY_READ_TIMEOUT_S):
-                    return await request.read()
-            except TimeoutError:
-                raise ApiError(408, f"the request body did not arrive within {BODY_READ_TIMEOUT_S:.0f} s") from None
+        """The body, booked against the node's budget while it is read (``bodies.py``), inflated if
+        it came as gzip or deflate."""
+        coding = coding_of(request)  # a coding not taken is refused before a byte is read
+        raw = await read_body(request, self.bodies)
+        return await self.off_loop(inflate, raw) if coding else raw
 
     async def json(self, raw: bytes) -> dict:
+        return await self.off_loop(parse_json, raw)
+
+    async def off_loop(self, work: Callable[..., T], *args) -> T:
+        """``work(*args)`` on an executor thread, MAX_CONCURRENT_PARSES at once: a body's parse, or
+        an API's reading of it, whose cost grows with what the client sent (a 15 MiB schema of tiny
+        nodes took seconds to check: on the event loop, heartbeats stopped and the ring re-elected)."""
         async with self._parses:
-            return await asyncio.get_running_loop().run_in_executor(None, parse_json, raw)
+            return await asyncio.get_running_loop().run_in_executor(None, work, *args)
 
     async def forwarded_by(self, request: web.Request, body: bytes) -> str | None:
         """The follower that forwarded this request, once its proof of the secret holds; None for a
