@@ -147,7 +147,7 @@ class Endpoint:
         raw, body, _ = await self._receive(request)
         if self.d.engine is None:
             return await self.proxy.forward(request, raw, False, resumable=False)
-        return web.json_response(api.counted(await self.serving.count_tokens(api.parse(body))))
+        return web.json_response(api.counted(await self.serving.count_tokens(await self.intake.off_loop(api.parse, body))))
 
     async def embed(self, request: web.Request, api: "embeddings.Translation") -> web.StreamResponse:
         raw, body, _ = await self._receive(request)
@@ -155,7 +155,7 @@ class Endpoint:
             return await self.proxy.forward(request, raw, False, resumable=False)
         loop = asyncio.get_running_loop()
         # Up to MAX_INPUTS inputs of token ids each checked: not on the loop.
-        req = await loop.run_in_executor(None, api.parse, body)
+        req = await self.intake.off_loop(api.parse, body)
         done = await self.embedder.embed(req, request_id(request))
         # Thousands of vectors are megabytes of JSON: written off the loop.
         answer = await loop.run_in_executor(None, api.answer, req, done)
@@ -166,7 +166,8 @@ class Endpoint:
         raw, body, forwarded = await self._receive(request)
         if self.d.engine is None:
             return await self.proxy.forward(request, raw, api.streams(body), resumable=api.resumable)
-        answer = api.parse(body)
+        # Messages, tools and schemas checked: work that grows with the body, not on the loop.
+        answer = await self.intake.off_loop(api.parse, body)
         if answer.request is None:
             return web.json_response(answer.whole(None))
         resume = None

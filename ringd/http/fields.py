@@ -24,10 +24,19 @@ from typing import Any, Callable
 from ringd.http.errors import ApiError
 from ringd.http.request import MAX_TOOLS, Tool
 from ringd.ring.sampling import SamplingError, SamplingParams, brief_repr
+from ringd.stage.patterns import too_costly
 
 # OpenAI accepts up to 4 stop sequences; a few more costs nothing here.
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
+# JSON values a body may hold, counted before it is parsed: json.loads holds the GIL for a whole
+# parse, so the event loop stands still meanwhile whatever thread parses (1.5M empty objects: 1.7 s,
+# and the ring re-elected). Each bounds a parse to about 0.2 s on a slow core (an object member
+# costs ~0.8 µs, an item ~0.08 µs), and leaves room for what is legitimate: 4,096 messages, 128
+# tools' schemas, a prompt or 2,048 embedding inputs of token ids, a million of them.
+MAX_JSON_CONTAINERS = 100_000
+MAX_JSON_MEMBERS = 200_000
+MAX_JSON_ITEMS = 2_000_000
 # Messages in one chat request; beyond this the body is an attack or a bug.
 MAX_MESSAGES = 4096
 # Model names are Hugging Face repo ids (at most 96 characters there) or
@@ -39,6 +48,10 @@ MAX_TOOL_NAME_CHARS = 64  # Anthropic's tools take 128
 # A JSON schema (a tool's parameters, a response format) nested deeper than
 # this is an attack on the grammar compiler, not a schema.
 MAX_SCHEMA_DEPTH = 64
+# Values in one schema: the largest tool schemas people send (MCP servers') hold hundreds; a
+# grammar is at most MAX_GRAMMAR_BYTES (32 KiB), which no schema of more values could fit. Checked
+# before anything else walks the schema: 15 MiB of tiny nodes took 7.4 s to check whole.
+MAX_SCHEMA_NODES = 16_384
 # Sampling every API takes by these names (Anthropic and Responses as ringd's
 # extensions): numbers, then integers, checked in this order.
 SAMPLED_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -78,6 +91,9 @@ def parse_json(raw: bytes) -> dict:
     (``RecursionError``), an integer longer than Python's 4,300-digit
     conversion limit, and NaN / Infinity.
     """
+    too_many = _too_many_values(raw)
+    if too_many:
+        raise bad(too_many)
     try:
         body = json.loads(raw, parse_constant=_refuse_constant)
     except RecursionError:
@@ -92,6 +108,22 @@ def parse_json(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body
+
+
+def _too_many_values(raw: bytes) -> str | None:
+    """Why ``raw`` holds more JSON values than a body may (before it is parsed), or None.
+
+    Counted by the bytes that make them (``{`` and ``[``, ``:``, ``,``), which strings holding
+    those characters inflate: the safe side, and text holds few of them. Milliseconds for 16 MiB.
+    """
+    for what, count, limit in (
+        ("objects and lists", raw.count(b"{") + raw.count(b"["), MAX_JSON_CONTAINERS),
+        ("object members", raw.count(b":"), MAX_JSON_MEMBERS),
+        ("values", raw.count(b","), MAX_JSON_ITEMS),
+    ):
+        if count > limit:
+            return f"the request body holds up to {count} JSON {what}; at most {limit} are read"
+    return None
 
 
 # --- one field --------------------------------------------------------------------
@@ -183,26 +215,38 @@ def listed(v: Any, where: str) -> list:
     return v
 
 
-def schema_depth(v: Any, depth: int = 0) -> int:
-    """How deeply ``v`` nests (iteratively bounded: a hostile schema cannot recurse us out)."""
-    deepest, stack = 0, [(v, 0)]
+def schema_depth(v: Any) -> int:
+    """How deeply ``v`` nests, up to one level past MAX_SCHEMA_DEPTH, in at most MAX_SCHEMA_NODES + 1
+    steps: iterative (a hostile schema cannot recurse us out) and bounded (nor keep us walking)."""
+    return _shape(v)[0]
+
+
+def _shape(v: Any) -> tuple[int, int]:
+    """(depth, nodes) of ``v``, each counted until it passes its limit."""
+    deepest, nodes, stack = 0, 0, [(v, 0)]
     while stack:
         node, d = stack.pop()
-        deepest = max(deepest, d)
-        if d > MAX_SCHEMA_DEPTH:
+        deepest, nodes = max(deepest, d), nodes + 1
+        if d > MAX_SCHEMA_DEPTH or nodes > MAX_SCHEMA_NODES:
             break
         if isinstance(node, dict):
             stack.extend((x, d + 1) for x in node.values())
         elif isinstance(node, list):
             stack.extend((x, d + 1) for x in node)
-    return deepest
+    return deepest, nodes
 
 
 def check_schema(schema: Any, where: str) -> dict:
     if not isinstance(schema, dict):
         raise bad(f"{where} must be a JSON schema object; got {brief_repr(schema)}", where)
-    if schema_depth(schema) > MAX_SCHEMA_DEPTH:
+    depth, nodes = _shape(schema)
+    if depth > MAX_SCHEMA_DEPTH:
         raise bad(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels", where)
+    if nodes > MAX_SCHEMA_NODES:
+        raise bad(f"{where} holds more than {MAX_SCHEMA_NODES} values (keys' values and list items); send a smaller schema", where)
+    # Refused now, before any token: compiled, it would fail mid-answer.
+    if (why := too_costly(schema)) is not None:
+        raise bad(f"{where}: {why}", where)
     return schema
 
 
@@ -238,8 +282,9 @@ def template_kwargs(v: Any, where: str = "chat_template_kwargs") -> dict:
         return {}
     if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
         raise bad(f'{where} must be an object of template variables, e.g. {{"enable_thinking": false}}', where)
-    if schema_depth(v) > MAX_SCHEMA_DEPTH:
-        raise bad(f"{where} nests too deeply", where)
+    depth, nodes = _shape(v)
+    if depth > MAX_SCHEMA_DEPTH or nodes > MAX_SCHEMA_NODES:
+        raise bad(f"{where} nests too deeply or holds too many values", where)
     return v
 
 
