@@ -86,20 +86,32 @@ class Request:
         """What the client's API calls the internal field ``field_``."""
         return self.names.get(field_, field_)
 
-    def prompt_chars(self) -> int:
-        """How much the tokenizer will be fed: characters of text, or token ids.
+    def prompt_chars(self, limit: int) -> int:
+        """How much the tokenizer may be fed: characters of text, or token ids; counted up to a
+        little past ``limit`` (the work stops there, whatever the request holds).
 
-        For a chat, a lower bound (the template adds text of its own), the safe
-        side for refusing a prompt too long for the context before tokenizing it.
+        For a chat, every string a template may render counts: the messages' every field (a tool
+        call's id and arguments, a tool result's name), the tools' names, descriptions and schemas,
+        the template's variables. A template adds text of its own and may leave some out; counting
+        what the client sent is the rule a client can check, and it costs no tokenizing: 15 MB of
+        tool descriptions went to the tokenizer, seconds and a gigabyte, before this counted them.
         """
-        if self.messages is not None:
-            n = 0
-            for m in self.messages:
-                n += len(m.get("content") or "") + len(m.get("reasoning_content") or "")
-                for call in m.get("tool_calls") or ():
-                    n += len(json.dumps(call["function"].get("arguments"), ensure_ascii=False))
-            return n
-        return len(self.prompt or ())
+        if self.messages is None:
+            return len(self.prompt or ())
+        n = 0
+        stack: list = [self.messages, self.template_kwargs, [(t.name, t.description, t.parameters) for t in self.tools]]
+        while stack and n <= limit:
+            v = stack.pop()
+            if isinstance(v, str):
+                n += len(v)
+            elif isinstance(v, dict):
+                n += sum(len(k) for k in v if isinstance(k, str))
+                stack.extend(v.values())
+            elif isinstance(v, (list, tuple)):
+                stack.extend(v)
+            elif v is not None:
+                n += 1  # a number or a boolean: a character at least
+        return n
 
 
 @dataclass(frozen=True)

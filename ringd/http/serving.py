@@ -161,14 +161,17 @@ class Serving:
         """The prompt (that fits the context) and the grammar (that compiles) of ``req``."""
         context = self.d.info.context_length
         where = req.name("messages" if req.chat else "prompt")
-        chars = req.prompt_chars()
         if self._chars_per_token is None:
             self._chars_per_token = max_chars_per_token(self.d.tokenizer)
-        if chars > context * self._chars_per_token:
+        budget = context * self._chars_per_token
+        # Every string of the request, counted before it is rendered or tokenized: off the loop,
+        # as a request may hold a million of them.
+        chars = await asyncio.get_running_loop().run_in_executor(None, req.prompt_chars, budget)
+        if chars > budget:
             raise ApiError(
                 400,
-                f"the prompt is {chars} characters, which cannot fit the model's context of {context} tokens "
-                f"(a token here spans at most {self._chars_per_token} characters)",
+                f"the prompt{' and tools' if req.tools else ''} come to over {budget} characters, which cannot fit "
+                f"the model's context of {context} tokens (a token here spans at most {self._chars_per_token} characters)",
                 where,
                 "context_length_exceeded",
             )

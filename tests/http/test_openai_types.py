@@ -45,17 +45,19 @@ def refused(body: dict | bytes, chat: bool = True) -> ApiError:
 
 def test_parse_json_is_safe_in_an_executor_on_the_largest_body():
     """intake.py runs parse_json off the event loop on bodies up to 16 MiB: a thread's stack and time."""
-    deep = b"[" * BODY_BYTES
+    deep = b"[" * 50_000  # deeper than the interpreter recurses, within MAX_JSON_CONTAINERS
     text = json.dumps({**CHAT, "messages": [{"role": "user", "content": "a" * (BODY_BYTES - 100)}]}).encode()
     assert len(text) <= BODY_BYTES
     with ThreadPoolExecutor(1) as pool:
         with pytest.raises(ApiError, match="too deeply"):
             pool.submit(parse_json, deep).result()
+        with pytest.raises(ApiError, match="at most 100000 are read"):
+            pool.submit(parse_json, b"[" * BODY_BYTES).result()
         start = time.monotonic()
         # A generous deadline that raises (a fraction of a second on a quiet machine); the time is a figure.
         body = pool.submit(parse_json, text).result(timeout=60)
         print(f"\nparsed a {len(text) / 2**20:.0f} MiB body in {time.monotonic() - start:.2f} s")
-    assert parse_request(body, chat=True).to_request().prompt_chars() == BODY_BYTES - 100
+    assert parse_request(body, chat=True).to_request().prompt_chars(BODY_BYTES) >= BODY_BYTES - 100
 
 
 # --- lone surrogates ------------------------------------------------------------------
@@ -267,18 +269,45 @@ def test_a_long_model_name_is_refused():
 
 
 def test_prompt_chars_counts_what_the_tokenizer_gets():
+    big = 1 << 30
     parts = [{"type": "text", "text": "abc"}, {"type": "text", "text": "😀"}]
     chat = request({**CHAT, "messages": [{"role": "system", "content": "12345"}, {"role": "user", "content": parts}, {"role": "assistant"}]})
-    assert chat.to_request().prompt_chars() == 5 + 4 + 0
-    assert request({**COMPLETION, "prompt": "héllo"}, chat=False).to_request().prompt_chars() == 5
-    assert request({**COMPLETION, "prompt": [1, 2, 3]}, chat=False).to_request().prompt_chars() == 3
-    assert request({**COMPLETION, "prompt": [[7, 8]]}, chat=False).to_request().prompt_chars() == 2
+    assert chat.to_request().prompt_chars(big) >= 5 + 4
+    assert request({**COMPLETION, "prompt": "héllo"}, chat=False).to_request().prompt_chars(big) == 5
+    assert request({**COMPLETION, "prompt": [1, 2, 3]}, chat=False).to_request().prompt_chars(big) == 3
+    assert request({**COMPLETION, "prompt": [[7, 8]]}, chat=False).to_request().prompt_chars(big) == 2
 
 
-@given(st.lists(st.text(), min_size=1, max_size=20))
-def test_prompt_chars_is_the_sum_of_the_contents(contents):
-    req = request({"model": "tiny", "messages": [{"role": "user", "content": c} for c in contents]})
-    assert req.to_request().prompt_chars() == sum(map(len, contents))
+def test_prompt_chars_counts_every_string_a_template_may_render():
+    """Tools' descriptions and schemas, a call's id, a result's name: all counted (issue 28, item 2:
+    15 MB of tool descriptions went to the tokenizer before a character of them was counted)."""
+    big = 1 << 30
+    tool = {"type": "function", "function": {"name": "f", "description": "", "parameters": {"type": "object", "properties": {}}}}
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    base = request({**CHAT, "messages": messages, "tools": [tool]}).to_request().prompt_chars(big)
+
+    def grown(body: dict) -> int:
+        return request(body).to_request().prompt_chars(big) - base
+
+    described = {**tool, "function": {**tool["function"], "description": "d" * 1000}}
+    assert grown({**CHAT, "messages": messages, "tools": [described]}) == 1000
+    schema = {"type": "object", "properties": {"x" * 500: {"type": "string", "description": "y" * 500}}}
+    assert grown({**CHAT, "messages": messages, "tools": [{**tool, "function": {**tool["function"], "parameters": schema}}]}) >= 1000
+    long_id = [{**calls[0], "id": "c" * 1000}]
+    answered = [messages[0], {**messages[1], "tool_calls": long_id}, {**messages[2], "tool_call_id": "c" * 1000}]
+    assert grown({**CHAT, "messages": answered, "tools": [tool]}) == 2 * (1000 - len("c1"))
+
+
+@given(st.lists(st.text(), min_size=1, max_size=20), st.integers(0, 200))
+def test_prompt_chars_is_at_least_the_contents_and_stops_past_its_limit(contents, limit):
+    req = request({"model": "tiny", "messages": [{"role": "user", "content": c} for c in contents]}).to_request()
+    whole = req.prompt_chars(1 << 30)
+    assert whole >= sum(map(len, contents))
+    counted = req.prompt_chars(limit)
+    # Counting stops once past the limit: past it by one string (or one object's keys) at most.
+    step = max(max(len(c) for c in contents), len("role") + len("content"))
+    assert counted <= whole and (counted == whole or limit < counted <= limit + step)
 
 
 # --- Hypothesis: nothing but ApiError -----------------------------------------------------
@@ -330,7 +359,7 @@ def only_api_errors(raw: bytes, chat: bool) -> None:
         texts.append(req.prompt)
     for s in texts:
         s.encode("utf-8")
-    assert req.to_request().prompt_chars() >= 0
+    assert req.to_request().prompt_chars(1 << 30) >= 0
     assert req.params.to_wire() is not None
 
 
