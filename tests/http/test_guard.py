@@ -14,15 +14,17 @@ import logging
 import resource
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from ringd.http.guard import BodyBudget, listen, raise_fd_limit
+from ringd.http.guard import listen, raise_fd_limit
 
 GIANT_PROMPT_BYTES = 15 * 1024 * 1024
 HALF_SENT = 2100
@@ -93,17 +95,6 @@ def test_the_connection_cap_refuses_the_one_too_many_and_says_so(caplog):
     assert "HTTP connection cap reached: 5 open" in caplog.text
 
 
-def test_body_budget_books_and_refuses():
-    budget = BodyBudget(limit=100)
-    with budget.book(60) as a:
-        assert a and budget.in_flight == 60
-        with budget.book(50) as b:
-            assert not b and budget.in_flight == 60
-        with budget.book(40) as c:
-            assert c and budget.in_flight == 100
-    assert budget.in_flight == 0
-
-
 def test_the_fd_limit_is_raised_toward_what_the_caps_need():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
@@ -119,10 +110,11 @@ def node(tiny_model, tmp_path_factory):
     from conftest import Cluster
     from conftest import serving_leader
 
-    # Two nodes: a leader that stalled would be replaced by the other, which the tests would see.
-    c = Cluster(tiny_model(arch="llama", layers=4), 2, tmp_path_factory.mktemp("guard"))
+    # Three nodes: a leader that stalled would be replaced by another, which the tests would see,
+    # and a follower forwards as the issue's hostile requests were sent.
+    c = Cluster(tiny_model(arch="llama", layers=4), 3, tmp_path_factory.mktemp("guard"))
     try:
-        c.wait(lambda: serving_leader(c, [0, 1]) == "node0", what="node0 to serve")
+        c.wait(lambda: serving_leader(c, [0, 1, 2]) == "node0", what="node0 to serve")
         yield c
     finally:
         c.stop()
@@ -150,6 +142,195 @@ def test_four_concurrent_15_mib_prompts_are_refused_cheaply_and_the_leader_keeps
     assert health["role"] == "leader" and health["ready"]
     follower = json.loads(urllib.request.urlopen(node.url(1) + "/health", timeout=10).read())
     assert follower["leader"] == "node0" and follower["election_term"] == term  # no election happened
+
+
+# --- one request cannot stall a node (issue 28) -----------------------------------------------
+
+# How soon every node's /health must answer while a hostile request is served: far under the 2 s
+# after which peers call a silent node dead (the issue's requests held a loop 1.5 to 11 s).
+HEALTH_WITHIN_S = 0.5
+
+
+class HealthWatch:
+    """Every node's /health, asked again and again on a thread each while a hostile request is
+    served: the slowest answer, and every term and leader seen."""
+
+    def __init__(self, c):
+        self.c = c
+        self.slowest = [0.0] * c.n
+        self.seen: set[tuple] = set()
+        self.asked = [0] * c.n
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._watch, args=(i,), daemon=True) for i in range(c.n)]
+
+    def _watch(self, i: int) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                with urllib.request.urlopen(self.c.url(i) + "/health", timeout=30) as r:
+                    h = json.loads(r.read())
+            except urllib.error.HTTPError as e:  # 503: not ready (a ring lost, an election): seen too
+                h = json.loads(e.read())
+            except OSError as e:  # no answer within the timeout: as slow as it gets
+                h = {"leader": repr(e), "election_term": (), "term": None}
+            self.slowest[i] = max(self.slowest[i], time.monotonic() - t0)
+            self.seen.add((h["leader"], tuple(h["election_term"]), h["term"]))
+            self.asked[i] += 1
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> "HealthWatch":
+        for t in self._threads:
+            t.start()
+        # Evidence the watch runs before the request goes: every node answered once.
+        deadline = time.monotonic() + 60
+        while min(self.asked) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+
+
+def gzip_bomb(inflated: int) -> bytes:
+    """``inflated`` bytes of zeros, gzipped: about a thousandth of that on the wire."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 16 + 15)
+    zeros = bytes(1 << 20)
+    return b"".join([*(z.compress(zeros) for _ in range(inflated >> 20)), z.flush()])
+
+
+def tiny_nodes_schema(nbytes: int) -> dict:
+    """A schema of empty properties: at most ``nbytes`` of JSON, a value every 15 bytes."""
+    return {"type": "object", "properties": {f"p{i}": {} for i in range(nbytes // 15)}}
+
+
+def hostile(what: str) -> tuple[int, str, bytes, dict, int]:
+    """(node, path, body, headers, expected status) of a shape issue 28 sent; built when asked
+    (a gigabyte gzipped is seconds of CPU: not at collection, in every worker)."""
+    chat = {"model": "tiny", "max_tokens": 3}
+    json_type = {"Content-Type": "application/json"}
+    if what == "a 15 MiB schema of tiny nodes, via a follower":
+        schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": tiny_nodes_schema(15 * 2**20)}}
+        return 1, "/v1/chat/completions", json.dumps({**chat, "messages": [{"role": "user", "content": "hi"}], "response_format": schema}).encode(), json_type, 400
+    if what == "a gzip body of 1 GiB inflated":
+        return 0, "/v1/chat/completions", gzip_bomb(1 << 30), {**json_type, "Content-Encoding": "gzip"}, 413
+    if what == "4,096 user messages in a row (16 MB), Anthropic's":
+        same_role = [{"role": "user", "content": "w" * 3900} for _ in range(4096)]
+        return 0, "/v1/messages", json.dumps({**chat, "messages": same_role}).encode(), json_type, 400
+    assert what == "15 MB of tool descriptions"
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * (15 * 10**6), "parameters": {"type": "object"}}}
+    return 0, "/v1/chat/completions", json.dumps({**chat, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}).encode(), json_type, 400
+
+
+HOSTILE = ["a 15 MiB schema of tiny nodes, via a follower", "a gzip body of 1 GiB inflated", "4,096 user messages in a row (16 MB), Anthropic's", "15 MB of tool descriptions"]
+
+
+@pytest.mark.parametrize("what", HOSTILE)
+def test_no_hostile_request_stalls_any_node_or_moves_a_term(node, what):
+    """Issue 28, item 1: each shape that held a loop past the 2 s dead-after, through a 3-node ring."""
+    i, path, body, headers, expected = hostile(what)
+    before = {(h["leader"], tuple(h["election_term"]), h["term"]) for h in (json.loads(urllib.request.urlopen(node.url(j) + "/health", timeout=30).read()) for j in range(3))}
+    assert len(before) == 1, before
+    pid = node.procs[i].pid
+    grew_from = reset_peak_rss(pid)
+    with HealthWatch(node) as watch:
+        t0 = time.monotonic()
+        req = urllib.request.Request(node.url(i) + path, data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                status, answer = r.status, r.read()
+        except urllib.error.HTTPError as e:
+            status, answer = e.code, e.read()
+        took = time.monotonic() - t0
+    grew = peak_rss_bytes(pid) - grew_from
+    print(f"\n{what}: {status} in {took:.2f} s, node{i} RSS +{grew / 2**20:.0f} MiB; slowest /health per node {[round(s, 3) for s in watch.slowest]} s")
+    assert status == expected, (what, status, answer[:300])
+    assert b"Traceback" not in answer
+    assert max(watch.slowest) < HEALTH_WITHIN_S, (what, watch.slowest)
+    assert watch.seen == before, (what, watch.seen, before)  # no election, no new plan
+    # Cheap in memory too: what the request holds is its own bytes, a few times at most.
+    assert grew < 8 * len(body) + 64 * 2**20 if expected != 413 else grew < 256 * 2**20, (what, grew)
+
+
+def test_tool_descriptions_count_against_the_prompt_and_a_normal_request_is_not_kept_waiting(node):
+    """Issue 28, item 2: three 8 MB tool descriptions at once held both render slots for seconds."""
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * (8 * 10**6), "parameters": {"type": "object"}}}
+    url = node.url(0) + "/v1/chat/completions"
+    big = json.dumps({"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}).encode()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        giants = [pool.submit(post, url, big, 120) for _ in range(3)]
+        t0 = time.monotonic()
+        status, answer = post(url, CHAT, timeout=120)
+        took = time.monotonic() - t0
+        refused = [g.result() for g in giants]
+    print(f"\nbeside three 8 MB tool descriptions, a 3-token chat answered in {took:.2f} s")
+    assert status == 200, answer
+    for status, error in refused:
+        assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
+        assert "tools" in error["error"]["message"], error
+
+
+def _slow_upload(port: int, declared: int) -> socket.socket:
+    """A POST that declares ``declared`` bytes and sends its first: the rest would come a byte at a time."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=120)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{" % declared)
+    return s
+
+
+def _status_of(s: socket.socket) -> int:
+    answer = b""
+    while b"\r\n" not in answer:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        answer += chunk
+    return int(answer.split()[1]) if answer else 0
+
+
+def test_slow_uploads_cannot_hold_every_post_hostage(node):
+    """Issue 28, item 3: 16 uploads declaring 16 MiB each and sending a byte every 2 s used the
+    node's whole body budget, and every other POST got 503 until they timed out a minute later."""
+    port = node.http_ports[0]
+    slow = [_slow_upload(port, 16 * 2**20) for _ in range(16)]
+    try:
+        # Evidence the budget is taken, old rules or new: one more large upload is refused.
+        deadline = time.monotonic() + 60
+        while True:
+            probe = _slow_upload(port, 16 * 2**20)
+            probe.settimeout(1)
+            try:
+                refused = _status_of(probe)
+            except TimeoutError:
+                refused = 0
+            finally:
+                probe.close()
+            if refused in (429, 503) or time.monotonic() > deadline:
+                break
+        assert refused in (429, 503), "a 17th 16 MiB upload was not refused"
+        t0 = time.monotonic()
+        status, answer = post(node.url(0) + "/v1/chat/completions", CHAT, timeout=120)
+        print(f"\nbeside 16 slow 16 MiB uploads, a {len(CHAT)}-byte chat answered {status} in {time.monotonic() - t0:.2f} s")
+        assert status == 200, answer
+        # And the slow ones are dropped for their pace, not held to the minute's end (a generous
+        # deadline that shows "bounded": the pace rule gives them 5 s).
+        for s in slow:
+            s.settimeout(45)
+        statuses = [_status_of(s) for s in slow]
+        assert set(statuses) <= {408, 429} and 408 in statuses, statuses
+    finally:
+        for s in slow:
+            s.close()
+
+
+def test_a_pattern_the_lexer_cannot_follow_is_a_400_before_any_token(node):
+    """Issue 28, item 5: compiled, it ran the lexer out mid-answer (a 500, or a 200 then an error event)."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^([a-z]{1,20}){1,50}$"}}, "required": ["a"]}
+    for stream in (False, True):
+        body = json.dumps({"model": "tiny", "max_tokens": 200, "stream": stream, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}).encode()
+        status, answer = post(node.url(1) + "/v1/chat/completions", body)
+        assert status == 400, (stream, answer)
+        assert answer["error"]["param"] == "response_format.json_schema.schema" and "1000" in answer["error"]["message"], answer
 
 
 def test_2100_half_sent_requests_do_not_stop_a_normal_completion(node):
