@@ -18,13 +18,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import zlib
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from ringd.http.guard import listen, raise_fd_limit
+
+from test_bodies import gzip_bomb
 
 GIANT_PROMPT_BYTES = 15 * 1024 * 1024
 HALF_SENT = 2100
@@ -193,13 +194,6 @@ class HealthWatch:
             t.join(timeout=60)
 
 
-def gzip_bomb(inflated: int) -> bytes:
-    """``inflated`` bytes of zeros, gzipped: about a thousandth of that on the wire."""
-    z = zlib.compressobj(9, zlib.DEFLATED, 16 + 15)
-    zeros = bytes(1 << 20)
-    return b"".join([*(z.compress(zeros) for _ in range(inflated >> 20)), z.flush()])
-
-
 def tiny_nodes_schema(nbytes: int) -> dict:
     """A schema of empty properties: at most ``nbytes`` of JSON, a value every 15 bytes."""
     return {"type": "object", "properties": {f"p{i}": {} for i in range(nbytes // 15)}}
@@ -214,7 +208,7 @@ def hostile(what: str) -> tuple[int, str, bytes, dict, int]:
         schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": tiny_nodes_schema(15 * 2**20)}}
         return 1, "/v1/chat/completions", json.dumps({**chat, "messages": [{"role": "user", "content": "hi"}], "response_format": schema}).encode(), json_type, 400
     if what == "a gzip body of 1 GiB inflated":
-        return 0, "/v1/chat/completions", gzip_bomb(1 << 30), {**json_type, "Content-Encoding": "gzip"}, 413
+        return 0, "/v1/chat/completions", gzip_bomb(1024), {**json_type, "Content-Encoding": "gzip"}, 413
     if what == "4,096 user messages in a row (16 MB), Anthropic's":
         same_role = [{"role": "user", "content": "w" * 3900} for _ in range(4096)]
         return 0, "/v1/messages", json.dumps({**chat, "messages": same_role}).encode(), json_type, 400
