@@ -194,9 +194,13 @@ class HealthWatch:
             t.join(timeout=60)
 
 
-def tiny_nodes_schema(nbytes: int) -> dict:
-    """A schema of empty properties: at most ``nbytes`` of JSON, a value every 15 bytes."""
-    return {"type": "object", "properties": {f"p{i}": {} for i in range(nbytes // 15)}}
+def tiny_nodes_chat(nbytes: int) -> bytes:
+    """A chat request whose response_format schema is empty properties: at most ``nbytes`` of
+    JSON, a value every 13 bytes or so (written as bytes: a million-key dict is seconds to dump)."""
+    properties = b",".join(b'"p%d":{}' % i for i in range(nbytes // 13))
+    schema = b'{"type":"object","properties":{' + properties + b"}}"
+    head = b'{"model":"tiny","max_tokens":3,"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_schema","json_schema":{"name":"s","schema":'
+    return head + schema + b"}}}"
 
 
 def hostile(what: str) -> tuple[int, str, bytes, dict, int]:
@@ -205,8 +209,7 @@ def hostile(what: str) -> tuple[int, str, bytes, dict, int]:
     chat = {"model": "tiny", "max_tokens": 3}
     json_type = {"Content-Type": "application/json"}
     if what == "a 15 MiB schema of tiny nodes, via a follower":
-        schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": tiny_nodes_schema(15 * 2**20)}}
-        return 1, "/v1/chat/completions", json.dumps({**chat, "messages": [{"role": "user", "content": "hi"}], "response_format": schema}).encode(), json_type, 400
+        return 1, "/v1/chat/completions", tiny_nodes_chat(15 * 2**20), json_type, 400
     if what == "a gzip body of 1 GiB inflated":
         return 0, "/v1/chat/completions", gzip_bomb(1024), {**json_type, "Content-Encoding": "gzip"}, 413
     if what == "4,096 user messages in a row (16 MB), Anthropic's":
