@@ -177,7 +177,8 @@ class FileServer:
                     await self._send_sealed(response, f.fileno(), start, count, sealer)
                 else:
                     await self._send(request, response, f, start, count)
-                await response.write_eof()
+                async with asyncio.timeout(SEND_STALL_S):  # what is still buffered, drained too
+                    await response.write_eof()
             except (ConnectionError, TimeoutError) as e:  # the fetcher hung up (a bad piece, it stopped) or stopped reading
                 if isinstance(e, TimeoutError):
                     log.warning("%s: a fetcher read nothing of %s for %.0f s; its stream is closed", self.d.name, request.path, SEND_STALL_S)
