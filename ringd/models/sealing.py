@@ -15,7 +15,10 @@ every answer has its own key; the path and the Range are in the key, so an answe
 to one request opens under no other. A chunk's index is its nonce and the last
 chunk says it is last: chunks reordered, dropped, repeated or cut short fail to
 open. What this protects is the bytes' secrecy: their integrity is the manifest's
-BLAKE3 as before (a chunk that opens is still checked as a piece).
+BLAKE3 as before (a chunk that opens is still checked as a piece). The request header
+is not signed, and need not be: a path that strips it gets a 403 from a holder with
+ring_encryption, and a fetcher that asked takes no answer that is not sealed, so a path
+that strips or adds it gets no byte sent in the clear, only a failed request.
 
 Sans-I/O: keys and buffers in, buffers out. Sealing costs a copy and a pass of
 AES-GCM (a GB/s or more a core): callers run it off the event loop.
