@@ -224,7 +224,7 @@ KEYS: list[Key] = [
     Key("cluster", check_name, "ringd", "cluster name; daemons of other clusters are ignored"),
     Key("secret_file", _str, DEFAULT_SECRET_FILE, "file holding the cluster secret (at least 16 bytes, readable by its owner only)"),
     Key("api_keys_file", _optional(_str), None, "file of API keys, one a line, that /v1/* requires as a Bearer token (default: none, the API is open)"),
-    Key("ring_encryption", _bool, False, "encrypt ring links (AES-GCM) for networks you don't trust; integrity (HMAC) is always on"),
+    Key("ring_encryption", _bool, False, "encrypt ring links and model files sent between peers (AES-GCM) for networks you don't trust; integrity (HMAC) is always on"),
     Key("model", _optional(_str), None, "mlx-lm model directory, Hugging Face repo id, .gguf file or ollama:NAME[:TAG]"),
     Key("model_from_peers", _bool, False, "with no model of its own (or before the Hub), fetch the layers this node runs from peers that hold the model: config, tokenizer and its stages' tensors only, checked chunk by chunk"),
     Key("models_dir", _optional(_str), None, "where a model fetched from peers is kept, so the next start finds it (default: from-peers in ringd's cache)"),
@@ -515,12 +515,6 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
         raise ConfigError(
             f"dead_after_s ({cfg.dead_after_s}) must be longer than heartbeat_interval_s ({cfg.heartbeat_interval_s}), "
             "or every peer looks dead between two heartbeats"
-        )
-    if cfg.model_from_peers and cfg.ring_encryption:
-        raise ConfigError(
-            "model_from_peers: a model's files travel between peers authenticated and checked but not "
-            "encrypted, and ring_encryption says this network is not trusted; copy the model to this node, "
-            "or turn one of them off"
         )
     if cfg.split is not None and len(cfg.split) != cfg.expected_nodes:
         raise ConfigError(

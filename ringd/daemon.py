@@ -108,10 +108,10 @@ class Daemon:
             if self.peer_model is not None:
                 model = str(self.peer_model.path)
         self.info = await loop.run_in_executor(None, model_info, model)
-        if self.peer_model is None and not cfg.ring_encryption and await loop.run_in_executor(None, weights_complete, self.info.path):
-            # A model of its own, whole: served to peers that fetch theirs (never in the clear on a
-            # network ring_encryption calls untrusted; not by a node that fetched its stage's files only).
-            self.files = Holding(self.info.path, self.info.fingerprint, self.info.name, default_cache_dir())
+        if self.peer_model is None and await loop.run_in_executor(None, weights_complete, self.info.path):
+            # A model of its own, whole: served to peers that fetch theirs (sealed only, on a network
+            # ring_encryption calls untrusted; not by a node that fetched its stage's files only).
+            self.files = Holding(self.info.path, self.info.fingerprint, self.info.name, default_cache_dir(), sealed=cfg.ring_encryption)
         self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.info)
         self.model_id = cfg.model_id or self.info.name
         profile = await loop.run_in_executor(None, read_profile, cfg.capabilities)

@@ -27,12 +27,12 @@ class HolderNode:
 
 
 @contextlib.asynccontextmanager
-async def holder(name: str, path: Path, cache: Path, fingerprint: str | None = None):
-    """ringd's file routes for the model at ``path`` (served as ``fingerprint``, if given), on a
-    loopback port: (Holder, its node)."""
+async def holder(name: str, path: Path, cache: Path, fingerprint: str | None = None, sealed: bool = False):
+    """ringd's file routes for the model at ``path`` (served as ``fingerprint``, if given; sealed only,
+    as with ring_encryption, if ``sealed``), on a loopback port: (Holder, its node)."""
     info = model_info(str(path))
     fingerprint = fingerprint or info.fingerprint
-    node = HolderNode(name, SECRET, Metrics(name), Holding(info.path, fingerprint, info.name, cache))
+    node = HolderNode(name, SECRET, Metrics(name), Holding(info.path, fingerprint, info.name, cache, sealed=sealed))
     app = web.Application(middlewares=[error_answers])
     app.add_routes(FileServer(node).routes())
     runner = web.AppRunner(app, access_log=None)

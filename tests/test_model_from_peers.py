@@ -6,7 +6,9 @@ makes of it), node1 and node2 have
 ``model_from_peers`` and an empty ``models_dir``. They fetch their layers from node0,
 and the ring answers as single-process mlx-lm does; each fetcher's directory holds
 its stage's tensors, config and tokenizer, not the model. A drain gives node1 the
-layers node2 had: it fetches them, and the answers stay the same. The model is a tiny
+layers node2 had: it fetches them, and the answers stay the same. The ring of the mlx-lm
+directory has ``ring_encryption`` on: its links are encrypted, and so are the weights its
+fetchers ask for (sealed: models/sealing.py). The model is a tiny
 random llama (the answers are compared token for token, not read): the real SmolLM2
 costs ~0.3 s of CPU a token here, and its fetch is ``ringd demo``'s (tests/test_demo.py).
 """
@@ -105,7 +107,7 @@ def serving(c: Cluster) -> bool:
 def test_two_nodes_with_nothing_fetch_their_layers_and_the_ring_answers_as_mlx_lm(form, q4_1, tmp_path):
     gguf_file, converted = q4_1
     model = gguf_file if form == "gguf" else converted
-    c = PeerCluster(model, 3, tmp_path)
+    c = PeerCluster(model, 3, tmp_path, extra=["--ring-encryption", "on"] if form != "gguf" else [])
     try:
         c.wait(lambda: serving(c), 2 * RING_START_TIMEOUT_S, "the ring to serve, its layers fetched")
         layers = layers_of(c)
@@ -113,7 +115,9 @@ def test_two_nodes_with_nothing_fetch_their_layers_and_the_ring_answers_as_mlx_l
         want = expected(converted)
         assert answer(c) == want
         check_shares(c, layers)
-        if form != "gguf":
+        if form != "gguf":  # sealed both ways: a holder with ring_encryption sends nothing in the clear
+            links = (c.get(0, "/health") or {}).get("links", {})
+            assert all(links[p]["encrypted"] for p in ("node1", "node2")), links
             return
         # A drain gives node1 layers it has not got: it fetches them, and the ring answers the same.
         r = subprocess.run(

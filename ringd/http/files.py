@@ -14,8 +14,16 @@ off the event loop; meanwhile a 503 with Retry-After) and kept in ringd's cache.
 File bytes go out with the kernel's sendfile, MAX_FILE_STREAMS at once: serving
 files costs the event loop next to nothing, and the ring's frames go first.
 
-Files travel authenticated and verified (each chunk against the signed manifest)
-but not encrypted: a node with ``ring_encryption`` serves none.
+Files travel authenticated and verified (each piece against the signed manifest).
+Where the fetcher asks (``SEALED_HEADER``: its ``ring_encryption`` is on) they are
+also encrypted, sealed in AES-GCM chunks for that one request (models/sealing.py),
+read and sealed off the event loop (no sendfile for sealed bytes); a holder whose own
+``ring_encryption`` is on serves nothing in the clear (403: the fetcher is told to
+turn its own on).
+
+A fetcher that stops reading holds a stream only so long: each chunk written (in the
+clear or sealed) has SEND_STALL_S to leave, or the connection is closed and its
+stream slot freed, so a few fetchers that never read cannot keep the others out.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from ringd.auth import FILES_NONCE_HEADER, FilesAuth, body_sha256, files_body_si
 from ringd.http.errors import ApiError
 from ringd.models import manifest as manifests
 from ringd.models.manifest import FILES_PREFIX
+from ringd.models.sealing import SCHEME, SEAL_CHUNK_BYTES, SEALED_HEADER, Sealer, sealed_length
 
 if TYPE_CHECKING:
     from ringd.metrics import Metrics
@@ -46,6 +55,11 @@ MAX_FILE_STREAMS = 4
 # Bytes read and written at once where the loop has no sendfile (uvloop): a thread hop per
 # few MiB, and no more held in memory per stream.
 SEND_CHUNK_BYTES = 4 * 1024 * 1024
+# How long one chunk written to a fetcher may take to leave: a fetcher that does not read for
+# this long loses its stream. SEND_CHUNK_BYTES in SEND_STALL_S is a floor of ~270 KiB/s per
+# stream, a hundredth of what a LAN carries; a fetcher that stalls gives up at its own deadline
+# (models/peers.py), well before.
+SEND_STALL_S = 15.0
 # Retry-After while the manifest is being built (reading and hashing every byte of the model).
 MANIFEST_RETRY_S = 2
 
@@ -58,13 +72,14 @@ class Holding:
     fingerprint: str
     label: str
     cache_dir: Path  # where the manifest is kept
+    sealed: bool = False  # ring_encryption: its bytes go to peers encrypted only
 
 
 class FilesNode(Protocol):
     name: str
     secret: bytes
     metrics: "Metrics"
-    files: Holding | None  # None: this node serves no files (none whole, or ring_encryption)
+    files: Holding | None  # None: this node serves no files (it holds none whole)
 
 
 class FileServer:
@@ -141,26 +156,66 @@ class FileServer:
             raise ApiError(416, f"ask for one Range inside {name}'s {entry.size} bytes (bytes=START-END)", "Range")
         if self._streams.locked():
             raise ApiError(503, f"{MAX_FILE_STREAMS} file streams are being served; retry shortly", retry_after=1)
+        sealed = request.headers.get(SEALED_HEADER)
+        if sealed is not None and sealed != SCHEME:
+            raise ApiError(400, f"{SEALED_HEADER}: this holder seals with {SCHEME}, not {sealed!r:.40}", SEALED_HEADER)
+        if holding.sealed and sealed is None:
+            raise ApiError(403, f"node {self.d.name} has ring_encryption on and sends a model's bytes encrypted only; turn ring_encryption on on the fetching node too", code="forbidden")
         base = holding.path.parent if holding.path.is_file() else holding.path
         async with self._streams:
             start, count = rng.start, rng.stop - rng.start
-            response = web.StreamResponse(status=206, headers={
-                "Content-Type": "application/octet-stream", "Content-Length": str(count),
-                "Content-Range": f"bytes {start}-{rng.stop - 1}/{entry.size}",
-            })  # fmt: skip
+            headers = {"Content-Type": "application/octet-stream", "Content-Range": f"bytes {start}-{rng.stop - 1}/{entry.size}"}
+            headers["Content-Length"] = str(sealed_length(count) if sealed else count)
+            if sealed:
+                headers[SEALED_HEADER] = SCHEME
+            response = web.StreamResponse(status=206, headers=headers)
             f = await asyncio.to_thread(open, base / entry.name, "rb")
             try:
                 await response.prepare(request)
-                try:  # the kernel's sendfile, where the loop has it
-                    await asyncio.get_running_loop().sendfile(request.transport, f, start, count)
-                except NotImplementedError:  # uvloop has none: chunks read off the loop, written on it
-                    for at in range(start, start + count, SEND_CHUNK_BYTES):
-                        await response.write(await asyncio.to_thread(os.pread, f.fileno(), min(SEND_CHUNK_BYTES, start + count - at), at))
-                await response.write_eof()
-            except ConnectionError:  # the fetcher hung up (it found a piece bad, or stopped)
-                log.debug("%s: the fetcher hung up during %s", self.d.name, request.path)
+                if sealed:
+                    sealer = Sealer(self.d.secret, request.headers[FILES_NONCE_HEADER], request.path, start, count)
+                    await self._send_sealed(response, f.fileno(), start, count, sealer)
+                else:
+                    await self._send(request, response, f, start, count)
+                async with asyncio.timeout(SEND_STALL_S):  # what is still buffered, drained too
+                    await response.write_eof()
+            except (ConnectionError, TimeoutError) as e:  # the fetcher hung up (a bad piece, it stopped) or stopped reading
+                if isinstance(e, TimeoutError):
+                    log.warning("%s: a fetcher read nothing of %s for %.0f s; its stream is closed", self.d.name, request.path, SEND_STALL_S)
+                else:
+                    log.debug("%s: the fetcher hung up during %s", self.d.name, request.path)
+                if request.transport is not None:
+                    request.transport.abort()
                 return response
             finally:
                 f.close()
             self.d.metrics.files_served.inc(count)
             return response
+
+    async def _send(self, request: web.Request, response: web.StreamResponse, f, start: int, count: int) -> None:
+        """Bytes [start, start + count) of ``f`` in the clear, SEND_CHUNK_BYTES at a time, each within
+        SEND_STALL_S: the kernel's sendfile where the loop has it, else read off the loop."""
+        loop, native = asyncio.get_running_loop(), True
+        for at in range(start, start + count, SEND_CHUNK_BYTES):
+            n = min(SEND_CHUNK_BYTES, start + count - at)
+            async with asyncio.timeout(SEND_STALL_S):
+                if native:
+                    try:
+                        await loop.sendfile(request.transport, f, at, n)
+                        continue
+                    except NotImplementedError:  # uvloop has none: chunks read off the loop, written on it
+                        native = False
+                await response.write(await asyncio.to_thread(os.pread, f.fileno(), n, at))
+
+    async def _send_sealed(self, response: web.StreamResponse, fd: int, start: int, count: int, sealer: Sealer) -> None:
+        """The same bytes sealed, SEAL_CHUNK_BYTES a chunk: each read and sealed off the loop, and
+        written within SEND_STALL_S."""
+
+        def read_and_seal(index: int) -> bytes:
+            at = start + index * SEAL_CHUNK_BYTES
+            return sealer.seal(index, os.pread(fd, min(SEAL_CHUNK_BYTES, start + count - at), at))
+
+        for index in range(-(-count // SEAL_CHUNK_BYTES)):
+            chunk = await asyncio.to_thread(read_and_seal, index)
+            async with asyncio.timeout(SEND_STALL_S):
+                await response.write(chunk)

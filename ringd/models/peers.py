@@ -24,15 +24,28 @@ left). Each file has a journal of the pieces written and checked, appended after
 each: a fetch stopped by kill -9 starts again where it was, and a piece not in its
 journal is never taken for fetched, whatever the file holds there. Several holders serve at once, a few streams each; the hashing and
 writing run off the event loop.
+
+A holder is trusted for nothing it says beyond what is checked: every header acted on
+is parsed defensively (Retry-After bounded, ``retry_after``), every step of a request
+has a deadline (connecting, the answer's head, each read of the body, each piece at a
+floor rate), and a holder that stalls is dropped from the fetch at once, one that fails
+MAX_HOLDER_FAILURES requests in a row after them, each with the reason in the log and
+its pieces asked of the others; with nobody left the fetch ends in a FetchError that
+names each. With ``ring_encryption`` the bytes are asked for sealed (models/sealing.py)
+and opened, off the event loop, before a piece is checked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
 import logging
+import math
 import os
 import re
+import socket
+import ssl as ssl_lib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +60,7 @@ from ringd.models.fingerprint import digest_samples, identify
 from ringd.models.gguf import GgufFile
 from ringd.models.manifest import FILES_PREFIX, MAX_MANIFEST_BYTES, Manifest, ManifestError, merge_ranges, pieces_of, safetensors_ranges, safetensors_stage_ranges
 from ringd.models.progress import FETCH, LoadProgress
+from ringd.models.sealing import SCHEME, SEAL_CHUNK_BYTES, SEALED_HEADER, Opener, sealed_length
 from ringd.models.source import PEER_RECORD, read_record
 
 log = logging.getLogger(__name__)
@@ -67,20 +81,54 @@ MAX_RUN_PIECES = 64
 RECV_BYTES = 4 * 1024 * 1024
 # An answer's status line and headers: a few hundred bytes from a holder; more is not one.
 MAX_RESPONSE_HEAD_BYTES = 16 * 1024
-# Deadlines: connecting to a holder on the LAN; silence within a stream (a holder gone).
+# Deadlines. Connecting to a holder on the LAN (its address looked up too); the answer's status
+# and headers, which a holder sends before its first byte of a file (a 503 at once when busy).
 CONNECT_TIMEOUT_S = 5.0
-READ_TIMEOUT_S = 60.0
+HEAD_TIMEOUT_S = 10.0
+# Silence within a body: a holder that sends no byte for this long has stalled (a LAN holder
+# sends megabytes a second; its disk pausing takes well under a second) and is dropped.
+STALL_S = 10.0
+# The slowest a piece may arrive, on top of STALL_S: a holder that trickles a byte now and then
+# is a staller too. A LAN stream carries tens of MiB/s; a tenth of a slow Wi-Fi's share is this.
+MIN_PIECE_BYTES_PER_S = 1024 * 1024
 # A holder hashes every byte of its model for the first manifest it is asked for: minutes
 # for hundreds of GB. How long a fetcher waits for it, asking again every Retry-After.
 MANIFEST_WAIT_S = 1800.0
 # A holder that failed a request (not a bad piece: the link, a restart) is asked again after this.
 HOLDER_RETRY_S = 2.0
-# Failed requests in a row after which a fetch gives up (each one re-queues its pieces).
+# Retry-After, in seconds, is the holder's word: a value that is not a number of seconds or an
+# HTTP date (RFC 9110 10.2.3) counts as HOLDER_RETRY_S, and any is taken as at most this (a
+# holder serving others frees a stream within seconds; one building its manifest is asked again).
+MAX_RETRY_AFTER_S = 30.0
+# Failed requests in a row to one holder after which it is dropped from the fetch (a restart
+# takes one or two; a holder that errs on every request is not asked the whole fetch long).
+MAX_HOLDER_FAILURES = 3
+# Failed requests in a row, over all holders, after which a fetch gives up (each one re-queues its pieces).
 MAX_FAILED_REQUESTS = 20
 
 
 class FetchError(ModelError):
     """The model's bytes could not be had from any peer; the message says why and from whom."""
+
+
+def retry_after(value: str | None, now: float | None = None) -> float:
+    """Seconds to wait by a Retry-After header, whatever a holder put there: delay-seconds or an
+    HTTP date (RFC 9110 10.2.3), clamped to [0, MAX_RETRY_AFTER_S]; anything else (none, "soon",
+    "nan", "1e308", a date that does not parse) is HOLDER_RETRY_S. Never raises."""
+    if value is None:
+        return HOLDER_RETRY_S
+    value = value.strip()
+    if re.fullmatch(r"[0-9]{1,12}(\.[0-9]{1,6})?", value):  # delay-seconds (a fraction allowed)
+        seconds = float(value)
+    else:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+            seconds = when.timestamp() - (time.time() if now is None else now)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return HOLDER_RETRY_S
+    if not math.isfinite(seconds):
+        return HOLDER_RETRY_S
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 
 @dataclass(frozen=True)
@@ -129,8 +177,10 @@ class _Run:
 class PeerModel:
     """A model fetched from peers into ``root``: its manifest, its sparse files and their journals."""
 
-    def __init__(self, root: Path, manifest: Manifest, secret: bytes, node: str, metrics=None, checked: bool = False):
+    def __init__(self, root: Path, manifest: Manifest, secret: bytes, node: str, metrics=None, checked: bool = False, sealed: bool = False, ssl: ssl_lib.SSLContext | None = None):
         self.root = root
+        self.sealed = sealed  # ring_encryption: its bytes are asked for sealed (models/sealing.py)
+        self.ssl = ssl  # a TLS context for holders' HTTP APIs; None: plain HTTP
         self.checked = checked  # found to be the model its fingerprint names (check_fingerprint)
         self.manifest = manifest
         self.secret = secret
@@ -139,6 +189,7 @@ class PeerModel:
         self.journals = {f.name: Journal(root / JOURNALS / f"{f.name.replace('/', '%')}.log") for f in manifest.files}
         self.refused: dict[str, str] = {}  # holders that served a bad piece -> what they served
         self.vouched: set[str] = set()  # holders whose manifest is this one
+        self.dropped: dict[str, str] = {}  # holders the last fetch gave up on (stalled, failing) -> why
 
     @property
     def path(self) -> Path:
@@ -150,7 +201,7 @@ class PeerModel:
         return self.manifest.fingerprint
 
     @classmethod
-    def open(cls, root: Path, secret: bytes, node: str, metrics=None, only_checked: bool = True) -> "PeerModel | None":
+    def open(cls, root: Path, secret: bytes, node: str, metrics=None, only_checked: bool = True, sealed: bool = False, ssl: ssl_lib.SSLContext | None = None) -> "PeerModel | None":
         """The model fetched into ``root`` before, or None if there is none (or its record is bad,
         or, with ``only_checked``, it was never found to be the model its fingerprint names)."""
         record = read_record(root)
@@ -161,18 +212,21 @@ class PeerModel:
         except ManifestError as e:
             log.warning("%s: the record of a fetched model does not parse (%s); fetching it again", root, e)
             return None
-        return cls(root, manifest, secret, node, metrics, checked=record.get("checked") is True)
+        return cls(root, manifest, secret, node, metrics, checked=record.get("checked") is True, sealed=sealed, ssl=ssl)
 
     @classmethod
-    async def bootstrap(cls, models_dir: Path, holders: list[Holder], secret: bytes, node: str, metrics=None, fingerprint: str | None = None) -> "PeerModel":
+    async def bootstrap(
+        cls, models_dir: Path, holders: list[Holder], secret: bytes, node: str, metrics=None, fingerprint: str | None = None,
+        sealed: bool = False, ssl: ssl_lib.SSLContext | None = None,
+    ) -> "PeerModel":
         """The model the holders serve (``fingerprint``, if given), with its config, tokenizer and
         every weights file's header fetched: enough to know the model and plan it; layers follow."""
         if not holders:
             raise FetchError("model_from_peers: no peer holding a model was found; start a node with the model (model: PATH or repo id), or give this node one")
-        async with _client() as http:
-            manifest = await _manifest(http, holders, secret, node, fingerprint)
+        async with _client(ssl) as http:
+            manifest = await _manifest(http, holders, secret, node, fingerprint, ssl)
         holders = [h for h in holders if h.model == manifest.fingerprint]
-        model = await asyncio.to_thread(cls._lay_out, models_dir / model_dir_name(manifest), manifest, secret, node, metrics)
+        model = await asyncio.to_thread(cls._lay_out, models_dir / model_dir_name(manifest), manifest, secret, node, metrics, sealed, ssl)
         ranges = {f.name: [(0, f.head)] for f in manifest.files if f.head}
         for name, a, b in manifest.always:
             ranges.setdefault(name, []).append((a, b))
@@ -182,18 +236,18 @@ class PeerModel:
         return model
 
     @classmethod
-    def _lay_out(cls, root: Path, manifest: Manifest, secret: bytes, node: str, metrics) -> "PeerModel":
+    def _lay_out(cls, root: Path, manifest: Manifest, secret: bytes, node: str, metrics, sealed: bool, ssl: ssl_lib.SSLContext | None) -> "PeerModel":
         """The directory for ``manifest``: as it was, if it was fetched by the same manifest; else
         its record written anew and its journals emptied (nothing recorded holds for other bytes).
         Every file at its size, holes until fetched (blocking: off the event loop)."""
-        existing = cls.open(root, secret, node, metrics, only_checked=False)
+        existing = cls.open(root, secret, node, metrics, only_checked=False, sealed=sealed, ssl=ssl)
         if existing is not None and existing.manifest == manifest:
             model = existing
         else:
             (root / JOURNALS).mkdir(parents=True, exist_ok=True)
             for j in (root / JOURNALS).iterdir():
                 j.unlink()
-            model = cls(root, manifest, secret, node, metrics)
+            model = cls(root, manifest, secret, node, metrics, sealed=sealed, ssl=ssl)
             model._record(checked=False)
         for f in manifest.files:
             os.close(_open_sparse(root / f.name, f.size))
@@ -225,11 +279,12 @@ class PeerModel:
             spans = await asyncio.to_thread(self._digest_spans)
             needed = [(name, a, b) for name, ss in spans.items() for a, b in ss if a < b and self.missing({name: [(a, b)]}).get(name)]
             made = []
-            for holder in [h for h in holders if h.node not in self.refused] if needed else [None]:
+            asked = sorted((h for h in holders if h.node not in self.refused), key=lambda h: h.node in self.dropped)  # a staller last
+            for holder in asked if needed else [None]:
                 try:
                     slices = {k: await self._fetch_slice(holder, *k) for k in needed}
-                except (_HolderFailed, ValueError, OSError, TimeoutError) as e:
-                    made.append(f"{holder.node}: {e}")
+                except Exception as e:  # whatever a holder answers: said, and the next asked
+                    made.append(f"{holder.node}: {_reason(e)}")
                     continue
                 now, digest = await asyncio.to_thread(identify, self.path, lambda name, a, b: slices.get((name, a, b)) or _pread(self.root / name, a, b))
                 if (now, digest) == (m.fingerprint, m.digest):
@@ -252,18 +307,25 @@ class PeerModel:
     async def _fetch_slice(self, holder: Holder, name: str, a: int, b: int) -> bytes:
         """Bytes [a, b) of a file from ``holder`` (waiting its turn while it serves others)."""
         path = f"{FILES_PREFIX}/{self.fingerprint}/data/{name}"
-        deadline = time.monotonic() + READ_TIMEOUT_S
+        deadline = time.monotonic() + MAX_RETRY_AFTER_S
         while True:
-            headers = {**sign_files(self.secret, "GET", path, self.node, holder.node, time.time()), "Range": f"bytes={a}-{b - 1}"}
-            async with _RangeReader(holder, path, headers) as r:
+            async with self._range(holder, path, a, b) as r:
                 if r.status == 503 and time.monotonic() < deadline:  # serving others: its turn comes
-                    await asyncio.sleep(min(max(float(r.headers.get("retry-after", HOLDER_RETRY_S)), 0.1), HOLDER_RETRY_S))
+                    await asyncio.sleep(min(max(retry_after(r.headers.get("retry-after")), 0.1), HOLDER_RETRY_S))
                     continue
-                if r.status != 206 or r.length != b - a:
-                    raise _HolderFailed(f"HTTP {r.status} for {name} bytes {a}-{b - 1}")
+                await r.check(206, f"{name} bytes {a}-{b - 1}")
                 buf = memoryview(bytearray(b - a))
-                await r.fill(buf, f"{name} bytes {a}-{b - 1}")
+                await r.fill(buf, f"{name} bytes {a}-{b - 1}", piece_deadline(b - a))
                 return bytes(buf)
+
+    def _range(self, holder: Holder, path: str, a: int, b: int) -> "_RangeReader":
+        """A signed GET of bytes [a, b) of ``path`` from ``holder``, sealed if this node asks so."""
+        headers = {**sign_files(self.secret, "GET", path, self.node, holder.node, time.time()), "Range": f"bytes={a}-{b - 1}"}
+        opener = None
+        if self.sealed:
+            headers[SEALED_HEADER] = SCHEME
+            opener = Opener(self.secret, headers[FILES_NONCE_HEADER], path, a, b - a)
+        return _RangeReader(holder, path, headers, b - a, opener, self.ssl)
 
     # --- what a stage needs ------------------------------------------------------------------
 
@@ -328,7 +390,7 @@ class PeerModel:
             for name in todo:
                 fds[name] = _open_sparse(self.root / name, self.manifest.file(name).size)
                 await asyncio.to_thread(_reserve, fds[name], [self.manifest.file(name).span(i) for i in todo[name]])
-            async with _client() as http:
+            async with _client(self.ssl) as http:
                 await _Fetch(self, http, fds, good, progress, holders).run(todo)
         finally:
             for fd in fds.values():
@@ -340,11 +402,11 @@ class PeerModel:
         elapsed = time.monotonic() - started
         log.info("fetched %.1f MiB of %s from peers in %.1f s (%.1f MiB/s)", total / 2**20, self.manifest.label, elapsed, total / 2**20 / max(elapsed, 1e-6))
 
-    def _nobody_left(self, holders: list[Holder]) -> str:
-        bad = "; ".join(f"{node} ({why})" for node, why in self.refused.items())
+    def _nobody_left(self, holders: list[Holder], dropped: dict[str, str] | None = None) -> str:
+        bad = "; ".join([f"{node} refused ({why})" for node, why in self.refused.items()] + [f"{node} dropped ({why})" for node, why in (dropped or {}).items()])
         if not holders:
             return f"no peer holds model {self.fingerprint} to fetch it from"
-        return f"no holder of model {self.fingerprint} is left to fetch from: refused {bad}"
+        return f"no holder of model {self.fingerprint} is left to fetch from: {bad}"
 
 
 def _open_sparse(path: Path, size: int) -> int:
@@ -369,12 +431,25 @@ def _reserve(fd: int, spans: list[tuple[int, int]]) -> None:
             return
 
 
-def _client() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S))
+def _client(ssl: ssl_lib.SSLContext | None = None) -> aiohttp.ClientSession:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=STALL_S)
+    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(ssl=ssl if ssl is not None else True))
 
 
-def _url(holder: Holder, path: str) -> str:
-    return f"http://{holder.http}{path}"
+def _url(holder: Holder, path: str, ssl: ssl_lib.SSLContext | None = None) -> str:
+    return f"{'https' if ssl is not None else 'http'}://{holder.http}{path}"
+
+
+def piece_deadline(nbytes: int) -> float:
+    """Seconds ``nbytes`` of a body may take: STALL_S, and the bytes at MIN_PIECE_BYTES_PER_S."""
+    return STALL_S + nbytes / MIN_PIECE_BYTES_PER_S
+
+
+def _reason(e: BaseException) -> str:
+    """What failed, for a log line: the message, and the exception's type where it says more."""
+    if isinstance(e, (_HolderFailed, _BadHolder, _BadPiece, FetchError)) and str(e):
+        return str(e)
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 async def _read_at_most(r: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -386,7 +461,7 @@ async def _read_at_most(r: aiohttp.ClientResponse, limit: int) -> bytes:
     return bytes(body)
 
 
-async def _manifest(http: aiohttp.ClientSession, holders: list[Holder], secret: bytes, node: str, fingerprint: str | None) -> Manifest:
+async def _manifest(http: aiohttp.ClientSession, holders: list[Holder], secret: bytes, node: str, fingerprint: str | None, ssl: ssl_lib.SSLContext | None = None) -> Manifest:
     """The signed manifest of the first holder that answers (waiting while it builds it)."""
     errors = []
     deadline = time.monotonic() + MANIFEST_WAIT_S
@@ -397,10 +472,10 @@ async def _manifest(http: aiohttp.ClientSession, holders: list[Holder], secret: 
         path = f"{FILES_PREFIX}/{fp}/manifest"
         try:
             headers = sign_files(secret, "GET", path, node, holder.node, time.time())
-            async with http.get(_url(holder, path), headers=headers) as r:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S + HEAD_TIMEOUT_S + piece_deadline(MAX_MANIFEST_BYTES)), http.get(_url(holder, path, ssl), headers=headers) as r:
                 body = await _read_at_most(r, MAX_MANIFEST_BYTES)
                 if r.status == 503 and time.monotonic() < deadline:
-                    await asyncio.sleep(float(r.headers.get("Retry-After", "2")))
+                    await asyncio.sleep(retry_after(r.headers.get("Retry-After")))
                     pending.insert(0, holder)  # building: ask it again
                     continue
                 if r.status != 200:
@@ -412,10 +487,13 @@ async def _manifest(http: aiohttp.ClientSession, holders: list[Holder], secret: 
                 check_files_body(secret, headers[FILES_NONCE_HEADER], body, r.headers.get(FILES_BODY_SIGNATURE_HEADER))
                 manifest = Manifest.from_wire(json.loads(body))
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            errors.append(f"{holder.node}: {type(e).__name__}: {e}")
+            errors.append(f"{holder.node}: {_reason(e)}")
             continue
         except (AuthError, ManifestError, ValueError) as e:
             errors.append(f"{holder.node}: {e}")
+            continue
+        except Exception as e:  # whatever else a holder's answer makes of the parsing: said, and the next asked
+            errors.append(f"{holder.node}: {_reason(e)}")
             continue
         if fingerprint is not None and manifest.fingerprint != fingerprint:
             errors.append(f"{holder.node}: its manifest is of model {manifest.fingerprint}, not {fingerprint}")
@@ -432,6 +510,8 @@ class _Fetch:
         self.holders = list(holders)
         self.busy: dict[str, int] = {h.node: 0 for h in holders}  # streams per holder
         self.resting: dict[str, float] = {}  # holder -> until when it is not asked (it failed a request)
+        self.failed: dict[str, int] = {}  # holder -> its failed requests in a row
+        self.dropped: dict[str, str] = {}  # holder -> why it is asked for nothing more in this fetch
         self.files_busy: dict[str, int] = {}
         self.queue: list[_Run] = []
         self.failures = 0
@@ -444,7 +524,7 @@ class _Fetch:
         try:
             while self.queue or streams:
                 if not self.holders:
-                    raise FetchError(self.m._nobody_left(self.asked))
+                    raise FetchError(self.m._nobody_left(self.asked, self.dropped))
                 for run in list(self.queue):
                     holder = self._pick(run.file)
                     if holder is None or len(streams) >= FETCH_STREAMS:
@@ -487,12 +567,10 @@ class _Fetch:
         try:
             if holder.node not in m.vouched:
                 await self._vouch(holder)
-            headers = {**sign_files(m.secret, "GET", path, m.node, holder.node, time.time()), "Range": f"bytes={start}-{end - 1}"}
-            async with _RangeReader(holder, path, headers) as r:
+            async with m._range(holder, path, start, end) as r:
                 if r.status == 503:  # busy: serving others, or building its manifest
-                    raise _HolderBusy(float(r.headers.get("retry-after", HOLDER_RETRY_S)))
-                if r.status != 206 or r.length != end - start:
-                    raise _HolderFailed(f"HTTP {r.status} for {run.file} bytes {start}-{end - 1}: {await r.text()}")
+                    raise _HolderBusy(retry_after(r.headers.get("retry-after")))
+                await r.check(206, f"{run.file} bytes {start}-{end - 1}")
                 # One buffer for the stream's pieces (each is written before the next arrives): no
                 # fresh pages to fault in per piece.
                 buf = memoryview(bytearray(max(f.span(i)[1] - f.span(i)[0] for i in run.pieces)))
@@ -500,6 +578,7 @@ class _Fetch:
                     await self._piece(run.file, index, r, buf)
                     done += 1
             self.failures = 0
+            self.failed[holder.node] = 0
         except _BadPiece as e:
             log.error("%s served a piece that does not match its manifest (%s); it is asked for nothing more", holder.node, e)
             self._refuse(holder, f"it served {e}, which does not match the manifest")
@@ -509,18 +588,34 @@ class _Fetch:
             self._refuse(holder, str(e))
             self._requeue(run, done)
         except _HolderBusy as e:
-            self.resting[holder.node] = time.monotonic() + min(max(e.retry_after, 0.1), 30.0)
+            self.resting[holder.node] = time.monotonic() + max(e.retry_after, 0.1)
             self._requeue(run, done)
-        except (_HolderFailed, aiohttp.ClientError, TimeoutError, OSError) as e:
+        except _Stalled as e:
+            # Its socket is open and silent: asking it again costs the same wait, so it is dropped.
+            self._drop(holder, run, done, _reason(e))
+        except Exception as e:  # the link, a restart, or an answer that parses as nothing: whatever a holder sends
+            why = _reason(e)
             self.failures += 1
-            log.warning("fetching %s from %s failed: %s; asking again", run.file, holder.node, e)
+            self.failed[holder.node] = self.failed.get(holder.node, 0) + 1
             if self.failures >= MAX_FAILED_REQUESTS:
-                raise FetchError(f"{MAX_FAILED_REQUESTS} requests for the model's bytes failed in a row; the last, to {holder.node}: {e}") from None
-            self.resting[holder.node] = time.monotonic() + HOLDER_RETRY_S
-            self._requeue(run, done)
+                raise FetchError(f"{MAX_FAILED_REQUESTS} requests for the model's bytes failed in a row; the last, to {holder.node}: {why}") from None
+            if self.failed[holder.node] >= MAX_HOLDER_FAILURES:
+                self._drop(holder, run, done, f"{MAX_HOLDER_FAILURES} requests failed in a row, the last: {why}")
+            else:
+                log.warning("fetching %s from %s failed: %s; asking again", run.file, holder.node, why)
+                self.resting[holder.node] = time.monotonic() + HOLDER_RETRY_S
+                self._requeue(run, done)
         finally:
             self.busy[holder.node] -= 1
             self.files_busy[run.file] -= 1
+
+    def _drop(self, holder: Holder, run: _Run, done: int, why: str) -> None:
+        """Ask ``holder`` for nothing more in this fetch (a later fetch asks it again), its pieces of the others."""
+        others = ", ".join(h.node for h in self.holders if h.node != holder.node) or "none is left"
+        log.warning("fetching %s from %s failed: %s; it is asked for nothing more in this fetch (its pieces go to: %s)", run.file, holder.node, why, others)
+        self.dropped[holder.node] = self.m.dropped[holder.node] = why
+        self.holders = [h for h in self.holders if h.node != holder.node]
+        self._requeue(run, done)
 
     def _refuse(self, holder: Holder, why: str) -> None:
         self.m.refused[holder.node] = why
@@ -530,7 +625,7 @@ class _Fetch:
         """Ask a holder for its manifest before its bytes: it must be ours, piece for piece (and the
         asking starts its building, if it never built it)."""
         try:
-            theirs = await _manifest(self.http, [holder], self.m.secret, self.m.node, self.m.fingerprint)
+            theirs = await _manifest(self.http, [holder], self.m.secret, self.m.node, self.m.fingerprint, self.m.ssl)
         except FetchError as e:
             raise _HolderFailed(str(e)) from None
         if theirs != self.m.manifest:
@@ -548,7 +643,7 @@ class _Fetch:
         m, f = self.m, self.m.manifest.file(file)
         a, b = f.span(index)
         buf = into[: b - a]
-        await r.fill(buf, f"piece {index} of {file}")
+        await r.fill(buf, f"piece {index} of {file}", piece_deadline(b - a))
         ok = await asyncio.to_thread(_check_and_write, self.fds[file], m.journals[file], index, a, buf, f.hashes[index])
         if m.metrics is not None:
             m.metrics.files_fetched(ok, b - a)
@@ -560,43 +655,59 @@ class _Fetch:
 class _RangeReader:
     """One GET of a byte range, HTTP/1.1, whose body lands straight in the caller's buffers: a
     fetch reads gigabytes, and a stream of small ``bytes`` through a general client costs more
-    time than the bytes themselves. Every wait has a deadline (READ_TIMEOUT_S)."""
+    time than the bytes themselves. Every wait has a deadline: CONNECT_TIMEOUT_S to connect,
+    HEAD_TIMEOUT_S for the answer's head, STALL_S for each read of the body (``_Stalled``).
 
-    def __init__(self, holder: Holder, path: str, headers: dict[str, str]):
-        self.holder, self.path, self.headers = holder, path, headers
-        self.status, self.length, self.sock = 0, 0, None
+    With an ``opener`` the body is sealed (models/sealing.py): read a chunk at a time, opened off
+    the loop. With ``ssl`` the connection speaks TLS (through asyncio's streams: a copy more)."""
+
+    def __init__(self, holder: Holder, path: str, headers: dict[str, str], count: int, opener: Opener | None = None, ssl: ssl_lib.SSLContext | None = None):
+        self.holder, self.path, self.headers, self.count = holder, path, headers, count
+        self.opener, self.ssl = opener, ssl
+        self.status, self.length = 0, 0
+        self.sock: socket.socket | None = None
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None  # with ssl
         self._early = b""  # body bytes that came with the headers
+        self._plain = memoryview(b"")  # opened bytes not yet given out (sealed)
+        self._chunk = 0  # the next sealed chunk's index
 
     async def __aenter__(self) -> "_RangeReader":
         try:
             return await self._open()
         except BaseException:
-            if self.sock is not None:
-                self.sock.close()
+            self.close()
             raise
 
     async def _open(self) -> "_RangeReader":
-        import socket
-
         loop = asyncio.get_running_loop()
         host, port = self.holder.http.rsplit(":", 1)
-        infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-        family, kind, proto, _, addr = infos[0]
-        self.sock = socket.socket(family, kind, proto)
-        self.sock.setblocking(False)
-        async with asyncio.timeout(CONNECT_TIMEOUT_S):
-            await loop.sock_connect(self.sock, addr)
-        lines = [f"GET {self.path} HTTP/1.1", f"Host: {self.holder.http}", "Connection: close", *(f"{k}: {v}" for k, v in self.headers.items())]
-        await loop.sock_sendall(self.sock, ("\r\n".join(lines) + "\r\n\r\n").encode())
+        request = "\r\n".join([f"GET {self.path} HTTP/1.1", f"Host: {self.holder.http}", "Connection: close", *(f"{k}: {v}" for k, v in self.headers.items())])
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                if self.ssl is not None:
+                    self._streams = await asyncio.open_connection(host.strip("[]"), int(port), ssl=self.ssl)
+                else:
+                    infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+                    family, kind, proto, _, addr = infos[0]
+                    self.sock = socket.socket(family, kind, proto)
+                    self.sock.setblocking(False)
+                    await loop.sock_connect(self.sock, addr)
+        except TimeoutError:
+            raise _HolderFailed(f"connecting to {self.holder.http} took over {CONNECT_TIMEOUT_S:.0f} s") from None
         head = b""
-        while b"\r\n\r\n" not in head:
-            if len(head) > MAX_RESPONSE_HEAD_BYTES:
-                raise _HolderFailed(f"an answer whose headers run past {MAX_RESPONSE_HEAD_BYTES} bytes")
-            async with asyncio.timeout(READ_TIMEOUT_S):
-                data = await loop.sock_recv(self.sock, 16384)
-            if not data:
-                raise _HolderFailed("the holder closed the connection before answering")
-            head += data
+        try:
+            async with asyncio.timeout(HEAD_TIMEOUT_S):
+                await self._send((request + "\r\n\r\n").encode())
+                while b"\r\n\r\n" not in head:
+                    if len(head) > MAX_RESPONSE_HEAD_BYTES:
+                        raise _HolderFailed(f"an answer whose headers run past {MAX_RESPONSE_HEAD_BYTES} bytes")
+                    data = bytearray(16384)
+                    n = await self._recv_into(memoryview(data))
+                    if not n:
+                        raise _HolderFailed("the holder closed the connection before answering")
+                    head += data[:n]
+        except TimeoutError:
+            raise _Stalled(f"no answer's head within {HEAD_TIMEOUT_S:.0f} s") from None
         head, self._early = head.split(b"\r\n\r\n", 1)
         status, *fields = head.decode("latin-1").split("\r\n")
         try:
@@ -604,38 +715,99 @@ class _RangeReader:
         except (IndexError, ValueError):
             raise _HolderFailed(f"a status line that does not parse: {status[:80]!r}") from None
         self.headers = {k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in fields)}
-        try:
-            self.length = int(self.headers.get("content-length", "-1"))
-        except ValueError:
-            self.length = -1
+        length = self.headers.get("content-length", "")
+        self.length = int(length) if length.isdigit() and len(length) < 20 else -1
         return self
 
-    async def __aexit__(self, *exc) -> None:
-        self.sock.close()
+    async def check(self, status: int, what: str) -> None:
+        """_HolderFailed unless the answer is ``status`` with the body this request asked for."""
+        if self.status != status:
+            raise _HolderFailed(f"HTTP {self.status} for {what}: {await self.text()}")
+        sealed = self.headers.get(SEALED_HEADER.lower())
+        if (sealed == SCHEME) != (self.opener is not None):
+            raise _HolderFailed(f"an answer for {what} {'not sealed' if self.opener is not None else f'sealed ({sealed!r:.40})'}, asked for {'sealed' if self.opener else 'in the clear'}")
+        want = sealed_length(self.count) if self.opener is not None else self.count
+        if self.length != want:
+            raise _HolderFailed(f"a Content-Length of {self.length} for {what}, not the {want} bytes asked for")
 
-    async def fill(self, buf: memoryview, what: str) -> None:
-        """Body bytes into all of ``buf``; _HolderFailed naming ``what`` if the body ends first."""
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        if self._streams is not None:
+            self._streams[1].close()
+
+    async def _send(self, data: bytes) -> None:
+        if self._streams is not None:
+            self._streams[1].write(data)
+            await self._streams[1].drain()
+        else:
+            await asyncio.get_running_loop().sock_sendall(self.sock, data)
+
+    async def _recv_into(self, buf: memoryview) -> int:
+        if self._streams is not None:
+            data = await self._streams[0].read(len(buf))
+            buf[: len(data)] = data
+            return len(data)
+        return await asyncio.get_running_loop().sock_recv_into(self.sock, buf)
+
+    async def fill(self, buf: memoryview, what: str, deadline_s: float) -> None:
+        """Body bytes into all of ``buf`` within ``deadline_s``; _HolderFailed naming ``what`` if the
+        body ends first, _Stalled if it does not come in time."""
         got = 0
-        while got < len(buf):
-            n = await self.read_into(buf[got:])
-            if not n:
-                raise _HolderFailed(f"the stream ended in {what}, after {got} of {len(buf)} bytes")
-            got += n
+        try:
+            async with asyncio.timeout(deadline_s):
+                while got < len(buf):
+                    n = await self.read_into(buf[got:])
+                    if not n:
+                        raise _HolderFailed(f"the stream ended in {what}, after {got} of {len(buf)} bytes")
+                    got += n
+        except TimeoutError:
+            raise _Stalled(f"{what} not in within {deadline_s:.0f} s ({got} of {len(buf)} bytes; the floor is {MIN_PIECE_BYTES_PER_S // 1024} KiB/s)") from None
 
     async def read_into(self, buf: memoryview) -> int:
-        """Body bytes into ``buf`` (as many as came, at most its size); 0 at the end."""
+        """Body bytes into ``buf`` (as many as came, at most its size, opened if sealed); 0 at the end."""
+        if self.opener is None:
+            return await self._raw_into(buf)
+        if not self._plain:
+            if self._chunk * SEAL_CHUNK_BYTES >= self.count:
+                return 0
+            sealed = memoryview(bytearray(self.opener.chunk_bytes(self._chunk)))
+            got = 0
+            while got < len(sealed):
+                n = await self._raw_into(sealed[got:])
+                if not n:
+                    return 0  # cut short: the caller says where
+                got += n
+            self._plain = memoryview(await asyncio.to_thread(self.opener.open, self._chunk, sealed))
+            self._chunk += 1
+        n = min(len(self._plain), len(buf))
+        buf[:n] = self._plain[:n]
+        self._plain = self._plain[n:]
+        return n
+
+    async def _raw_into(self, buf: memoryview) -> int:
+        """Bytes of the body as they come on the wire; _Stalled after STALL_S without one."""
         if self._early:
             n = min(len(self._early), len(buf))
             buf[:n] = self._early[:n]
             self._early = self._early[n:]
             return n
-        async with asyncio.timeout(READ_TIMEOUT_S):
-            return await asyncio.get_running_loop().sock_recv_into(self.sock, buf[:RECV_BYTES])
+        try:
+            async with asyncio.timeout(STALL_S):
+                return await self._recv_into(buf[:RECV_BYTES])
+        except TimeoutError:
+            raise _Stalled(f"no byte for {STALL_S:.0f} s mid-piece") from None
 
     async def text(self) -> str:
-        """The start of an error answer's body, for a message."""
+        """The start of an error answer's body, for a message (within STALL_S; it may be sealed garbage)."""
         buf = memoryview(bytearray(300))
-        n = await self.read_into(buf)
+        try:
+            n = await self._raw_into(buf)
+        except (_Stalled, OSError):
+            return ""
         return bytes(buf[:n]).decode(errors="replace")
 
 
@@ -681,3 +853,7 @@ class _HolderBusy(Exception):
 
 class _HolderFailed(Exception):
     pass
+
+
+class _Stalled(_HolderFailed):
+    """A holder whose socket is open and silent (or too slow): dropped from the fetch at once."""

@@ -22,6 +22,8 @@ from ringd.names import check_name, parse_hostport
 from wire import stream as wire_stream
 
 if TYPE_CHECKING:
+    from ssl import SSLContext
+
     from ringd.config import Config
     from ringd.metrics import Metrics
 
@@ -37,18 +39,19 @@ PROBE_RETRY_S = 5.0
 DEFAULT_MODELS_DIR = "from-peers"
 
 
-async def model_from_peers(cfg: "Config", secret: bytes, metrics: "Metrics", local_networks=()) -> PeerModel | None:
+async def model_from_peers(cfg: "Config", secret: bytes, metrics: "Metrics", local_networks=(), ssl: "SSLContext | None" = None) -> PeerModel | None:
     """The model this node fetches from the peers that hold it (its config, tokenizer and headers
     fetched: its layers follow, plan by plan). None when no peer holds one and ``model`` names a
     Hub repo id: that is fetched from the Hub, as without model_from_peers. With no ``model``, a
-    node waits for a holder, asking every PROBE_RETRY_S."""
+    node waits for a holder, asking every PROBE_RETRY_S. With ``ring_encryption`` the bytes are
+    asked for sealed; ``ssl``, a TLS context, makes the fetch speak https to holders."""
     models_dir = Path(cfg.models_dir).expanduser() if cfg.models_dir else default_cache_dir() / DEFAULT_MODELS_DIR
     while True:
         holders = await find_holders(cfg, secret, local_networks)
         if holders:
             log.info("fetching the model from peers: %s hold it", ", ".join(sorted(h.node for h in holders)))
             try:
-                return await PeerModel.bootstrap(models_dir, holders, secret, cfg.name, metrics)
+                return await PeerModel.bootstrap(models_dir, holders, secret, cfg.name, metrics, sealed=cfg.ring_encryption, ssl=ssl)
             except FetchError as e:
                 # A holder that went to sleep or away between the probe and the fetch, or one
                 # that serves what it should not: said, and asked again, as when none is found
@@ -59,7 +62,7 @@ async def model_from_peers(cfg: "Config", secret: bytes, metrics: "Metrics", loc
         if cfg.model is not None:
             log.info("model_from_peers: no peer holds a model; fetching %s as configured", cfg.model)
             return None
-        kept = await asyncio.to_thread(_fetched_before, models_dir, secret, cfg.name, metrics)
+        kept = await asyncio.to_thread(_fetched_before, models_dir, secret, cfg.name, metrics, cfg.ring_encryption, ssl)
         if len(kept) == 1:
             # Fetched before: serve it (its layers are here; others are fetched when a holder is back).
             log.info("model_from_peers: no peer holds a model right now; starting with %s, fetched before", kept[0].root)
@@ -69,8 +72,8 @@ async def model_from_peers(cfg: "Config", secret: bytes, metrics: "Metrics", loc
         await asyncio.sleep(PROBE_RETRY_S)
 
 
-def _fetched_before(models_dir: Path, secret: bytes, node: str, metrics) -> list[PeerModel]:
-    return [m for d in sorted(models_dir.glob("*")) if d.is_dir() and (m := PeerModel.open(d, secret, node, metrics)) is not None]
+def _fetched_before(models_dir: Path, secret: bytes, node: str, metrics, sealed: bool, ssl: "SSLContext | None") -> list[PeerModel]:
+    return [m for d in sorted(models_dir.glob("*")) if d.is_dir() and (m := PeerModel.open(d, secret, node, metrics, sealed=sealed, ssl=ssl)) is not None]
 
 
 async def find_holders(cfg: "Config", secret: bytes, local_networks=()) -> list[Holder]:

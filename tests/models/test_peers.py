@@ -394,3 +394,41 @@ def test_a_fetch_that_fails_is_said_and_tried_again_and_the_node_carries_on(smol
         h, fetched = uvloop.run(main())
     assert fetched is not None and fetched.manifest.fingerprint == h.model
     assert any("no holder answered with the model's manifest: node0" in r.getMessage() and "asking again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_retry_after_is_taken_as_seconds_or_a_date_bounded_and_anything_else_as_the_default():
+    """Whatever a holder puts in Retry-After: a number of seconds in [0, MAX_RETRY_AFTER_S], never an
+    exception (before, "soon" raised, "nan" never came round, "1e308" slept forever)."""
+    from email.utils import format_datetime
+    from datetime import datetime, timezone
+
+    from ringd.models.peers import HOLDER_RETRY_S, MAX_RETRY_AFTER_S, retry_after
+
+    now = 1_800_000_000.0
+    date = lambda s: format_datetime(datetime.fromtimestamp(now + s, timezone.utc), usegmt=True)  # noqa: E731
+    assert retry_after("3", now) == 3.0 and retry_after(" 0.5 ", now) == 0.5 and retry_after("0", now) == 0.0
+    assert retry_after("86400", now) == MAX_RETRY_AFTER_S and retry_after("9" * 12, now) == MAX_RETRY_AFTER_S
+    assert retry_after(date(7), now) == 7.0 and retry_after(date(-60), now) == 0.0 and retry_after(date(10**6), now) == MAX_RETRY_AFTER_S
+    for lie in [None, "", "soon", "nan", "NaN", "inf", "-inf", "-1", "1e308", "1e3", "0x10", "3 s", "1" * 400, "Sun, 99 Foo 2026 99:99:99 GMT", "\x00", "٣"]:
+        assert retry_after(lie, now) == HOLDER_RETRY_S, lie
+
+
+def test_with_ring_encryption_a_stage_fetches_its_share_sealed_and_a_fetcher_without_it_is_told(smollm2_gguf, tmp_path):
+    """A holder with ring_encryption sends a fetcher with it the stage's share sealed, opened and checked
+    piece by piece; a fetcher without it gets nothing, and a FetchError that says to turn it on."""
+
+    async def main():
+        async with holder("node0", smollm2_gguf, tmp_path / "cache", sealed=True) as (h, _):
+            fetched = await PeerModel.bootstrap(tmp_path / "models", [h], SECRET, "node1", sealed=True)
+            await fetched.ensure(*MIDDLE, LAYERS, [h], LoadProgress(*MIDDLE))
+            with pytest.raises(FetchError, match="turn ring_encryption on on the fetching node too"):
+                await PeerModel.bootstrap(tmp_path / "clear", [h], SECRET, "node2")
+            return fetched
+
+    fetched = uvloop.run(main())
+    need = fetched.stage_ranges(*MIDDLE, LAYERS)
+    assert fetched.missing(need) == {name: [] for name in need}
+    with open(smollm2_gguf, "rb") as a, open(fetched.path, "rb") as b:
+        for x, y in need[smollm2_gguf.name]:
+            a.seek(x), b.seek(x)
+            assert a.read(y - x) == b.read(y - x), f"[{x}, {y})"
