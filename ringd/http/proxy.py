@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -91,6 +92,7 @@ class ProxyNode(Protocol):
     name: str
     secret: bytes  # the cluster secret: it signs each forward
     failover_wait_s: float  # how long to wait for a new leader that serves (config failover_wait_s)
+    client_ssl: ssl.SSLContext | None  # whom an https leader is trusted as (tls.client_context); None: the system's store
 
     @property
     def leader(self) -> str | None: ...
@@ -129,6 +131,9 @@ class Proxy:
             self._client = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, connect=PROXY_CONNECT_TIMEOUT_S, sock_read=PROXY_READ_TIMEOUT_S),
                 auto_decompress=False,
+                # A leader that serves https (its INFO says so) is checked against the cluster CA
+                # (or tls_ca); the connect timeout bounds its handshake too.
+                connector=aiohttp.TCPConnector(ssl=self.node.client_ssl or True),
             )
         return self._client
 

@@ -1,0 +1,125 @@
+"""TLS for the API on a real ring: three `ringd serve` processes with `--tls auto`, the official openai
+SDK trusting only the file `ringctl tls-ca` prints, plain HTTP refused with directions, ringctl over
+https; and one node serving a certificate of the user's own (made here by a CA of the test's)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import ssl
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import httpx
+import openai
+import pytest
+from conftest import REPO, RING_START_TIMEOUT_S, Cluster
+
+from ringd import tlsca
+
+MESSAGES = [{"role": "user", "content": "Tell me about rings of machines."}]
+
+
+class TlsCluster(Cluster):
+    """A Cluster whose nodes serve https; ``ca`` is the file clients trust."""
+
+    ca: str | None = None
+
+    def url(self, i: int) -> str:
+        return f"https://127.0.0.1:{self.http_ports[i]}"
+
+    def get(self, i: int, path: str) -> dict | None:
+        try:
+            with urllib.request.urlopen(self.url(i) + path, timeout=3, context=ssl.create_default_context(cafile=self.ca)) as r:
+                return json.loads(r.read())
+        except (OSError, ValueError):
+            return None
+
+
+def _ringctl(c: Cluster, *args: str, node: int = 0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[node]}", "--secret-file", str(c.secret), "--cluster", c.cluster, *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tls_ring(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tls")
+    c = TlsCluster(tiny_model(arch="llama", layers=6), 3, tmp, ["--tls", "auto"])
+    try:
+        exported = _ringctl(c, "tls-ca")
+        assert exported.returncode == 0, exported.stderr
+        (tmp / "ringd-ca.pem").write_text(exported.stdout)
+        c.ca = str(tmp / "ringd-ca.pem")
+        c.wait(lambda: all(c.leader_ready(i) for i in range(3)), RING_START_TIMEOUT_S, "the TLS ring to serve")
+        yield c
+    finally:
+        c.stop()
+
+
+def _client(c: TlsCluster, i: int, ca: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=c.url(i) + "/v1", api_key="not-needed", max_retries=0, timeout=120, http_client=httpx.Client(verify=ssl.create_default_context(cafile=ca)))
+
+
+def test_openai_sdk_streams_through_a_follower_trusting_only_the_exported_ca(tls_ring):
+    c = tls_ring
+    leader = c.leader_ready(0)
+    lead = int(leader.removeprefix("node"))
+    follower = next(i for i in range(3) if i != lead)
+    whole = _client(c, lead, c.ca).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    stream = _client(c, follower, c.ca).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == whole.choices[0].message.content
+    assert text  # the tiny model says something: the comparison is not of two empty strings
+
+
+def test_a_client_trusting_another_secrets_ca_fails_on_the_certificate(tls_ring, tmp_path):
+    other = tmp_path / "other-ca.pem"
+    other.write_bytes(tlsca.derive_ca(b"another secret, 32 bytes long...", tls_ring.cluster).pem)
+    with pytest.raises(openai.APIConnectionError) as e:
+        _client(tls_ring, 0, str(other)).models.list()
+    assert "CERTIFICATE_VERIFY_FAILED" in repr(e.value.__cause__) or "certificate verify failed" in str(e.value.__cause__)
+
+
+def test_plain_http_to_a_tls_node_gets_a_400_saying_how_to_connect(tls_ring):
+    port = tls_ring.http_ports[1]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
+    assert e.value.code == 400
+    body = e.value.read().decode()
+    assert f"this node speaks HTTPS: use https://127.0.0.1:{port}/" in body
+    assert "tls-ca > ringd-ca.pem" in body
+
+
+def test_ringctl_status_works_over_tls(tls_ring):
+    # Given the plain address, ringctl reads the 400 and goes https, trusting the CA from the secret.
+    r = _ringctl(tls_ring, "status", "--json", node=2)
+    assert r.returncode == 0, r.stderr
+    assert {n["node"] for n in json.loads(r.stdout)["nodes"]} == {"node0", "node1", "node2"}
+    wrong = _ringctl(tls_ring, "--cluster", "another", "status", node=2)
+    assert wrong.returncode == 1 and "certificate did not verify" in wrong.stderr, wrong.stderr
+
+
+def test_a_node_serves_the_users_own_certificate(tiny_model, cluster_factory, tmp_path):
+    # The user's CA (as mkcert's or a company's would be): not the cluster's.
+    theirs = tlsca.derive_ca(b"the user's own CA key material!!", "a company CA")
+    leaf = tlsca.issue(theirs, "node0", ["localhost", "127.0.0.1"], datetime.datetime.now(datetime.timezone.utc))
+    (tmp_path / "node.pem").write_bytes(leaf.cert_pem)
+    (tmp_path / "node-key.pem").write_bytes(leaf.key_pem)
+    (tmp_path / "company-ca.pem").write_bytes(theirs.pem)
+    c = cluster_factory(tiny_model(arch="llama", layers=6), 1, ["--tls-cert", str(tmp_path / "node.pem"), "--tls-key", str(tmp_path / "node-key.pem")])
+    url = f"https://127.0.0.1:{c.http_ports[0]}/health"
+
+    def health(ca: str):
+        try:
+            return httpx.get(url, verify=ssl.create_default_context(cafile=ca), timeout=5).json()
+        except httpx.TransportError as e:
+            if "CERTIFICATE_VERIFY_FAILED" in str(e):
+                raise
+            return None
+
+    c.wait(lambda: health(str(tmp_path / "company-ca.pem")), RING_START_TIMEOUT_S, "the node to serve its own certificate")
+    (tmp_path / "cluster-ca.pem").write_bytes(tlsca.derive_ca(c.secret.read_bytes().strip(), c.cluster).pem)
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        health(str(tmp_path / "cluster-ca.pem"))
