@@ -123,3 +123,24 @@ def test_a_node_serves_the_users_own_certificate(tiny_model, cluster_factory, tm
     (tmp_path / "cluster-ca.pem").write_bytes(tlsca.derive_ca(c.secret.read_bytes().strip(), c.cluster).pem)
     with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
         health(str(tmp_path / "cluster-ca.pem"))
+
+
+def test_ringd_local_serves_https_on_its_handed_down_sockets_and_says_how_to_trust_it(tiny_model):
+    import os
+    import signal
+
+    from conftest import wait_for_line
+
+    cmd = [sys.executable, "-m", "ringd", "local", "--nodes", "1", "--model", str(tiny_model(arch="llama", layers=6)), "--port", "0", "--tls", "auto"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        url = wait_for_line(proc, "OpenAI API at ", RING_START_TIMEOUT_S).split("OpenAI API at ", 1)[1].split()[0]
+        assert url.startswith("https://127.0.0.1:")
+        trust = wait_for_line(proc, "clients trust the cluster CA in ", 30)
+        ca = trust.split("clients trust the cluster CA in ", 1)[1].split()[0]
+        health = httpx.get(url.removesuffix("/v1") + "/health", verify=ssl.create_default_context(cafile=ca), timeout=10)
+        assert health.status_code == 200 and health.json()["ready"] is True
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+        proc.stdout.close()
