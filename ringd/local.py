@@ -197,13 +197,12 @@ def run_local(
             stop.wait(READY_POLL_S)
         if stop.is_set():
             return 130
-        print(f"ringd: {nodes} node(s) ready; OpenAI API at {url}/v1 (model {body.get('model')})", flush=True)
-        if context is not None:
-            print(
-                f"ringd local: TLS on; clients trust the cluster CA in {ca_file} (while this runs): "
-                f"curl --cacert {ca_file} {url}/health, or SSL_CERT_FILE={ca_file} for the openai, anthropic and ollama clients",
-                flush=True,
-            )
+        # One line, how to trust the API included: whoever waits for it (a script, a test) has it all.
+        trust = (
+            f"; TLS on: clients trust the cluster CA in {ca_file} (while this runs), e.g. curl --cacert {ca_file} {url}/health, "
+            f"or SSL_CERT_FILE={ca_file} for the openai, anthropic and ollama clients"
+        ) if context is not None else ""  # fmt: skip
+        print(f"ringd: {nodes} node(s) ready; OpenAI API at {url}/v1 (model {body.get('model')}){trust}", flush=True)
         # A node that dies now is the ring's business: it re-plans over the others.
         reported: set[int] = set()
         while not stop.wait(0.5):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import httpx
 import openai
@@ -101,28 +102,52 @@ def test_ringctl_status_works_over_tls(tls_ring):
     assert wrong.returncode == 1 and "certificate did not verify" in wrong.stderr, wrong.stderr
 
 
-def test_a_node_serves_the_users_own_certificate(tiny_model, cluster_factory, tmp_path):
+class OwnCertCluster(Cluster):
+    """Nodes with the user's certificate; node1 trusts the user's CA (tls_ca), node2 does not."""
+
+    ca_of: dict[int, str] = {}
+
+    def command(self, i: int, secret=None, name=None) -> list[str]:
+        cmd = super().command(i, secret, name)
+        return cmd + (["--tls-ca", self.ca_of[i]] if i in self.ca_of else [])
+
+
+def test_nodes_serve_the_users_own_certificate_and_a_follower_trusts_the_leader_by_tls_ca(tiny_model, tmp_path):
     # The user's CA (as mkcert's or a company's would be): not the cluster's.
     theirs = tlsca.derive_ca(b"the user's own CA key material!!", "a company CA")
-    leaf = tlsca.issue(theirs, "node0", ["localhost", "127.0.0.1"], datetime.datetime.now(datetime.timezone.utc))
+    leaf = tlsca.issue(theirs, "node", ["localhost", "127.0.0.1"], datetime.datetime.now(datetime.timezone.utc))
     (tmp_path / "node.pem").write_bytes(leaf.cert_pem)
     (tmp_path / "node-key.pem").write_bytes(leaf.key_pem)
-    (tmp_path / "company-ca.pem").write_bytes(theirs.pem)
-    c = cluster_factory(tiny_model(arch="llama", layers=6), 1, ["--tls-cert", str(tmp_path / "node.pem"), "--tls-key", str(tmp_path / "node-key.pem")])
-    url = f"https://127.0.0.1:{c.http_ports[0]}/health"
+    company = tmp_path / "company-ca.pem"
+    company.write_bytes(theirs.pem)
+    OwnCertCluster.ca_of = {0: str(company), 1: str(company)}
+    c = OwnCertCluster(tiny_model(arch="llama", layers=6), 3, tmp_path, ["--tls-cert", str(tmp_path / "node.pem"), "--tls-key", str(tmp_path / "node-key.pem")])
+    try:
+        def client(i: int, ca: Path) -> httpx.Client:
+            return httpx.Client(base_url=f"https://127.0.0.1:{c.http_ports[i]}", verify=ssl.create_default_context(cafile=ca), timeout=60)
 
-    def health(ca: str):
-        try:
-            return httpx.get(url, verify=ssl.create_default_context(cafile=ca), timeout=5).json()
-        except httpx.TransportError as e:
-            if "CERTIFICATE_VERIFY_FAILED" in str(e):
-                raise
-            return None
+        def status():
+            try:
+                doc = client(1, company).get("/cluster/status").json()
+            except httpx.TransportError:
+                return None
+            return doc if doc.get("ready") and doc.get("leader") == "node0" else None
 
-    c.wait(lambda: health(str(tmp_path / "company-ca.pem")), RING_START_TIMEOUT_S, "the node to serve its own certificate")
-    (tmp_path / "cluster-ca.pem").write_bytes(tlsca.derive_ca(c.secret.read_bytes().strip(), c.cluster).pem)
-    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
-        health(str(tmp_path / "cluster-ca.pem"))
+        c.wait(status, RING_START_TIMEOUT_S, "the ring with the user's certificates to serve")
+        request = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+        # node1 checks node0 with tls_ca: forwarded.
+        assert client(1, company).post("/v1/chat/completions", json=request).status_code == 200
+        # node2 has no tls_ca, and the user's CA is in no system store: a clear error at once, not a wait.
+        refused = client(2, company).post("/v1/chat/completions", json=request)
+        assert refused.status_code == 502, refused.text
+        assert "its certificate is not trusted here" in refused.json()["error"]["message"] and "tls_ca" in refused.json()["error"]["message"]
+        # The cluster CA did not issue the user's certificate.
+        cluster_ca = tmp_path / "cluster-ca.pem"
+        cluster_ca.write_bytes(tlsca.derive_ca(c.secret.read_bytes().strip(), c.cluster).pem)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            client(0, cluster_ca).get("/health")
+    finally:
+        c.stop()
 
 
 def test_ringd_local_serves_https_on_its_handed_down_sockets_and_says_how_to_trust_it(tiny_model):
@@ -134,10 +159,10 @@ def test_ringd_local_serves_https_on_its_handed_down_sockets_and_says_how_to_tru
     cmd = [sys.executable, "-m", "ringd", "local", "--nodes", "1", "--model", str(tiny_model(arch="llama", layers=6)), "--port", "0", "--tls", "auto"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
-        url = wait_for_line(proc, "OpenAI API at ", RING_START_TIMEOUT_S).split("OpenAI API at ", 1)[1].split()[0]
+        ready = wait_for_line(proc, "OpenAI API at ", RING_START_TIMEOUT_S)
+        url = ready.split("OpenAI API at ", 1)[1].split()[0]
         assert url.startswith("https://127.0.0.1:")
-        trust = wait_for_line(proc, "clients trust the cluster CA in ", 30)
-        ca = trust.split("clients trust the cluster CA in ", 1)[1].split()[0]
+        ca = ready.split("clients trust the cluster CA in ", 1)[1].split()[0]
         health = httpx.get(url.removesuffix("/v1") + "/health", verify=ssl.create_default_context(cafile=ca), timeout=10)
         assert health.status_code == 200 and health.json()["ready"] is True
     finally:
