@@ -119,3 +119,22 @@ def test_config_keys_choose_the_mode_and_refuse_what_contradicts(tmp_path):
         cfg(tls="auto", tls_cert="c.pem", tls_key="k.pem")
     with pytest.raises(ConfigError, match="tls .*must be one of off, auto"):
         cfg(tls="on")
+
+
+@settings(deadline=None)  # the first example imports aiohttp
+@given(st.binary(max_size=300), st.sampled_from([b"Host", b"host", b"HOST"]), st.binary(max_size=80))
+def test_the_400_echoes_a_host_only_when_it_is_a_plain_host_and_port(before, name, value):
+    from ringd.http.tlslisten import asked_host, refusal
+
+    host = asked_host(before + b"\r\n" + name + b": " + value + b"\r\n\r\n")
+    assert host is None or (host.isascii() and all(c.isalnum() or c in ".:[]%-" for c in host) and 0 < len(host) <= 262)
+    answer = refusal(host or "10.0.0.5:8100", "trust the cluster CA")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0]) == len(body)
+
+
+def test_the_host_a_client_asked_for_is_what_the_400_names():
+    from ringd.http.tlslisten import asked_host
+
+    assert asked_host(b"GET / HTTP/1.1\r\nHost: mini1.local:8100\r\nAccept: */*\r\n\r\n") == "mini1.local:8100"
+    assert asked_host(b"GET / HTTP/1.1\r\nHost: <script>\r\n\r\n") is None
