@@ -102,6 +102,15 @@ class Daemon:
         if cfg.model is None and not cfg.model_from_peers:
             raise ModelError("model: no model configured; set model (or RINGD_MODEL, --model), or model_from_peers to fetch it from peers that hold it")
         self.secret = cfg.read_secret()
+        self.tls = cfg.tls_settings(self.secret)
+        addresses = own_addresses(cfg.advertise, cfg.host, cfg.prefer_interfaces)
+        try:
+            # Before any call to a peer's API (a model fetched from peers): whom this node trusts.
+            # And a certificate that cannot be used stops the node now, not after a model's load.
+            self.client_ssl = client_context(self.tls)
+            serving_tls = server_context(self.tls, self.name, socket.gethostname(), [*addresses, cfg.http_host]) if self.tls.on else None
+        except TlsError as e:
+            raise ConfigError(str(e)) from None
         self.api_keys = cfg.read_api_keys() if cfg.api_keys_file else frozenset()
         self._networks = local_networks()
         loop = asyncio.get_running_loop()
@@ -124,13 +133,6 @@ class Daemon:
         self.profile = dataclasses.replace(profile, speed=speed)
         self.budget = self.profile.budget(cfg.memory_budget_gb)
 
-        addresses = own_addresses(cfg.advertise, cfg.host, cfg.prefer_interfaces)
-        self.tls = cfg.tls_settings(self.secret)
-        try:
-            self.client_ssl = client_context(self.tls)
-            serving_tls = server_context(self.tls, self.name, socket.gethostname(), [*addresses, cfg.http_host]) if self.tls.on else None
-        except TlsError as e:
-            raise ConfigError(str(e)) from None
         trust = f"trust the cluster CA: {TRUST_HINT}" if self.tls.mode == "auto" else "its certificate is the one in its tls_cert"
         http_port = await _bind(
             "http_port", cfg.http_host, cfg.http_port,

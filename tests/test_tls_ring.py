@@ -169,3 +169,21 @@ def test_ringd_local_serves_https_on_its_handed_down_sockets_and_says_how_to_tru
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
         proc.stdout.close()
+
+
+def test_serve_with_a_key_that_is_not_the_certificates_stops_at_once_naming_both(tiny_model, tmp_path):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca = tlsca.derive_ca(b"the user's own CA key material!!", "a company CA")
+    (tmp_path / "node.pem").write_bytes(tlsca.issue(ca, "node", ["localhost"], now).cert_pem)
+    (tmp_path / "other-key.pem").write_bytes(tlsca.issue(ca, "node", ["localhost"], now).key_pem)
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    cmd = [
+        sys.executable, "-m", "ringd", "serve", "--model", str(tiny_model(arch="llama", layers=6)), "--secret-file", str(secret),
+        "--http-port", "0", "--ring-port", "0", "--discovery", "off", "--state-dir", str(tmp_path),
+        "--tls-cert", str(tmp_path / "node.pem"), "--tls-key", str(tmp_path / "other-key.pem"),
+    ]  # fmt: skip
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "tls_cert and tls_key do not match" in r.stderr and "other-key.pem" in r.stderr, r.stderr[-2000:]
