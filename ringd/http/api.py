@@ -226,7 +226,7 @@ class Api:
     ) -> int:
         """Serve on host:port (or ``sock``, handed down); with ``tls``, HTTPS only, its accept loop
         run by ``supervisor``, and ``trust`` (how a client trusts the certificate) in the 400 that
-        plain HTTP gets."""  # fmt: skip
+        plain HTTP gets."""
         raise_fd_limit()
         # handler_cancellation: a client that disconnects cancels its handler at
         # once, which releases its request's caches instead of generating on.
@@ -244,7 +244,7 @@ class Api:
         else:
             listener = TlsListener(sock if sock is not None else bind(host, port), tls, ConnectionCap(self._runner.server), trust)
             self._server = listener
-            self._accepting = supervisor.forever("https accept", listener.accept_loop)
+            self._accepting = (supervisor or Supervisor(log)).forever("https accept", listener.accept_loop)
         return self._server.sockets[0].getsockname()[1]
 
     def stop_serving(self, reason: str) -> None:
