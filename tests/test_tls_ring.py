@@ -187,3 +187,16 @@ def test_serve_with_a_key_that_is_not_the_certificates_stops_at_once_naming_both
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "tls_cert and tls_key do not match" in r.stderr and "other-key.pem" in r.stderr, r.stderr[-2000:]
+
+
+def test_anthropic_and_ollama_clients_connect_with_the_ca_file(tls_ring):
+    import anthropic
+    import ollama
+
+    ca = ssl.create_default_context(cafile=tls_ring.ca)
+    url = tls_ring.url(1)
+    with anthropic.Anthropic(base_url=url, api_key="not-needed", max_retries=0, timeout=120, http_client=anthropic.DefaultHttpxClient(verify=ca)) as client:
+        message = client.messages.create(model="tiny", max_tokens=4, messages=MESSAGES)
+    assert message.stop_reason in ("max_tokens", "end_turn") and message.usage.output_tokens >= 1
+    answer = ollama.Client(host=url, timeout=120, verify=ca).chat(model="tiny", messages=MESSAGES, options={"num_predict": 4})
+    assert answer.done
