@@ -138,3 +138,51 @@ def test_the_host_a_client_asked_for_is_what_the_400_names():
 
     assert asked_host(b"GET / HTTP/1.1\r\nHost: mini1.local:8100\r\nAccept: */*\r\n\r\n") == "mini1.local:8100"
     assert asked_host(b"GET / HTTP/1.1\r\nHost: <script>\r\n\r\n") is None
+
+
+def test_the_https_listener_caps_connections_being_opened_with_those_served():
+    """In one process on uvloop (the daemon's loop): one connection served, the next closed
+    unanswered, a plain one answered with the 400 once there is room again."""
+    import socket
+
+    import uvloop
+    from aiohttp import web
+
+    from ringd.http.guard import ConnectionCap
+    from ringd.http.tlslisten import TlsListener, bind
+
+    s = tls.TlsSettings("auto", "ringd", b"k" * 32)
+
+    async def until(condition) -> None:
+        async def poll():
+            while not condition():
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(poll(), 10)
+
+    async def main():
+        runner = web.AppRunner(web.Application())
+        await runner.setup()
+        listener = TlsListener(bind("127.0.0.1", 0), tls.server_context(s, "n1", "box", []), ConnectionCap(runner.server, cap=1), "trust it")
+        task = asyncio.get_running_loop().create_task(listener.accept_loop())
+        port = listener.sockets[0].getsockname()[1]
+        try:
+            r1, w1 = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, ssl=tls.client_context(s)), 10)
+            await until(lambda: len(runner.server.connections) == 1)  # served once the handshake is done
+            r2, w2 = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
+            assert await asyncio.wait_for(r2.read(), 10) == b""  # closed without a word
+            assert listener.refused == 1
+            w1.close()
+            await until(lambda: not runner.server.connections)
+            r3, w3 = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
+            w3.write(b"GET /health HTTP/1.1\r\nHost: box.local:8100\r\n\r\n")
+            answer = await asyncio.wait_for(r3.read(), 10)
+            assert answer.startswith(b"HTTP/1.1 400 ") and b"use https://box.local:8100/ (trust it)" in answer
+            for w in (w2, w3):
+                w.close()
+        finally:
+            task.cancel()
+            listener.close()
+            await runner.cleanup()
+
+    uvloop.run(main())

@@ -93,6 +93,14 @@ def test_plain_http_to_a_tls_node_gets_a_400_saying_how_to_connect(tls_ring):
     assert "tls-ca > ringd-ca.pem" in body
 
 
+def test_the_dashboard_is_served_over_https(tls_ring):
+    with httpx.Client(base_url=tls_ring.url(2), verify=ssl.create_default_context(cafile=tls_ring.ca), timeout=30) as client:
+        page = client.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        # Its script asks for relative URLs, so it stays on the https origin it came from.
+        assert client.get("/static/dashboard.js").status_code == 200
+
+
 def test_ringctl_status_works_over_tls(tls_ring):
     # Given the plain address, ringctl reads the 400 and goes https, trusting the CA from the secret.
     r = _ringctl(tls_ring, "status", "--json", node=2)
