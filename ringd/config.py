@@ -236,7 +236,7 @@ KEYS: list[Key] = [
     Key("tls", _tls, "off", "HTTPS for the API: auto issues this node a certificate from a CA derived from the cluster secret (clients trust the file `ringctl tls-ca` prints); off: plain HTTP"),
     Key("tls_cert", _optional(_str), None, "a certificate (PEM) of your own for the API, e.g. mkcert's; turns HTTPS on (needs tls_key; not with tls: auto)"),
     Key("tls_key", _optional(_str), None, "the unencrypted private key (PEM) of tls_cert"),
-    Key("tls_ca", _optional(_str), None, "with tls_cert: the CA (PEM) that issued the other nodes' certificates, which a follower checks its leader with (default: the system's store)"),
+    Key("tls_ca", _optional(_str), None, "the CA (PEM) that issued the other nodes' own certificates (tls_cert), which this node checks a leader it forwards to with, besides the cluster CA (default: with tls_cert the system's store)"),
     Key("model", _optional(_str), None, "mlx-lm model directory, Hugging Face repo id, .gguf file or ollama:NAME[:TAG]"),
     Key("model_from_peers", _bool, False, "with no model of its own (or before the Hub), fetch the layers this node runs from peers that hold the model: config, tokenizer and its stages' tensors only, checked chunk by chunk"),
     Key("models_dir", _optional(_str), None, "where a model fetched from peers is kept, so the next start finds it (default: from-peers in ringd's cache)"),
@@ -551,8 +551,6 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
             "tls: auto and tls_cert/tls_key both choose the API's certificate (auto issues one from the cluster CA, "
             "tls_cert is your own); keep one of them"
         )
-    if cfg.tls_ca is not None and cfg.tls_cert is None:
-        raise ConfigError("tls_ca: it says whom a node with tls_cert trusts; with tls: auto the cluster CA is trusted already, so drop tls_ca or set tls_cert and tls_key")
     if cfg.split is not None and len(cfg.split) != cfg.expected_nodes:
         raise ConfigError(
             f"split: {cfg.split} has {len(cfg.split)} entries for a ring of {cfg.expected_nodes} nodes "

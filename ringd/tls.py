@@ -7,7 +7,8 @@ Three modes, from the config (``tls``, ``tls_cert``, ``tls_key``, ``tls_ca``):
   (``tlsca.py``: derived from the secret, so clients trust one file that
   ``ringctl tls-ca`` prints).
 - ``cert``: the user's certificate and key (mkcert's, a company CA's); their
-  clients trust ``tls_ca`` if it is set, else the system's store.
+  clients trust ``tls_ca`` if it is set, else the system's store. (``tls_ca``
+  is trusted in any mode when set.)
 
 A client context of any mode also trusts the cluster CA: every node holds the
 secret, so a follower checks a leader in ``auto`` mode whatever its own mode.
@@ -82,11 +83,11 @@ def server_context(s: TlsSettings, node: str, host: str, addresses: list[str]) -
 
 def client_context(s: TlsSettings) -> ssl.SSLContext:
     """What a node (a follower forwarding to its leader, a fetcher reading a peer's files) trusts:
-    the cluster CA always; in cert mode also ``tls_ca``, or the system's store without it."""
+    the cluster CA always, ``tls_ca`` when set, and in cert mode without ``tls_ca`` the system's store."""
     # The system's store only where the user's certificate may come from a public CA.
     ctx = ssl.create_default_context() if s.mode == "cert" and s.ca_file is None else trusting(b"")
     ctx.load_verify_locations(cadata=cluster_ca_pem(s.secret, s.cluster).decode())
-    if s.mode == "cert" and s.ca_file is not None:
+    if s.ca_file is not None:  # any mode: a plain node may forward to a leader with its own certificate
         _load_ca(ctx, s.ca_file, "tls_ca")
     return ctx
 
