@@ -46,7 +46,7 @@ from ringd.names import check_name, parse_hostport
 from ringd.stage.compute import ComputeThread
 from ringd.status import Status
 from ringd.tasks import Supervisor
-from ringd.tls import TRUST_HINT, TlsError, TlsSettings, client_context, server_context
+from ringd.tls import TlsError, TlsSettings, client_context, server_context, trust_hint
 from wire.frames import Frame, MsgType
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class Daemon:
         self.profile = dataclasses.replace(profile, speed=speed)
         self.budget = self.profile.budget(cfg.memory_budget_gb)
 
-        trust = f"trust the cluster CA: {TRUST_HINT}" if self.tls.mode == "auto" else "its certificate is the one in its tls_cert"
+        trust = f"trust the cluster CA: {trust_hint(cfg.cluster)}" if self.tls.mode == "auto" else "trust the CA that issued the certificate in its tls_cert"
         http_port = await _bind(
             "http_port", cfg.http_host, cfg.http_port,
             self.api.start(cfg.http_host, cfg.http_port, self._http_sock, serving_tls, self.supervisor, trust),

@@ -28,8 +28,11 @@ from pathlib import Path
 from ringd import tlsca
 
 MODES = ("off", "auto", "cert")
-# What a client of a TLS node is told to run to trust it (in auto mode).
-TRUST_HINT = "ringctl --secret-file SECRET_FILE tls-ca > ringd-ca.pem"
+
+
+def trust_hint(cluster: str) -> str:
+    """What a client of a node with tls: auto is told to run to trust it."""
+    return f"ringctl --secret-file SECRET_FILE --cluster {cluster} tls-ca > ringd-ca.pem"
 
 
 class TlsError(ValueError):

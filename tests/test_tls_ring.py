@@ -90,7 +90,7 @@ def test_plain_http_to_a_tls_node_gets_a_400_saying_how_to_connect(tls_ring):
     assert e.value.code == 400
     body = e.value.read().decode()
     assert f"this node speaks HTTPS: use https://127.0.0.1:{port}/" in body
-    assert "tls-ca > ringd-ca.pem" in body
+    assert f"--cluster {tls_ring.cluster} tls-ca > ringd-ca.pem" in body
 
 
 def test_the_dashboard_is_served_over_https(tls_ring):
