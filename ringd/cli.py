@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     local.add_argument("--model-id", help="model name the API serves")
     local.add_argument("--draft-model", help="a small model with the same tokenizer, for speculative decoding of greedy requests")
     local.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    local.add_argument("--tls", default="off", choices=["off", "auto"], help="auto: https, with certificates from the run's cluster CA (its file is printed)")
 
     from ringd import demo as demo_mod
 
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help=f"the API's port (0: a free one); default {DEFAULT_HTTP_PORT}")
     demo.add_argument("--nodes", type=int, default=demo_mod.NODES, help=f"number of nodes; default {demo_mod.NODES}")
     demo.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    demo.add_argument("--tls", default="off", choices=["off", "auto"], help="auto: https, with certificates from the run's cluster CA (its file is printed)")
 
     convert = sub.add_parser("convert", help="write a GGUF file (or ollama:NAME) as an mlx-lm checkpoint directory")
     convert.add_argument("model", help="a .gguf file, or ollama:NAME[:TAG]")
@@ -194,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             split = parse_split(args.split) if args.split else None
         except PlacementError as e:
             parser.error(f"--split: {e}")
-        return run_local(args.nodes, args.model, args.port, split, args.host, args.model_id, args.log_level, args.draft_model)
+        return run_local(args.nodes, args.model, args.port, split, args.host, args.model_id, args.log_level, args.draft_model, args.tls)
 
-    return demo_mod.run(cache_dir(), args.port, args.nodes, args.log_level)
+    return demo_mod.run(cache_dir(), args.port, args.nodes, args.log_level, args.tls)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from ringd.names import check_host as _host
 from ringd.names import DEFAULT_HTTP_PORT, DEFAULT_RING_PORT, check_name, parse_hostport
 from ringd.names import check_port as _port
 from ringd.ring.steps import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES, MAX_ROWS
+from ringd.tls import TlsSettings
 
 # Where `ringd serve` and `ringctl` look for the cluster secret unless told
 # otherwise (the README has users put it there).
@@ -206,6 +207,13 @@ def _template_kwargs(v: Any) -> dict:
     return v
 
 
+def _tls(v: Any) -> str:
+    # YAML reads a bare `off` as false.
+    if v is False or v in ("off", "auto"):
+        return "off" if v is False else v
+    raise ValueError("must be one of off, auto (for a certificate of your own, set tls_cert and tls_key instead)")
+
+
 def _optional(check: Callable) -> Callable:
     return lambda v: None if v is None else check(v)
 
@@ -225,6 +233,10 @@ KEYS: list[Key] = [
     Key("secret_file", _str, DEFAULT_SECRET_FILE, "file holding the cluster secret (at least 16 bytes, readable by its owner only)"),
     Key("api_keys_file", _optional(_str), None, "file of API keys, one a line, that /v1/* requires as a Bearer token (default: none, the API is open)"),
     Key("ring_encryption", _bool, False, "encrypt ring links and model files sent between peers (AES-GCM) for networks you don't trust; integrity (HMAC) is always on"),
+    Key("tls", _tls, "off", "HTTPS for the API: auto issues this node a certificate from a CA derived from the cluster secret (clients trust the file `ringctl tls-ca` prints); off: plain HTTP"),
+    Key("tls_cert", _optional(_str), None, "a certificate (PEM) of your own for the API, e.g. mkcert's; turns HTTPS on (needs tls_key; not with tls: auto)"),
+    Key("tls_key", _optional(_str), None, "the unencrypted private key (PEM) of tls_cert"),
+    Key("tls_ca", _optional(_str), None, "the CA (PEM) that issued the other nodes' own certificates (tls_cert), which this node checks a leader it forwards to with, besides the cluster CA (default: with tls_cert the system's store)"),
     Key("model", _optional(_str), None, "mlx-lm model directory, Hugging Face repo id, .gguf file or ollama:NAME[:TAG]"),
     Key("model_from_peers", _bool, False, "with no model of its own (or before the Hub), fetch the layers this node runs from peers that hold the model: config, tokenizer and its stages' tensors only, checked chunk by chunk"),
     Key("models_dir", _optional(_str), None, "where a model fetched from peers is kept, so the next start finds it (default: from-peers in ringd's cache)"),
@@ -280,6 +292,10 @@ class Config:
     secret_file: str
     api_keys_file: str | None
     ring_encryption: bool
+    tls: str
+    tls_cert: str | None
+    tls_key: str | None
+    tls_ca: str | None
     model: str | None
     model_from_peers: bool
     models_dir: str | None
@@ -333,6 +349,11 @@ class Config:
 
     def read_secret(self) -> bytes:
         return read_secret_file(self.secret_file)
+
+    def tls_settings(self, secret: bytes) -> TlsSettings:
+        """TLS for the API as ``tls.py`` takes it; ``secret``: the cluster secret (``read_secret``)."""
+        mode = "cert" if self.tls_cert is not None else self.tls
+        return TlsSettings(mode, self.cluster, secret, self.tls_cert, self.tls_key, self.tls_ca)
 
     def read_api_keys(self) -> frozenset[str]:
         """The API keys of ``api_keys_file``; empty when none is set, which leaves /v1/* open."""
@@ -515,6 +536,14 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
         raise ConfigError(
             f"dead_after_s ({cfg.dead_after_s}) must be longer than heartbeat_interval_s ({cfg.heartbeat_interval_s}), "
             "or every peer looks dead between two heartbeats"
+        )
+    if (cfg.tls_cert is None) != (cfg.tls_key is None):
+        given, missing = ("tls_cert", "tls_key") if cfg.tls_key is None else ("tls_key", "tls_cert")
+        raise ConfigError(f"{given} is set but {missing} is not: a certificate needs its key, and the key its certificate; set both")
+    if cfg.tls_cert is not None and cfg.tls == "auto":
+        raise ConfigError(
+            "tls: auto and tls_cert/tls_key both choose the API's certificate (auto issues one from the cluster CA, "
+            "tls_cert is your own); keep one of them"
         )
     if cfg.split is not None and len(cfg.split) != cfg.expected_nodes:
         raise ConfigError(

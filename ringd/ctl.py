@@ -10,6 +10,12 @@ auto`` unpins; ``drain NODE`` keeps a node out of the ring (``--undo`` takes it
 back). It talks HTTP to any one node (``--node HOST:PORT``, default the local
 daemon) and never to the ring port.
 
+A node with TLS on answers plain HTTP with a 400 that says so; ringctl then
+speaks https to it (or at once, given ``--node https://HOST:PORT``), trusting
+``--ca FILE``, or else the cluster CA it derives from the secret and the
+cluster's name (``--cluster``). ``tls-ca`` prints that CA, for clients to
+trust: it needs only the secret.
+
 Control verbs (leader, drain) change the cluster, so ringctl signs them with
 the cluster secret (``--secret-file``, by default where ``ringd serve`` looks;
 ``auth.py`` has the scheme); without it a node refuses them. ``status`` and
@@ -38,6 +44,7 @@ import json
 import os
 import shlex
 import shutil
+import ssl
 import subprocess
 import sys
 import time
@@ -46,7 +53,8 @@ import urllib.request
 from pathlib import Path
 
 from ringd import service
-from ringd.config import DEFAULT_SECRET_FILE, ConfigError, read_secret_file
+from ringd.config import DEFAULT_SECRET_FILE, KEYS, ConfigError, read_secret_file
+from ringd.tls import TlsError, cluster_ca_pem, trusting
 from ringd.auth import sign
 from ringd.models import progress
 from ringd.names import DEFAULT_HTTP_PORT, check_name
@@ -104,13 +112,64 @@ class KnownNodes:
             raise self._fix(str(e)) from None
 
 
+DEFAULT_CLUSTER = next(k.default for k in KEYS if k.name == "cluster")
+# The start of the 400 a node with TLS on gives plain HTTP (http/tlslisten.py).
+SPEAKS_HTTPS = b"this node speaks HTTPS"
+
+
+class Trust:
+    """How ringctl reaches a node's API: plain HTTP, or https checked against ``ca_file``, else
+    against the cluster CA derived from the secret (``secret()``) and the cluster's name."""
+
+    def __init__(self, https: bool, ca_file: str | None, cluster: str, secret):
+        self.https, self.ca_file, self.cluster, self._secret = https, ca_file, cluster, secret
+        self._context: ssl.SSLContext | None = None
+
+    def url(self, node: str, path: str) -> str:
+        return f"{'https' if self.https else 'http'}://{node}{path}"
+
+    def context(self) -> ssl.SSLContext | None:
+        if not self.https:
+            return None
+        if self._context is None:
+            if self.ca_file is not None:
+                try:
+                    pem = Path(self.ca_file).expanduser().read_bytes()
+                    self._context = trusting(pem)
+                except OSError as e:
+                    raise CtlError(f"--ca: cannot read {self.ca_file}: {e.strerror}") from None
+                except TlsError as e:
+                    raise CtlError(f"--ca: {self.ca_file}: {e}") from None
+            else:
+                secret = self._secret()
+                if secret is None:
+                    raise CtlError(
+                        "the node speaks HTTPS; trust its certificate with --ca FILE, or give the cluster secret "
+                        "(--secret-file) and ringctl checks it against the cluster CA"
+                    )
+                self._context = trusting(cluster_ca_pem(secret, self.cluster))
+        return self._context
+
+    def failed(self, url: str, e: ssl.SSLCertVerificationError) -> "CtlError":
+        how = (
+            f"is --ca {self.ca_file} the CA that issued it?" if self.ca_file is not None
+            else f"with tls: auto, --secret-file must hold the cluster's secret and --cluster name it (now {self.cluster!r}); "
+            "with the node's own tls_cert, give its CA: --ca FILE"
+        )  # fmt: skip
+        return CtlError(f"{url}: the node's certificate did not verify ({e.verify_message}); {how}")
+
+
 class Credentials:
     """What ringctl proves itself with: the cluster secret (read when first needed), an API key;
     and for which node it signs at each address (``named``: the user's word, else ``known``'s pin)."""
 
-    def __init__(self, secret_file: str | None, api_key: str | None, known: KnownNodes | None = None, named: dict[str, str] | None = None):
+    def __init__(
+        self, secret_file: str | None, api_key: str | None, known: KnownNodes | None = None, named: dict[str, str] | None = None,
+        trust: Trust | None = None,
+    ):  # fmt: skip
         self.secret_file = secret_file
         self.api_key = api_key
+        self.trust = trust or Trust(False, None, DEFAULT_CLUSTER, lambda: self.secret(required=False))
         self.known = known or KnownNodes(DEFAULT_KNOWN_NODES)
         self.named = named or {}
         self._secret: bytes | None = None
@@ -132,7 +191,7 @@ class Credentials:
         the node says, then pinned. The node's open /health must say the same, or nothing is signed."""
         if node in self._node_names:
             return self._node_names[node]
-        claimed = fetch(node, "/health", allow_error=True).get("node")
+        claimed = fetch(node, "/health", allow_error=True, trust=self.trust).get("node")
         claim = f"says it is {claimed!r:.80}" if isinstance(claimed, str) else "does not say which node it is"
         pinned = self.known.load().get(node)
         named = self.named.get(node)
@@ -165,8 +224,11 @@ class Credentials:
         return name
 
 
-def fetch(node: str, path: str, body: dict | None = None, creds: Credentials | None = None, sign_with_secret: bool = False, allow_error: bool = False) -> dict:
-    url = f"http://{node}{path}"
+def fetch(
+    node: str, path: str, body: dict | None = None, creds: Credentials | None = None, sign_with_secret: bool = False,
+    allow_error: bool = False, trust: Trust | None = None,
+) -> dict:  # fmt: skip
+    trust = trust or (creds.trust if creds is not None else Trust(False, None, DEFAULT_CLUSTER, lambda: None))
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     if creds is not None:
@@ -176,24 +238,33 @@ def fetch(node: str, path: str, body: dict | None = None, creds: Credentials | N
             headers.update(sign(secret, method, path, creds.node_name(node), data or b"", time.time()))
         elif creds.api_key:
             headers["Authorization"] = f"Bearer {creds.api_key}"
-    req = urllib.request.Request(url, data=data, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        if allow_error:
-            try:
-                return json.loads(raw)
-            except ValueError:
-                return {}
+    while True:
+        url = trust.url(node, path)
+        req = urllib.request.Request(url, data=data, headers=headers)
         try:
-            message = json.loads(raw)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = raw[:300].decode(errors="replace")
-        raise CtlError(f"{url} answered {e.code}: {message}") from None
-    except (OSError, ValueError) as e:
-        raise CtlError(f"cannot read {url}: {e}; is ringd running there? (--node HOST:PORT)") from None
+            with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S, context=trust.context()) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            if e.code == 400 and raw.startswith(SPEAKS_HTTPS) and not trust.https:
+                trust.https = True  # and for every later request of this run
+                continue
+            if allow_error:
+                try:
+                    return json.loads(raw)
+                except ValueError:
+                    return {}
+            try:
+                message = json.loads(raw)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = raw[:300].decode(errors="replace")
+            raise CtlError(f"{url} answered {e.code}: {message}") from None
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, ssl.SSLCertVerificationError):
+                raise trust.failed(url, e.reason) from None
+            raise CtlError(f"cannot read {url}: {e.reason}; is ringd running there? (--node HOST:PORT)") from None
+        except (OSError, ValueError) as e:
+            raise CtlError(f"cannot read {url}: {e}; is ringd running there? (--node HOST:PORT)") from None
 
 
 def _number(v) -> float | None:
@@ -556,6 +627,8 @@ def _positive(text: str) -> int:
 def _target(args) -> tuple[str, Credentials]:
     """--node as HOST:PORT, and what ringctl proves itself with there (the node's name, if the user gave it)."""
     node, name = args.node, args.node_name
+    https = node.startswith("https://")
+    node = node.removeprefix("https://").removeprefix("http://").rstrip("/")
     if "@" in node:
         given, node = node.split("@", 1)
         if name is not None and name != given:
@@ -567,7 +640,9 @@ def _target(args) -> tuple[str, Credentials]:
         except ValueError as e:
             raise CtlError(f"{name!r:.80} is not a node name: {e}") from None
     known = KnownNodes(args.known_nodes or DEFAULT_KNOWN_NODES)
-    return node, Credentials(args.secret_file, args.api_key, known, {node: name} if name is not None else None)
+    creds = Credentials(args.secret_file, args.api_key, known, {node: name} if name is not None else None)
+    creds.trust = Trust(https, args.ca, args.cluster, lambda: creds.secret(required=False))
+    return node, creds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -586,6 +661,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"the cluster secret, to sign control commands (default: RINGD_SECRET_FILE, else {DEFAULT_SECRET_FILE})",
     )  # fmt: skip
     parser.add_argument("--api-key", default=os.environ.get("RINGD_API_KEY"), help="an API key, for status on a node that requires keys (default: RINGD_API_KEY)")
+    parser.add_argument(
+        "--cluster", default=os.environ.get("RINGD_CLUSTER", DEFAULT_CLUSTER),
+        help=f"the cluster's name, which with the secret makes the cluster CA (tls-ca; https to a node with tls: auto); default: RINGD_CLUSTER, else {DEFAULT_CLUSTER}",
+    )  # fmt: skip
+    parser.add_argument("--ca", metavar="FILE", help="https: trust this CA (PEM) instead of the cluster CA derived from the secret")
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="nodes, roles, layers, memory, health")
     status.add_argument("--json", action="store_true", help="print the raw status document")
@@ -594,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         "--interval", type=_interval, default=TOP_INTERVAL_S, metavar="SECONDS", help=f"seconds between polls (default {TOP_INTERVAL_S:g})"
     )
     sub.add_parser("plan", help="the ring's order and layer ranges")
+    sub.add_parser("tls-ca", help="print the cluster CA (PEM) that nodes with tls: auto are issued by: clients trust this file")
     leader = sub.add_parser("leader", help="pin the leader (set NODE) or let the election decide (auto)")
     leader_sub = leader.add_subparsers(dest="action", required=True)
     leader_sub.add_parser("set", help="pin NODE as leader").add_argument("target", metavar="NODE")
@@ -620,7 +701,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.node, creds = _target(args)
-        if args.command == "status":
+        if args.command == "tls-ca":
+            sys.stdout.write(cluster_ca_pem(creds.secret(required=True), args.cluster).decode())
+        elif args.command == "status":
             doc = fetch(args.node, "/cluster/status", creds=creds)
             print(json.dumps(doc, indent=2)) if args.json else print_status(doc)
         elif args.command == "top":

@@ -46,6 +46,7 @@ from ringd.names import check_name, parse_hostport
 from ringd.stage.compute import ComputeThread
 from ringd.status import Status
 from ringd.tasks import Supervisor
+from ringd.tls import TlsError, TlsSettings, client_context, server_context, trust_hint
 from wire.frames import Frame, MsgType
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ class Daemon:
         self.files: Holding | None = None  # the model this node serves to peers fetching theirs
         self.addr = ""
         self.http_addr = ""
+        self.tls: TlsSettings | None = None
+        self.client_ssl = None  # whom this node trusts calling a peer's https API: set at start
         self._own: dict = {}  # what peers learn of this node once it has proved the secret
         self._networks = []  # this host's IPv4 networks, read at start
         self._started = time.monotonic()
@@ -99,6 +102,15 @@ class Daemon:
         if cfg.model is None and not cfg.model_from_peers:
             raise ModelError("model: no model configured; set model (or RINGD_MODEL, --model), or model_from_peers to fetch it from peers that hold it")
         self.secret = cfg.read_secret()
+        self.tls = cfg.tls_settings(self.secret)
+        addresses = own_addresses(cfg.advertise, cfg.host, cfg.prefer_interfaces)
+        try:
+            # Before any call to a peer's API (a model fetched from peers): whom this node trusts.
+            # And a certificate that cannot be used stops the node now, not after a model's load.
+            self.client_ssl = client_context(self.tls)
+            serving_tls = server_context(self.tls, self.name, socket.gethostname(), [*addresses, cfg.http_host]) if self.tls.on else None
+        except TlsError as e:
+            raise ConfigError(str(e)) from None
         self.api_keys = cfg.read_api_keys() if cfg.api_keys_file else frozenset()
         self._networks = local_networks()
         loop = asyncio.get_running_loop()
@@ -121,11 +133,16 @@ class Daemon:
         self.profile = dataclasses.replace(profile, speed=speed)
         self.budget = self.profile.budget(cfg.memory_budget_gb)
 
-        http_port = await _bind("http_port", cfg.http_host, cfg.http_port, self.api.start(cfg.http_host, cfg.http_port, self._http_sock))
-        addresses = own_addresses(cfg.advertise, cfg.host, cfg.prefer_interfaces)
+        trust = f"trust the cluster CA: {trust_hint(cfg.cluster)}" if self.tls.mode == "auto" else "trust the CA that issued the certificate in its tls_cert"
+        http_port = await _bind(
+            "http_port", cfg.http_host, cfg.http_port,
+            self.api.start(cfg.http_host, cfg.http_port, self._http_sock, serving_tls, self.supervisor, trust),
+        )  # fmt: skip
         own: dict = {
             "model": self.info.fingerprint, "budget": self.budget, "priority": cfg.priority,
             "profile": self.profile.to_wire(), "api_only": cfg.api_only, "files": self.files is not None,
+            # Whether the API is https: a follower forwards to its leader with the scheme the leader serves.
+            "https": self.tls.on,
         }  # fmt: skip
         self._own = own
         self.stage = StageHost(
@@ -157,8 +174,8 @@ class Daemon:
             self.supervisor.once("discovery", self._discover(addresses, ring_port, http_port))
         self.supervisor.forever("session expiry", self._expire_loop)
         log.info(
-            "ringd node %s up: ring %s, http %s, model %s (%d layers), priority %d%s",
-            self.name, self.addr, self.http_addr, self.model_id, self.info.num_layers, cfg.priority,
+            "ringd node %s up: ring %s, http %s://%s, model %s (%d layers), priority %d%s",
+            self.name, self.addr, self.tls.scheme, self.http_addr, self.model_id, self.info.num_layers, cfg.priority,
             ", ring encryption on" if cfg.ring_encryption else "",
         )  # fmt: skip
         self.cluster.view_changed()  # a node alone elects itself
@@ -302,9 +319,10 @@ class Daemon:
         if leader is None:
             return None
         if leader == self.name:
-            return f"http://{self.http_addr}"
-        http = self.cluster.info_of(leader).get("http")
-        return f"http://{http}" if isinstance(http, str) else None
+            return f"{self.tls.scheme}://{self.http_addr}"
+        info = self.cluster.info_of(leader)
+        http = info.get("http")
+        return f"{'https' if info.get('https') is True else 'http'}://{http}" if isinstance(http, str) else None
 
     async def leader_changed(self) -> None:
         """Returns when the leader changes next."""
@@ -343,6 +361,7 @@ class Daemon:
                 "found": sorted(self.discovery.peers) if self.discovery else [],
             },
             "ring_encryption": self.cfg.ring_encryption,
+            "tls": self.tls.mode if self.tls else "off",
         }
 
     def _kv_capacity(self, start: int, end: int) -> int | None:

@@ -41,15 +41,17 @@ def model(cache_dir: Path) -> tuple[Path, str]:
     return ensure_tiny_model(models, **TINY_MODEL), TINY_MODEL_ID
 
 
-def run(cache_dir: Path, port: int, nodes: int, log_level: str) -> int:
+def run(cache_dir: Path, port: int, nodes: int, log_level: str, tls: str = "off") -> int:
     from ringd.local import run_local
 
     path, model_id = model(cache_dir)
     question = "What is the capital of France?" if model_id == MODEL_ID else "Hello!"
-    print(f'ringd demo: try  curl -s localhost:{port or "PORT"}/v1/chat/completions -H "Content-Type: application/json" '
+    # With TLS, curl needs the CA file that `ringd local` prints once the ring is up.
+    where = f'--cacert CA_FILE https://localhost:{port or "PORT"}' if tls == "auto" else f'localhost:{port or "PORT"}'
+    print(f'ringd demo: try  curl -s {where}/v1/chat/completions -H "Content-Type: application/json" '
           f"-d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{question}\"}}], \"max_tokens\": 40, \"temperature\": 0}}'",
           flush=True)  # fmt: skip
-    return run_local(nodes, str(path), port, None, "127.0.0.1", model_id, log_level)
+    return run_local(nodes, str(path), port, None, "127.0.0.1", model_id, log_level, tls=tls)
 
 
 class _Progress:

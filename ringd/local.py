@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -40,9 +41,9 @@ STOP_GRACE_S = 5.0
 PROGRESS_POLL_S = 1.0
 
 
-def _health(url: str) -> tuple[int, dict]:
+def _health(url: str, context: ssl.SSLContext | None = None) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(url, timeout=2, context=context) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         try:
@@ -53,8 +54,8 @@ def _health(url: str) -> tuple[int, dict]:
         return 0, {}
 
 
-def _cluster_status(url: str) -> dict:
-    status, body = _health(url)
+def _cluster_status(url: str, context: ssl.SSLContext | None = None) -> dict:
+    status, body = _health(url, context)
     return body if status == 200 and isinstance(body, dict) else {}
 
 
@@ -90,7 +91,10 @@ def run_local(
     model_id: str | None = None,
     log_level: str = "info",
     draft_model: str | None = None,
+    tls: str = "off",
 ) -> int:
+    """``tls``: "auto" serves https with certificates from the run's cluster CA, written to
+    ringd-ca.pem in the run's folder for clients to trust."""
     if nodes < 1:
         print("ringd local: --nodes must be at least 1", file=sys.stderr)
         return 2
@@ -125,6 +129,13 @@ def run_local(
     secret_file.chmod(0o600)
     # A cluster of its own: two `ringd local` runs on one machine never mix.
     cluster = f"local-{secrets.token_hex(4)}"
+    context, ca_file = None, workdir / "ringd-ca.pem"
+    if tls == "auto":
+        from ringd.tls import cluster_ca_pem, trusting
+
+        pem = cluster_ca_pem(secret_file.read_bytes().strip(), cluster)
+        ca_file.write_bytes(pem)
+        context = trusting(pem)
 
     ring_ports = [s.getsockname()[1] for s in rings]
     http_ports = [s.getsockname()[1] for s in https]
@@ -146,7 +157,7 @@ def run_local(
                 "--cluster", cluster, "--state-dir", str(workdir), "--nodes", str(nodes),
                 "--log-level", log_level,
                 # Every node is listed as a peer; nothing to find, and nothing to tell the LAN.
-                "--discovery", "off",
+                "--discovery", "off", "--tls", tls,
             ]  # fmt: skip
             for j in range(nodes):
                 if j != i:
@@ -162,7 +173,7 @@ def run_local(
             rings[i].close()
             https[i].close()
 
-        url = f"http://{host}:{http_ports[0]}"
+        url = f"{'https' if context else 'http'}://{host}:{http_ports[0]}"
         deadline = time.monotonic() + READY_TIMEOUT_S
         reason = ""
         shown: dict[str, dict] = {}
@@ -172,13 +183,13 @@ def run_local(
             if dead:
                 print(f"ringd local: node{dead[0]} exited with code {procs[dead[0]].returncode}", file=sys.stderr)
                 return 1
-            status, body = _health(url + "/health")
+            status, body = _health(url + "/health", context)
             if status == 200:
                 break
             reason = body.get("reason", reason)
             if time.monotonic() - polled_at >= PROGRESS_POLL_S:
                 polled_at = time.monotonic()
-                for line in progress_lines(_cluster_status(url + "/cluster/status"), shown):
+                for line in progress_lines(_cluster_status(url + "/cluster/status", context), shown):
                     print(line, flush=True)
             if time.monotonic() > deadline:
                 print(f"ringd local: the ring was not ready after {READY_TIMEOUT_S:.0f} s: {reason}", file=sys.stderr)
@@ -186,7 +197,12 @@ def run_local(
             stop.wait(READY_POLL_S)
         if stop.is_set():
             return 130
-        print(f"ringd: {nodes} node(s) ready; OpenAI API at {url}/v1 (model {body.get('model')})", flush=True)
+        # One line, how to trust the API included: whoever waits for it (a script, a test) has it all.
+        trust = (
+            f"; TLS on: clients trust the cluster CA in {ca_file} (while this runs), e.g. curl --cacert {ca_file} {url}/health, "
+            f"or SSL_CERT_FILE={ca_file} for the openai, anthropic and ollama clients"
+        ) if context is not None else ""  # fmt: skip
+        print(f"ringd: {nodes} node(s) ready; OpenAI API at {url}/v1 (model {body.get('model')}){trust}", flush=True)
         # A node that dies now is the ring's business: it re-plans over the others.
         reported: set[int] = set()
         while not stop.wait(0.5):

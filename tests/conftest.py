@@ -40,7 +40,7 @@ RING_START_TIMEOUT_S = 120.0
 # Tests that talk to one shared ring run in one pytest-xdist worker (``--dist loadgroup``), so
 # it starts once: the first of these fixtures a test uses (directly or through others) names
 # its group. Tests with rings of their own go wherever a worker is free.
-RING_GROUPS = [("think_model", "think"), ("tiny_smollm2", "tiny-smollm2"), ("observed_ring", "observed")]
+RING_GROUPS = [("think_model", "think"), ("tiny_smollm2", "tiny-smollm2"), ("observed_ring", "observed"), ("tls_ring", "tls")]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the marks into the test ids

@@ -29,6 +29,7 @@ import asyncio
 import datetime
 import logging
 import socket
+import ssl
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -42,13 +43,15 @@ from ringd.http import anthropic_api, embeddings, ollama_api, openai_api, respon
 from ringd.http.endpoint import Endpoint
 from ringd.http.errors import ApiError
 from ringd.http.files import FileServer
-from ringd.http.guard import AIOHTTP_LOG, HTTP_IDLE_TIMEOUT_S, listen, raise_fd_limit, undecodable_header
 from ringd.http.bodies import MAX_BODY_BYTES
+from ringd.http.guard import AIOHTTP_LOG, HTTP_IDLE_TIMEOUT_S, ConnectionCap, listen, raise_fd_limit, undecodable_header
 from ringd.http.intake import REQUEST_ID_KEY, Intake
 from ringd.http.proxy import REQUEST_ID_HEADER, Proxy
 from ringd.http.serving import Serving
+from ringd.http.tlslisten import TlsListener, bind
 from ringd.names import check_name
 from ringd.ring.sampling import brief_repr
+from ringd.tasks import Supervisor
 
 if TYPE_CHECKING:
     from ringd.http.node import ApiNode
@@ -211,13 +214,20 @@ class Api:
             ]
         )
         self._runner: web.AppRunner | None = None
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.AbstractServer | TlsListener | None = None
+        self._accepting: asyncio.Task | None = None  # an HTTPS listener's accept loop
         self._control: ControlAuth | None = None
         # Read once: no file I/O on the event loop per request.
         self._page = (WEB_DIR / "index.html").read_bytes()
         self._openapi = OPENAPI.read_bytes()
 
-    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> int:
+    async def start(
+        self, host: str, port: int, sock: socket.socket | None = None,
+        tls: ssl.SSLContext | None = None, supervisor: Supervisor | None = None, trust: str = "",
+    ) -> int:
+        """Serve on host:port (or ``sock``, handed down); with ``tls``, HTTPS only, its accept loop
+        run by ``supervisor``, and ``trust`` (how a client trusts the certificate) in the 400 that
+        plain HTTP gets."""
         raise_fd_limit()
         # handler_cancellation: a client that disconnects cancels its handler at
         # once, which releases its request's caches instead of generating on.
@@ -233,20 +243,29 @@ class Api:
             logger=AIOHTTP_LOG,
         )  # fmt: skip
         await self._runner.setup()
-        self._server, _ = await listen(self._runner, host, port, sock=sock)
+        if tls is None:
+            self._server, _ = await listen(self._runner, host, port, sock=sock)
+        else:
+            listener = TlsListener(sock if sock is not None else bind(host, port), tls, ConnectionCap(self._runner.server), trust)
+            self._server = listener
+            self._accepting = (supervisor or Supervisor(log)).forever("https accept", listener.accept_loop)
         return self._server.sockets[0].getsockname()[1]
 
     def stop_serving(self, reason: str) -> None:
         """The node is stopping: listen no more, refuse new requests on open connections (503,
         ``reason``), end what this node forwards. What it serves itself the engine ends."""
         self._stopping = reason
-        if self._server is not None:
-            self._server.close()
+        self._close_listener()
         self.proxy.stop(reason)
 
-    async def stop(self) -> None:
+    def _close_listener(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
         if self._server is not None:
             self._server.close()
+
+    async def stop(self) -> None:
+        self._close_listener()
         if self._runner is not None:
             # Handlers have HTTP_SHUTDOWN_GRACE_S to write their last words (an error event and
             # data: [DONE]); then they are cancelled.

@@ -8,6 +8,7 @@ for it.
 
 from __future__ import annotations
 
+import ssl
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ class ApiNode(Protocol):
     chat_template_kwargs: dict  # what every chat template gets unless a request sets it
     failover_wait_s: float  # how long a request waits for the next ring when the last was lost
     files: "Holding | None"  # the model this node serves to peers fetching theirs (http/files.py)
+    client_ssl: ssl.SSLContext | None  # whom this node trusts when it calls a peer's https API (tls.client_context)
 
     @property
     def engine(self) -> "Engine | None": ...

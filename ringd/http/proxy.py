@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -87,10 +88,26 @@ def read_resume(v, vocab_size: int) -> Resume:
     return Resume(tokens, rid, created)
 
 
+def _untrusted(e: Exception, url: str) -> ApiError | None:
+    """The error for a leader whose certificate this node does not trust, which no retry mends
+    (waiting failover_wait_s for another leader would only hide it); None for any other failure."""
+    if not isinstance(e, aiohttp.ClientConnectorCertificateError):
+        return None
+    log.error("the leader at %s serves a certificate this node does not trust: %s", url, e.certificate_error)
+    return ApiError(
+        502,
+        f"this node cannot forward to the leader at {url}: its certificate is not trusted here ({e.certificate_error}); "
+        "with tls: auto every node needs the same secret and cluster name, with tls_cert set tls_ca to the CA that issued "
+        "the leader's certificate",
+        code="leader_untrusted",
+    )  # fmt: skip
+
+
 class ProxyNode(Protocol):
     name: str
     secret: bytes  # the cluster secret: it signs each forward
     failover_wait_s: float  # how long to wait for a new leader that serves (config failover_wait_s)
+    client_ssl: ssl.SSLContext | None  # whom an https leader is trusted as (tls.client_context); None: the system's store
 
     @property
     def leader(self) -> str | None: ...
@@ -129,6 +146,9 @@ class Proxy:
             self._client = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, connect=PROXY_CONNECT_TIMEOUT_S, sock_read=PROXY_READ_TIMEOUT_S),
                 auto_decompress=False,
+                # A leader that serves https (its INFO says so) is checked against the cluster CA
+                # (or tls_ca); the connect timeout bounds its handshake too.
+                connector=aiohttp.TCPConnector(ssl=self.node.client_ssl or True),
             )
         return self._client
 
@@ -201,6 +221,8 @@ class Proxy:
             try:
                 return await _race(self, self._post_whole(url, request, body, self._headers(request, url, digest)))
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, _LeaderLost) as e:
+                if (untrusted := _untrusted(e, url)) is not None:
+                    raise untrusted from None
                 log.warning("forwarding %s to %s failed (%s); waiting for a leader that serves", request.path, url, type(e).__name__)
                 deadline = deadline or time.monotonic() + self.node.failover_wait_s
                 await asyncio.sleep(FAILOVER_POLL_S)
@@ -282,6 +304,10 @@ class _Stream:
             except _Relayed as r:
                 return r.response
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, _LeaderLost, ValueError) as e:
+                if (untrusted := _untrusted(e, url)) is not None:
+                    if self.resp is None:
+                        raise untrusted from None
+                    return await self._give_up(untrusted.message)
                 if self.finished:  # every token is out; only the end was lost
                     await self._write(b"data: [DONE]\n\n")
                     return await self._end()
@@ -414,6 +440,8 @@ class _Relay:
                     raise ApiError(503, str(e)) from None
                 return await self._end()
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, _LeaderLost) as e:
+                if (untrusted := _untrusted(e, url)) is not None and self.resp is None:
+                    raise untrusted from None
                 if self.resp is not None:
                     # Started: these formats cannot be carried over; the client sees the stream end early.
                     log.warning("relayed stream via %s broke (%s); ending it", url, type(e).__name__)

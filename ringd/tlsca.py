@@ -1,0 +1,149 @@
+"""The cluster's certificate authority, derived from the cluster secret; node certificates it issues.
+
+``tls: auto`` must give every node a certificate that clients can check
+without anyone running a CA. Every node and ``ringctl`` already hold the
+cluster secret, so the CA's private key is derived from it (HKDF-SHA256 over
+the secret, with the cluster's name), and its certificate has a fixed subject,
+serial and validity and a deterministic (RFC 6979) ECDSA signature: whoever
+holds the secret derives the same CA, byte for byte, so any node can issue
+its own certificate and a client trusts one exported file
+(``ringctl tls-ca``). Whoever holds the secret can also impersonate any node:
+the CA is exactly as strong as the secret, which already lets its holder join
+the ring.
+
+Sans-I/O: bytes in, PEM bytes out; what loads them into ``ssl`` contexts is
+``tls.py``. What this ignores: revocation (change the secret, and every
+certificate and the CA change with it), client certificates.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+# Names the derivation: another use of the secret (ring handshake keys) never
+# yields this key, and a new scheme gets a new label rather than a clash.
+_KDF_SALT = b"ringd cluster CA key v1"
+# P-256's group order: the derived scalar is reduced into [1, n-1].
+_P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+# 16 bytes past the order's 32 make the reduction's bias negligible (FIPS 186-5 A.2.1).
+_KDF_BYTES = 48
+# The CA certificate's fixed validity: the same on every node and in every
+# ringctl, so the exported file never changes while the secret does not.
+# Twenty years: the CA is replaced by changing the secret, not by expiry.
+CA_NOT_BEFORE = datetime.datetime(2025, 1, 1, tzinfo=datetime.timezone.utc)
+CA_NOT_AFTER = datetime.datetime(2045, 1, 1, tzinfo=datetime.timezone.utc)
+# A node's certificate is issued at every start; it stays valid for 397 days,
+# under the 398 that Apple's and browsers' TLS stacks accept for a server
+# certificate. Backdated an hour so a peer whose clock is a little behind accepts it.
+LEAF_VALIDITY = datetime.timedelta(days=397)
+LEAF_BACKDATE = datetime.timedelta(hours=1)
+
+
+def ca_subject(cluster: str) -> str:
+    return f"ringd cluster CA {cluster}"
+
+
+@dataclass(frozen=True)
+class ClusterCA:
+    key: ec.EllipticCurvePrivateKey
+    cert: x509.Certificate
+
+    @property
+    def pem(self) -> bytes:
+        """The CA certificate, PEM: the one file clients trust."""
+        return self.cert.public_bytes(serialization.Encoding.PEM)
+
+
+def derive_ca(secret: bytes, cluster: str) -> ClusterCA:
+    """The CA of ``cluster`` with cluster secret ``secret``: the same for everyone who holds both."""
+    okm = HKDF(algorithm=hashes.SHA256(), length=_KDF_BYTES, salt=_KDF_SALT, info=cluster.encode()).derive(secret)
+    key = ec.derive_private_key(int.from_bytes(okm, "big") % (_P256_ORDER - 1) + 1, ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "ringd"), x509.NameAttribute(NameOID.COMMON_NAME, ca_subject(cluster))])
+    public = key.public_key()
+    ski = x509.SubjectKeyIdentifier.from_public_key(public)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(public)
+        # From the key, so two secrets' CAs never share issuer and serial (clients
+        # that cache certificates by the pair would confuse them).
+        .serial_number(int.from_bytes(ski.digest[:16], "big") >> 1 | 1)
+        .not_valid_before(CA_NOT_BEFORE)
+        .not_valid_after(CA_NOT_AFTER)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False, content_commitment=False, key_encipherment=False, data_encipherment=False,
+                key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )  # fmt: skip
+        .add_extension(ski, critical=False)
+        # RFC 6979: the signature, and so the certificate's bytes, depend on the key and the content only.
+        .sign(key, hashes.SHA256(), ecdsa_deterministic=True)
+    )
+    return ClusterCA(key, cert)
+
+
+def _san(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name.strip("[]").split("%")[0]))
+    except ValueError:
+        return x509.DNSName(name.lower().rstrip("."))
+
+
+def san_names(node: str, host: str, addresses: list[str]) -> list[str]:
+    """What a node's certificate is valid for: its name, the host's name and its ``.local`` (Bonjour)
+    name, its addresses, and loopback, without repeats, in that order."""
+    names = [node, host, host.split(".")[0] + ".local", *addresses, "localhost", "127.0.0.1", "::1"]
+    seen: dict[str, None] = {}
+    for n in names:
+        if n and n not in ("0.0.0.0", "::"):
+            seen.setdefault(n.lower(), None)
+    return list(seen)
+
+
+@dataclass(frozen=True)
+class Leaf:
+    key_pem: bytes
+    cert_pem: bytes
+
+
+def issue(ca: ClusterCA, node: str, names: list[str], now: datetime.datetime) -> Leaf:
+    """A server certificate for ``node``, valid for ``names`` (host names and IP addresses), signed by ``ca``."""
+    if not names:
+        raise ValueError("a node's certificate needs at least one name or address")
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "ringd"), x509.NameAttribute(NameOID.COMMON_NAME, node)]))
+        .issuer_name(ca.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - LEAF_BACKDATE)
+        .not_valid_after(min(now + LEAF_VALIDITY, CA_NOT_AFTER))
+        .add_extension(x509.SubjectAlternativeName([_san(n) for n in names]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
+                key_agreement=False, key_cert_sign=False, crl_sign=False, encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )  # fmt: skip
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False)
+        .sign(ca.key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return Leaf(key_pem, cert.public_bytes(serialization.Encoding.PEM))
