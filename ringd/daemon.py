@@ -116,7 +116,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         model = cfg.model
         if cfg.model_from_peers and not _on_disk(model):
-            self.peer_model = await model_from_peers(cfg, self.secret, self.metrics, local_networks=self._networks)
+            self.peer_model = await model_from_peers(cfg, self.secret, self.metrics, local_networks=self._networks, ssl=self.client_ssl)
             if self.peer_model is not None:
                 model = str(self.peer_model.path)
         self.info = await loop.run_in_executor(None, model_info, model)

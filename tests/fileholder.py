@@ -14,8 +14,12 @@ from ringd.http.files import FileServer, Holding
 from ringd.metrics import Metrics
 from ringd.models.peers import Holder
 from ringd.models.source import model_info
+from ringd.tls import TlsSettings, server_context
 
 SECRET = b"s" * 32
+CLUSTER = "ringd"
+# What a node of this cluster with ``tls: auto`` serves and trusts.
+TLS = TlsSettings("auto", CLUSTER, SECRET)
 
 
 @dataclass
@@ -27,9 +31,10 @@ class HolderNode:
 
 
 @contextlib.asynccontextmanager
-async def holder(name: str, path: Path, cache: Path, fingerprint: str | None = None, sealed: bool = False):
+async def holder(name: str, path: Path, cache: Path, fingerprint: str | None = None, sealed: bool = False, tls: bool = False):
     """ringd's file routes for the model at ``path`` (served as ``fingerprint``, if given; sealed only,
-    as with ring_encryption, if ``sealed``), on a loopback port: (Holder, its node)."""
+    as with ring_encryption, if ``sealed``; over https with a certificate of the cluster CA of
+    SECRET and CLUSTER, as with ``tls: auto``, if ``tls``), on a loopback port: (Holder, its node)."""
     info = model_info(str(path))
     fingerprint = fingerprint or info.fingerprint
     node = HolderNode(name, SECRET, Metrics(name), Holding(info.path, fingerprint, info.name, cache, sealed=sealed))
@@ -37,10 +42,11 @@ async def holder(name: str, path: Path, cache: Path, fingerprint: str | None = N
     app.add_routes(FileServer(node).routes())
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    ssl = server_context(TLS, name, "localhost", ["127.0.0.1"]) if tls else None
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     try:
-        yield Holder(name, f"127.0.0.1:{port}", fingerprint), node
+        yield Holder(name, f"127.0.0.1:{port}", fingerprint, https=tls), node
     finally:
         await runner.cleanup()

@@ -136,6 +136,7 @@ class Holder:
     node: str
     http: str  # host:port of its HTTP API
     model: str  # the fingerprint of the model it serves
+    https: bool = False  # its API speaks TLS (the INFO it sent says so): fetched with the node's client context
 
 
 def model_dir_name(manifest: Manifest) -> str:
@@ -325,7 +326,7 @@ class PeerModel:
         if self.sealed:
             headers[SEALED_HEADER] = SCHEME
             opener = Opener(self.secret, headers[FILES_NONCE_HEADER], path, a, b - a)
-        return _RangeReader(holder, path, headers, b - a, opener, self.ssl)
+        return _RangeReader(holder, path, headers, b - a, opener, _tls(holder, self.ssl))
 
     # --- what a stage needs ------------------------------------------------------------------
 
@@ -437,7 +438,17 @@ def _client(ssl: ssl_lib.SSLContext | None = None) -> aiohttp.ClientSession:
 
 
 def _url(holder: Holder, path: str, ssl: ssl_lib.SSLContext | None = None) -> str:
-    return f"{'https' if ssl is not None else 'http'}://{holder.http}{path}"
+    return f"{'https' if _tls(holder, ssl) is not None else 'http'}://{holder.http}{path}"
+
+
+def _tls(holder: Holder, ssl: ssl_lib.SSLContext | None) -> ssl_lib.SSLContext | None:
+    """The context to reach ``holder`` with: the node's, where the holder's API speaks TLS; a
+    holder with TLS and a node with no context is a failed request that says so."""
+    if not holder.https:
+        return None
+    if ssl is None:
+        raise FetchError(f"{holder.node} serves its API over https, and this fetch has no TLS context to check it with")
+    return ssl
 
 
 def piece_deadline(nbytes: int) -> float:

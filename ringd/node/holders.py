@@ -113,7 +113,7 @@ def holder_of(node: str, info: dict, model: str | None = None) -> Holder | None:
         parse_hostport(http)
     except ValueError:
         return None
-    return Holder(node, http, fingerprint)
+    return Holder(node, http, fingerprint, https=info.get("https") is True)
 
 
 async def probe(addrs: Iterable[tuple[str, int]], *, secret: bytes, node: str, cluster: str, encrypt: bool) -> list[Holder]:

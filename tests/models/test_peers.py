@@ -26,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 import uvloop
-from fileholder import SECRET, HolderNode, holder
+from fileholder import SECRET, TLS, HolderNode, holder
 
 from ringd.auth import sign_files
 from ringd.metrics import Metrics
@@ -34,6 +34,7 @@ from ringd.models.manifest import FILES_PREFIX
 from ringd.models.peers import FetchError, Holder, PeerModel
 from ringd.models.progress import LoadProgress
 from ringd.stage.shard import Shard
+from ringd.tls import client_context, trusting
 
 LAYERS = 30  # SmolLM2's
 MIDDLE = (10, 20)  # the middle stage of three
@@ -428,6 +429,29 @@ def test_with_ring_encryption_a_stage_fetches_its_share_sealed_and_a_fetcher_wit
     fetched = uvloop.run(main())
     need = fetched.stage_ranges(*MIDDLE, LAYERS)
     assert fetched.missing(need) == {name: [] for name in need}
+    with open(smollm2_gguf, "rb") as a, open(fetched.path, "rb") as b:
+        for x, y in need[smollm2_gguf.name]:
+            a.seek(x), b.seek(x)
+            assert a.read(y - x) == b.read(y - x), f"[{x}, {y})"
+
+
+def test_from_a_holder_whose_api_speaks_tls_a_stage_fetches_over_https_checked_by_the_cluster_ca(smollm2_gguf, tmp_path):
+    """A holder with ``tls: auto`` serves its files on its https API: the fetcher reaches it with
+    the node's client context (the cluster CA), sealed as well with ring_encryption; a context that
+    trusts another CA gets no byte."""
+
+    async def main():
+        async with holder("node0", smollm2_gguf, tmp_path / "cache", tls=True, sealed=True) as (h, node):
+            assert h.https
+            with pytest.raises(FetchError, match="(?i)certificate"):
+                await PeerModel.bootstrap(tmp_path / "untrusting", [h], SECRET, "node2", sealed=True, ssl=trusting(b""))
+            fetched = await PeerModel.bootstrap(tmp_path / "models", [h], SECRET, "node1", sealed=True, ssl=client_context(TLS))
+            await fetched.ensure(*MIDDLE, LAYERS, [h], LoadProgress(*MIDDLE))
+            return fetched, served(node)
+
+    fetched, sent = uvloop.run(main())
+    need = fetched.stage_ranges(*MIDDLE, LAYERS)
+    assert fetched.missing(need) == {name: [] for name in need} and sent > 0
     with open(smollm2_gguf, "rb") as a, open(fetched.path, "rb") as b:
         for x, y in need[smollm2_gguf.name]:
             a.seek(x), b.seek(x)

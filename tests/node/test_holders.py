@@ -23,6 +23,7 @@ def test_what_an_info_says_of_its_node():
     assert holder_of("node2", info) == Holder("node2", "10.0.0.2:8100", "fp1")
     assert holder_of("node2", info, "fp1") == Holder("node2", "10.0.0.2:8100", "fp1")
     assert holder_of("node2", info, "fp2") is None  # another model
+    assert holder_of("node2", {**info, "https": True}) == Holder("node2", "10.0.0.2:8100", "fp1", https=True)  # its API is TLS
     assert holder_of("node2", {**info, "files": False}) is None  # holds none whole
     assert holder_of("node2", {**info, "http": "nowhere"}) is None
     assert holder_of("node2", {"files": True, "model": "fp1"}) is None
