@@ -171,7 +171,7 @@ def test_the_https_listener_caps_connections_being_opened_with_those_served():
             await until(lambda: len(runner.server.connections) == 1)  # served once the handshake is done
             r2, w2 = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
             assert await asyncio.wait_for(r2.read(), 10) == b""  # closed without a word
-            assert listener.refused == 1
+            assert listener.guard.refused == 1
             w1.close()
             await until(lambda: not runner.server.connections)
             r3, w3 = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)

@@ -100,16 +100,22 @@ class ConnectionCap:
     def __call__(self) -> asyncio.BaseProtocol:
         if len(self.server.connections) < self.cap:
             return self.server()
+        self.count_refused()
+        return _Refused()
+
+    def count_refused(self, being_opened: int = 0) -> None:
+        """One connection refused over the cap: counted, and said at most once per LOG_INTERVAL_S.
+        ``being_opened``: connections an HTTPS listener holds before they are served (tlslisten.py)."""
         self.refused += 1
         self._unreported += 1
         now = time.monotonic()
         if now - self._last_report >= LOG_INTERVAL_S:
+            opening = f" and {being_opened} being opened" if being_opened else ""
             log.warning(
-                "HTTP connection cap reached: %d open (MAX_HTTP_CONNECTIONS); refused %d new connection(s) since the last report",
-                len(self.server.connections), self._unreported,
+                "HTTP connection cap reached: %d open%s (MAX_HTTP_CONNECTIONS); refused %d new connection(s) since the last report",
+                len(self.server.connections), opening, self._unreported,
             )  # fmt: skip
             self._last_report, self._unreported = now, 0
-        return _Refused()
 
 
 async def listen(

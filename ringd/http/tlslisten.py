@@ -24,9 +24,8 @@ import logging
 import re
 import socket
 import ssl
-import time
 
-from ringd.http.guard import HTTP_IDLE_TIMEOUT_S, LOG_INTERVAL_S, ConnectionCap
+from ringd.http.guard import HTTP_IDLE_TIMEOUT_S, ConnectionCap
 from ringd.listeners import BACKLOG
 
 log = logging.getLogger(__name__)
@@ -82,9 +81,6 @@ class TlsListener:
         self._peeking: set[asyncio.Task] = set()
         self.plain_refused = 0  # plain-HTTP connections answered with the 400, for tests
         self.handshakes_failed = 0
-        self.refused = 0  # connections over the cap
-        self._unreported = 0
-        self._last_report = -LOG_INTERVAL_S
 
     @property
     def sockets(self) -> list[socket.socket]:
@@ -114,23 +110,12 @@ class TlsListener:
             if len(self.guard.server.connections) + len(self._peeking) >= self.guard.cap:
                 # Over the cap (MAX_HTTP_CONNECTIONS), before any work: as guard.ConnectionCap does.
                 conn.close()
-                self._refused()
+                self.guard.count_refused(len(self._peeking))
                 continue
             conn.setblocking(False)
             task = loop.create_task(self._take(conn))
             self._peeking.add(task)
             task.add_done_callback(self._peeking.discard)
-
-    def _refused(self) -> None:
-        self.refused += 1
-        self._unreported += 1
-        now = time.monotonic()
-        if now - self._last_report >= LOG_INTERVAL_S:
-            log.warning(
-                "HTTPS connection cap reached: %d served and %d being opened (MAX_HTTP_CONNECTIONS); refused %d new connection(s) since the last report",
-                len(self.guard.server.connections), len(self._peeking), self._unreported,
-            )  # fmt: skip
-            self._last_report, self._unreported = now, 0
 
     async def _take(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
