@@ -80,18 +80,20 @@ def derive_ca(secret: bytes, cluster: str) -> ClusterCA:
         .not_valid_before(CA_NOT_BEFORE)
         .not_valid_after(CA_NOT_AFTER)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=False, content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )  # fmt: skip
+        .add_extension(_key_usage(signs_certificates=True), critical=True)
         .add_extension(ski, critical=False)
         # RFC 6979: the signature, and so the certificate's bytes, depend on the key and the content only.
         .sign(key, hashes.SHA256(), ecdsa_deterministic=True)
     )
     return ClusterCA(key, cert)
+
+
+def _key_usage(signs_certificates: bool) -> x509.KeyUsage:
+    """A CA's key signs certificates (and CRLs) only; a node's key signs its TLS handshakes only."""
+    return x509.KeyUsage(
+        digital_signature=not signs_certificates, content_commitment=False, key_encipherment=False, data_encipherment=False,
+        key_agreement=False, key_cert_sign=signs_certificates, crl_sign=signs_certificates, encipher_only=False, decipher_only=False,
+    )  # fmt: skip
 
 
 def _san(name: str) -> x509.GeneralName:
@@ -133,13 +135,7 @@ def issue(ca: ClusterCA, node: str, names: list[str], now: datetime.datetime) ->
         .not_valid_after(min(now + LEAF_VALIDITY, CA_NOT_AFTER))
         .add_extension(x509.SubjectAlternativeName([_san(n) for n in names]), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, key_cert_sign=False, crl_sign=False, encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )  # fmt: skip
+        .add_extension(_key_usage(signs_certificates=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False)
