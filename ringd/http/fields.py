@@ -215,14 +215,9 @@ def listed(v: Any, where: str) -> list:
     return v
 
 
-def schema_depth(v: Any) -> int:
-    """How deeply ``v`` nests, up to one level past MAX_SCHEMA_DEPTH, in at most MAX_SCHEMA_NODES + 1
-    steps: iterative (a hostile schema cannot recurse us out) and bounded (nor keep us walking)."""
-    return _shape(v)[0]
-
-
 def _shape(v: Any) -> tuple[int, int]:
-    """(depth, nodes) of ``v``, each counted until it passes its limit."""
+    """(depth, nodes) of ``v``, each counted until it passes its limit (MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_NODES): iterative, so a hostile schema can neither recurse us out nor keep us walking."""
     deepest, nodes, stack = 0, 0, [(v, 0)]
     while stack:
         node, d = stack.pop()
