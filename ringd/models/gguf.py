@@ -7,18 +7,17 @@ parameter names (through gguf-py's own ``TensorNameMap``), and each tensor becom
 the MLX array(s) mlx-lm's model code computes with:
 
 - F32, F16 and BF16 tensors as they are;
-- Q4_0, Q4_1 and Q8_0 blocks (32 weights, one float16 scale, Q4_1 also a float16
-  minimum) are exactly MLX's affine quantization with group size 32: the packed
-  weights are reordered into MLX's nibble order, the scale is the scale, and the
-  block's offset (Q4_1's minimum, -8·d for Q4_0, -128·d for Q8_0) is the bias. No
-  weight is dequantized, and the result is bit for bit what ``mx.load`` makes of
-  the same file (``tests/models/test_gguf.py``);
+- quantized blocks as MLX's quantized arrays, groups of 32 (``gguf_blocks.py``):
+  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and MXFP4 packed as they are, Q3_K,
+  IQ4_NL and IQ4_XS widened to 8 bits, all exactly gguf-py's dequantized values
+  (Q4_0, Q4_1 and Q8_0 bit for bit what ``mx.load`` makes of the same file,
+  ``tests/models/test_gguf.py``); Q6_K and Q2_K, whose scales cover 16 weights,
+  requantized to 8 bits with a measured error. No weight is kept dequantized;
 - llama-family files store Q and K for the interleaved RoPE, which mlx-lm's llama
   computes as is with ``rope_traditional: true``.
 
-Any other tensor type (K-quants, IQ types) has no exact MLX form, and a file
-holding one is refused at start, naming the type and what works. So is an
-architecture this module has no mapping for.
+Any other tensor type (IQ1-IQ3, TQ, NVFP4) is refused at start, naming the type
+and what works. So is an architecture this module has no mapping for.
 
 A stage reads only its own tensors: the file is parsed once for its metadata and
 tensor table, and each tensor a stage keeps is memory-mapped at its offset, turned
@@ -49,32 +48,13 @@ import mlx.nn as nn
 import numpy as np
 
 from ringd.models.errors import ModelError
+from ringd.models.gguf_blocks import FORMS, GROUP_SIZE, Form, to_mlx
 from ringd.models.samples import SampleReader, sample_spans
 
 GGUF_MAGIC = b"GGUF"
 
-# Every block type MLX computes with as is holds 32 weights per scale (and bias).
-GROUP_SIZE = 32
-
-
-@dataclass(frozen=True)
-class BlockType:
-    """How a GGUF block type maps onto MLX's affine quantization (group size 32)."""
-
-    bits: int
-    block_bytes: int  # bytes per block of GROUP_SIZE weights in the file
-
-
-# GGUF tensor type (gguf-py's GGMLQuantizationType name) -> what it is in MLX:
-# None for plain floats, a BlockType for the quantized ones MLX computes with.
-NATIVE_TYPES: dict[str, BlockType | None] = {
-    "F32": None,
-    "F16": None,
-    "BF16": None,
-    "Q4_0": BlockType(4, 2 + 16),  # float16 d, 32 x 4 bits; w = d * (q - 8)
-    "Q4_1": BlockType(4, 2 + 2 + 16),  # float16 d, float16 m, 32 x 4 bits; w = d * q + m
-    "Q8_0": BlockType(8, 2 + 32),  # float16 d, 32 x int8; w = d * q
-}
+# Tensor types that are MLX arrays as they are; the quantized ones are gguf_blocks.FORMS.
+FLOAT_TYPES = ("F32", "F16", "BF16")
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # BF16: the bits, viewed in MLX
 
 # Quantized tensors are converted this many rows at a time, so the numpy temporaries
@@ -143,16 +123,17 @@ class Tensor:
     nbytes: int
 
     @property
-    def block(self) -> BlockType | None:
-        return NATIVE_TYPES[self.type]
+    def form(self) -> Form | None:
+        """What its blocks are in MLX; None for a float tensor."""
+        return FORMS.get(self.type)
 
     @property
     def mlx_bytes(self) -> int:
         """What the tensor costs in memory once it is MLX arrays."""
         n = math.prod(self.shape)
-        if self.block is None:
+        if self.form is None:
             return n * (4 if self.type == "F32" else 2)
-        return n * self.block.bits // 8 + 2 * 2 * (n // GROUP_SIZE)  # weights, float16 scales and biases
+        return self.form.mlx_bytes(n)
 
 
 class GgufFile:
@@ -255,9 +236,9 @@ class GgufFile:
     def quantization(self, module_path: str) -> dict | None:
         """What ``nn.quantize`` makes of the module: its bits and group size, or None (a float tensor)."""
         t = self.tensor_of(module_path)
-        if t is None or t.block is None:
+        if t is None or t.form is None:
             return None
-        return {"group_size": GROUP_SIZE, "bits": t.block.bits}
+        return {"group_size": GROUP_SIZE, "bits": t.form.bits, "mode": t.form.mode}
 
     def source(self, parameter: str) -> tuple[Tensor, str]:
         """The tensor and part ("", "scales", "biases") an mlx-lm parameter is read from."""
@@ -267,7 +248,7 @@ class GgufFile:
         t = None
         if name is not None:
             t = self.tensors.get(f"{name}.{'weight' if part else leaf}")
-        if t is None or (part and t.block is None):
+        if t is None or (part and t.form is None):
             raise ModelError(
                 f"{self.path}: no tensor holds the model's parameter {parameter} "
                 f"(looked for {name or '?'}.{'weight' if part else leaf}); is the file complete?"
@@ -317,15 +298,15 @@ class GgufFile:
     def mlx_config(self) -> dict:
         """config.json for the checkpoint this file is: the model's settings and its quantization."""
         config = dict(self.config)
-        bits = [t.block.bits for t in self.tensors.values() if t.block is not None and t.name not in _NOT_PARAMETERS]
-        if bits:
-            common = max(set(bits), key=bits.count)
-            quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common}
-            # mlx-lm reads a module's own entry first: the modules whose bits differ.
+        forms = [(t.form.bits, t.form.mode) for t in self.tensors.values() if t.form is not None and t.name not in _NOT_PARAMETERS]
+        if forms:
+            bits, mode = max(set(forms), key=forms.count)
+            quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": bits, "mode": mode}
+            # mlx-lm reads a module's own entry first: the modules whose bits or mode differ.
             model = self.build_model()
             for path, module in model.named_modules():
                 q = self.quantization(path) if hasattr(module, "to_quantized") else None
-                if q is not None and q["bits"] != common:
+                if q is not None and (q["bits"], q["mode"]) != (bits, mode):
                     quantization[path] = q
             config["quantization"] = quantization
         return config
@@ -468,14 +449,14 @@ def _parse(path: Path, size: int) -> tuple[dict[str, Any], dict[str, Tensor], in
 def _check_types(path: Path, tensors: dict[str, Tensor]) -> None:
     odd: dict[str, list[str]] = {}
     for t in tensors.values():
-        if t.type not in NATIVE_TYPES:
+        if t.type not in FLOAT_TYPES and t.type not in FORMS:
             odd.setdefault(t.type, []).append(t.name)
     if odd:
         found = ", ".join(f"{k} ({len(v)} tensors, e.g. {v[0]})" for k, v in sorted(odd.items()))
         raise ModelError(
-            f"{path}: tensor types {found} cannot be served as they are; ringd serves GGUF files whose "
-            f"tensors are {', '.join(NATIVE_TYPES)} (MLX computes with those directly): take a Q8_0, Q4_0 "
-            "or Q4_1 file of this model, or convert the original checkpoint with mlx_lm.convert"
+            f"{path}: tensor types {found} cannot be served; ringd serves GGUF files whose tensors are "
+            f"{', '.join((*FLOAT_TYPES, *FORMS))}: take a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file of this model, "
+            "or convert the original checkpoint with mlx_lm.convert"
         )
 
 
@@ -615,53 +596,41 @@ def _llama3_scaling(g: GgufFile, dims: int, base: float) -> dict:
 
 
 def read_tensor(path: Path, t: Tensor) -> dict[str, mx.array]:
-    """One tensor as MLX arrays: {"": weight} for a float tensor, plus "scales" and "biases" for a
-    quantized one, laid out as MLX's affine quantization (group size 32) lays them out."""
+    """One tensor as MLX arrays: {"": weight} for a float tensor, plus "scales" (and "biases") for a
+    quantized one, laid out as MLX's quantization (groups of 32) lays them out (``gguf_blocks``)."""
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
     try:
-        if t.block is None:
+        if t.form is None:
             values = data.view(_FLOAT_DTYPES[t.type]).reshape(t.shape)
             array = mx.array(values)
             return {"": array.view(mx.bfloat16) if t.type == "BF16" else array}
-        return _blocks_to_affine(data, t)
+        return _blocks_to_mlx(data, t)
     finally:
         del data
 
 
-def _blocks_to_affine(data: np.ndarray, t: Tensor) -> dict[str, mx.array]:
+def _blocks_to_mlx(data: np.ndarray, t: Tensor) -> dict[str, mx.array]:
     *outer, cols = t.shape
     rows = math.prod(outer)
-    if cols % GROUP_SIZE:
-        raise ModelError(f"tensor {t.name}: rows of {cols} weights are not whole blocks of {GROUP_SIZE}")
-    blocks, bits, block_bytes = cols // GROUP_SIZE, t.block.bits, t.block.block_bytes
-    words_per_row = cols * bits // 32
+    form = t.form
+    if cols % form.block:
+        raise ModelError(f"tensor {t.name}: rows of {cols} weights are not whole blocks of {form.block}")
+    blocks, groups = cols // form.block, cols // GROUP_SIZE
+    words_per_row = cols * form.bits // 32
     weights = np.empty((rows, words_per_row), dtype=np.uint32)
-    scales = np.empty((rows, blocks), dtype=np.float16)
-    biases = np.empty((rows, blocks), dtype=np.float16)
-    raw = data.reshape(rows, blocks, block_bytes)
-    step = max(1, CONVERT_CHUNK_BYTES // max(1, blocks * block_bytes))
+    scales = np.empty((rows, groups), dtype=form.scale_dtype)
+    biases = np.empty((rows, groups), dtype=form.scale_dtype) if form.mode == "affine" else None
+    raw = data.reshape(rows, blocks, form.block_bytes)
+    step = max(1, CONVERT_CHUNK_BYTES // max(1, blocks * form.block_bytes))
     for r in range(0, rows, step):
         chunk = np.asarray(raw[r : r + step])
-        d = chunk[..., 0:2].copy().view(np.float16)[..., 0]
-        scales[r : r + step] = d
-        if t.type == "Q8_0":
-            q = chunk[..., 2:].view(np.int8)
-            # MLX's 8-bit affine weights are unsigned: q + 128, with the 128 moved into the bias.
-            packed = (q.astype(np.int16) + 128).astype(np.uint8)
-            biases[r : r + step] = np.float16(-128) * d
-        else:
-            qs = chunk[..., 2:] if t.type == "Q4_0" else chunk[..., 4:]
-            # GGUF keeps weight j in the low nibble and j+16 in the high nibble of byte j;
-            # MLX packs weights in order, two to a byte, the first in the low nibble.
-            q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-            packed = q[..., 0::2] | (q[..., 1::2] << 4)
-            if t.type == "Q4_0":
-                biases[r : r + step] = np.float16(-8) * d
-            else:
-                biases[r : r + step] = chunk[..., 2:4].copy().view(np.float16)[..., 0]
-        weights[r : r + step] = np.ascontiguousarray(packed).reshape(len(chunk), -1).view(np.uint32)
-    return {
-        "": mx.array(weights.reshape(*outer, words_per_row)),
-        "scales": mx.array(scales.reshape(*outer, blocks)),
-        "biases": mx.array(biases.reshape(*outer, blocks)),
-    }
+        n = len(chunk)
+        packed, s, b = to_mlx(chunk.reshape(n * blocks, form.block_bytes), t.type)
+        weights[r : r + n] = packed.reshape(n, -1).view(np.uint32)
+        scales[r : r + n] = s.reshape(n, groups)
+        if biases is not None:
+            biases[r : r + n] = b.reshape(n, groups)
+    out = {"": mx.array(weights.reshape(*outer, words_per_row)), "scales": mx.array(scales.reshape(*outer, groups))}
+    if biases is not None:
+        out["biases"] = mx.array(biases.reshape(*outer, groups))
+    return out

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ringd.models.errors import ModelError
-from ringd.models.gguf import NATIVE_TYPES, GgufFile, is_gguf, read_tensor
+from ringd.models.gguf import GgufFile, is_gguf, read_tensor
 from ringd.models.source import model_info
 from stagering import reference, ring
 
@@ -71,9 +71,11 @@ def test_the_real_file_reads_as_mlx_reads_it(smollm2_gguf):
     assert _same_as_mlx_load(smollm2_gguf) == 694
 
 
-def test_every_native_type_reads_as_mlx_reads_it(tmp_path):
+def test_every_type_mlx_loads_reads_as_mlx_reads_it(tmp_path):
+    # mx.load's own GGUF reader keeps these quantized (it turns BF16 into float16, and refuses
+    # the rest); test_gguf_blocks checks every type against gguf-py's dequantize.
     rng = np.random.default_rng(0)
-    types = {f"t.{t}.weight": t for t in NATIVE_TYPES if t != "BF16"}
+    types = {f"t.{t}.weight": t for t in ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")}
     arrays = {name: rng.standard_normal((3, 5, 64)).astype(np.float32) for name in types}
     path = _write(tmp_path / "types.gguf", arrays, types)
     assert _same_as_mlx_load(path) == 2 + 3 * 3  # F32, F16; weight, scales, biases of three block types
@@ -311,13 +313,13 @@ def test_what_mlx_cannot_compute_as_is_is_refused_at_start(tiny_model, tmp_path_
     from ggufmake import write_gguf
 
     source = tiny_model(arch="llama", layers=2, dtype="float32", intermediate_size=256)
-    kquant = write_gguf(source, tmp_path_factory.mktemp("k") / "k.gguf", qtype="q8_0", types={"blk.0.ffn_down.weight": "q6_k", "blk.1.ffn_down.weight": "q6_k"})
+    iquant = write_gguf(source, tmp_path_factory.mktemp("k") / "k.gguf", qtype="q8_0", types={"blk.0.ffn_down.weight": "iq2_xxs", "blk.1.ffn_down.weight": "iq2_xxs"})
     with pytest.raises(ModelError) as e:
-        model_info(str(kquant))
+        model_info(str(iquant))
     message = str(e.value)
     assert "\n" not in message
-    assert "Q6_K (2 tensors, e.g. blk.0.ffn_down.weight) cannot be served as they are" in message
-    assert "F32, F16, BF16, Q4_0, Q4_1, Q8_0" in message
+    assert "IQ2_XXS (2 tensors, e.g. blk.0.ffn_down.weight) cannot be served" in message
+    assert "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, Q6_K, Q2_K" in message
     mamba = write_gguf(source, tmp_path_factory.mktemp("arch") / "mamba.gguf", arch="mamba")
     with pytest.raises(ModelError, match=r"GGUF architecture 'mamba' has no mapping to mlx-lm in ringd; GGUF files of llama, qwen2, qwen3, qwen3moe are served directly") as e:
         model_info(str(mamba))
