@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import kquants
 import numpy as np
 from gguf import MODEL_ARCH, MODEL_TENSOR, LlamaFileType
 from gguf import GGMLQuantizationType as Q
@@ -87,6 +88,7 @@ def write_gguf(
     types: dict[str, str] | None = None,
     arch: str | None = None,
     pre: str = DEFAULT_PRE,
+    dequantized: bool = False,
 ) -> Path:
     """Write the unquantized mlx-lm model in ``model_dir`` to the GGUF file ``out``; return ``out``.
 
@@ -97,6 +99,9 @@ def write_gguf(
     which needs rows that are a whole number of its blocks (256 weights for a K-quant).
     ``arch`` overrides ``general.architecture`` (and so the prefix of its keys), to
     make files of architectures a reader must refuse. ``pre`` is ``tokenizer.ggml.pre``.
+    ``dequantized`` writes the same file with every tensor, once quantized, turned back
+    into F32 by gguf-py's ``dequantize`` (the reference a reader of the quantized file is
+    checked against).
     """
     model_dir, out = Path(model_dir), Path(out)
     if qtype not in QTYPES:
@@ -115,7 +120,7 @@ def write_gguf(
 
     writer = gguf.GGUFWriter(str(out), arch or gguf.MODEL_ARCH_NAMES[conv.arch])
     # ModelBase.write: prepare_tensors, then prepare_metadata (which counts the parameters).
-    written = _add_tensors(writer, model_dir, hparams, conv, qtype, default_type, overrides)
+    written = _add_tensors(writer, model_dir, hparams, conv, qtype, default_type, overrides, dequantized)
     unknown = sorted(set(overrides) - written)
     if unknown:
         raise ValueError(f"types names tensors the file does not have: {', '.join(unknown)}")
@@ -246,12 +251,7 @@ def _llama_quantize_type(new_name: str, x: np.ndarray, current: Q, default: Q, t
     if not quantizable or "_norm.weight" in new_name or "ffn_gate_inp.weight" in new_name:
         return current
     if new_name == "output.weight" or (tied and new_name == "token_embd.weight"):
-        if x.shape[-1] % QK_K != 0:
-            return Q.Q8_0
-        raise ValueError(
-            f"llama-quantize would write {new_name} as Q6_K (rows of {x.shape[-1]} weights), which gguf-py "
-            f'cannot quantize; pass types={{"{new_name}": "q8_0"}} or a hidden size that is not a multiple of {QK_K}'
-        )
+        return Q.Q6_K if x.shape[-1] % QK_K == 0 else Q.Q8_0
     if n_expert == 8 and (".attn_v." in new_name or ".attn_k." in new_name):
         return Q.Q8_0
     return default
@@ -275,14 +275,17 @@ def _encode(x: np.ndarray, qtype: Q, *, asked: bool) -> tuple[np.ndarray, Q]:
     """The tensor's bytes in ``qtype`` (gguf.quants.quantize), and the type they are in.
 
     A row that is no whole number of blocks falls back to F16, as prepare_tensors does on
-    gguf.QuantError, unless the type was ``asked`` for by name (then it is an error). A
-    type gguf-py cannot quantize (K-quants, IQ types) is written as zero blocks.
+    gguf.QuantError, unless the type was ``asked`` for by name (then it is an error). Q4_K,
+    Q5_K and Q6_K are quantized by llama.cpp's reference quantizers (``kquants.py``); a
+    type neither can quantize (the other K-quants, IQ types) is written as zero blocks.
     """
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     if x.shape[-1] % block != 0:
         if asked:
             raise ValueError(f"{qtype.name} needs rows that are a multiple of {block} weights; this tensor's are {x.shape[-1]}")
         qtype = Q.F16
+    if qtype.name in kquants.QUANTIZERS:  # what gguf-py cannot quantize, llama.cpp's reference (ported)
+        return kquants.QUANTIZERS[qtype.name](x), qtype
     try:
         return gguf.quants.quantize(x, qtype), qtype
     except NotImplementedError:
@@ -290,7 +293,7 @@ def _encode(x: np.ndarray, qtype: Q, *, asked: bool) -> tuple[np.ndarray, Q]:
 
 
 def _add_tensors(
-    writer, model_dir: Path, hparams: dict, conv: Converter, qtype: str, default: Q, overrides: dict[str, Q]
+    writer, model_dir: Path, hparams: dict, conv: Converter, qtype: str, default: Q, overrides: dict[str, Q], dequantized: bool = False
 ) -> set[str]:
     """ModelBase.prepare_tensors (and llama-quantize for the Q4s); the GGUF names written."""
     block_count = hparams["num_hidden_layers"]
@@ -314,6 +317,8 @@ def _add_tensors(
             if qtype in LLAMA_QUANTIZE_QTYPES:
                 t = _llama_quantize_type(new_name, x, t, default, tied, n_expert)
         data, t = _encode(x, t, asked=new_name in overrides)
+        if dequantized and t != Q.F32:
+            data, t = gguf.quants.dequantize(data, t), Q.F32
         writer.add_tensor(new_name, data, raw_dtype=t)
     return {name for name, _, _ in tensors}
 

@@ -309,6 +309,88 @@ def test_every_split_of_a_file_computes_what_mlx_lm_computes_on_its_conversion(t
         assert got == want
 
 
+# A llama whose every row is one K-quant super-block (256 weights), its matrices of every
+# exact type a reference quantizer here writes (kquants.py for the K-quants, gguf-py for the
+# rest). The embedding is Q4_K: MLX looks embeddings up in their scales' dtype, and float16
+# scales (Q8_0's, Q5_0's) would round every looked-up weight to float16 (see below).
+K_LAYER_TYPES = {"attn_q": "q4_k", "attn_k": "q5_k", "attn_v": "q5_0", "attn_output": "q5_1", "ffn_gate": "q4_k", "ffn_up": "mxfp4", "ffn_down": "q5_k"}
+# Q6_K's 8-bit requantization (at most 1/255 of a 32-group's largest weight, 0.1-0.3% here)
+# moves the tiny model's logits by up to this much (measured: 0.2-0.5; its random weights
+# amplify: one layer's v_proj alone moves them by 0.18), so its tokens can part at a near tie.
+REQUANTIZED_LOGITS_ATOL = 1.5
+
+
+def _k_source(tiny_model) -> Path:
+    return tiny_model(arch="llama", layers=LAYERS, dtype="float32", hidden_size=256, intermediate_size=256)
+
+
+def _k_files(tiny_model, tmp_path_factory, types: dict[str, str]) -> tuple[Path, Path, Path]:
+    """(the K-quant file, the same dequantized to F32 by gguf-py, out dir)."""
+    from ggufmake import write_gguf
+
+    source = _k_source(tiny_model)
+    out = tmp_path_factory.mktemp("kquant")
+    return write_gguf(source, out / "k.gguf", types=types), write_gguf(source, out / "k-f32.gguf", types=types, dequantized=True), out
+
+
+def _forced(step, prompt: list[int], tokens: list[int]) -> list[mx.array]:
+    """The logits of each step with ``tokens`` fed back (not the step's own choice)."""
+    step(prompt[:-1], sample=False)
+    return [step([y], sample=True) for y in [prompt[-1], *tokens[:-1]]]
+
+
+def test_a_k_quant_file_computes_what_mlx_lm_computes_on_it_dequantized(tiny_model, tmp_path_factory):
+    """Q4_K, Q5_K, Q5_0, Q5_1 and MXFP4 (exact forms): a 3-stage ring answers token for token as
+    mlx-lm does on the same file with every tensor dequantized to float32 by gguf-py, and logit
+    for logit (bit for bit) as mlx-lm does on ``ringd convert``'s checkpoint of the file."""
+    from mlx_lm import load
+
+    from ringd.stage.shard import Shard
+
+    types = {f"blk.{i}.{name}.weight": t for i in range(LAYERS) for name, t in K_LAYER_TYPES.items()}
+    path, plain, out = _k_files(tiny_model, tmp_path_factory, {**types, "token_embd.weight": "q4_k"})
+    assert {t.type for t in GgufFile.open(path).tensors.values()} == {"F32", "Q4_K", "Q5_K", "Q5_0", "Q5_1", "MXFP4"}
+    model, tokenizer = load(str(_convert(plain, out / "dequantized")))
+    prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
+    want, want_logits = _greedy(reference(model), prompt)
+    assert len(set(want)) >= 8, "the reference repeats itself: the test would prove little"
+    stages = [Shard.load(str(path), a, b) for a, b in ((0, 1), (1, 3), (3, LAYERS))]
+    got, got_logits = _greedy(ring(stages), prompt)
+    assert got == want
+    for a, b in zip(want_logits, got_logits):  # the same products, summed in another order
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+
+    converted, _ = load(str(_convert(path, out / "converted")))
+    same, same_logits = _greedy(reference(converted), prompt)
+    assert same == got
+    for i, (a, b) in enumerate(zip(same_logits, got_logits)):
+        assert mx.array_equal(a, b).item(), f"logits differ from mlx-lm's on the conversion at step {i}"
+
+
+def test_a_q6_k_file_computes_within_its_requantization_error(tiny_model, tmp_path_factory, capsys):
+    """Q6_K (requantized to 8 bits, not exact) as llama.cpp's Q4_K_M puts it: attn_v, ffn_down and
+    the (tied) embedding and head. Fed the reference's tokens, each step's logits stay within the
+    measured bound of mlx-lm's on the file dequantized to float32 by gguf-py."""
+    from mlx_lm import load
+
+    from ringd.stage.shard import Shard
+
+    types = {f"blk.{i}.{name}.weight": "q6_k" for i in range(LAYERS) for name in ("attn_v", "ffn_down")}
+    path, plain, out = _k_files(tiny_model, tmp_path_factory, {**types, "token_embd.weight": "q6_k"})
+    model, tokenizer = load(str(_convert(plain, out / "dequantized")))
+    prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
+    want, want_logits = _greedy(reference(model), prompt)
+    stages = [Shard.load(str(path), a, b) for a, b in ((0, 1), (1, 3), (3, LAYERS))]
+    got_logits = _forced(ring(stages), prompt, want)
+    worst = max(mx.abs(a - b).max().item() for a, b in zip(want_logits, got_logits))
+    # What Q6_K itself does to the same logits: the unquantized model, fed the same tokens.
+    original, _ = load(str(_k_source(tiny_model)))
+    q6_k = max(mx.abs(a - b).max().item() for a, b in zip(want_logits, _forced(reference(original), prompt, want)))
+    with capsys.disabled():
+        print(f"\nQ6_K tiny llama: ringd's logits within {worst:.3g} of gguf-py's float32 values' (Q6_K's own: {q6_k:.3g} from the unquantized model's)")
+    assert worst < REQUANTIZED_LOGITS_ATOL
+
+
 def test_what_mlx_cannot_compute_as_is_is_refused_at_start(tiny_model, tmp_path_factory):
     from ggufmake import write_gguf
 
