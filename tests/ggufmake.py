@@ -482,3 +482,79 @@ def _add_vocab(writer, model_dir: Path, hparams: dict, conv: Converter, pre: str
         config_file = model_dir / "tokenizer_config.json"
         if config_file.is_file() and "add_prefix_space" in (tc := json.loads(config_file.read_text())):
             writer.add_add_space_prefix(tc["add_prefix_space"])
+
+
+# ------------------------------------------------------- llama-quantize --allow-requantize
+
+# llama-quantize's K-quant mixes (LLAMA_FTYPE_MOSTLY_*): the default type of their matrices.
+K_FTYPES: dict[str, tuple[LlamaFileType, Q]] = {
+    "q4_k_m": (LlamaFileType.MOSTLY_Q4_K_M, Q.Q4_K),
+    "q5_k_m": (LlamaFileType.MOSTLY_Q5_K_M, Q.Q5_K),
+    "q6_k": (LlamaFileType.MOSTLY_Q6_K, Q.Q6_K),
+}
+# llama_tensor_get_type's fallback where a row is no whole number of super-blocks.
+K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
+def _use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama-quant.cpp's use_more_bits: the first and last eighth, and every third between."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def requantize(src: Path, out: Path, ftype: str) -> Path:
+    """llama-quantize --allow-requantize ``src`` (a llama GGUF) to ``ftype`` (``K_FTYPES``): every
+    tensor dequantized by gguf-py, then given the type llama_tensor_get_type gives it for that mix
+    (the output or tied embedding Q6_K; attn_v and ffn_down Q6_K where use_more_bits says so in
+    Q4_K_M and Q5_K_M; the rest the mix's type; its fallback where a row is no whole number of
+    256) and quantized (``kquants.py``, gguf-py). The metadata is copied, ``general.file_type`` set."""
+    file_type, default = K_FTYPES[ftype]
+    reader = gguf.GGUFReader(src)
+    tied = "output.weight" not in {t.name for t in reader.tensors}
+    n_layers = int(reader.fields[f"{reader.fields['general.architecture'].contents()}.block_count"].contents())
+    seen = {"attn_v": 0, "ffn_down": 0}
+
+    def choose(name: str, x: np.ndarray) -> Q:
+        if not name.endswith(".weight") or x.ndim < 2 or "_norm" in name:
+            return Q.F32
+        qtype = default
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            qtype = Q.Q6_K
+        for kind in seen:
+            if f".{kind}." in name:
+                if ftype in ("q4_k_m", "q5_k_m") and _use_more_bits(seen[kind], n_layers):
+                    qtype = Q.Q6_K
+                seen[kind] += 1
+        return K_FALLBACK.get(qtype, qtype) if x.shape[-1] % QK_K else qtype
+
+    return _rewrite(reader, out, choose, file_type)
+
+
+def dequantize_file(src: Path, out: Path) -> Path:
+    """The same GGUF with every tensor F32, as gguf-py's ``dequantize`` reads it: the reference a
+    reader of the quantized file is checked against."""
+    return _rewrite(gguf.GGUFReader(src), out, lambda name, x: Q.F32, LlamaFileType.ALL_F32)
+
+
+def _rewrite(reader, out: Path, choose, file_type: LlamaFileType) -> Path:
+    """A copy of the file ``reader`` reads, its metadata as is (but ``general.file_type``), each
+    tensor dequantized and quantized again to ``choose(name, array)``."""
+    from gguf.scripts.gguf_new_metadata import MetadataDetails
+
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name in ("general.architecture", "general.file_type") or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, MetadataDetails(kind, field.contents()).value, kind, sub_type=sub)
+    writer.add_file_type(file_type)
+    for t in reader.tensors:
+        x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(n) for n in t.shape])))
+        qtype = choose(t.name, x)
+        data = x.astype(np.float32) if qtype == Q.F32 else _encode(x, qtype, asked=True)[0]
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -391,6 +391,52 @@ def test_a_q6_k_file_computes_within_its_requantization_error(tiny_model, tmp_pa
     assert worst < REQUANTIZED_LOGITS_ATOL
 
 
+# SmolLM2 as llama-quantize makes it of each K-quant mix (its 576-wide rows fall back to
+# Q5_0/Q5_1/Q8_0, as the issue counts for Q4_K_M), and the tensor types each then holds.
+SMOLLM2_MIXES = {
+    "q4_k_m": {"F32": 61, "Q5_0": 166, "Q4_K": 16, "Q6_K": 14, "Q8_0": 15},
+    "q5_k_m": {"F32": 61, "Q5_1": 166, "Q5_K": 16, "Q6_K": 14, "Q8_0": 15},
+    "q6_k": {"F32": 61, "Q8_0": 181, "Q6_K": 30},
+}
+FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@pytest.mark.parametrize("mix", list(SMOLLM2_MIXES))
+def test_smollm2_requantized_to_k_quants_answers_as_mlx_lm(smollm2_gguf, tmp_path_factory, mix):
+    """The real model requantized to Q4_K_M, Q5_K_M and Q6_K (``ggufmake.requantize``): a 3-stage
+    ring answers token for token as mlx-lm on the file dequantized to float32 by gguf-py, and
+    logit for logit as mlx-lm on ``ringd convert``'s checkpoint of it; each stage holds its share."""
+    from collections import Counter
+
+    from mlx_lm import load
+
+    from ggufmake import dequantize_file, requantize
+    from ringd.stage.shard import Shard
+
+    out = tmp_path_factory.mktemp(mix)
+    path = requantize(smollm2_gguf, out / f"smollm2-{mix}.gguf", mix)
+    g = GgufFile.open(path)
+    assert Counter(t.type for t in g.tensors.values()) == SMOLLM2_MIXES[mix]
+
+    bounds = ((0, 10), (10, 20), (20, 30))
+    stages = [Shard.load(str(path), a, b) for a, b in bounds]
+    info = model_info(str(path))
+    assert [s.parameter_bytes for s in stages] == [info.weights.stage(a, b) for a, b in bounds]
+
+    model, tokenizer = load(str(_convert(dequantize_file(path, out / "f32.gguf"), out / "f32")))
+    prompt = list(tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True))
+    want, _ = _greedy(reference(model), prompt)
+    got, got_logits = _greedy(ring(stages), prompt)
+    assert "Paris" in tokenizer.decode(got)
+    assert got == want, f"{tokenizer.decode(got)!r} against {tokenizer.decode(want)!r}"
+
+    converted, _ = load(str(_convert(path, out / "converted")))
+    same, same_logits = _greedy(reference(converted), prompt)
+    assert same == got
+    for i, (a, b) in enumerate(zip(same_logits, got_logits)):
+        assert mx.array_equal(a, b).item(), f"logits differ from mlx-lm's on the conversion at step {i}"
+
+
 def test_what_mlx_cannot_compute_as_is_is_refused_at_start(tiny_model, tmp_path_factory):
     from ggufmake import write_gguf
 
