@@ -505,11 +505,11 @@ def test_a_convert_stopped_half_way_leaves_nothing_that_looks_like_a_checkpoint(
 def test_an_embedding_models_pooling_is_what_its_file_declares(smollm2_gguf):
     """llama.cpp's ``{arch}.pooling_type`` (e5-mistral's GGUF files are llama with 3, last): how
     an embedding pools; a generative model's file declares none, and embeddings take the mean."""
-    from ringd.models.gguf import _config, _parse
+    from ringd.models.gguf import _parse
 
     meta, tensors, data_offset = _parse(smollm2_gguf, smollm2_gguf.stat().st_size)
-    assert "pooling" not in _config(GgufFile(smollm2_gguf, meta, tensors, data_offset))
+    assert "pooling" not in GgufFile(smollm2_gguf, meta, tensors, data_offset).config
     assert model_info(str(smollm2_gguf)).pooling == "mean"
     for declared, pooling in ((1, "mean"), (2, "cls"), (3, "last"), (0, None), (4, None)):
-        config = _config(GgufFile(smollm2_gguf, {**meta, "llama.pooling_type": declared}, tensors, data_offset))
+        config = GgufFile(smollm2_gguf, {**meta, "llama.pooling_type": declared}, tensors, data_offset).config
         assert config.get("pooling") == pooling
