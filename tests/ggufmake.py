@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import kquants
 import numpy as np
 from gguf import MODEL_ARCH, MODEL_TENSOR, LlamaFileType
 from gguf import GGMLQuantizationType as Q
@@ -87,6 +88,7 @@ def write_gguf(
     types: dict[str, str] | None = None,
     arch: str | None = None,
     pre: str = DEFAULT_PRE,
+    dequantized: bool = False,
 ) -> Path:
     """Write the unquantized mlx-lm model in ``model_dir`` to the GGUF file ``out``; return ``out``.
 
@@ -97,6 +99,9 @@ def write_gguf(
     which needs rows that are a whole number of its blocks (256 weights for a K-quant).
     ``arch`` overrides ``general.architecture`` (and so the prefix of its keys), to
     make files of architectures a reader must refuse. ``pre`` is ``tokenizer.ggml.pre``.
+    ``dequantized`` writes the same file with every tensor, once quantized, turned back
+    into F32 by gguf-py's ``dequantize`` (the reference a reader of the quantized file is
+    checked against).
     """
     model_dir, out = Path(model_dir), Path(out)
     if qtype not in QTYPES:
@@ -115,7 +120,7 @@ def write_gguf(
 
     writer = gguf.GGUFWriter(str(out), arch or gguf.MODEL_ARCH_NAMES[conv.arch])
     # ModelBase.write: prepare_tensors, then prepare_metadata (which counts the parameters).
-    written = _add_tensors(writer, model_dir, hparams, conv, qtype, default_type, overrides)
+    written = _add_tensors(writer, model_dir, hparams, conv, qtype, default_type, overrides, dequantized)
     unknown = sorted(set(overrides) - written)
     if unknown:
         raise ValueError(f"types names tensors the file does not have: {', '.join(unknown)}")
@@ -246,12 +251,7 @@ def _llama_quantize_type(new_name: str, x: np.ndarray, current: Q, default: Q, t
     if not quantizable or "_norm.weight" in new_name or "ffn_gate_inp.weight" in new_name:
         return current
     if new_name == "output.weight" or (tied and new_name == "token_embd.weight"):
-        if x.shape[-1] % QK_K != 0:
-            return Q.Q8_0
-        raise ValueError(
-            f"llama-quantize would write {new_name} as Q6_K (rows of {x.shape[-1]} weights), which gguf-py "
-            f'cannot quantize; pass types={{"{new_name}": "q8_0"}} or a hidden size that is not a multiple of {QK_K}'
-        )
+        return Q.Q6_K if x.shape[-1] % QK_K == 0 else Q.Q8_0
     if n_expert == 8 and (".attn_v." in new_name or ".attn_k." in new_name):
         return Q.Q8_0
     return default
@@ -275,14 +275,17 @@ def _encode(x: np.ndarray, qtype: Q, *, asked: bool) -> tuple[np.ndarray, Q]:
     """The tensor's bytes in ``qtype`` (gguf.quants.quantize), and the type they are in.
 
     A row that is no whole number of blocks falls back to F16, as prepare_tensors does on
-    gguf.QuantError, unless the type was ``asked`` for by name (then it is an error). A
-    type gguf-py cannot quantize (K-quants, IQ types) is written as zero blocks.
+    gguf.QuantError, unless the type was ``asked`` for by name (then it is an error). Q4_K,
+    Q5_K and Q6_K are quantized by llama.cpp's reference quantizers (``kquants.py``); a
+    type neither can quantize (the other K-quants, IQ types) is written as zero blocks.
     """
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     if x.shape[-1] % block != 0:
         if asked:
             raise ValueError(f"{qtype.name} needs rows that are a multiple of {block} weights; this tensor's are {x.shape[-1]}")
         qtype = Q.F16
+    if qtype.name in kquants.QUANTIZERS:  # what gguf-py cannot quantize, llama.cpp's reference (ported)
+        return kquants.QUANTIZERS[qtype.name](x), qtype
     try:
         return gguf.quants.quantize(x, qtype), qtype
     except NotImplementedError:
@@ -290,7 +293,7 @@ def _encode(x: np.ndarray, qtype: Q, *, asked: bool) -> tuple[np.ndarray, Q]:
 
 
 def _add_tensors(
-    writer, model_dir: Path, hparams: dict, conv: Converter, qtype: str, default: Q, overrides: dict[str, Q]
+    writer, model_dir: Path, hparams: dict, conv: Converter, qtype: str, default: Q, overrides: dict[str, Q], dequantized: bool = False
 ) -> set[str]:
     """ModelBase.prepare_tensors (and llama-quantize for the Q4s); the GGUF names written."""
     block_count = hparams["num_hidden_layers"]
@@ -314,6 +317,8 @@ def _add_tensors(
             if qtype in LLAMA_QUANTIZE_QTYPES:
                 t = _llama_quantize_type(new_name, x, t, default, tied, n_expert)
         data, t = _encode(x, t, asked=new_name in overrides)
+        if dequantized and t != Q.F32:
+            data, t = gguf.quants.dequantize(data, t), Q.F32
         writer.add_tensor(new_name, data, raw_dtype=t)
     return {name for name, _, _ in tensors}
 
@@ -477,3 +482,79 @@ def _add_vocab(writer, model_dir: Path, hparams: dict, conv: Converter, pre: str
         config_file = model_dir / "tokenizer_config.json"
         if config_file.is_file() and "add_prefix_space" in (tc := json.loads(config_file.read_text())):
             writer.add_add_space_prefix(tc["add_prefix_space"])
+
+
+# ------------------------------------------------------- llama-quantize --allow-requantize
+
+# llama-quantize's K-quant mixes (LLAMA_FTYPE_MOSTLY_*): the default type of their matrices.
+K_FTYPES: dict[str, tuple[LlamaFileType, Q]] = {
+    "q4_k_m": (LlamaFileType.MOSTLY_Q4_K_M, Q.Q4_K),
+    "q5_k_m": (LlamaFileType.MOSTLY_Q5_K_M, Q.Q5_K),
+    "q6_k": (LlamaFileType.MOSTLY_Q6_K, Q.Q6_K),
+}
+# llama_tensor_get_type's fallback where a row is no whole number of super-blocks.
+K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
+def _use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama-quant.cpp's use_more_bits: the first and last eighth, and every third between."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def requantize(src: Path, out: Path, ftype: str) -> Path:
+    """llama-quantize --allow-requantize ``src`` (a llama GGUF) to ``ftype`` (``K_FTYPES``): every
+    tensor dequantized by gguf-py, then given the type llama_tensor_get_type gives it for that mix
+    (the output or tied embedding Q6_K; attn_v and ffn_down Q6_K where use_more_bits says so in
+    Q4_K_M and Q5_K_M; the rest the mix's type; its fallback where a row is no whole number of
+    256) and quantized (``kquants.py``, gguf-py). The metadata is copied, ``general.file_type`` set."""
+    file_type, default = K_FTYPES[ftype]
+    reader = gguf.GGUFReader(src)
+    tied = "output.weight" not in {t.name for t in reader.tensors}
+    n_layers = int(reader.fields[f"{reader.fields['general.architecture'].contents()}.block_count"].contents())
+    seen = {"attn_v": 0, "ffn_down": 0}
+
+    def choose(name: str, x: np.ndarray) -> Q:
+        if not name.endswith(".weight") or x.ndim < 2 or "_norm" in name:
+            return Q.F32
+        qtype = default
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            qtype = Q.Q6_K
+        for kind in seen:
+            if f".{kind}." in name:
+                if ftype in ("q4_k_m", "q5_k_m") and _use_more_bits(seen[kind], n_layers):
+                    qtype = Q.Q6_K
+                seen[kind] += 1
+        return K_FALLBACK.get(qtype, qtype) if x.shape[-1] % QK_K else qtype
+
+    return _rewrite(reader, out, choose, file_type)
+
+
+def dequantize_file(src: Path, out: Path) -> Path:
+    """The same GGUF with every tensor F32, as gguf-py's ``dequantize`` reads it: the reference a
+    reader of the quantized file is checked against."""
+    return _rewrite(gguf.GGUFReader(src), out, lambda name, x: Q.F32, LlamaFileType.ALL_F32)
+
+
+def _rewrite(reader, out: Path, choose, file_type: LlamaFileType) -> Path:
+    """A copy of the file ``reader`` reads, its metadata as is (but ``general.file_type``), each
+    tensor dequantized and quantized again to ``choose(name, array)``."""
+    from gguf.scripts.gguf_new_metadata import MetadataDetails
+
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name in ("general.architecture", "general.file_type") or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, MetadataDetails(kind, field.contents()).value, kind, sub_type=sub)
+    writer.add_file_type(file_type)
+    for t in reader.tensors:
+        x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(n) for n in t.shape])))
+        qtype = choose(t.name, x)
+        data = x.astype(np.float32) if qtype == Q.F32 else _encode(x, qtype, asked=True)[0]
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

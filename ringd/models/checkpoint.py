@@ -116,7 +116,7 @@ class ModelInfo:
     @property
     def pooling(self) -> str:
         """How an embedding pools the model's final hidden states: as its GGUF file declares
-        (``gguf.GGUF_POOLINGS``), else the mean over the input (a generative model declares none)."""
+        (``gguf_archs.GGUF_POOLINGS``), else the mean over the input (a generative model declares none)."""
         return self.config.get("pooling") or "mean"
 
     def kv_bytes_per_token(self, kv_bits: int | None = None, kv_group_size: int = 64) -> int:

@@ -7,18 +7,17 @@ parameter names (through gguf-py's own ``TensorNameMap``), and each tensor becom
 the MLX array(s) mlx-lm's model code computes with:
 
 - F32, F16 and BF16 tensors as they are;
-- Q4_0, Q4_1 and Q8_0 blocks (32 weights, one float16 scale, Q4_1 also a float16
-  minimum) are exactly MLX's affine quantization with group size 32: the packed
-  weights are reordered into MLX's nibble order, the scale is the scale, and the
-  block's offset (Q4_1's minimum, -8·d for Q4_0, -128·d for Q8_0) is the bias. No
-  weight is dequantized, and the result is bit for bit what ``mx.load`` makes of
-  the same file (``tests/models/test_gguf.py``);
+- quantized blocks as MLX's quantized arrays, groups of 32 (``gguf_blocks.py``):
+  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and MXFP4 packed as they are, Q3_K,
+  IQ4_NL and IQ4_XS widened to 8 bits, all exactly gguf-py's dequantized values
+  (Q4_0, Q4_1 and Q8_0 bit for bit what ``mx.load`` makes of the same file,
+  ``tests/models/test_gguf.py``); Q6_K and Q2_K, whose scales cover 16 weights,
+  requantized to 8 bits with a measured error. No weight is kept dequantized;
 - llama-family files store Q and K for the interleaved RoPE, which mlx-lm's llama
   computes as is with ``rope_traditional: true``.
 
-Any other tensor type (K-quants, IQ types) has no exact MLX form, and a file
-holding one is refused at start, naming the type and what works. So is an
-architecture this module has no mapping for.
+Any other tensor type (IQ1-IQ3, TQ, NVFP4) is refused at start, naming the type
+and what works. So is an architecture this module has no mapping for.
 
 A stage reads only its own tensors: the file is parsed once for its metadata and
 tensor table, and each tensor a stage keeps is memory-mapped at its offset, turned
@@ -48,33 +47,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ringd.models import gguf_archs
 from ringd.models.errors import ModelError
+from ringd.models.gguf_archs import Facts, architecture
+from ringd.models.gguf_blocks import FORMS, GROUP_SIZE, Form, to_mlx
 from ringd.models.samples import SampleReader, sample_spans
 
 GGUF_MAGIC = b"GGUF"
 
-# Every block type MLX computes with as is holds 32 weights per scale (and bias).
-GROUP_SIZE = 32
-
-
-@dataclass(frozen=True)
-class BlockType:
-    """How a GGUF block type maps onto MLX's affine quantization (group size 32)."""
-
-    bits: int
-    block_bytes: int  # bytes per block of GROUP_SIZE weights in the file
-
-
-# GGUF tensor type (gguf-py's GGMLQuantizationType name) -> what it is in MLX:
-# None for plain floats, a BlockType for the quantized ones MLX computes with.
-NATIVE_TYPES: dict[str, BlockType | None] = {
-    "F32": None,
-    "F16": None,
-    "BF16": None,
-    "Q4_0": BlockType(4, 2 + 16),  # float16 d, 32 x 4 bits; w = d * (q - 8)
-    "Q4_1": BlockType(4, 2 + 2 + 16),  # float16 d, float16 m, 32 x 4 bits; w = d * q + m
-    "Q8_0": BlockType(8, 2 + 32),  # float16 d, 32 x int8; w = d * q
-}
+# Tensor types that are MLX arrays as they are; the quantized ones are gguf_blocks.FORMS.
+FLOAT_TYPES = ("F32", "F16", "BF16")
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # BF16: the bits, viewed in MLX
 
 # Quantized tensors are converted this many rows at a time, so the numpy temporaries
@@ -84,9 +66,6 @@ CONVERT_CHUNK_BYTES = 64 * 2**20
 # The fingerprint reads the whole header (metadata and tensor table) and this many
 # slices of this many bytes spread over the tensor data: a different quantization or
 # fine-tune changes both, and reading a few hundred KiB keeps it instant on a 40 GB file.
-# llama.cpp's pooling types (``{arch}.pooling_type``) that make one vector of an input, by
-# the name ``steps.POOLINGS`` gives them (0, none, and 4, rank, make no embedding of it).
-GGUF_POOLINGS = {1: "mean", 2: "cls", 3: "last"}
 DIGEST_SAMPLES = 16
 DIGEST_SAMPLE_BYTES = 16 * 1024
 
@@ -99,35 +78,6 @@ CONVERT_FILE_BYTES = 5 * 2**30
 # reads an old one).
 SIDECAR_VERSION = 1
 
-
-@dataclass(frozen=True)
-class Arch:
-    """A GGUF architecture ringd maps onto mlx-lm's."""
-
-    model_type: str  # mlx-lm's
-    gguf_arch: str  # gguf-py's MODEL_ARCH member name, for its TensorNameMap
-    # llama.cpp's converter permutes Q and K of these for its interleaved RoPE
-    # (LlamaModel.permute); mlx-lm computes the same with rope_traditional.
-    rope_interleaved: bool
-
-
-ARCHITECTURES = {
-    "llama": Arch("llama", "LLAMA", rope_interleaved=True),  # Llama 2/3.x, Mistral 7B, SmolLM2, DeepSeek-R1-Distill-Llama
-    "qwen2": Arch("qwen2", "QWEN2", rope_interleaved=False),  # Qwen2, Qwen2.5, QwQ, DeepSeek-R1-Distill-Qwen
-    "qwen3": Arch("qwen3", "QWEN3", rope_interleaved=False),
-    "qwen3moe": Arch("qwen3_moe", "QWEN3MOE", rope_interleaved=False),  # Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder
-}
-
-# Llama 3.1+ GGUFs carry their RoPE scaling only as the ``rope_freqs`` tensor (the
-# factor each frequency is divided by). These are the llama3 scalings Meta shipped
-# (3.1: factor 8; 3.2 and 3.3: factor 32, or 8); a file's factors are matched
-# against them and mlx-lm's Llama3RoPE recomputes the same.
-_LLAMA3_SCALINGS = [
-    {"rope_type": "llama3", "factor": f, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    for f in (8.0, 16.0, 32.0, 64.0)
-]  # fmt: skip
-# How close a file's rope_freqs must be to a known scaling (they are float32 of the same formula).
-_ROPE_FREQS_RTOL = 1e-4
 
 _BLOCK_NUMBER = re.compile(r"^blk\.(\d+)\.")
 
@@ -143,16 +93,17 @@ class Tensor:
     nbytes: int
 
     @property
-    def block(self) -> BlockType | None:
-        return NATIVE_TYPES[self.type]
+    def form(self) -> Form | None:
+        """What its blocks are in MLX; None for a float tensor."""
+        return FORMS.get(self.type)
 
     @property
     def mlx_bytes(self) -> int:
         """What the tensor costs in memory once it is MLX arrays."""
         n = math.prod(self.shape)
-        if self.block is None:
+        if self.form is None:
             return n * (4 if self.type == "F32" else 2)
-        return n * self.block.bits // 8 + 2 * 2 * (n // GROUP_SIZE)  # weights, float16 scales and biases
+        return self.form.mlx_bytes(n)
 
 
 class GgufFile:
@@ -168,16 +119,9 @@ class GgufFile:
         self.meta = meta
         self.tensors = tensors
         self.data_offset = data_offset
-        arch = meta.get("general.architecture")
-        if arch not in ARCHITECTURES:
-            raise ModelError(
-                f"{path}: GGUF architecture {arch!r} has no mapping to mlx-lm in ringd; GGUF files of "
-                f"{', '.join(sorted(ARCHITECTURES))} are served directly (for another, serve the original "
-                "checkpoint converted with mlx_lm.convert)"
-            )
-        self.arch = ARCHITECTURES[arch]
+        self.arch = architecture(path, meta)
         _check_types(path, tensors)
-        self.config = _config(self)
+        self.config = gguf_archs.config(Facts(path, meta, tensors, lambda name: read_tensor(path, tensors[name])[""]))
         from gguf import MODEL_ARCH, get_tensor_name_map
 
         blocks = self.config["num_hidden_layers"]
@@ -255,9 +199,9 @@ class GgufFile:
     def quantization(self, module_path: str) -> dict | None:
         """What ``nn.quantize`` makes of the module: its bits and group size, or None (a float tensor)."""
         t = self.tensor_of(module_path)
-        if t is None or t.block is None:
+        if t is None or t.form is None:
             return None
-        return {"group_size": GROUP_SIZE, "bits": t.block.bits}
+        return {"group_size": GROUP_SIZE, "bits": t.form.bits, "mode": t.form.mode}
 
     def source(self, parameter: str) -> tuple[Tensor, str]:
         """The tensor and part ("", "scales", "biases") an mlx-lm parameter is read from."""
@@ -267,7 +211,7 @@ class GgufFile:
         t = None
         if name is not None:
             t = self.tensors.get(f"{name}.{'weight' if part else leaf}")
-        if t is None or (part and t.block is None):
+        if t is None or (part and t.form is None):
             raise ModelError(
                 f"{self.path}: no tensor holds the model's parameter {parameter} "
                 f"(looked for {name or '?'}.{'weight' if part else leaf}); is the file complete?"
@@ -317,15 +261,15 @@ class GgufFile:
     def mlx_config(self) -> dict:
         """config.json for the checkpoint this file is: the model's settings and its quantization."""
         config = dict(self.config)
-        bits = [t.block.bits for t in self.tensors.values() if t.block is not None and t.name not in _NOT_PARAMETERS]
-        if bits:
-            common = max(set(bits), key=bits.count)
-            quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common}
-            # mlx-lm reads a module's own entry first: the modules whose bits differ.
+        forms = [(t.form.bits, t.form.mode) for t in self.tensors.values() if t.form is not None and t.name not in _NOT_PARAMETERS]
+        if forms:
+            bits, mode = max(set(forms), key=forms.count)
+            quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": bits, "mode": mode}
+            # mlx-lm reads a module's own entry first: the modules whose bits or mode differ.
             model = self.build_model()
             for path, module in model.named_modules():
                 q = self.quantization(path) if hasattr(module, "to_quantized") else None
-                if q is not None and q["bits"] != common:
+                if q is not None and (q["bits"], q["mode"]) != (bits, mode):
                     quantization[path] = q
             config["quantization"] = quantization
         return config
@@ -468,200 +412,53 @@ def _parse(path: Path, size: int) -> tuple[dict[str, Any], dict[str, Tensor], in
 def _check_types(path: Path, tensors: dict[str, Tensor]) -> None:
     odd: dict[str, list[str]] = {}
     for t in tensors.values():
-        if t.type not in NATIVE_TYPES:
+        if t.type not in FLOAT_TYPES and t.type not in FORMS:
             odd.setdefault(t.type, []).append(t.name)
     if odd:
         found = ", ".join(f"{k} ({len(v)} tensors, e.g. {v[0]})" for k, v in sorted(odd.items()))
         raise ModelError(
-            f"{path}: tensor types {found} cannot be served as they are; ringd serves GGUF files whose "
-            f"tensors are {', '.join(NATIVE_TYPES)} (MLX computes with those directly): take a Q8_0, Q4_0 "
-            "or Q4_1 file of this model, or convert the original checkpoint with mlx_lm.convert"
+            f"{path}: tensor types {found} cannot be served; ringd serves GGUF files whose tensors are "
+            f"{', '.join((*FLOAT_TYPES, *FORMS))}: take a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file of this model, "
+            "or convert the original checkpoint with mlx_lm.convert"
         )
 
 
-def _config(g: GgufFile) -> dict:
-    """mlx-lm's config for the file, from its metadata (llama.cpp's keys, as its converter writes them)."""
-    meta, arch = g.meta, g.meta["general.architecture"]
-
-    def key(name: str, default: Any = ..., kind: type = int) -> Any:
-        """The metadata value ``{arch}.{name}`` as ``kind`` (a positive number), else ``default``."""
-        if f"{arch}.{name}" not in meta:
-            if default is ...:
-                raise ModelError(f"{g.path}: metadata key {arch}.{name} is missing; is this a complete GGUF file?")
-            return default
-        value = meta[f"{arch}.{name}"]
-        try:
-            number = kind(value)
-        except (TypeError, ValueError):
-            number = None
-        if number is None or not number > 0 or (kind is float and not math.isfinite(number)):
-            raise ModelError(f"{g.path}: metadata key {arch}.{name} is {value!r}; a positive {kind.__name__} was expected")
-        return number
-
-    embed = g.tensors.get("token_embd.weight")
-    if embed is None or len(embed.shape) != 2:
-        raise ModelError(f"{g.path}: no token_embd.weight matrix; is this a complete GGUF file?")
-    heads = key("attention.head_count")
-    hidden = key("embedding_length")
-    config: dict[str, Any] = {
-        "model_type": g.arch.model_type,
-        "hidden_size": hidden,
-        "num_hidden_layers": key("block_count"),
-        "intermediate_size": key("feed_forward_length", None if g.arch.model_type == "qwen3_moe" else ...),
-        "num_attention_heads": heads,
-        "num_key_value_heads": key("attention.head_count_kv", heads),
-        "head_dim": key("attention.key_length", hidden // heads),
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", kind=float),
-        "rope_theta": key("rope.freq_base", 10000.0, kind=float),
-        "max_position_embeddings": key("context_length"),
-        "vocab_size": embed.shape[0],
-        "tie_word_embeddings": "output.weight" not in g.tensors,
-    }
-    pooling = GGUF_POOLINGS.get(meta.get(f"{arch}.pooling_type"))
-    if pooling is not None:  # an embedding model's: how its embeddings pool (checkpoint.ModelInfo.pooling)
-        config["pooling"] = pooling
-    if g.arch.model_type == "qwen3_moe":
-        config.update(_qwen3_moe(g, key))
-    if g.arch.rope_interleaved:
-        config["rope_traditional"] = True
-    if g.arch.model_type == "llama":
-        config["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
-        config["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
-    scaling = _rope_scaling(g, key, key("rope.dimension_count", config["head_dim"]), config["rope_theta"])
-    if scaling is not None:
-        config["rope_scaling"] = scaling
-    # Activations take the dtype of the norms (llama.cpp keeps them F32), and so the KV cache.
-    norm = g.tensors.get("output_norm.weight")
-    config["torch_dtype"] = {"F32": "float32", "BF16": "bfloat16"}.get(norm.type if norm else "", "float16")
-    ends = _end_of_generation_ids(meta)
-    if ends:
-        config["eos_token_id"] = ends[0] if len(ends) == 1 else ends
-    if meta.get("tokenizer.ggml.bos_token_id") is not None:
-        config["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
-    return config
-
-
-def _qwen3_moe(g: GgufFile, key: Callable[..., Any]) -> dict:
-    """Qwen3-MoE's experts, as llama.cpp's qwen3moe reads them: every layer a mixture (llama.cpp
-    has no dense layers in this architecture; a layer holding a plain feed-forward instead is
-    taken as one, as mlx-lm's mlp_only_layers), the chosen experts' weights normalized (its
-    build_moe_ffn with norm_w, Qwen3's norm_topk_prob)."""
-    layers = key("block_count")
-    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in g.tensors and f"blk.{i}.ffn_gate.weight" in g.tensors]
-    experts = {
-        "num_experts": key("expert_count"),
-        "num_experts_per_tok": key("expert_used_count"),
-        "moe_intermediate_size": key("expert_feed_forward_length"),
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": dense,
-        "norm_topk_prob": True,
-    }
-    if key("feed_forward_length", None) is None:  # the dense size, which only dense layers use
-        experts["intermediate_size"] = experts["moe_intermediate_size"]
-    return experts
-
-
-# Tokens llama.cpp ends a generation on by their text, besides the ids the file names
-# (llama-vocab.cpp, where it builds special_eog_ids): files often name only one of a
-# chat model's end tokens (SmolLM2 names <|im_end|>, Llama 3.1 <|eot_id|> but not <|eom_id|>).
-_END_OF_GENERATION_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
-    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
-})  # fmt: skip
-_CONTROL = 3  # tokenizer.ggml.token_type of a control token
-
-
-def _end_of_generation_ids(meta: dict) -> list[int]:
-    """The ids a generation ends on, as llama.cpp finds them: eos, eot and eom as the file names
-    them, then the control tokens spelled as a known end token."""
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    types = meta.get("tokenizer.ggml.token_type") or []
-    ids = [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom") if meta.get(f"tokenizer.ggml.{k}_token_id") is not None]
-    ids += [i for i, (t, k) in enumerate(zip(tokens, types)) if k == _CONTROL and t in _END_OF_GENERATION_TEXTS]
-    return [i for i in dict.fromkeys(ids) if 0 <= i < len(tokens)]
-
-
-def _rope_scaling(g: GgufFile, key: Callable[..., Any], dims: int, base: float) -> dict | None:
-    kind = g.meta.get(f"{g.meta['general.architecture']}.rope.scaling.type")
-    factor = key("rope.scaling.factor", None, kind=float)
-    if "rope_freqs.weight" in g.tensors:
-        return _llama3_scaling(g, dims, base)
-    if kind in (None, "none") or (kind == "linear" and not factor):
-        return None
-    if kind == "linear":
-        return {"type": "linear", "factor": float(factor)}
-    if kind == "yarn":
-        scaling = {"rope_type": "yarn", "factor": float(factor)}
-        original = key("rope.scaling.original_context_length", None)
-        if original:
-            scaling["original_max_position_embeddings"] = original
-        for ours, theirs in (("beta_fast", "rope.scaling.yarn_beta_fast"), ("beta_slow", "rope.scaling.yarn_beta_slow")):
-            if (value := key(theirs, None, kind=float)) is not None:
-                scaling[ours] = value
-        return scaling
-    raise ModelError(f"{g.path}: RoPE scaling {kind!r} is not mapped by ringd (linear, yarn and llama3 are)")
-
-
-def _llama3_scaling(g: GgufFile, dims: int, base: float) -> dict:
-    from mlx_lm.models.rope_utils import Llama3RoPE
-
-    have = read_tensor(g.path, g.tensors["rope_freqs.weight"])[""]
-    for scaling in _LLAMA3_SCALINGS:
-        rope = Llama3RoPE(dims, traditional=True, base=base, scaling_config=scaling)
-        want = rope._freqs / (base ** (mx.arange(0, dims, 2) / dims))
-        if have.shape == want.shape and mx.allclose(have, want, rtol=_ROPE_FREQS_RTOL).item():
-            return dict(scaling)
-    raise ModelError(f"{g.path}: its rope_freqs match none of the llama3 RoPE scalings ringd knows (factor 8 to 64)")
-
-
 def read_tensor(path: Path, t: Tensor) -> dict[str, mx.array]:
-    """One tensor as MLX arrays: {"": weight} for a float tensor, plus "scales" and "biases" for a
-    quantized one, laid out as MLX's affine quantization (group size 32) lays them out."""
+    """One tensor as MLX arrays: {"": weight} for a float tensor, plus "scales" (and "biases") for a
+    quantized one, laid out as MLX's quantization (groups of 32) lays them out (``gguf_blocks``)."""
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
     try:
-        if t.block is None:
+        if t.form is None:
             values = data.view(_FLOAT_DTYPES[t.type]).reshape(t.shape)
             array = mx.array(values)
             return {"": array.view(mx.bfloat16) if t.type == "BF16" else array}
-        return _blocks_to_affine(data, t)
+        return _blocks_to_mlx(data, t)
     finally:
         del data
 
 
-def _blocks_to_affine(data: np.ndarray, t: Tensor) -> dict[str, mx.array]:
+def _blocks_to_mlx(data: np.ndarray, t: Tensor) -> dict[str, mx.array]:
     *outer, cols = t.shape
     rows = math.prod(outer)
-    if cols % GROUP_SIZE:
-        raise ModelError(f"tensor {t.name}: rows of {cols} weights are not whole blocks of {GROUP_SIZE}")
-    blocks, bits, block_bytes = cols // GROUP_SIZE, t.block.bits, t.block.block_bytes
-    words_per_row = cols * bits // 32
+    form = t.form
+    if cols % form.block:
+        raise ModelError(f"tensor {t.name}: rows of {cols} weights are not whole blocks of {form.block}")
+    blocks, groups = cols // form.block, cols // GROUP_SIZE
+    words_per_row = cols * form.bits // 32
     weights = np.empty((rows, words_per_row), dtype=np.uint32)
-    scales = np.empty((rows, blocks), dtype=np.float16)
-    biases = np.empty((rows, blocks), dtype=np.float16)
-    raw = data.reshape(rows, blocks, block_bytes)
-    step = max(1, CONVERT_CHUNK_BYTES // max(1, blocks * block_bytes))
+    scales = np.empty((rows, groups), dtype=form.scale_dtype)
+    biases = np.empty((rows, groups), dtype=form.scale_dtype) if form.mode == "affine" else None
+    raw = data.reshape(rows, blocks, form.block_bytes)
+    step = max(1, CONVERT_CHUNK_BYTES // max(1, blocks * form.block_bytes))
     for r in range(0, rows, step):
         chunk = np.asarray(raw[r : r + step])
-        d = chunk[..., 0:2].copy().view(np.float16)[..., 0]
-        scales[r : r + step] = d
-        if t.type == "Q8_0":
-            q = chunk[..., 2:].view(np.int8)
-            # MLX's 8-bit affine weights are unsigned: q + 128, with the 128 moved into the bias.
-            packed = (q.astype(np.int16) + 128).astype(np.uint8)
-            biases[r : r + step] = np.float16(-128) * d
-        else:
-            qs = chunk[..., 2:] if t.type == "Q4_0" else chunk[..., 4:]
-            # GGUF keeps weight j in the low nibble and j+16 in the high nibble of byte j;
-            # MLX packs weights in order, two to a byte, the first in the low nibble.
-            q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-            packed = q[..., 0::2] | (q[..., 1::2] << 4)
-            if t.type == "Q4_0":
-                biases[r : r + step] = np.float16(-8) * d
-            else:
-                biases[r : r + step] = chunk[..., 2:4].copy().view(np.float16)[..., 0]
-        weights[r : r + step] = np.ascontiguousarray(packed).reshape(len(chunk), -1).view(np.uint32)
-    return {
-        "": mx.array(weights.reshape(*outer, words_per_row)),
-        "scales": mx.array(scales.reshape(*outer, blocks)),
-        "biases": mx.array(biases.reshape(*outer, blocks)),
-    }
+        n = len(chunk)
+        packed, s, b = to_mlx(chunk.reshape(n * blocks, form.block_bytes), t.type)
+        weights[r : r + n] = packed.reshape(n, -1).view(np.uint32)
+        scales[r : r + n] = s.reshape(n, groups)
+        if biases is not None:
+            biases[r : r + n] = b.reshape(n, groups)
+    out = {"": mx.array(weights.reshape(*outer, words_per_row)), "scales": mx.array(scales.reshape(*outer, groups))}
+    if biases is not None:
+        out["biases"] = mx.array(biases.reshape(*outer, groups))
+    return out

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ringd.models.errors import ModelError
-from ringd.models.gguf import NATIVE_TYPES, GgufFile, is_gguf, read_tensor
+from ringd.models.gguf import GgufFile, is_gguf, read_tensor
 from ringd.models.source import model_info
 from stagering import reference, ring
 
@@ -71,9 +71,11 @@ def test_the_real_file_reads_as_mlx_reads_it(smollm2_gguf):
     assert _same_as_mlx_load(smollm2_gguf) == 694
 
 
-def test_every_native_type_reads_as_mlx_reads_it(tmp_path):
+def test_every_type_mlx_loads_reads_as_mlx_reads_it(tmp_path):
+    # mx.load's own GGUF reader keeps these quantized (it turns BF16 into float16, and refuses
+    # the rest); test_gguf_blocks checks every type against gguf-py's dequantize.
     rng = np.random.default_rng(0)
-    types = {f"t.{t}.weight": t for t in NATIVE_TYPES if t != "BF16"}
+    types = {f"t.{t}.weight": t for t in ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")}
     arrays = {name: rng.standard_normal((3, 5, 64)).astype(np.float32) for name in types}
     path = _write(tmp_path / "types.gguf", arrays, types)
     assert _same_as_mlx_load(path) == 2 + 3 * 3  # F32, F16; weight, scales, biases of three block types
@@ -307,17 +309,145 @@ def test_every_split_of_a_file_computes_what_mlx_lm_computes_on_its_conversion(t
         assert got == want
 
 
+# A llama whose every row is one K-quant super-block (256 weights), its matrices of every
+# exact type a reference quantizer here writes (kquants.py for the K-quants, gguf-py for the
+# rest). The embedding is Q4_K: MLX looks embeddings up in their scales' dtype, and float16
+# scales (Q8_0's, Q5_0's) would round every looked-up weight to float16 (see below).
+K_LAYER_TYPES = {"attn_q": "q4_k", "attn_k": "q5_k", "attn_v": "q5_0", "attn_output": "q5_1", "ffn_gate": "q4_k", "ffn_up": "mxfp4", "ffn_down": "q5_k"}
+# Q6_K's 8-bit requantization (at most 1/255 of a 32-group's largest weight, 0.1-0.3% here)
+# moves the tiny model's logits by up to this much (measured: 0.2-0.5; its random weights
+# amplify: one layer's v_proj alone moves them by 0.18), so its tokens can part at a near tie.
+REQUANTIZED_LOGITS_ATOL = 1.5
+
+
+def _k_source(tiny_model) -> Path:
+    return tiny_model(arch="llama", layers=LAYERS, dtype="float32", hidden_size=256, intermediate_size=256)
+
+
+def _k_files(tiny_model, tmp_path_factory, types: dict[str, str]) -> tuple[Path, Path, Path]:
+    """(the K-quant file, the same dequantized to F32 by gguf-py, out dir)."""
+    from ggufmake import write_gguf
+
+    source = _k_source(tiny_model)
+    out = tmp_path_factory.mktemp("kquant")
+    return write_gguf(source, out / "k.gguf", types=types), write_gguf(source, out / "k-f32.gguf", types=types, dequantized=True), out
+
+
+def _forced(step, prompt: list[int], tokens: list[int]) -> list[mx.array]:
+    """The logits of each step with ``tokens`` fed back (not the step's own choice)."""
+    step(prompt[:-1], sample=False)
+    return [step([y], sample=True) for y in [prompt[-1], *tokens[:-1]]]
+
+
+def test_a_k_quant_file_computes_what_mlx_lm_computes_on_it_dequantized(tiny_model, tmp_path_factory):
+    """Q4_K, Q5_K, Q5_0, Q5_1 and MXFP4 (exact forms): a 3-stage ring answers token for token as
+    mlx-lm does on the same file with every tensor dequantized to float32 by gguf-py, and logit
+    for logit (bit for bit) as mlx-lm does on ``ringd convert``'s checkpoint of the file."""
+    from mlx_lm import load
+
+    from ringd.stage.shard import Shard
+
+    types = {f"blk.{i}.{name}.weight": t for i in range(LAYERS) for name, t in K_LAYER_TYPES.items()}
+    path, plain, out = _k_files(tiny_model, tmp_path_factory, {**types, "token_embd.weight": "q4_k"})
+    assert {t.type for t in GgufFile.open(path).tensors.values()} == {"F32", "Q4_K", "Q5_K", "Q5_0", "Q5_1", "MXFP4"}
+    model, tokenizer = load(str(_convert(plain, out / "dequantized")))
+    prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
+    want, want_logits = _greedy(reference(model), prompt)
+    assert len(set(want)) >= 8, "the reference repeats itself: the test would prove little"
+    stages = [Shard.load(str(path), a, b) for a, b in ((0, 1), (1, 3), (3, LAYERS))]
+    got, got_logits = _greedy(ring(stages), prompt)
+    assert got == want
+    for a, b in zip(want_logits, got_logits):  # the same products, summed in another order
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+
+    converted, _ = load(str(_convert(path, out / "converted")))
+    same, same_logits = _greedy(reference(converted), prompt)
+    assert same == got
+    for i, (a, b) in enumerate(zip(same_logits, got_logits)):
+        assert mx.array_equal(a, b).item(), f"logits differ from mlx-lm's on the conversion at step {i}"
+
+
+def test_a_q6_k_file_computes_within_its_requantization_error(tiny_model, tmp_path_factory, capsys):
+    """Q6_K (requantized to 8 bits, not exact) as llama.cpp's Q4_K_M puts it: attn_v, ffn_down and
+    the (tied) embedding and head. Fed the reference's tokens, each step's logits stay within the
+    measured bound of mlx-lm's on the file dequantized to float32 by gguf-py."""
+    from mlx_lm import load
+
+    from ringd.stage.shard import Shard
+
+    types = {f"blk.{i}.{name}.weight": "q6_k" for i in range(LAYERS) for name in ("attn_v", "ffn_down")}
+    path, plain, out = _k_files(tiny_model, tmp_path_factory, {**types, "token_embd.weight": "q6_k"})
+    model, tokenizer = load(str(_convert(plain, out / "dequantized")))
+    prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
+    want, want_logits = _greedy(reference(model), prompt)
+    stages = [Shard.load(str(path), a, b) for a, b in ((0, 1), (1, 3), (3, LAYERS))]
+    got_logits = _forced(ring(stages), prompt, want)
+    worst = max(mx.abs(a - b).max().item() for a, b in zip(want_logits, got_logits))
+    # What Q6_K itself does to the same logits: the unquantized model, fed the same tokens.
+    original, _ = load(str(_k_source(tiny_model)))
+    q6_k = max(mx.abs(a - b).max().item() for a, b in zip(want_logits, _forced(reference(original), prompt, want)))
+    with capsys.disabled():
+        print(f"\nQ6_K tiny llama: ringd's logits within {worst:.3g} of gguf-py's float32 values' (Q6_K's own: {q6_k:.3g} from the unquantized model's)")
+    assert worst < REQUANTIZED_LOGITS_ATOL
+
+
+# SmolLM2 as llama-quantize makes it of each K-quant mix (its 576-wide rows fall back to
+# Q5_0/Q5_1/Q8_0, as the issue counts for Q4_K_M), and the tensor types each then holds.
+SMOLLM2_MIXES = {
+    "q4_k_m": {"F32": 61, "Q5_0": 166, "Q4_K": 16, "Q6_K": 14, "Q8_0": 15},
+    "q5_k_m": {"F32": 61, "Q5_1": 166, "Q5_K": 16, "Q6_K": 14, "Q8_0": 15},
+    "q6_k": {"F32": 61, "Q8_0": 181, "Q6_K": 30},
+}
+FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@pytest.mark.parametrize("mix", list(SMOLLM2_MIXES))
+def test_smollm2_requantized_to_k_quants_answers_as_mlx_lm(smollm2_gguf, tmp_path_factory, mix):
+    """The real model requantized to Q4_K_M, Q5_K_M and Q6_K (``ggufmake.requantize``): a 3-stage
+    ring answers token for token as mlx-lm on the file dequantized to float32 by gguf-py, and
+    logit for logit as mlx-lm on ``ringd convert``'s checkpoint of it; each stage holds its share."""
+    from collections import Counter
+
+    from mlx_lm import load
+
+    from ggufmake import dequantize_file, requantize
+    from ringd.stage.shard import Shard
+
+    out = tmp_path_factory.mktemp(mix)
+    path = requantize(smollm2_gguf, out / f"smollm2-{mix}.gguf", mix)
+    g = GgufFile.open(path)
+    assert Counter(t.type for t in g.tensors.values()) == SMOLLM2_MIXES[mix]
+
+    bounds = ((0, 10), (10, 20), (20, 30))
+    stages = [Shard.load(str(path), a, b) for a, b in bounds]
+    info = model_info(str(path))
+    assert [s.parameter_bytes for s in stages] == [info.weights.stage(a, b) for a, b in bounds]
+
+    model, tokenizer = load(str(_convert(dequantize_file(path, out / "f32.gguf"), out / "f32")))
+    prompt = list(tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True))
+    want, _ = _greedy(reference(model), prompt)
+    got, got_logits = _greedy(ring(stages), prompt)
+    assert "Paris" in tokenizer.decode(got)
+    assert got == want, f"{tokenizer.decode(got)!r} against {tokenizer.decode(want)!r}"
+
+    converted, _ = load(str(_convert(path, out / "converted")))
+    same, same_logits = _greedy(reference(converted), prompt)
+    assert same == got
+    for i, (a, b) in enumerate(zip(same_logits, got_logits)):
+        assert mx.array_equal(a, b).item(), f"logits differ from mlx-lm's on the conversion at step {i}"
+
+
 def test_what_mlx_cannot_compute_as_is_is_refused_at_start(tiny_model, tmp_path_factory):
     from ggufmake import write_gguf
 
     source = tiny_model(arch="llama", layers=2, dtype="float32", intermediate_size=256)
-    kquant = write_gguf(source, tmp_path_factory.mktemp("k") / "k.gguf", qtype="q8_0", types={"blk.0.ffn_down.weight": "q6_k", "blk.1.ffn_down.weight": "q6_k"})
+    iquant = write_gguf(source, tmp_path_factory.mktemp("k") / "k.gguf", qtype="q8_0", types={"blk.0.ffn_down.weight": "iq2_xxs", "blk.1.ffn_down.weight": "iq2_xxs"})
     with pytest.raises(ModelError) as e:
-        model_info(str(kquant))
+        model_info(str(iquant))
     message = str(e.value)
     assert "\n" not in message
-    assert "Q6_K (2 tensors, e.g. blk.0.ffn_down.weight) cannot be served as they are" in message
-    assert "F32, F16, BF16, Q4_0, Q4_1, Q8_0" in message
+    assert "IQ2_XXS (2 tensors, e.g. blk.0.ffn_down.weight) cannot be served" in message
+    assert "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, Q6_K, Q2_K" in message
     mamba = write_gguf(source, tmp_path_factory.mktemp("arch") / "mamba.gguf", arch="mamba")
     with pytest.raises(ModelError, match=r"GGUF architecture 'mamba' has no mapping to mlx-lm in ringd; GGUF files of llama, qwen2, qwen3, qwen3moe are served directly") as e:
         model_info(str(mamba))
@@ -375,11 +505,11 @@ def test_a_convert_stopped_half_way_leaves_nothing_that_looks_like_a_checkpoint(
 def test_an_embedding_models_pooling_is_what_its_file_declares(smollm2_gguf):
     """llama.cpp's ``{arch}.pooling_type`` (e5-mistral's GGUF files are llama with 3, last): how
     an embedding pools; a generative model's file declares none, and embeddings take the mean."""
-    from ringd.models.gguf import _config, _parse
+    from ringd.models.gguf import _parse
 
     meta, tensors, data_offset = _parse(smollm2_gguf, smollm2_gguf.stat().st_size)
-    assert "pooling" not in _config(GgufFile(smollm2_gguf, meta, tensors, data_offset))
+    assert "pooling" not in GgufFile(smollm2_gguf, meta, tensors, data_offset).config
     assert model_info(str(smollm2_gguf)).pooling == "mean"
     for declared, pooling in ((1, "mean"), (2, "cls"), (3, "last"), (0, None), (4, None)):
-        config = _config(GgufFile(smollm2_gguf, {**meta, "llama.pooling_type": declared}, tensors, data_offset))
+        config = GgufFile(smollm2_gguf, {**meta, "llama.pooling_type": declared}, tensors, data_offset).config
         assert config.get("pooling") == pooling

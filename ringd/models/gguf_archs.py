@@ -1,0 +1,233 @@
+"""How each GGUF architecture ringd serves maps onto mlx-lm's: the model's config from the file's metadata.
+
+llama.cpp's converter writes a model's settings as ``{arch}.*`` metadata keys and its
+weights under its own tensor names; mlx-lm builds a model from a ``config.json`` in
+Hugging Face's terms. Each family here says which mlx-lm ``model_type`` computes it,
+which of gguf-py's ``MODEL_ARCH`` tensor maps names its tensors, and what of llama.cpp's
+writing differs from the original checkpoint (interleaved RoPE, a family's own keys).
+
+A family with no entry is refused at start, naming what is served. What this ignores:
+the bytes of tensors (``gguf.py``, ``gguf_blocks.py``), the tokenizer (``gguf_vocab.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+import mlx.core as mx
+
+from ringd.models.errors import ModelError
+
+# llama.cpp's pooling types (``{arch}.pooling_type``) that make one vector of an input, by
+# the name ``steps.POOLINGS`` gives them (0, none, and 4, rank, make no embedding of it).
+GGUF_POOLINGS = {1: "mean", 2: "cls", 3: "last"}
+
+
+class TensorInfo(Protocol):
+    """What the mapping reads of a tensor of the file (``gguf.Tensor``)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def type(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a family's mapping reads of a file: its metadata, its tensor table, and (for the few
+    settings stored as a tensor, like Llama 3's ``rope_freqs``) a float tensor's values."""
+
+    path: Path
+    meta: Mapping[str, Any]
+    tensors: Mapping[str, TensorInfo]
+    read: Callable[[str], mx.array]
+
+    @property
+    def arch(self) -> str:
+        return self.meta["general.architecture"]
+
+    def key(self, name: str, default: Any = ..., kind: type = int) -> Any:
+        """The metadata value ``{arch}.{name}`` as ``kind`` (a positive number), else ``default``."""
+        full = f"{self.arch}.{name}"
+        if full not in self.meta:
+            if default is ...:
+                raise ModelError(f"{self.path}: metadata key {full} is missing; is this a complete GGUF file?")
+            return default
+        value = self.meta[full]
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not number > 0 or (kind is float and not math.isfinite(number)):
+            raise ModelError(f"{self.path}: metadata key {full} is {value!r}; a positive {kind.__name__} was expected")
+        return number
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A GGUF architecture ringd maps onto mlx-lm's."""
+
+    model_type: str  # mlx-lm's
+    gguf_arch: str  # gguf-py's MODEL_ARCH member name, for its TensorNameMap
+    # llama.cpp's converter permutes Q and K of these for its interleaved RoPE
+    # (LlamaModel.permute); mlx-lm computes the same with rope_traditional.
+    rope_interleaved: bool
+    # The family's own config keys (experts, windows, ...), from the file's metadata.
+    extra: Callable[[Facts], dict] | None = None
+
+
+ARCHITECTURES = {
+    "llama": Arch("llama", "LLAMA", rope_interleaved=True),  # Llama 2/3.x, Mistral 7B, SmolLM2, DeepSeek-R1-Distill-Llama
+    "qwen2": Arch("qwen2", "QWEN2", rope_interleaved=False),  # Qwen2, Qwen2.5, QwQ, DeepSeek-R1-Distill-Qwen
+    "qwen3": Arch("qwen3", "QWEN3", rope_interleaved=False),
+    "qwen3moe": Arch("qwen3_moe", "QWEN3MOE", rope_interleaved=False, extra=lambda f: _qwen3_moe(f)),  # Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder
+}
+
+# Llama 3.1+ GGUFs carry their RoPE scaling only as the ``rope_freqs`` tensor (the
+# factor each frequency is divided by). These are the llama3 scalings Meta shipped
+# (3.1: factor 8; 3.2 and 3.3: factor 32, or 8); a file's factors are matched
+# against them and mlx-lm's Llama3RoPE recomputes the same.
+_LLAMA3_SCALINGS = [
+    {"rope_type": "llama3", "factor": f, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    for f in (8.0, 16.0, 32.0, 64.0)
+]  # fmt: skip
+# How close a file's rope_freqs must be to a known scaling (they are float32 of the same formula).
+_ROPE_FREQS_RTOL = 1e-4
+
+
+
+def architecture(path: Path, meta: Mapping[str, Any]) -> Arch:
+    """The family of the file, or a ModelError naming those served."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelError(
+            f"{path}: GGUF architecture {arch!r} has no mapping to mlx-lm in ringd; GGUF files of "
+            f"{', '.join(sorted(ARCHITECTURES))} are served directly (for another, serve the original "
+            "checkpoint converted with mlx_lm.convert)"
+        )
+    return ARCHITECTURES[arch]
+
+
+def config(g: Facts) -> dict:
+    """mlx-lm's config for the file, from its metadata (llama.cpp's keys, as its converter writes them)."""
+    meta, arch, key = g.meta, architecture(g.path, g.meta), g.key
+    embed = g.tensors.get("token_embd.weight")
+    if embed is None or len(embed.shape) != 2:
+        raise ModelError(f"{g.path}: no token_embd.weight matrix; is this a complete GGUF file?")
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    out: dict[str, Any] = {
+        "model_type": arch.model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": key("block_count"),
+        "intermediate_size": key("feed_forward_length", None if arch.model_type == "qwen3_moe" else ...),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", hidden // heads),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", kind=float),
+        "rope_theta": key("rope.freq_base", 10000.0, kind=float),
+        "max_position_embeddings": key("context_length"),
+        "vocab_size": embed.shape[0],
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+    }
+    pooling = GGUF_POOLINGS.get(meta.get(f"{arch}.pooling_type"))
+    if pooling is not None:  # an embedding model's: how its embeddings pool (checkpoint.ModelInfo.pooling)
+        out["pooling"] = pooling
+    if arch.extra is not None:
+        out.update(arch.extra(g))
+    if arch.rope_interleaved:
+        out["rope_traditional"] = True
+    if arch.model_type == "llama":
+        out["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+        out["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
+    scaling = _rope_scaling(g, key("rope.dimension_count", out["head_dim"]), out["rope_theta"])
+    if scaling is not None:
+        out["rope_scaling"] = scaling
+    # Activations take the dtype of the norms (llama.cpp keeps them F32), and so the KV cache.
+    norm = g.tensors.get("output_norm.weight")
+    out["torch_dtype"] = {"F32": "float32", "BF16": "bfloat16"}.get(norm.type if norm else "", "float16")
+    ends = _end_of_generation_ids(meta)
+    if ends:
+        out["eos_token_id"] = ends[0] if len(ends) == 1 else ends
+    if meta.get("tokenizer.ggml.bos_token_id") is not None:
+        out["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+    return out
+
+
+def _qwen3_moe(g: Facts) -> dict:
+    """Qwen3-MoE's experts, as llama.cpp's qwen3moe reads them: every layer a mixture (llama.cpp
+    has no dense layers in this architecture; a layer holding a plain feed-forward instead is
+    taken as one, as mlx-lm's mlp_only_layers), the chosen experts' weights normalized (its
+    build_moe_ffn with norm_w, Qwen3's norm_topk_prob)."""
+    key = g.key
+    layers = key("block_count")
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in g.tensors and f"blk.{i}.ffn_gate.weight" in g.tensors]
+    experts = {
+        "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        "norm_topk_prob": True,
+    }
+    if key("feed_forward_length", None) is None:  # the dense size, which only dense layers use
+        experts["intermediate_size"] = experts["moe_intermediate_size"]
+    return experts
+
+
+# Tokens llama.cpp ends a generation on by their text, besides the ids the file names
+# (llama-vocab.cpp, where it builds special_eog_ids): files often name only one of a
+# chat model's end tokens (SmolLM2 names <|im_end|>, Llama 3.1 <|eot_id|> but not <|eom_id|>).
+_END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+})  # fmt: skip
+_CONTROL = 3  # tokenizer.ggml.token_type of a control token
+
+
+def _end_of_generation_ids(meta: dict) -> list[int]:
+    """The ids a generation ends on, as llama.cpp finds them: eos, eot and eom as the file names
+    them, then the control tokens spelled as a known end token."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    types = meta.get("tokenizer.ggml.token_type") or []
+    ids = [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom") if meta.get(f"tokenizer.ggml.{k}_token_id") is not None]
+    ids += [i for i, (t, k) in enumerate(zip(tokens, types)) if k == _CONTROL and t in _END_OF_GENERATION_TEXTS]
+    return [i for i in dict.fromkeys(ids) if 0 <= i < len(tokens)]
+
+
+def _rope_scaling(g: Facts, dims: int, base: float) -> dict | None:
+    key = g.key
+    kind = g.meta.get(f"{g.arch}.rope.scaling.type")
+    factor = key("rope.scaling.factor", None, kind=float)
+    if "rope_freqs.weight" in g.tensors:
+        return _llama3_scaling(g, dims, base)
+    if kind in (None, "none") or (kind == "linear" and not factor):
+        return None
+    if kind == "linear":
+        return {"type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": float(factor)}
+        original = key("rope.scaling.original_context_length", None)
+        if original:
+            scaling["original_max_position_embeddings"] = original
+        for ours, theirs in (("beta_fast", "rope.scaling.yarn_beta_fast"), ("beta_slow", "rope.scaling.yarn_beta_slow")):
+            if (value := key(theirs, None, kind=float)) is not None:
+                scaling[ours] = value
+        return scaling
+    raise ModelError(f"{g.path}: RoPE scaling {kind!r} is not mapped by ringd (linear, yarn and llama3 are)")
+
+
+def _llama3_scaling(g: Facts, dims: int, base: float) -> dict:
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    have = g.read("rope_freqs.weight")
+    for scaling in _LLAMA3_SCALINGS:
+        rope = Llama3RoPE(dims, traditional=True, base=base, scaling_config=scaling)
+        want = rope._freqs / (base ** (mx.arange(0, dims, 2) / dims))
+        if have.shape == want.shape and mx.allclose(have, want, rtol=_ROPE_FREQS_RTOL).item():
+            return dict(scaling)
+    raise ModelError(f"{g.path}: its rope_freqs match none of the llama3 RoPE scalings ringd knows (factor 8 to 64)")
