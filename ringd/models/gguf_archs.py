@@ -134,7 +134,7 @@ def config(g: Facts) -> dict:
         "vocab_size": embed.shape[0],
         "tie_word_embeddings": "output.weight" not in g.tensors,
     }
-    pooling = GGUF_POOLINGS.get(meta.get(f"{arch}.pooling_type"))
+    pooling = GGUF_POOLINGS.get(meta.get(f"{g.arch}.pooling_type"))
     if pooling is not None:  # an embedding model's: how its embeddings pool (checkpoint.ModelInfo.pooling)
         out["pooling"] = pooling
     if arch.extra is not None:
