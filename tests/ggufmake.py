@@ -30,6 +30,7 @@ multimodal towers, split files, and any architecture not in ``CONVERTERS``.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -501,14 +502,17 @@ def _use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
-def requantize(src: Path, out: Path, ftype: str) -> Path:
+def requantize(src: Path, out: Path, ftype: str, dequantized: Path | None = None) -> Path:
     """llama-quantize --allow-requantize ``src`` (a llama GGUF) to ``ftype`` (``K_FTYPES``): every
     tensor dequantized by gguf-py, then given the type llama_tensor_get_type gives it for that mix
     (the output or tied embedding Q6_K; attn_v and ffn_down Q6_K where use_more_bits says so in
     Q4_K_M and Q5_K_M; the rest the mix's type; its fallback where a row is no whole number of
-    256) and quantized (``kquants.py``, gguf-py). The metadata is copied, ``general.file_type`` set."""
+    256) and quantized (``kquants.py``, gguf-py). The metadata is copied, ``general.file_type`` set.
+
+    ``dequantized``: also write there what ``dequantize_file`` would make of the new file (the
+    same bytes, dequantized as they are written: one pass instead of reading it again)."""
     file_type, default = K_FTYPES[ftype]
-    reader = gguf.GGUFReader(src)
+    reader = _reader(src)
     tied = "output.weight" not in {t.name for t in reader.tensors}
     n_layers = int(reader.fields[f"{reader.fields['general.architecture'].contents()}.block_count"].contents())
     seen = {"attn_v": 0, "ffn_down": 0}
@@ -526,35 +530,47 @@ def requantize(src: Path, out: Path, ftype: str) -> Path:
                 seen[kind] += 1
         return K_FALLBACK.get(qtype, qtype) if x.shape[-1] % QK_K else qtype
 
-    return _rewrite(reader, out, choose, file_type)
+    return _rewrite(reader, out, choose, file_type, dequantized)
 
 
 def dequantize_file(src: Path, out: Path) -> Path:
     """The same GGUF with every tensor F32, as gguf-py's ``dequantize`` reads it: the reference a
     reader of the quantized file is checked against."""
-    return _rewrite(gguf.GGUFReader(src), out, lambda name, x: Q.F32, LlamaFileType.ALL_F32)
+    return _rewrite(_reader(src), out, lambda name, x: Q.F32, LlamaFileType.ALL_F32)
 
 
-def _rewrite(reader, out: Path, choose, file_type: LlamaFileType) -> Path:
+@functools.lru_cache(maxsize=4)
+def _reader(path: Path) -> gguf.GGUFReader:
+    # gguf-py reads a 49k-token vocabulary field by field (8 s for SmolLM2): once per file a session.
+    return gguf.GGUFReader(path)
+
+
+def _rewrite(reader, out: Path, choose, file_type: LlamaFileType, dequantized: Path | None = None) -> Path:
     """A copy of the file ``reader`` reads, its metadata as is (but ``general.file_type``), each
-    tensor dequantized and quantized again to ``choose(name, array)``."""
+    tensor dequantized and quantized again to ``choose(name, array)``; and, at ``dequantized``,
+    the copy's tensors as gguf-py dequantizes them, all F32."""
     from gguf.scripts.gguf_new_metadata import MetadataDetails
 
-    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name in ("general.architecture", "general.file_type") or field.name.startswith("GGUF."):
-            continue
-        kind = field.types[0]
-        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, MetadataDetails(kind, field.contents()).value, kind, sub_type=sub)
-    writer.add_file_type(file_type)
+    writers = [(gguf.GGUFWriter(str(o), reader.fields["general.architecture"].contents()), t) for o, t in ((out, file_type), (dequantized, LlamaFileType.ALL_F32)) if o is not None]
+    for writer, kind_of_file in writers:
+        for field in reader.fields.values():
+            if field.name in ("general.architecture", "general.file_type") or field.name.startswith("GGUF."):
+                continue
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, MetadataDetails(kind, field.contents()).value, kind, sub_type=sub)
+        writer.add_file_type(kind_of_file)
     for t in reader.tensors:
         x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(n) for n in t.shape])))
         qtype = choose(t.name, x)
         data = x.astype(np.float32) if qtype == Q.F32 else _encode(x, qtype, asked=True)[0]
-        writer.add_tensor(t.name, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        writers[0][0].add_tensor(t.name, data, raw_dtype=qtype)
+        if len(writers) > 1:
+            plain = x.astype(np.float32) if qtype == Q.F32 else gguf.quants.dequantize(data, qtype).reshape(x.shape)
+            writers[1][0].add_tensor(t.name, plain.astype(np.float32), raw_dtype=Q.F32)
+    for writer, _ in writers:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
     return out

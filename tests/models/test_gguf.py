@@ -239,8 +239,9 @@ def _tiny_gguf(tiny_model, tmp_path_factory, arch: str, qtype: str, rope_scaling
     return source, write_gguf(source, out, qtype=qtype)
 
 
-def _greedy(step, prompt: list[int]) -> tuple[list[int], list[mx.array]]:
-    """As mlx-lm's generate_step: the prompt but its last token as one chunk, then token by token."""
+def _greedy(step, prompt: list[int], until: frozenset[int] = frozenset()) -> tuple[list[int], list[mx.array]]:
+    """As mlx-lm's generate_step: the prompt but its last token as one chunk, then token by token
+    (TOKENS of them, or up to one of ``until``)."""
     step(prompt[:-1], sample=False)
     y, tokens, logits = prompt[-1], [], []
     for _ in range(TOKENS):
@@ -248,6 +249,8 @@ def _greedy(step, prompt: list[int]) -> tuple[list[int], list[mx.array]]:
         logits.append(out)
         y = mx.argmax(out, axis=-1).item()
         tokens.append(y)
+        if y in until:
+            break
     return tokens, logits
 
 
@@ -410,11 +413,12 @@ def test_smollm2_requantized_to_k_quants_answers_as_mlx_lm(smollm2_gguf, tmp_pat
 
     from mlx_lm import load
 
-    from ggufmake import dequantize_file, requantize
+    from ggufmake import requantize
     from ringd.stage.shard import Shard
 
     out = tmp_path_factory.mktemp(mix)
-    path = requantize(smollm2_gguf, out / f"smollm2-{mix}.gguf", mix)
+    # The file, and the same dequantized to float32 by gguf-py (written in the same pass).
+    path = requantize(smollm2_gguf, out / f"smollm2-{mix}.gguf", mix, dequantized=out / "f32.gguf")
     g = GgufFile.open(path)
     assert Counter(t.type for t in g.tensors.values()) == SMOLLM2_MIXES[mix]
 
@@ -423,15 +427,16 @@ def test_smollm2_requantized_to_k_quants_answers_as_mlx_lm(smollm2_gguf, tmp_pat
     info = model_info(str(path))
     assert [s.parameter_bytes for s in stages] == [info.weights.stage(a, b) for a, b in bounds]
 
-    model, tokenizer = load(str(_convert(dequantize_file(path, out / "f32.gguf"), out / "f32")))
+    model, tokenizer = load(str(_convert(out / "f32.gguf", out / "f32")))
     prompt = list(tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True))
-    want, _ = _greedy(reference(model), prompt)
-    got, got_logits = _greedy(ring(stages), prompt)
+    ends = frozenset(tokenizer.eos_token_ids)
+    want, _ = _greedy(reference(model), prompt, ends)
+    got, got_logits = _greedy(ring(stages), prompt, ends)
     assert "Paris" in tokenizer.decode(got)
     assert got == want, f"{tokenizer.decode(got)!r} against {tokenizer.decode(want)!r}"
 
     converted, _ = load(str(_convert(path, out / "converted")))
-    same, same_logits = _greedy(reference(converted), prompt)
+    same, same_logits = _greedy(reference(converted), prompt, ends)
     assert same == got
     for i, (a, b) in enumerate(zip(same_logits, got_logits)):
         assert mx.array_equal(a, b).item(), f"logits differ from mlx-lm's on the conversion at step {i}"
