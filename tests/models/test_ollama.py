@@ -1,22 +1,32 @@
-"""ringd.models.ollama: ``ollama:NAME[:TAG]`` found as its GGUF blob in an Ollama store.
+"""ringd.models.ollama: ``ollama:NAME[:TAG]`` found as its GGUF blob in an Ollama store, with
+the params, system and template layers beside it applied as Ollama applies them.
 
 The stores are built in tmp_path as Ollama lays them out (``manifests/<host>/
 <namespace>/<model>/<tag>`` holding the manifest JSON Ollama writes, blobs named by
-their digest), with a small file starting with the GGUF magic as the model, and once
-the real SmolLM2 GGUF, linked in, read through ``checkpoint`` as a model is.
+their digest), with a small file starting with the GGUF magic as the model, and
+the real SmolLM2 GGUF, linked in, read through ``checkpoint`` as a model is and
+served in-process (stages of this process, the real engine and ``serving.py``)
+with its layers. The params parser and the Go templates' translations (rendered
+by transformers' own Jinja environment) are checked with Hypothesis.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ringd.models import ollama
+from ringd.models import gotemplates, ollama
+from ringd.models.defaults import SAMPLED
 from ringd.models.errors import ModelError
 from ringd.models.ollama import MAX_MANIFEST_BYTES, MODEL_MEDIA_TYPE, is_ollama_ref, parse_name, resolve
+from ringd.models.ollama_params import OPTION_TYPES, UNSUPPORTED_OPTIONS, layer_options, params_defaults
+from ringd.ring.sampling import SamplingParams
 
 FAKE_GGUF = b"GGUF" + (3).to_bytes(4, "little") + bytes(56)
 
@@ -67,7 +77,9 @@ def test_an_ollama_ref_starts_with_ollama():
         ("ollama:smollm2:135m", "registry.ollama.ai/library/smollm2/135m"),
         ("ollama:user/model:tag", "registry.ollama.ai/user/model/tag"),
         ("ollama:user/model", "registry.ollama.ai/user/model/latest"),
+        # `ollama run hf.co/OWNER/REPO:QUANT`: host hf.co, namespace OWNER, model REPO, tag QUANT (as typed)
         ("ollama:hf.co/bartowski/SmolLM2-135M-Instruct-GGUF:Q4_0", "hf.co/bartowski/SmolLM2-135M-Instruct-GGUF/Q4_0"),
+        ("ollama:hf.co/bartowski/SmolLM2-135M-Instruct-GGUF", "hf.co/bartowski/SmolLM2-135M-Instruct-GGUF/latest"),
         ("ollama:localhost:5000/team/model:v1.2", "localhost:5000/team/model/v1.2"),  # a host with a port
         ("ollama:https://example.com/team/model", "example.com/team/model/latest"),  # the scheme is dropped
     ],
@@ -218,3 +230,208 @@ def test_the_real_smollm2_through_an_ollama_store_is_a_model(store, smollm2_gguf
     assert path == store / "blobs" / f"sha256-{digest}" and label == "smollm2:135m"
     info = model_info("ollama:smollm2:135m")
     assert info.model_type == "llama" and info.num_layers == 30 and info.name == "smollm2:135m"
+
+
+# --- the layers beside the weights: params, system, template ----------------------------------
+
+PARAMS = "application/vnd.ollama.image.params"
+SYSTEM = "application/vnd.ollama.image.system"
+TEMPLATE = "application/vnd.ollama.image.template"
+
+
+def pull_layers(store: Path, path: str, model: dict, layers: list[tuple[str, bytes]]) -> Path:
+    """A manifest with the model layer, then ``layers`` (media type, blob bytes) in order."""
+    manifest = {
+        "schemaVersion": 2,
+        "config": {"mediaType": "application/vnd.docker.container.image.v1+json", **blob(store, b'{"model_format":"gguf"}')},
+        "layers": [{"mediaType": MODEL_MEDIA_TYPE, **model}] + [{"mediaType": kind, **blob(store, data)} for kind, data in layers],
+    }
+    file = store / "manifests" / path
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(manifest))
+    return file
+
+
+SMOL = "registry.ollama.ai/library/smollm2/latest"
+
+
+def test_params_system_and_template_layers_are_read_as_ollama_reads_them(store):
+    """Params layers merge in order (later keys win); the last system and template layer win."""
+    pull_layers(store, SMOL, blob(store, FAKE_GGUF), [
+        (PARAMS, json.dumps({"temperature": 0.2, "stop": ["<|im_end|>"], "num_ctx": 4096}).encode()),
+        (SYSTEM, b"first"),
+        (PARAMS, json.dumps({"temperature": 0.7, "top_k": 20, "seed": -1, "num_predict": -1, "repeat_penalty": 1.1}).encode()),
+        (SYSTEM, "You are a pirate. ☠".encode()),
+        (TEMPLATE, b"{{ .Prompt }}"),
+    ])  # fmt: skip
+    model = ollama.find("ollama:smollm2")
+    assert model.options == {"temperature": 0.7, "stop": ["<|im_end|>"], "num_ctx": 4096, "top_k": 20, "seed": -1, "num_predict": -1, "repeat_penalty": 1.1}
+    assert model.system == "You are a pirate. ☠" and model.template == "{{ .Prompt }}"
+    defaults, warnings = model.defaults()
+    assert warnings == []
+    # seed -1 is Ollama's random (no seed); num_predict -1 until the context ends (no max_tokens)
+    assert defaults.sampling == {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.1}
+    assert defaults.stop == ("<|im_end|>",) and defaults.context == 4096 and defaults.max_tokens is None
+    assert defaults.system == "You are a pirate. ☠" and defaults.source == "ollama:smollm2"
+
+
+def test_a_model_without_those_layers_has_no_defaults(store):
+    pull_layers(store, SMOL, blob(store, FAKE_GGUF), [])
+    model = ollama.find("ollama:smollm2")
+    assert (model.options, model.system, model.template) == (None, None, None)
+    assert not model.defaults()[0] and model.defaults()[1] == []
+
+
+@pytest.mark.parametrize(
+    "kind, data, says",
+    [
+        (PARAMS, b"{not json", "its params layer is not JSON"),
+        (PARAMS, b"[1, 2]", "its params layer must be a JSON object of options"),
+        (PARAMS, b" " * (64 * 1024 + 1), "its params layer: its blob .* is over 65536 bytes"),
+        (PARAMS, b'{"num_ctx": "big"}', 'its params layer: option "num_ctx" must be of type integer'),
+        (PARAMS, b'{"stop": 5}', 'its params layer: option "stop" must be of type array'),
+        (PARAMS, b'{"stop": ["ok", ""]}', 'its params layer: option "stop" must be a list of non-empty strings'),
+        (PARAMS, b'{"temperature": 7}', "its params layer: option 'temperature': temperature must be between 0 and 2"),
+        (PARAMS, b'{"num_predict": -3}', 'its params layer: option "num_predict" must be a number of tokens'),
+        (SYSTEM, b"\xff\xfe", "its system layer: not UTF-8 text"),
+        (SYSTEM, b"x" * ((1 << 20) + 1), "its system layer: its blob .* is over 1048576 bytes"),
+        (TEMPLATE, b"\xc3", "its template layer: not UTF-8 text"),
+    ],
+    ids=["not-json", "not-object", "huge-params", "wrong-type", "stop-not-list", "empty-stop", "temperature", "num_predict", "system-bytes", "huge-system", "template-bytes"],
+)
+def test_a_bad_layer_is_one_line_naming_the_model_and_the_layer(store, kind, data, says):
+    pull_layers(store, SMOL, blob(store, FAKE_GGUF), [(kind, data)])
+    with pytest.raises(ModelError) as e:
+        ollama.find("ollama:smollm2").defaults()
+    assert re.match(f"ollama:smollm2: {says}", str(e.value)), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_missing_layer_blob_names_the_layer(store):
+    pull_layers(store, SMOL, blob(store, FAKE_GGUF), [(SYSTEM, b"hello")])
+    (store / "blobs" / f"sha256-{hashlib.sha256(b'hello').hexdigest()}").unlink()
+    with pytest.raises(ModelError, match="ollama:smollm2: its system layer: its blob is missing .*`ollama pull smollm2` fetches it again"):
+        ollama.find("ollama:smollm2")
+
+
+def test_options_ollama_ignores_or_ringd_cannot_sample_are_ignored_with_a_warning():
+    defaults, warnings = params_defaults(
+        {"temperature": 0.5, "flash": True, "mirostat": 2, "typical_p": 0.9, "num_gpu": 99, "use_mmap": False, "tfs_z": None}, "m: its params layer"
+    )
+    assert defaults.sampling == {"temperature": 0.5}
+    assert len(warnings) == 3
+    assert "option 'flash' is not one Ollama knows; ignored, as Ollama ignores it" in warnings[0]
+    assert all(w.startswith("m: its params layer: option ") for w in warnings)
+    assert "'mirostat' asks for sampling ringd does not do" in warnings[1] and "'typical_p'" in warnings[2]
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.sampled_from(sorted(OPTION_TYPES)) | st.text(max_size=6), JSON_VALUES, max_size=6))
+def test_any_options_become_defaults_every_request_can_take_or_one_line_naming_the_layer(options):
+    try:
+        defaults, warnings = params_defaults(options, "m: its params layer")
+    except ModelError as e:
+        assert str(e).startswith("m: its params layer: ") and "\n" not in str(e)
+        return
+    SamplingParams(**defaults.sampling)  # what a request without its own samples with
+    assert set(defaults.sampling) <= set(SAMPLED)
+    assert defaults.stop is None or all(isinstance(s, str) and s for s in defaults.stop)
+    assert defaults.max_tokens is None or defaults.max_tokens > 0
+    assert defaults.context is None or defaults.context > 0
+    assert len(warnings) == sum(k not in OPTION_TYPES for k in options) + sum(
+        options.get(k) is not None and options[k] != off for k, off in UNSUPPORTED_OPTIONS.items()
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=64) | JSON_VALUES.map(lambda v: json.dumps(v).encode()))
+def test_any_bytes_are_an_options_object_or_one_line(raw):
+    try:
+        options = layer_options(raw, "m: its params layer")
+    except ModelError as e:
+        assert str(e).startswith("m: its params layer ") and "\n" not in str(e)
+        return
+    assert isinstance(options, dict)
+
+
+# --- Go templates: the known ones translated, the rest refused where they would be needed -------
+
+CHAT = [
+    {"role": "system", "content": "S"},
+    {"role": "system", "content": "S2"},
+    {"role": "user", "content": "U"},
+    {"role": "assistant", "content": "A"},
+    {"role": "user", "content": "U2"},
+    {"role": "user", "content": "U3"},
+]
+# What Ollama's template.Execute writes for CHAT with each (worked out by hand from the Go
+# template: consecutive messages of a role collated with a blank line, then the template run once).
+OLLAMA_RENDERS = {
+    "chatml": "<|im_start|>system\nS\n\nS2<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
+    "<|im_start|>user\nU2\n\nU3<|im_end|>\n<|im_start|>assistant\n",
+    "llama3-instruct": "<|start_header_id|>system<|end_header_id|>\n\nS\n\nS2<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\nA<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nU2\n\nU3<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "gemma-instruct": "<start_of_turn>user\nS\n\nS2\nU<end_of_turn>\n<start_of_turn>model\nA<end_of_turn>\n<start_of_turn>user\nU2\n\nU3<end_of_turn>\n"
+    "<start_of_turn>model\n",
+    "mistral-instruct": "[INST] S\n\nS2\n\nU[/INST] A</s>[INST] U2\n\nU3[/INST]",
+    "phi-3": "<|system|>\nS\n\nS2<|end|>\n<|user|>\nU<|end|>\n<|assistant|>\nA<|end|>\n<|user|>\nU2\n\nU3<|end|>\n<|assistant|>\n",
+    "zephyr": "<|system|>\nS\n\nS2</s>\n<|user|>\nU</s>\n<|assistant|>\nA</s>\n<|user|>\nU2\n\nU3</s>\n<|assistant|>\n",
+    "prompt": "UU2\n\nU3",
+}
+
+
+def render(jinja: str, messages: list[dict]) -> str:
+    """As the tokenizer renders a chat (transformers' Jinja environment: trim_blocks, lstrip_blocks)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    out, _ = render_jinja_template(conversations=[messages], chat_template=jinja, add_generation_prompt=True, bos_token="<s>")
+    return out[0]
+
+
+@pytest.mark.parametrize("name", sorted(gotemplates.KNOWN))
+def test_each_known_go_template_becomes_jinja_that_renders_what_ollama_renders(name):
+    go = gotemplates.KNOWN[name][0]
+    assert gotemplates.known_name(go.replace("\n", "\r\n")) == name  # Ollama reads CRLF as LF
+    assert render(gotemplates.jinja_for(go, bos=False), CHAT) == OLLAMA_RENDERS[name]
+    assert render(gotemplates.jinja_for(go, bos=True), CHAT) == "<s>" + OLLAMA_RENDERS[name]
+
+
+ROLES = st.sampled_from(["system", "user", "assistant", "tool"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(ROLES, st.text("ab \n<|>", max_size=4)), max_size=6))
+def test_chatml_renders_any_conversation_as_ollama_collates_and_runs_it(turns):
+    """Ollama's collate, by hand: consecutive messages of a role (not tool) joined by a blank line."""
+    collated: list[list[str]] = []
+    for role, content in turns:
+        if collated and collated[-1][0] == role and role != "tool":
+            collated[-1][1] += "\n\n" + content
+        else:
+            collated.append([role, content])
+    want = "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in collated) + "<|im_start|>assistant\n"
+    jinja = gotemplates.jinja_for(gotemplates.KNOWN["chatml"][0], bos=False)
+    assert render(jinja, [{"role": r, "content": c} for r, c in turns]) == want
+
+
+def test_the_ggufs_own_template_wins_and_an_unknown_go_template_is_refused_only_where_needed():
+    chatml = gotemplates.KNOWN["chatml"][0]
+    model = ollama.OllamaModel("ollama:m", Path("blob"), template=chatml)
+    assert model.chat_template("{{ messages }}", bos=True) is None  # the GGUF has one: it is rendered
+    assert model.chat_template(None, bos=True) == gotemplates.jinja_for(chatml, bos=True)
+    assert ollama.OllamaModel("ollama:m", Path("blob")).chat_template(None, bos=True) is None  # neither has one
+    custom = ollama.OllamaModel("ollama:m", Path("blob"), template='{{ if .System }}<|sys|>{{ .System }}{{ end }}\n{{ .Prompt }}')
+    assert custom.chat_template("{{ messages }}", bos=False) is None
+    with pytest.raises(ModelError) as e:
+        custom.chat_template(None, bos=False)
+    message = str(e.value)
+    assert message.startswith("ollama:m: its GGUF has no chat template (tokenizer.chat_template) and its template layer is a Go template ringd does not know ('{{ if .System }}<|sys|>")
+    assert "chatml, llama3-instruct, gemma-instruct" in message and "\n" not in message
