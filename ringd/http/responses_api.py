@@ -85,7 +85,7 @@ from ringd.http.fields import (
     valid_text,
 )
 from ringd.http.framing import NAMED_SSE
-from ringd.http.request import MAX_TOOLS, CallArguments, CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage
+from ringd.http.request import MAX_TOOLS, CallArguments, CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage, given_fields
 from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
@@ -148,7 +148,8 @@ def parse(body: dict) -> ResponsesRequest:
     opt("store", is_bool, "a boolean")
     top_logprobs = opt("top_logprobs", lambda v: is_int(v) and 0 <= v <= 20, "an integer from 0 to 20")
     # Responses' own temperature and top_p, and ringd's sampling beyond them, as chat completions takes it.
-    params = sampling_params(sampling_fields(body))
+    sampling = sampling_fields(body)
+    params = sampling_params(sampling)
 
     instructions = opt("instructions", lambda v: isinstance(v, str), "a string")
     messages = _input(body.get("input"))
@@ -166,7 +167,7 @@ def parse(body: dict) -> ResponsesRequest:
     req = Request(
         model=model, params=params, max_tokens=max_tokens, messages=messages, tools=tools, tool_choice=choice,
         tool_name=tool_name, parallel_tool_calls=True if parallel is None else parallel, response_format=fmt,
-        template_kwargs=kwargs, names=NAMES,
+        template_kwargs=kwargs, names=NAMES, given=given_fields(sampling, None),
     )  # fmt: skip
     metadata = body.get("metadata")
     user = body.get("user")

@@ -12,6 +12,7 @@ by transformers' own Jinja environment) are checked with Hypothesis.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -22,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringd.models import gotemplates, ollama
-from ringd.models.defaults import SAMPLED
+from ringd.http.request import Request, with_model_defaults
+from ringd.models.defaults import SAMPLED, ModelDefaults
 from ringd.models.errors import ModelError
 from ringd.models.ollama import MAX_MANIFEST_BYTES, MODEL_MEDIA_TYPE, is_ollama_ref, parse_name, resolve
 from ringd.models.ollama_params import OPTION_TYPES, UNSUPPORTED_OPTIONS, layer_options, params_defaults
@@ -332,7 +334,7 @@ JSON_VALUES = st.recursive(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.dictionaries(st.sampled_from(sorted(OPTION_TYPES)) | st.text(max_size=6), JSON_VALUES, max_size=6))
 def test_any_options_become_defaults_every_request_can_take_or_one_line_naming_the_layer(options):
     try:
@@ -435,3 +437,135 @@ def test_the_ggufs_own_template_wins_and_an_unknown_go_template_is_refused_only_
     message = str(e.value)
     assert message.startswith("ollama:m: its GGUF has no chat template (tokenizer.chat_template) and its template layer is a Go template ringd does not know ('{{ if .System }}<|sys|>")
     assert "chatml, llama3-instruct, gemma-instruct" in message and "\n" not in message
+
+
+# --- applied: one place, every API -------------------------------------------------------------
+
+LAYER_DEFAULTS = ModelDefaults(
+    sampling={"temperature": 0.0, "top_k": 20}, stop=("capital",), max_tokens=20, context=2048, system="You are a helpful assistant."
+)
+
+
+def test_what_a_request_leaves_unset_takes_the_models_default_and_what_it_sets_stays():
+    bare = Request(model="m", params=SamplingParams(), max_tokens=None, messages=[{"role": "user", "content": "hi"}])
+    got = with_model_defaults(bare, LAYER_DEFAULTS)
+    assert got.params == SamplingParams(temperature=0.0, top_k=20) and got.stop == ["capital"]
+    assert got.max_tokens == 20 and got.context == 2048
+    assert got.messages == [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "hi"}]
+    assert bare.messages == [{"role": "user", "content": "hi"}]  # the request itself is left as it was
+    own = Request(
+        model="m", params=SamplingParams(temperature=1.0, seed=3), max_tokens=5, stop=[], given=frozenset({"temperature", "seed", "stop"}),
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], context=512,
+    )  # fmt: skip
+    got = with_model_defaults(own, LAYER_DEFAULTS)
+    assert got.params == SamplingParams(temperature=1.0, seed=3, top_k=20)  # an explicit 1.0 stays 1.0
+    assert got.stop == [] and got.max_tokens == 5 and got.context == 512 and got.messages == own.messages
+    raw = Request(model="m", params=SamplingParams(), max_tokens=None, prompt="Once upon")
+    assert with_model_defaults(raw, LAYER_DEFAULTS).prompt == "Once upon"  # a raw prompt gets no system message
+    assert with_model_defaults(bare, ModelDefaults()) is bare
+
+
+@pytest.mark.parametrize(
+    "api, body, given",
+    [
+        ("openai", {"temperature": 0.5, "top_k": 3, "stop": "x"}, {"temperature", "top_k", "stop"}),
+        ("openai", {"stop": None, "seed": None}, set()),
+        ("anthropic", {"top_p": 0.5, "stop_sequences": ["x"]}, {"top_p", "stop"}),
+        ("responses", {"temperature": 0.5, "min_p": 0.1}, {"temperature", "min_p"}),
+        ("ollama", {"options": {"repeat_penalty": 1.2, "seed": -1, "stop": ["x"], "num_ctx": 99}}, {"repetition_penalty", "stop"}),
+    ],
+)
+def test_every_api_says_which_defaulted_fields_its_client_set(api, body, given):
+    from ringd.http import anthropic_api, ollama_api, openai_types, responses_api
+
+    messages = [{"role": "user", "content": "hi"}]
+    if api == "openai":
+        req = openai_types.parse_request({"model": "m", "messages": messages, **body}, chat=True).to_request()
+    elif api == "anthropic":
+        req = anthropic_api.parse({"model": "m", "messages": messages, "max_tokens": 5, **body}).request
+    elif api == "responses":
+        req = responses_api.parse({"model": "m", "input": "hi", **body}).request
+    else:
+        req = ollama_api.parse({"model": "m", "messages": messages, **body}, True, "m", 4096, False).request
+        assert req.context == 99
+    assert req.given == given
+
+
+def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_says_otherwise(store, smollm2_gguf):
+    """Stages of this process (tests/stagering.py), the real engine and serving.py, the requests parsed
+    by Ollama's and OpenAI's own translations: what the layers set reaches the ring."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ringd.http import ollama_api, openai_types
+    from ringd.http.errors import ApiError
+    from ringd.http.serving import Serving
+    from ringd.leader.engine import Engine
+    from ringd.metrics import Metrics
+    from ringd.models.checkpoint import load_tokenizer
+    from ringd.models.source import model_info
+    from tests.stagering import StageRing
+
+    digest = "0123456789abcdef" * 4
+    (store / "blobs").mkdir()
+    (store / "blobs" / f"sha256-{digest}").symlink_to(smollm2_gguf)
+    options = {"temperature": 0, "top_k": 20, "stop": ["capital"], "num_predict": 20, "num_ctx": 2048}
+    pull_layers(store, SMOL, {"digest": f"sha256:{digest}", "size": smollm2_gguf.stat().st_size}, [
+        (PARAMS, json.dumps(options).encode()), (SYSTEM, b"You are a helpful assistant."),
+    ])  # fmt: skip
+    info = model_info("ollama:smollm2")
+    assert info.defaults == dataclasses.replace(LAYER_DEFAULTS, source="ollama:smollm2") and info.chat_template is None
+    tokenizer = load_tokenizer(info)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+
+    async def main():
+        ring = StageRing(info.path, [], tokenizer)  # one stage: the ring's cuts are other tests' matter
+        engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0))
+        generate = engine.generate
+
+        def recorded(prompt, params, max_tokens, stop, *args, **kwargs):  # what reaches the engine, passed on to it
+            reached.append((params, max_tokens, stop))
+            return generate(prompt, params, max_tokens, stop, *args, **kwargs)
+
+        engine.generate = recorded
+        node = SimpleNamespace(
+            info=info, tokenizer=tokenizer, model_id="smollm2", engine=engine, readiness=lambda: (True, ""),
+            failover_wait_s=0.0, metrics=Metrics("node0"), chat_template_kwargs={},
+        )  # fmt: skip
+        serving = Serving(node)
+
+        async def run(req):
+            gen = await serving.open(req, None)
+            outs = [o async for o in gen]
+            return gen, "".join(o.text for o in outs), outs[-1]
+
+        try:
+            bare = ollama_api.parse({"model": "smollm2", "messages": question}, True, "smollm2", info.context_length, False).request
+            own = openai_types.parse_request(
+                {"model": "smollm2", "messages": [{"role": "system", "content": "You are a poet."}, *question],
+                 "temperature": 1.5, "seed": 7, "stop": ["zzz"], "max_tokens": 3}, chat=True,
+            ).to_request()  # fmt: skip
+            results = [await run(bare)]
+            gen = await serving.open(own, None)  # what it sets is what reaches the engine: no need to run it
+            await gen.aclose()
+            results.append(gen)
+            tight = ollama_api.parse({"model": "smollm2", "messages": question, "options": {"num_ctx": 16}}, True, "smollm2", info.context_length, False)
+            with pytest.raises(ApiError) as refused:
+                await serving.open(tight.request, None)
+            return results, refused.value
+        finally:
+            await ring.stop()
+
+    reached = []
+    [(bare, bare_text, bare_last), own], refused = asyncio.run(asyncio.wait_for(main(), 300))
+    bare_prompt = tokenizer.decode(bare.prompt)
+    (bare_params, bare_max, bare_stop), (own_params, own_max, own_stop) = reached
+    assert bare_params.temperature == 0 and bare_params.top_k == 20 and bare_stop == ["capital"] and bare_max == 20
+    assert bare_prompt.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
+    # Greedy (the layer's temperature 0), the answer is "The capital of France is Paris.": the layer's stop word ends it.
+    assert bare_last.finish_reason == "stop" and bare_last.stop_sequence == "capital" and bare_text == "The ", bare_text
+    own_prompt = tokenizer.decode(own.prompt)
+    assert own_params.temperature == 1.5 and own_params.seed == 7 and own_params.top_k == 20  # top_k: the layer's
+    assert own_stop == ["zzz"] and own_max == 3
+    assert "You are a poet." in own_prompt and "helpful" not in own_prompt
+    assert refused.status == 400 and "the context asked for (num_ctx) is 16" in refused.message
