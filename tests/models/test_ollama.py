@@ -23,6 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringd.models import gotemplates, ollama
+from ringd.models.checkpoint import load_tokenizer
+from ringd.models.gguf import GgufFile
+from ringd.models.gguf_vocab import adds_bos
+from ringd.models.source import model_info
 from ringd.http.request import Request, with_model_defaults
 from ringd.models.defaults import SAMPLED, ModelDefaults
 from ringd.models.errors import ModelError
@@ -502,8 +506,6 @@ def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_sa
     from ringd.http.serving import Serving
     from ringd.leader.engine import Engine
     from ringd.metrics import Metrics
-    from ringd.models.checkpoint import load_tokenizer
-    from ringd.models.source import model_info
     from tests.stagering import StageRing
 
     digest = "0123456789abcdef" * 4
@@ -569,3 +571,24 @@ def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_sa
     assert own_stop == ["zzz"] and own_max == 3
     assert "You are a poet." in own_prompt and "helpful" not in own_prompt
     assert refused.status == 400 and "the context asked for (num_ctx) is 16" in refused.message
+
+
+def test_a_gguf_without_a_chat_template_renders_its_known_go_template_and_an_unknown_one_stops_the_start(store, smollm2_gguf):
+    """SmolLM2 (a ChatML model) with its tokenizer.chat_template key renamed away, as a GGUF converted
+    before chat templates were kept in the file, under Ollama's chatml template; then under a template
+    of a Modelfile's own."""
+    data = bytearray(smollm2_gguf.read_bytes())
+    at = data.index(b"tokenizer.chat_template")  # in the header, after the vocabulary
+    data[at : at + 23] = b"tokenizer.chat_templat_"  # same length: the rest of the header stands
+    model = blob(store, bytes(data))
+    pull_layers(store, SMOL, model, [(TEMPLATE, gotemplates.KNOWN["chatml"][0].encode())])
+    info = model_info("ollama:smollm2")
+    assert info.chat_template == gotemplates.jinja_for(gotemplates.KNOWN["chatml"][0], bos=adds_bos(GgufFile.open(info.path).meta))
+    tokenizer = load_tokenizer(info)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+    pull_layers(store, "registry.ollama.ai/library/smollm2/custom", model, [(TEMPLATE, b"<|user|>{{ .Prompt }}<|bot|>")])
+    with pytest.raises(ModelError, match=r"^ollama:smollm2:custom: its GGUF has no chat template .* \('<\|user\|>\{\{ \.Prompt \}\}<\|bot\|>'\)"):
+        model_info("ollama:smollm2:custom")
