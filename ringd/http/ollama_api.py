@@ -7,7 +7,9 @@ clients and the desktop apps built on them call.
 ``done_reason`` and the counts and durations (nanoseconds, as Ollama reports
 them). Thinking goes to ``thinking``, tool calls to ``tool_calls`` with their
 arguments as objects. ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``
-and ``GET /api/version`` describe the one model the ring serves (``Models``);
+and ``GET /api/version`` describe the one model the ring serves (``Models``;
+``/api/show``'s parameters and system are the model's defaults, an ``ollama:``
+model's params and system layers);
 any node answers them, and a follower forwards what generates to the leader.
 
 Ollama's request, mapped:
@@ -559,7 +561,7 @@ class Models:
         name = ollama_name(self.d.model_id)
         model = {
             "name": name, "model": name, "size": d["size"], "digest": d["digest"],
-            "details": d["details"], "expires_at": NEVER_EXPIRES, "size_vram": vram, "context_length": self.d.info.context_length,
+            "details": d["details"], "expires_at": NEVER_EXPIRES, "size_vram": vram, "context_length": default_context(self.d.info),
         }  # fmt: skip
         return web.json_response({"models": [model]})
 
@@ -576,11 +578,17 @@ class Models:
         capabilities = ["completion", "tools"]  # ringd calls tools with any model (render.py)
         if getattr(tokenizer, "has_thinking", False):
             capabilities.append("thinking")
-        context = self.d.info.context_length
+        params = parameters(self.d.info)
+        system = self.d.info.defaults.system
+        modelfile = f"# Modelfile of the model ringd serves as {self.d.model_id}\nFROM {self.d.info.name}\n"
+        modelfile += "".join(f"PARAMETER {name} {value}\n" for name, value in params)
+        if system:
+            modelfile += f'SYSTEM """{system}"""\n'
         return web.json_response(
             {
-                "modelfile": f"# Modelfile of the model ringd serves as {self.d.model_id}\nFROM {self.d.info.name}\nPARAMETER num_ctx {context}\n",
-                "parameters": f"num_ctx {context}",
+                "modelfile": modelfile,
+                "parameters": "\n".join(f"{name} {value}" for name, value in params),
+                **({"system": system} if system else {}),
                 "template": template if isinstance(template, str) else "",
                 "details": d["details"],
                 "model_info": d["model_info"],
@@ -592,6 +600,25 @@ class Models:
     async def version(self, request: web.Request) -> web.Response:
         self.intake.need_key(request)
         return web.json_response({"version": OLLAMA_VERSION}, headers={VERSION_HEADER: ringd_version()})
+
+
+def default_context(info: "ModelInfo") -> int:
+    """The context a request that does not ask for one gets: the model's, or less where its
+    defaults (an Ollama params layer's num_ctx) say so."""
+    return min(info.context_length, info.defaults.context or info.context_length)
+
+
+def parameters(info: "ModelInfo") -> list[tuple[str, str]]:
+    """The model's PARAMETER lines as ``/api/show`` lists them (Ollama's names, values as a
+    Modelfile spells them): num_ctx, then what its defaults set (an Ollama params layer's)."""
+    d = info.defaults
+    out = [("num_ctx", str(default_context(info)))]
+    if d.max_tokens is not None:
+        out.append(("num_predict", str(d.max_tokens)))
+    names = {field: name for name, field in SAMPLED_OPTIONS.items()}
+    out += [(names[field], str(value)) for field, value in d.sampling.items()]
+    out += [("stop", json.dumps(stop, ensure_ascii=False)) for stop in d.stop or ()]
+    return out
 
 
 def ringd_version() -> str:

@@ -517,6 +517,9 @@ def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_sa
     ])  # fmt: skip
     info = model_info("ollama:smollm2")
     assert info.defaults == dataclasses.replace(LAYER_DEFAULTS, source="ollama:smollm2") and info.chat_template is None
+    # What /api/show lists of them, and /api/ps's context
+    assert ollama_api.parameters(info) == [("num_ctx", "2048"), ("num_predict", "20"), ("temperature", "0"), ("top_k", "20"), ("stop", '"capital"')]
+    assert ollama_api.default_context(info) == 2048 < info.context_length
     tokenizer = load_tokenizer(info)
     question = [{"role": "user", "content": "What is the capital of France?"}]
 
