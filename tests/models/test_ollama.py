@@ -576,7 +576,7 @@ def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_sa
     assert refused.status == 400 and "the context asked for (num_ctx) is 16" in refused.message
 
 
-def test_a_gguf_without_a_chat_template_renders_its_known_go_template_and_an_unknown_one_stops_the_start(store, smollm2_gguf):
+def test_a_gguf_without_a_chat_template_renders_its_known_go_template_and_an_unknown_one_stops_the_start(store, smollm2_gguf, caplog):
     """SmolLM2 (a ChatML model) with its tokenizer.chat_template key renamed away, as a GGUF converted
     before chat templates were kept in the file, under Ollama's chatml template; then under a template
     of a Modelfile's own."""
@@ -584,8 +584,12 @@ def test_a_gguf_without_a_chat_template_renders_its_known_go_template_and_an_unk
     at = data.index(b"tokenizer.chat_template")  # in the header, after the vocabulary
     data[at : at + 23] = b"tokenizer.chat_templat_"  # same length: the rest of the header stands
     model = blob(store, bytes(data))
-    pull_layers(store, SMOL, model, [(TEMPLATE, gotemplates.KNOWN["chatml"][0].encode())])
-    info = model_info("ollama:smollm2")
+    pull_layers(store, SMOL, model, [(TEMPLATE, gotemplates.KNOWN["chatml"][0].encode()), (PARAMS, b'{"flash_attn": true}')])
+    with caplog.at_level("WARNING", logger="ringd.models.source"):
+        info = model_info("ollama:smollm2")
+    assert [r.getMessage() for r in caplog.records] == [
+        "ollama:smollm2: its params layer: option 'flash_attn' is not one Ollama knows; ignored, as Ollama ignores it"
+    ]
     assert info.chat_template == gotemplates.jinja_for(gotemplates.KNOWN["chatml"][0], bos=adds_bos(GgufFile.open(info.path).meta))
     tokenizer = load_tokenizer(info)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
