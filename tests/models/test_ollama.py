@@ -599,3 +599,11 @@ def test_a_gguf_without_a_chat_template_renders_its_known_go_template_and_an_unk
     pull_layers(store, "registry.ollama.ai/library/smollm2/custom", model, [(TEMPLATE, b"<|user|>{{ .Prompt }}<|bot|>")])
     with pytest.raises(ModelError, match=r"^ollama:smollm2:custom: its GGUF has no chat template .* \('<\|user\|>\{\{ \.Prompt \}\}<\|bot\|>'\)"):
         model_info("ollama:smollm2:custom")
+
+
+def test_responses_echo_the_temperature_and_top_p_a_response_was_sampled_with():
+    from ringd.http import responses_api
+
+    p = responses_api.parse({"model": "m", "input": "hi", "top_p": 0.5})
+    echoed = responses_api.response_object(p, "resp_1", 1, "m", [], "in_progress", None, with_model_defaults(p.request, LAYER_DEFAULTS).params)
+    assert echoed["temperature"] == 0.0 and echoed["top_p"] == 0.5  # the layer's, and the request's own
