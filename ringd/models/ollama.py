@@ -37,7 +37,7 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,23 +176,23 @@ class OllamaModel:
             defaults = dataclasses.replace(defaults, system=self.system)
         return defaults, warnings
 
-    def chat_template(self, gguf_template: str | None, bos: bool) -> str | None:
+    def chat_template(self, gguf_template: str | None, bos: Callable[[], bool]) -> str | None:
         """The Jinja template to give the tokenizer in place of the GGUF's: None where the GGUF has
         one (it is rendered, whatever the template layer says) or neither has one; the translation of
-        a known Go template (``gotemplates.py``) where only the layer has one. ModelError, naming the
+        a known Go template (``gotemplates.py``) where only the layer has one, BOS first if ``bos()``
+        (asked only then: whether the GGUF's tokenizer adds BOS). ModelError, naming the
         template and what to do, for a Go template ringd cannot translate on a GGUF without one."""
         if gguf_template or self.template is None:
             return None
-        jinja = gotemplates.jinja_for(self.template, bos)
-        if jinja is None:
-            known = ", ".join(gotemplates.KNOWN)
+        if gotemplates.known_name(self.template) is None:
+            known = ", ".join(name for name in gotemplates.KNOWN if name != "prompt")
             raise ModelError(
                 f"{self.ref}: its GGUF has no chat template (tokenizer.chat_template) and its template layer is a Go template "
                 f"ringd does not know ({gotemplates.first_line(self.template)!r}); ringd renders chats with Jinja and translates only "
-                f"Ollama's own {known} templates: serve a GGUF of this model that carries its chat template "
+                f"Ollama's own {known} templates and its default {{{{ .Prompt }}}}: serve a GGUF of this model that carries its chat template "
                 f"(its Hugging Face repo's file, say), or `ollama create` it with one of those templates"
             )
-        return jinja
+        return gotemplates.jinja_for(self.template, bos())
 
 
 def resolve(ref: str, models_dir: Path | None = None) -> Path:

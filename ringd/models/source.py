@@ -72,7 +72,7 @@ def _ollama_info(model: ollama.OllamaModel) -> ModelInfo:
     for warning in warnings:
         log.warning("%s", warning)
     meta = GgufFile.open(model.blob).meta
-    template = model.chat_template(meta.get("tokenizer.chat_template"), adds_bos(meta))
+    template = model.chat_template(meta.get("tokenizer.chat_template"), lambda: adds_bos(meta))
     return dataclasses.replace(info, defaults=defaults, chat_template=template)
 
 

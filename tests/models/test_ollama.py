@@ -431,13 +431,13 @@ def test_chatml_renders_any_conversation_as_ollama_collates_and_runs_it(turns):
 def test_the_ggufs_own_template_wins_and_an_unknown_go_template_is_refused_only_where_needed():
     chatml = gotemplates.KNOWN["chatml"][0]
     model = ollama.OllamaModel("ollama:m", Path("blob"), template=chatml)
-    assert model.chat_template("{{ messages }}", bos=True) is None  # the GGUF has one: it is rendered
-    assert model.chat_template(None, bos=True) == gotemplates.jinja_for(chatml, bos=True)
-    assert ollama.OllamaModel("ollama:m", Path("blob")).chat_template(None, bos=True) is None  # neither has one
+    assert model.chat_template("{{ messages }}", bos=lambda: True) is None  # the GGUF has one: it is rendered
+    assert model.chat_template(None, bos=lambda: True) == gotemplates.jinja_for(chatml, bos=True)
+    assert ollama.OllamaModel("ollama:m", Path("blob")).chat_template(None, bos=lambda: True) is None  # neither has one
     custom = ollama.OllamaModel("ollama:m", Path("blob"), template='{{ if .System }}<|sys|>{{ .System }}{{ end }}\n{{ .Prompt }}')
-    assert custom.chat_template("{{ messages }}", bos=False) is None
+    assert custom.chat_template("{{ messages }}", bos=lambda: False) is None
     with pytest.raises(ModelError) as e:
-        custom.chat_template(None, bos=False)
+        custom.chat_template(None, bos=lambda: False)
     message = str(e.value)
     assert message.startswith("ollama:m: its GGUF has no chat template (tokenizer.chat_template) and its template layer is a Go template ringd does not know ('{{ if .System }}<|sys|>")
     assert "chatml, llama3-instruct, gemma-instruct" in message and "\n" not in message
