@@ -77,7 +77,7 @@ from ringd.http.fields import (
     valid_text,
 )
 from ringd.http.framing import NAMED_SSE
-from ringd.http.request import MAX_TOOLS, CallArguments, CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage
+from ringd.http.request import MAX_TOOLS, CallArguments, CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage, given_fields
 from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
@@ -147,7 +147,8 @@ def parse(body: dict, count_only: bool = False) -> MessagesRequest:
     stream = optional(body, "stream", is_bool, "a boolean") or False
     # Anthropic's temperature, top_p and top_k, and ringd's sampling beyond them, as chat
     # completions takes it; a negative top_k is a 400 here (-1 for "off" is OpenAI clients' habit).
-    params = sampling_params(sampling_fields(body), negative_top_k_is_off=False)
+    sampling = sampling_fields(body)
+    params = sampling_params(sampling, negative_top_k_is_off=False)
 
     messages, prefill = _messages(body.get("messages"))
     system = _system(body.get("system"))
@@ -162,6 +163,7 @@ def parse(body: dict, count_only: bool = False) -> MessagesRequest:
         model=model, params=params, max_tokens=max_tokens, messages=messages, stop=_stop_sequences(body.get("stop_sequences")),
         tools=tools, tool_choice=choice, tool_name=tool_name, parallel_tool_calls=parallel, response_format=fmt,
         prefill=prefill, template_kwargs=kwargs, names={**NAMES, "response_format": fmt_field},
+        given=given_fields(sampling, body.get("stop_sequences")),
     )  # fmt: skip
     return MessagesRequest(req, stream, show_thinking)
 

@@ -7,7 +7,9 @@ clients and the desktop apps built on them call.
 ``done_reason`` and the counts and durations (nanoseconds, as Ollama reports
 them). Thinking goes to ``thinking``, tool calls to ``tool_calls`` with their
 arguments as objects. ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``
-and ``GET /api/version`` describe the one model the ring serves (``Models``);
+and ``GET /api/version`` describe the one model the ring serves (``Models``;
+``/api/show``'s parameters and system are the model's defaults, an ``ollama:``
+model's params and system layers);
 any node answers them, and a follower forwards what generates to the leader.
 
 Ollama's request, mapped:
@@ -15,13 +17,16 @@ Ollama's request, mapped:
 - ``options``: temperature, top_p, top_k, min_p, seed (negative: random),
   stop, repeat_penalty, presence_penalty, frequency_penalty are sampled as
   every API samples them; num_predict is max tokens (-1, -2 and 0, Ollama's
-  "unset": until the context ends); num_ctx above the model's context is
-  refused, any other is accepted (the ring's context is the model's). Options
-  not given take ringd's defaults, the same for every API, not Ollama's
-  (temperature 0.8, top_k 40, top_p 0.9, repeat_penalty 1.1). Sampling ringd
+  "unset": until the context ends); num_ctx is the context this request's
+  prompt and answer may take (above the model's context it is refused: the
+  ring's KV cache is sized by the model's). Options not given take the
+  model's defaults, as every API's requests do (an ``ollama:`` model's params
+  layer: ``serving.py`` applies them), else ringd's, not Ollama's built-in ones
+  (temperature 0.8, top_k 40, top_p 0.9). Sampling ringd
   does not do (mirostat, typical_p) is refused; Ollama's other options (load
   time settings, num_keep, repeat_last_n, tfs_z, penalize_newline) are
-  type-checked as Ollama checks them and have no effect: a ring loads its
+  type-checked as Ollama checks them (``models/ollama_params.py``, which a
+  model's params layer is checked with too) and have no effect: a ring loads its
   model its own way. Unknown options are ignored, as Ollama ignores them.
 - ``format``: "json" is any JSON object, a schema is that schema.
 - ``think``: true or "low"/"medium"/"high" turns the template's thinking on
@@ -69,8 +74,18 @@ from ringd.http.fields import (
     valid_text,
 )
 from ringd.http.framing import NDJSON
-from ringd.http.request import Output, Request, ResponseFormat, ToolCall
+from ringd.http.request import Output, Request, ResponseFormat, ToolCall, given_fields
 from ringd.models.checkpoint import text_config
+from ringd.models.ollama_params import (
+    OPTION_TYPES,
+    SAMPLED_OPTIONS,
+    UNSUPPORTED_OPTIONS,
+    UNTIL_CONTEXT_ENDS,
+    OptionError,
+    checked_option,
+    integral,
+    sampling_of,
+)
 from ringd.ring.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr
 
 if TYPE_CHECKING:
@@ -93,37 +108,6 @@ NEVER_EXPIRES = "9999-12-31T23:59:59Z"
 ROLES = ("system", "user", "assistant", "tool")
 # think levels (gpt-oss's reasoning efforts); each also means "think".
 THINK_LEVELS = ("low", "medium", "high")
-# num_predict values that mean "until the context ends": Ollama's -1 (infinite)
-# and -2 (fill the context), and 0, which Ollama's own client sends for "unset".
-UNTIL_CONTEXT_ENDS = (-1, -2, 0)
-
-# Options ringd samples with: Ollama's name -> SamplingParams' field.
-SAMPLED_OPTIONS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "repeat_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-}
-# Each option Ollama knows, with the type Ollama's Options struct gives it.
-OPTION_TYPES: dict[str, type] = {
-    # load time: how one process loads its model; a ring loads its own way
-    "numa": bool, "num_ctx": int, "num_batch": int, "num_gpu": int, "main_gpu": int, "low_vram": bool,
-    "f16_kv": bool, "logits_all": bool, "vocab_only": bool, "use_mmap": bool, "use_mlock": bool,
-    "embedding_only": bool, "num_thread": int,
-    # run time
-    "num_keep": int, "seed": int, "num_predict": int, "top_k": int, "top_p": float, "min_p": float,
-    "tfs_z": float, "typical_p": float, "repeat_last_n": int, "temperature": float, "repeat_penalty": float,
-    "presence_penalty": float, "frequency_penalty": float, "mirostat": int, "mirostat_tau": float,
-    "mirostat_eta": float, "penalize_newline": bool, "stop": list,
-}  # fmt: skip
-# Sampling ringd does not do: asking for it is refused unless it asks for nothing
-# (the value that turns it off).
-UNSUPPORTED_OPTIONS = {"mirostat": 0, "typical_p": 1.0}
-
 # The API's names for the internal request's fields, for errors.
 NAMES = {
     "max_tokens": "options.num_predict",
@@ -194,6 +178,7 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
         model=served, params=params, max_tokens=options.max_tokens, messages=messages,
         prompt=prompt if raw else None, stop=options.stop, tools=tools, tool_choice="auto",
         response_format=response_format, template_kwargs=template_kwargs, names=dict(NAMES),
+        given=given_fields(options.sampling, options.stop if options.stop_given else None), context=options.context,
     )  # fmt: skip
     return Parsed(model, stream, req, logprobs)
 
@@ -327,17 +312,10 @@ def _logprobs(body: dict) -> tuple[bool, int]:
     on, top = body.get("logprobs"), body.get("top_logprobs")
     if on is not None and not isinstance(on, bool):
         raise bad(f"logprobs must be a boolean; got {brief_repr(on)}")
-    if top is not None and (not _integral(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+    if top is not None and (not integral(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
         raise bad(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}; got {brief_repr(top)}")
     top = int(top or 0)
     return bool(on) or top > 0, top
-
-
-def _integral(v: Any) -> bool:
-    """A JSON number Ollama reads as an integer: Go's decoder gives every number as a float."""
-    if isinstance(v, bool):
-        return False
-    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v.is_integer())
 
 
 @dataclass
@@ -345,6 +323,8 @@ class _Options:
     sampling: dict
     max_tokens: int | None
     stop: list[str]
+    stop_given: bool
+    context: int | None
 
 
 def _options(v: Any, context_length: int) -> _Options:
@@ -354,16 +334,12 @@ def _options(v: Any, context_length: int) -> _Options:
         raise bad(f"options must be an object; got {brief_repr(v)}")
     checked: dict[str, Any] = {}
     for name, value in v.items():
-        kind = OPTION_TYPES.get(name)
-        if kind is None or value is None:
+        if name not in OPTION_TYPES or value is None:
             continue  # Ollama ignores options it does not know, and nulls
-        if kind is int and not _integral(value):
-            raise bad(f'option "{name}" must be of type integer; got {brief_repr(value)}')
-        if kind is float and not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
-            raise bad(f'option "{name}" must be of type float; got {brief_repr(value)}')
-        if kind is bool and not isinstance(value, bool):
-            raise bad(f'option "{name}" must be of type boolean; got {brief_repr(value)}')
-        checked[name] = int(value) if kind is int else value
+        try:
+            checked[name] = checked_option(name, value)
+        except OptionError as e:
+            raise bad(str(e)) from None
     for name, off in UNSUPPORTED_OPTIONS.items():
         if checked.get(name, off) != off:
             raise bad(f"option {name!r} is not supported by ringd (only {off} is accepted)")
@@ -373,12 +349,10 @@ def _options(v: Any, context_length: int) -> _Options:
     predict = checked.get("num_predict")
     if predict is not None and predict < -2:
         raise bad(f"options.num_predict must be a number of tokens, or -1 for until the context ends; got {predict}")
-    sampling = {SAMPLED_OPTIONS[k]: checked[k] for k in SAMPLED_OPTIONS if k in checked}
-    if sampling.get("seed", 0) < 0:  # Ollama's -1: a random seed
-        del sampling["seed"]
-    if sampling.get("top_k", 0) < 0:
-        sampling["top_k"] = 0
-    return _Options(sampling, None if predict is None or predict in UNTIL_CONTEXT_ENDS else predict, _stop(checked.get("stop")))
+    return _Options(
+        sampling_of(checked), None if predict is None or predict in UNTIL_CONTEXT_ENDS else predict,
+        _stop(checked.get("stop")), "stop" in checked, num_ctx or None,
+    )  # fmt: skip
 
 
 def _stop(v: Any) -> list[str]:
@@ -587,7 +561,7 @@ class Models:
         name = ollama_name(self.d.model_id)
         model = {
             "name": name, "model": name, "size": d["size"], "digest": d["digest"],
-            "details": d["details"], "expires_at": NEVER_EXPIRES, "size_vram": vram, "context_length": self.d.info.context_length,
+            "details": d["details"], "expires_at": NEVER_EXPIRES, "size_vram": vram, "context_length": default_context(self.d.info),
         }  # fmt: skip
         return web.json_response({"models": [model]})
 
@@ -604,11 +578,17 @@ class Models:
         capabilities = ["completion", "tools"]  # ringd calls tools with any model (render.py)
         if getattr(tokenizer, "has_thinking", False):
             capabilities.append("thinking")
-        context = self.d.info.context_length
+        params = parameters(self.d.info)
+        system = self.d.info.defaults.system
+        modelfile = f"# Modelfile of the model ringd serves as {self.d.model_id}\nFROM {self.d.info.name}\n"
+        modelfile += "".join(f"PARAMETER {name} {value}\n" for name, value in params)
+        if system:
+            modelfile += f'SYSTEM """{system}"""\n'
         return web.json_response(
             {
-                "modelfile": f"# Modelfile of the model ringd serves as {self.d.model_id}\nFROM {self.d.info.name}\nPARAMETER num_ctx {context}\n",
-                "parameters": f"num_ctx {context}",
+                "modelfile": modelfile,
+                "parameters": "\n".join(f"{name} {value}" for name, value in params),
+                **({"system": system} if system else {}),
                 "template": template if isinstance(template, str) else "",
                 "details": d["details"],
                 "model_info": d["model_info"],
@@ -620,6 +600,25 @@ class Models:
     async def version(self, request: web.Request) -> web.Response:
         self.intake.need_key(request)
         return web.json_response({"version": OLLAMA_VERSION}, headers={VERSION_HEADER: ringd_version()})
+
+
+def default_context(info: "ModelInfo") -> int:
+    """The context a request that does not ask for one gets: the model's, or less where its
+    defaults (an Ollama params layer's num_ctx) say so."""
+    return min(info.context_length, info.defaults.context or info.context_length)
+
+
+def parameters(info: "ModelInfo") -> list[tuple[str, str]]:
+    """The model's PARAMETER lines as ``/api/show`` lists them (Ollama's names, values as a
+    Modelfile spells them): num_ctx, then what its defaults set (an Ollama params layer's)."""
+    d = info.defaults
+    out = [("num_ctx", str(default_context(info)))]
+    if d.max_tokens is not None:
+        out.append(("num_predict", str(d.max_tokens)))
+    names = {field: name for name, field in SAMPLED_OPTIONS.items()}
+    out += [(names[field], str(value)) for field, value in d.sampling.items()]
+    out += [("stop", json.dumps(stop, ensure_ascii=False)) for stop in d.stop or ()]
+    return out
 
 
 def ringd_version() -> str:

@@ -41,7 +41,7 @@ from ringd.http.fields import (
     template_kwargs,
     valid_text,
 )
-from ringd.http.request import Request, ResponseFormat, Tool
+from ringd.http.request import Request, ResponseFormat, Tool, given_fields
 from ringd.ring.sampling import MAX_TOP_LOGPROBS, SamplingParams, brief_repr
 
 # Legacy completions take logprobs as a count, at most 5 (OpenAI's limit).
@@ -84,6 +84,7 @@ class CompletionRequest:
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     template_kwargs: dict = field(default_factory=dict)
+    given: frozenset[str] = frozenset()  # Request.given: what the client set
 
     def to_request(self) -> Request:
         """The internal request (``request.py``) that every API becomes."""
@@ -91,7 +92,7 @@ class CompletionRequest:
             model=self.model, params=self.params, max_tokens=self.max_tokens, messages=self.messages, prompt=self.prompt,
             stop=self.stop, tools=self.tools, tool_choice=self.tool_choice, tool_name=self.tool_name,
             parallel_tool_calls=self.parallel_tool_calls, response_format=self.response_format,
-            template_kwargs=self.template_kwargs, ignore_eos=self.ignore_eos,
+            template_kwargs=self.template_kwargs, ignore_eos=self.ignore_eos, given=self.given,
         )  # fmt: skip
 
 
@@ -299,6 +300,7 @@ def parse_request(body: dict, chat: bool) -> CompletionRequest:
         include_usage=include_usage and stream,
         tokens_as_ids=opt("return_tokens_as_token_ids", is_bool, "a boolean") or False,
         ignore_eos=opt("ignore_eos", is_bool, "a boolean") or False,
+        given=given_fields(sampling, body.get("stop")),
     )
 
 

@@ -13,15 +13,22 @@ as mlx-lm's server passes them): ``{"role", "content": str}``; an assistant's
 "arguments": dict}}]`` and its ``reasoning_content``; a tool result as
 ``{"role": "tool", "content", "tool_call_id", "name"}``.
 
+What a request leaves unset takes the model's default (``with_model_defaults``,
+called once, by ``serving.py``, whatever the API: an Ollama model's params and
+system layers); each API says which of those fields its client set
+(``Request.given``), so an explicit value that equals ringd's own default stays.
+
 No HTTP, no tokenizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
 
+from ringd.models.defaults import SAMPLED, ModelDefaults
 from ringd.ring.sampling import SamplingParams
 
 # How a request may use its tools (OpenAI's tool_choice; the other APIs map onto it).
@@ -77,6 +84,11 @@ class Request:
     ignore_eos: bool = False
     # The API's own names for fields an error may point at ("messages", "max_tokens", ...).
     names: dict[str, str] = field(default_factory=dict)
+    # Which of DEFAULTED the client set: the rest take the model's defaults (with_model_defaults).
+    given: frozenset[str] = frozenset()
+    # Tokens prompt and answer may take together, as the client asked (Ollama's options.num_ctx);
+    # None: the model's default context.
+    context: int | None = None
 
     @property
     def chat(self) -> bool:
@@ -112,6 +124,40 @@ class Request:
             elif v is not None:
                 n += 1  # a number or a boolean: a character at least
         return n
+
+
+# The fields a model's defaults fill where a request leaves them unset (``Request.given`` names
+# those it set): SamplingParams' fields and the stop words. max_tokens and context are unset
+# when None, a system message when the chat does not start with one.
+DEFAULTED = frozenset({*SAMPLED, "stop"})
+
+
+def given_fields(sampling: dict, stop: object) -> frozenset[str]:
+    """``Request.given`` of a request whose sampling fields are ``sampling`` (SamplingParams' names,
+    only those the client sent) and whose stop field holds ``stop`` (None: not sent)."""
+    return frozenset(sampling).intersection(DEFAULTED) | ({"stop"} if stop is not None else frozenset())
+
+
+def with_model_defaults(req: Request, defaults: ModelDefaults) -> Request:
+    """``req`` with what it leaves unset taken from ``defaults``, the model's (an Ollama model's
+    params and system layers), whichever API it came by: sampling and stop words it did not send
+    (``req.given``), max_tokens and context when None, and a system message first in a chat whose
+    first message is not one (as Ollama adds its system layer). ``req`` itself is left as it is."""
+    if not defaults:
+        return req
+    sampling = {k: v for k, v in defaults.sampling.items() if k not in req.given}
+    changes: dict = {}
+    if sampling:
+        changes["params"] = dataclasses.replace(req.params, **sampling)
+    if defaults.stop is not None and "stop" not in req.given:
+        changes["stop"] = list(defaults.stop)
+    if req.max_tokens is None and defaults.max_tokens is not None:
+        changes["max_tokens"] = defaults.max_tokens
+    if req.context is None and defaults.context is not None:
+        changes["context"] = defaults.context
+    if defaults.system and req.messages and req.messages[0].get("role") != "system":
+        changes["messages"] = [{"role": "system", "content": defaults.system}, *req.messages]
+    return dataclasses.replace(req, **changes) if changes else req
 
 
 @dataclass(frozen=True)

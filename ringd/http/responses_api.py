@@ -85,8 +85,8 @@ from ringd.http.fields import (
     valid_text,
 )
 from ringd.http.framing import NAMED_SSE
-from ringd.http.request import MAX_TOOLS, CallArguments, CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage
-from ringd.ring.sampling import brief_repr
+from ringd.http.request import MAX_TOOLS, CallArguments, CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage, given_fields
+from ringd.ring.sampling import SamplingParams, brief_repr
 
 if TYPE_CHECKING:
     from ringd.http.node import ApiNode
@@ -148,7 +148,8 @@ def parse(body: dict) -> ResponsesRequest:
     opt("store", is_bool, "a boolean")
     top_logprobs = opt("top_logprobs", lambda v: is_int(v) and 0 <= v <= 20, "an integer from 0 to 20")
     # Responses' own temperature and top_p, and ringd's sampling beyond them, as chat completions takes it.
-    params = sampling_params(sampling_fields(body))
+    sampling = sampling_fields(body)
+    params = sampling_params(sampling)
 
     instructions = opt("instructions", lambda v: isinstance(v, str), "a string")
     messages = _input(body.get("input"))
@@ -166,7 +167,7 @@ def parse(body: dict) -> ResponsesRequest:
     req = Request(
         model=model, params=params, max_tokens=max_tokens, messages=messages, tools=tools, tool_choice=choice,
         tool_name=tool_name, parallel_tool_calls=True if parallel is None else parallel, response_format=fmt,
-        template_kwargs=kwargs, names=NAMES,
+        template_kwargs=kwargs, names=NAMES, given=given_fields(sampling, None),
     )  # fmt: skip
     metadata = body.get("metadata")
     user = body.get("user")
@@ -418,8 +419,12 @@ def usage(u: Usage) -> dict:
     }
 
 
-def response_object(p: ResponsesRequest, rid: str, created: int, model: str, output: list[dict], status: str, u: Usage | None) -> dict:
-    """Responses' response object: the answer so far, and the request's settings echoed."""
+def response_object(
+    p: ResponsesRequest, rid: str, created: int, model: str, output: list[dict], status: str, u: Usage | None, sampled: SamplingParams | None = None
+) -> dict:
+    """Responses' response object: the answer so far, and the request's settings echoed; ``sampled``,
+    what it is sampled with (the model's defaults filled in: ``serving.py``), gives the temperature
+    and top_p echoed."""
     return {
         "id": rid,
         "object": "response",
@@ -433,6 +438,7 @@ def response_object(p: ResponsesRequest, rid: str, created: int, model: str, out
         "previous_response_id": None,
         "store": False,  # stateless: nothing was kept, whatever the request's store said
         **p.echo,
+        **({"temperature": sampled.temperature, "top_p": sampled.top_p} if sampled is not None else {}),
         "usage": usage(u) if u is not None else None,
         **({"completed_at": int(time.time())} if status == "completed" else {}),
     }
@@ -608,7 +614,7 @@ class ResponseAnswer:
         return events
 
     def start(self, gen: "Generation", resume) -> list[dict]:
-        start = response_object(self.p, self.id, gen.created, self.model_id, [], "in_progress", None)
+        start = response_object(self.p, self.id, gen.created, self.model_id, [], "in_progress", None, gen.req.params)
         return self._numbered([{"type": "response.created", "response": start}, {"type": "response.in_progress", "response": start}])
 
     def feed(self, out: Output) -> list[dict]:
@@ -617,7 +623,7 @@ class ResponseAnswer:
 
     def end(self, gen: "Generation") -> list[dict]:
         events = self.items.finish(self.finish, streamed=True)
-        whole = response_object(self.p, self.id, gen.created, self.model_id, self.items.output, self.items.status, gen.usage)
+        whole = response_object(self.p, self.id, gen.created, self.model_id, self.items.output, self.items.status, gen.usage, gen.req.params)
         return self._numbered([*events, {"type": f"response.{whole['status']}", "response": whole}])
 
     def error(self, e: ApiError) -> list[dict]:
@@ -626,4 +632,4 @@ class ResponseAnswer:
 
     def whole(self, gen: "Generation") -> dict:
         self.items.finish(self.finish, streamed=False)
-        return response_object(self.p, self.id, gen.created, self.model_id, self.items.output, self.items.status, gen.usage)
+        return response_object(self.p, self.id, gen.created, self.model_id, self.items.output, self.items.status, gen.usage, gen.req.params)

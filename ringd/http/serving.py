@@ -4,7 +4,9 @@ Each API's translation (``openai_api.py``, ``anthropic_api.py``, ``ollama_api.py
 ``responses_api.py``) parses its body into a ``request.Request``; the endpoint
 driver (``endpoint.py``) calls ``Serving.open`` and hands the ``Output`` events
 back to the translation, which writes them in its own format. So
-the same checks, in the same order, guard every API: the model's name, a ring
+the same checks, in the same order, guard every API: the model's name, the
+model's own defaults for what the request leaves unset (``request.with_model_defaults``:
+an Ollama model's params and system layers; the one place they apply), a ring
 that is ready, sampling parameters against the vocabulary, a prompt that fits
 the context (characters before tokens, so an absurd prompt is refused before
 it is paid for), a grammar that compiles; and the same engine, stop handling,
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from ringd.http.errors import ApiError
 from ringd.http.reader import Reader
 from ringd.http.render import Rendered, RenderError, render
-from ringd.http.request import Output, Request, Usage
+from ringd.http.request import Output, Request, Usage, with_model_defaults
 from ringd.leader.errors import EngineError
 from ringd.ring.sampling import SamplingError
 
@@ -110,6 +112,7 @@ class Serving:
 
         ``resumed``: the ids a stream carried over already sent; ``received_ns``: when the request arrived."""
         self._check_model(req)
+        req = with_model_defaults(req, self.d.info.defaults)
         engine = await self.ready()
         try:
             req.params.check_vocab(self.d.info.vocab_size)
@@ -117,12 +120,12 @@ class Serving:
             raise ApiError(400, str(e), req.name(e.field) if e.field else None) from None
         rendered = await self._rendered(req)
         prompt = rendered.prompt
-        context = self.d.info.context_length
+        context = self._context(req)
         max_tokens = req.max_tokens if req.max_tokens is not None else context - len(prompt)
         if len(prompt) + max_tokens > context:
             raise ApiError(
                 400,
-                f"{len(prompt)} prompt tokens + {req.name('max_tokens')} {max_tokens} exceed the model's context of {context} tokens",
+                f"{len(prompt)} prompt tokens + {req.name('max_tokens')} {max_tokens} exceed the {self._context_name(req)} of {context} tokens",
                 req.name("max_tokens"),
                 "context_length_exceeded",
             )
@@ -149,7 +152,7 @@ class Serving:
     async def count_tokens(self, req: Request) -> int:
         """The prompt tokens ``req`` would take (Anthropic's count_tokens): checked and rendered, not run."""
         self._check_model(req)
-        return len((await self._rendered(req)).prompt)
+        return len((await self._rendered(with_model_defaults(req, self.d.info.defaults))).prompt)
 
     def _check_model(self, req: Request) -> None:
         if req.model != self.d.model_id:
@@ -157,9 +160,19 @@ class Serving:
                 404, f"model {req.model!r} is not served here; this ring serves {self.d.model_id!r}", req.name("model"), "model_not_found"
             )
 
+    def _context(self, req: Request) -> int:
+        """The tokens ``req``'s prompt and answer may take together: the model's context length,
+        or less where the request (Ollama's options.num_ctx) or else the model's defaults (an
+        Ollama params layer's num_ctx) ask for less."""
+        model = self.d.info.context_length
+        return min(model, req.context or model)
+
+    def _context_name(self, req: Request) -> str:
+        return "model's context" if self._context(req) == self.d.info.context_length else "context asked for (num_ctx)"
+
     async def _rendered(self, req: Request) -> Rendered:
         """The prompt (that fits the context) and the grammar (that compiles) of ``req``."""
-        context = self.d.info.context_length
+        context = self._context(req)
         where = req.name("messages" if req.chat else "prompt")
         if self._chars_per_token is None:
             self._chars_per_token = max_chars_per_token(self.d.tokenizer)
@@ -171,7 +184,7 @@ class Serving:
             raise ApiError(
                 400,
                 f"the prompt{' and tools' if req.tools else ''} come to over {budget} characters, which cannot fit "
-                f"the model's context of {context} tokens (a token here spans at most {self._chars_per_token} characters)",
+                f"the {self._context_name(req)} of {context} tokens (a token here spans at most {self._chars_per_token} characters)",
                 where,
                 "context_length_exceeded",
             )
@@ -185,7 +198,7 @@ class Serving:
             if any(t >= vocab for t in prompt):
                 raise ApiError(400, f"prompt token ids must be below the vocabulary size {vocab}", where)
         if len(prompt) >= context:
-            raise ApiError(400, f"the prompt is {len(prompt)} tokens; the model's context is {context}", where, "context_length_exceeded")
+            raise ApiError(400, f"the prompt is {len(prompt)} tokens; the {self._context_name(req)} is {context}", where, "context_length_exceeded")
         return rendered
 
     def _render(self, req: Request) -> Rendered:

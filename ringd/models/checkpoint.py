@@ -20,12 +20,13 @@ import math
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlx_lm.utils import load_config
 
 from ringd.device import default_cache_dir
+from ringd.models.defaults import ModelDefaults
 from ringd.models.errors import ModelError, ModelFileError
 from ringd.models.gguf import GgufFile
 
@@ -104,6 +105,10 @@ class ModelInfo:
     fingerprint: str
     weights: WeightBytes
     label: str = ""  # what the API calls the model unless told otherwise
+    # What requests leaving a field unset get (an Ollama model's params and system layers).
+    defaults: ModelDefaults = field(default_factory=ModelDefaults)
+    # A Jinja chat template for a GGUF without one (an Ollama model's Go template, translated).
+    chat_template: str | None = None
 
     @property
     def name(self) -> str:
@@ -184,7 +189,9 @@ def load_tokenizer(info: ModelInfo, cache_dir: Path | None = None):
     eos = info.config.get("eos_token_id")
     if not info.is_gguf:
         return mlx_load_tokenizer(info.path, eos_token_ids=eos)
-    return mlx_load_tokenizer(GgufFile.open(info.path).sidecar(cache_dir or default_cache_dir()), eos_token_ids=eos)
+    # The sidecar is the GGUF's own (cached by its content); a template from elsewhere goes in here.
+    extra = {"chat_template": info.chat_template} if info.chat_template is not None else None
+    return mlx_load_tokenizer(GgufFile.open(info.path).sidecar(cache_dir or default_cache_dir()), extra, eos_token_ids=eos)
 
 
 def weight_bytes(path: Path, num_layers: int) -> WeightBytes:

@@ -194,12 +194,10 @@ def tokenizer_files(meta: Mapping[str, Any]) -> dict[str, dict]:
     types = _token_types(meta, len(tokens))
     special = _special_ids(meta, model, len(tokens))
     if model == "gpt2":
-        pre = _pre_tokenizer(meta)
-        tokenizer = _byte_level(meta, tokens, pre)
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos))
+        tokenizer = _byte_level(meta, tokens, _pre_tokenizer(meta))
     else:
         tokenizer = _sentencepiece(meta, tokens, types, special.get("unknown"))
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))  # llama.cpp: BOS unless told otherwise
+    add_bos = adds_bos(meta)
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
 
     # Control and unknown tokens are special (skipped by decode(skip_special_tokens=True)),
@@ -376,6 +374,14 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
         found.extend((scores[i], left, right) for left, right in cuts)
     found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)  # stable: equal keys keep token order
     return [(left, right) for _, left, right in found]
+
+
+def adds_bos(meta: Mapping[str, Any]) -> bool:
+    """Whether llama.cpp puts BOS before a prompt of this file: as it says, else the default of its
+    tokenizer (a byte-level BPE's pre-tokenizer family; BOS for SentencePiece unless told otherwise)."""
+    if meta.get("tokenizer.ggml.model") == "gpt2":
+        return bool(meta.get("tokenizer.ggml.add_bos_token", _pre_tokenizer(meta).add_bos))
+    return bool(meta.get("tokenizer.ggml.add_bos_token", True))
 
 
 def _template(bos: str | None, eos: str | None, tokenizer: Tokenizer) -> processors.TemplateProcessing:

@@ -1,4 +1,4 @@
-"""``ollama:NAME[:TAG]``: a model pulled with Ollama, served from the GGUF file in Ollama's own store.
+"""``ollama:NAME[:TAG]``: a model pulled with Ollama, served from Ollama's own store as Ollama runs it.
 
 Ollama keeps each pulled model as a manifest (JSON, one file per name and tag) that
 names content-addressed blobs; the blob of the layer whose media type is
@@ -8,26 +8,43 @@ in place (``gguf.py``): nothing is copied or converted, and Ollama need not be r
 Names are parsed as Ollama parses them (``types/model/name.go``):
 ``[host/][namespace/]model[:tag]``, with ``registry.ollama.ai``, ``library`` and
 ``latest`` for the parts left out, so ``ollama:smollm2`` is what ``ollama run
-smollm2`` runs and ``ollama:user/model:tag`` what ``ollama run user/model:tag`` does.
+smollm2`` runs, ``ollama:user/model:tag`` what ``ollama run user/model:tag`` does,
+and ``ollama:hf.co/OWNER/REPO:Q4_K_M`` what ``ollama run hf.co/OWNER/REPO:Q4_K_M``
+pulled from Hugging Face (host ``hf.co``, namespace OWNER, model REPO, tag the quant).
+Parts are matched as the store's folders spell them, as Ollama does (on a Mac's
+case-insensitive disk any case finds them).
 
-It deliberately ignores the rest of an Ollama model: the template, parameters,
-system prompt and license layers (the GGUF carries its own chat template and
-tokenizer), a vision model's projector, adapters, and the newer ``kind`` segment of
-names (skills, agents: not models). It checks a blob's size against its manifest
-(an interrupted pull) but does not hash it: Ollama did at pull time, and reading
-tens of GB at every start is not worth it.
+The layers beside the weights are read as Ollama reads them (``server/images.go``:
+``GetModel``), each bounded before it is read: the params layer(s) (JSON options,
+merged in order: ``ollama_params.py`` makes them the defaults of every API's
+requests), the system layer (the system message of a chat without one; the last
+one wins) and the template layer (a Go template, also under its older name
+``image.prompt``; the last one wins), which ``chat_template`` turns into a Jinja
+template only where the GGUF has none of its own (``gotemplates.py`` says which
+Go templates it knows).
+
+It deliberately ignores the rest of an Ollama model: the license and messages
+layers (a Modelfile's MESSAGE turns are not prepended to chats), a vision model's
+projector, adapters, and the newer ``kind`` segment of names (skills, agents: not
+models). It checks a blob's size against its manifest (an interrupted pull) but
+does not hash it: Ollama did at pull time, and reading tens of GB at every start
+is not worth it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ringd.models import gotemplates
+from ringd.models.defaults import ModelDefaults
 from ringd.models.errors import ModelError
+from ringd.models.ollama_params import MAX_PARAMS_BYTES, layer_options, params_defaults
 
 PREFIX = "ollama:"
 
@@ -42,6 +59,14 @@ MAX_MANIFEST_BYTES = 1 << 20
 # The layer of a manifest that is the model's weights: a GGUF file.
 MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
 GGUF_MAGIC = b"GGUF"
+# The layers beside it that ringd applies (Ollama's template layer went by "prompt" once).
+PARAMS_MEDIA_TYPE = "application/vnd.ollama.image.params"
+SYSTEM_MEDIA_TYPE = "application/vnd.ollama.image.system"
+TEMPLATE_MEDIA_TYPES = ("application/vnd.ollama.image.template", "application/vnd.ollama.image.prompt")
+# A system prompt or a template is text of a few kilobytes (the longest Jinja templates, 30 KB);
+# past this it is no such layer, and is refused before it is read.
+MAX_SYSTEM_BYTES = 1 << 20
+MAX_TEMPLATE_BYTES = 1 << 20
 
 # Where the store is when OLLAMA_MODELS is not set: a user's Ollama (the macOS app,
 # or `ollama serve` run by hand) keeps it under the home folder; the Linux install
@@ -130,13 +155,60 @@ def store_dir(environ: Mapping[str, str] | None = None, *, name: str = "NAME") -
     )
 
 
+@dataclass(frozen=True)
+class OllamaModel:
+    """A model in the store: its GGUF blob and the layers beside it that ringd applies."""
+
+    ref: str  # as named: ollama:NAME[:TAG]
+    blob: Path
+    options: dict | None = None  # the params layers' options, merged in the manifest's order
+    system: str | None = None
+    template: str | None = None  # a Go template
+
+    def defaults(self) -> tuple[ModelDefaults, list[str]]:
+        """The defaults of requests its params and system layers make, and a warning for each
+        option ignored; ModelError for a params layer ringd cannot apply (``ollama_params.py``)."""
+        if self.options is None:
+            defaults, warnings = ModelDefaults(source=self.ref), []
+        else:
+            defaults, warnings = params_defaults(self.options, f"{self.ref}: its params layer", self.ref)
+        if self.system:
+            defaults = dataclasses.replace(defaults, system=self.system)
+        return defaults, warnings
+
+    def chat_template(self, gguf_template: str | None, bos: Callable[[], bool]) -> str | None:
+        """The Jinja template to give the tokenizer in place of the GGUF's: None where the GGUF has
+        one (it is rendered, whatever the template layer says) or neither has one; the translation of
+        a known Go template (``gotemplates.py``) where only the layer has one, BOS first if ``bos()``
+        (asked only then: whether the GGUF's tokenizer adds BOS). ModelError, naming the
+        template and what to do, for a Go template ringd cannot translate on a GGUF without one."""
+        if gguf_template or self.template is None:
+            return None
+        if gotemplates.known_name(self.template) is None:
+            known = ", ".join(name for name in gotemplates.KNOWN if name != "prompt")
+            raise ModelError(
+                f"{self.ref}: its GGUF has no chat template (tokenizer.chat_template) and its template layer is a Go template "
+                f"ringd does not know ({gotemplates.first_line(self.template)!r}); ringd renders chats with Jinja and translates only "
+                f"Ollama's own {known} templates and its default {{{{ .Prompt }}}}: serve a GGUF of this model that carries its chat template "
+                f"(its Hugging Face repo's file, say), or `ollama create` it with one of those templates"
+            )
+        return gotemplates.jinja_for(self.template, bos())
+
+
 def resolve(ref: str, models_dir: Path | None = None) -> Path:
-    """The GGUF file of ``ollama:NAME[:TAG]`` in the Ollama store (``models_dir``, else ``store_dir()``).
+    """The GGUF file of ``ollama:NAME[:TAG]`` in the Ollama store (``models_dir``, else ``store_dir()``)."""
+    return find(ref, models_dir).blob
+
+
+def find(ref: str, models_dir: Path | None = None) -> OllamaModel:
+    """``ollama:NAME[:TAG]`` in the Ollama store (``models_dir``, else ``store_dir()``): its GGUF
+    file and the params, system and template layers beside it.
 
     ModelError, naming what was looked for, where, and the ``ollama pull`` that fixes
     it, for a malformed name, no store, no manifest, a manifest without a model layer,
-    a missing blob, a blob shorter or longer than its manifest says, or one that is
-    not a GGUF file.
+    a missing blob, a blob shorter or longer than its manifest says, one that is
+    not a GGUF file, and a params, system or template layer that is missing, over its
+    size limit, not text (system, template) or not a JSON object (params).
     """
     text = ref.removeprefix(PREFIX)
     name = parse_name(text)
@@ -159,18 +231,53 @@ def resolve(ref: str, models_dir: Path | None = None) -> Path:
     if layer is None:
         kinds = ", ".join(str(layer.get("mediaType")) for layer in layers) or "none"
         raise ModelError(f"{what}: its manifest {manifest_path} has no {MODEL_MEDIA_TYPE} layer (its layers: {kinds}); is it a model? {pull} rewrites it")
+    blob = _blob(store, layer, f"{what}: its model layer", manifest_path, pull)
+    with open(blob, "rb") as f:
+        if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            raise ModelError(f"{what}: its model blob {blob} is not a GGUF file (it does not start with 'GGUF'); ringd serves GGUF models")
+    options: dict | None = None
+    system = template = None
+    for layer in layers:
+        kind = layer.get("mediaType")
+        if kind == PARAMS_MEDIA_TYPE:
+            where = f"{what}: its params layer"
+            options = {**(options or {}), **layer_options(_layer_bytes(store, layer, MAX_PARAMS_BYTES, where, manifest_path, pull), where)}
+        elif kind == SYSTEM_MEDIA_TYPE:
+            system = _layer_text(store, layer, MAX_SYSTEM_BYTES, f"{what}: its system layer", manifest_path, pull)
+        elif kind in TEMPLATE_MEDIA_TYPES:
+            template = _layer_text(store, layer, MAX_TEMPLATE_BYTES, f"{what}: its template layer", manifest_path, pull)
+    return OllamaModel(what, blob, options, system, template)
+
+
+def _blob(store: Path, layer: dict, where: str, manifest_path: Path, pull: str) -> Path:
+    """The file of ``layer``'s blob, its size as the manifest says; ModelError naming ``where`` if not."""
     digest = _SHA256.fullmatch(str(layer.get("digest")))
     if digest is None:
-        raise ModelError(f"{what}: its manifest {manifest_path} gives the model layer the digest {layer.get('digest')!r}, not sha256:<64 hex digits>; {pull} rewrites it")
+        raise ModelError(f"{where}: the manifest {manifest_path} gives it the digest {layer.get('digest')!r}, not sha256:<64 hex digits>; {pull} rewrites it")
     # Blobs are named sha256-<hex>; older stores used sha256:<hex>, a name Windows does not allow.
     candidates = [store / "blobs" / f"sha256-{digest[1]}", store / "blobs" / f"sha256:{digest[1]}"]
     blob = next((path for path in candidates if path.is_file()), None)
     if blob is None:
-        raise ModelError(f"{what}: the blob of its model layer is missing (no {candidates[0]}); {pull} fetches it again")
+        raise ModelError(f"{where}: its blob is missing (no {candidates[0]}); {pull} fetches it again")
     size, expected = blob.stat().st_size, layer.get("size")
     if isinstance(expected, int) and size != expected:
-        raise ModelError(f"{what}: its blob {blob} is {size} bytes, its manifest says {expected} (an interrupted pull?); {pull} completes it")
-    with open(blob, "rb") as f:
-        if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
-            raise ModelError(f"{what}: its model blob {blob} is not a GGUF file (it does not start with 'GGUF'); ringd serves GGUF models")
+        raise ModelError(f"{where}: its blob {blob} is {size} bytes, its manifest says {expected} (an interrupted pull?); {pull} completes it")
     return blob
+
+
+def _layer_bytes(store: Path, layer: dict, limit: int, where: str, manifest_path: Path, pull: str) -> bytes:
+    """A small layer's blob, whole; ModelError naming ``where`` if it is over ``limit`` bytes (refused unread)."""
+    blob = _blob(store, layer, where, manifest_path, pull)
+    with open(blob, "rb") as f:
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise ModelError(f"{where}: its blob {blob} is over {limit} bytes, where such a layer is a few kilobytes; is the store damaged? {pull} fetches it again")
+    return raw
+
+
+def _layer_text(store: Path, layer: dict, limit: int, where: str, manifest_path: Path, pull: str) -> str:
+    raw = _layer_bytes(store, layer, limit, where, manifest_path, pull)
+    try:
+        return raw.decode()
+    except UnicodeDecodeError as e:
+        raise ModelError(f"{where}: not UTF-8 text ({e}); {pull} fetches it again") from None

@@ -1,7 +1,8 @@
 """Where a model comes from: what a user names as a model, found and described.
 
 A model is named by an mlx-lm directory, a Hugging Face repo id, a GGUF file, or
-``ollama:NAME[:TAG]``, a GGUF in the local Ollama store (``ollama.py`` finds it); a
+``ollama:NAME[:TAG]``, a GGUF in the local Ollama store (``ollama.py`` finds it,
+with the request defaults and chat template its other layers make); a
 model fetched from peers (``peers.py``) is a directory that also holds a record of
 whose model it is. ``model_info`` turns any of these into a ``ModelInfo``: it finds
 the files (a repo id is fetched into the Hugging Face cache, only the files asked
@@ -16,7 +17,9 @@ peers is ``peers.py``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from pathlib import Path
 
 from ringd.models import ollama
@@ -24,7 +27,10 @@ from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, ModelInfo, WeightBytes,
 from ringd.models.errors import ModelError
 from ringd.models.fingerprint import model_fingerprint, weights_digest
 from ringd.models.gguf import GgufFile, is_gguf
+from ringd.models.gguf_vocab import adds_bos
 from ringd.models.progress import DOWNLOAD, LoadCancelled, LoadProgress
+
+log = logging.getLogger(__name__)
 
 # In the directory of a model fetched from peers (models/peers.py): whose model it is, its
 # fingerprint (its files are sparse, holes where other stages' tensors are: no fingerprint can
@@ -34,6 +40,8 @@ PEER_RECORD = "ringd-peer.json"
 
 def model_info(path_or_repo: str) -> ModelInfo:
     """Read a model's config and check that it can be split into a ring."""
+    if ollama.is_ollama_ref(path_or_repo):
+        return _ollama_info(ollama.find(path_or_repo))
     gguf_file, label = gguf_source(path_or_repo)
     if gguf_file is not None:
         return _gguf_info(gguf_file, label)
@@ -54,6 +62,18 @@ def model_info(path_or_repo: str) -> ModelInfo:
         # A repo id names the model better than the snapshot folder it was fetched into.
         label=record["label"] if record else path.name if Path(path_or_repo).expanduser().exists() else path_or_repo,
     )
+
+
+def _ollama_info(model: ollama.OllamaModel) -> ModelInfo:
+    """An Ollama model: its GGUF, with the defaults its params and system layers make and, for a
+    GGUF without a chat template, its Go template's translation (ModelError where there is none)."""
+    info = _gguf_info(model.blob, model.ref.removeprefix(ollama.PREFIX))
+    defaults, warnings = model.defaults()
+    for warning in warnings:
+        log.warning("%s", warning)
+    meta = GgufFile.open(model.blob).meta
+    template = model.chat_template(meta.get("tokenizer.chat_template"), lambda: adds_bos(meta))
+    return dataclasses.replace(info, defaults=defaults, chat_template=template)
 
 
 def _gguf_info(file: Path, label: str) -> ModelInfo:

@@ -1,22 +1,38 @@
-"""ringd.models.ollama: ``ollama:NAME[:TAG]`` found as its GGUF blob in an Ollama store.
+"""ringd.models.ollama: ``ollama:NAME[:TAG]`` found as its GGUF blob in an Ollama store, with
+the params, system and template layers beside it applied as Ollama applies them.
 
 The stores are built in tmp_path as Ollama lays them out (``manifests/<host>/
 <namespace>/<model>/<tag>`` holding the manifest JSON Ollama writes, blobs named by
-their digest), with a small file starting with the GGUF magic as the model, and once
-the real SmolLM2 GGUF, linked in, read through ``checkpoint`` as a model is.
+their digest), with a small file starting with the GGUF magic as the model, and
+the real SmolLM2 GGUF, linked in, read through ``checkpoint`` as a model is and
+served in-process (stages of this process, the real engine and ``serving.py``)
+with its layers. The params parser and the Go templates' translations (rendered
+by transformers' own Jinja environment) are checked with Hypothesis.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ringd.models import ollama
+from ringd.models import gotemplates, ollama
+from ringd.models.checkpoint import load_tokenizer
+from ringd.models.gguf import GgufFile
+from ringd.models.gguf_vocab import adds_bos
+from ringd.models.source import model_info
+from ringd.http.request import Request, with_model_defaults
+from ringd.models.defaults import SAMPLED, ModelDefaults
 from ringd.models.errors import ModelError
 from ringd.models.ollama import MAX_MANIFEST_BYTES, MODEL_MEDIA_TYPE, is_ollama_ref, parse_name, resolve
+from ringd.models.ollama_params import OPTION_TYPES, UNSUPPORTED_OPTIONS, layer_options, params_defaults
+from ringd.ring.sampling import SamplingParams
 
 FAKE_GGUF = b"GGUF" + (3).to_bytes(4, "little") + bytes(56)
 
@@ -67,7 +83,9 @@ def test_an_ollama_ref_starts_with_ollama():
         ("ollama:smollm2:135m", "registry.ollama.ai/library/smollm2/135m"),
         ("ollama:user/model:tag", "registry.ollama.ai/user/model/tag"),
         ("ollama:user/model", "registry.ollama.ai/user/model/latest"),
+        # `ollama run hf.co/OWNER/REPO:QUANT`: host hf.co, namespace OWNER, model REPO, tag QUANT (as typed)
         ("ollama:hf.co/bartowski/SmolLM2-135M-Instruct-GGUF:Q4_0", "hf.co/bartowski/SmolLM2-135M-Instruct-GGUF/Q4_0"),
+        ("ollama:hf.co/bartowski/SmolLM2-135M-Instruct-GGUF", "hf.co/bartowski/SmolLM2-135M-Instruct-GGUF/latest"),
         ("ollama:localhost:5000/team/model:v1.2", "localhost:5000/team/model/v1.2"),  # a host with a port
         ("ollama:https://example.com/team/model", "example.com/team/model/latest"),  # the scheme is dropped
     ],
@@ -218,3 +236,374 @@ def test_the_real_smollm2_through_an_ollama_store_is_a_model(store, smollm2_gguf
     assert path == store / "blobs" / f"sha256-{digest}" and label == "smollm2:135m"
     info = model_info("ollama:smollm2:135m")
     assert info.model_type == "llama" and info.num_layers == 30 and info.name == "smollm2:135m"
+
+
+# --- the layers beside the weights: params, system, template ----------------------------------
+
+PARAMS = "application/vnd.ollama.image.params"
+SYSTEM = "application/vnd.ollama.image.system"
+TEMPLATE = "application/vnd.ollama.image.template"
+
+
+def pull_layers(store: Path, path: str, model: dict, layers: list[tuple[str, bytes]]) -> Path:
+    """A manifest with the model layer, then ``layers`` (media type, blob bytes) in order."""
+    manifest = {
+        "schemaVersion": 2,
+        "config": {"mediaType": "application/vnd.docker.container.image.v1+json", **blob(store, b'{"model_format":"gguf"}')},
+        "layers": [{"mediaType": MODEL_MEDIA_TYPE, **model}] + [{"mediaType": kind, **blob(store, data)} for kind, data in layers],
+    }
+    file = store / "manifests" / path
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(manifest))
+    return file
+
+
+SMOL = "registry.ollama.ai/library/smollm2/latest"
+
+
+def test_params_system_and_template_layers_are_read_as_ollama_reads_them(store):
+    """Params layers merge in order (later keys win); the last system and template layer win."""
+    pull_layers(store, SMOL, blob(store, FAKE_GGUF), [
+        (PARAMS, json.dumps({"temperature": 0.2, "stop": ["<|im_end|>"], "num_ctx": 4096}).encode()),
+        (SYSTEM, b"first"),
+        (PARAMS, json.dumps({"temperature": 0.7, "top_k": 20, "seed": -1, "num_predict": -1, "repeat_penalty": 1.1}).encode()),
+        (SYSTEM, "You are a pirate. ☠".encode()),
+        (TEMPLATE, b"{{ .Prompt }}"),
+    ])  # fmt: skip
+    model = ollama.find("ollama:smollm2")
+    assert model.options == {"temperature": 0.7, "stop": ["<|im_end|>"], "num_ctx": 4096, "top_k": 20, "seed": -1, "num_predict": -1, "repeat_penalty": 1.1}
+    assert model.system == "You are a pirate. ☠" and model.template == "{{ .Prompt }}"
+    defaults, warnings = model.defaults()
+    assert warnings == []
+    # seed -1 is Ollama's random (no seed); num_predict -1 until the context ends (no max_tokens)
+    assert defaults.sampling == {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.1}
+    assert defaults.stop == ("<|im_end|>",) and defaults.context == 4096 and defaults.max_tokens is None
+    assert defaults.system == "You are a pirate. ☠" and defaults.source == "ollama:smollm2"
+
+
+def test_a_model_without_those_layers_has_no_defaults(store):
+    pull_layers(store, SMOL, blob(store, FAKE_GGUF), [])
+    model = ollama.find("ollama:smollm2")
+    assert (model.options, model.system, model.template) == (None, None, None)
+    assert not model.defaults()[0] and model.defaults()[1] == []
+
+
+@pytest.mark.parametrize(
+    "kind, data, says",
+    [
+        (PARAMS, b"{not json", "its params layer is not JSON"),
+        (PARAMS, b"[1, 2]", "its params layer must be a JSON object of options"),
+        (PARAMS, b" " * (64 * 1024 + 1), "its params layer: its blob .* is over 65536 bytes"),
+        (PARAMS, b'{"num_ctx": "big"}', 'its params layer: option "num_ctx" must be of type integer'),
+        (PARAMS, b'{"stop": 5}', 'its params layer: option "stop" must be of type array'),
+        (PARAMS, b'{"stop": ["ok", ""]}', 'its params layer: option "stop" must be a list of non-empty strings'),
+        (PARAMS, b'{"temperature": 7}', "its params layer: option 'temperature': temperature must be between 0 and 2"),
+        (PARAMS, b'{"num_predict": -3}', 'its params layer: option "num_predict" must be a number of tokens'),
+        (SYSTEM, b"\xff\xfe", "its system layer: not UTF-8 text"),
+        (SYSTEM, b"x" * ((1 << 20) + 1), "its system layer: its blob .* is over 1048576 bytes"),
+        (TEMPLATE, b"\xc3", "its template layer: not UTF-8 text"),
+    ],
+    ids=["not-json", "not-object", "huge-params", "wrong-type", "stop-not-list", "empty-stop", "temperature", "num_predict", "system-bytes", "huge-system", "template-bytes"],
+)
+def test_a_bad_layer_is_one_line_naming_the_model_and_the_layer(store, kind, data, says):
+    pull_layers(store, SMOL, blob(store, FAKE_GGUF), [(kind, data)])
+    with pytest.raises(ModelError) as e:
+        ollama.find("ollama:smollm2").defaults()
+    assert re.match(f"ollama:smollm2: {says}", str(e.value)), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_missing_layer_blob_names_the_layer(store):
+    pull_layers(store, SMOL, blob(store, FAKE_GGUF), [(SYSTEM, b"hello")])
+    (store / "blobs" / f"sha256-{hashlib.sha256(b'hello').hexdigest()}").unlink()
+    with pytest.raises(ModelError, match="ollama:smollm2: its system layer: its blob is missing .*`ollama pull smollm2` fetches it again"):
+        ollama.find("ollama:smollm2")
+
+
+def test_options_ollama_ignores_or_ringd_cannot_sample_are_ignored_with_a_warning():
+    defaults, warnings = params_defaults(
+        {"temperature": 0.5, "flash": True, "mirostat": 2, "typical_p": 0.9, "num_gpu": 99, "use_mmap": False, "tfs_z": None}, "m: its params layer"
+    )
+    assert defaults.sampling == {"temperature": 0.5}
+    assert len(warnings) == 3
+    assert "option 'flash' is not one Ollama knows; ignored, as Ollama ignores it" in warnings[0]
+    assert all(w.startswith("m: its params layer: option ") for w in warnings)
+    assert "'mirostat' asks for sampling ringd does not do" in warnings[1] and "'typical_p'" in warnings[2]
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.sampled_from(sorted(OPTION_TYPES)) | st.text(max_size=6), JSON_VALUES, max_size=6))
+def test_any_options_become_defaults_every_request_can_take_or_one_line_naming_the_layer(options):
+    try:
+        defaults, warnings = params_defaults(options, "m: its params layer")
+    except ModelError as e:
+        assert str(e).startswith("m: its params layer: ") and "\n" not in str(e)
+        return
+    SamplingParams(**defaults.sampling)  # what a request without its own samples with
+    assert set(defaults.sampling) <= set(SAMPLED)
+    assert defaults.stop is None or all(isinstance(s, str) and s for s in defaults.stop)
+    assert defaults.max_tokens is None or defaults.max_tokens > 0
+    assert defaults.context is None or defaults.context > 0
+    assert len(warnings) == sum(k not in OPTION_TYPES for k in options) + sum(
+        options.get(k) is not None and options[k] != off for k, off in UNSUPPORTED_OPTIONS.items()
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=64) | JSON_VALUES.map(lambda v: json.dumps(v).encode()))
+def test_any_bytes_are_an_options_object_or_one_line(raw):
+    try:
+        options = layer_options(raw, "m: its params layer")
+    except ModelError as e:
+        assert str(e).startswith("m: its params layer ") and "\n" not in str(e)
+        return
+    assert isinstance(options, dict)
+
+
+# --- Go templates: the known ones translated, the rest refused where they would be needed -------
+
+CHAT = [
+    {"role": "system", "content": "S"},
+    {"role": "system", "content": "S2"},
+    {"role": "user", "content": "U"},
+    {"role": "assistant", "content": "A"},
+    {"role": "user", "content": "U2"},
+    {"role": "user", "content": "U3"},
+]
+# What Ollama's template.Execute writes for CHAT with each (worked out by hand from the Go
+# template: consecutive messages of a role collated with a blank line, then the template run once).
+OLLAMA_RENDERS = {
+    "chatml": "<|im_start|>system\nS\n\nS2<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
+    "<|im_start|>user\nU2\n\nU3<|im_end|>\n<|im_start|>assistant\n",
+    "llama3-instruct": "<|start_header_id|>system<|end_header_id|>\n\nS\n\nS2<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\nA<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nU2\n\nU3<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "gemma-instruct": "<start_of_turn>user\nS\n\nS2\nU<end_of_turn>\n<start_of_turn>model\nA<end_of_turn>\n<start_of_turn>user\nU2\n\nU3<end_of_turn>\n"
+    "<start_of_turn>model\n",
+    "mistral-instruct": "[INST] S\n\nS2\n\nU[/INST] A</s>[INST] U2\n\nU3[/INST]",
+    "phi-3": "<|system|>\nS\n\nS2<|end|>\n<|user|>\nU<|end|>\n<|assistant|>\nA<|end|>\n<|user|>\nU2\n\nU3<|end|>\n<|assistant|>\n",
+    "zephyr": "<|system|>\nS\n\nS2</s>\n<|user|>\nU</s>\n<|assistant|>\nA</s>\n<|user|>\nU2\n\nU3</s>\n<|assistant|>\n",
+    "prompt": "UU2\n\nU3",
+}
+
+
+def render(jinja: str, messages: list[dict]) -> str:
+    """As the tokenizer renders a chat (transformers' Jinja environment: trim_blocks, lstrip_blocks)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    out, _ = render_jinja_template(conversations=[messages], chat_template=jinja, add_generation_prompt=True, bos_token="<s>")
+    return out[0]
+
+
+@pytest.mark.parametrize("name", sorted(gotemplates.KNOWN))
+def test_each_known_go_template_becomes_jinja_that_renders_what_ollama_renders(name):
+    go = gotemplates.KNOWN[name][0]
+    assert gotemplates.known_name(go.replace("\n", "\r\n")) == name  # Ollama reads CRLF as LF
+    assert render(gotemplates.jinja_for(go, bos=False), CHAT) == OLLAMA_RENDERS[name]
+    assert render(gotemplates.jinja_for(go, bos=True), CHAT) == "<s>" + OLLAMA_RENDERS[name]
+
+
+ROLES = st.sampled_from(["system", "user", "assistant", "tool"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(ROLES, st.text("ab \n<|>", max_size=4)), max_size=6))
+def test_chatml_renders_any_conversation_as_ollama_collates_and_runs_it(turns):
+    """Ollama's collate, by hand: consecutive messages of a role (not tool) joined by a blank line."""
+    collated: list[list[str]] = []
+    for role, content in turns:
+        if collated and collated[-1][0] == role and role != "tool":
+            collated[-1][1] += "\n\n" + content
+        else:
+            collated.append([role, content])
+    want = "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in collated) + "<|im_start|>assistant\n"
+    jinja = gotemplates.jinja_for(gotemplates.KNOWN["chatml"][0], bos=False)
+    assert render(jinja, [{"role": r, "content": c} for r, c in turns]) == want
+
+
+def test_the_ggufs_own_template_wins_and_an_unknown_go_template_is_refused_only_where_needed():
+    chatml = gotemplates.KNOWN["chatml"][0]
+    model = ollama.OllamaModel("ollama:m", Path("blob"), template=chatml)
+    assert model.chat_template("{{ messages }}", bos=lambda: True) is None  # the GGUF has one: it is rendered
+    assert model.chat_template(None, bos=lambda: True) == gotemplates.jinja_for(chatml, bos=True)
+    assert ollama.OllamaModel("ollama:m", Path("blob")).chat_template(None, bos=lambda: True) is None  # neither has one
+    custom = ollama.OllamaModel("ollama:m", Path("blob"), template='{{ if .System }}<|sys|>{{ .System }}{{ end }}\n{{ .Prompt }}')
+    assert custom.chat_template("{{ messages }}", bos=lambda: False) is None
+    with pytest.raises(ModelError) as e:
+        custom.chat_template(None, bos=lambda: False)
+    message = str(e.value)
+    assert message.startswith("ollama:m: its GGUF has no chat template (tokenizer.chat_template) and its template layer is a Go template ringd does not know ('{{ if .System }}<|sys|>")
+    assert "chatml, llama3-instruct, gemma-instruct" in message and "\n" not in message
+
+
+# --- applied: one place, every API -------------------------------------------------------------
+
+LAYER_DEFAULTS = ModelDefaults(
+    sampling={"temperature": 0.0, "top_k": 20}, stop=("capital",), max_tokens=20, context=2048, system="You are a helpful assistant."
+)
+
+
+def test_what_a_request_leaves_unset_takes_the_models_default_and_what_it_sets_stays():
+    bare = Request(model="m", params=SamplingParams(), max_tokens=None, messages=[{"role": "user", "content": "hi"}])
+    got = with_model_defaults(bare, LAYER_DEFAULTS)
+    assert got.params == SamplingParams(temperature=0.0, top_k=20) and got.stop == ["capital"]
+    assert got.max_tokens == 20 and got.context == 2048
+    assert got.messages == [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "hi"}]
+    assert bare.messages == [{"role": "user", "content": "hi"}]  # the request itself is left as it was
+    own = Request(
+        model="m", params=SamplingParams(temperature=1.0, seed=3), max_tokens=5, stop=[], given=frozenset({"temperature", "seed", "stop"}),
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], context=512,
+    )  # fmt: skip
+    got = with_model_defaults(own, LAYER_DEFAULTS)
+    assert got.params == SamplingParams(temperature=1.0, seed=3, top_k=20)  # an explicit 1.0 stays 1.0
+    assert got.stop == [] and got.max_tokens == 5 and got.context == 512 and got.messages == own.messages
+    raw = Request(model="m", params=SamplingParams(), max_tokens=None, prompt="Once upon")
+    assert with_model_defaults(raw, LAYER_DEFAULTS).prompt == "Once upon"  # a raw prompt gets no system message
+    assert with_model_defaults(bare, ModelDefaults()) is bare
+
+
+@pytest.mark.parametrize(
+    "api, body, given",
+    [
+        ("openai", {"temperature": 0.5, "top_k": 3, "stop": "x"}, {"temperature", "top_k", "stop"}),
+        ("openai", {"stop": None, "seed": None}, set()),
+        ("anthropic", {"top_p": 0.5, "stop_sequences": ["x"]}, {"top_p", "stop"}),
+        ("responses", {"temperature": 0.5, "min_p": 0.1}, {"temperature", "min_p"}),
+        ("ollama", {"options": {"repeat_penalty": 1.2, "seed": -1, "stop": ["x"], "num_ctx": 99}}, {"repetition_penalty", "stop"}),
+    ],
+)
+def test_every_api_says_which_defaulted_fields_its_client_set(api, body, given):
+    from ringd.http import anthropic_api, ollama_api, openai_types, responses_api
+
+    messages = [{"role": "user", "content": "hi"}]
+    if api == "openai":
+        req = openai_types.parse_request({"model": "m", "messages": messages, **body}, chat=True).to_request()
+    elif api == "anthropic":
+        req = anthropic_api.parse({"model": "m", "messages": messages, "max_tokens": 5, **body}).request
+    elif api == "responses":
+        req = responses_api.parse({"model": "m", "input": "hi", **body}).request
+    else:
+        req = ollama_api.parse({"model": "m", "messages": messages, **body}, True, "m", 4096, False).request
+        assert req.context == 99
+    assert req.given == given
+
+
+def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_says_otherwise(store, smollm2_gguf):
+    """Stages of this process (tests/stagering.py), the real engine and serving.py, the requests parsed
+    by Ollama's and OpenAI's own translations: what the layers set reaches the ring."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ringd.http import ollama_api, openai_types
+    from ringd.http.errors import ApiError
+    from ringd.http.serving import Serving
+    from ringd.leader.engine import Engine
+    from ringd.metrics import Metrics
+    from tests.stagering import StageRing
+
+    digest = "0123456789abcdef" * 4
+    (store / "blobs").mkdir()
+    (store / "blobs" / f"sha256-{digest}").symlink_to(smollm2_gguf)
+    options = {"temperature": 0, "top_k": 20, "stop": ["capital"], "num_predict": 20, "num_ctx": 2048}
+    pull_layers(store, SMOL, {"digest": f"sha256:{digest}", "size": smollm2_gguf.stat().st_size}, [
+        (PARAMS, json.dumps(options).encode()), (SYSTEM, b"You are a helpful assistant."),
+    ])  # fmt: skip
+    info = model_info("ollama:smollm2")
+    assert info.defaults == dataclasses.replace(LAYER_DEFAULTS, source="ollama:smollm2") and info.chat_template is None
+    # What /api/show lists of them, and /api/ps's context
+    assert ollama_api.parameters(info) == [("num_ctx", "2048"), ("num_predict", "20"), ("temperature", "0"), ("top_k", "20"), ("stop", '"capital"')]
+    assert ollama_api.default_context(info) == 2048 < info.context_length
+    tokenizer = load_tokenizer(info)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+
+    async def main():
+        ring = StageRing(info.path, [], tokenizer)  # one stage: the ring's cuts are other tests' matter
+        engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0))
+        generate = engine.generate
+
+        def recorded(prompt, params, max_tokens, stop, *args, **kwargs):  # what reaches the engine, passed on to it
+            reached.append((params, max_tokens, stop))
+            return generate(prompt, params, max_tokens, stop, *args, **kwargs)
+
+        engine.generate = recorded
+        node = SimpleNamespace(
+            info=info, tokenizer=tokenizer, model_id="smollm2", engine=engine, readiness=lambda: (True, ""),
+            failover_wait_s=0.0, metrics=Metrics("node0"), chat_template_kwargs={},
+        )  # fmt: skip
+        serving = Serving(node)
+
+        async def run(req):
+            gen = await serving.open(req, None)
+            outs = [o async for o in gen]
+            return gen, "".join(o.text for o in outs), outs[-1]
+
+        try:
+            bare = ollama_api.parse({"model": "smollm2", "messages": question}, True, "smollm2", info.context_length, False).request
+            own = openai_types.parse_request(
+                {"model": "smollm2", "messages": [{"role": "system", "content": "You are a poet."}, *question],
+                 "temperature": 1.5, "seed": 7, "stop": ["zzz"], "max_tokens": 3}, chat=True,
+            ).to_request()  # fmt: skip
+            results = [await run(bare)]
+            gen = await serving.open(own, None)  # what it sets is what reaches the engine: no need to run it
+            await gen.aclose()
+            results.append(gen)
+            tight = ollama_api.parse({"model": "smollm2", "messages": question, "options": {"num_ctx": 16}}, True, "smollm2", info.context_length, False)
+            with pytest.raises(ApiError) as refused:
+                await serving.open(tight.request, None)
+            return results, refused.value
+        finally:
+            await ring.stop()
+
+    reached = []
+    [(bare, bare_text, bare_last), own], refused = asyncio.run(asyncio.wait_for(main(), 300))
+    bare_prompt = tokenizer.decode(bare.prompt)
+    (bare_params, bare_max, bare_stop), (own_params, own_max, own_stop) = reached
+    assert bare_params.temperature == 0 and bare_params.top_k == 20 and bare_stop == ["capital"] and bare_max == 20
+    assert bare_prompt.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
+    # Greedy (the layer's temperature 0), the answer is "The capital of France is Paris.": the layer's stop word ends it.
+    assert bare_last.finish_reason == "stop" and bare_last.stop_sequence == "capital" and bare_text == "The ", bare_text
+    own_prompt = tokenizer.decode(own.prompt)
+    assert own_params.temperature == 1.5 and own_params.seed == 7 and own_params.top_k == 20  # top_k: the layer's
+    assert own_stop == ["zzz"] and own_max == 3
+    assert "You are a poet." in own_prompt and "helpful" not in own_prompt
+    assert refused.status == 400 and "the context asked for (num_ctx) is 16" in refused.message
+
+
+def test_a_gguf_without_a_chat_template_renders_its_known_go_template_and_an_unknown_one_stops_the_start(store, smollm2_gguf, caplog):
+    """SmolLM2 (a ChatML model) with its tokenizer.chat_template key renamed away, as a GGUF converted
+    before chat templates were kept in the file, under Ollama's chatml template; then under a template
+    of a Modelfile's own."""
+    data = bytearray(smollm2_gguf.read_bytes())
+    at = data.index(b"tokenizer.chat_template")  # in the header, after the vocabulary
+    data[at : at + 23] = b"tokenizer.chat_templat_"  # same length: the rest of the header stands
+    model = blob(store, bytes(data))
+    pull_layers(store, SMOL, model, [(TEMPLATE, gotemplates.KNOWN["chatml"][0].encode()), (PARAMS, b'{"flash_attn": true}')])
+    with caplog.at_level("WARNING", logger="ringd.models.source"):
+        info = model_info("ollama:smollm2")
+    assert [r.getMessage() for r in caplog.records] == [
+        "ollama:smollm2: its params layer: option 'flash_attn' is not one Ollama knows; ignored, as Ollama ignores it"
+    ]
+    assert info.chat_template == gotemplates.jinja_for(gotemplates.KNOWN["chatml"][0], bos=adds_bos(GgufFile.open(info.path).meta))
+    tokenizer = load_tokenizer(info)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+    pull_layers(store, "registry.ollama.ai/library/smollm2/custom", model, [(TEMPLATE, b"<|user|>{{ .Prompt }}<|bot|>")])
+    with pytest.raises(ModelError, match=r"^ollama:smollm2:custom: its GGUF has no chat template .* \('<\|user\|>\{\{ \.Prompt \}\}<\|bot\|>'\)"):
+        model_info("ollama:smollm2:custom")
+
+
+def test_responses_echo_the_temperature_and_top_p_a_response_was_sampled_with():
+    from ringd.http import responses_api
+
+    p = responses_api.parse({"model": "m", "input": "hi", "top_p": 0.5})
+    echoed = responses_api.response_object(p, "resp_1", 1, "m", [], "in_progress", None, with_model_defaults(p.request, LAYER_DEFAULTS).params)
+    assert echoed["temperature"] == 0.0 and echoed["top_p"] == 0.5  # the layer's, and the request's own
