@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     local = sub.add_parser("local", help="run a ring of N daemon processes on this machine")
     local.add_argument("--nodes", type=int, required=True, help="number of daemon processes")
-    local.add_argument("--model", required=True, help="an mlx-lm model directory, a Hugging Face repo id, a .gguf file or ollama:NAME[:TAG]")
+    local.add_argument("--model", required=True, help="an mlx-lm model directory, a Hugging Face repo id, a .gguf file, OWNER/REPO:QUANT (a Hub GGUF repository's quant) or ollama:NAME[:TAG]")
     local.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help=f"the API's port (0: a free one); default {DEFAULT_HTTP_PORT}")
     local.add_argument("--host", default="127.0.0.1", help="the API's address; default 127.0.0.1")
     local.add_argument("--split", help="layers per node, e.g. 10,9,9 (default: even, low stages take the extra)")

@@ -237,7 +237,7 @@ KEYS: list[Key] = [
     Key("tls_cert", _optional(_str), None, "a certificate (PEM) of your own for the API, e.g. mkcert's; turns HTTPS on (needs tls_key; not with tls: auto)"),
     Key("tls_key", _optional(_str), None, "the unencrypted private key (PEM) of tls_cert"),
     Key("tls_ca", _optional(_str), None, "the CA (PEM) that issued the other nodes' own certificates (tls_cert), which this node checks a leader it forwards to with, besides the cluster CA (default: with tls_cert the system's store)"),
-    Key("model", _optional(_str), None, "mlx-lm model directory, Hugging Face repo id, .gguf file or ollama:NAME[:TAG]"),
+    Key("model", _optional(_str), None, "mlx-lm model directory, Hugging Face repo id, .gguf file, OWNER/REPO:QUANT (a Hub GGUF repository's quant, e.g. Q4_K_M; also hf.co/OWNER/REPO) or ollama:NAME[:TAG]"),
     Key("model_from_peers", _bool, False, "with no model of its own (or before the Hub), fetch the layers this node runs from peers that hold the model: config, tokenizer and its stages' tensors only, checked chunk by chunk"),
     Key("models_dir", _optional(_str), None, "where a model fetched from peers is kept, so the next start finds it (default: from-peers in ringd's cache)"),
     Key("draft_model", _optional(_str), None, "a small model sharing the served model's tokenizer, run whole on the leader for speculative decoding of greedy requests (directory, repo id or .gguf)"),
