@@ -14,8 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 from ringd.ring.plan import PlacementError, Plan, even_split, make_plan
+
+if TYPE_CHECKING:
+    from ringd.models.checkpoint import ModelInfo
 
 GIB = 2**30
 
@@ -94,6 +98,13 @@ class ModelCost:
     norm: int  # final norm bytes (last stage)
     head: int  # lm_head bytes (last stage); 0 = tied embeddings
     kv_per_layer: int = 0  # KV-cache bytes a stage must keep free per layer it holds (its KV reserve)
+
+    @classmethod
+    def of(cls, info: "ModelInfo", kv_reserve_tokens: int, kv_bits: int | None = None, kv_group_size: int = 64) -> "ModelCost":
+        """A model's cost: its weights by part, and room for ``kv_reserve_tokens`` positions of KV
+        cache per layer (in ``kv_bits`` when the cache is quantized)."""
+        w = info.weights
+        return cls(tuple(w.layers), w.embed, w.norm, w.head, info.kv_bytes_per_token(kv_bits, kv_group_size) * kv_reserve_tokens)
 
     def stage_bytes(self, start: int, end: int) -> int:
         """Weight bytes of a stage holding layers [start, end); the rule of ringd.models.checkpoint.WeightBytes.stage."""
@@ -407,6 +418,21 @@ def place(strategy: str, nodes: list[NodeSpec], cost: ModelCost, split: list[int
         counts = found
     it = iter(counts)
     return [0 if n.api_only else next(it) for n in nodes]
+
+
+def shortfall(nodes: list[NodeSpec], cost: ModelCost) -> str | None:
+    """Whether these nodes' memory holds the model: None when some split of its layers fits every
+    budget (weights plus KV reserve, the rule ``place`` refuses by, whatever the strategy), else
+    why not, as ``place`` says it."""
+    try:
+        active = _check_nodes(nodes, cost)
+    except PlacementError as e:
+        return str(e)
+    needs, budgets = _Needs(cost), [n.budget for n in active]
+    if _fits(needs, budgets, [needs.num_layers] * len(active)):
+        return None
+    target = even_split(needs.num_layers, len(active))
+    return str(_does_not_fit(active, needs, _least_short(needs, budgets, target), closest=True))
 
 
 def plan_for(

@@ -141,27 +141,33 @@ def hub_gguf(ref: hubref.HubRef, progress: LoadProgress | None = None) -> tuple[
 
 
 def _cached_snapshot(repo: str, cache: Path) -> tuple[Path, list[str]] | None:
-    """The snapshot of ``repo`` in the Hugging Face cache (the one refs/main names, else the newest)
-    and the .gguf files in it, as repository paths; None when the cache has none. No network."""
-    root = cache / f"models--{repo.replace('/', '--')}"
-    try:
-        commit = (root / "refs" / "main").read_text().strip()
-        snapshots = [root / "snapshots" / commit]
-    except OSError:
-        try:
-            snapshots = sorted((root / "snapshots").iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
-        except OSError:
+    """The snapshot of ``repo`` in the Hugging Face cache and the .gguf files in it, as repository
+    paths; None when the cache has none. No network."""
+    snapshot = hf_snapshot(cache / f"models--{repo.replace('/', '--')}")
+    if snapshot is None:
+        return None
+    files = []
+    for path in snapshot.rglob("*.gguf"):
+        if path.is_file():  # a symlink into blobs/; a dangling one is a file not (fully) fetched
+            files.append(path.relative_to(snapshot).as_posix())
+        if len(files) > MAX_CACHED_GGUFS:
             return None
-    for snapshot in snapshots:
-        files = []
-        for path in snapshot.rglob("*.gguf"):
-            if path.is_file():  # a symlink into blobs/; a dangling one is a file not (fully) fetched
-                files.append(path.relative_to(snapshot).as_posix())
-            if len(files) > MAX_CACHED_GGUFS:
-                return None
-        if files:
-            return snapshot, files
-    return None
+    return (snapshot, files) if files else None
+
+
+def hf_snapshot(repo_dir: Path) -> Path | None:
+    """A repository's snapshot folder in the Hugging Face cache (``repo_dir``: its
+    ``models--OWNER--NAME``): the one refs/main names, else the newest; None when there is none."""
+    try:
+        snapshot = repo_dir / "snapshots" / (repo_dir / "refs" / "main").read_text().strip()
+        if snapshot.is_dir():
+            return snapshot
+    except OSError:
+        pass
+    try:
+        return max((repo_dir / "snapshots").iterdir(), key=lambda p: p.stat().st_mtime, default=None)
+    except OSError:
+        return None
 
 
 def _fetch_gguf(ref: hubref.HubRef, progress: LoadProgress | None) -> Path:
