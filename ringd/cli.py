@@ -85,7 +85,7 @@ def _convert(model: str, out_dir: Path) -> int:
     try:
         file, _ = gguf_source(model)
         if file is None:
-            raise ModelError(f"{model}: not a GGUF file; convert takes a .gguf file or ollama:NAME")
+            raise ModelError(f"{model}: not a GGUF file; convert takes a .gguf file, OWNER/REPO:QUANT or ollama:NAME")
         if out_dir.exists() and any(out_dir.iterdir()):
             raise ModelError(f"{out_dir} exists and is not empty; name a new directory")
         g = GgufFile.open(file)
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tls", default="off", choices=["off", "auto"], help="auto: https, with certificates from the run's cluster CA (its file is printed)")
 
     convert = sub.add_parser("convert", help="write a GGUF file (or ollama:NAME) as an mlx-lm checkpoint directory")
-    convert.add_argument("model", help="a .gguf file, or ollama:NAME[:TAG]")
+    convert.add_argument("model", help="a .gguf file, OWNER/REPO:QUANT (a Hub GGUF repository's quant), or ollama:NAME[:TAG]")
     convert.add_argument("out_dir", help="the directory to write (must not exist, or be empty)")
 
     args = parser.parse_args(argv)

@@ -11,6 +11,7 @@ clocks and no randomness, so every node computing it gets the same plan.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -422,17 +423,31 @@ def place(strategy: str, nodes: list[NodeSpec], cost: ModelCost, split: list[int
 
 def shortfall(nodes: list[NodeSpec], cost: ModelCost) -> str | None:
     """Whether these nodes' memory holds the model: None when some split of its layers fits every
-    budget (weights plus KV reserve, the rule ``place`` refuses by, whatever the strategy), else
-    why not, as ``place`` says it."""
+    budget (weights plus KV reserve: the rule ``place`` refuses by, whatever the strategy), else
+    why not, in a line. Cheap (no search for the closest split, which ``place``'s error names)
+    and remembered for the last SHORTFALLS_KEPT (nodes, model) pairs: a model list asks it for
+    every model on disk each time it is read."""
+    return _holds(tuple(nodes), cost)
+
+
+# Answers shortfall keeps: a model list of up to 500 models (models/catalogue.py), twice over.
+SHORTFALLS_KEPT = 1024
+
+
+@functools.lru_cache(maxsize=SHORTFALLS_KEPT)
+def _holds(nodes: tuple[NodeSpec, ...], cost: ModelCost) -> str | None:
     try:
-        active = _check_nodes(nodes, cost)
+        active = _check_nodes(list(nodes), cost)
     except PlacementError as e:
         return str(e)
     needs, budgets = _Needs(cost), [n.budget for n in active]
     if _fits(needs, budgets, [needs.num_layers] * len(active)):
         return None
-    target = even_split(needs.num_layers, len(active))
-    return str(_does_not_fit(active, needs, _least_short(needs, budgets, target), closest=True))
+    # At least what one stage holding every layer needs: more stages only add (a tied head's copy).
+    least, have = needs(0, needs.num_layers), sum(b for b in budgets if b is not None)
+    if have < least:
+        return f"it needs at least {_size(least)} (weights + KV reserve) and the budgets of the {len(active)} node(s) holding layers add up to {_size(have)}: short by {_size(least - have)}"
+    return f"the budgets of the {len(active)} node(s) holding layers add up to {_size(have)}, but no split of its layers fits every node's budget"
 
 
 def plan_for(

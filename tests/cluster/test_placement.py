@@ -216,7 +216,9 @@ def test_shortfall_says_whether_placement_can_hold_the_model(ring):
     try:
         place("balanced", nodes, cost)
     except PlacementError as e:
-        assert why is not None and ("short by" in why) == ("short by" in str(e))
+        assert why is not None
+        if "add up to" not in why:  # not a matter of memory: too many nodes, or none holding layers
+            assert why == str(e)
     else:
         assert why is None
 
