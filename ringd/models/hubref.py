@@ -131,8 +131,9 @@ def parts(files: list[str], first: str) -> list[str]:
     return [by_index[i] for i in range(1, s.count + 1)]
 
 
-def pick(files: list[str], quant: str | None, what: str = "the repository") -> list[str]:
-    """The file of ``quant`` among ``files`` (a repository's paths), with its split parts in order.
+def pick(files: list[str], quant: str | None, what: str = "the repository", any_file: bool = True) -> list[str]:
+    """The file of ``quant`` among ``files`` (a repository's paths), with its split parts in order;
+    without a quant, the first of DEFAULT_QUANTS there, else (``any_file``) the first model file.
 
     ModelError when none matches: it lists the quants ``what`` has, or says it has no GGUF model file.
     """
@@ -146,7 +147,7 @@ def pick(files: list[str], quant: str | None, what: str = "the repository") -> l
         ggufs = [f for f in files if f.lower().endswith(".gguf")]
         extra = f" (only {', '.join(sorted(ggufs)[:5])}, which are not models)" if ggufs else ""
         raise ModelError(f"{what} has no GGUF model file{extra}")
-    if not quant:
+    if not quant and any_file:
         return parts(files, candidates[0])
     have = quants(files)
-    raise ModelError(f"{what} has no {quant} file; its quants: {', '.join(have) if have else 'none named in its files'} ({len(candidates)} model file(s))")
+    raise ModelError(f"{what} has no {quant or ' or '.join(DEFAULT_QUANTS)} file; its quants: {', '.join(have) if have else 'none named in its files'} ({len(candidates)} model file(s))")

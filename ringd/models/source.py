@@ -4,8 +4,8 @@ A model is named by an mlx-lm directory, a Hugging Face repo id, a GGUF file,
 ``ollama:NAME[:TAG]``, a GGUF in the local Ollama store (``ollama.py`` finds it), or
 ``OWNER/REPO:QUANT`` (``hf.co/OWNER/REPO[:QUANT]``), the file of that quant in a GGUF
 repository on the Hub (``hubref.py`` picks it; the Hugging Face cache is looked in
-first, so a model once fetched starts offline); a model fetched from peers (``peers.py``) is a directory that also holds a record of
-whose model it is. ``model_info`` turns any of these into a ``ModelInfo``: it finds
+first, so a model once fetched starts offline); a model fetched from peers
+(``peers.py``) is a directory that also holds a record of whose model it is. ``model_info`` turns any of these into a ``ModelInfo``: it finds
 the files (a repo id is fetched into the Hugging Face cache, only the files asked
 for, so a stage can fetch its own layers' files, with progress), has them read
 (``checkpoint.py`` a directory, ``gguf.py`` a GGUF file), fingerprints them
@@ -118,7 +118,8 @@ def hub_gguf(ref: hubref.HubRef, progress: LoadProgress | None = None) -> tuple[
     if cached is not None:
         snapshot, files = cached
         try:
-            first = snapshot / hubref.pick(files, ref.quant)[0]
+            # Online, a name without a quant fetches the default rather than take any file the cache has.
+            first = snapshot / hubref.pick(files, ref.quant, any_file=bool(constants.HF_HUB_OFFLINE))[0]
         except ModelError:
             if constants.HF_HUB_OFFLINE:
                 have = hubref.quants(files)

@@ -49,6 +49,8 @@ def test_a_quant_picks_its_file_as_llama_cpp_does():
     assert pick(BARTOWSKI, None) == ["SmolLM2-135M-Instruct-Q4_K_M.gguf"]  # the default
     assert pick([f for f in BARTOWSKI if "Q4_K_M" not in f], None) == ["SmolLM2-135M-Instruct-Q8_0.gguf"]
     assert pick(["a/model-IQ4_XS.gguf", "b/model-F16.gguf"], None) == ["a/model-IQ4_XS.gguf"]  # else the first
+    with pytest.raises(ModelError, match="has no Q4_K_M or Q8_0 file; its quants: F16, IQ4_XS"):
+        pick(["a/model-IQ4_XS.gguf", "b/model-F16.gguf"], None, any_file=False)
     assert quants(BARTOWSKI) == ["F16", "IQ4_XS", "Q4_K_L", "Q4_K_M", "Q8_0"]
     with pytest.raises(ModelError, match=r"has no Q5_K_M file; its quants: F16, IQ4_XS, Q4_K_L, Q4_K_M, Q8_0"):
         pick(BARTOWSKI, "Q5_K_M")
