@@ -177,6 +177,8 @@ class Daemon:
             self.cluster.links.dial(*parse_hostport(peer), persistent=True)
         if cfg.discovery:
             self.supervisor.once("discovery", self._discover(addresses, ring_port, http_port))
+        # The model list's first scan, now rather than on the first client's request.
+        self.supervisor.once("model list", self._scan_models())
         self.supervisor.forever("session expiry", self._expire_loop)
         log.info(
             "ringd node %s up: ring %s, http %s://%s, model %s (%d layers), priority %d%s",
@@ -307,6 +309,9 @@ class Daemon:
 
     def members(self) -> set[str]:
         return set(self.cluster.election.members) if self.cluster else {self.name}
+
+    async def _scan_models(self) -> None:
+        await self.catalogue.listing()
 
     def fit_rule(self) -> Callable[[ModelInfo], str | None]:
         """placement.shortfall over the members as they are now (each one's budget, api_only or not)."""
