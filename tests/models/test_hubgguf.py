@@ -11,9 +11,13 @@ imported.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
+from conftest import REPO as REPO_ROOT
+from conftest import wait_for_line
 from fakehub import FakeHub
 from ggufmake import write_gguf
 
@@ -107,3 +111,22 @@ def test_a_quant_is_fetched_alone_with_progress_and_then_starts_offline(tiny_mod
     assert q8_offline["path"] == default_offline["path"] == first["path"] and q8_offline["layers"] == 2
     assert "not in the Hugging Face cache" in q4_offline["error"] and "HF_HUB_OFFLINE is set" in q4_offline["error"]
     assert "F16, Q8_0" in q4_offline["error"]  # what the cache does hold of the repository
+
+
+def test_ringd_local_prints_the_fetch_of_a_hub_gguf(tiny_model, tmp_path):
+    """`ringd local --model OWNER/REPO:QUANT` fetches the file before any node starts, and says so."""
+    model = tiny_model(arch="llama", layers=2)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_gguf(model, repo / "Tiny-Q8_0.gguf", qtype="q8_0")
+    with FakeHub({REPO: repo}) as hub:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ringd", "local", "--nodes", "1", "--model", f"hf.co/{REPO}:Q8_0", "--port", "0"],
+            cwd=REPO_ROOT, env=hub.env(tmp_path / "hf"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+        )  # fmt: skip
+        try:
+            line = wait_for_line(proc, "downloaded", 60)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+    assert line.startswith(f"ringd local: downloaded {REPO}:Q8_0: ") and "in 1 file" in line
