@@ -180,13 +180,10 @@ class Catalogue:
             if path.is_dir():
                 self._add_dir(out, str(path), MODELS_DIR, path)
             elif hubref.is_model_file(path.name) and (s := hubref.split_info(path.name)) and s.index == 1:
-                parts = [path]
-                if s.count > 1:
-                    try:
-                        parts = [path.parent / p for p in hubref.parts([p.name for p in path.parent.iterdir()], path.name)]
-                    except (ModelError, OSError):
-                        continue
-                self._add_gguf(out, str(path), MODELS_DIR, path, parts)
+                # A split's other parts by their names (not by listing the folder again).
+                parts = [path.with_name(f"{s.prefix}-{i:05d}-of-{s.count:05d}{path.suffix}") for i in range(1, s.count + 1)]
+                if s.count == 1 or all(p.is_file() for p in parts):
+                    self._add_gguf(out, str(path), MODELS_DIR, path, parts if s.count > 1 else [path])
 
     # --- bounded walking ---------------------------------------------------------------
 
