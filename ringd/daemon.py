@@ -89,7 +89,7 @@ class Daemon:
         self.budget: int | None = None  # bytes for weights + KV cache, from the profile and memory_budget_gb
         self.peer_model: PeerModel | None = None  # the model, fetched from peers (model_from_peers)
         self.files: Holding | None = None  # the model this node serves to peers fetching theirs
-        # The models on this machine that the model list shows (scanned when someone asks).
+        # The models on this machine that the model list shows (scanned at start, then as asked).
         self.catalogue = Catalogue(cfg.models_path)
         self.addr = ""
         self.http_addr = ""

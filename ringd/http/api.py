@@ -4,8 +4,9 @@ Which route runs what: each route that generates runs the endpoint driver
 (``endpoint.py``: the one request lifecycle) with its API's translation
 (``openai_api.py``, ``responses_api.py``, ``anthropic_api.py``,
 ``ollama_api.py``); the leader serves them through its ``Engine``, a follower
-forwards them (``proxy.py``). Every node answers ``/health``, ``/cluster/status``
-and ``/metrics`` about itself. Errors have each API's own shape and status
+forwards them (``proxy.py``). Every node answers ``/health``, ``/cluster/status``,
+``/metrics`` and the model list (``/v1/models``, ``/api/tags``, ``/cluster/models``:
+``models_list.py``) about itself. Errors have each API's own shape and status
 (``ERROR_SHAPES``); a malformed request is answered and forgotten, and nothing
 a client sends can take the node down. A client that goes away mid-stream
 cancels its request, which frees its caches on every stage.
