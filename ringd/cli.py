@@ -85,7 +85,7 @@ def _convert(model: str, out_dir: Path) -> int:
     try:
         file, _ = gguf_source(model)
         if file is None:
-            raise ModelError(f"{model}: not a GGUF file; convert takes a .gguf file or ollama:NAME")
+            raise ModelError(f"{model}: not a GGUF file; convert takes a .gguf file, OWNER/REPO:QUANT or ollama:NAME")
         if out_dir.exists() and any(out_dir.iterdir()):
             raise ModelError(f"{out_dir} exists and is not empty; name a new directory")
         g = GgufFile.open(file)
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     local = sub.add_parser("local", help="run a ring of N daemon processes on this machine")
     local.add_argument("--nodes", type=int, required=True, help="number of daemon processes")
-    local.add_argument("--model", required=True, help="an mlx-lm model directory, a Hugging Face repo id, a .gguf file or ollama:NAME[:TAG]")
+    local.add_argument("--model", required=True, help="an mlx-lm model directory, a Hugging Face repo id, a .gguf file, OWNER/REPO:QUANT (a Hub GGUF repository's quant) or ollama:NAME[:TAG]")
     local.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help=f"the API's port (0: a free one); default {DEFAULT_HTTP_PORT}")
     local.add_argument("--host", default="127.0.0.1", help="the API's address; default 127.0.0.1")
     local.add_argument("--split", help="layers per node, e.g. 10,9,9 (default: even, low stages take the extra)")
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tls", default="off", choices=["off", "auto"], help="auto: https, with certificates from the run's cluster CA (its file is printed)")
 
     convert = sub.add_parser("convert", help="write a GGUF file (or ollama:NAME) as an mlx-lm checkpoint directory")
-    convert.add_argument("model", help="a .gguf file, or ollama:NAME[:TAG]")
+    convert.add_argument("model", help="a .gguf file, OWNER/REPO:QUANT (a Hub GGUF repository's quant), or ollama:NAME[:TAG]")
     convert.add_argument("out_dir", help="the directory to write (must not exist, or be empty)")
 
     args = parser.parse_args(argv)

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import yaml
 
 from ringd.cluster.links import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S
+from ringd.device import default_cache_dir
 from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S
 from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, MAX_NUM_DRAFT
@@ -41,6 +42,8 @@ from ringd.tls import TlsSettings
 # Where `ringd serve` and `ringctl` look for the cluster secret unless told
 # otherwise (the README has users put it there).
 DEFAULT_SECRET_FILE = "~/.config/ringd/secret"
+# models_dir when it is not set: a folder in ringd's cache (ringd.device.default_cache_dir).
+DEFAULT_MODELS_DIR = "from-peers"
 # The secret authenticates every ring connection; shorter ones are guessable.
 MIN_SECRET_BYTES = 16
 # API keys are bearer tokens anyone can try over HTTP; shorter ones are guessable.
@@ -237,9 +240,9 @@ KEYS: list[Key] = [
     Key("tls_cert", _optional(_str), None, "a certificate (PEM) of your own for the API, e.g. mkcert's; turns HTTPS on (needs tls_key; not with tls: auto)"),
     Key("tls_key", _optional(_str), None, "the unencrypted private key (PEM) of tls_cert"),
     Key("tls_ca", _optional(_str), None, "the CA (PEM) that issued the other nodes' own certificates (tls_cert), which this node checks a leader it forwards to with, besides the cluster CA (default: with tls_cert the system's store)"),
-    Key("model", _optional(_str), None, "mlx-lm model directory, Hugging Face repo id, .gguf file or ollama:NAME[:TAG]"),
+    Key("model", _optional(_str), None, "mlx-lm model directory, Hugging Face repo id, .gguf file, OWNER/REPO:QUANT (a Hub GGUF repository's quant, e.g. Q4_K_M; also hf.co/OWNER/REPO) or ollama:NAME[:TAG]"),
     Key("model_from_peers", _bool, False, "with no model of its own (or before the Hub), fetch the layers this node runs from peers that hold the model: config, tokenizer and its stages' tensors only, checked chunk by chunk"),
-    Key("models_dir", _optional(_str), None, "where a model fetched from peers is kept, so the next start finds it (default: from-peers in ringd's cache)"),
+    Key("models_dir", _optional(_str), None, f"a folder of models (GGUF files, mlx-lm directories, a few folders deep) that the model list shows besides the Ollama store and the Hugging Face cache, and where a model fetched from peers is kept (default: {DEFAULT_MODELS_DIR} in ringd's cache)"),
     Key("draft_model", _optional(_str), None, "a small model sharing the served model's tokenizer, run whole on the leader for speculative decoding of greedy requests (directory, repo id or .gguf)"),
     Key("num_draft_tokens", _int_between(1, MAX_NUM_DRAFT), DEFAULT_NUM_DRAFT, f"tokens the draft model proposes per step (1 to {MAX_NUM_DRAFT})", int),
     Key("model_id", _optional(_str), None, "model name the API serves (default: the model's directory or repo name)"),
@@ -342,6 +345,11 @@ class Config:
     @property
     def memory_budget_bytes(self) -> int | None:
         return None if self.memory_budget_gb is None else int(self.memory_budget_gb * 2**30)
+
+    @property
+    def models_path(self) -> Path:
+        """models_dir, or its default in ringd's cache."""
+        return Path(self.models_dir).expanduser() if self.models_dir else default_cache_dir() / DEFAULT_MODELS_DIR
 
     @property
     def expected_nodes(self) -> int:

@@ -7,7 +7,9 @@ the leader's throughput and any model download or load under way, with
 its file, bytes and rate (``--json`` for the raw document); ``plan`` the ring's order and layer ranges;
 ``leader set NODE`` pins the leader (the pin outlives restarts) and ``leader
 auto`` unpins; ``drain NODE`` keeps a node out of the ring (``--undo`` takes it
-back). It talks HTTP to any one node (``--node HOST:PORT``, default the local
+back); ``models`` lists every model the node could serve (the Ollama store, the
+Hugging Face cache, its ``models_dir``; the loaded one marked) with its size,
+quant and architecture, and whether the cluster's memory holds it. It talks HTTP to any one node (``--node HOST:PORT``, default the local
 daemon) and never to the ring port.
 
 A node with TLS on answers plain HTTP with a 400 that says so; ringctl then
@@ -275,6 +277,38 @@ def _number(v) -> float | None:
 def _mib(n) -> str:
     n = _number(n)
     return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def print_models(doc: dict) -> None:
+    """``ringctl models``: one row a model, the loaded one marked, then why any cannot run."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    table = Table(title=f"models on {doc.get('node') or '?'}")
+    for col in ("", "name", "source", "format", "quant", "arch", "layers", "size MiB", "fits"):
+        table.add_column(col, justify="right" if col in ("layers", "size MiB") else "left", no_wrap=col == "name")
+    notes = []
+    for m in doc.get("models") or []:
+        if not isinstance(m, dict):
+            continue
+        fits = {True: "yes", False: "no", None: "-"}.get(m.get("fits"), "-")
+        if m.get("error"):
+            fits = "cannot serve"
+            notes.append(f"{m.get('name')}: {m['error']}")
+        elif m.get("fits") is False:
+            notes.append(f"{m.get('name')}: {m.get('fit')}")
+        table.add_row(
+            "●" if m.get("loaded") else "", str(m.get("name", "?")), str(m.get("source") or "-"), str(m.get("format") or "-"),
+            str(m.get("quant") or "-"), str(m.get("architecture") or "-"), str(m.get("layers") or "-"), _mib(m.get("size")), fits,
+        )  # fmt: skip
+    console.print(table)
+    for line in notes:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if doc.get("truncated"):
+        console.print("(the list stopped short: more models are on disk than one listing reads)", markup=False)
 
 
 def _layers(n: dict) -> str:
@@ -674,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
         "--interval", type=_interval, default=TOP_INTERVAL_S, metavar="SECONDS", help=f"seconds between polls (default {TOP_INTERVAL_S:g})"
     )
     sub.add_parser("plan", help="the ring's order and layer ranges")
+    models = sub.add_parser("models", help="every model the node could serve, the loaded one marked, and whether the cluster's memory holds it")
+    models.add_argument("--json", action="store_true", help="print the raw list")
     sub.add_parser("tls-ca", help="print the cluster CA (PEM) that nodes with tls: auto are issued by: clients trust this file")
     leader = sub.add_parser("leader", help="pin the leader (set NODE) or let the election decide (auto)")
     leader_sub = leader.add_subparsers(dest="action", required=True)
@@ -708,6 +744,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(doc, indent=2)) if args.json else print_status(doc)
         elif args.command == "top":
             return top(args.node, creds, args.interval)
+        elif args.command == "models":
+            doc = fetch(args.node, "/cluster/models", creds=creds)
+            print(json.dumps(doc, indent=2)) if args.json else print_models(doc)
         elif args.command == "plan":
             print_plan(fetch(args.node, "/cluster/status", creds=creds))
         elif args.command == "leader":

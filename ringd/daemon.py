@@ -23,6 +23,7 @@ import logging
 import socket
 import time
 from pathlib import Path
+from typing import Callable
 
 from ringd.node.coordinator import Coordinator
 from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_order, local_networks, own_addresses
@@ -37,6 +38,8 @@ from ringd.http.files import Holding
 from ringd.leader.draft import Drafter
 from ringd.leader.engine import Engine
 from ringd.metrics import Gauges, Metrics
+from ringd.cluster.placement import ModelCost, NodeSpec, shortfall
+from ringd.models.catalogue import Catalogue
 from ringd.models.checkpoint import ModelInfo, load_tokenizer, weights_complete
 from ringd.models.source import model_info
 from ringd.models.errors import ModelError
@@ -86,6 +89,8 @@ class Daemon:
         self.budget: int | None = None  # bytes for weights + KV cache, from the profile and memory_budget_gb
         self.peer_model: PeerModel | None = None  # the model, fetched from peers (model_from_peers)
         self.files: Holding | None = None  # the model this node serves to peers fetching theirs
+        # The models on this machine that the model list shows (scanned at start, then as asked).
+        self.catalogue = Catalogue(cfg.models_path)
         self.addr = ""
         self.http_addr = ""
         self.tls: TlsSettings | None = None
@@ -172,6 +177,8 @@ class Daemon:
             self.cluster.links.dial(*parse_hostport(peer), persistent=True)
         if cfg.discovery:
             self.supervisor.once("discovery", self._discover(addresses, ring_port, http_port))
+        # The model list's first scan, now rather than on the first client's request.
+        self.supervisor.once("model list", self._scan_models())
         self.supervisor.forever("session expiry", self._expire_loop)
         log.info(
             "ringd node %s up: ring %s, http %s://%s, model %s (%d layers), priority %d%s",
@@ -302,6 +309,20 @@ class Daemon:
 
     def members(self) -> set[str]:
         return set(self.cluster.election.members) if self.cluster else {self.name}
+
+    async def _scan_models(self) -> None:
+        await self.catalogue.listing()
+
+    def fit_rule(self) -> Callable[[ModelInfo], str | None]:
+        """placement.shortfall over the members as they are now (each one's budget, api_only or not)."""
+        nodes = []
+        for node in sorted(self.members()):
+            info = self._own if node == self.name else self.cluster.info_of(node)
+            budget = self.budget if node == self.name else info.get("budget")
+            budget = budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
+            nodes.append(NodeSpec(node, "", budget, api_only=info.get("api_only") is True))
+        cfg = self.cfg
+        return lambda info: shortfall(nodes, ModelCost.of(info, cfg.kv_reserve_tokens, cfg.kv_bits, cfg.kv_group_size))
 
     def readiness(self) -> tuple[bool, str]:
         if self.stopping:

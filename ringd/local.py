@@ -12,6 +12,7 @@ It is the launcher, not the daemon: everything it does goes through the same
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -102,6 +103,13 @@ def run_local(
     from ringd.models.source import model_info
     from ringd.models.errors import ModelError
 
+    # A Hub GGUF (OWNER/REPO:QUANT) is fetched here, whole, before any node starts: the lines its
+    # progress logs (models/progress.py) are printed as they come.
+    shown = logging.StreamHandler(sys.stdout)
+    shown.setFormatter(logging.Formatter("ringd local: %(message)s"))
+    progress_log = logging.getLogger("ringd.models.progress")
+    progress_log.addHandler(shown)
+    progress_log.setLevel(logging.INFO)
     try:
         info = model_info(model)
         # The leader makes this same plan; checking it here fails fast and plainly.
@@ -109,6 +117,8 @@ def run_local(
     except (ModelError, PlacementError) as e:
         print(f"ringd local: {e}", file=sys.stderr)
         return 2
+    finally:
+        progress_log.removeHandler(shown)
     # Every node's listeners, bound here and handed down (listeners.py): no port is free
     # between its choice and its use. The API of node0 on --port, the rest where the kernel says.
     rings: list = []

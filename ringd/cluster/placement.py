@@ -11,11 +11,16 @@ clocks and no randomness, so every node computing it gets the same plan.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 from ringd.ring.plan import PlacementError, Plan, even_split, make_plan
+
+if TYPE_CHECKING:
+    from ringd.models.checkpoint import ModelInfo
 
 GIB = 2**30
 
@@ -94,6 +99,13 @@ class ModelCost:
     norm: int  # final norm bytes (last stage)
     head: int  # lm_head bytes (last stage); 0 = tied embeddings
     kv_per_layer: int = 0  # KV-cache bytes a stage must keep free per layer it holds (its KV reserve)
+
+    @classmethod
+    def of(cls, info: "ModelInfo", kv_reserve_tokens: int, kv_bits: int | None = None, kv_group_size: int = 64) -> "ModelCost":
+        """A model's cost: its weights by part, and room for ``kv_reserve_tokens`` positions of KV
+        cache per layer (in ``kv_bits`` when the cache is quantized)."""
+        w = info.weights
+        return cls(tuple(w.layers), w.embed, w.norm, w.head, info.kv_bytes_per_token(kv_bits, kv_group_size) * kv_reserve_tokens)
 
     def stage_bytes(self, start: int, end: int) -> int:
         """Weight bytes of a stage holding layers [start, end); the rule of ringd.models.checkpoint.WeightBytes.stage."""
@@ -407,6 +419,35 @@ def place(strategy: str, nodes: list[NodeSpec], cost: ModelCost, split: list[int
         counts = found
     it = iter(counts)
     return [0 if n.api_only else next(it) for n in nodes]
+
+
+def shortfall(nodes: list[NodeSpec], cost: ModelCost) -> str | None:
+    """Whether these nodes' memory holds the model: None when some split of its layers fits every
+    budget (weights plus KV reserve: the rule ``place`` refuses by, whatever the strategy), else
+    why not, in a line. Cheap (no search for the closest split, which ``place``'s error names)
+    and remembered for the last SHORTFALLS_KEPT (nodes, model) pairs: a model list asks it for
+    every model on disk each time it is read."""
+    return _holds(tuple(nodes), cost)
+
+
+# Answers shortfall keeps: a model list of up to 500 models (models/catalogue.py), twice over.
+SHORTFALLS_KEPT = 1024
+
+
+@functools.lru_cache(maxsize=SHORTFALLS_KEPT)
+def _holds(nodes: tuple[NodeSpec, ...], cost: ModelCost) -> str | None:
+    try:
+        active = _check_nodes(list(nodes), cost)
+    except PlacementError as e:
+        return str(e)
+    needs, budgets = _Needs(cost), [n.budget for n in active]
+    if _fits(needs, budgets, [needs.num_layers] * len(active)):
+        return None
+    # At least what one stage holding every layer needs: more stages only add (a tied head's copy).
+    least, have = needs(0, needs.num_layers), sum(b for b in budgets if b is not None)
+    if have < least:
+        return f"it needs at least {_size(least)} (weights + KV reserve) and the budgets of the {len(active)} node(s) holding layers add up to {_size(have)}: short by {_size(least - have)}"
+    return f"the budgets of the {len(active)} node(s) holding layers add up to {_size(have)}, but no split of its layers fits every node's budget"
 
 
 def plan_for(

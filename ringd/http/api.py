@@ -4,8 +4,9 @@ Which route runs what: each route that generates runs the endpoint driver
 (``endpoint.py``: the one request lifecycle) with its API's translation
 (``openai_api.py``, ``responses_api.py``, ``anthropic_api.py``,
 ``ollama_api.py``); the leader serves them through its ``Engine``, a follower
-forwards them (``proxy.py``). Every node answers ``/health``, ``/cluster/status``
-and ``/metrics`` about itself. Errors have each API's own shape and status
+forwards them (``proxy.py``). Every node answers ``/health``, ``/cluster/status``,
+``/metrics`` and the model list (``/v1/models``, ``/api/tags``, ``/cluster/models``:
+``models_list.py``) about itself. Errors have each API's own shape and status
 (``ERROR_SHAPES``); a malformed request is answered and forgotten, and nothing
 a client sends can take the node down. A client that goes away mid-stream
 cancels its request, which frees its caches on every stage.
@@ -26,7 +27,6 @@ few at a time (``serving.py``).
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 import socket
 import ssl
@@ -39,7 +39,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from ringd import logs
 from ringd.auth import AuthError, ControlAuth, is_signed, sign
-from ringd.http import anthropic_api, embeddings, ollama_api, openai_api, responses_api
+from ringd.http import anthropic_api, embeddings, models_list, ollama_api, openai_api, responses_api
 from ringd.http.endpoint import Endpoint
 from ringd.http.errors import ApiError
 from ringd.http.files import FileServer
@@ -202,6 +202,7 @@ class Api:
                 web.get("/v1/models/{model:.+}", self.model),
                 web.get("/health", self.health),
                 web.get("/cluster/status", self.cluster_status),
+                web.get("/cluster/models", self.cluster_models),
                 web.post("/cluster/leader", self.set_leader),
                 web.post("/cluster/drain", self.drain),
                 *FileServer(node).routes(),
@@ -358,6 +359,15 @@ class Api:
                 self.intake.need_key(request)
         return web.json_response(await self.d.cluster_status())
 
+    async def cluster_models(self, request: web.Request) -> web.Response:
+        """The model list with every fact, paths too (``ringctl models``); guarded as /cluster/status."""
+        if self.d.api_keys:
+            if is_signed(request.headers):
+                await self._need_secret(request, b"")
+            else:
+                self.intake.need_key(request)
+        rows, truncated = await models_list.rows(self.d)
+        return web.json_response({"node": self.d.name, "models": rows, "truncated": truncated})
 
     async def dashboard(self, request: web.Request) -> web.Response:
         """The page that draws the ring live (ringd/http/web/); it reads /cluster/status like ringctl does."""
@@ -366,21 +376,17 @@ class Api:
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=self._openapi, content_type="application/json")
 
-    def _model(self) -> dict:
-        """The served model in OpenAI's shape and Anthropic's at once (each SDK reads its own
-        fields), so either client's models.list() and models.retrieve() work on one route."""
-        model_id, started = self.d.model_id, self.d.started
-        created_at = datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
-        return {"id": model_id, "object": "model", "created": started, "owned_by": "ringd", "type": "model", "display_name": model_id, "created_at": created_at}
-
     async def models(self, request: web.Request) -> web.Response:
+        """Every model the node could serve (``models_list.py``), the loaded one first."""
         self.intake.need_key(request)
-        model_id = self.d.model_id
-        return web.json_response({"object": "list", "data": [self._model()], "has_more": False, "first_id": model_id, "last_id": model_id})
+        rows, _ = await models_list.rows(self.d)
+        data = [models_list.openai_model(rows[0], self.d.started), *map(models_list.openai_model, rows[1:])]
+        return web.json_response({"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]})
 
     async def model(self, request: web.Request) -> web.Response:
         self.intake.need_key(request)
         asked = request.match_info["model"]
         if asked != self.d.model_id:
             raise ApiError(404, f"model {brief_repr(asked)} is not served here; this ring serves {self.d.model_id!r}", "model", "model_not_found")
-        return web.json_response(self._model())
+        rows, _ = await models_list.rows(self.d)
+        return web.json_response(models_list.openai_model(rows[0], self.d.started))

@@ -9,9 +9,10 @@ for it.
 from __future__ import annotations
 
 import ssl
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
+    from ringd.models.catalogue import Catalogue
     from ringd.http.files import Holding
     from ringd.leader.engine import Engine
     from ringd.metrics import Metrics
@@ -31,6 +32,7 @@ class ApiNode(Protocol):
     failover_wait_s: float  # how long a request waits for the next ring when the last was lost
     files: "Holding | None"  # the model this node serves to peers fetching theirs (http/files.py)
     client_ssl: ssl.SSLContext | None  # whom this node trusts when it calls a peer's https API (tls.client_context)
+    catalogue: "Catalogue | None"  # the models on this machine that the model list shows (models/catalogue.py)
 
     @property
     def engine(self) -> "Engine | None": ...
@@ -46,5 +48,9 @@ class ApiNode(Protocol):
     def leader_http(self) -> str | None: ...
     async def leader_changed(self) -> None: ...
     def members(self) -> set[str]: ...
+    def fit_rule(self) -> Callable[["ModelInfo"], str | None]:
+        """Whether the cluster's memory holds a model, as placement would place it over the members'
+        budgets as they are now: None if it does, else why not. Pure: callable off the loop."""
+        ...
     def set_pin(self, node: str | None) -> dict: ...
     def drain(self, node: str, undo: bool) -> None: ...

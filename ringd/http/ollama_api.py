@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from ringd.http import models_list
 from ringd.http.errors import ApiError
 from ringd.http.fields import (
     MAX_MESSAGES,
@@ -546,11 +547,15 @@ class Models:
         return self._described
 
     async def tags(self, request: web.Request) -> web.Response:
+        """The loaded model as ``describe`` has it, then every other model the node could serve
+        (``models_list.py``), each with its size, quant, architecture and fit."""
         self.intake.need_key(request)
         d = await self._description()
+        rows, _ = await models_list.rows(self.d)
         name = ollama_name(self.d.model_id)
         model = {"name": name, "model": name, "modified_at": d["modified_at"], "size": d["size"], "digest": d["digest"], "details": d["details"]}
-        return web.json_response({"models": [model]})
+        model |= {k: v for k, v in models_list.ollama_model(rows[0]).items() if k not in model}
+        return web.json_response({"models": [model, *map(models_list.ollama_model, rows[1:])]})
 
     async def ps(self, request: web.Request) -> web.Response:
         self.intake.need_key(request)

@@ -59,11 +59,13 @@ class LoadProgress:
     config is still being read) the phase is "load" with nothing to count yet.
     ``cancel`` (from any thread) makes the next ``start_file`` or ``advance`` raise
     LoadCancelled: that is how a download of many GB stops when its node does.
-    ``clock`` is injectable so tests step time instead of sleeping.
+    ``clock`` is injectable so tests step time instead of sleeping. ``subject`` names what is
+    brought in when it is not a stage's layers (a whole GGUF file fetched at start: its model).
     """
 
-    def __init__(self, start: int, end: int, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, start: int, end: int, *, clock: Callable[[], float] = time.monotonic, subject: str = ""):
         self.layers = (start, end)
+        self.subject = subject
         self._clock = clock
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
@@ -76,8 +78,7 @@ class LoadProgress:
 
     def _check_cancelled(self) -> None:
         if self._cancelled.is_set():
-            start, end = self.layers
-            raise LoadCancelled(f"the load of layers [{start}, {end}) was given up")
+            raise LoadCancelled(f"the load of {self._what()} was given up")
 
     def _reset(self, phase: str, sizes: Mapping[str, int | None]) -> None:
         if phase not in PHASES:
@@ -149,11 +150,14 @@ class LoadProgress:
             done, files = self._bytes, len(self._sizes)
             phase = self._phase
         rate = f", {format_bytes(done / elapsed)}/s" if elapsed > 0 else ""
-        start, end = self.layers
         log.info(
-            "%s layers [%d, %d): %s in %d file%s, %.1f s%s",
-            _VERBS[phase][1], start, end, format_bytes(done), files, "" if files == 1 else "s", elapsed, rate,
+            "%s %s: %s in %d file%s, %.1f s%s",
+            _VERBS[phase][1], self._what(), format_bytes(done), files, "" if files == 1 else "s", elapsed, rate,
         )  # fmt: skip
+
+    def _what(self) -> str:
+        start, end = self.layers
+        return self.subject or f"layers [{start}, {end})"
 
     def _add_file(self, file: str) -> None:
         if file not in self._sizes:  # a file the phase did not announce: counted, size unknown
@@ -188,6 +192,7 @@ class LoadProgress:
             "total_bytes": self._total(),
             "rate_bytes_s": round(self._rate(now), 1),
             "layers": list(self.layers),
+            **({"subject": self.subject} if self.subject else {}),
         }
 
     def to_wire(self) -> dict:
@@ -218,8 +223,9 @@ def describe(p: Mapping) -> str:
     """One line from a progress's wire form, e.g. ``downloading layers [3, 6): 1.2 GiB of 3.4 GiB
     (35%), 80.0 MiB/s, model-00002-of-00004.safetensors (2 of 4 files)``."""
     layers = p.get("layers") or ["?", "?"]
+    what = p.get("subject") if isinstance(p.get("subject"), str) and p.get("subject") else f"layers [{layers[0]}, {layers[1]})"
     done, total = p.get("bytes") or 0, p.get("total_bytes") or 0
-    line = f"{verb(p.get('phase'))} layers [{layers[0]}, {layers[1]}): {format_bytes(done)} of {format_bytes(total)}"
+    line = f"{verb(p.get('phase'))} {what}: {format_bytes(done)} of {format_bytes(total)}"
     if total:
         line += f" ({100 * done // total}%)"
     line += f", {format_bytes(p.get('rate_bytes_s') or 0)}/s"

@@ -1,10 +1,13 @@
 """Where a model comes from: what a user names as a model, found and described.
 
-A model is named by an mlx-lm directory, a Hugging Face repo id, a GGUF file, or
-``ollama:NAME[:TAG]``, a GGUF in the local Ollama store (``ollama.py`` finds it,
-with the request defaults and chat template its other layers make); a
-model fetched from peers (``peers.py``) is a directory that also holds a record of
-whose model it is. ``model_info`` turns any of these into a ``ModelInfo``: it finds
+A model is named by an mlx-lm directory, a Hugging Face repo id, a GGUF file,
+``ollama:NAME[:TAG]``, a GGUF in the local Ollama store (``ollama.py`` finds it, with
+the request defaults and chat template its other layers make), or
+``OWNER/REPO:QUANT`` (``hf.co/OWNER/REPO[:QUANT]``), the file of that quant in a GGUF
+repository on the Hub (``hubref.py`` picks it; the Hugging Face cache is looked in
+first, so a model once fetched starts offline); a model fetched from peers
+(``peers.py``) is a directory that also holds a record of whose model it is.
+``model_info`` turns any of these into a ``ModelInfo``: it finds
 the files (a repo id is fetched into the Hugging Face cache, only the files asked
 for, so a stage can fetch its own layers' files, with progress), has them read
 (``checkpoint.py`` a directory, ``gguf.py`` a GGUF file), fingerprints them
@@ -22,7 +25,7 @@ import json
 import logging
 from pathlib import Path
 
-from ringd.models import ollama
+from ringd.models import hubref, ollama
 from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, ModelInfo, WeightBytes, check_supported, read_config, weight_bytes
 from ringd.models.errors import ModelError
 from ringd.models.fingerprint import model_fingerprint, weights_digest
@@ -31,6 +34,10 @@ from ringd.models.gguf_vocab import adds_bos
 from ringd.models.progress import DOWNLOAD, LoadCancelled, LoadProgress
 
 log = logging.getLogger(__name__)
+
+# A GGUF repository's snapshot in the Hugging Face cache holds a handful of files; a folder past
+# this many .gguf files is not one, and the cache lookup gives up on it rather than walk it.
+MAX_CACHED_GGUFS = 4096
 
 # In the directory of a model fetched from peers (models/peers.py): whose model it is, its
 # fingerprint (its files are sparse, holes where other stages' tensors are: no fingerprint can
@@ -95,11 +102,18 @@ def _gguf_info(file: Path, label: str) -> ModelInfo:
     )
 
 
-def gguf_source(model: str) -> tuple[Path | None, str]:
-    """The GGUF file ``model`` names, and what to call it; (None, "") when it names no GGUF."""
+def gguf_source(model: str, progress: LoadProgress | None = None) -> tuple[Path | None, str]:
+    """The GGUF file ``model`` names, and what to call it; (None, "") when it names no GGUF.
+
+    A Hub GGUF repository's file is fetched when the cache lacks it, reported to ``progress``
+    (by default, to the log).
+    """
     if ollama.is_ollama_ref(model):
         return ollama.resolve(model), model.removeprefix(ollama.PREFIX)
     path = Path(model).expanduser()
+    ref = None if path.exists() else hubref.parse(model)
+    if ref is not None:
+        return hub_gguf(ref, progress)
     if path.suffix.lower() == ".gguf" or path.is_file():
         if not path.is_file():
             raise ModelError(f"{path}: no such GGUF file")
@@ -107,6 +121,95 @@ def gguf_source(model: str) -> tuple[Path | None, str]:
             raise ModelError(f"{path}: not a GGUF file (it does not start with 'GGUF'); a model is an mlx-lm directory, a Hugging Face repo id, a .gguf file or ollama:NAME")
         return path.resolve(), path.name.removesuffix(".gguf")
     return None, ""
+
+
+def hub_gguf(ref: hubref.HubRef, progress: LoadProgress | None = None) -> tuple[Path, str]:
+    """The GGUF file of ``ref``'s quant, from the Hugging Face cache, else fetched into it (that
+    file and, for a split GGUF, its other parts; nothing else of the repository), and what to call
+    the model (``OWNER/REPO:QUANT``).
+
+    The cache is looked in first without any request, so a model once fetched starts with
+    HF_HUB_OFFLINE=1 or no network at all. ModelError for a quant the repository lacks (naming
+    those it has), a repository the Hub does not have, or, offline, a quant not in the cache.
+    """
+    from huggingface_hub import constants
+
+    first = None
+    cached = _cached_snapshot(ref.repo, Path(constants.HF_HUB_CACHE))
+    if cached is not None:
+        snapshot, files = cached
+        try:
+            # Online, a name without a quant fetches the default rather than take any file the cache has.
+            first = snapshot / hubref.pick(files, ref.quant, any_file=bool(constants.HF_HUB_OFFLINE))[0]
+        except ModelError:
+            if constants.HF_HUB_OFFLINE:
+                have = hubref.quants(files)
+                raise ModelError(
+                    f"{ref}: not in the Hugging Face cache {constants.HF_HUB_CACHE} (it holds {', '.join(have) or 'no GGUF model file'} "
+                    "of this repository) and HF_HUB_OFFLINE is set; unset it to fetch it"
+                ) from None
+    elif constants.HF_HUB_OFFLINE:
+        raise ModelError(f"{ref}: not in the Hugging Face cache {constants.HF_HUB_CACHE}, and HF_HUB_OFFLINE is set; unset it to fetch it")
+    if first is None:
+        first = _fetch_gguf(ref, progress)
+    split = hubref.split_info(first.name)
+    if split is not None and split.count > 1:
+        raise ModelError(
+            f"{ref}: a GGUF split in {split.count} parts, which ringd does not serve as such; its parts are in {first.parent}: "
+            f"`llama-gguf-split --merge {first} {split.prefix.rsplit('/', 1)[-1]}.gguf` joins them, then name that file"
+        )
+    quant = (split.quant if split is not None else "") or ref.quant
+    return first, f"{ref.repo}:{quant}" if quant else ref.repo
+
+
+def _cached_snapshot(repo: str, cache: Path) -> tuple[Path, list[str]] | None:
+    """The snapshot of ``repo`` in the Hugging Face cache and the .gguf files in it, as repository
+    paths; None when the cache has none. No network."""
+    snapshot = hf_snapshot(cache / f"models--{repo.replace('/', '--')}")
+    if snapshot is None:
+        return None
+    files = []
+    for path in snapshot.rglob("*.gguf"):
+        if path.is_file():  # a symlink into blobs/; a dangling one is a file not (fully) fetched
+            files.append(path.relative_to(snapshot).as_posix())
+        if len(files) > MAX_CACHED_GGUFS:
+            return None
+    return (snapshot, files) if files else None
+
+
+def hf_snapshot(repo_dir: Path) -> Path | None:
+    """A repository's snapshot folder in the Hugging Face cache (``repo_dir``: its
+    ``models--OWNER--NAME``): the one refs/main names, else the newest; None when there is none."""
+    try:
+        snapshot = repo_dir / "snapshots" / (repo_dir / "refs" / "main").read_text().strip()
+        if snapshot.is_dir():
+            return snapshot
+    except OSError:
+        pass
+    try:
+        return max((repo_dir / "snapshots").iterdir(), key=lambda p: p.stat().st_mtime, default=None)
+    except OSError:
+        return None
+
+
+def _fetch_gguf(ref: hubref.HubRef, progress: LoadProgress | None) -> Path:
+    """Fetch the file (and split parts) of ``ref``'s quant from the Hub into its cache, with
+    progress; the path of the (first) file."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        listing = snapshot_download(ref.repo, allow_patterns=["*.gguf"], dry_run=True, tqdm_class=_hub_bar(None, ""))
+        by_name = {f.filename: f for f in listing}
+        chosen = hubref.pick(list(by_name), ref.quant, f"{ref.repo} on the Hugging Face Hub")
+        fetch = [by_name[name] for name in chosen if by_name[name].will_download]
+        if fetch:
+            progress = progress if progress is not None else LoadProgress(0, 0, subject=str(ref))
+            _fetch_files(ref.repo, fetch[0].commit_hash, fetch, progress)
+    except (LoadCancelled, ModelError):
+        raise
+    except Exception as e:  # the hub raises many kinds; all mean the same to the user
+        raise ModelError(f"could not fetch {str(ref)!r} from the Hugging Face Hub: {e}") from e
+    return Path(by_name[chosen[0]].local_path)
 
 
 def read_record(path: Path) -> dict | None:
@@ -162,22 +265,28 @@ def _download_with_progress(repo: str, patterns: list[str], progress: LoadProgre
     it there), its progress bar feeding ``progress``. One file at a time: the progress names the
     file being fetched, and hf_xet already fetches a file's chunks in parallel.
     """
-    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub import snapshot_download
 
     plan = snapshot_download(repo, allow_patterns=patterns, dry_run=True, tqdm_class=_hub_bar(None, ""))
     if not plan:
         return None
     commit = plan[0].commit_hash
     fetch = sorted((f for f in plan if f.will_download), key=lambda f: f.filename)
-    if not fetch:
-        return commit
+    if fetch:
+        _fetch_files(repo, commit, fetch, progress)
+    return commit
+
+
+def _fetch_files(repo: str, commit: str, fetch: list, progress: LoadProgress) -> None:
+    """Fetch these files of a dry run's plan one by one with ``hf_hub_download``, each reported to ``progress``."""
+    from huggingface_hub import hf_hub_download
+
     progress.begin(DOWNLOAD, {f.filename: f.file_size for f in fetch})
     for f in fetch:
         progress.start_file(f.filename)
         hf_hub_download(repo, f.filename, revision=commit, tqdm_class=_hub_bar(progress, f.filename))
         progress.finish_file(f.filename)
     progress.end()
-    return commit
 
 
 class _HubBar:

@@ -296,9 +296,8 @@ class Coordinator:
         return specs
 
     def _model_cost(self) -> ModelCost:
-        w, cfg = self.info.weights, self.cfg
-        kv_reserve = self.info.kv_bytes_per_token(cfg.kv_bits, cfg.kv_group_size) * cfg.kv_reserve_tokens
-        return ModelCost(tuple(w.layers), w.embed, w.norm, w.head, kv_reserve)
+        cfg = self.cfg
+        return ModelCost.of(self.info, cfg.kv_reserve_tokens, cfg.kv_bits, cfg.kv_group_size)
 
     def stage_costs(self, plan: Plan) -> list[KvCost]:
         """What a request's caches cost on each stage: as the stage measured them from its own

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_order
-from ringd.device import default_cache_dir
 from ringd.models.peers import FetchError, Holder, PeerModel
 from ringd.names import check_name, parse_hostport
 from wire import stream as wire_stream
@@ -35,8 +34,6 @@ PROBE_INFO = {"probe": True}
 BROWSE_S = 3.0
 # How often a node with no model asks again for a peer that holds one.
 PROBE_RETRY_S = 5.0
-# Where a model fetched from peers is kept when models_dir is not set: in ringd's cache.
-DEFAULT_MODELS_DIR = "from-peers"
 
 
 async def model_from_peers(cfg: "Config", secret: bytes, metrics: "Metrics", local_networks=(), ssl: "SSLContext | None" = None) -> PeerModel | None:
@@ -45,7 +42,7 @@ async def model_from_peers(cfg: "Config", secret: bytes, metrics: "Metrics", loc
     Hub repo id: that is fetched from the Hub, as without model_from_peers. With no ``model``, a
     node waits for a holder, asking every PROBE_RETRY_S. With ``ring_encryption`` the bytes are
     asked for sealed; ``ssl``, a TLS context, makes the fetch speak https to holders."""
-    models_dir = Path(cfg.models_dir).expanduser() if cfg.models_dir else default_cache_dir() / DEFAULT_MODELS_DIR
+    models_dir = cfg.models_path
     while True:
         holders = await find_holders(cfg, secret, local_networks)
         if holders:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringd.cluster.placement import GIB, STRATEGIES, ModelCost, NodeSpec, apportion, place, plan_for
+from ringd.cluster.placement import GIB, STRATEGIES, ModelCost, NodeSpec, apportion, place, plan_for, shortfall
 from ringd.ring.plan import PlacementError, Plan, even_split, make_plan, parse_split
 
 
@@ -204,6 +204,23 @@ def test_against_brute_force_on_small_rings(ring):
         assert counts in fitting
         if strategy == "balanced":
             assert _slowest(nodes, counts) == min(_slowest(nodes, c) for c in fitting)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rings(max_nodes=4, max_layers=12))
+def test_shortfall_says_whether_placement_can_hold_the_model(ring):
+    """What the model list says of a model ("fits the cluster's memory") is what placement would do:
+    None exactly when some split fits every budget, else place's own reason."""
+    nodes, cost = ring
+    why = shortfall(nodes, cost)
+    try:
+        place("balanced", nodes, cost)
+    except PlacementError as e:
+        assert why is not None
+        if "add up to" not in why:  # not a matter of memory: too many nodes, or none holding layers
+            assert why == str(e)
+    else:
+        assert why is None
 
 
 @given(st.integers(1, 200), st.lists(st.floats(0.01, 1000.0), min_size=1, max_size=12))

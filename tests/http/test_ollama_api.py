@@ -270,7 +270,7 @@ def test_chat_gives_openais_greedy_answer_plain_and_streamed(client, openai_clie
     assert last.done_reason == "stop" and last.eval_count == r.eval_count and last.prompt_eval_count == r.prompt_eval_count
     # As Ollama lists it, with its tag; and answered under the name it was asked by.
     tagged = f"{MODEL_ID}:latest"
-    assert [m.model for m in client.list().models] == [tagged]
+    assert client.list().models[0].model == tagged  # the loaded model first; then what else the machine holds
     r = client.chat(model=tagged, messages=FRANCE, options=GREEDY)
     assert r.model == tagged and r.message.content == want
     assert [c.model for c in client.chat(model=tagged, messages=FRANCE, options=GREEDY, stream=True)][-1] == tagged
@@ -367,7 +367,7 @@ def test_the_model_is_listed_shown_and_loaded(smollm2_gguf, ring_pool):
     ring = ring_pool(smollm2_gguf, NODES, env={"RINGD_PREFILL_CHUNK_TOKENS": "512"}, model_id="smollm2")
     client = ollama.Client(host=ring.url, timeout=120)
     MODEL_ID = "smollm2"  # noqa: N806: this ring's
-    [m] = client.list().models
+    m = client.list().models[0]  # the loaded model first; then what else the machine holds
     assert m.model == f"{MODEL_ID}:latest" and m.size > 90_000_000 and m.digest and m.details.format == "gguf"
     assert m.details.family == "llama" and m.details.parameter_size == "134.52M" and m.details.quantization_level == "Q4_1"
     s = client.show(MODEL_ID)

@@ -1,0 +1,326 @@
+"""Every model this node could serve, found where people keep them: the list ``/v1/models``,
+``/api/tags`` and ``ringctl models`` show.
+
+Three places are looked in: the Ollama store (each pulled name, ``ollama:NAME:TAG``), the
+Hugging Face cache (each GGUF repository's quants as ``OWNER/REPO:QUANT``, each mlx-lm
+repository as ``OWNER/REPO``) and the node's ``models_dir`` (GGUF files and mlx-lm
+directories, by path, a few folders deep). Each entry says what ``--model`` takes for it,
+its size on disk, quant, architecture and layers, and why it cannot be served when it
+cannot (an architecture or tensor type ringd refuses, a split GGUF, a partial download);
+its ``info`` is what placement needs to say whether the cluster's memory holds it.
+
+The work is bounded whatever the disk holds: a scan looks at no more than
+``MAX_SCAN_ENTRIES`` directory entries and lists at most ``MAX_MODELS`` models (the
+listing says when it stopped short); a GGUF is read for its header only (``gguf.py``),
+an mlx-lm directory for its config and safetensors headers, and what was read is kept by
+(path, size, mtime) so the next scan reads only what changed. ``Catalogue.listing``
+runs the scan off the event loop, one at a time, and keeps its result ``SCAN_TTL_S``.
+
+It ignores what is loaded and what the cluster holds: marking the one served and the
+fit are the views' (``http/``), from the ``info`` each entry carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ringd.models import hubref, ollama
+from ringd.models.checkpoint import ModelInfo, WeightBytes, check_supported, read_config, weight_bytes
+from ringd.models.errors import ModelError
+from ringd.models.gguf import GgufFile
+from ringd.models.source import hf_snapshot
+
+# Directory entries one scan looks at, over all three places: a models_dir of 10k files or a store
+# of thousands of names costs a bounded few hundred milliseconds, not a stall.
+MAX_SCAN_ENTRIES = 20_000
+# Models one listing holds: more than anyone reads in a model picker, and each costs a header read.
+MAX_MODELS = 500
+# How deep models_dir is searched: DIR/model.gguf, DIR/vendor/model.gguf, DIR/vendor/family/model.gguf.
+MAX_DEPTH = 3
+# A listing is reused this long: clients poll /v1/models, and disks change on a human scale.
+SCAN_TTL_S = 10.0
+# What was read of a file is kept for at most this many files (a models_dir past it is truncated anyway).
+MAX_CACHED_FACTS = 2 * MAX_MODELS
+
+OLLAMA = "ollama"
+HUGGING_FACE = "huggingface"
+MODELS_DIR = "models_dir"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What reading a model's header says: format, quant, architecture, layers, and its info
+    (None, with ``error`` saying why, when ringd cannot serve it)."""
+
+    format: str  # "gguf" or "mlx"
+    quant: str  # Q4_K_M, Q8_0, F16, Q4 (an mlx-lm quantized checkpoint), BF16, ...
+    arch: str  # the model_type: llama, qwen3, ... ("" when unreadable)
+    layers: int
+    info: ModelInfo | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # what --model (and a request, once served) takes
+    source: str  # OLLAMA, HUGGING_FACE or MODELS_DIR
+    path: Path
+    size: int  # bytes on disk (all parts)
+    modified: float  # mtime, seconds since the epoch
+    facts: Facts
+
+    def to_wire(self) -> dict:
+        f = self.facts
+        return {
+            "name": self.name, "source": self.source, "path": str(self.path), "size": self.size, "modified": self.modified,
+            "format": f.format, "quant": f.quant, "architecture": f.arch, "layers": f.layers, "error": f.error,
+        }  # fmt: skip
+
+
+@dataclass
+class Listing:
+    entries: list[Entry] = field(default_factory=list)
+    truncated: bool = False  # a bound was reached: more models may be on disk than are listed
+    visited: int = 0  # directory entries looked at
+
+
+class Catalogue:
+    """The models under ``models_dir``, in the Hugging Face cache ``hf_cache`` and the Ollama store
+    ``ollama_store`` (None: where huggingface_hub and Ollama keep them; a place that does not exist
+    is skipped)."""
+
+    def __init__(self, models_dir: Path | None, hf_cache: Path | None = None, ollama_store: Path | None = None):
+        self.models_dir = models_dir
+        self.hf_cache = hf_cache
+        self.ollama_store = ollama_store
+        self.headers_read = 0  # files read for their facts (the rest came from the cache): for tests
+        self._facts: dict[tuple, Facts] = {}
+        self._listing: Listing | None = None
+        self._listed_at = -SCAN_TTL_S
+        self._lock = asyncio.Lock()
+
+    async def listing(self) -> Listing:
+        """The models, scanned off the event loop (one scan at a time), reused for SCAN_TTL_S."""
+        async with self._lock:
+            if self._listing is None or time.monotonic() - self._listed_at >= SCAN_TTL_S:
+                self._listing = await asyncio.to_thread(self.scan)
+                self._listed_at = time.monotonic()
+            return self._listing
+
+    def scan(self) -> Listing:
+        """Look in the three places now (blocking: run it off the loop)."""
+        out = Listing()
+        for place in (self._scan_ollama, self._scan_hf, self._scan_models_dir):
+            if not self._room(out):
+                break
+            place(out)
+        if len(self._facts) > MAX_CACHED_FACTS:
+            self._facts.clear()
+        return out
+
+    # --- the places -------------------------------------------------------------------
+
+    def _scan_ollama(self, out: Listing) -> None:
+        store = self.ollama_store
+        if store is None:
+            try:
+                store = ollama.store_dir()
+            except ModelError:
+                return  # no Ollama here
+        top = store / "manifests"
+        for host in self._dirs(top, out):
+            for namespace in self._dirs(host, out):
+                for model in self._dirs(namespace, out):
+                    for tag in self._files(model, out):
+                        if not self._room(out):
+                            return
+                        name = _ollama_name(host.name, namespace.name, model.name, tag.name)
+                        try:
+                            blob = ollama.resolve(f"{ollama.PREFIX}{host.name}/{namespace.name}/{model.name}:{tag.name}", models_dir=store)
+                        except ModelError:
+                            continue  # not a model (a manifest of something else, or broken: `ollama list` shows it)
+                        self._add_gguf(out, name, OLLAMA, blob, [blob])
+
+    def _scan_hf(self, out: Listing) -> None:
+        cache = self.hf_cache
+        if cache is None:
+            from huggingface_hub import constants
+
+            cache = Path(constants.HF_HUB_CACHE)
+        for repo_dir in self._dirs(cache, out):
+            if not repo_dir.name.startswith("models--") or not self._room(out):
+                continue
+            repo = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
+            snapshot = hf_snapshot(repo_dir)
+            if snapshot is None:
+                continue
+            if (snapshot / "config.json").is_file():
+                self._add_dir(out, repo, HUGGING_FACE, snapshot)
+                continue
+            ggufs = [p.relative_to(snapshot).as_posix() for p in self._walk(snapshot, out, 2) if p.name.lower().endswith(".gguf")]
+            for first in sorted(f for f in ggufs if hubref.is_model_file(f) and (s := hubref.split_info(f)) and s.index == 1):
+                try:
+                    parts = hubref.parts(ggufs, first)
+                except ModelError:
+                    continue  # a split not fully fetched: nothing to serve yet
+                quant = hubref.split_info(first).quant
+                self._add_gguf(out, f"{repo}:{quant}" if quant else repo, HUGGING_FACE, snapshot / first, [snapshot / p for p in parts])
+
+    def _scan_models_dir(self, out: Listing) -> None:
+        if self.models_dir is None:
+            return
+        for path in self._walk(self.models_dir, out, MAX_DEPTH, stop_at_models=True):
+            if not self._room(out):
+                return
+            if path.is_dir():
+                self._add_dir(out, str(path), MODELS_DIR, path)
+            elif hubref.is_model_file(path.name) and (s := hubref.split_info(path.name)) and s.index == 1:
+                # A split's other parts by their names (not by listing the folder again).
+                parts = [path.with_name(f"{s.prefix}-{i:05d}-of-{s.count:05d}{path.suffix}") for i in range(1, s.count + 1)]
+                if s.count == 1 or all(p.is_file() for p in parts):
+                    self._add_gguf(out, str(path), MODELS_DIR, path, parts if s.count > 1 else [path])
+
+    # --- bounded walking ---------------------------------------------------------------
+
+    def _room(self, out: Listing) -> bool:
+        if len(out.entries) >= MAX_MODELS or out.visited >= MAX_SCAN_ENTRIES:
+            out.truncated = True
+            return False
+        return True
+
+    def _entries(self, folder: Path, out: Listing) -> list[os.DirEntry]:
+        found = []
+        try:
+            with os.scandir(folder) as it:
+                for entry in it:
+                    if out.visited >= MAX_SCAN_ENTRIES:
+                        out.truncated = True
+                        break
+                    out.visited += 1
+                    if not entry.name.startswith("."):
+                        found.append(entry)
+        except OSError:
+            return []
+        return sorted(found, key=lambda e: e.name)
+
+    def _dirs(self, folder: Path, out: Listing) -> list[Path]:
+        return [Path(e.path) for e in self._entries(folder, out) if e.is_dir()]
+
+    def _files(self, folder: Path, out: Listing) -> list[Path]:
+        return [Path(e.path) for e in self._entries(folder, out) if e.is_file()]
+
+    def _walk(self, root: Path, out: Listing, depth: int, stop_at_models: bool = False) -> list[Path]:
+        """Files under ``root`` to ``depth`` folders deep; with ``stop_at_models``, a folder holding
+        config.json is returned itself (an mlx-lm directory) and not entered."""
+        found, level = [], [root]
+        for _ in range(depth):
+            below = []
+            for folder in level:
+                entries = self._entries(folder, out)
+                if stop_at_models and folder != root and any(e.name == "config.json" for e in entries):
+                    found.append(folder)
+                    continue
+                for e in entries:
+                    (below if e.is_dir() else found).append(Path(e.path))
+            level = below
+        if stop_at_models:  # the deepest level: model directories only
+            found += [d for d in level if (d / "config.json").is_file()]
+        return found
+
+    # --- reading a model's facts ---------------------------------------------------------
+
+    def _add_gguf(self, out: Listing, name: str, source: str, first: Path, parts: list[Path]) -> None:
+        if not self._room(out):
+            return
+        try:
+            stats = [p.stat() for p in parts]
+        except OSError:
+            return
+        key = ("gguf", str(first), *((s.st_size, s.st_mtime_ns) for s in stats))
+        facts = self._facts.get(key)
+        if facts is None:
+            facts = self._facts[key] = self._read_gguf(first, len(parts))
+        out.entries.append(Entry(name, source, first, sum(s.st_size for s in stats), max(s.st_mtime for s in stats), facts))
+
+    def _add_dir(self, out: Listing, name: str, source: str, path: Path) -> None:
+        if not self._room(out):
+            return
+        try:
+            weights = sorted(path.glob("*.safetensors"))
+            stats = [(path / "config.json").stat(), *(w.stat() for w in weights)]
+        except OSError:
+            return
+        key = ("mlx", str(path), *((s.st_size, s.st_mtime_ns) for s in stats))
+        facts = self._facts.get(key)
+        if facts is None:
+            facts = self._facts[key] = self._read_dir(path)
+        out.entries.append(Entry(name, source, path, sum(s.st_size for s in stats[1:]), max(s.st_mtime for s in stats), facts))
+
+    def _read_gguf(self, path: Path, parts: int) -> Facts:
+        self.headers_read += 1
+        if parts > 1:
+            return Facts("gguf", hubref.split_info(path.name).quant, "", 0, None, f"a GGUF split in {parts} parts: `llama-gguf-split --merge` joins them into one file to serve")
+        try:
+            g = GgufFile.open(path)
+            text = check_supported(g.config, path)
+        except (ModelError, OSError) as e:
+            return Facts("gguf", hubref.split_info(path.name).quant, "", 0, None, str(e))
+        layers, embed, norm, head = g.part_bytes()
+        info = ModelInfo(
+            path=g.path, config=g.config, model_type=g.config["model_type"], num_layers=text["num_hidden_layers"],
+            hidden_size=text["hidden_size"], vocab_size=text["vocab_size"],
+            context_length=int(text.get("max_position_embeddings") or 4096), fingerprint="",
+            weights=WeightBytes(tuple(layers), embed, norm, head),
+        )  # fmt: skip
+        return Facts("gguf", gguf_quant(g), info.model_type, info.num_layers, info)
+
+    def _read_dir(self, path: Path) -> Facts:
+        self.headers_read += 1
+        try:
+            config = read_config(path)
+            text = check_supported(config, path / "config.json")
+            info = ModelInfo(
+                path=path, config=config, model_type=config.get("model_type", "?"), num_layers=text["num_hidden_layers"],
+                hidden_size=text["hidden_size"], vocab_size=text["vocab_size"],
+                context_length=int(text.get("max_position_embeddings") or 4096), fingerprint="",
+                weights=weight_bytes(path, text["num_hidden_layers"]),
+            )  # fmt: skip
+        except (ModelError, OSError, ValueError) as e:
+            return Facts("mlx", "", "", 0, None, str(e))
+        return Facts("mlx", mlx_quant(config), info.model_type, info.num_layers, info)
+
+
+def gguf_quant(g: GgufFile) -> str:
+    """A GGUF's quant as llama.cpp names file types (Q4_K_M): its general.file_type, else the type
+    most of its weight matrices have."""
+    from gguf import LlamaFileType
+
+    try:
+        return LlamaFileType(int(g.meta["general.file_type"])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except (KeyError, ValueError, TypeError):
+        kinds = Counter(t.type for t in g.tensors.values() if len(t.shape) >= 2)
+        return kinds.most_common(1)[0][0] if kinds else ""
+
+
+def mlx_quant(config: dict) -> str:
+    """An mlx-lm checkpoint's quantization as Ollama names levels (Q4), or its float type (BF16)."""
+    q = config.get("quantization")
+    if isinstance(q, dict) and isinstance(q.get("bits"), int):
+        return f"Q{q['bits']}"
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    return {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(str(dtype), "")
+
+
+def _ollama_name(host: str, namespace: str, model: str, tag: str) -> str:
+    """``ollama:`` and the name as ``ollama list`` shows it: the default host and namespace left out."""
+    name = f"{model}:{tag}"
+    if host != ollama.DEFAULT_HOST:
+        name = f"{host}/{namespace}/{name}"
+    elif namespace != ollama.DEFAULT_NAMESPACE:
+        name = f"{namespace}/{name}"
+    return ollama.PREFIX + name

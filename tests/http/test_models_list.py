@@ -1,0 +1,128 @@
+"""The model list: ``GET /v1/models``, ``GET /api/tags``, ``GET /cluster/models`` and ``ringctl models``
+show every model the node could serve, the loaded one first and marked, with size, quant,
+architecture and whether the cluster's memory holds it.
+
+The real HTTP app (``http/api.py``) runs in this process on loopback, over a stand-in for
+the daemon that holds what the app asks of it (a real catalogue of a models_dir of tiny
+GGUFs and an mlx-lm directory, and the daemon's own ``fit_rule`` over members whose
+budgets the test sets): no ring is needed to list models, so none is started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from ggufmake import write_gguf
+
+from ringd import ctl
+from ringd.cluster.placement import ModelCost
+from ringd.daemon import Daemon
+from ringd.http.api import Api
+from ringd.metrics import Metrics
+from ringd.models.catalogue import Catalogue
+from ringd.models.source import model_info
+
+KV_RESERVE_TOKENS = 16
+
+
+class Config:
+    kv_reserve_tokens, kv_bits, kv_group_size = KV_RESERVE_TOKENS, None, 64
+
+
+class Members:
+    """The cluster as the daemon's fit_rule reads it: node1 is api_only (it holds no layers)."""
+
+    def __init__(self, peers: dict[str, dict]):
+        self.peers = peers
+
+    def info_of(self, node: str) -> dict:
+        return self.peers.get(node, {})
+
+
+class Node:
+    """What the HTTP app asks of its node, for the model routes; fit_rule is the daemon's own."""
+
+    fit_rule = Daemon.fit_rule
+    name, started, tokenizer, secret, api_keys = "node0", 1_700_000_000, None, b"", frozenset()
+    chat_template_kwargs, failover_wait_s, files, client_ssl, engine, leading, leader = {}, 1.0, None, None, None, True, "node0"
+    drained: set = set()
+
+    def __init__(self, info, catalogue: Catalogue, budget: int):
+        self.info, self.model_id, self.catalogue, self.budget = info, "tiny", catalogue, budget
+        self.metrics = Metrics(self.name)
+        self.cfg, self._own = Config(), {"budget": budget, "api_only": False}
+        self.cluster = Members({"node1": {"budget": 10 * budget, "api_only": True}})
+
+    def members(self) -> set[str]:
+        return {"node0", "node1"}
+
+    def readiness(self) -> tuple[bool, str]:
+        return True, ""
+
+
+def test_every_model_is_listed_with_its_facts_and_fit(tiny_model, tmp_path, monkeypatch, capsys):
+    model = tiny_model(arch="llama", layers=2)
+    models = tmp_path / "models"
+    models.mkdir()
+    q8 = write_gguf(model, models / "Tiny-Q8_0.gguf", qtype="q8_0")
+    f32 = write_gguf(model, models / "Tiny-F32.gguf", qtype="f32")
+    write_gguf(model, models / "odd.gguf", arch="nosucharch")
+    (models / "tiny-mlx").symlink_to(model, target_is_directory=True)
+    loaded, whole = model_info(str(q8)), model_info(str(f32))
+    # node0's budget holds the Q8_0 file but not the F32 one; node1 holds no layers (api_only).
+    need = [ModelCost.of(i, KV_RESERVE_TOKENS).stage_need(0, 2) for i in (loaded, whole)]
+    assert need[0] < need[1]
+    node = Node(loaded, Catalogue(models, hf_cache=tmp_path / "no-hf", ollama_store=tmp_path / "no-ollama"), (need[0] + need[1]) // 2)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no cluster secret: ringctl asks unsigned
+    monkeypatch.delenv("RINGD_SECRET_FILE", raising=False)
+
+    async def run():
+        api = Api(node)
+        port = await api.start("127.0.0.1", 0)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                answers = {}
+                for path in ("/v1/models", "/api/tags", "/cluster/models"):
+                    async with http.get(base + path) as r:
+                        assert r.status == 200, await r.text()
+                        answers[path] = await r.json()
+            code = await asyncio.to_thread(ctl.main, ["--node", f"127.0.0.1:{port}", "--known-nodes", str(tmp_path / "known"), "models"])
+            return answers, code
+        finally:
+            await api.stop()
+
+    answers, code = asyncio.run(run())
+
+    openai = answers["/v1/models"]["data"]
+    assert [m["id"] for m in openai] == ["tiny", str(f32), str(models / "odd.gguf"), str(models / "tiny-mlx")]
+    first = openai[0]
+    assert first["loaded"] is True and first["created"] == node.started and first["object"] == "model"
+    assert (first["format"], first["quant"], first["architecture"], first["layers"], first["size"]) == ("gguf", "Q8_0", "llama", 2, q8.stat().st_size)
+    assert first["fits"] is True and first["fit"] == ""
+    big, odd, mlx = openai[1:]
+    assert big["loaded"] is False and big["quant"] == "F32" and big["fits"] is False and "short by" in big["fit"]
+    assert odd["fits"] is None and "nosucharch" in odd["error"]
+    assert (mlx["format"], mlx["architecture"], mlx["source"]) == ("mlx", "llama", "models_dir")
+    assert all("path" not in m for m in openai)  # paths only on the keyed or signed /cluster/models
+
+    tags = answers["/api/tags"]["models"]
+    assert tags[0]["name"] == "tiny:latest" and tags[0]["digest"] == loaded.fingerprint and tags[0]["loaded"] is True
+    assert [t["name"] for t in tags[1:]] == [m["id"] for m in openai[1:]]
+    assert tags[1]["details"]["quantization_level"] == "F32" and tags[1]["details"]["family"] == "llama" and tags[1]["fits"] is False
+
+    rows = answers["/cluster/models"]["models"]
+    assert rows[0]["started_as"] == str(q8) and rows[0]["path"] == str(q8) and not answers["/cluster/models"]["truncated"]
+
+    out = capsys.readouterr().out
+    assert code == 0, out
+    table = out.splitlines()
+    (row,) = [line for line in table if "│ tiny " in line]
+    assert "●" in row and "Q8_0" in row and "yes" in row
+    (row,) = [line for line in table if "Tiny-F32.gguf" in line and "│" in line]
+    assert " no " in row
+    assert any(line.startswith(f"{models / 'odd.gguf'}: ") and "nosucharch" in line for line in table)
+    assert any(line.startswith(f"{f32}: ") and "short by" in line for line in table)
+    assert json.dumps(rows)  # the raw list (ringctl models --json) is JSON as it came
