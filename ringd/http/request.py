@@ -24,7 +24,6 @@ No HTTP, no tokenizer.
 from __future__ import annotations
 
 import dataclasses
-import json
 import uuid
 from dataclasses import dataclass, field
 

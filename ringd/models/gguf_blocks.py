@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.core as mx
 import numpy as np
 
 # MLX's group: every form here holds one scale (and bias) per 32 weights.
