@@ -90,6 +90,7 @@ def write_gguf(
     arch: str | None = None,
     pre: str = DEFAULT_PRE,
     dequantized: bool = False,
+    split_max_tensors: int = 0,
 ) -> Path:
     """Write the unquantized mlx-lm model in ``model_dir`` to the GGUF file ``out``; return ``out``.
 
@@ -102,7 +103,9 @@ def write_gguf(
     make files of architectures a reader must refuse. ``pre`` is ``tokenizer.ggml.pre``.
     ``dequantized`` writes the same file with every tensor, once quantized, turned back
     into F32 by gguf-py's ``dequantize`` (the reference a reader of the quantized file is
-    checked against).
+    checked against). ``split_max_tensors``: split the file as ``convert_hf_to_gguf.py
+    --split-max-tensors N`` does (gguf-py's writer: OUT-00001-of-0000K.gguf, ...); the first
+    part's path is returned.
     """
     model_dir, out = Path(model_dir), Path(out)
     if qtype not in QTYPES:
@@ -119,7 +122,7 @@ def write_gguf(
     ftype, default_type = QTYPES[qtype]
     overrides = {name: _qtype(t) for name, t in (types or {}).items()}
 
-    writer = gguf.GGUFWriter(str(out), arch or gguf.MODEL_ARCH_NAMES[conv.arch])
+    writer = gguf.GGUFWriter(str(out), arch or gguf.MODEL_ARCH_NAMES[conv.arch], split_max_tensors=split_max_tensors)
     # ModelBase.write: prepare_tensors, then prepare_metadata (which counts the parameters).
     written = _add_tensors(writer, model_dir, hparams, conv, qtype, default_type, overrides, dequantized)
     unknown = sorted(set(overrides) - written)
@@ -131,7 +134,7 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
+    return writer.format_shard_names(out)[0]
 
 
 def _qtype(name: str) -> Q:

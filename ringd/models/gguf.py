@@ -91,6 +91,7 @@ class Tensor:
     shape: tuple[int, ...]  # numpy order (GGUF lists dimensions innermost first)
     offset: int  # absolute, in the file
     nbytes: int
+    file: Path  # the file holding it: a split GGUF's part
 
     @property
     def form(self) -> Form | None:
@@ -114,14 +115,16 @@ class GgufFile:
     some parameters.
     """
 
-    def __init__(self, path: Path, meta: dict[str, Any], tensors: dict[str, Tensor], data_offset: int):
-        self.path = path
+    def __init__(self, path: Path, meta: dict[str, Any], tensors: dict[str, Tensor], data_offset: int, parts: tuple[tuple[Path, int], ...] = ()):
+        self.path = path  # a split GGUF's first part
         self.meta = meta
         self.tensors = tensors
         self.data_offset = data_offset
+        # Every file of the model and where its tensor data starts: the file, or a split's parts in order.
+        self.parts = parts or ((path, data_offset),)
         self.arch = architecture(path, meta)
         _check_types(path, tensors)
-        self.config = gguf_archs.config(Facts(path, meta, tensors, lambda name: read_tensor(path, tensors[name])[""]))
+        self.config = gguf_archs.config(Facts(path, meta, tensors, lambda name: read_tensor(tensors[name].file, tensors[name])[""]))
         from gguf import MODEL_ARCH, get_tensor_name_map
 
         blocks = self.config["num_hidden_layers"]
@@ -131,16 +134,21 @@ class GgufFile:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "GgufFile":
-        p = Path(path).expanduser().resolve()
+        # Absolute, its links not followed: a split's parts are found by the name its first part is
+        # given (a Hugging Face cache's snapshot links each part to a blob named by its hash).
+        p = Path(os.path.abspath(Path(path).expanduser()))
         try:
             st = p.stat()
         except OSError as e:
             raise ModelError(f"{path}: cannot read the GGUF file: {e.strerror}") from e
-        return _open_cached(p, st.st_size, st.st_mtime_ns)
+        # A split's other parts are part of what is cached: any of them replaced is another model.
+        siblings = tuple((q, q.stat().st_size, q.stat().st_mtime_ns) for q in _split_parts(p)[1:] if q.is_file())
+        return _open_cached(p, st.st_size, st.st_mtime_ns, siblings)
 
     @property
     def name(self) -> str:
-        return self.path.name.removesuffix(".gguf")
+        m = _SPLIT_NAME.match(self.path.name)
+        return m[1] if m else self.path.name.removesuffix(".gguf")
 
     # --- what the model is -------------------------------------------------------
 
@@ -150,19 +158,23 @@ class GgufFile:
         return self.digest()
 
     def digest_samples(self) -> list[tuple[int, int]]:
-        """[start, end) of the slices of tensor data the fingerprint reads."""
+        """[start, end) of the slices of tensor data the fingerprint reads (of a file in one part)."""
         return sample_spans(self.path.stat().st_size, self.data_offset, DIGEST_SAMPLES, DIGEST_SAMPLE_BYTES)
 
     def digest(self, read: SampleReader | None = None) -> str:
         """The fingerprint, its slices from ``read(name, start, end)`` where the file is not whole
-        (a model fetched from peers checks itself against its fingerprint this way)."""
+        (a model fetched from peers checks itself against its fingerprint this way). A split's
+        parts each add their size, header and slices, in order; one file digests as it always has."""
+        if read is not None and len(self.parts) > 1:
+            raise ModelError(f"{self.path}: a split GGUF is not fetched from peers")
         h = hashlib.sha256(b"gguf:")
-        size = self.path.stat().st_size
-        h.update(f"{size}:".encode())
-        with open(self.path, "rb") as f:
-            h.update(os.pread(f.fileno(), self.data_offset, 0))
-            for a, b in self.digest_samples():
-                h.update(read(self.path.name, a, b) if read is not None else os.pread(f.fileno(), b - a, a))
+        for part, data_offset in self.parts:
+            size = part.stat().st_size
+            h.update(f"{size}:".encode())
+            with open(part, "rb") as f:
+                h.update(os.pread(f.fileno(), data_offset, 0))
+                for a, b in sample_spans(size, data_offset, DIGEST_SAMPLES, DIGEST_SAMPLE_BYTES):
+                    h.update(read(part.name, a, b) if read is not None else os.pread(f.fileno(), b - a, a))
         return "gguf:" + h.hexdigest()
 
     def part_bytes(self) -> tuple[list[int], int, int, int]:
@@ -250,7 +262,7 @@ class GgufFile:
         out = []
         for name in sorted(by_tensor, key=lambda n: tensors[n].offset):  # in file order: sequential reads
             t = tensors[name]
-            parts = read_tensor(self.path, t)
+            parts = read_tensor(t.file, t)
             out += [(p, parts[part]) for p, part in by_tensor[name]]
             if on_tensor is not None:
                 on_tensor(t)
@@ -349,9 +361,58 @@ _NOT_PARAMETERS = frozenset({"rope_freqs.weight"})
 
 
 @functools.lru_cache(maxsize=8)
-def _open_cached(path: Path, size: int, mtime_ns: int) -> GgufFile:
+def _open_cached(path: Path, size: int, mtime_ns: int, siblings: tuple = ()) -> GgufFile:
     meta, tensors, data_offset = _parse(path, size)
-    return GgufFile(path, meta, tensors, data_offset)
+    count = meta.get("split.count")
+    if count is None or count == 1:
+        return GgufFile(path, meta, tensors, data_offset)
+    return GgufFile(path, meta, *_join_split(path, meta, tensors, data_offset))
+
+
+# llama.cpp's split files (llama_split_path): PREFIX-00001-of-00003.gguf, ... each a GGUF of its
+# own, the first with the model's metadata; split.no (from 0) and split.count in every part.
+_SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+# A split of more parts than this is no model llama.cpp's tools write (they cap a part's tensors,
+# not their number, but a model of 10k parts would be 10k files open): refused before any is read.
+MAX_SPLIT_PARTS = 1024
+
+
+def _split_parts(first: Path) -> list[Path]:
+    """The files of the split whose first part is ``first`` by their names, in order; [first] for
+    a file whose name is not a split's first part."""
+    m = _SPLIT_NAME.match(first.name)
+    if not m or int(m[2]) != 1 or not 1 < int(m[3]) <= MAX_SPLIT_PARTS:
+        return [first]
+    return [first.with_name(f"{m[1]}-{i:05d}-of-{m[3]}.gguf") for i in range(1, int(m[3]) + 1)]
+
+
+def _join_split(first: Path, meta: dict, tensors: dict[str, Tensor], data_offset: int) -> tuple[dict[str, Tensor], int, tuple[tuple[Path, int], ...]]:
+    """The tensors of every part of a split GGUF, checked against what the first part says of it."""
+    count, no = meta.get("split.count"), meta.get("split.no")
+    files = _split_parts(first)
+    if not isinstance(count, int) or count != len(files) or no != 0:
+        raise ModelError(
+            f"{first}: a GGUF split in {count} parts (split.no {no}), but its name is not the first of such a split "
+            "(NAME-00001-of-0000N.gguf, as llama.cpp's llama-gguf-split names them): name the first part, as it was written"
+        )
+    tensors, parts = dict(tensors), [(first, data_offset)]
+    for i, part in enumerate(files[1:], start=1):
+        try:
+            size = part.stat().st_size
+        except OSError:
+            raise ModelError(f"{first}: part {i + 1} of {count} of this split GGUF, {part.name}, is missing beside it; fetch it too") from None
+        part_meta, part_tensors, part_offset = _parse(part, size)
+        if part_meta.get("split.no") != i or part_meta.get("split.count") != count:
+            raise ModelError(f"{part}: says it is part {part_meta.get('split.no')} of {part_meta.get('split.count')}, not part {i} (from 0) of {count}: the parts are of different splits")
+        for name, t in part_tensors.items():
+            if name in tensors:
+                raise ModelError(f"{part}: tensor {name} is also in an earlier part of the split")
+            tensors[name] = t
+        parts.append((part, part_offset))
+    declared = meta.get("split.tensors.count")
+    if declared is not None and declared != len(tensors):
+        raise ModelError(f"{first}: the split says it holds {declared} tensors, its {count} parts hold {len(tensors)}; is a part from another download?")
+    return tensors, data_offset, tuple(parts)
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -405,7 +466,7 @@ def _parse(path: Path, size: int) -> tuple[dict[str, Any], dict[str, Tensor], in
             raise ModelError(f"{path}: tensor {info.name} is listed twice")
         if offset + nbytes > size:
             raise ModelError(f"{path}: tensor {info.name} ends past the end of the file; is the download complete?")
-        tensors[info.name] = Tensor(info.name, name, tuple(reversed(info.dims)), offset, nbytes)
+        tensors[info.name] = Tensor(info.name, name, tuple(reversed(info.dims)), offset, nbytes, path)
     return header.metadata, tensors, header.data_offset
 
 

@@ -243,6 +243,11 @@ def build(path: Path, fingerprint: str, label: str, max_piece: int = MAX_PIECE_B
     if now != fingerprint:
         raise ManifestError(f"{path}: its files are not the model this node loaded (fingerprint {fingerprint}, the files' now {now}): restart the node to serve them")
     gguf = path.is_file()
+    if gguf and len(parts := GgufFile.open(path).parts) > 1:
+        raise ManifestError(
+            f"{path}: a GGUF split in {len(parts)} parts is not served to peers: give each node the parts "
+            "(or join them with `llama-gguf-split --merge`: one file is served)"
+        )
     base = path.parent if gguf else path
     entries = []
     for name, weights in checkpoint_files(path):

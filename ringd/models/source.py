@@ -152,12 +152,7 @@ def hub_gguf(ref: hubref.HubRef, progress: LoadProgress | None = None) -> tuple[
         raise ModelError(f"{ref}: not in the Hugging Face cache {constants.HF_HUB_CACHE}, and HF_HUB_OFFLINE is set; unset it to fetch it")
     if first is None:
         first = _fetch_gguf(ref, progress)
-    split = hubref.split_info(first.name)
-    if split is not None and split.count > 1:
-        raise ModelError(
-            f"{ref}: a GGUF split in {split.count} parts, which ringd does not serve as such; its parts are in {first.parent}: "
-            f"`llama-gguf-split --merge {first} {split.prefix.rsplit('/', 1)[-1]}.gguf` joins them, then name that file"
-        )
+    split = hubref.split_info(first.name)  # a split's first part: gguf.py finds the others beside it
     quant = (split.quant if split is not None else "") or ref.quant
     return first, f"{ref.repo}:{quant}" if quant else ref.repo
 

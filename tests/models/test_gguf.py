@@ -518,3 +518,37 @@ def test_an_embedding_models_pooling_is_what_its_file_declares(smollm2_gguf):
     for declared, pooling in ((1, "mean"), (2, "cls"), (3, "last"), (0, None), (4, None)):
         config = GgufFile(smollm2_gguf, {**meta, "llama.pooling_type": declared}, tensors, data_offset).config
         assert config.get("pooling") == pooling
+
+
+def test_a_split_file_is_the_model_its_parts_hold_and_a_missing_part_is_named(tiny_model, tmp_path):
+    """A GGUF split as llama.cpp's converter splits it (--split-max-tensors: NAME-00001-of-0000N.gguf,
+    the metadata in the first) is read, named and computed as the same model in one file; it is not
+    served to peers (each node holds the parts), and a part missing is one line naming it."""
+    from mlx.utils import tree_flatten
+
+    from ggufmake import write_gguf
+    from ringd.models import manifest
+
+    source = tiny_model(arch="llama", layers=2, dtype="float32")
+    whole = write_gguf(source, tmp_path / "whole.gguf", qtype="q8_0")
+    (tmp_path / "split").mkdir()
+    first = write_gguf(source, tmp_path / "split" / "tiny.gguf", qtype="q8_0", split_max_tensors=8)
+    parts = sorted((tmp_path / "split").iterdir())
+    assert len(parts) == 3 and first == parts[0] and first.name == "tiny-00001-of-00003.gguf"
+    g, w = GgufFile.open(first), GgufFile.open(whole)
+    assert g.name == "tiny" and g.config == w.config and [p for p, _ in g.parts] == parts
+    assert {n: (t.type, t.shape) for n, t in g.tensors.items()} == {n: (t.type, t.shape) for n, t in w.tensors.items()}
+    assert {t.file for t in g.tensors.values()} == set(parts)
+    names = [n for n, _ in tree_flatten(w.build_model().parameters())]
+    for (n, a), (m, b) in zip(sorted(g.read(names)), sorted(w.read(names))):
+        assert n == m and mx.array_equal(a, b).item(), n
+    info = model_info(str(first))
+    assert info.num_layers == 2 and info.weights == model_info(str(whole)).weights
+    assert g.fingerprint.startswith("gguf:") and info.fingerprint != model_info(str(whole)).fingerprint
+    with pytest.raises(manifest.ManifestError, match=r"a GGUF split in 3 parts is not served to peers"):
+        manifest.build(first, info.fingerprint, "tiny")
+
+    parts[2].rename(tmp_path / "elsewhere.gguf")
+    with pytest.raises(ModelError) as e:
+        model_info(str(first))
+    assert str(e.value) == f"{first}: part 3 of 3 of this split GGUF, tiny-00003-of-00003.gguf, is missing beside it; fetch it too"

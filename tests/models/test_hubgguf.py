@@ -70,11 +70,10 @@ def test_a_quant_is_fetched_alone_with_progress_and_then_starts_offline(tiny_mod
     (repo / "F16").mkdir(parents=True)
     q8 = write_gguf(model, repo / "Tiny-Q8_0.gguf", qtype="q8_0")
     write_gguf(model, repo / "Tiny-Q4_0.gguf", qtype="q4_0")
-    f16 = write_gguf(model, tmp_path / "Tiny-F16.gguf", qtype="f16").read_bytes()
-    half = len(f16) // 2  # a split's parts as the Hub holds them (this reader refuses splits before reading them)
-    (repo / "F16" / "Tiny-F16-00001-of-00002.gguf").write_bytes(f16[:half])
-    (repo / "F16" / "Tiny-F16-00002-of-00002.gguf").write_bytes(f16[half:])
-    (repo / "mmproj-Tiny-F16.gguf").write_bytes(f16[:1024])
+    # A split as the Hub holds big models: llama.cpp's converter's --split-max-tensors parts.
+    write_gguf(model, repo / "F16" / "Tiny-F16.gguf", qtype="f16", split_max_tensors=16)
+    f16 = [(repo / "F16" / f"Tiny-F16-0000{i}-of-00002.gguf").stat().st_size for i in (1, 2)]
+    (repo / "mmproj-Tiny-F16.gguf").write_bytes((repo / "F16" / "Tiny-F16-00001-of-00002.gguf").read_bytes()[:1024])
     (repo / "README.md").write_text("# Tiny GGUF\n")
     home = tmp_path / "hf"
 
@@ -100,9 +99,10 @@ def test_a_quant_is_fetched_alone_with_progress_and_then_starts_offline(tiny_mod
     # The second found it in the cache: the same file, nothing fetched.
     assert again["path"] == first["path"] and again["events"] == []
 
-    # A split: both parts fetched (one progress phase), then one line saying how to serve them.
-    assert split["events"][0] == ["begin", "download", {"F16/Tiny-F16-00001-of-00002.gguf": half, "F16/Tiny-F16-00002-of-00002.gguf": len(f16) - half}]
-    assert "a GGUF split in 2 parts" in split["error"] and "llama-gguf-split --merge" in split["error"]
+    # A split: both parts fetched (one progress phase), and served as the one model they are.
+    assert split["events"][0] == ["begin", "download", {"F16/Tiny-F16-00001-of-00002.gguf": f16[0], "F16/Tiny-F16-00002-of-00002.gguf": f16[1]}]
+    assert "error" not in split, split["error"]
+    assert split["path"].endswith("/F16/Tiny-F16-00001-of-00002.gguf") and split["label"] == f"{REPO}:F16" and split["layers"] == 2
     # No such quant: one line naming the quants the repository has.
     assert missing["error"] == f"{REPO} on the Hugging Face Hub has no Q5_K_M file; its quants: F16, Q4_0, Q8_0 (3 model file(s))"
 
