@@ -34,6 +34,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import gguf
 import kquants
@@ -68,6 +69,11 @@ class Converter:
     arch: MODEL_ARCH
     llama: bool = False  # LlamaModel: Q/K permuted, vocab_size and rope.dimension_count written
     moe: bool = False  # Qwen2MoeModel: experts stacked, expert_feed_forward_length written
+    # A family's own modify_tensors, after the common steps: (HF name, block id, array, hparams,
+    # a dict it may keep tensors in between calls) -> the (name, block id, array) it passes on.
+    modify: Callable[[str, int | None, np.ndarray, dict, dict], Iterator[tuple[str, int | None, np.ndarray]]] | None = None
+    # A family's own set_gguf_parameters, after TextModel's: (writer, hparams).
+    params: Callable[[Any, dict], None] | None = None
 
 
 # Registered by config.json's architectures[0], as ModelBase.register does.
@@ -77,6 +83,8 @@ CONVERTERS: dict[str, Converter] = {
     "Qwen2ForCausalLM": Converter(MODEL_ARCH.QWEN2),
     "Qwen3ForCausalLM": Converter(MODEL_ARCH.QWEN3),
     "Qwen3MoeForCausalLM": Converter(MODEL_ARCH.QWEN3MOE, moe=True),
+    "DeepseekV2ForCausalLM": Converter(MODEL_ARCH.DEEPSEEK2, moe=True, modify=lambda *a: _deepseek2_tensors(*a), params=lambda *a: _deepseek2_params(*a)),
+    "DeepseekV3ForCausalLM": Converter(MODEL_ARCH.DEEPSEEK2, moe=True, modify=lambda *a: _deepseek2_tensors(*a), params=lambda *a: _deepseek2_params(*a)),
 }
 
 
@@ -185,6 +193,7 @@ def _modified(model_dir: Path, hparams: dict, conv: Converter):
     n_head = hparams["num_attention_heads"]
     n_kv_head = hparams["num_key_value_heads"]
     experts: dict[int, dict[str, np.ndarray]] = {}
+    held: dict[str, np.ndarray] = {}  # what a family's modify keeps until its other half comes
     for name, x in _source_tensors(model_dir):
         m = _LAYER.search(name)
         bid = int(m.group(1)) if m else None  # prepare_tensors: the first number-like part
@@ -194,6 +203,10 @@ def _modified(model_dir: Path, hparams: dict, conv: Converter):
                 x = permute(x, n_head, n_head)
             if name.endswith(("k_proj.weight", "k_proj.bias")):
                 x = permute(x, n_head, n_kv_head)
+        if conv.modify is not None:
+            for name, bid, x in conv.modify(name, bid, x, hparams, held):
+                yield name, bid, x
+            continue
         if conv.moe and (m := _MLX_EXPERTS.match(name)):
             yield f"{m.group(1)}.experts.{m.group(2)}.weight", bid, x  # already the stacked tensor
             continue
@@ -207,7 +220,7 @@ def _modified(model_dir: Path, hparams: dict, conv: Converter):
                     yield f"{m.group(1)}.experts.{w_name}.weight", bid, stacked
             continue
         yield name, bid, x
-    left = [k for layer in experts.values() for k in layer]
+    left = [k for layer in experts.values() for k in layer] + list(held)
     if left:
         raise ValueError(f"unprocessed experts (not all {hparams['num_experts']} of a layer found): {left}")
 
@@ -396,18 +409,31 @@ def _set_gguf_parameters(writer, hparams: dict, conv: Converter, ftype: LlamaFil
     if (n_head_kv := _find(hparams, ["num_key_value_heads", "n_kv_heads"])) is not None:
         writer.add_head_count_kv(n_head_kv)
     rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
-    if rope.get("rope_type", rope.get("type")) not in (None, "default", *(("llama3",) if conv.llama else ())):
+    if rope.get("rope_type", rope.get("type")) not in (None, "default", "yarn", *(("llama3",) if conv.llama else ())):
         raise ValueError(f"rope scaling {rope} is not written by this helper")
+    if rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("factor") is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (("beta_fast", writer.add_rope_scaling_yarn_beta_fast), ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(rope[key])
     if (rope_theta := rope.get("rope_theta", _find(hparams, _ROPE_THETA_KEYS))) is not None:
         writer.add_rope_freq_base(rope_theta)
     if (f_rms_eps := _find(hparams, ["rms_norm_eps", "norm_eps"])) is not None:
         writer.add_layer_norm_rms_eps(f_rms_eps)
     if (f_norm_eps := _find(hparams, ["layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"])) is not None:
         writer.add_layer_norm_eps(f_norm_eps)
-    if (n_experts := _find(hparams, ["num_local_experts", "num_experts"])) is not None:
+    if (n_experts := _find(hparams, ["num_local_experts", "num_experts", "n_routed_experts"])) is not None:
         writer.add_expert_count(n_experts)
     if (n_experts_used := _find(hparams, ["num_experts_per_tok", "num_experts_per_token", "top_k_experts"])) is not None:
         writer.add_expert_used_count(n_experts_used)
+    if (n_expert_groups := hparams.get("n_group")) is not None:
+        writer.add_expert_group_count(n_expert_groups)
+    if (n_group_used := hparams.get("topk_group")) is not None:
+        writer.add_expert_group_used_count(n_group_used)
+    if (score_func := _find(hparams, ["score_function", "scoring_func", "score_func"])) is not None:
+        writer.add_expert_gating_func({"sigmoid": gguf.ExpertGatingFuncType.SIGMOID, "softmax": gguf.ExpertGatingFuncType.SOFTMAX}[score_func])
     if (head_dim := hparams.get("head_dim")) is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -417,11 +443,81 @@ def _set_gguf_parameters(writer, hparams: dict, conv: Converter, ftype: LlamaFil
         if (rope_dim := hparams.get("head_dim")) is None:
             rope_dim = hparams["hidden_size"] // hparams["num_attention_heads"]
         writer.add_rope_dimension_count(rope_dim)
+    if conv.params is not None:
+        conv.params(writer, hparams)
+        return
     if conv.moe:
         if (moe_ff := hparams.get("moe_intermediate_size")) is not None:
             writer.add_expert_feed_forward_length(moe_ff)
         if (shared_ff := hparams.get("shared_expert_intermediate_size")) is not None:
             writer.add_expert_shared_feed_forward_length(shared_ff)
+
+
+# --------------------------------------------------------------- deepseek2
+
+
+def _deepseek2_tensors(name: str, bid: int | None, x: np.ndarray, hparams: dict, held: dict):
+    """DeepseekV2Model.modify_tensors (ModelBase.filter_tensors first: the router's correction bias
+    renamed e_score_correction.bias, so it maps to exp_probs_b.bias).
+
+    The tiny model is an mlx-lm checkpoint: its experts are already stacked (as the converter
+    stacks them), and a deepseek_v3's sanitize has split kv_b_proj into ``embed_q`` (k_b,
+    transposed) and ``unembed_out`` (v_b). Those are joined back into HF's kv_b_proj here, which
+    the converter then splits per head into k_b_proj (transposed) and v_b_proj as it does.
+    """
+    if name.endswith("e_score_correction_bias"):
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    if (m := _MLX_EXPERTS.match(name)) is not None:
+        yield f"{m.group(1)}.experts.{m.group(2)}.weight", bid, x
+        return
+    if name.endswith("self_attn.embed_q.weight"):
+        held[name] = x  # joined with unembed_out, which sorts after it
+        return
+    if name.endswith("self_attn.unembed_out.weight"):
+        k_b = held.pop(name.replace("unembed_out", "embed_q"))  # (heads, kv_lora_rank, nope)
+        x = np.concatenate([k_b.swapaxes(1, 2), x], axis=1).reshape(-1, k_b.shape[1])
+        name = name.replace("unembed_out", "kv_b_proj")
+    if name.endswith("kv_b_proj.weight"):
+        n_head_kv = hparams["num_key_value_heads"]
+        v_head_dim, qk_nope_head_dim = hparams["v_head_dim"], hparams["qk_nope_head_dim"]
+        assert x.shape[0] == n_head_kv * (v_head_dim + qk_nope_head_dim)
+        kv_b = x.reshape(n_head_kv, v_head_dim + qk_nope_head_dim, x.shape[-1])
+        k_b, v_b = kv_b[:, :qk_nope_head_dim], kv_b[:, qk_nope_head_dim:]
+        yield name.replace("kv_b_proj", "k_b_proj"), bid, np.ascontiguousarray(k_b.swapaxes(1, 2))
+        yield name.replace("kv_b_proj", "v_b_proj"), bid, np.ascontiguousarray(v_b)
+        return
+    yield name, bid, x
+
+
+def _deepseek2_params(writer, hparams: dict) -> None:
+    """DeepseekV2Model.set_gguf_parameters, after TextModel's (it sets num_key_value_heads to 1
+    before them: written over here, which keeps the key where TextModel put it)."""
+    writer.add_head_count_kv(1)  # "deepseek2 using MLA converts into MQA (ie: GQA with 1 group)"
+    has_moe = hparams.get("n_routed_experts") is not None
+    first_k_dense_replace = hparams.get("first_k_dense_replace")
+    if first_k_dense_replace is None:
+        first_k_dense_replace = hparams["num_hidden_layers"] if not has_moe else 0
+    writer.add_leading_dense_block_count(first_k_dense_replace)
+    kv_lora_rank = hparams.get("kv_lora_rank", 512)
+    writer.add_vocab_size(hparams["vocab_size"])
+    if hparams.get("q_lora_rank") is not None:
+        writer.add_q_lora_rank(hparams["q_lora_rank"])
+    writer.add_kv_lora_rank(kv_lora_rank)
+    writer.add_key_length(kv_lora_rank + hparams["qk_rope_head_dim"])
+    writer.add_value_length(kv_lora_rank)
+    writer.add_key_length_mla(hparams["qk_nope_head_dim"] + hparams["qk_rope_head_dim"])
+    writer.add_value_length_mla(hparams["v_head_dim"])
+    writer.add_expert_feed_forward_length(_find(hparams, ["moe_intermediate_size", "intermediate_size"]))
+    if (n_routed_experts := hparams.get("n_routed_experts")) is not None:
+        writer.add_expert_count(n_routed_experts)
+    writer.add_expert_shared_count(hparams.get("n_shared_experts", 0))
+    if (routed_scaling_factor := hparams.get("routed_scaling_factor")) is not None:
+        writer.add_expert_weights_scale(routed_scaling_factor)
+    if hparams.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(hparams["norm_topk_prob"])
+    writer.add_rope_dimension_count(hparams["qk_rope_head_dim"])
+    if (rope_mscale_all := (hparams.get("rope_scaling") or {}).get("mscale_all_dim")) is not None:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope_mscale_all)
 
 
 # -------------------------------------------------------------------- vocab

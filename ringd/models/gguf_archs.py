@@ -78,6 +78,15 @@ class Arch:
     rope_interleaved: bool
     # The family's own config keys (experts, windows, ...), from the file's metadata.
     extra: Callable[[Facts], dict] | None = None
+    # Parts of mlx-lm's parameter names spelled as the Hugging Face names gguf-py's map knows
+    # (mlx-lm's own modules, like DeepSeek-V3's embed_q for the k_b_proj llama.cpp splits out).
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def hf_name(self, name: str) -> str:
+        """An mlx-lm module or parameter name as gguf-py's TensorNameMap knows it."""
+        for ours, theirs in self.renames:
+            name = name.replace(ours, theirs)
+        return name
 
 
 ARCHITECTURES = {
@@ -85,6 +94,13 @@ ARCHITECTURES = {
     "qwen2": Arch("qwen2", "QWEN2", rope_interleaved=False),  # Qwen2, Qwen2.5, QwQ, DeepSeek-R1-Distill-Qwen
     "qwen3": Arch("qwen3", "QWEN3", rope_interleaved=False),
     "qwen3moe": Arch("qwen3_moe", "QWEN3MOE", rope_interleaved=False, extra=lambda f: _qwen3_moe(f)),  # Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder
+    # DeepSeek-V3/R1, Kimi K2 (sigmoid router): mlx-lm's deepseek_v3, whose MLA holds kv_b_proj
+    # split per head as llama.cpp's converter stores it (attn_k_b, attn_v_b), tensor for tensor.
+    "deepseek2": Arch(
+        "deepseek_v3", "DEEPSEEK2", rope_interleaved=False, extra=lambda f: _deepseek2(f),
+        renames=((".self_attn.embed_q", ".self_attn.k_b_proj"), (".self_attn.unembed_out", ".self_attn.v_b_proj"),
+                 (".e_score_correction_bias", ".e_score_correction.bias")),
+    ),  # fmt: skip
 }
 
 # Llama 3.1+ GGUFs carry their RoPE scaling only as the ``rope_freqs`` tensor (the
@@ -146,7 +162,7 @@ def config(g: Facts) -> dict:
         out["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
     scaling = _rope_scaling(g, key("rope.dimension_count", out["head_dim"]), out["rope_theta"])
     if scaling is not None:
-        out["rope_scaling"] = scaling
+        out.setdefault("rope_scaling", scaling)  # a family's own (extra) first
     # Activations take the dtype of the norms (llama.cpp keeps them F32), and so the KV cache.
     norm = g.tensors.get("output_norm.weight")
     out["torch_dtype"] = {"F32": "float32", "BF16": "bfloat16"}.get(norm.type if norm else "", "float16")
@@ -177,6 +193,70 @@ def _qwen3_moe(g: Facts) -> dict:
     if key("feed_forward_length", None) is None:  # the dense size, which only dense layers use
         experts["intermediate_size"] = experts["moe_intermediate_size"]
     return experts
+
+
+# llama.cpp's expert_gating_func values (gguf-py's ExpertGatingFuncType).
+_GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
+_FLOAT32_TENTH = 0.10000000149011612  # 0.1 as the float32 llama.cpp's converter multiplies in
+
+
+def _deepseek2(g: Facts) -> dict:
+    """DeepSeek-V2/V3's multi-head latent attention and experts, as DeepseekV2Model (llama.cpp's
+    converter) writes them: the MLA sizes under key_length_mla/value_length_mla (key_length and
+    head_count_kv, which mlx-lm's deepseek_v3 does not read, stay llama.cpp's absorbed form: one
+    head of the latent and the RoPE part, what a position costs in the cache), kv_b_proj split per head
+    into attn_k_b (transposed) and attn_v_b, which is exactly how mlx-lm's deepseek_v3 holds it
+    (embed_q, unembed_out). Leading dense layers, shared experts, the router's correction bias
+    (exp_probs_b), group-limited routing and yarn's attention scale as llama.cpp reads them."""
+    key, meta, arch = g.key, g.meta, g.arch
+    if "blk.0.attn_kv_b.weight" in g.tensors and "blk.0.attn_k_b.weight" not in g.tensors:
+        raise ModelError(
+            f"{g.path}: this deepseek2 file keeps MLA's kv_b whole (llama.cpp's converter before it split "
+            "kv_b into attn_k_b and attn_v_b); ringd serves the split form: convert the checkpoint again "
+            "with a current llama.cpp, or take a newer GGUF of this model"
+        )
+    gating = meta.get(f"{arch}.expert_gating_func", _GATING_SOFTMAX)  # llama.cpp's default for deepseek2 (V2, V2.5)
+    if gating != _GATING_SIGMOID:
+        raise ModelError(
+            f"{g.path}: deepseek2 with a softmax router (DeepSeek-V2, V2.5, V2-Lite) is not served from GGUF "
+            "by ringd (mlx-lm's deepseek_v2 holds kv_b_proj whole, which the file stores split and quantized "
+            "along another axis); DeepSeek-V3, R1 and Kimi K2 files (sigmoid router) are"
+        )
+    rope, layers = key("rope.dimension_count"), key("block_count")
+    config: dict[str, Any] = {
+        "kv_lora_rank": key("attention.kv_lora_rank"),
+        "q_lora_rank": key("attention.q_lora_rank", None),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": key("attention.key_length_mla") - rope,
+        "v_head_dim": key("attention.value_length_mla"),
+        "first_k_dense_replace": meta.get(f"{arch}.leading_dense_block_count", 0),
+        "moe_layer_freq": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", False)),
+        "routed_scaling_factor": key("expert_weights_scale", 1.0, kind=float),
+        "n_group": key("expert_group_count", 1),
+        "topk_group": key("expert_group_used_count", 1),
+    }
+    if f"{arch}.expert_count" in meta:
+        shared = meta.get(f"{arch}.expert_shared_count", 0)
+        config.update(
+            n_routed_experts=key("expert_count"),
+            num_experts_per_tok=key("expert_used_count"),
+            moe_intermediate_size=key("expert_feed_forward_length"),
+            n_shared_experts=shared or None,
+        )
+    else:
+        config["first_k_dense_replace"] = layers
+    scaling = _rope_scaling(g, rope, key("rope.freq_base", 10000.0, kind=float))
+    if scaling is not None and scaling.get("rope_type") == "yarn":
+        # llama.cpp scales attention by (1 + yarn_log_multiplier ln factor)^2 and leaves RoPE unscaled
+        # (its attn_factor cancels yarn's own): HF's mscale_all_dim = mscale = the multiplier / 0.1.
+        # The file holds 0.1 * mscale_all_dim as a float32: divided by 0.1 as a float32, it comes back whole.
+        mscale = float(meta.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)) / _FLOAT32_TENTH
+        scaling.update(mscale=mscale, mscale_all_dim=mscale)
+        config["rope_scaling"] = scaling
+    return config
 
 
 # Tokens llama.cpp ends a generation on by their text, besides the ids the file names

@@ -1,0 +1,122 @@
+"""GGUF files of the heavier MoE families, written as llama.cpp's converter writes them (ggufmake), served as ring stages.
+
+For each family ringd maps: a tiny model of the mlx-lm architecture, written to GGUF
+by ``ggufmake`` as llama.cpp's converter class for it writes it, computes through
+ring stages cut at every layer boundary exactly what mlx-lm computes on
+``ringd convert``'s conversion of the same file (token for token, logit for logit),
+and the float file what mlx-lm computes on the original model. What llama.cpp
+stores that mlx-lm cannot compute as is is refused at start with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from test_gguf import PROMPT, _convert, _greedy
+
+from ringd.models.errors import ModelError
+from ringd.models.source import model_info
+from stagering import reference, ring
+
+LAYERS = 3  # a dense first layer, then two MoE layers: cuts at the dense/MoE boundary and between MoE layers
+# Every cut alone, and all of them at once.
+SPLITS = ([0, 1, LAYERS], [0, 2, LAYERS], [0, 1, 2, LAYERS])
+# Rows of whole 32-weight blocks where the family allows (FFN 128, experts 32).
+SIZES = {"layers": LAYERS, "dtype": "float32", "intermediate_size": 128}
+
+# DeepSeek-V3's own YaRN (factor 40, mscale = mscale_all_dim = 1), made small: a factor above 1
+# so that the attention scale llama.cpp derives from yarn_log_multiplier counts.
+DEEPSEEK_YARN = {
+    "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
+    "mscale": 1.0, "mscale_all_dim": 1.0,
+}  # fmt: skip
+
+# family: (tiny arch, its extra sizes, config.json changes, the file's qtype).
+# DeepSeek checkpoints have as many KV heads as heads (the converter's kv_b split asserts it).
+FAMILIES = {
+    "deepseek2": ("deepseek_v3", {"kv_heads": 4}, {"rope_scaling": DEEPSEEK_YARN}),
+}
+
+# What the config read from the file must say (what llama.cpp stores in its own terms).
+CONFIG = {
+    "deepseek2": {
+        "rope_scaling": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        },
+        "first_k_dense_replace": 1, "n_shared_experts": 1, "q_lora_rank": 48, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    },
+}  # fmt: skip
+
+
+def _source(tiny_model, tmp_path_factory, arch: str, sizes: dict, changes: dict) -> Path:
+    source = tiny_model(arch=arch, **SIZES, **sizes)
+    if changes:  # the same weights, another config: a model of its own
+        changed = tmp_path_factory.mktemp("changed") / source.name
+        shutil.copytree(source, changed)
+        config = json.loads((changed / "config.json").read_text())
+        (changed / "config.json").write_text(json.dumps({**config, **changes}))
+        source = changed
+    return source
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_path_factory, family):
+    """The float file against the original model (config, names, llama.cpp's tensor forms), and
+    the Q8_0 file at every cut against mlx-lm on ``ringd convert``'s conversion, bit for bit."""
+    from mlx_lm import load
+
+    from ggufmake import write_gguf
+    from ringd.stage.shard import Shard
+
+    arch, sizes, changes = FAMILIES[family]
+    source = _source(tiny_model, tmp_path_factory, arch, sizes, changes)
+    out = tmp_path_factory.mktemp(family)
+    model, tokenizer = load(str(source))
+    prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
+    want, want_logits = _greedy(reference(model), prompt)
+    assert len(set(want)) >= 8, "the reference repeats itself: the test would prove little"
+
+    plain = write_gguf(source, out / "f32.gguf")
+    config = model_info(str(plain)).config
+    assert config["model_type"] == arch
+    for key, value in CONFIG.get(family, {}).items():
+        assert config[key] == value, key
+    got, got_logits = _greedy(ring([Shard.load(str(plain), a, b) for a, b in ((0, 1), (1, LAYERS))]), prompt)
+    assert got == want
+    for a, b in zip(want_logits, got_logits):
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+
+    path = write_gguf(source, out / "q8_0.gguf", qtype="q8_0")
+    converted, _ = load(str(_convert(path, out / "converted")))
+    want, want_logits = _greedy(reference(converted), prompt)
+    assert len(set(want)) >= 8
+    for bounds in SPLITS:
+        stages = [Shard.load(str(path), a, b) for a, b in zip(bounds, bounds[1:])]
+        got, got_logits = _greedy(ring(stages), prompt)
+        for i, (a, b) in enumerate(zip(want_logits, got_logits)):
+            assert mx.array_equal(a, b).item(), f"split {bounds}: logits differ at step {i}"
+        assert got == want
+
+
+def test_what_deepseek2_files_hold_that_mlx_lm_cannot_take_is_refused_in_one_line(tiny_model, tmp_path_factory):
+    """A softmax router (DeepSeek-V2, V2.5, V2-Lite: mlx-lm's deepseek_v2 wants kv_b_proj whole,
+    which the file holds split and transposed), and a file from before llama.cpp split kv_b."""
+    from ggufmake import write_gguf
+    from ringd.models.gguf import GgufFile, _parse
+
+    v2 = write_gguf(tiny_model(arch="deepseek_v2", **SIZES, kv_heads=4), tmp_path_factory.mktemp("v2") / "v2.gguf")
+    with pytest.raises(ModelError, match=r"deepseek2 with a softmax router \(DeepSeek-V2, V2.5, V2-Lite\) is not served") as e:
+        model_info(str(v2))
+    assert "\n" not in str(e.value)
+
+    v3 = write_gguf(tiny_model(arch="deepseek_v3", **SIZES, kv_heads=4), tmp_path_factory.mktemp("v3") / "v3.gguf")
+    meta, tensors, data_offset = _parse(v3, v3.stat().st_size)
+    whole = {n.replace("attn_k_b", "attn_kv_b"): t for n, t in tensors.items() if "attn_v_b" not in n}
+    with pytest.raises(ModelError, match=r"keeps MLA's kv_b whole .* convert the checkpoint again with a current llama.cpp") as e:
+        GgufFile(v3, meta, whole, data_offset)
+    assert "\n" not in str(e.value)
