@@ -85,6 +85,7 @@ CONVERTERS: dict[str, Converter] = {
     "Qwen3MoeForCausalLM": Converter(MODEL_ARCH.QWEN3MOE, moe=True),
     "DeepseekV2ForCausalLM": Converter(MODEL_ARCH.DEEPSEEK2, moe=True, modify=lambda *a: _deepseek2_tensors(*a), params=lambda *a: _deepseek2_params(*a)),
     "DeepseekV3ForCausalLM": Converter(MODEL_ARCH.DEEPSEEK2, moe=True, modify=lambda *a: _deepseek2_tensors(*a), params=lambda *a: _deepseek2_params(*a)),
+    "GptOssForCausalLM": Converter(MODEL_ARCH.GPT_OSS, moe=True, modify=lambda *a: _gpt_oss_tensors(*a), params=lambda *a: _gpt_oss_params(*a)),
 }
 
 
@@ -518,6 +519,33 @@ def _deepseek2_params(writer, hparams: dict) -> None:
     writer.add_rope_dimension_count(hparams["qk_rope_head_dim"])
     if (rope_mscale_all := (hparams.get("rope_scaling") or {}).get("mscale_all_dim")) is not None:
         writer.add_rope_scaling_yarn_log_mul(0.1 * rope_mscale_all)
+
+
+# ----------------------------------------------------------------- gpt-oss
+
+
+def _gpt_oss_tensors(name: str, bid: int | None, x: np.ndarray, hparams: dict, held: dict):
+    """GptOssModel.filter_tensors and modify_tensors for a checkpoint whose experts are not MXFP4.
+
+    The sinks get a ``.weight``. The tiny model is an mlx-lm checkpoint: its sanitize already
+    split HF's interleaved ``gate_up_proj`` (and its bias) into stacked gate_proj and up_proj
+    (``[:, ::2]``, ``[:, 1::2]``) and holds them, and down_proj, as (experts, out, in): what the
+    converter's transpose and split of the float gate_up_proj writes, under the merged HF names
+    (mlp.experts.gate_proj.weight, ...) that gguf-py maps to ffn_gate_exps and the rest. An
+    original checkpoint's MXFP4 experts are repacked by the converter as they are (repack_mxfp4);
+    the tests write the experts MXFP4 by type instead (gguf-py's quantize).
+    """
+    if "sinks" in name:
+        name += ".weight"
+    yield name, bid, x
+
+
+def _gpt_oss_params(writer, hparams: dict) -> None:
+    """GptOssModel.set_gguf_parameters, after TextModel's."""
+    writer.add_sliding_window(hparams["sliding_window"])
+    writer.add_expert_feed_forward_length(hparams["intermediate_size"])
+    writer.add_expert_count(hparams.get("num_local_experts") or hparams.get("num_experts") or 32)
+    writer.add_expert_used_count(hparams.get("num_experts_per_tok") or 4)
 
 
 # -------------------------------------------------------------------- vocab

@@ -187,8 +187,11 @@ class GgufFile:
     # --- the model's parameters ----------------------------------------------------
 
     def _gguf_name(self, module_path: str) -> str | None:
+        return self._mapped(self.arch.hf_name(module_path))
+
+    def _mapped(self, hf: str) -> str | None:
         # mlx-lm stacks MoE experts under ``switch_mlp``; gguf-py knows the HF name ``experts``.
-        hf = self.arch.hf_name(module_path).replace(".switch_mlp.", ".experts.")
+        hf = hf.replace(".switch_mlp.", ".experts.")
         return next((n for names in self._names if (n := names.get_name(hf)) is not None), None)
 
     def tensor_of(self, module_path: str) -> Tensor | None:
@@ -206,7 +209,7 @@ class GgufFile:
     def source(self, parameter: str) -> tuple[Tensor, str]:
         """The tensor and part ("", "scales", "biases") an mlx-lm parameter is read from."""
         module, leaf = self.arch.hf_name(parameter).rsplit(".", 1)
-        name = self._gguf_name(module)
+        name = self._mapped(module)
         part = leaf if leaf in ("scales", "biases") else ""
         t = None
         if name is not None:

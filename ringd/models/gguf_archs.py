@@ -101,6 +101,9 @@ ARCHITECTURES = {
         renames=((".self_attn.embed_q", ".self_attn.k_b_proj"), (".self_attn.unembed_out", ".self_attn.v_b_proj"),
                  (".e_score_correction_bias", ".e_score_correction.bias")),
     ),  # fmt: skip
+    # gpt-oss-20b, gpt-oss-120b: attention sinks (attn_sinks, a tensor llama.cpp names with .weight),
+    # biases on attention, router and experts, MXFP4 experts served packed, every other layer a window.
+    "gpt-oss": Arch("gpt_oss", "GPT_OSS", rope_interleaved=False, extra=lambda f: _gpt_oss(f), renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),
 }
 
 # Llama 3.1+ GGUFs carry their RoPE scaling only as the ``rope_freqs`` tensor (the
@@ -257,6 +260,27 @@ def _deepseek2(g: Facts) -> dict:
         scaling.update(mscale=mscale, mscale_all_dim=mscale)
         config["rope_scaling"] = scaling
     return config
+
+
+def _gpt_oss(g: Facts) -> dict:
+    """gpt-oss as GptOssModel (llama.cpp's converter) writes it and llama.cpp reads it: its experts'
+    width as expert_feed_forward_length, one sliding window, and the layers it applies to by
+    llama.cpp's fixed pattern for gpt-oss (set_swa_pattern(2): even layers slide, odd ones see
+    everything), which is the checkpoint's own layer_types; a file that lists its pattern
+    (``attention.sliding_window_pattern``) is read as it says."""
+    key, meta = g.key, g.meta
+    layers = key("block_count")
+    pattern = meta.get(f"{g.arch}.attention.sliding_window_pattern")
+    sliding = [bool(p) for p in pattern] if isinstance(pattern, list) and len(pattern) == layers else [i % 2 == 0 for i in range(layers)]
+    if all(sliding) or not any(sliding):
+        raise ModelError(f"{g.path}: gpt-oss layers must mix sliding and full attention (mlx-lm's gpt_oss takes one mask of each)")
+    return {
+        "num_local_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "intermediate_size": key("expert_feed_forward_length"),
+        "sliding_window": key("attention.sliding_window"),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+    }
 
 
 # Tokens llama.cpp ends a generation on by their text, besides the ids the file names

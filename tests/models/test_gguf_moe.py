@@ -35,14 +35,17 @@ DEEPSEEK_YARN = {
     "mscale": 1.0, "mscale_all_dim": 1.0,
 }  # fmt: skip
 
-# family: (tiny arch, its extra sizes, config.json changes, the file's qtype).
-# DeepSeek checkpoints have as many KV heads as heads (the converter's kv_b split asserts it).
+# family: (tiny arch, its extra sizes, config.json changes, tensor types of the quantized file
+# besides its Q8_0). DeepSeek checkpoints have as many KV heads as heads (the converter's kv_b
+# split asserts it); gpt-oss's experts are MXFP4 in every GGUF of it (the checkpoint's own).
 FAMILIES = {
-    "deepseek2": ("deepseek_v3", {"kv_heads": 4}, {"rope_scaling": DEEPSEEK_YARN}),
+    "deepseek2": ("deepseek_v3", {"kv_heads": 4}, {"rope_scaling": DEEPSEEK_YARN}, {}),
+    "gpt-oss": ("gpt_oss", {}, {}, {f"blk.{i}.ffn_{p}_exps.weight": "mxfp4" for i in range(LAYERS) for p in ("gate", "up", "down")}),
 }
 
 # What the config read from the file must say (what llama.cpp stores in its own terms).
 CONFIG = {
+    "gpt-oss": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 16, "intermediate_size": 128},
     "deepseek2": {
         "rope_scaling": {
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0,
@@ -73,7 +76,7 @@ def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_pat
     from ggufmake import write_gguf
     from ringd.stage.shard import Shard
 
-    arch, sizes, changes = FAMILIES[family]
+    arch, sizes, changes, types = FAMILIES[family]
     source = _source(tiny_model, tmp_path_factory, arch, sizes, changes)
     out = tmp_path_factory.mktemp(family)
     model, tokenizer = load(str(source))
@@ -91,7 +94,7 @@ def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_pat
     for a, b in zip(want_logits, got_logits):
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
 
-    path = write_gguf(source, out / "q8_0.gguf", qtype="q8_0")
+    path = write_gguf(source, out / "q8_0.gguf", qtype="q8_0", types=types)
     converted, _ = load(str(_convert(path, out / "converted")))
     want, want_logits = _greedy(reference(converted), prompt)
     assert len(set(want)) >= 8
