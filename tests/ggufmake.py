@@ -85,6 +85,7 @@ CONVERTERS: dict[str, Converter] = {
     "Qwen3MoeForCausalLM": Converter(MODEL_ARCH.QWEN3MOE, moe=True),
     "DeepseekV2ForCausalLM": Converter(MODEL_ARCH.DEEPSEEK2, moe=True, modify=lambda *a: _deepseek2_tensors(*a), params=lambda *a: _deepseek2_params(*a)),
     "DeepseekV3ForCausalLM": Converter(MODEL_ARCH.DEEPSEEK2, moe=True, modify=lambda *a: _deepseek2_tensors(*a), params=lambda *a: _deepseek2_params(*a)),
+    "Glm4MoeForCausalLM": Converter(MODEL_ARCH.GLM4_MOE, moe=True, modify=lambda *a: _glm4moe_tensors(*a), params=lambda *a: _glm4moe_params(*a)),
     "GptOssForCausalLM": Converter(MODEL_ARCH.GPT_OSS, moe=True, modify=lambda *a: _gpt_oss_tensors(*a), params=lambda *a: _gpt_oss_params(*a)),
 }
 
@@ -519,6 +520,43 @@ def _deepseek2_params(writer, hparams: dict) -> None:
     writer.add_rope_dimension_count(hparams["qk_rope_head_dim"])
     if (rope_mscale_all := (hparams.get("rope_scaling") or {}).get("mscale_all_dim")) is not None:
         writer.add_rope_scaling_yarn_log_mul(0.1 * rope_mscale_all)
+
+
+# ----------------------------------------------------------------- glm4moe
+
+
+def _glm4moe_tensors(name: str, bid: int | None, x: np.ndarray, hparams: dict, held: dict):
+    """Glm4MoeModel.modify_tensors after ModelBase.filter_tensors (the router's correction bias
+    renamed e_score_correction.bias); the tiny mlx-lm checkpoint's experts already stacked, as the
+    converter's MOE_HF_MLP stacks them. There is no NextN layer to write: the tiny config has none."""
+    if name.endswith("e_score_correction_bias"):
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    if (m := _MLX_EXPERTS.match(name)) is not None:
+        name = f"{m.group(1)}.experts.{m.group(2)}.weight"
+    yield name, bid, x
+
+
+def _glm4moe_params(writer, hparams: dict) -> None:
+    """Glm4MoeModel.set_gguf_parameters, after TextModel's. Its set_vocab (_set_vocab_glm) names
+    <|endoftext|> and <|user|> as the special tokens, which the tiny tokenizer lacks: the common
+    vocabulary is written instead."""
+    rope_dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
+    writer.add_rope_dimension_count(int(rope_dim * hparams.get("partial_rotary_factor", 0.5)))
+    if (n_routed_experts := hparams.get("n_routed_experts")) is not None:
+        writer.add_expert_count(n_routed_experts)
+    if (moe_intermediate_size := hparams.get("moe_intermediate_size")) is not None:
+        writer.add_expert_feed_forward_length(moe_intermediate_size)
+    if (n_shared_experts := hparams.get("n_shared_experts")) is not None:
+        writer.add_expert_shared_count(n_shared_experts)
+    if (first_k_dense_replace := hparams.get("first_k_dense_replace")) is not None:
+        writer.add_leading_dense_block_count(first_k_dense_replace)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if (routed_scaling_factor := hparams.get("routed_scaling_factor")) is not None:
+        writer.add_expert_weights_scale(routed_scaling_factor)
+    if (norm_topk_prob := hparams.get("norm_topk_prob")) is not None:
+        writer.add_expert_weights_norm(norm_topk_prob)
+    if (num_nextn_predict_layers := hparams.get("num_nextn_predict_layers")) is not None:
+        writer.add_nextn_predict_layers(num_nextn_predict_layers)
 
 
 # ----------------------------------------------------------------- gpt-oss

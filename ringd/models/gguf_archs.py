@@ -103,6 +103,8 @@ ARCHITECTURES = {
     ),  # fmt: skip
     # gpt-oss-20b, gpt-oss-120b: attention sinks (attn_sinks, a tensor llama.cpp names with .weight),
     # biases on attention, router and experts, MXFP4 experts served packed, every other layer a window.
+    # GLM-4.5, GLM-4.5-Air, GLM-4.6 (their NextN/MTP layer, past block_count's decoder layers, unused).
+    "glm4moe": Arch("glm4_moe", "GLM4_MOE", rope_interleaved=False, extra=lambda f: _glm4moe(f), renames=((".e_score_correction_bias", ".e_score_correction.bias"),)),
     "gpt-oss": Arch("gpt_oss", "GPT_OSS", rope_interleaved=False, extra=lambda f: _gpt_oss(f), renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),
 }
 
@@ -260,6 +262,37 @@ def _deepseek2(g: Facts) -> dict:
         scaling.update(mscale=mscale, mscale_all_dim=mscale)
         config["rope_scaling"] = scaling
     return config
+
+
+def _glm4moe(g: Facts) -> dict:
+    """GLM-4.5's experts as Glm4MoeModel (llama.cpp's converter) writes them: block_count counts the
+    NextN/MTP layers too (mlx-lm's glm4_moe drops them), a sigmoid router with its correction bias
+    (exp_probs_b), shared experts, leading dense layers, partial RoPE as rope.dimension_count."""
+    key, meta, arch = g.key, g.meta, g.arch
+    if meta.get(f"{arch}.expert_gating_func", _GATING_SIGMOID) != _GATING_SIGMOID:
+        raise ModelError(f"{g.path}: glm4moe with a softmax router is not what mlx-lm's glm4_moe computes (a sigmoid one)")
+    if meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise ModelError(f"{g.path}: glm4moe with RoPE scaling is not served (mlx-lm's glm4_moe applies none)")
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length", hidden // heads)
+    shared = meta.get(f"{arch}.expert_shared_count", 0)
+    return {
+        "num_hidden_layers": key("block_count") - meta.get(f"{arch}.nextn_predict_layers", 0),
+        "head_dim": head_dim,
+        "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
+        "rope_scaling": None,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in g.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+        "n_routed_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "n_shared_experts": shared or None,
+        "first_k_dense_replace": meta.get(f"{arch}.leading_dense_block_count", 0),
+        "routed_scaling_factor": key("expert_weights_scale", 1.0, kind=float),
+        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", False)),
+        "n_group": key("expert_group_count", 1),
+        "topk_group": key("expert_group_used_count", 1),
+    }
 
 
 def _gpt_oss(g: Facts) -> dict:

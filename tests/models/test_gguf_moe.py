@@ -40,11 +40,13 @@ DEEPSEEK_YARN = {
 # split asserts it); gpt-oss's experts are MXFP4 in every GGUF of it (the checkpoint's own).
 FAMILIES = {
     "deepseek2": ("deepseek_v3", {"kv_heads": 4}, {"rope_scaling": DEEPSEEK_YARN}, {}),
+    "glm4moe": ("glm4_moe", {}, {}, {}),
     "gpt-oss": ("gpt_oss", {}, {}, {f"blk.{i}.ffn_{p}_exps.weight": "mxfp4" for i in range(LAYERS) for p in ("gate", "up", "down")}),
 }
 
 # What the config read from the file must say (what llama.cpp stores in its own terms).
 CONFIG = {
+    "glm4moe": {"partial_rotary_factor": 0.5, "first_k_dense_replace": 1, "n_shared_experts": 1, "use_qk_norm": True, "attention_bias": True},
     "gpt-oss": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 16, "intermediate_size": 128},
     "deepseek2": {
         "rope_scaling": {
