@@ -86,6 +86,7 @@ CONVERTERS: dict[str, Converter] = {
     "DeepseekV2ForCausalLM": Converter(MODEL_ARCH.DEEPSEEK2, moe=True, modify=lambda *a: _deepseek2_tensors(*a), params=lambda *a: _deepseek2_params(*a)),
     "DeepseekV3ForCausalLM": Converter(MODEL_ARCH.DEEPSEEK2, moe=True, modify=lambda *a: _deepseek2_tensors(*a), params=lambda *a: _deepseek2_params(*a)),
     "Glm4MoeForCausalLM": Converter(MODEL_ARCH.GLM4_MOE, moe=True, modify=lambda *a: _glm4moe_tensors(*a), params=lambda *a: _glm4moe_params(*a)),
+    "MiniMaxM2ForCausalLM": Converter(MODEL_ARCH.MINIMAXM2, moe=True, modify=lambda *a: _minimax_m2_tensors(*a), params=lambda *a: _minimax_m2_params(*a)),
     "GptOssForCausalLM": Converter(MODEL_ARCH.GPT_OSS, moe=True, modify=lambda *a: _gpt_oss_tensors(*a), params=lambda *a: _gpt_oss_params(*a)),
 }
 
@@ -557,6 +558,31 @@ def _glm4moe_params(writer, hparams: dict) -> None:
         writer.add_expert_weights_norm(norm_topk_prob)
     if (num_nextn_predict_layers := hparams.get("num_nextn_predict_layers")) is not None:
         writer.add_nextn_predict_layers(num_nextn_predict_layers)
+
+
+# -------------------------------------------------------------- minimax-m2
+
+# mlx-lm's stacked experts by the w-names of HF's MiniMax-M2 experts (w1 gate, w2 down, w3 up).
+_MINIMAX_EXPERT_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def _minimax_m2_tensors(name: str, bid: int | None, x: np.ndarray, hparams: dict, held: dict):
+    """MiniMaxM2Model.modify_tensors: the router's correction bias renamed e_score_correction.bias,
+    each layer's block_sparse_moe.experts.{e}.w1/w2/w3 stacked into block_sparse_moe.experts.w1/w2/w3.
+    The tiny mlx-lm checkpoint's experts are already stacked (switch_mlp.gate_proj, ...): written
+    under the merged names the converter gives them."""
+    if name.endswith("e_score_correction_bias"):
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    m = re.match(r"^(.*\.block_sparse_moe)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight$", name)
+    if m is not None:
+        name = f"{m.group(1)}.experts.{_MINIMAX_EXPERT_NAMES[m.group(2)]}.weight"
+    yield name, bid, x
+
+
+def _minimax_m2_params(writer, hparams: dict) -> None:
+    """MiniMaxM2Model.set_gguf_parameters, after TextModel's."""
+    writer.add_expert_feed_forward_length(_find(hparams, ["intermediate_size"]))
+    writer.add_rope_dimension_count(_find(hparams, ["rotary_dim"]))
 
 
 # ----------------------------------------------------------------- gpt-oss

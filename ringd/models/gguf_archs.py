@@ -105,6 +105,12 @@ ARCHITECTURES = {
     # biases on attention, router and experts, MXFP4 experts served packed, every other layer a window.
     # GLM-4.5, GLM-4.5-Air, GLM-4.6 (their NextN/MTP layer, past block_count's decoder layers, unused).
     "glm4moe": Arch("glm4_moe", "GLM4_MOE", rope_interleaved=False, extra=lambda f: _glm4moe(f), renames=((".e_score_correction_bias", ".e_score_correction.bias"),)),
+    # MiniMax-M2 (mlx-lm's minimax): HF's block_sparse_moe experts w1/w2/w3 are mlx-lm's gate/down/up.
+    "minimax-m2": Arch(
+        "minimax", "MINIMAXM2", rope_interleaved=False, extra=lambda f: _minimax_m2(f),
+        renames=((".switch_mlp.gate_proj", ".experts.w1"), (".switch_mlp.down_proj", ".experts.w2"),
+                 (".switch_mlp.up_proj", ".experts.w3"), (".e_score_correction_bias", ".e_score_correction.bias")),
+    ),  # fmt: skip
     "gpt-oss": Arch("gpt_oss", "GPT_OSS", rope_interleaved=False, extra=lambda f: _gpt_oss(f), renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),
 }
 
@@ -292,6 +298,30 @@ def _glm4moe(g: Facts) -> dict:
         "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", False)),
         "n_group": key("expert_group_count", 1),
         "topk_group": key("expert_group_used_count", 1),
+    }
+
+
+def _minimax_m2(g: Facts) -> dict:
+    """MiniMax-M2 as MiniMaxM2Model (llama.cpp's converter) writes it: every layer a mixture with a
+    sigmoid router and its correction bias (exp_probs_b), the experts' width as
+    expert_feed_forward_length, partial RoPE as rope.dimension_count (HF's rotary_dim), Q/K norms
+    over all heads at once. mlx-lm's minimax has no shared expert: a file with one is refused."""
+    key, meta, arch = g.key, g.meta, g.arch
+    if meta.get(f"{arch}.expert_gating_func", _GATING_SIGMOID) != _GATING_SIGMOID:
+        raise ModelError(f"{g.path}: minimax-m2 with a softmax router is not what mlx-lm's minimax computes (a sigmoid one)")
+    if meta.get(f"{arch}.expert_shared_feed_forward_length") or meta.get(f"{arch}.expert_shared_count"):
+        raise ModelError(f"{g.path}: minimax-m2 with a shared expert is not what mlx-lm's minimax computes (it has none)")
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length", hidden // heads)
+    return {
+        "head_dim": head_dim,
+        "intermediate_size": key("expert_feed_forward_length"),
+        "num_local_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "shared_intermediate_size": 0,
+        "rotary_dim": key("rope.dimension_count", head_dim),
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in g.tensors,
+        "scoring_func": "sigmoid",
     }
 
 

@@ -41,12 +41,14 @@ DEEPSEEK_YARN = {
 FAMILIES = {
     "deepseek2": ("deepseek_v3", {"kv_heads": 4}, {"rope_scaling": DEEPSEEK_YARN}, {}),
     "glm4moe": ("glm4_moe", {}, {}, {}),
+    "minimax-m2": ("minimax", {}, {}, {}),
     "gpt-oss": ("gpt_oss", {}, {}, {f"blk.{i}.ffn_{p}_exps.weight": "mxfp4" for i in range(LAYERS) for p in ("gate", "up", "down")}),
 }
 
 # What the config read from the file must say (what llama.cpp stores in its own terms).
 CONFIG = {
     "glm4moe": {"partial_rotary_factor": 0.5, "first_k_dense_replace": 1, "n_shared_experts": 1, "use_qk_norm": True, "attention_bias": True},
+    "minimax-m2": {"rotary_dim": 8, "use_qk_norm": True, "intermediate_size": 128, "num_local_experts": 4},
     "gpt-oss": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 16, "intermediate_size": 128},
     "deepseek2": {
         "rope_scaling": {
@@ -58,15 +60,28 @@ CONFIG = {
 }  # fmt: skip
 
 
+# The tiny models' routers start with a zero correction bias (as trained ones do not): these get
+# seeded values of this size, near the sigmoid scores' spread, so that the bias moves the routing.
+CORRECTION_BIAS_STD = 0.1
+
+
 def _source(tiny_model, tmp_path_factory, arch: str, sizes: dict, changes: dict) -> Path:
+    """The tiny model, with ``changes`` to its config and its routers' correction bias made nonzero:
+    a model of its own, in a folder of its own."""
+    import numpy as np
+
     source = tiny_model(arch=arch, **SIZES, **sizes)
-    if changes:  # the same weights, another config: a model of its own
-        changed = tmp_path_factory.mktemp("changed") / source.name
-        shutil.copytree(source, changed)
-        config = json.loads((changed / "config.json").read_text())
-        (changed / "config.json").write_text(json.dumps({**config, **changes}))
-        source = changed
-    return source
+    changed = tmp_path_factory.mktemp("changed") / source.name
+    shutil.copytree(source, changed)
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps({**config, **changes}))
+    weights = mx.load(str(changed / "model.safetensors"))
+    rng = np.random.default_rng(0)
+    for name, w in weights.items():
+        if name.endswith("e_score_correction_bias"):
+            weights[name] = mx.array(rng.normal(0, CORRECTION_BIAS_STD, w.shape).astype(np.float32))
+    mx.save_safetensors(str(changed / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return changed
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
