@@ -14,7 +14,10 @@ the MLX array(s) mlx-lm's model code computes with:
   ``tests/models/test_gguf.py``); Q6_K and Q2_K, whose scales cover 16 weights,
   requantized to 8 bits with a measured error. No weight is kept dequantized;
 - llama-family files store Q and K for the interleaved RoPE, which mlx-lm's llama
-  computes as is with ``rope_traditional: true``.
+  computes as is with ``rope_traditional: true``;
+- a family's tensors that mlx-lm names its own way (DeepSeek-V3's ``embed_q`` for
+  llama.cpp's ``attn_k_b``, gpt-oss's sinks, MiniMax's stacked ``w1``/``w2``/``w3``) are
+  found through ``Arch.renames`` (``gguf_archs.py``), each tensor still read as it is.
 
 Any other tensor type (IQ1-IQ3, TQ, NVFP4) is refused at start, naming the type
 and what works. So is an architecture this module has no mapping for.
