@@ -87,6 +87,7 @@ CONVERTERS: dict[str, Converter] = {
     "DeepseekV3ForCausalLM": Converter(MODEL_ARCH.DEEPSEEK2, moe=True, modify=lambda *a: _deepseek2_tensors(*a), params=lambda *a: _deepseek2_params(*a)),
     "Glm4MoeForCausalLM": Converter(MODEL_ARCH.GLM4_MOE, moe=True, modify=lambda *a: _glm4moe_tensors(*a), params=lambda *a: _glm4moe_params(*a)),
     "MiniMaxM2ForCausalLM": Converter(MODEL_ARCH.MINIMAXM2, moe=True, modify=lambda *a: _minimax_m2_tensors(*a), params=lambda *a: _minimax_m2_params(*a)),
+    "Qwen3NextForCausalLM": Converter(MODEL_ARCH.QWEN3NEXT, moe=True, modify=lambda *a: _qwen3next_tensors(*a), params=lambda *a: _qwen3next_params(*a)),
     "GptOssForCausalLM": Converter(MODEL_ARCH.GPT_OSS, moe=True, modify=lambda *a: _gpt_oss_tensors(*a), params=lambda *a: _gpt_oss_params(*a)),
 }
 
@@ -237,6 +238,8 @@ def _gguf_name(tensor_map: gguf.TensorNameMap, name: str, bid: int | None, conv:
     FFNs in every other architecture (blk.0.ffn_gate.weight, ...), so that a reader can
     still tell which layers are dense. llama.cpp itself would not load such a file.
     """
+    if name.startswith("blk."):  # named by the converter itself (format_tensor_name), not mapped
+        return name
     new_name = tensor_map.get_name(key=name, try_suffixes=(".weight", ".bias"))
     if new_name is not None:
         return new_name
@@ -252,6 +255,8 @@ def _converter_type(new_name: str, x: np.ndarray, bid: int | None, arch: MODEL_A
         return Q.F32  # "Most of the codebase that takes in 1D tensors or norms only handles F32 tensors"
     if _is(new_name, MODEL_TENSOR.FFN_GATE_INP, bid, arch) or new_name[-7:] not in (".weight", ".lora_a", ".lora_b"):
         return Q.F32  # the routers, as llama_model_quantize_internal keeps them
+    if any(_is(new_name, key, bid, arch) for key in (MODEL_TENSOR.FFN_GATE_INP_SHEXP, MODEL_TENSOR.SSM_CONV1D)):
+        return Q.F32  # in prepare_tensors' list of tensors kept F32
     return default
 
 
@@ -583,6 +588,57 @@ def _minimax_m2_params(writer, hparams: dict) -> None:
     """MiniMaxM2Model.set_gguf_parameters, after TextModel's."""
     writer.add_expert_feed_forward_length(_find(hparams, ["intermediate_size"]))
     writer.add_rope_dimension_count(_find(hparams, ["rotary_dim"]))
+
+
+# --------------------------------------------------------------- qwen3next
+
+
+def _qwen3next_tensors(name: str, bid: int | None, x: np.ndarray, hparams: dict, held: dict):
+    """Qwen3NextModel.modify_tensors: A_log as -exp(A_log), dt_bias as dt_proj.bias, the conv1d
+    squeezed to (channels, kernel), norms but linear_attn.norm with 1 added, in_proj_qkvz split into
+    attn_qkv (all heads' q, then k, then v) and attn_gate (z); experts stacked as Qwen2MoeModel does.
+
+    The tiny model is an mlx-lm checkpoint, whose sanitize has already added that 1 to the same
+    norms and moved the conv1d to MLX's (channels, kernel, 1): its norms are written as they are
+    (what the converter makes of the original's) and its conv1d squeezed the same.
+    """
+    if name.endswith(".A_log"):
+        x = -np.exp(x)
+    elif name.endswith(".dt_bias"):
+        name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+    elif "conv1d" in name:
+        x = x.squeeze()
+    if (m := _MLX_EXPERTS.match(name)) is not None:
+        name = f"{m.group(1)}.experts.{m.group(2)}.weight"
+    if "in_proj_qkvz.weight" in name:
+        head_k_dim, head_v_dim = hparams["linear_key_head_dim"], hparams["linear_value_head_dim"]
+        num_v_heads, num_k_heads = hparams["linear_num_value_heads"], hparams["linear_num_key_heads"]
+        hidden_size = hparams["hidden_size"]
+        split = [head_k_dim, head_k_dim, num_v_heads // num_k_heads * head_v_dim, num_v_heads // num_k_heads * head_v_dim]
+        grouped = x.T.reshape(-1, num_k_heads, sum(split))  # (n_embd, head_count, [q+k+v+z])
+        q, k, v, z = np.split(grouped, np.cumsum(split)[:-1], axis=-1)
+        qkv = np.concatenate([t.reshape(hidden_size, -1) for t in (q, k, v)], axis=-1).T
+        yield gguf.TENSOR_NAMES[MODEL_TENSOR.ATTN_QKV].format(bid=bid) + ".weight", bid, np.ascontiguousarray(qkv)
+        yield gguf.TENSOR_NAMES[MODEL_TENSOR.ATTN_GATE].format(bid=bid) + ".weight", bid, np.ascontiguousarray(z.reshape(hidden_size, -1).T)
+        return
+    yield name, bid, x
+
+
+def _qwen3next_params(writer, hparams: dict) -> None:
+    """Qwen2MoeModel's set_gguf_parameters additions, then Qwen3NextModel's."""
+    if (moe_ff := hparams.get("moe_intermediate_size")) is not None:
+        writer.add_expert_feed_forward_length(moe_ff)
+    if (shared_ff := hparams.get("shared_expert_intermediate_size")) is not None:
+        writer.add_expert_shared_feed_forward_length(shared_ff)
+    writer.add_ssm_conv_kernel(hparams["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(hparams["linear_key_head_dim"])
+    writer.add_ssm_group_count(hparams["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(hparams["linear_num_value_heads"])
+    writer.add_ssm_inner_size(hparams["linear_value_head_dim"] * hparams["linear_num_value_heads"])
+    writer.add_full_attention_interval(hparams.get("full_attention_interval", 4))
+    if (rope_dim := hparams.get("head_dim")) is None:
+        rope_dim = hparams["hidden_size"] // hparams["num_attention_heads"]
+    writer.add_rope_dimension_count(int(rope_dim * hparams.get("partial_rotary_factor", 0.25)))
 
 
 # ----------------------------------------------------------------- gpt-oss

@@ -4,7 +4,8 @@ llama.cpp's converter writes a model's settings as ``{arch}.*`` metadata keys an
 weights under its own tensor names; mlx-lm builds a model from a ``config.json`` in
 Hugging Face's terms. Each family here says which mlx-lm ``model_type`` computes it,
 which of gguf-py's ``MODEL_ARCH`` tensor maps names its tensors, and what of llama.cpp's
-writing differs from the original checkpoint (interleaved RoPE, a family's own keys).
+writing differs from the original checkpoint (interleaved RoPE, a family's own keys, the
+names mlx-lm gives its own modules, the tensors the converter splits or transforms).
 
 A family with no entry is refused at start, naming what is served. What this ignores:
 the bytes of tensors (``gguf.py``, ``gguf_blocks.py``), the tokenizer (``gguf_vocab.py``).
@@ -13,6 +14,7 @@ the bytes of tensors (``gguf.py``, ``gguf_blocks.py``), the tokenizer (``gguf_vo
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
@@ -68,6 +70,19 @@ class Facts:
 
 
 @dataclass(frozen=True)
+class Derived:
+    """An mlx-lm parameter llama.cpp's converter stores otherwise: the file's tensors it is made of,
+    and how (``make``: from each tensor's parts, "" and for a quantized one "scales" and "biases", to
+    the parameter's parts)."""
+
+    tensors: tuple[str, ...]  # GGUF names, in the order make takes them
+    make: Callable[[list[dict[str, mx.array]]], dict[str, mx.array]]
+    # make only reorders and joins whole rows, so it is exact on quantized rows too (each row its own
+    # blocks); otherwise it computes with the values, and only float tensors are taken.
+    rows_only: bool
+
+
+@dataclass(frozen=True)
 class Arch:
     """A GGUF architecture ringd maps onto mlx-lm's."""
 
@@ -81,6 +96,8 @@ class Arch:
     # Parts of mlx-lm's parameter names spelled as the Hugging Face names gguf-py's map knows
     # (mlx-lm's own modules, like DeepSeek-V3's embed_q for the k_b_proj llama.cpp splits out).
     renames: tuple[tuple[str, str], ...] = ()
+    # The parameters the file stores otherwise (by mlx-lm name, given the config), or None.
+    derived: Callable[[str, Mapping[str, Any]], Derived | None] | None = None
 
     def hf_name(self, name: str) -> str:
         """An mlx-lm module or parameter name as gguf-py's TensorNameMap knows it."""
@@ -110,6 +127,11 @@ ARCHITECTURES = {
         "minimax", "MINIMAXM2", rope_interleaved=False, extra=lambda f: _minimax_m2(f),
         renames=((".switch_mlp.gate_proj", ".experts.w1"), (".switch_mlp.down_proj", ".experts.w2"),
                  (".switch_mlp.up_proj", ".experts.w3"), (".e_score_correction_bias", ".e_score_correction.bias")),
+    ),  # fmt: skip
+    # Qwen3-Next-80B-A3B: gated delta net (linear attention) layers between full-attention ones.
+    "qwen3next": Arch(
+        "qwen3_next", "QWEN3NEXT", rope_interleaved=False, extra=lambda f: _qwen3next(f),
+        renames=((".linear_attn.dt_bias", ".linear_attn.dt_proj.bias"),), derived=lambda p, c: _qwen3next_derived(p, c),
     ),  # fmt: skip
     "gpt-oss": Arch("gpt_oss", "GPT_OSS", rope_interleaved=False, extra=lambda f: _gpt_oss(f), renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),
 }
@@ -323,6 +345,69 @@ def _minimax_m2(g: Facts) -> dict:
         "use_qk_norm": "blk.0.attn_q_norm.weight" in g.tensors,
         "scoring_func": "sigmoid",
     }
+
+
+def _qwen3next(g: Facts) -> dict:
+    """Qwen3-Next as Qwen3NextModel (llama.cpp's converter, a Qwen2MoeModel) writes it: the linear
+    attention's sizes under ssm.* (time_step_rank the value heads, group_count the key heads,
+    state_size a key head's width, inner_size all value heads' width), every full_attention_interval-th
+    layer full attention, experts with a shared expert behind a sigmoid gate, their weights
+    normalized (llama.cpp's qwen3next build_moe_ffn normalizes them, as Qwen3-Next's
+    norm_topk_prob does), partial RoPE as rope.dimension_count. Its norms llama.cpp stores with
+    Qwen3-Next's 1 added, which is how mlx-lm's qwen3_next holds them."""
+    key = g.key
+    hidden, heads, layers = key("embedding_length"), key("attention.head_count"), key("block_count")
+    head_dim = key("attention.key_length", hidden // heads)
+    value_heads = key("ssm.time_step_rank")
+    return {
+        "head_dim": head_dim,
+        "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
+        "linear_num_value_heads": value_heads,
+        "linear_num_key_heads": key("ssm.group_count"),
+        "linear_key_head_dim": key("ssm.state_size"),
+        "linear_value_head_dim": key("ssm.inner_size") // value_heads,
+        "linear_conv_kernel_dim": key("ssm.conv_kernel"),
+        "full_attention_interval": key("full_attention_interval"),
+        "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": key("expert_shared_feed_forward_length"),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in g.tensors],
+        "norm_topk_prob": True,
+    }
+
+
+_QWEN3NEXT_DERIVED = re.compile(r"^model\.layers\.(\d+)\.linear_attn\.(in_proj_qkvz\.(?:weight|scales|biases)|A_log|conv1d\.weight)$")
+
+
+def _qwen3next_derived(parameter: str, config: Mapping[str, Any]) -> Derived | None:
+    """Qwen3NextModel.modify_tensors undone: in_proj_qkvz, which it splits into attn_qkv (all heads'
+    q, then k, then v) and attn_gate (z), joined back into HF's rows (q, k, v, z of one key head after
+    another): whole rows moved, so exact whatever the type; A_log, which it stores as -exp(A_log)
+    (ssm_a), as log(-ssm_a) (float32: within a unit in the last place of the checkpoint's); the
+    depthwise conv1d, which it squeezes to (channels, kernel), as MLX's (channels, kernel, 1)."""
+    m = _QWEN3NEXT_DERIVED.match(parameter)
+    if m is None:
+        return None
+    bid, what = m.group(1), m.group(2)
+    if what == "A_log":
+        return Derived((f"blk.{bid}.ssm_a",), lambda parts: {"": mx.log(-parts[0][""].astype(mx.float32))}, rows_only=False)
+    if what == "conv1d.weight":
+        return Derived((f"blk.{bid}.ssm_conv1d.weight",), lambda parts: {"": parts[0][""][..., None]}, rows_only=False)
+    nk, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    per_key_head = config["linear_num_value_heads"] // nk * config["linear_value_head_dim"]
+
+    def join(parts: list[dict[str, mx.array]]) -> dict[str, mx.array]:
+        out = {}
+        for part, qkv in parts[0].items():
+            z = parts[1][part]
+            q, k, v = qkv[: nk * dk], qkv[nk * dk : 2 * nk * dk], qkv[2 * nk * dk :]
+            heads = [q.reshape(nk, dk, -1), k.reshape(nk, dk, -1), v.reshape(nk, per_key_head, -1), z.reshape(nk, per_key_head, -1)]
+            out[part] = mx.concatenate(heads, axis=1).reshape(-1, qkv.shape[-1])
+        return out
+
+    return Derived((f"blk.{bid}.attn_qkv.weight", f"blk.{bid}.attn_gate.weight"), join, rows_only=True)
 
 
 def _gpt_oss(g: Facts) -> dict:

@@ -2,10 +2,11 @@
 
 For each family ringd maps: a tiny model of the mlx-lm architecture, written to GGUF
 by ``ggufmake`` as llama.cpp's converter class for it writes it, computes through
-ring stages cut at every layer boundary exactly what mlx-lm computes on
-``ringd convert``'s conversion of the same file (token for token, logit for logit),
-and the float file what mlx-lm computes on the original model. What llama.cpp
-stores that mlx-lm cannot compute as is is refused at start with one line.
+ring stages cut at every layer boundary exactly what mlx-lm computes on the
+conversion ``ringd convert`` writes of the same file (token for token, logit for
+logit), and the float file what mlx-lm computes on the original model (which alone
+proves the mapping: the conversion shares it). What llama.cpp stores that ringd
+cannot serve exactly is refused at start with one line.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from test_gguf import PROMPT, _convert, _greedy
+from test_gguf import PROMPT, _greedy
 
 from ringd.models.errors import ModelError
 from ringd.models.source import model_info
 from stagering import reference, ring
 
 LAYERS = 3  # a dense first layer, then two MoE layers: cuts at the dense/MoE boundary and between MoE layers
-# Every cut alone, and all of them at once.
-SPLITS = ([0, 1, LAYERS], [0, 2, LAYERS], [0, 1, 2, LAYERS])
+# A stage per layer: every cut at once (test_gguf.py holds single cuts of the same code).
+CUTS = ((0, 1), (1, 2), (2, LAYERS))
 # Rows of whole 32-weight blocks where the family allows (FFN 128, experts 32).
 SIZES = {"layers": LAYERS, "dtype": "float32", "intermediate_size": 128}
 
@@ -42,6 +43,7 @@ FAMILIES = {
     "deepseek2": ("deepseek_v3", {"kv_heads": 4}, {"rope_scaling": DEEPSEEK_YARN}, {}),
     "glm4moe": ("glm4_moe", {}, {}, {}),
     "minimax-m2": ("minimax", {}, {}, {}),
+    "qwen3next": ("qwen3_next", {}, {}, {}),
     "gpt-oss": ("gpt_oss", {}, {}, {f"blk.{i}.ffn_{p}_exps.weight": "mxfp4" for i in range(LAYERS) for p in ("gate", "up", "down")}),
 }
 
@@ -49,6 +51,7 @@ FAMILIES = {
 CONFIG = {
     "glm4moe": {"partial_rotary_factor": 0.5, "first_k_dense_replace": 1, "n_shared_experts": 1, "use_qk_norm": True, "attention_bias": True},
     "minimax-m2": {"rotary_dim": 8, "use_qk_norm": True, "intermediate_size": 128, "num_local_experts": 4},
+    "qwen3next": {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_value_head_dim": 16, "full_attention_interval": 3, "partial_rotary_factor": 0.25},
     "gpt-oss": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 16, "intermediate_size": 128},
     "deepseek2": {
         "rope_scaling": {
@@ -91,6 +94,7 @@ def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_pat
     from mlx_lm import load
 
     from ggufmake import write_gguf
+    from ringd.models.gguf import GgufFile
     from ringd.stage.shard import Shard
 
     arch, sizes, changes, types = FAMILIES[family]
@@ -106,21 +110,20 @@ def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_pat
     assert config["model_type"] == arch
     for key, value in CONFIG.get(family, {}).items():
         assert config[key] == value, key
-    got, got_logits = _greedy(ring([Shard.load(str(plain), a, b) for a, b in ((0, 1), (1, LAYERS))]), prompt)
+    got, got_logits = _greedy(ring([Shard.load(str(plain), a, b) for a, b in CUTS]), prompt)
     assert got == want
     for a, b in zip(want_logits, got_logits):
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
 
     path = write_gguf(source, out / "q8_0.gguf", qtype="q8_0", types=types)
-    converted, _ = load(str(_convert(path, out / "converted")))
+    GgufFile.open(path).convert(out / "converted")  # what `ringd convert` does (test_gguf.py runs the command)
+    converted, _ = load(str(out / "converted"))
     want, want_logits = _greedy(reference(converted), prompt)
     assert len(set(want)) >= 8
-    for bounds in SPLITS:
-        stages = [Shard.load(str(path), a, b) for a, b in zip(bounds, bounds[1:])]
-        got, got_logits = _greedy(ring(stages), prompt)
-        for i, (a, b) in enumerate(zip(want_logits, got_logits)):
-            assert mx.array_equal(a, b).item(), f"split {bounds}: logits differ at step {i}"
-        assert got == want
+    got, got_logits = _greedy(ring([Shard.load(str(path), a, b) for a, b in CUTS]), prompt)
+    for i, (a, b) in enumerate(zip(want_logits, got_logits)):
+        assert mx.array_equal(a, b).item(), f"logits differ from mlx-lm's on the conversion at step {i}"
+    assert got == want
 
 
 def test_what_deepseek2_files_hold_that_mlx_lm_cannot_take_is_refused_in_one_line(tiny_model, tmp_path_factory):
@@ -140,3 +143,26 @@ def test_what_deepseek2_files_hold_that_mlx_lm_cannot_take_is_refused_in_one_lin
     with pytest.raises(ModelError, match=r"keeps MLA's kv_b whole .* convert the checkpoint again with a current llama.cpp") as e:
         GgufFile(v3, meta, whole, data_offset)
     assert "\n" not in str(e.value)
+
+
+def test_what_qwen3next_files_hold_that_ringd_would_have_to_requantize_is_refused_in_one_line(tiny_model, tmp_path_factory):
+    """in_proj_qkvz is joined from attn_qkv and attn_gate row by row, which is exact only where both
+    are of one type; ssm_a becomes A_log through a logarithm, which needs its values (a float tensor)."""
+    import dataclasses
+
+    from mlx.utils import tree_flatten
+
+    from ggufmake import write_gguf
+    from ringd.models.gguf import GgufFile, _parse
+
+    path = write_gguf(tiny_model(arch="qwen3_next", **SIZES), tmp_path_factory.mktemp("qwen3next") / "q8_0.gguf", qtype="q8_0")
+    meta, tensors, data_offset = _parse(path, path.stat().st_size)
+    for name, kind, message in (
+        ("blk.0.attn_gate.weight", "Q4_0", r"blk.0.attn_qkv.weight \(Q8_0\), blk.0.attn_gate.weight \(Q4_0\) make one parameter \(model.layers.0.linear_attn.in_proj_qkvz.weight\) and must be of one type"),
+        ("blk.0.ssm_a", "Q8_0", r"blk.0.ssm_a is Q8_0; ringd computes model.layers.0.linear_attn.A_log from it only from a float tensor"),
+    ):
+        changed = {**tensors, name: dataclasses.replace(tensors[name], type=kind)}
+        with pytest.raises(ModelError, match=message) as e:
+            g = GgufFile(path, meta, changed, data_offset)
+            g.read([p for p, _ in tree_flatten(g.build_model().parameters())])
+        assert "\n" not in str(e.value)
