@@ -222,10 +222,10 @@ class GgufFile:
                     f"{self.path}: {', '.join(f'{t.name} ({t.type})' for t in ts)} make one parameter ({parameter}) "
                     "and must be of one type, all quantized alike or all float; ringd does not requantize them"
                 )
-        elif any(t.form is not None for t in ts):
+        elif (quantized := next((t for t in ts if t.form is not None), None)) is not None:
             raise ModelError(
-                f"{self.path}: {ts[0].name} is {ts[0].type}; ringd computes {parameter} from it only from a float "
-                "tensor (F32, F16, BF16), as llama.cpp's converter writes it"
+                f"{self.path}: {quantized.name} is {quantized.type}; ringd computes {parameter} from it only from a float "
+                "tensor (F32, F16, BF16): take an F16, BF16 or F32 file of this model"
             )
         return d
 

@@ -113,10 +113,12 @@ ARCHITECTURES = {
     "qwen3moe": Arch("qwen3_moe", "QWEN3MOE", rope_interleaved=False, extra=lambda f: _qwen3_moe(f)),  # Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder
     # DeepSeek-V3/R1, Kimi K2 (sigmoid router): mlx-lm's deepseek_v3, whose MLA holds kv_b_proj
     # split per head as llama.cpp's converter stores it (attn_k_b, attn_v_b), tensor for tensor.
+    # DeepSeek-V2, V2.5, V2-Lite (softmax router): mlx-lm's deepseek_v2, from float files only.
     "deepseek2": Arch(
         "deepseek_v3", "DEEPSEEK2", rope_interleaved=False, extra=lambda f: _deepseek2(f),
         renames=((".self_attn.embed_q", ".self_attn.k_b_proj"), (".self_attn.unembed_out", ".self_attn.v_b_proj"),
                  (".e_score_correction_bias", ".e_score_correction.bias")),
+        derived=lambda p, c: _deepseek2_derived(p, c),
     ),  # fmt: skip
     # gpt-oss-20b, gpt-oss-120b: attention sinks (attn_sinks, a tensor llama.cpp names with .weight),
     # biases on attention, router and experts, MXFP4 experts served packed, every other layer a window.
@@ -240,7 +242,10 @@ def _deepseek2(g: Facts) -> dict:
     head of the latent and the RoPE part, what a position costs in the cache), kv_b_proj split per head
     into attn_k_b (transposed) and attn_v_b, which is exactly how mlx-lm's deepseek_v3 holds it
     (embed_q, unembed_out). Leading dense layers, shared experts, the router's correction bias
-    (exp_probs_b), group-limited routing and yarn's attention scale as llama.cpp reads them."""
+    (exp_probs_b), group-limited routing and yarn's attention scale as llama.cpp reads them.
+    A softmax router (DeepSeek-V2, V2.5, V2-Lite; llama.cpp's default where the file names none) is
+    mlx-lm's deepseek_v2, whose kv_b_proj is whole: made of attn_k_b and attn_v_b, from float
+    tensors only (``_deepseek2_derived``)."""
     key, meta, arch = g.key, g.meta, g.arch
     if "blk.0.attn_kv_b.weight" in g.tensors and "blk.0.attn_k_b.weight" not in g.tensors:
         raise ModelError(
@@ -248,13 +253,10 @@ def _deepseek2(g: Facts) -> dict:
             "kv_b into attn_k_b and attn_v_b); ringd serves the split form: convert the checkpoint again "
             "with a current llama.cpp, or take a newer GGUF of this model"
         )
-    gating = meta.get(f"{arch}.expert_gating_func", _GATING_SOFTMAX)  # llama.cpp's default for deepseek2 (V2, V2.5)
-    if gating != _GATING_SIGMOID:
-        raise ModelError(
-            f"{g.path}: deepseek2 with a softmax router (DeepSeek-V2, V2.5, V2-Lite) is not served from GGUF "
-            "by ringd (mlx-lm's deepseek_v2 holds kv_b_proj whole, which the file stores split and quantized "
-            "along another axis); DeepSeek-V3, R1 and Kimi K2 files (sigmoid router) are"
-        )
+    sigmoid = meta.get(f"{arch}.expert_gating_func", _GATING_SOFTMAX) == _GATING_SIGMOID  # softmax: llama.cpp's default (V2, V2.5)
+    norm = bool(meta.get(f"{arch}.expert_weights_norm", False))
+    if not sigmoid and norm:
+        raise ModelError(f"{g.path}: deepseek2 with a softmax router whose weights are normalized is not what mlx-lm's deepseek_v2 computes")
     rope, layers = key("rope.dimension_count"), key("block_count")
     config: dict[str, Any] = {
         "kv_lora_rank": key("attention.kv_lora_rank"),
@@ -266,7 +268,7 @@ def _deepseek2(g: Facts) -> dict:
         "moe_layer_freq": 1,
         "topk_method": "noaux_tc",
         "scoring_func": "sigmoid",
-        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", False)),
+        "norm_topk_prob": norm,
         "routed_scaling_factor": key("expert_weights_scale", 1.0, kind=float),
         "n_group": key("expert_group_count", 1),
         "topk_group": key("expert_group_used_count", 1),
@@ -289,7 +291,35 @@ def _deepseek2(g: Facts) -> dict:
         mscale = float(meta.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)) / _FLOAT32_TENTH
         scaling.update(mscale=mscale, mscale_all_dim=mscale)
         config["rope_scaling"] = scaling
+    if not sigmoid:
+        # DeepSeek-V2, V2.5, V2-Lite: mlx-lm's deepseek_v2, a softmax router (group-limited where the
+        # file has groups), kv_b_proj whole (made of attn_k_b and attn_v_b: _deepseek2_derived).
+        config.update(model_type="deepseek_v2", topk_method="group_limited_greedy" if config["n_group"] > 1 else "greedy")
+        # It caches every head's keys and values, not llama.cpp's absorbed latent: what a position costs.
+        config.update(num_key_value_heads=key("attention.head_count"), head_dim=config["qk_nope_head_dim"] + rope)
+        del config["scoring_func"], config["norm_topk_prob"]
+        config.setdefault("rope_scaling", {"type": "yarn", "factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0})  # it reads one: this one is none
     return config
+
+
+_DEEPSEEK2_KV_B = re.compile(r"^model\.layers\.(\d+)\.self_attn\.kv_b_proj\.(weight|scales|biases)$")
+
+
+def _deepseek2_derived(parameter: str, config: Mapping[str, Any]) -> Derived | None:
+    """DeepseekV2Model.modify_tensors undone for mlx-lm's deepseek_v2, which holds kv_b_proj whole:
+    each head's rows of k_b (stored transposed, as (kv_lora_rank, nope)) turned back and followed by
+    its rows of v_b. The transpose crosses the blocks a quantized k_b is stored in, so only float
+    k_b and v_b are taken (a quantized DeepSeek-V2 file is refused in one line naming the tensor)."""
+    m = _DEEPSEEK2_KV_B.match(parameter)
+    if m is None or config.get("model_type") != "deepseek_v2":
+        return None
+
+    def join(parts: list[dict[str, mx.array]]) -> dict[str, mx.array]:
+        k_b, v_b = parts[0][""], parts[1][""]  # (heads, kv_lora_rank, nope), (heads, v_head_dim, kv_lora_rank)
+        return {"": mx.concatenate([k_b.swapaxes(1, 2), v_b], axis=1).reshape(-1, k_b.shape[1])}
+
+    bid = m.group(1)
+    return Derived((f"blk.{bid}.attn_k_b.weight", f"blk.{bid}.attn_v_b.weight"), join, rows_only=False)
 
 
 def _glm4moe(g: Facts) -> dict:

@@ -36,15 +36,17 @@ DEEPSEEK_YARN = {
     "mscale": 1.0, "mscale_all_dim": 1.0,
 }  # fmt: skip
 
-# family: (tiny arch, its extra sizes, config.json changes, tensor types of the quantized file
-# besides its Q8_0). DeepSeek checkpoints have as many KV heads as heads (the converter's kv_b
-# split asserts it); gpt-oss's experts are MXFP4 in every GGUF of it (the checkpoint's own).
+# family: (tiny arch, its extra sizes, config.json changes, the second file's type and its tensor
+# types besides). DeepSeek checkpoints have as many KV heads as heads (the converter's kv_b split
+# asserts it); DeepSeek-V2 (softmax router) is served from float files only; gpt-oss's experts
+# are MXFP4 in every GGUF of it (the checkpoint's own).
 FAMILIES = {
-    "deepseek2": ("deepseek_v3", {"kv_heads": 4}, {"rope_scaling": DEEPSEEK_YARN}, {}),
-    "glm4moe": ("glm4_moe", {}, {}, {}),
-    "minimax-m2": ("minimax", {}, {}, {}),
-    "qwen3next": ("qwen3_next", {}, {}, {}),
-    "gpt-oss": ("gpt_oss", {}, {}, {f"blk.{i}.ffn_{p}_exps.weight": "mxfp4" for i in range(LAYERS) for p in ("gate", "up", "down")}),
+    "deepseek2": ("deepseek_v3", {"kv_heads": 4}, {"rope_scaling": DEEPSEEK_YARN}, "q8_0", {}),
+    "deepseek2-v2": ("deepseek_v2", {"kv_heads": 4}, {"rope_scaling": DEEPSEEK_YARN}, "f16", {}),
+    "glm4moe": ("glm4_moe", {}, {}, "q8_0", {}),
+    "minimax-m2": ("minimax", {}, {}, "q8_0", {}),
+    "qwen3next": ("qwen3_next", {}, {}, "q8_0", {}),
+    "gpt-oss": ("gpt_oss", {}, {}, "q8_0", {f"blk.{i}.ffn_{p}_exps.weight": "mxfp4" for i in range(LAYERS) for p in ("gate", "up", "down")}),
 }
 
 # What the config read from the file must say (what llama.cpp stores in its own terms).
@@ -52,6 +54,7 @@ CONFIG = {
     "glm4moe": {"partial_rotary_factor": 0.5, "first_k_dense_replace": 1, "n_shared_experts": 1, "use_qk_norm": True, "attention_bias": True},
     "minimax-m2": {"rotary_dim": 8, "use_qk_norm": True, "intermediate_size": 128, "num_local_experts": 4},
     "qwen3next": {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_value_head_dim": 16, "full_attention_interval": 3, "partial_rotary_factor": 0.25},
+    "deepseek2-v2": {"topk_method": "greedy", "num_key_value_heads": 4, "head_dim": 24, "first_k_dense_replace": 1},
     "gpt-oss": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 16, "intermediate_size": 128},
     "deepseek2": {
         "rope_scaling": {
@@ -90,14 +93,14 @@ def _source(tiny_model, tmp_path_factory, arch: str, sizes: dict, changes: dict)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_path_factory, family):
     """The float file against the original model (config, names, llama.cpp's tensor forms), and
-    the Q8_0 file at every cut against mlx-lm on ``ringd convert``'s conversion, bit for bit."""
+    the quantized (or F16) file at every cut against mlx-lm on ``ringd convert``'s conversion, bit for bit."""
     from mlx_lm import load
 
     from ggufmake import write_gguf
     from ringd.models.gguf import GgufFile
     from ringd.stage.shard import Shard
 
-    arch, sizes, changes, types = FAMILIES[family]
+    arch, sizes, changes, qtype, types = FAMILIES[family]
     source = _source(tiny_model, tmp_path_factory, arch, sizes, changes)
     out = tmp_path_factory.mktemp(family)
     model, tokenizer = load(str(source))
@@ -115,7 +118,7 @@ def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_pat
     for a, b in zip(want_logits, got_logits):
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
 
-    path = write_gguf(source, out / "q8_0.gguf", qtype="q8_0", types=types)
+    path = write_gguf(source, out / f"{qtype}.gguf", qtype=qtype, types=types)
     GgufFile.open(path).convert(out / "converted")  # what `ringd convert` does (test_gguf.py runs the command)
     converted, _ = load(str(out / "converted"))
     want, want_logits = _greedy(reference(converted), prompt)
@@ -127,14 +130,15 @@ def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_pat
 
 
 def test_what_deepseek2_files_hold_that_mlx_lm_cannot_take_is_refused_in_one_line(tiny_model, tmp_path_factory):
-    """A softmax router (DeepSeek-V2, V2.5, V2-Lite: mlx-lm's deepseek_v2 wants kv_b_proj whole,
-    which the file holds split and transposed), and a file from before llama.cpp split kv_b."""
+    """A quantized DeepSeek-V2 (softmax router: mlx-lm's deepseek_v2 wants kv_b_proj whole, which
+    the file holds split, k_b transposed across its blocks), and a file from before llama.cpp split kv_b."""
     from ggufmake import write_gguf
     from ringd.models.gguf import GgufFile, _parse
+    from ringd.stage.shard import Shard
 
-    v2 = write_gguf(tiny_model(arch="deepseek_v2", **SIZES, kv_heads=4), tmp_path_factory.mktemp("v2") / "v2.gguf")
-    with pytest.raises(ModelError, match=r"deepseek2 with a softmax router \(DeepSeek-V2, V2.5, V2-Lite\) is not served") as e:
-        model_info(str(v2))
+    v2 = write_gguf(tiny_model(arch="deepseek_v2", **SIZES, kv_heads=4), tmp_path_factory.mktemp("v2") / "v2.gguf", qtype="q8_0")
+    with pytest.raises(ModelError, match=r"blk.0.attn_v_b.weight is Q8_0; ringd computes model.layers.0.self_attn.kv_b_proj.weight from it only from a float tensor") as e:
+        Shard.load(str(v2), 0, LAYERS)
     assert "\n" not in str(e.value)
 
     v3 = write_gguf(tiny_model(arch="deepseek_v3", **SIZES, kv_heads=4), tmp_path_factory.mktemp("v3") / "v3.gguf")
