@@ -10,7 +10,11 @@ looking at ringd's reader:
   metadata (``TextModel.set_gguf_parameters`` plus what ``LlamaModel`` and
   ``Qwen2MoeModel`` add), tensor names (gguf-py's ``TensorNameMap``), the Q/K
   permutation of ``LlamaModel.modify_tensors``, expert stacking, the tensor types of
-  ``ModelBase.prepare_tensors`` and the vocabulary of ``_set_vocab_gpt2``;
+  ``ModelBase.prepare_tensors`` and the vocabulary of ``_set_vocab_gpt2``; and for the MoE
+  families, each family's own converter class (``DeepseekV2Model``, ``Glm4MoeModel``,
+  ``GptOssModel``, ``MiniMaxM2Model``, ``Qwen3NextModel``) as a ``Converter``'s ``modify`` and
+  ``params``, from an mlx-lm checkpoint (whose sanitize has already done some of the
+  converter's work, each says which);
 - ``llama-quantize`` (qtype q4_0, q4_1) on top of that: the type rules of
   ``llama_tensor_get_type`` in ``src/llama-quant.cpp`` that apply to these types.
 
@@ -22,10 +26,12 @@ layer that llama.cpp's qwen3moe cannot name (see ``_stacked_experts``); rows tha
 block type fits fall back to F16 as the converter does, where llama-quantize would stop.
 
 RoPE scaling: llama3's, as ``LlamaModel.generate_extra_tensors`` writes it (the
-``rope_freqs`` tensor, no metadata); any other is refused.
+``rope_freqs`` tensor, no metadata), and YaRN's keys; any other is refused.
 
-What it deliberately ignores: SentencePiece vocabularies, other RoPE scalings,
-multimodal towers, split files, and any architecture not in ``CONVERTERS``.
+What it deliberately ignores: SentencePiece vocabularies, other RoPE scalings (YaRN is
+written as ``TextModel.set_gguf_parameters`` writes it), the families' own vocabularies
+(GLM's ``_set_vocab_glm``), NextN/MTP layers, multimodal towers, split files, and any
+architecture not in ``CONVERTERS``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ from ringd.models.errors import ModelError
 from ringd.models.source import model_info
 from stagering import reference, ring
 
-LAYERS = 3  # a dense first layer, then two MoE layers: cuts at the dense/MoE boundary and between MoE layers
+# DeepSeek and GLM: a dense first layer, then two MoE layers (cuts at the dense/MoE boundary and
+# between MoE layers); gpt-oss: sliding, full, sliding; Qwen3-Next: linear, linear, full attention.
+LAYERS = 3
 # A stage per layer: every cut at once (test_gguf.py holds single cuts of the same code).
 CUTS = ((0, 1), (1, 2), (2, LAYERS))
 # Rows of whole 32-weight blocks where the family allows (FFN 128, experts 32).
@@ -51,11 +53,6 @@ FAMILIES = {
 
 # What the config read from the file must say (what llama.cpp stores in its own terms).
 CONFIG = {
-    "glm4moe": {"partial_rotary_factor": 0.5, "first_k_dense_replace": 1, "n_shared_experts": 1, "use_qk_norm": True, "attention_bias": True},
-    "minimax-m2": {"rotary_dim": 8, "use_qk_norm": True, "intermediate_size": 128, "num_local_experts": 4},
-    "qwen3next": {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_value_head_dim": 16, "full_attention_interval": 3, "partial_rotary_factor": 0.25},
-    "deepseek2-v2": {"topk_method": "greedy", "num_key_value_heads": 4, "head_dim": 24, "first_k_dense_replace": 1},
-    "gpt-oss": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 16, "intermediate_size": 128},
     "deepseek2": {
         "rope_scaling": {
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0,
@@ -63,11 +60,17 @@ CONFIG = {
         },
         "first_k_dense_replace": 1, "n_shared_experts": 1, "q_lora_rank": 48, "qk_nope_head_dim": 16, "v_head_dim": 16,
     },
+    "deepseek2-v2": {"topk_method": "greedy", "num_key_value_heads": 4, "head_dim": 24, "first_k_dense_replace": 1},
+    "glm4moe": {"partial_rotary_factor": 0.5, "first_k_dense_replace": 1, "n_shared_experts": 1, "use_qk_norm": True, "attention_bias": True},
+    "minimax-m2": {"rotary_dim": 8, "use_qk_norm": True, "intermediate_size": 128, "num_local_experts": 4},
+    "qwen3next": {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_value_head_dim": 16, "full_attention_interval": 3, "partial_rotary_factor": 0.25},
+    "gpt-oss": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 16, "intermediate_size": 128},
 }  # fmt: skip
 
 
-# The tiny models' routers start with a zero correction bias (as trained ones do not): these get
-# seeded values of this size, near the sigmoid scores' spread, so that the bias moves the routing.
+# The tiny models' routers have a zero correction bias, where a trained model's is not: these get
+# seeded values of this size, near the sigmoid scores' spread, so that the bias moves the routing
+# (measured: it changes 8 to 24 of the 24 greedy tokens of deepseek_v3, glm4_moe and minimax).
 CORRECTION_BIAS_STD = 0.1
 
 
