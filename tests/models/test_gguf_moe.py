@@ -67,6 +67,32 @@ CONFIG = {
     "gpt-oss": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 16, "intermediate_size": 128},
 }  # fmt: skip
 
+# A MoE layer's tensors as llama.cpp's loader asks for them (llama-model.cpp's create_tensor calls,
+# by the names llama-arch.cpp gives them), written out here rather than taken from gguf-py's map,
+# which both ggufmake and ringd use: a name both got wrong the same way would show here.
+_MOE = {"ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"}
+_SHARED = {"ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"}
+_MLA = {
+    "attn_norm.weight", "attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight", "attn_kv_a_mqa.weight",
+    "attn_kv_a_norm.weight", "attn_k_b.weight", "attn_v_b.weight", "attn_output.weight", "ffn_norm.weight",
+}
+_QK = {"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight"}
+LAYER_TENSORS = {
+    "deepseek2": {1: _MLA | _MOE | _SHARED | {"exp_probs_b.bias"}},
+    "deepseek2-v2": {1: _MLA | _MOE | _SHARED},
+    "glm4moe": {1: _QK | _MOE | _SHARED | {"attn_norm.weight", "post_attention_norm.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias", "exp_probs_b.bias"}},
+    "minimax-m2": {1: _QK | _MOE | {"attn_norm.weight", "ffn_norm.weight", "exp_probs_b.bias"}},
+    "qwen3next": {
+        1: _MOE | _SHARED | {"attn_norm.weight", "post_attention_norm.weight", "ffn_gate_inp_shexp.weight", "attn_qkv.weight",
+                             "attn_gate.weight", "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_ba.weight", "ssm_norm.weight", "ssm_out.weight"},
+        2: _QK | _MOE | _SHARED | {"attn_norm.weight", "post_attention_norm.weight", "ffn_gate_inp_shexp.weight"},
+    },
+    "gpt-oss": {
+        1: _QK - {"attn_q_norm.weight", "attn_k_norm.weight"} | _MOE | {"attn_norm.weight", "post_attention_norm.weight", "attn_sinks.weight",
+            "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias", "ffn_gate_inp.bias", "ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias"},
+    },
+}  # fmt: skip
+
 
 # The tiny models' routers have a zero correction bias, where a trained model's is not: these get
 # seeded values of this size, near the sigmoid scores' spread, so that the bias moves the routing
@@ -112,6 +138,8 @@ def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_pat
     assert len(set(want)) >= 8, "the reference repeats itself: the test would prove little"
 
     plain = write_gguf(source, out / "f32.gguf")
+    for block, names in LAYER_TENSORS[family].items():
+        assert {n.split(".", 2)[2] for n in GgufFile.open(plain).tensors if n.startswith(f"blk.{block}.")} == names
     config = model_info(str(plain)).config
     assert config["model_type"] == arch
     for key, value in CONFIG.get(family, {}).items():
