@@ -37,6 +37,8 @@ DEEPSEEK_YARN = {
     "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
     "mscale": 1.0, "mscale_all_dim": 1.0,
 }  # fmt: skip
+# gpt-oss's own (factor 32, truncate false, which neither llama.cpp's file nor mlx-lm keeps), made small.
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 1024}
 
 # family: (tiny arch, its extra sizes, config.json changes, the second file's type and its tensor
 # types besides). DeepSeek checkpoints have as many KV heads as heads (the converter's kv_b split
@@ -48,7 +50,7 @@ FAMILIES = {
     "glm4moe": ("glm4_moe", {}, {}, "q8_0", {}),
     "minimax-m2": ("minimax", {}, {}, "q8_0", {}),
     "qwen3next": ("qwen3_next", {}, {}, "q8_0", {}),
-    "gpt-oss": ("gpt_oss", {}, {}, "q8_0", {f"blk.{i}.ffn_{p}_exps.weight": "mxfp4" for i in range(LAYERS) for p in ("gate", "up", "down")}),
+    "gpt-oss": ("gpt_oss", {}, {"rope_scaling": GPT_OSS_YARN}, "q8_0", {f"blk.{i}.ffn_{p}_exps.weight": "mxfp4" for i in range(LAYERS) for p in ("gate", "up", "down")}),
 }
 
 # What the config read from the file must say (what llama.cpp stores in its own terms).
@@ -64,7 +66,10 @@ CONFIG = {
     "glm4moe": {"partial_rotary_factor": 0.5, "first_k_dense_replace": 1, "n_shared_experts": 1, "use_qk_norm": True, "attention_bias": True},
     "minimax-m2": {"rotary_dim": 8, "use_qk_norm": True, "intermediate_size": 128, "num_local_experts": 4},
     "qwen3next": {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_value_head_dim": 16, "full_attention_interval": 3, "partial_rotary_factor": 0.25},
-    "gpt-oss": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 16, "intermediate_size": 128},
+    "gpt-oss": {
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 16, "intermediate_size": 128,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0},
+    },
 }  # fmt: skip
 
 # A MoE layer's tensors as llama.cpp's loader asks for them (llama-model.cpp's create_tensor calls,
