@@ -10,7 +10,11 @@ looking at ringd's reader:
   metadata (``TextModel.set_gguf_parameters`` plus what ``LlamaModel`` and
   ``Qwen2MoeModel`` add), tensor names (gguf-py's ``TensorNameMap``), the Q/K
   permutation of ``LlamaModel.modify_tensors``, expert stacking, the tensor types of
-  ``ModelBase.prepare_tensors`` and the vocabulary of ``_set_vocab_gpt2``;
+  ``ModelBase.prepare_tensors`` and the vocabulary of ``_set_vocab_gpt2``; and for the MoE
+  families, each family's own converter class (``DeepseekV2Model``, ``Glm4MoeModel``,
+  ``GptOssModel``, ``MiniMaxM2Model``, ``Qwen3NextModel``) as a ``Converter``'s ``modify`` and
+  ``params``, from an mlx-lm checkpoint (whose sanitize has already done some of the
+  converter's work, each says which);
 - ``llama-quantize`` (qtype q4_0, q4_1) on top of that: the type rules of
   ``llama_tensor_get_type`` in ``src/llama-quant.cpp`` that apply to these types.
 
@@ -22,10 +26,12 @@ layer that llama.cpp's qwen3moe cannot name (see ``_stacked_experts``); rows tha
 block type fits fall back to F16 as the converter does, where llama-quantize would stop.
 
 RoPE scaling: llama3's, as ``LlamaModel.generate_extra_tensors`` writes it (the
-``rope_freqs`` tensor, no metadata); any other is refused.
+``rope_freqs`` tensor, no metadata), and YaRN's keys; any other is refused.
 
-What it deliberately ignores: SentencePiece vocabularies, other RoPE scalings,
-multimodal towers, split files, and any architecture not in ``CONVERTERS``.
+What it deliberately ignores: SentencePiece vocabularies, other RoPE scalings (YaRN is
+written as ``TextModel.set_gguf_parameters`` writes it), the families' own vocabularies
+(GLM's ``_set_vocab_glm``), NextN/MTP layers, multimodal towers, split files, and any
+architecture not in ``CONVERTERS``.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import gguf
 import kquants
@@ -69,6 +76,11 @@ class Converter:
     arch: MODEL_ARCH
     llama: bool = False  # LlamaModel: Q/K permuted, vocab_size and rope.dimension_count written
     moe: bool = False  # Qwen2MoeModel: experts stacked, expert_feed_forward_length written
+    # A family's own modify_tensors, after the common steps: (HF name, block id, array, hparams,
+    # a dict it may keep tensors in between calls) -> the (name, block id, array) it passes on.
+    modify: Callable[[str, int | None, np.ndarray, dict, dict], Iterator[tuple[str, int | None, np.ndarray]]] | None = None
+    # A family's own set_gguf_parameters, after TextModel's: (writer, hparams).
+    params: Callable[[Any, dict], None] | None = None
 
 
 # Registered by config.json's architectures[0], as ModelBase.register does.
@@ -78,6 +90,12 @@ CONVERTERS: dict[str, Converter] = {
     "Qwen2ForCausalLM": Converter(MODEL_ARCH.QWEN2),
     "Qwen3ForCausalLM": Converter(MODEL_ARCH.QWEN3),
     "Qwen3MoeForCausalLM": Converter(MODEL_ARCH.QWEN3MOE, moe=True),
+    "DeepseekV2ForCausalLM": Converter(MODEL_ARCH.DEEPSEEK2, moe=True, modify=lambda *a: _deepseek2_tensors(*a), params=lambda *a: _deepseek2_params(*a)),
+    "DeepseekV3ForCausalLM": Converter(MODEL_ARCH.DEEPSEEK2, moe=True, modify=lambda *a: _deepseek2_tensors(*a), params=lambda *a: _deepseek2_params(*a)),
+    "Glm4MoeForCausalLM": Converter(MODEL_ARCH.GLM4_MOE, moe=True, modify=lambda *a: _glm4moe_tensors(*a), params=lambda *a: _glm4moe_params(*a)),
+    "MiniMaxM2ForCausalLM": Converter(MODEL_ARCH.MINIMAXM2, moe=True, modify=lambda *a: _minimax_m2_tensors(*a), params=lambda *a: _minimax_m2_params(*a)),
+    "Qwen3NextForCausalLM": Converter(MODEL_ARCH.QWEN3NEXT, moe=True, modify=lambda *a: _qwen3next_tensors(*a), params=lambda *a: _qwen3next_params(*a)),
+    "GptOssForCausalLM": Converter(MODEL_ARCH.GPT_OSS, moe=True, modify=lambda *a: _gpt_oss_tensors(*a), params=lambda *a: _gpt_oss_params(*a)),
 }
 
 
@@ -189,6 +207,7 @@ def _modified(model_dir: Path, hparams: dict, conv: Converter):
     n_head = hparams["num_attention_heads"]
     n_kv_head = hparams["num_key_value_heads"]
     experts: dict[int, dict[str, np.ndarray]] = {}
+    held: dict[str, np.ndarray] = {}  # what a family's modify keeps until its other half comes
     for name, x in _source_tensors(model_dir):
         m = _LAYER.search(name)
         bid = int(m.group(1)) if m else None  # prepare_tensors: the first number-like part
@@ -198,6 +217,10 @@ def _modified(model_dir: Path, hparams: dict, conv: Converter):
                 x = permute(x, n_head, n_head)
             if name.endswith(("k_proj.weight", "k_proj.bias")):
                 x = permute(x, n_head, n_kv_head)
+        if conv.modify is not None:
+            for name, bid, x in conv.modify(name, bid, x, hparams, held):
+                yield name, bid, x
+            continue
         if conv.moe and (m := _MLX_EXPERTS.match(name)):
             yield f"{m.group(1)}.experts.{m.group(2)}.weight", bid, x  # already the stacked tensor
             continue
@@ -211,7 +234,7 @@ def _modified(model_dir: Path, hparams: dict, conv: Converter):
                     yield f"{m.group(1)}.experts.{w_name}.weight", bid, stacked
             continue
         yield name, bid, x
-    left = [k for layer in experts.values() for k in layer]
+    left = [k for layer in experts.values() for k in layer] + list(held)
     if left:
         raise ValueError(f"unprocessed experts (not all {hparams['num_experts']} of a layer found): {left}")
 
@@ -225,6 +248,8 @@ def _gguf_name(tensor_map: gguf.TensorNameMap, name: str, bid: int | None, conv:
     FFNs in every other architecture (blk.0.ffn_gate.weight, ...), so that a reader can
     still tell which layers are dense. llama.cpp itself would not load such a file.
     """
+    if name.startswith("blk."):  # named by the converter itself (format_tensor_name), not mapped
+        return name
     new_name = tensor_map.get_name(key=name, try_suffixes=(".weight", ".bias"))
     if new_name is not None:
         return new_name
@@ -240,6 +265,8 @@ def _converter_type(new_name: str, x: np.ndarray, bid: int | None, arch: MODEL_A
         return Q.F32  # "Most of the codebase that takes in 1D tensors or norms only handles F32 tensors"
     if _is(new_name, MODEL_TENSOR.FFN_GATE_INP, bid, arch) or new_name[-7:] not in (".weight", ".lora_a", ".lora_b"):
         return Q.F32  # the routers, as llama_model_quantize_internal keeps them
+    if any(_is(new_name, key, bid, arch) for key in (MODEL_TENSOR.FFN_GATE_INP_SHEXP, MODEL_TENSOR.SSM_CONV1D)):
+        return Q.F32  # in prepare_tensors' list of tensors kept F32
     return default
 
 
@@ -400,18 +427,31 @@ def _set_gguf_parameters(writer, hparams: dict, conv: Converter, ftype: LlamaFil
     if (n_head_kv := _find(hparams, ["num_key_value_heads", "n_kv_heads"])) is not None:
         writer.add_head_count_kv(n_head_kv)
     rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
-    if rope.get("rope_type", rope.get("type")) not in (None, "default", *(("llama3",) if conv.llama else ())):
+    if rope.get("rope_type", rope.get("type")) not in (None, "default", "yarn", *(("llama3",) if conv.llama else ())):
         raise ValueError(f"rope scaling {rope} is not written by this helper")
+    if rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("factor") is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (("beta_fast", writer.add_rope_scaling_yarn_beta_fast), ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(rope[key])
     if (rope_theta := rope.get("rope_theta", _find(hparams, _ROPE_THETA_KEYS))) is not None:
         writer.add_rope_freq_base(rope_theta)
     if (f_rms_eps := _find(hparams, ["rms_norm_eps", "norm_eps"])) is not None:
         writer.add_layer_norm_rms_eps(f_rms_eps)
     if (f_norm_eps := _find(hparams, ["layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"])) is not None:
         writer.add_layer_norm_eps(f_norm_eps)
-    if (n_experts := _find(hparams, ["num_local_experts", "num_experts"])) is not None:
+    if (n_experts := _find(hparams, ["num_local_experts", "num_experts", "n_routed_experts"])) is not None:
         writer.add_expert_count(n_experts)
     if (n_experts_used := _find(hparams, ["num_experts_per_tok", "num_experts_per_token", "top_k_experts"])) is not None:
         writer.add_expert_used_count(n_experts_used)
+    if (n_expert_groups := hparams.get("n_group")) is not None:
+        writer.add_expert_group_count(n_expert_groups)
+    if (n_group_used := hparams.get("topk_group")) is not None:
+        writer.add_expert_group_used_count(n_group_used)
+    if (score_func := _find(hparams, ["score_function", "scoring_func", "score_func"])) is not None:
+        writer.add_expert_gating_func({"sigmoid": gguf.ExpertGatingFuncType.SIGMOID, "softmax": gguf.ExpertGatingFuncType.SOFTMAX}[score_func])
     if (head_dim := hparams.get("head_dim")) is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -421,11 +461,221 @@ def _set_gguf_parameters(writer, hparams: dict, conv: Converter, ftype: LlamaFil
         if (rope_dim := hparams.get("head_dim")) is None:
             rope_dim = hparams["hidden_size"] // hparams["num_attention_heads"]
         writer.add_rope_dimension_count(rope_dim)
+    if conv.params is not None:
+        conv.params(writer, hparams)
+        return
     if conv.moe:
         if (moe_ff := hparams.get("moe_intermediate_size")) is not None:
             writer.add_expert_feed_forward_length(moe_ff)
         if (shared_ff := hparams.get("shared_expert_intermediate_size")) is not None:
             writer.add_expert_shared_feed_forward_length(shared_ff)
+
+
+# --------------------------------------------------------------- deepseek2
+
+
+def _deepseek2_tensors(name: str, bid: int | None, x: np.ndarray, hparams: dict, held: dict):
+    """DeepseekV2Model.modify_tensors (ModelBase.filter_tensors first: the router's correction bias
+    renamed e_score_correction.bias, so it maps to exp_probs_b.bias).
+
+    The tiny model is an mlx-lm checkpoint: its experts are already stacked (as the converter
+    stacks them), and a deepseek_v3's sanitize has split kv_b_proj into ``embed_q`` (k_b,
+    transposed) and ``unembed_out`` (v_b). Those are joined back into HF's kv_b_proj here, which
+    the converter then splits per head into k_b_proj (transposed) and v_b_proj as it does.
+    """
+    if name.endswith("e_score_correction_bias"):
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    if (m := _MLX_EXPERTS.match(name)) is not None:
+        yield f"{m.group(1)}.experts.{m.group(2)}.weight", bid, x
+        return
+    if name.endswith("self_attn.embed_q.weight"):
+        held[name] = x  # joined with unembed_out, which sorts after it
+        return
+    if name.endswith("self_attn.unembed_out.weight"):
+        k_b = held.pop(name.replace("unembed_out", "embed_q"))  # (heads, kv_lora_rank, nope)
+        x = np.concatenate([k_b.swapaxes(1, 2), x], axis=1).reshape(-1, k_b.shape[1])
+        name = name.replace("unembed_out", "kv_b_proj")
+    if name.endswith("kv_b_proj.weight"):
+        n_head_kv = hparams["num_key_value_heads"]
+        v_head_dim, qk_nope_head_dim = hparams["v_head_dim"], hparams["qk_nope_head_dim"]
+        assert x.shape[0] == n_head_kv * (v_head_dim + qk_nope_head_dim)
+        kv_b = x.reshape(n_head_kv, v_head_dim + qk_nope_head_dim, x.shape[-1])
+        k_b, v_b = kv_b[:, :qk_nope_head_dim], kv_b[:, qk_nope_head_dim:]
+        yield name.replace("kv_b_proj", "k_b_proj"), bid, np.ascontiguousarray(k_b.swapaxes(1, 2))
+        yield name.replace("kv_b_proj", "v_b_proj"), bid, np.ascontiguousarray(v_b)
+        return
+    yield name, bid, x
+
+
+def _deepseek2_params(writer, hparams: dict) -> None:
+    """DeepseekV2Model.set_gguf_parameters, after TextModel's (it sets num_key_value_heads to 1
+    before them: written over here, which keeps the key where TextModel put it)."""
+    writer.add_head_count_kv(1)  # "deepseek2 using MLA converts into MQA (ie: GQA with 1 group)"
+    has_moe = hparams.get("n_routed_experts") is not None
+    first_k_dense_replace = hparams.get("first_k_dense_replace")
+    if first_k_dense_replace is None:
+        first_k_dense_replace = hparams["num_hidden_layers"] if not has_moe else 0
+    writer.add_leading_dense_block_count(first_k_dense_replace)
+    kv_lora_rank = hparams.get("kv_lora_rank", 512)
+    writer.add_vocab_size(hparams["vocab_size"])
+    if hparams.get("q_lora_rank") is not None:
+        writer.add_q_lora_rank(hparams["q_lora_rank"])
+    writer.add_kv_lora_rank(kv_lora_rank)
+    writer.add_key_length(kv_lora_rank + hparams["qk_rope_head_dim"])
+    writer.add_value_length(kv_lora_rank)
+    writer.add_key_length_mla(hparams["qk_nope_head_dim"] + hparams["qk_rope_head_dim"])
+    writer.add_value_length_mla(hparams["v_head_dim"])
+    writer.add_expert_feed_forward_length(_find(hparams, ["moe_intermediate_size", "intermediate_size"]))
+    if (n_routed_experts := hparams.get("n_routed_experts")) is not None:
+        writer.add_expert_count(n_routed_experts)
+    writer.add_expert_shared_count(hparams.get("n_shared_experts", 0))
+    if (routed_scaling_factor := hparams.get("routed_scaling_factor")) is not None:
+        writer.add_expert_weights_scale(routed_scaling_factor)
+    if hparams.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(hparams["norm_topk_prob"])
+    writer.add_rope_dimension_count(hparams["qk_rope_head_dim"])
+    if (rope_mscale_all := (hparams.get("rope_scaling") or {}).get("mscale_all_dim")) is not None:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope_mscale_all)
+
+
+# ----------------------------------------------------------------- glm4moe
+
+
+def _glm4moe_tensors(name: str, bid: int | None, x: np.ndarray, hparams: dict, held: dict):
+    """Glm4MoeModel.modify_tensors after ModelBase.filter_tensors (the router's correction bias
+    renamed e_score_correction.bias); the tiny mlx-lm checkpoint's experts already stacked, as the
+    converter's MOE_HF_MLP stacks them. There is no NextN layer to write: the tiny config has none."""
+    if name.endswith("e_score_correction_bias"):
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    if (m := _MLX_EXPERTS.match(name)) is not None:
+        name = f"{m.group(1)}.experts.{m.group(2)}.weight"
+    yield name, bid, x
+
+
+def _glm4moe_params(writer, hparams: dict) -> None:
+    """Glm4MoeModel.set_gguf_parameters, after TextModel's. Its set_vocab (_set_vocab_glm) names
+    <|endoftext|> and <|user|> as the special tokens, which the tiny tokenizer lacks: the common
+    vocabulary is written instead."""
+    rope_dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
+    writer.add_rope_dimension_count(int(rope_dim * hparams.get("partial_rotary_factor", 0.5)))
+    if (n_routed_experts := hparams.get("n_routed_experts")) is not None:
+        writer.add_expert_count(n_routed_experts)
+    if (moe_intermediate_size := hparams.get("moe_intermediate_size")) is not None:
+        writer.add_expert_feed_forward_length(moe_intermediate_size)
+    if (n_shared_experts := hparams.get("n_shared_experts")) is not None:
+        writer.add_expert_shared_count(n_shared_experts)
+    if (first_k_dense_replace := hparams.get("first_k_dense_replace")) is not None:
+        writer.add_leading_dense_block_count(first_k_dense_replace)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if (routed_scaling_factor := hparams.get("routed_scaling_factor")) is not None:
+        writer.add_expert_weights_scale(routed_scaling_factor)
+    if (norm_topk_prob := hparams.get("norm_topk_prob")) is not None:
+        writer.add_expert_weights_norm(norm_topk_prob)
+    if (num_nextn_predict_layers := hparams.get("num_nextn_predict_layers")) is not None:
+        writer.add_nextn_predict_layers(num_nextn_predict_layers)
+
+
+# -------------------------------------------------------------- minimax-m2
+
+# mlx-lm's stacked experts by the w-names of HF's MiniMax-M2 experts (w1 gate, w2 down, w3 up).
+_MINIMAX_EXPERT_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def _minimax_m2_tensors(name: str, bid: int | None, x: np.ndarray, hparams: dict, held: dict):
+    """MiniMaxM2Model.modify_tensors: the router's correction bias renamed e_score_correction.bias,
+    each layer's block_sparse_moe.experts.{e}.w1/w2/w3 stacked into block_sparse_moe.experts.w1/w2/w3.
+    The tiny mlx-lm checkpoint's experts are already stacked (switch_mlp.gate_proj, ...): written
+    under the merged names the converter gives them."""
+    if name.endswith("e_score_correction_bias"):
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    m = re.match(r"^(.*\.block_sparse_moe)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight$", name)
+    if m is not None:
+        name = f"{m.group(1)}.experts.{_MINIMAX_EXPERT_NAMES[m.group(2)]}.weight"
+    yield name, bid, x
+
+
+def _minimax_m2_params(writer, hparams: dict) -> None:
+    """MiniMaxM2Model.set_gguf_parameters, after TextModel's."""
+    writer.add_expert_feed_forward_length(_find(hparams, ["intermediate_size"]))
+    writer.add_rope_dimension_count(_find(hparams, ["rotary_dim"]))
+
+
+# --------------------------------------------------------------- qwen3next
+
+
+def _qwen3next_tensors(name: str, bid: int | None, x: np.ndarray, hparams: dict, held: dict):
+    """Qwen3NextModel.modify_tensors: A_log as -exp(A_log), dt_bias as dt_proj.bias, the conv1d
+    squeezed to (channels, kernel), norms but linear_attn.norm with 1 added, in_proj_qkvz split into
+    attn_qkv (all heads' q, then k, then v) and attn_gate (z); experts stacked as Qwen2MoeModel does.
+
+    The tiny model is an mlx-lm checkpoint, whose sanitize has already added that 1 to the same
+    norms and moved the conv1d to MLX's (channels, kernel, 1): its norms are written as they are
+    (what the converter makes of the original's) and its conv1d squeezed the same.
+    """
+    if name.endswith(".A_log"):
+        x = -np.exp(x)
+    elif name.endswith(".dt_bias"):
+        name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+    elif "conv1d" in name:
+        x = x.squeeze()
+    if (m := _MLX_EXPERTS.match(name)) is not None:
+        name = f"{m.group(1)}.experts.{m.group(2)}.weight"
+    if "in_proj_qkvz.weight" in name:
+        head_k_dim, head_v_dim = hparams["linear_key_head_dim"], hparams["linear_value_head_dim"]
+        num_v_heads, num_k_heads = hparams["linear_num_value_heads"], hparams["linear_num_key_heads"]
+        hidden_size = hparams["hidden_size"]
+        split = [head_k_dim, head_k_dim, num_v_heads // num_k_heads * head_v_dim, num_v_heads // num_k_heads * head_v_dim]
+        grouped = x.T.reshape(-1, num_k_heads, sum(split))  # (n_embd, head_count, [q+k+v+z])
+        q, k, v, z = np.split(grouped, np.cumsum(split)[:-1], axis=-1)
+        qkv = np.concatenate([t.reshape(hidden_size, -1) for t in (q, k, v)], axis=-1).T
+        yield gguf.TENSOR_NAMES[MODEL_TENSOR.ATTN_QKV].format(bid=bid) + ".weight", bid, np.ascontiguousarray(qkv)
+        yield gguf.TENSOR_NAMES[MODEL_TENSOR.ATTN_GATE].format(bid=bid) + ".weight", bid, np.ascontiguousarray(z.reshape(hidden_size, -1).T)
+        return
+    yield name, bid, x
+
+
+def _qwen3next_params(writer, hparams: dict) -> None:
+    """Qwen2MoeModel's set_gguf_parameters additions, then Qwen3NextModel's."""
+    if (moe_ff := hparams.get("moe_intermediate_size")) is not None:
+        writer.add_expert_feed_forward_length(moe_ff)
+    if (shared_ff := hparams.get("shared_expert_intermediate_size")) is not None:
+        writer.add_expert_shared_feed_forward_length(shared_ff)
+    writer.add_ssm_conv_kernel(hparams["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(hparams["linear_key_head_dim"])
+    writer.add_ssm_group_count(hparams["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(hparams["linear_num_value_heads"])
+    writer.add_ssm_inner_size(hparams["linear_value_head_dim"] * hparams["linear_num_value_heads"])
+    writer.add_full_attention_interval(hparams.get("full_attention_interval", 4))
+    if (rope_dim := hparams.get("head_dim")) is None:
+        rope_dim = hparams["hidden_size"] // hparams["num_attention_heads"]
+    writer.add_rope_dimension_count(int(rope_dim * hparams.get("partial_rotary_factor", 0.25)))
+
+
+# ----------------------------------------------------------------- gpt-oss
+
+
+def _gpt_oss_tensors(name: str, bid: int | None, x: np.ndarray, hparams: dict, held: dict):
+    """GptOssModel.filter_tensors and modify_tensors for a checkpoint whose experts are not MXFP4.
+
+    The sinks get a ``.weight``. The tiny model is an mlx-lm checkpoint: its sanitize already
+    split HF's interleaved ``gate_up_proj`` (and its bias) into stacked gate_proj and up_proj
+    (``[:, ::2]``, ``[:, 1::2]``) and holds them, and down_proj, as (experts, out, in): what the
+    converter's transpose and split of the float gate_up_proj writes, under the merged HF names
+    (mlp.experts.gate_proj.weight, ...) that gguf-py maps to ffn_gate_exps and the rest. An
+    original checkpoint's MXFP4 experts are repacked by the converter as they are (repack_mxfp4);
+    the tests write the experts MXFP4 by type instead (gguf-py's quantize).
+    """
+    if "sinks" in name:
+        name += ".weight"
+    yield name, bid, x
+
+
+def _gpt_oss_params(writer, hparams: dict) -> None:
+    """GptOssModel.set_gguf_parameters, after TextModel's."""
+    writer.add_sliding_window(hparams["sliding_window"])
+    writer.add_expert_feed_forward_length(hparams["intermediate_size"])
+    writer.add_expert_count(hparams.get("num_local_experts") or hparams.get("num_experts") or 32)
+    writer.add_expert_used_count(hparams.get("num_experts_per_tok") or 4)
 
 
 # -------------------------------------------------------------------- vocab

@@ -14,7 +14,14 @@ the MLX array(s) mlx-lm's model code computes with:
   ``tests/models/test_gguf.py``); Q6_K and Q2_K, whose scales cover 16 weights,
   requantized to 8 bits with a measured error. No weight is kept dequantized;
 - llama-family files store Q and K for the interleaved RoPE, which mlx-lm's llama
-  computes as is with ``rope_traditional: true``.
+  computes as is with ``rope_traditional: true``;
+- a family's tensors that mlx-lm names its own way (DeepSeek-V3's ``embed_q`` for
+  llama.cpp's ``attn_k_b``, gpt-oss's sinks, MiniMax's stacked ``w1``/``w2``/``w3``) are
+  found through ``Arch.renames`` (``gguf_archs.py``), each tensor still read as it is;
+- a parameter llama.cpp's converter stores otherwise (Qwen3-Next's in_proj_qkvz split in
+  two, its A_log as -exp(A_log)) is made from the file's tensors as ``Arch.derived`` says:
+  whole rows moved and joined (exact for quantized rows, which must share a type), or a
+  float tensor's values computed with; anything else is refused with the tensor's name.
 
 Any other tensor type (IQ1-IQ3, TQ, NVFP4) is refused at start, naming the type
 and what works. So is an architecture this module has no mapping for.
@@ -199,14 +206,46 @@ class GgufFile:
     # --- the model's parameters ----------------------------------------------------
 
     def _gguf_name(self, module_path: str) -> str | None:
+        return self._mapped(self.arch.hf_name(module_path))
+
+    def _mapped(self, hf: str) -> str | None:
         # mlx-lm stacks MoE experts under ``switch_mlp``; gguf-py knows the HF name ``experts``.
-        hf = module_path.replace(".switch_mlp.", ".experts.")
+        hf = hf.replace(".switch_mlp.", ".experts.")
         return next((n for names in self._names if (n := names.get_name(hf)) is not None), None)
 
     def tensor_of(self, module_path: str) -> Tensor | None:
         """The GGUF tensor holding the weight of the mlx-lm module at ``module_path``."""
+        if (d := self._derived(f"{module_path}.weight")) is not None:
+            return self.tensors.get(d.tensors[0])
         name = self._gguf_name(module_path)
         return self.tensors.get(f"{name}.weight") if name is not None else None
+
+    def _derived(self, parameter: str) -> gguf_archs.Derived | None:
+        """How the parameter is made of several tensors, or of one transformed, where the family says so."""
+        if self.arch.derived is None or (d := self.arch.derived(parameter, self.config)) is None:
+            return None
+        missing = [n for n in d.tensors if n not in self.tensors]
+        if missing:
+            raise ModelError(f"{self.path}: no tensor {missing[0]}, of which the model's parameter {parameter} is made; is the file complete?")
+        ts = [self.tensors[n] for n in d.tensors]
+        if d.rows_only:
+            if len({t.type if t.form is not None else "float" for t in ts}) > 1:
+                raise ModelError(
+                    f"{self.path}: {', '.join(f'{t.name} ({t.type})' for t in ts)} make one parameter ({parameter}) "
+                    "and must be of one type, all quantized alike or all float; ringd does not requantize them"
+                )
+        elif (quantized := next((t for t in ts if t.form is not None), None)) is not None:
+            raise ModelError(
+                f"{self.path}: {quantized.name} is {quantized.type}; ringd computes {parameter} from it only from a float "
+                "tensor (F32, F16, BF16): take an F16, BF16 or F32 file of this model"
+            )
+        return d
+
+    def tensors_for(self, parameter: str) -> list[Tensor]:
+        """Every tensor an mlx-lm parameter is read from (one, or the several a family's parameter is made of)."""
+        if (d := self._derived(parameter)) is not None:
+            return [self.tensors[n] for n in d.tensors]
+        return [self.source(parameter)[0]]
 
     def quantization(self, module_path: str) -> dict | None:
         """What ``nn.quantize`` makes of the module: its bits and group size, or None (a float tensor)."""
@@ -216,9 +255,13 @@ class GgufFile:
         return {"group_size": GROUP_SIZE, "bits": t.form.bits, "mode": t.form.mode}
 
     def source(self, parameter: str) -> tuple[Tensor, str]:
-        """The tensor and part ("", "scales", "biases") an mlx-lm parameter is read from."""
-        module, leaf = parameter.rsplit(".", 1)
-        name = self._gguf_name(module)
+        """The tensor and part ("", "scales", "biases") an mlx-lm parameter is read from (of a parameter
+        made of several tensors, the first)."""
+        if (d := self._derived(parameter)) is not None:
+            leaf = parameter.rsplit(".", 1)[1]
+            return self.tensors[d.tensors[0]], leaf if leaf in ("scales", "biases") else ""
+        module, leaf = self.arch.hf_name(parameter).rsplit(".", 1)
+        name = self._mapped(module)
         part = leaf if leaf in ("scales", "biases") else ""
         t = None
         if name is not None:
@@ -253,19 +296,26 @@ class GgufFile:
 
         ``on_tensor`` hears each tensor as it is done (for progress and cancelling).
         """
-        by_tensor: dict[str, list[tuple[str, str]]] = {}
-        tensors: dict[str, Tensor] = {}
+        # Parameters by what they are read from: one tensor, or the tensors a family's parameter is made of.
+        by_source: dict[tuple[str, ...], list[tuple[str, str]]] = {}
+        makers: dict[tuple[str, ...], Callable | None] = {}
         for p in parameters:
             t, part = self.source(p)
-            by_tensor.setdefault(t.name, []).append((p, part))
-            tensors[t.name] = t
+            d = self._derived(p)
+            key = d.tensors if d is not None else (t.name,)
+            by_source.setdefault(key, []).append((p, part))
+            makers[key] = d.make if d is not None else None
         out = []
-        for name in sorted(by_tensor, key=lambda n: tensors[n].offset):  # in file order: sequential reads
-            t = tensors[name]
-            parts = read_tensor(t.file, t)
-            out += [(p, parts[part]) for p, part in by_tensor[name]]
-            if on_tensor is not None:
-                on_tensor(t)
+        # In file order (a split's parts by their names, which number them): sequential reads.
+        for key in sorted(by_source, key=lambda k: (str(self.tensors[k[0]].file), self.tensors[k[0]].offset)):
+            read = []
+            for name in key:
+                read.append(read_tensor(self.tensors[name].file, self.tensors[name]))
+                if on_tensor is not None:
+                    on_tensor(self.tensors[name])
+            make = makers[key]
+            parts = make(read) if make is not None else read[0]
+            out += [(p, parts[part]) for p, part in by_source[key]]
         return out
 
     # --- files beside the weights --------------------------------------------------
@@ -331,12 +381,12 @@ class GgufFile:
             groups: list[list[str]] = [[]]
             size = 0
             for n in sorted(names, key=lambda n: self.source(n)[0].offset):
-                t = self.source(n)[0]
-                if groups[-1] and size + t.mlx_bytes > CONVERT_FILE_BYTES:
+                n_bytes = sum(t.mlx_bytes for t in self.tensors_for(n))
+                if groups[-1] and size + n_bytes > CONVERT_FILE_BYTES:
                     groups.append([])
                     size = 0
                 groups[-1].append(n)
-                size += t.mlx_bytes
+                size += n_bytes
             weight_map, total = {}, 0
             for i, group in enumerate(groups):
                 file = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"

@@ -4,7 +4,8 @@ llama.cpp's converter writes a model's settings as ``{arch}.*`` metadata keys an
 weights under its own tensor names; mlx-lm builds a model from a ``config.json`` in
 Hugging Face's terms. Each family here says which mlx-lm ``model_type`` computes it,
 which of gguf-py's ``MODEL_ARCH`` tensor maps names its tensors, and what of llama.cpp's
-writing differs from the original checkpoint (interleaved RoPE, a family's own keys).
+writing differs from the original checkpoint (interleaved RoPE, a family's own keys, the
+names mlx-lm gives its own modules, the tensors the converter splits or transforms).
 
 A family with no entry is refused at start, naming what is served. What this ignores:
 the bytes of tensors (``gguf.py``, ``gguf_blocks.py``), the tokenizer (``gguf_vocab.py``).
@@ -13,6 +14,7 @@ the bytes of tensors (``gguf.py``, ``gguf_blocks.py``), the tokenizer (``gguf_vo
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
@@ -68,6 +70,19 @@ class Facts:
 
 
 @dataclass(frozen=True)
+class Derived:
+    """An mlx-lm parameter llama.cpp's converter stores otherwise: the file's tensors it is made of,
+    and how (``make``: from each tensor's parts, "" and for a quantized one "scales" and "biases", to
+    the parameter's parts)."""
+
+    tensors: tuple[str, ...]  # GGUF names, in the order make takes them
+    make: Callable[[list[dict[str, mx.array]]], dict[str, mx.array]]
+    # make only reorders and joins whole rows, so it is exact on quantized rows too (each row its own
+    # blocks); otherwise it computes with the values, and only float tensors are taken.
+    rows_only: bool
+
+
+@dataclass(frozen=True)
 class Arch:
     """A GGUF architecture ringd maps onto mlx-lm's."""
 
@@ -78,6 +93,17 @@ class Arch:
     rope_interleaved: bool
     # The family's own config keys (experts, windows, ...), from the file's metadata.
     extra: Callable[[Facts], dict] | None = None
+    # Parts of mlx-lm's parameter names spelled as the Hugging Face names gguf-py's map knows
+    # (mlx-lm's own modules, like DeepSeek-V3's embed_q for the k_b_proj llama.cpp splits out).
+    renames: tuple[tuple[str, str], ...] = ()
+    # The parameters the file stores otherwise (by mlx-lm name, given the config), or None.
+    derived: Callable[[str, Mapping[str, Any]], Derived | None] | None = None
+
+    def hf_name(self, name: str) -> str:
+        """An mlx-lm module or parameter name as gguf-py's TensorNameMap knows it."""
+        for ours, theirs in self.renames:
+            name = name.replace(ours, theirs)
+        return name
 
 
 ARCHITECTURES = {
@@ -85,6 +111,31 @@ ARCHITECTURES = {
     "qwen2": Arch("qwen2", "QWEN2", rope_interleaved=False),  # Qwen2, Qwen2.5, QwQ, DeepSeek-R1-Distill-Qwen
     "qwen3": Arch("qwen3", "QWEN3", rope_interleaved=False),
     "qwen3moe": Arch("qwen3_moe", "QWEN3MOE", rope_interleaved=False, extra=lambda f: _qwen3_moe(f)),  # Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder
+    # DeepSeek-V3/R1, Kimi K2 (sigmoid router): mlx-lm's deepseek_v3, whose MLA holds kv_b_proj
+    # split per head as llama.cpp's converter stores it (attn_k_b, attn_v_b), tensor for tensor.
+    # DeepSeek-V2, V2.5, V2-Lite (softmax router): mlx-lm's deepseek_v2, from float files only.
+    "deepseek2": Arch(
+        "deepseek_v3", "DEEPSEEK2", rope_interleaved=False, extra=lambda f: _deepseek2(f),
+        renames=((".self_attn.embed_q", ".self_attn.k_b_proj"), (".self_attn.unembed_out", ".self_attn.v_b_proj"),
+                 (".e_score_correction_bias", ".e_score_correction.bias")),
+        derived=lambda p, c: _deepseek2_derived(p, c),
+    ),  # fmt: skip
+    # gpt-oss-20b, gpt-oss-120b: attention sinks (attn_sinks, a tensor llama.cpp names with .weight),
+    # biases on attention, router and experts, MXFP4 experts served packed, every other layer a window.
+    # GLM-4.5, GLM-4.5-Air, GLM-4.6 (their NextN/MTP layer, past block_count's decoder layers, unused).
+    "glm4moe": Arch("glm4_moe", "GLM4_MOE", rope_interleaved=False, extra=lambda f: _glm4moe(f), renames=((".e_score_correction_bias", ".e_score_correction.bias"),)),
+    # MiniMax-M2 (mlx-lm's minimax): HF's block_sparse_moe experts w1/w2/w3 are mlx-lm's gate/down/up.
+    "minimax-m2": Arch(
+        "minimax", "MINIMAXM2", rope_interleaved=False, extra=lambda f: _minimax_m2(f),
+        renames=((".switch_mlp.gate_proj", ".experts.w1"), (".switch_mlp.down_proj", ".experts.w2"),
+                 (".switch_mlp.up_proj", ".experts.w3"), (".e_score_correction_bias", ".e_score_correction.bias")),
+    ),  # fmt: skip
+    # Qwen3-Next-80B-A3B: gated delta net (linear attention) layers between full-attention ones.
+    "qwen3next": Arch(
+        "qwen3_next", "QWEN3NEXT", rope_interleaved=False, extra=lambda f: _qwen3next(f),
+        renames=((".linear_attn.dt_bias", ".linear_attn.dt_proj.bias"),), derived=lambda p, c: _qwen3next_derived(p, c),
+    ),  # fmt: skip
+    "gpt-oss": Arch("gpt_oss", "GPT_OSS", rope_interleaved=False, extra=lambda f: _gpt_oss(f), renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),
 }
 
 # Llama 3.1+ GGUFs carry their RoPE scaling only as the ``rope_freqs`` tensor (the
@@ -146,7 +197,7 @@ def config(g: Facts) -> dict:
         out["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
     scaling = _rope_scaling(g, key("rope.dimension_count", out["head_dim"]), out["rope_theta"])
     if scaling is not None:
-        out["rope_scaling"] = scaling
+        out.setdefault("rope_scaling", scaling)  # a family's own (extra) first
     # Activations take the dtype of the norms (llama.cpp keeps them F32), and so the KV cache.
     norm = g.tensors.get("output_norm.weight")
     out["torch_dtype"] = {"F32": "float32", "BF16": "bfloat16"}.get(norm.type if norm else "", "float16")
@@ -177,6 +228,237 @@ def _qwen3_moe(g: Facts) -> dict:
     if key("feed_forward_length", None) is None:  # the dense size, which only dense layers use
         experts["intermediate_size"] = experts["moe_intermediate_size"]
     return experts
+
+
+# llama.cpp's expert_gating_func values (gguf-py's ExpertGatingFuncType).
+_GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
+_FLOAT32_TENTH = 0.10000000149011612  # 0.1 as the float32 llama.cpp's converter multiplies in
+
+
+def _deepseek2(g: Facts) -> dict:
+    """DeepSeek-V2/V3's multi-head latent attention and experts, as DeepseekV2Model (llama.cpp's
+    converter) writes them: the MLA sizes under key_length_mla/value_length_mla (key_length and
+    head_count_kv, which mlx-lm's deepseek_v3 does not read, stay llama.cpp's absorbed form: one
+    head of the latent and the RoPE part, what a position costs in the cache), kv_b_proj split per head
+    into attn_k_b (transposed) and attn_v_b, which is exactly how mlx-lm's deepseek_v3 holds it
+    (embed_q, unembed_out). Leading dense layers, shared experts, the router's correction bias
+    (exp_probs_b), group-limited routing and yarn's attention scale as llama.cpp reads them.
+    A softmax router (DeepSeek-V2, V2.5, V2-Lite; llama.cpp's default where the file names none) is
+    mlx-lm's deepseek_v2, whose kv_b_proj is whole: made of attn_k_b and attn_v_b, from float
+    tensors only (``_deepseek2_derived``)."""
+    key, meta, arch = g.key, g.meta, g.arch
+    if "blk.0.attn_kv_b.weight" in g.tensors and "blk.0.attn_k_b.weight" not in g.tensors:
+        raise ModelError(
+            f"{g.path}: this deepseek2 file keeps MLA's kv_b whole (llama.cpp's converter before it split "
+            "kv_b into attn_k_b and attn_v_b); ringd serves the split form: convert the checkpoint again "
+            "with a current llama.cpp, or take a newer GGUF of this model"
+        )
+    sigmoid = meta.get(f"{arch}.expert_gating_func", _GATING_SOFTMAX) == _GATING_SIGMOID  # softmax: llama.cpp's default (V2, V2.5)
+    norm = bool(meta.get(f"{arch}.expert_weights_norm", False))
+    if not sigmoid and norm:
+        raise ModelError(f"{g.path}: deepseek2 with a softmax router whose weights are normalized is not what mlx-lm's deepseek_v2 computes")
+    rope, layers = key("rope.dimension_count"), key("block_count")
+    config: dict[str, Any] = {
+        "kv_lora_rank": key("attention.kv_lora_rank"),
+        "q_lora_rank": key("attention.q_lora_rank", None),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": key("attention.key_length_mla") - rope,
+        "v_head_dim": key("attention.value_length_mla"),
+        "first_k_dense_replace": meta.get(f"{arch}.leading_dense_block_count", 0),
+        "moe_layer_freq": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": norm,
+        "routed_scaling_factor": key("expert_weights_scale", 1.0, kind=float),
+        "n_group": key("expert_group_count", 1),
+        "topk_group": key("expert_group_used_count", 1),
+    }
+    if f"{arch}.expert_count" in meta:
+        shared = meta.get(f"{arch}.expert_shared_count", 0)
+        config.update(
+            n_routed_experts=key("expert_count"),
+            num_experts_per_tok=key("expert_used_count"),
+            moe_intermediate_size=key("expert_feed_forward_length"),
+            n_shared_experts=shared or None,
+        )
+    else:
+        config["first_k_dense_replace"] = layers
+    scaling = _rope_scaling(g, rope, key("rope.freq_base", 10000.0, kind=float))
+    if scaling is not None and scaling.get("rope_type") == "yarn":
+        # llama.cpp scales attention by (1 + yarn_log_multiplier ln factor)^2 and leaves RoPE unscaled
+        # (its attn_factor cancels yarn's own): HF's mscale_all_dim = mscale = the multiplier / 0.1.
+        # The file holds 0.1 * mscale_all_dim as a float32: divided by 0.1 as a float32, it comes back whole.
+        mscale = float(meta.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)) / _FLOAT32_TENTH
+        scaling.update(mscale=mscale, mscale_all_dim=mscale)
+        config["rope_scaling"] = scaling
+    if not sigmoid:
+        # DeepSeek-V2, V2.5, V2-Lite: mlx-lm's deepseek_v2, a softmax router (group-limited where the
+        # file has groups), kv_b_proj whole (made of attn_k_b and attn_v_b: _deepseek2_derived).
+        config.update(model_type="deepseek_v2", topk_method="group_limited_greedy" if config["n_group"] > 1 else "greedy")
+        # It caches every head's keys and values, not llama.cpp's absorbed latent: what a position costs.
+        config.update(num_key_value_heads=key("attention.head_count"), head_dim=config["qk_nope_head_dim"] + rope)
+        del config["scoring_func"], config["norm_topk_prob"]
+        config.setdefault("rope_scaling", {"type": "yarn", "factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0})  # it reads one: this one is none
+    return config
+
+
+_DEEPSEEK2_KV_B = re.compile(r"^model\.layers\.(\d+)\.self_attn\.kv_b_proj\.(weight|scales|biases)$")
+
+
+def _deepseek2_derived(parameter: str, config: Mapping[str, Any]) -> Derived | None:
+    """DeepseekV2Model.modify_tensors undone for mlx-lm's deepseek_v2, which holds kv_b_proj whole:
+    each head's rows of k_b (stored transposed, as (kv_lora_rank, nope)) turned back and followed by
+    its rows of v_b. The transpose crosses the blocks a quantized k_b is stored in, so only float
+    k_b and v_b are taken (a quantized DeepSeek-V2 file is refused in one line naming the tensor)."""
+    m = _DEEPSEEK2_KV_B.match(parameter)
+    if m is None or config.get("model_type") != "deepseek_v2":
+        return None
+
+    def join(parts: list[dict[str, mx.array]]) -> dict[str, mx.array]:
+        k_b, v_b = parts[0][""], parts[1][""]  # (heads, kv_lora_rank, nope), (heads, v_head_dim, kv_lora_rank)
+        return {"": mx.concatenate([k_b.swapaxes(1, 2), v_b], axis=1).reshape(-1, k_b.shape[1])}
+
+    bid = m.group(1)
+    return Derived((f"blk.{bid}.attn_k_b.weight", f"blk.{bid}.attn_v_b.weight"), join, rows_only=False)
+
+
+def _glm4moe(g: Facts) -> dict:
+    """GLM-4.5's experts as Glm4MoeModel (llama.cpp's converter) writes them: block_count counts the
+    NextN/MTP layers too (mlx-lm's glm4_moe drops them), a sigmoid router with its correction bias
+    (exp_probs_b), shared experts, leading dense layers, partial RoPE as rope.dimension_count."""
+    key, meta, arch = g.key, g.meta, g.arch
+    if meta.get(f"{arch}.expert_gating_func", _GATING_SIGMOID) != _GATING_SIGMOID:
+        raise ModelError(f"{g.path}: glm4moe with a softmax router is not what mlx-lm's glm4_moe computes (a sigmoid one)")
+    if meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise ModelError(f"{g.path}: glm4moe with RoPE scaling is not served (mlx-lm's glm4_moe applies none)")
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length", hidden // heads)
+    shared = meta.get(f"{arch}.expert_shared_count", 0)
+    return {
+        "num_hidden_layers": key("block_count") - meta.get(f"{arch}.nextn_predict_layers", 0),
+        "head_dim": head_dim,
+        "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
+        "rope_scaling": None,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in g.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+        "n_routed_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "n_shared_experts": shared or None,
+        "first_k_dense_replace": meta.get(f"{arch}.leading_dense_block_count", 0),
+        "routed_scaling_factor": key("expert_weights_scale", 1.0, kind=float),
+        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", False)),
+        "n_group": key("expert_group_count", 1),
+        "topk_group": key("expert_group_used_count", 1),
+    }
+
+
+def _minimax_m2(g: Facts) -> dict:
+    """MiniMax-M2 as MiniMaxM2Model (llama.cpp's converter) writes it: every layer a mixture with a
+    sigmoid router and its correction bias (exp_probs_b), the experts' width as
+    expert_feed_forward_length, partial RoPE as rope.dimension_count (HF's rotary_dim), Q/K norms
+    over all heads at once. mlx-lm's minimax has no shared expert: a file with one is refused."""
+    key, meta, arch = g.key, g.meta, g.arch
+    if meta.get(f"{arch}.expert_gating_func", _GATING_SIGMOID) != _GATING_SIGMOID:
+        raise ModelError(f"{g.path}: minimax-m2 with a softmax router is not what mlx-lm's minimax computes (a sigmoid one)")
+    if meta.get(f"{arch}.expert_shared_feed_forward_length") or meta.get(f"{arch}.expert_shared_count"):
+        raise ModelError(f"{g.path}: minimax-m2 with a shared expert is not what mlx-lm's minimax computes (it has none)")
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length", hidden // heads)
+    return {
+        "head_dim": head_dim,
+        "intermediate_size": key("expert_feed_forward_length"),
+        "num_local_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "shared_intermediate_size": 0,
+        "rotary_dim": key("rope.dimension_count", head_dim),
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in g.tensors,
+        "scoring_func": "sigmoid",
+    }
+
+
+def _qwen3next(g: Facts) -> dict:
+    """Qwen3-Next as Qwen3NextModel (llama.cpp's converter, a Qwen2MoeModel) writes it: the linear
+    attention's sizes under ssm.* (time_step_rank the value heads, group_count the key heads,
+    state_size a key head's width, inner_size all value heads' width), every full_attention_interval-th
+    layer full attention, experts with a shared expert behind a sigmoid gate, their weights
+    normalized (llama.cpp's qwen3next build_moe_ffn normalizes them, as Qwen3-Next's
+    norm_topk_prob does), partial RoPE as rope.dimension_count. Its norms llama.cpp stores with
+    Qwen3-Next's 1 added, which is how mlx-lm's qwen3_next holds them."""
+    key = g.key
+    hidden, heads, layers = key("embedding_length"), key("attention.head_count"), key("block_count")
+    head_dim = key("attention.key_length", hidden // heads)
+    value_heads = key("ssm.time_step_rank")
+    return {
+        "head_dim": head_dim,
+        "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
+        "linear_num_value_heads": value_heads,
+        "linear_num_key_heads": key("ssm.group_count"),
+        "linear_key_head_dim": key("ssm.state_size"),
+        "linear_value_head_dim": key("ssm.inner_size") // value_heads,
+        "linear_conv_kernel_dim": key("ssm.conv_kernel"),
+        "full_attention_interval": key("full_attention_interval"),
+        "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": key("expert_shared_feed_forward_length"),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in g.tensors],
+        "norm_topk_prob": True,
+    }
+
+
+_QWEN3NEXT_DERIVED = re.compile(r"^model\.layers\.(\d+)\.linear_attn\.(in_proj_qkvz\.(?:weight|scales|biases)|A_log|conv1d\.weight)$")
+
+
+def _qwen3next_derived(parameter: str, config: Mapping[str, Any]) -> Derived | None:
+    """Qwen3NextModel.modify_tensors undone: in_proj_qkvz, which it splits into attn_qkv (all heads'
+    q, then k, then v) and attn_gate (z), joined back into HF's rows (q, k, v, z of one key head after
+    another): whole rows moved, so exact whatever the type; A_log, which it stores as -exp(A_log)
+    (ssm_a), as log(-ssm_a) (float32: within a unit in the last place of the checkpoint's); the
+    depthwise conv1d, which it squeezes to (channels, kernel), as MLX's (channels, kernel, 1)."""
+    m = _QWEN3NEXT_DERIVED.match(parameter)
+    if m is None:
+        return None
+    bid, what = m.group(1), m.group(2)
+    if what == "A_log":
+        return Derived((f"blk.{bid}.ssm_a",), lambda parts: {"": mx.log(-parts[0][""].astype(mx.float32))}, rows_only=False)
+    if what == "conv1d.weight":
+        return Derived((f"blk.{bid}.ssm_conv1d.weight",), lambda parts: {"": parts[0][""][..., None]}, rows_only=False)
+    nk, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    per_key_head = config["linear_num_value_heads"] // nk * config["linear_value_head_dim"]
+
+    def join(parts: list[dict[str, mx.array]]) -> dict[str, mx.array]:
+        out = {}
+        for part, qkv in parts[0].items():
+            z = parts[1][part]
+            q, k, v = qkv[: nk * dk], qkv[nk * dk : 2 * nk * dk], qkv[2 * nk * dk :]
+            heads = [q.reshape(nk, dk, -1), k.reshape(nk, dk, -1), v.reshape(nk, per_key_head, -1), z.reshape(nk, per_key_head, -1)]
+            out[part] = mx.concatenate(heads, axis=1).reshape(-1, qkv.shape[-1])
+        return out
+
+    return Derived((f"blk.{bid}.attn_qkv.weight", f"blk.{bid}.attn_gate.weight"), join, rows_only=True)
+
+
+def _gpt_oss(g: Facts) -> dict:
+    """gpt-oss as GptOssModel (llama.cpp's converter) writes it and llama.cpp reads it: its experts'
+    width as expert_feed_forward_length, one sliding window, and the layers it applies to by
+    llama.cpp's fixed pattern for gpt-oss (set_swa_pattern(2): even layers slide, odd ones see
+    everything), which is the checkpoint's own layer_types; a file that lists its pattern
+    (``attention.sliding_window_pattern``) is read as it says."""
+    key, meta = g.key, g.meta
+    layers = key("block_count")
+    pattern = meta.get(f"{g.arch}.attention.sliding_window_pattern")
+    sliding = [bool(p) for p in pattern] if isinstance(pattern, list) and len(pattern) == layers else [i % 2 == 0 for i in range(layers)]
+    if all(sliding) or not any(sliding):
+        raise ModelError(f"{g.path}: gpt-oss layers must mix sliding and full attention (mlx-lm's gpt_oss takes one mask of each)")
+    return {
+        "num_local_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "intermediate_size": key("expert_feed_forward_length"),
+        "sliding_window": key("attention.sliding_window"),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+    }
 
 
 # Tokens llama.cpp ends a generation on by their text, besides the ids the file names

@@ -344,8 +344,7 @@ class PeerModel:
             spans = set()
             for name in params:
                 if stage_keeps(name, start, end, num_layers, untied):
-                    t, _ = g.source(name)
-                    spans.add((t.offset, t.offset + t.nbytes))
+                    spans |= {(t.offset, t.offset + t.nbytes) for t in g.tensors_for(name)}
             return {self.manifest.files[0].name: merge_ranges(spans)}
         tables = {}
         for f in self.manifest.files:

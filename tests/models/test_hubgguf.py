@@ -94,7 +94,7 @@ def test_a_quant_is_fetched_alone_with_progress_and_then_starts_offline(tiny_mod
     steps = [e[2] for e in first["events"] if e[0] == "advance"]
     assert steps and steps == sorted(steps) and steps[-1] == size
     assert first["events"][-1] == ["finish", "Tiny-Q8_0.gguf"]
-    assert f"/hub/models--ringd-test--Tiny-GGUF/snapshots/" in first["path"] and first["path"].endswith("/Tiny-Q8_0.gguf")
+    assert "/hub/models--ringd-test--Tiny-GGUF/snapshots/" in first["path"] and first["path"].endswith("/Tiny-Q8_0.gguf")
     assert first["label"] == first["name"] == f"{REPO}:Q8_0" and first["layers"] == 2
     # The second found it in the cache: the same file, nothing fetched.
     assert again["path"] == first["path"] and again["events"] == []
