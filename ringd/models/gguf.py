@@ -14,7 +14,10 @@ the MLX array(s) mlx-lm's model code computes with:
   ``tests/models/test_gguf.py``); Q6_K and Q2_K, whose scales cover 16 weights,
   requantized to 8 bits with a measured error. No weight is kept dequantized;
 - llama-family files store Q and K for the interleaved RoPE, which mlx-lm's llama
-  computes as is with ``rope_traditional: true``.
+  computes as is with ``rope_traditional: true``;
+- what else a family's file holds otherwise than mlx-lm's parameters (Gemma's norms
+  stored plus one, names gguf-py does not know) is undone as ``gguf_archs`` says, on
+  float tensors only.
 
 Any other tensor type (IQ1-IQ3, TQ, NVFP4) is refused at start, naming the type
 and what works. So is an architecture this module has no mapping for.
@@ -187,8 +190,9 @@ class GgufFile:
     # --- the model's parameters ----------------------------------------------------
 
     def _gguf_name(self, module_path: str) -> str | None:
-        # mlx-lm stacks MoE experts under ``switch_mlp``; gguf-py knows the HF name ``experts``.
-        hf = module_path.replace(".switch_mlp.", ".experts.")
+        # mlx-lm stacks MoE experts under ``switch_mlp``; gguf-py knows the HF name ``experts``
+        # (and the family's own names, gguf_archs.Arch.names).
+        hf = self.arch.module_name(module_path).replace(".switch_mlp.", ".experts.")
         return next((n for names in self._names if (n := names.get_name(hf)) is not None), None)
 
     def tensor_of(self, module_path: str) -> Tensor | None:
@@ -228,6 +232,8 @@ class GgufFile:
 
         model_class, args_class = _get_classes(self.config)
         model = model_class(args_class.from_dict(self.config))
+        if self.arch.built is not None:
+            self.arch.built(model, self.config)
 
         def predicate(path: str, module: nn.Module):
             return (hasattr(module, "to_quantized") and self.quantization(path)) or False
@@ -251,7 +257,8 @@ class GgufFile:
         for name in sorted(by_tensor, key=lambda n: tensors[n].offset):  # in file order: sequential reads
             t = tensors[name]
             parts = read_tensor(self.path, t)
-            out += [(p, parts[part]) for p, part in by_tensor[name]]
+            fix = self.arch.fix if t.form is None else None  # a float tensor as the family stores it
+            out += [(p, fix(p, parts[part]) if fix else parts[part]) for p, part in by_tensor[name]]
             if on_tensor is not None:
                 on_tensor(t)
         return out

@@ -454,7 +454,7 @@ def test_what_mlx_cannot_compute_as_is_is_refused_at_start(tiny_model, tmp_path_
     assert "IQ2_XXS (2 tensors, e.g. blk.0.ffn_down.weight) cannot be served" in message
     assert "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, Q6_K, Q2_K" in message
     mamba = write_gguf(source, tmp_path_factory.mktemp("arch") / "mamba.gguf", arch="mamba")
-    with pytest.raises(ModelError, match=r"GGUF architecture 'mamba' has no mapping to mlx-lm in ringd; GGUF files of llama, qwen2, qwen3, qwen3moe are served directly") as e:
+    with pytest.raises(ModelError, match=r"GGUF architecture 'mamba' has no mapping to mlx-lm in ringd; GGUF files of gemma2, gemma3, llama, mistral3, phi3, qwen2, qwen2moe, qwen3, qwen3moe are served directly") as e:
         model_info(str(mamba))
     assert "\n" not in str(e.value)
 

@@ -1,0 +1,187 @@
+"""ringd.models.gguf_archs: every GGUF family ringd maps, each proven on a tiny model written as llama.cpp writes it.
+
+For each family, a tiny mlx-lm model of the architecture (``tinyarchs.py``) is written to
+GGUF by ``ggufmake`` as llama.cpp's converter class for it writes it (Gemma's norms plus one,
+Phi-3's fused projections, Mixtral's experts stacked under the llama architecture, Qwen2-MoE's
+shared expert, Mistral 3's text decoder), and then:
+
+- as a float32 file, a ring of one stage per layer answers token for token as mlx-lm does on
+  the model the file was written from, its logits equal up to rounding: the mapping (config,
+  names, llama.cpp's quirks undone) is the model's;
+- quantized, a ring split at every cut answers logit for logit (bit for bit) as mlx-lm does on
+  ``ringd convert``'s checkpoint of the same file.
+
+A file of a mapped family that the mapping still cannot serve is refused at start in one line
+that says why and what is served. (llama, qwen2, qwen3 and qwen3moe: ``test_gguf.py``.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ringd.models.errors import ModelError
+from ringd.models.gguf import GgufFile
+from stagering import reference, ring
+
+TOKENS = 24
+PROMPT = "Tell me a short story about the river and the town."
+# Every row a whole number of 32-weight blocks, so every matrix takes the file's type.
+BLOCKS_FIT = {"intermediate_size": 128}
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str  # tinyarchs'
+    gguf_arch: str  # general.architecture, as llama.cpp's converter names it
+    layers: int
+    qtype: str  # the quantized file's (ggufmake.QTYPES)
+    config: dict = field(default_factory=dict)  # the tiny model's config, changed as llama.cpp reads the family
+    tied: bool = False  # the head tied to the embeddings (the checkpoint holds no lm_head)
+    seed: int = 0
+
+
+FAMILIES = {
+    "phi3": Family("phi3", "phi3", 3, "q8_0", seed=1),
+    "gemma2": Family("gemma2", "gemma2", 3, "q4_0"),
+    # llama.cpp reads every gemma3 file with five sliding layers to one global: six layers hold both.
+    "gemma3": Family("gemma3_text", "gemma3", 6, "q8_0", {"sliding_window_pattern": 6}, tied=True),
+    "mixtral": Family("mixtral", "llama", 3, "q8_0"),
+    "qwen2moe": Family("qwen2_moe", "qwen2moe", 3, "q4_1"),
+    "mistral3": Family("mistral3", "mistral3", 3, "q4_0"),
+}
+
+
+def _source(tiny_model, tmp_path_factory, family: Family) -> Path:
+    """The tiny model, changed (a copy) where llama.cpp reads the family otherwise than its tiny config says."""
+    source = tiny_model(arch=family.arch, layers=family.layers, dtype="float32", seed=family.seed, **BLOCKS_FIT)
+    if not family.config and not family.tied:
+        return source
+    changed = tmp_path_factory.mktemp(family.gguf_arch) / source.name
+    shutil.copytree(source, changed)
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps({**config, **family.config, "tie_word_embeddings": family.tied or config["tie_word_embeddings"]}))
+    if family.tied:  # mlx-lm's gemma3_text ties its head when the checkpoint has no lm_head (sanitize)
+        weights = mx.load(str(changed / "model.safetensors"))
+        del weights["lm_head.weight"]
+        mx.save_safetensors(str(changed / "model.safetensors"), weights, metadata={"format": "mlx"})
+        index = json.loads((changed / "model.safetensors.index.json").read_text())
+        del index["weight_map"]["lm_head.weight"]
+        (changed / "model.safetensors.index.json").write_text(json.dumps(index))
+    return changed
+
+
+def _greedy(step, prompt: list[int]) -> tuple[list[int], list[mx.array]]:
+    """As mlx-lm's generate_step: the prompt but its last token as one chunk, then token by token."""
+    step(prompt[:-1], sample=False)
+    y, tokens, logits = prompt[-1], [], []
+    for _ in range(TOKENS):
+        out = step([y], sample=True)
+        logits.append(out)
+        y = mx.argmax(out, axis=-1).item()
+        tokens.append(y)
+    return tokens, logits
+
+
+def _splits(layers: int) -> list[list[int]]:
+    """Every cut of a two-stage ring, a stage per layer, and one stage holding all."""
+    return [[0, k, layers] for k in range(1, layers)] + [list(range(layers + 1)), [0, layers]]
+
+
+def _stages(path: Path, bounds: list[int]):
+    from ringd.stage.shard import Shard
+
+    return [Shard.load(str(path), a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _written_as_llama_cpp_writes_it(name: str, path: Path, source: Path) -> None:
+    """The family's quirk is in the file, so the reader is what undoes it."""
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    assert not any(n.startswith(("v.", "mm.")) for n in tensors)
+    if name == "phi3":
+        assert "blk.0.attn_qkv.weight" in tensors and "blk.0.attn_q.weight" not in tensors
+        assert "blk.0.ffn_gate.weight" not in tensors  # gate and up in one ffn_up
+    if name in ("gemma2", "gemma3"):
+        original = mx.load(str(source / "model.safetensors"))["model.layers.0.input_layernorm.weight"]
+        assert np.allclose(np.array(tensors["blk.0.attn_norm.weight"].data), np.array(original) + 1)
+        assert "output.weight" not in tensors
+    if name == "mixtral":
+        assert tuple(tensors["blk.0.ffn_gate_exps.weight"].shape) == (64, 128, 4)  # GGUF order: in, out, experts
+    if name == "qwen2moe":
+        assert tuple(tensors["blk.0.ffn_gate_inp_shexp.weight"].shape) == (64,)  # squeezed from (1, 64)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_family_computes_what_mlx_lm_computes(tiny_model, tmp_path_factory, name):
+    from mlx_lm import load
+
+    from ggufmake import write_gguf
+
+    family = FAMILIES[name]
+    source = _source(tiny_model, tmp_path_factory, family)
+    out = tmp_path_factory.mktemp(f"gguf-{name}")
+    plain = write_gguf(source, out / "f32.gguf", qtype="f32")
+    assert GgufFile.open(plain).meta["general.architecture"] == family.gguf_arch
+    _written_as_llama_cpp_writes_it(name, plain, source)
+
+    model, tokenizer = load(str(source))
+    prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
+    want, want_logits = _greedy(reference(model), prompt)
+    assert len(set(want)) >= 8, "the reference repeats itself: the test would prove little"
+    got, got_logits = _greedy(ring(_stages(plain, list(range(family.layers + 1)))), prompt)
+    assert got == want
+    for a, b in zip(want_logits, got_logits):  # llama's interleaved RoPE sums in another order
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+
+    path = write_gguf(source, out / f"{family.qtype}.gguf", qtype=family.qtype)
+    converted = out / "converted"
+    GgufFile.open(path).convert(converted)  # what `ringd convert` writes
+    model, _ = load(str(converted))
+    want, want_logits = _greedy(reference(model), prompt)
+    for bounds in _splits(family.layers):
+        got, got_logits = _greedy(ring(_stages(path, bounds)), prompt)
+        for i, (a, b) in enumerate(zip(want_logits, got_logits)):
+            assert mx.array_equal(a, b).item(), f"split {bounds}: logits differ from mlx-lm's on the conversion at step {i}"
+        assert got == want
+
+
+# Files of a mapped family that mlx-lm cannot compute as llama.cpp does: (family, metadata or
+# tensors changed, what the one line says).
+REFUSED = {
+    "ministral3": ("mistral3", {"mistral3.attention.temperature_scale": 0.1}, "a Ministral 3 file"),
+    "phi3-longrope": ("phi3", {"tensor": "rope_factors_long.weight"}, "a phi3 file with LongRoPE factors"),
+    "gemma3-final-softcap": ("gemma3", {"gemma3.final_logit_softcapping": 30.0}, "a gemma3 file with final logit soft-capping"),
+    "mixtral-per-expert": ("mixtral", {"drop": "blk.1.ffn_gate_exps.weight"}, "a llama file with experts whose layers [1] hold no stacked ffn_gate_exps"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_a_family_cannot_serve_is_refused_in_one_line(tiny_model, tmp_path_factory, case):
+    from ggufmake import write_gguf
+    from ringd.models.gguf import Tensor, _parse
+
+    name, change, message = REFUSED[case]
+    family = FAMILIES[name]
+    path = write_gguf(_source(tiny_model, tmp_path_factory, family), tmp_path_factory.mktemp(case) / "f.gguf")
+    meta, tensors, data_offset = _parse(path, path.stat().st_size)
+    meta, tensors = dict(meta), dict(tensors)
+    if "tensor" in change:  # a tensor the family's file may hold, borrowing another's bytes
+        norm = tensors["output_norm.weight"]
+        tensors[change["tensor"]] = Tensor(change["tensor"], "F32", (8,), norm.offset, 32)
+    elif "drop" in change:
+        del tensors[change["drop"]]
+    else:
+        meta.update(change)
+    with pytest.raises(ModelError) as e:
+        GgufFile(path, meta, tensors, data_offset)
+    text = str(e.value)
+    assert message in text and "\n" not in text
+    assert "GGUF files of gemma2, gemma3, llama, mistral3, phi3, qwen2, qwen2moe, qwen3, qwen3moe are served directly" in text
