@@ -32,7 +32,8 @@ layer that llama.cpp's qwen3moe cannot name (see ``_stacked_experts``); rows tha
 block type fits fall back to F16 as the converter does, where llama-quantize would stop.
 
 RoPE scaling: llama3's, as ``LlamaModel.generate_extra_tensors`` writes it (the
-``rope_freqs`` tensor, no metadata); any other is refused.
+``rope_freqs`` tensor, no metadata), and linear, as ``TextModel.set_gguf_parameters`` writes
+it (Gemma 3's global layers); any other is refused.
 
 What it deliberately ignores: SentencePiece vocabularies, other RoPE scalings (Phi-3's
 LongRoPE too), multimodal towers, split files, and any architecture not in ``CONVERTERS``.
@@ -526,10 +527,14 @@ def _text_parameters(writer, hparams: dict, conv: Converter, ftype: LlamaFileTyp
     if (n_head_kv := _find(hparams, ["num_key_value_heads", "n_kv_heads"])) is not None:
         writer.add_head_count_kv(n_head_kv)
     rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
-    if rope.get("rope_type", rope.get("type")) not in (None, "default", *(("llama3",) if conv.llama else ())):
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type not in (None, "default", "linear", *(("llama3",) if conv.llama else ())):
         raise ValueError(f"rope scaling {rope} is not written by this helper")
     if (rope_theta := rope.get("rope_theta", _find(hparams, _ROPE_THETA_KEYS))) is not None:
         writer.add_rope_freq_base(rope_theta)
+    if rope_type == "linear" and rope.get("factor") is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     if (f_rms_eps := _find(hparams, ["rms_norm_eps", "norm_eps"])) is not None:
         writer.add_layer_norm_rms_eps(f_rms_eps)
     if (f_norm_eps := _find(hparams, ["layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"])) is not None:

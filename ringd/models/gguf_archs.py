@@ -308,7 +308,8 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's defaults for Gemma 2 files without the keys (llama_hparams).
 _GEMMA2_ATTN_SOFTCAP, _GEMMA2_FINAL_SOFTCAP = 50.0, 30.0
 # What llama.cpp fixes for every Gemma 3 file rather than reading it (load_hparams, LLM_ARCH_GEMMA3):
-# five sliding-window layers to one global, and the sliding layers' RoPE base.
+# five sliding-window layers to one global, and the sliding layers' RoPE base. A file that states
+# them (attention.sliding_window_pattern, rope.freq_base_swa) is read as it says.
 _GEMMA3_SLIDING_WINDOW_PATTERN = 6
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
@@ -336,16 +337,23 @@ def _gemma2(g: Facts) -> dict:
 
 def _gemma3(g: Facts) -> dict:
     """Gemma 3's text decoder as llama.cpp's gemma3 reads it: q/k norms, post norms, five sliding
-    layers (their own RoPE base) to one global one whatever the file says, linear RoPE scaling on
-    the global layers only (as mlx-lm's gemma3_text), no logit soft-capping."""
+    layers (their own RoPE base) to one global one, linear RoPE scaling on the global layers only
+    (as mlx-lm's gemma3_text), no logit soft-capping."""
     key = g.key
     if key("final_logit_softcapping", None, kind=float) is not None:
         raise _refuse(g, "a gemma3 file with final logit soft-capping, which mlx-lm's gemma3_text does not compute")
+    pattern = _GEMMA3_SLIDING_WINDOW_PATTERN
+    sliding = g.meta.get(f"{g.arch}.attention.sliding_window_pattern")  # one flag a layer, where a file says
+    if sliding is not None:
+        sliding = [bool(s) for s in sliding]
+        pattern = sliding.index(False) + 1 if False in sliding else len(sliding) + 1
+        if sliding != [(i + 1) % pattern != 0 for i in range(len(sliding))]:
+            raise _refuse(g, f"a gemma3 file whose sliding layers ({sliding[:8]}...) repeat no pattern mlx-lm's gemma3_text holds (n-1 sliding, then one global)")
     return {
         "query_pre_attn_scalar": _gemma_query_scalar(g),
         "sliding_window": key("attention.sliding_window"),
-        "sliding_window_pattern": _GEMMA3_SLIDING_WINDOW_PATTERN,
-        "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_BASE,
+        "sliding_window_pattern": pattern,
+        "rope_local_base_freq": key("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE, kind=float),
     }
 
 

@@ -53,6 +53,10 @@ FAMILIES = {
     "gemma2": Family("gemma2", "gemma2", 3, "q4_0"),
     # llama.cpp reads every gemma3 file with five sliding layers to one global: six layers hold both.
     "gemma3": Family("gemma3_text", "gemma3", 6, "q8_0", {"sliding_window_pattern": 6}, tied=True),
+    # Gemma 3 4B-27B: linear RoPE scaling (factor 8) on the global layers alone.
+    "gemma3-rope-linear": Family(
+        "gemma3_text", "gemma3", 6, "q4_0", {"sliding_window_pattern": 6, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}, tied=True,
+    ),  # fmt: skip
     "mixtral": Family("mixtral", "llama", 3, "q8_0"),
     "qwen2moe": Family("qwen2_moe", "qwen2moe", 3, "q4_1"),
     "mistral3": Family("mistral3", "mistral3", 3, "q4_0"),
@@ -109,7 +113,7 @@ def _written_as_llama_cpp_writes_it(name: str, path: Path, source: Path) -> None
     if name == "phi3":
         assert "blk.0.attn_qkv.weight" in tensors and "blk.0.attn_q.weight" not in tensors
         assert "blk.0.ffn_gate.weight" not in tensors  # gate and up in one ffn_up
-    if name in ("gemma2", "gemma3"):
+    if name.startswith("gemma"):
         original = mx.load(str(source / "model.safetensors"))["model.layers.0.input_layernorm.weight"]
         assert np.allclose(np.array(tensors["blk.0.attn_norm.weight"].data), np.array(original) + 1)
         assert "output.weight" not in tensors
@@ -130,6 +134,8 @@ def test_a_family_computes_what_mlx_lm_computes(tiny_model, tmp_path_factory, na
     out = tmp_path_factory.mktemp(f"gguf-{name}")
     plain = write_gguf(source, out / "f32.gguf", qtype="f32")
     assert GgufFile.open(plain).meta["general.architecture"] == family.gguf_arch
+    if "rope_scaling" in family.config:
+        assert GgufFile.open(plain).config["rope_scaling"] == {"type": "linear", "factor": 8.0}
     _written_as_llama_cpp_writes_it(name, plain, source)
 
     model, tokenizer = load(str(source))
@@ -159,6 +165,9 @@ REFUSED = {
     "ministral3": ("mistral3", {"mistral3.attention.temperature_scale": 0.1}, "a Ministral 3 file"),
     "phi3-longrope": ("phi3", {"tensor": "rope_factors_long.weight"}, "a phi3 file with LongRoPE factors"),
     "gemma3-final-softcap": ("gemma3", {"gemma3.final_logit_softcapping": 30.0}, "a gemma3 file with final logit soft-capping"),
+    "gemma3-window-pattern": (
+        "gemma3", {"gemma3.attention.sliding_window_pattern": [True, False, True, True, True, False]}, "repeat no pattern mlx-lm's gemma3_text holds",
+    ),  # fmt: skip
     "mixtral-per-expert": ("mixtral", {"drop": "blk.1.ffn_gate_exps.weight"}, "a llama file with experts whose layers [1] hold no stacked ffn_gate_exps"),
 }
 
