@@ -32,11 +32,12 @@ layer that llama.cpp's qwen3moe cannot name (see ``_stacked_experts``); rows tha
 block type fits fall back to F16 as the converter does, where llama-quantize would stop.
 
 RoPE scaling: llama3's, as ``LlamaModel.generate_extra_tensors`` writes it (the
-``rope_freqs`` tensor, no metadata), and linear, as ``TextModel.set_gguf_parameters`` writes
-it (Gemma 3's global layers); any other is refused.
+``rope_freqs`` tensor, no metadata), linear, as ``TextModel.set_gguf_parameters`` writes
+it (Gemma 3's global layers), and Phi-3's LongRoPE, as ``Phi3MiniModel.generate_extra_tensors``
+writes it (``rope_factors_long``/``rope_factors_short`` and an attention factor); any other is
+refused.
 
-What it deliberately ignores: SentencePiece vocabularies, other RoPE scalings (Phi-3's
-LongRoPE too), multimodal towers, split files, and any architecture not in ``CONVERTERS``.
+What it deliberately ignores: SentencePiece vocabularies, other RoPE scalings, multimodal towers, split files, and any architecture not in ``CONVERTERS``.
 """
 
 from __future__ import annotations
@@ -380,12 +381,48 @@ def _add_tensors(
     return {name for name, _, _ in tensors}
 
 
+def _phi3_rope_factors(hparams: dict) -> list:
+    """Phi3MiniModel.generate_extra_tensors: LongRoPE's per-frequency factors, long and short, as
+    ``rope_factors_long.weight`` and ``rope_factors_short.weight`` (F32)."""
+    rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
+    long_factors, short_factors = rope.get("long_factor"), rope.get("short_factor")
+    if not long_factors:
+        return []
+    rope_dims = int(rope.get("partial_rotary_factor", hparams.get("partial_rotary_factor", 1.0)) * hparams["hidden_size"]) // hparams["num_attention_heads"]
+    if len(long_factors) != len(short_factors) or len(long_factors) != rope_dims / 2:
+        raise ValueError(f"The length of rope long and short factors must be {rope_dims / 2}")
+    return [
+        (gguf.TENSOR_NAMES[MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight", None, np.array(long_factors, dtype=np.float32)),
+        (gguf.TENSOR_NAMES[MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight", None, np.array(short_factors, dtype=np.float32)),
+    ]
+
+
+def _phi3_attn_factor(hparams: dict) -> float | None:
+    """The attention factor Phi3MiniModel.generate_extra_tensors writes beside LongRoPE's factors."""
+    import math
+
+    rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
+    if not rope.get("long_factor"):
+        return None
+    orig = rope.get("original_max_position_embeddings", hparams["original_max_position_embeddings"])
+    scale = _find(hparams, ["n_positions", "max_position_embeddings"]) / orig
+    kind = rope.get("rope_type", rope.get("type", "")).lower()
+    if kind in ("su", "longrope"):
+        return math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+    if kind == "yarn":
+        return 0.1 * math.log(scale) + 1.0 if scale > 1.0 else 1.0
+    raise NotImplementedError(f"The rope scaling type {kind} is not supported yet")
+
+
 def _extra_tensors(hparams: dict, conv: Converter) -> list:
     """LlamaModel.generate_extra_tensors: for llama3's RoPE scaling, the factor each frequency is
     divided by, as ``rope_freqs.weight`` (F32). Note ``old_context_len`` comes from the top-level
-    config there (default 8192), not from rope_scaling: followed as it is."""
+    config there (default 8192), not from rope_scaling: followed as it is. Phi3MiniModel's: its
+    LongRoPE factors."""
     import math
 
+    if conv.parameters == "phi3":
+        return _phi3_rope_factors(hparams)
     rope = hparams.get("rope_scaling") or {}
     if not conv.llama or rope.get("rope_type", "").lower() != "llama3":
         return []
@@ -455,8 +492,6 @@ def _phi3_parameters(writer, hparams: dict, ftype: LlamaFileType) -> None:
     part of a head as rope.dimension_count, a sliding window of 0 where the config has none."""
     n_embd, n_head = hparams["hidden_size"], hparams["num_attention_heads"]
     rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
-    if rope.get("long_factor"):
-        raise ValueError("LongRoPE (rope_scaling long_factor/short_factor) is not written by this helper")
     rot_pct = rope.get("partial_rotary_factor", hparams.get("partial_rotary_factor", 1.0))
     writer.add_context_length(_find(hparams, ["n_positions", "max_position_embeddings"]))
     writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", hparams["original_max_position_embeddings"]))
@@ -470,6 +505,8 @@ def _phi3_parameters(writer, hparams: dict, ftype: LlamaFileType) -> None:
     writer.add_rope_freq_base(rope.get("rope_theta", hparams["rope_theta"]))
     writer.add_file_type(ftype)
     writer.add_sliding_window(hparams.get("sliding_window") or 0)  # 0: "to distinguish Phi-4 from other PHI3 models"
+    if (attn_factor := _phi3_attn_factor(hparams)) is not None:  # generate_extra_tensors writes it
+        writer.add_rope_scaling_attn_factors(attn_factor)
 
 
 # Gemma2Config's default window, which the converter's hparams (AutoConfig's) hold where config.json has none.

@@ -351,8 +351,9 @@ class GgufFile:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-# Tensors of a GGUF that are not parameters of mlx-lm's model: it computes them from the config.
-_NOT_PARAMETERS = frozenset({"rope_freqs.weight"})
+# Tensors of a GGUF that are not parameters of mlx-lm's model: it computes them from the config
+# (Llama 3's RoPE scaling, Phi-3's LongRoPE factors).
+_NOT_PARAMETERS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 
 
 @functools.lru_cache(maxsize=8)

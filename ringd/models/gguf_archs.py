@@ -12,7 +12,7 @@ nothing: mlx-lm's phi3 keeps HF's fused qkv_proj and gate_up_proj too.
 
 Served: llama (and Mixtral, a llama with experts), mistral3, qwen2, qwen2moe, qwen3,
 qwen3moe, phi3, gemma2, gemma3. A family with no entry, or a file of one that mlx-lm
-cannot compute as llama.cpp does (Phi-3's LongRoPE, Ministral 3's attention temperature,
+cannot compute as llama.cpp does (a YaRN Phi-3, Ministral 3's attention temperature,
 Gemma 3 with a final soft-cap, Mixtral with one tensor per expert), is refused at start
 in one line that says why and names what is served. What this ignores: the bytes of
 tensors (``gguf.py``, ``gguf_blocks.py``), the tokenizer (``gguf_vocab.py``).
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from ringd.models.errors import ModelError
 
@@ -286,20 +287,41 @@ def _qwen2_moe_fix(name: str, array: mx.array) -> mx.array:
 def _phi3(g: Facts) -> dict:
     """Phi-3 as llama.cpp's phi3 reads it: attention as one fused attn_qkv and the feed-forward's gate
     and up as one ffn_up (HF's own qkv_proj and gate_up_proj, which mlx-lm's phi3 keeps too), the
-    rotation over ``rope.dimension_count`` of each head. llama.cpp also slides a window over every
-    layer where the file names one (Phi-3-mini-4k: 2047); mlx-lm's phi3 attends to the whole context,
-    as it does on the original checkpoint, so the two agree up to the window. LongRoPE files (the
-    128k Phi-3s, Phi-3.5-mini, Phi-4-mini: rope_factors_long/short tensors) are refused."""
+    rotation over ``rope.dimension_count`` of each head.
+
+    Two things mlx-lm's phi3 computes otherwise than llama.cpp, as it does on the original
+    checkpoint: llama.cpp slides a window over every layer where the file names one
+    (Phi-3-mini-4k: 2047), mlx-lm attends to the whole context, so the two agree up to the
+    window; and LongRoPE (the 128k Phi-3s, Phi-3.5-mini, Phi-4-mini: the rope_factors_long and
+    rope_factors_short tensors) takes the long factors at every length in mlx-lm, where llama.cpp
+    takes the short ones while its context is within the original length."""
     key = g.key
-    if "rope_factors_long.weight" in g.tensors or "rope_factors_short.weight" in g.tensors:
-        raise _refuse(g, "a phi3 file with LongRoPE factors (rope_factors_long/short), which ringd does not map yet")
     heads, hidden = key("attention.head_count"), key("embedding_length")
     head_dim = hidden // heads  # mlx-lm's phi3 (and llama.cpp's) sizes heads so
     context = key("context_length")
-    return {
+    original = key("rope.scaling.original_context_length", context)
+    out = {
         "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
-        "original_max_position_embeddings": key("rope.scaling.original_context_length", context),
+        "original_max_position_embeddings": original,
     }
+    factors = [name for name in ("rope_factors_long.weight", "rope_factors_short.weight") if name in g.tensors]
+    if factors:
+        if len(factors) != 2:
+            raise _refuse(g, f"a phi3 file with {factors[0]} alone (LongRoPE takes both rope_factors_long and rope_factors_short)")
+        # mlx-lm's SuScaledRoPE scales queries by LongRoPE's own attention factor, from the context
+        # lengths; llama.cpp by the file's (which the converter computes so, but for YaRN's).
+        scale = context / original
+        longrope = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        stated = key("rope.scaling.attn_factor", longrope, kind=float)
+        if not math.isclose(stated, longrope, rel_tol=_ROPE_FREQS_RTOL):
+            raise _refuse(g, f"a phi3 file whose RoPE attention factor {stated:.6g} is not LongRoPE's {longrope:.6g} (a YaRN Phi), which mlx-lm's phi3 does not compute")
+        # Each float32 factor as the shortest decimal that is it (1.1, not 1.100000023841858): the
+        # checkpoint's config.json numbers, which mlx-lm rounds to the same float32 values.
+        long, short = (
+            [float(str(v)) for v in np.array(g.read(name).astype(mx.float32))] for name in ("rope_factors_long.weight", "rope_factors_short.weight")
+        )
+        out["rope_scaling"] = {"type": "longrope", "long_factor": long, "short_factor": short}
+    return out
 
 
 # llama.cpp's llama_model::load_hparams: Gemma 2's 27B (46 layers) and Gemma 3's 27B (62) scale

@@ -48,8 +48,14 @@ class Family:
     seed: int = 0
 
 
+LONGROPE = {
+    "type": "longrope", "long_factor": [1.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 8.0], "short_factor": [1.0, 1.0, 1.0, 1.0, 1.1, 1.2, 1.3, 1.5],
+}  # fmt: skip
+
 FAMILIES = {
     "phi3": Family("phi3", "phi3", 3, "q8_0", seed=1),
+    # Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini: LongRoPE, a factor per rotated frequency pair.
+    "phi3-longrope": Family("phi3", "phi3", 3, "q8_0", {"original_max_position_embeddings": 512, "rope_scaling": LONGROPE}, seed=1),
     "gemma2": Family("gemma2", "gemma2", 3, "q4_0"),
     # llama.cpp reads every gemma3 file with five sliding layers to one global: six layers hold both.
     "gemma3": Family("gemma3_text", "gemma3", 6, "q8_0", {"sliding_window_pattern": 6}, tied=True),
@@ -134,8 +140,9 @@ def test_a_family_computes_what_mlx_lm_computes(tiny_model, tmp_path_factory, na
     out = tmp_path_factory.mktemp(f"gguf-{name}")
     plain = write_gguf(source, out / "f32.gguf", qtype="f32")
     assert GgufFile.open(plain).meta["general.architecture"] == family.gguf_arch
-    if "rope_scaling" in family.config:
-        assert GgufFile.open(plain).config["rope_scaling"] == {"type": "linear", "factor": 8.0}
+    if "rope_scaling" in family.config:  # as mlx-lm's own config has it
+        want_scaling = {"type": "linear", "factor": 8.0} if name.startswith("gemma3") else LONGROPE
+        assert GgufFile.open(plain).config["rope_scaling"] == want_scaling
     _written_as_llama_cpp_writes_it(name, plain, source)
 
     model, tokenizer = load(str(source))
@@ -159,16 +166,21 @@ def test_a_family_computes_what_mlx_lm_computes(tiny_model, tmp_path_factory, na
         assert got == want
 
 
-# Files of a mapped family that mlx-lm cannot compute as llama.cpp does: (family, metadata or
-# tensors changed, what the one line says).
+# Files of a mapped family that mlx-lm cannot compute as llama.cpp does: (family, what is
+# changed in its file: metadata, tensors added or dropped, and what the one line says).
 REFUSED = {
-    "ministral3": ("mistral3", {"mistral3.attention.temperature_scale": 0.1}, "a Ministral 3 file"),
-    "phi3-longrope": ("phi3", {"tensor": "rope_factors_long.weight"}, "a phi3 file with LongRoPE factors"),
-    "gemma3-final-softcap": ("gemma3", {"gemma3.final_logit_softcapping": 30.0}, "a gemma3 file with final logit soft-capping"),
-    "gemma3-window-pattern": (
-        "gemma3", {"gemma3.attention.sliding_window_pattern": [True, False, True, True, True, False]}, "repeat no pattern mlx-lm's gemma3_text holds",
+    "ministral3": ("mistral3", {"meta": {"mistral3.attention.temperature_scale": 0.1}}, "a Ministral 3 file"),
+    "phi3-long-factors-alone": ("phi3", {"add": ["rope_factors_long.weight"]}, "a phi3 file with rope_factors_long.weight alone"),
+    "phi3-yarn": (
+        "phi3", {"add": ["rope_factors_long.weight", "rope_factors_short.weight"], "meta": {"phi3.rope.scaling.attn_factor": 1.2}},
+        "is not LongRoPE's 1 (a YaRN Phi)",
     ),  # fmt: skip
-    "mixtral-per-expert": ("mixtral", {"drop": "blk.1.ffn_gate_exps.weight"}, "a llama file with experts whose layers [1] hold no stacked ffn_gate_exps"),
+    "gemma3-final-softcap": ("gemma3", {"meta": {"gemma3.final_logit_softcapping": 30.0}}, "a gemma3 file with final logit soft-capping"),
+    "gemma3-window-pattern": (
+        "gemma3", {"meta": {"gemma3.attention.sliding_window_pattern": [True, False, True, True, True, False]}},
+        "repeat no pattern mlx-lm's gemma3_text holds",
+    ),  # fmt: skip
+    "mixtral-per-expert": ("mixtral", {"drop": ["blk.1.ffn_gate_exps.weight"]}, "a llama file with experts whose layers [1] hold no stacked ffn_gate_exps"),
 }
 
 
@@ -181,14 +193,12 @@ def test_what_a_family_cannot_serve_is_refused_in_one_line(tiny_model, tmp_path_
     family = FAMILIES[name]
     path = write_gguf(_source(tiny_model, tmp_path_factory, family), tmp_path_factory.mktemp(case) / "f.gguf")
     meta, tensors, data_offset = _parse(path, path.stat().st_size)
-    meta, tensors = dict(meta), dict(tensors)
-    if "tensor" in change:  # a tensor the family's file may hold, borrowing another's bytes
-        norm = tensors["output_norm.weight"]
-        tensors[change["tensor"]] = Tensor(change["tensor"], "F32", (8,), norm.offset, 32)
-    elif "drop" in change:
-        del tensors[change["drop"]]
-    else:
-        meta.update(change)
+    meta, tensors = {**meta, **change.get("meta", {})}, dict(tensors)
+    norm = tensors["output_norm.weight"]
+    for added in change.get("add", []):  # a tensor the family's file may hold (8 floats of another's bytes)
+        tensors[added] = Tensor(added, "F32", (8,), norm.offset, 32)
+    for dropped in change.get("drop", []):
+        del tensors[dropped]
     with pytest.raises(ModelError) as e:
         GgufFile(path, meta, tensors, data_offset)
     text = str(e.value)
