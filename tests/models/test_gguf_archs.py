@@ -204,3 +204,30 @@ def test_what_a_family_cannot_serve_is_refused_in_one_line(tiny_model, tmp_path_
     text = str(e.value)
     assert message in text and "\n" not in text
     assert "GGUF files of gemma2, gemma3, llama, mistral3, phi3, qwen2, qwen2moe, qwen3, qwen3moe are served directly" in text
+
+
+# What llama.cpp reads of a family's metadata beyond what a tiny model exercises: (family,
+# metadata changed, the config keys mlx-lm then gets).
+READ = {
+    # Gemma 2 27B (46 layers) scales queries by hidden size / heads, as llama.cpp's LLM_TYPE_27B.
+    "gemma2-27b-query-scale": ("gemma2", {"gemma2.block_count": 46}, {"query_pre_attn_scalar": 64 // 4}),
+    "gemma2-query-scale": ("gemma2", {"gemma2.attention.key_length": 32}, {"query_pre_attn_scalar": 32, "head_dim": 32}),
+    "gemma3-27b-query-scale": ("gemma3", {"gemma3.block_count": 62, "gemma3.attention.key_length": 32}, {"query_pre_attn_scalar": 64 // 4}),
+    "gemma3-stated-window": (
+        "gemma3", {"gemma3.attention.sliding_window_pattern": [True, True, False] * 2, "gemma3.rope.freq_base_swa": 20000.0},
+        {"sliding_window_pattern": 3, "rope_local_base_freq": 20000.0},
+    ),  # fmt: skip
+    "gemma2-softcaps": ("gemma2", {"gemma2.attn_logit_softcapping": 40.0, "gemma2.final_logit_softcapping": 20.0}, {"attn_logit_softcapping": 40.0, "final_logit_softcapping": 20.0}),
+}
+
+
+@pytest.mark.parametrize("case", list(READ))
+def test_a_familys_metadata_reads_as_llama_cpp_reads_it(tiny_model, tmp_path_factory, case):
+    from ggufmake import write_gguf
+    from ringd.models.gguf import _parse
+
+    name, change, want = READ[case]
+    path = write_gguf(_source(tiny_model, tmp_path_factory, FAMILIES[name]), tmp_path_factory.mktemp(case) / "f.gguf")
+    meta, tensors, data_offset = _parse(path, path.stat().st_size)
+    config = GgufFile(path, {**meta, **change}, tensors, data_offset).config
+    assert {k: config[k] for k in want} == want
