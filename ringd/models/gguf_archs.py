@@ -237,8 +237,7 @@ def _llama(g: Facts) -> dict:
     key = g.key
     if key("expert_count", None) is None:
         return {}
-    layers = key("block_count")
-    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in g.tensors]
+    dense = _layers_without_stacked_experts(g)
     if dense:
         raise _refuse(
             g, f"a llama file with experts whose layers {dense[:4]} hold no stacked ffn_gate_exps (an early Mixtral GGUF "
@@ -248,6 +247,14 @@ def _llama(g: Facts) -> dict:
     if key("attention.key_length", hidden // heads) != hidden // heads:
         raise _refuse(g, f"a llama file with experts and heads of {key('attention.key_length')}, not hidden size / heads (all mlx-lm's mixtral computes)")
     return {"model_type": "mixtral", "num_local_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count")}
+
+
+def _layers_without_stacked_experts(g: Facts) -> list[int]:
+    """The layers with no ffn_gate_exps; a file whose experts' gate and up are one tensor is refused."""
+    fused = [name for name in g.tensors if name.endswith(".ffn_gate_up_exps.weight")]
+    if fused:
+        raise _refuse(g, f"experts' gate and up fused in one tensor ({fused[0]}: convert_hf_to_gguf's --fuse-gate-up-exps), which ringd does not split")
+    return [i for i in range(g.key("block_count")) if f"blk.{i}.ffn_gate_exps.weight" not in g.tensors]
 
 
 def _mistral3(g: Facts) -> dict:
@@ -266,8 +273,7 @@ def _qwen2_moe(g: Facts) -> dict:
     shared expert weighed by sigmoid(ffn_gate_inp_shexp); its size is the shared expert's tensor's
     where the key is missing, as llama.cpp takes it."""
     key = g.key
-    layers = key("block_count")
-    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in g.tensors]
+    dense = _layers_without_stacked_experts(g)
     if dense:
         raise _refuse(g, f"a qwen2moe file whose layers {dense[:4]} hold no stacked experts (mlx-lm's qwen2_moe has no dense layers)")
     shared = g.tensors.get("blk.0.ffn_up_shexp.weight")

@@ -180,6 +180,10 @@ REFUSED = {
         "gemma3", {"meta": {"gemma3.attention.sliding_window_pattern": [True, False, True, True, True, False]}},
         "repeat no pattern mlx-lm's gemma3_text holds",
     ),  # fmt: skip
+    "qwen2moe-fused-gate-up": (
+        "qwen2moe", {"add": ["blk.0.ffn_gate_up_exps.weight"], "drop": ["blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"]},
+        "experts' gate and up fused in one tensor (blk.0.ffn_gate_up_exps.weight",
+    ),  # fmt: skip
     "mixtral-per-expert": ("mixtral", {"drop": ["blk.1.ffn_gate_exps.weight"]}, "a llama file with experts whose layers [1] hold no stacked ffn_gate_exps"),
 }
 
