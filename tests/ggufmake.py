@@ -121,6 +121,7 @@ def write_gguf(
     arch: str | None = None,
     pre: str = DEFAULT_PRE,
     dequantized: bool = False,
+    split_experts: bool = False,
 ) -> Path:
     """Write the unquantized mlx-lm model in ``model_dir`` to the GGUF file ``out``; return ``out``.
 
@@ -133,7 +134,9 @@ def write_gguf(
     make files of architectures a reader must refuse. ``pre`` is ``tokenizer.ggml.pre``.
     ``dequantized`` writes the same file with every tensor, once quantized, turned back
     into F32 by gguf-py's ``dequantize`` (the reference a reader of the quantized file is
-    checked against).
+    checked against). ``split_experts`` writes each expert's matrices as tensors of their own
+    (``blk.N.ffn_gate.X.weight``), as the converter wrote Mixtral before llama.cpp stacked
+    them (April 2024; its loader still merges them, LLM_TENSOR_FFN_GATE_EXP).
     """
     model_dir, out = Path(model_dir), Path(out)
     if qtype not in QTYPES:
@@ -152,7 +155,7 @@ def write_gguf(
 
     writer = gguf.GGUFWriter(str(out), arch or gguf.MODEL_ARCH_NAMES[conv.arch])
     # ModelBase.write: prepare_tensors, then prepare_metadata (which counts the parameters).
-    written = _add_tensors(writer, model_dir, hparams, conv, qtype, default_type, overrides, dequantized)
+    written = _add_tensors(writer, model_dir, hparams, conv, qtype, default_type, overrides, dequantized, split_experts)
     unknown = sorted(set(overrides) - written)
     if unknown:
         raise ValueError(f"types names tensors the file does not have: {', '.join(unknown)}")
@@ -212,6 +215,7 @@ _HF_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_pr
 _DENSE_FFN = {"gate_proj": MODEL_TENSOR.FFN_GATE, "up_proj": MODEL_TENSOR.FFN_UP, "down_proj": MODEL_TENSOR.FFN_DOWN}
 _MLX_EXPERTS_MIXTRAL = re.compile(r"^(.*\.block_sparse_moe)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight$")
 _MIXTRAL_W = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+_STACKED = re.compile(r"^(blk\.\d+\.ffn_(?:gate|down|up))_exps\.weight$")
 
 
 def _real_vocab_size(model_dir: Path) -> int:
@@ -348,8 +352,15 @@ def _encode(x: np.ndarray, qtype: Q, *, asked: bool) -> tuple[np.ndarray, Q]:
         return np.zeros((*x.shape[:-1], x.shape[-1] // block * type_size), dtype=np.uint8), qtype
 
 
+def _split_experts(name: str, bid: int | None, x: np.ndarray) -> list:
+    """A stacked experts tensor as the early format's tensors, one an expert (blk.N.ffn_gate.X.weight)."""
+    m = _STACKED.match(name)
+    return [(f"{m.group(1)}.{i}.weight", bid, x[i]) for i in range(len(x))] if m else [(name, bid, x)]
+
+
 def _add_tensors(
-    writer, model_dir: Path, hparams: dict, conv: Converter, qtype: str, default: Q, overrides: dict[str, Q], dequantized: bool = False
+    writer, model_dir: Path, hparams: dict, conv: Converter, qtype: str, default: Q, overrides: dict[str, Q], dequantized: bool = False,
+    split_experts: bool = False,
 ) -> set[str]:
     """ModelBase.prepare_tensors (and llama-quantize for the Q4s); the GGUF names written."""
     block_count = hparams["num_hidden_layers"]
@@ -359,6 +370,8 @@ def _add_tensors(
     tensors = [(_gguf_name(tensor_map, name, bid, conv), bid, x.squeeze()) for name, bid, x in _modified(model_dir, hparams, conv)]
     # prepare_tensors chains generate_extra_tensors() before the checkpoint's own.
     tensors = _extra_tensors(hparams, conv) + tensors
+    if split_experts:
+        tensors = [split for name, bid, x in tensors for split in _split_experts(name, bid, x)]
     tied = not any(name == "output.weight" for name, _, _ in tensors)
     n_expert = hparams.get("num_local_experts") or hparams.get("num_experts") or 0
     if qtype in LLAMA_QUANTIZE_QTYPES:

@@ -17,7 +17,8 @@ the MLX array(s) mlx-lm's model code computes with:
   computes as is with ``rope_traditional: true``;
 - what else a family's file holds otherwise than mlx-lm's parameters (Gemma's norms
   stored plus one, names gguf-py does not know) is undone as ``gguf_archs`` says, on
-  float tensors only.
+  float tensors only; an early MoE file's experts, one tensor each, are read one by one
+  and stacked, as llama.cpp's loader stacks them.
 
 Any other tensor type (IQ1-IQ3, TQ, NVFP4) is refused at start, naming the type
 and what works. So is an architecture this module has no mapping for.
@@ -94,6 +95,8 @@ class Tensor:
     shape: tuple[int, ...]  # numpy order (GGUF lists dimensions innermost first)
     offset: int  # absolute, in the file
     nbytes: int
+    # An early MoE file's experts, one tensor each, stacked into this one (``_stack_split_experts``).
+    parts: tuple["Tensor", ...] = ()
 
     @property
     def form(self) -> Form | None:
@@ -120,6 +123,7 @@ class GgufFile:
     def __init__(self, path: Path, meta: dict[str, Any], tensors: dict[str, Tensor], data_offset: int):
         self.path = path
         self.meta = meta
+        tensors = _stack_split_experts(path, tensors)
         self.tensors = tensors
         self.data_offset = data_offset
         self.arch = architecture(path, meta)
@@ -431,9 +435,36 @@ def _check_types(path: Path, tensors: dict[str, Tensor]) -> None:
         )
 
 
+# An expert's own tensor in the files llama.cpp wrote before it stacked them (April 2024: the
+# Mixtral GGUFs of that winter): LLM_TENSOR_FFN_GATE_EXP and its kin.
+_SPLIT_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|down|up)\.(\d+)\.weight$")
+
+
+def _stack_split_experts(path: Path, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The table with each layer's per-expert tensors as one stacked ``ffn_*_exps`` tensor, as
+    llama.cpp's loader merges them ("for compatibility with older models"); read part by part."""
+    groups: dict[str, dict[int, Tensor]] = {}
+    for name, t in tensors.items():
+        if m := _SPLIT_EXPERT.match(name):
+            groups.setdefault(f"blk.{m.group(1)}.ffn_{m.group(2)}_exps.weight", {})[int(m.group(3))] = t
+    if not groups:
+        return tensors
+    out = {name: t for name, t in tensors.items() if not _SPLIT_EXPERT.match(name)}
+    for name, experts in groups.items():
+        parts = tuple(experts.get(x) for x in range(len(experts)))
+        if None in parts or len({(p.type, p.shape) for p in parts}) != 1 or name in out:
+            raise ModelError(f"{path}: the experts of {name} are not one tensor each of one type and shape, numbered from 0")
+        first = parts[0]
+        out[name] = Tensor(name, first.type, (len(parts), *first.shape), first.offset, sum(p.nbytes for p in parts), parts)
+    return out
+
+
 def read_tensor(path: Path, t: Tensor) -> dict[str, mx.array]:
     """One tensor as MLX arrays: {"": weight} for a float tensor, plus "scales" (and "biases") for a
     quantized one, laid out as MLX's quantization (groups of 32) lays them out (``gguf_blocks``)."""
+    if t.parts:  # experts stored one by one: each read as it is, then stacked
+        experts = [read_tensor(path, part) for part in t.parts]
+        return {key: mx.stack([e[key] for e in experts]) for key in experts[0]}
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
     try:
         if t.form is None:

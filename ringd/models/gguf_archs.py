@@ -13,7 +13,7 @@ nothing: mlx-lm's phi3 keeps HF's fused qkv_proj and gate_up_proj too.
 Served: llama (and Mixtral, a llama with experts), mistral3, qwen2, qwen2moe, qwen3,
 qwen3moe, phi3, gemma2, gemma3. A family with no entry, or a file of one that mlx-lm
 cannot compute as llama.cpp does (a YaRN Phi-3, Ministral 3's attention temperature,
-Gemma 3 with a final soft-cap, Mixtral with one tensor per expert), is refused at start
+Gemma 3 with a final soft-cap, experts with gate and up fused), is refused at start
 in one line that says why and names what is served. What this ignores: the bytes of
 tensors (``gguf.py``, ``gguf_blocks.py``), the tokenizer (``gguf_vocab.py``).
 """
@@ -231,18 +231,16 @@ def _qwen3_moe(g: Facts) -> dict:
 
 def _llama(g: Facts) -> dict:
     """A llama file with experts is a Mixtral (LlamaModel writes Mixtral as llama): llama.cpp's llama
-    computes every layer as a mixture of ``expert_count`` experts (ffn_*_exps stacked, ffn_gate_inp
-    the router), the chosen experts' softmax weights normalized (build_moe_ffn with norm_w), which
-    is mlx-lm's mixtral."""
+    computes every layer as a mixture of ``expert_count`` experts (ffn_*_exps stacked, or one tensor
+    an expert in early files, which ``gguf.py`` stacks as llama.cpp's loader does; ffn_gate_inp the
+    router), the chosen experts' softmax weights normalized (build_moe_ffn with norm_w), which is
+    mlx-lm's mixtral."""
     key = g.key
     if key("expert_count", None) is None:
         return {}
     dense = _layers_without_stacked_experts(g)
     if dense:
-        raise _refuse(
-            g, f"a llama file with experts whose layers {dense[:4]} hold no stacked ffn_gate_exps (an early Mixtral GGUF "
-            "with one tensor per expert, or dense layers mlx-lm's mixtral cannot hold): take a newer conversion",
-        )  # fmt: skip
+        raise _refuse(g, f"a llama file with experts whose layers {dense[:4]} hold none (mlx-lm's mixtral has no dense layers)")
     heads, hidden = key("attention.head_count"), key("embedding_length")
     if key("attention.key_length", hidden // heads) != hidden // heads:
         raise _refuse(g, f"a llama file with experts and heads of {key('attention.key_length')}, not hidden size / heads (all mlx-lm's mixtral computes)")

@@ -46,6 +46,7 @@ class Family:
     config: dict = field(default_factory=dict)  # the tiny model's config, changed as llama.cpp reads the family
     tied: bool = False  # the head tied to the embeddings (the checkpoint holds no lm_head)
     seed: int = 0
+    written: dict = field(default_factory=dict)  # how ggufmake writes it (write_gguf's options)
 
 
 LONGROPE = {
@@ -64,6 +65,8 @@ FAMILIES = {
         "gemma3_text", "gemma3", 6, "q4_0", {"sliding_window_pattern": 6, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}, tied=True,
     ),  # fmt: skip
     "mixtral": Family("mixtral", "llama", 3, "q8_0"),
+    # Mixtral as llama.cpp's converter wrote it until April 2024: one tensor an expert.
+    "mixtral-split-experts": Family("mixtral", "llama", 3, "q4_0", written={"split_experts": True}),
     "qwen2moe": Family("qwen2_moe", "qwen2moe", 3, "q4_1"),
     "mistral3": Family("mistral3", "mistral3", 3, "q4_0"),
 }
@@ -125,6 +128,8 @@ def _written_as_llama_cpp_writes_it(name: str, path: Path, source: Path) -> None
         assert "output.weight" not in tensors
     if name == "mixtral":
         assert tuple(tensors["blk.0.ffn_gate_exps.weight"].shape) == (64, 128, 4)  # GGUF order: in, out, experts
+    if name == "mixtral-split-experts":
+        assert tuple(tensors["blk.0.ffn_gate.3.weight"].shape) == (64, 128) and "blk.0.ffn_gate_exps.weight" not in tensors
     if name == "qwen2moe":
         assert tuple(tensors["blk.0.ffn_gate_inp_shexp.weight"].shape) == (64,)  # squeezed from (1, 64)
 
@@ -138,7 +143,7 @@ def test_a_family_computes_what_mlx_lm_computes(tiny_model, tmp_path_factory, na
     family = FAMILIES[name]
     source = _source(tiny_model, tmp_path_factory, family)
     out = tmp_path_factory.mktemp(f"gguf-{name}")
-    plain = write_gguf(source, out / "f32.gguf", qtype="f32")
+    plain = write_gguf(source, out / "f32.gguf", qtype="f32", **family.written)
     assert GgufFile.open(plain).meta["general.architecture"] == family.gguf_arch
     if "rope_scaling" in family.config:  # as mlx-lm's own config has it
         want_scaling = {"type": "linear", "factor": 8.0} if name.startswith("gemma3") else LONGROPE
@@ -154,7 +159,7 @@ def test_a_family_computes_what_mlx_lm_computes(tiny_model, tmp_path_factory, na
     for a, b in zip(want_logits, got_logits):  # llama's interleaved RoPE sums in another order
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
 
-    path = write_gguf(source, out / f"{family.qtype}.gguf", qtype=family.qtype)
+    path = write_gguf(source, out / f"{family.qtype}.gguf", qtype=family.qtype, **family.written)
     converted = out / "converted"
     GgufFile.open(path).convert(converted)  # what `ringd convert` writes
     model, _ = load(str(converted))
@@ -184,7 +189,7 @@ REFUSED = {
         "qwen2moe", {"add": ["blk.0.ffn_gate_up_exps.weight"], "drop": ["blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"]},
         "experts' gate and up fused in one tensor (blk.0.ffn_gate_up_exps.weight",
     ),  # fmt: skip
-    "mixtral-per-expert": ("mixtral", {"drop": ["blk.1.ffn_gate_exps.weight"]}, "a llama file with experts whose layers [1] hold no stacked ffn_gate_exps"),
+    "mixtral-dense-layer": ("mixtral", {"drop": ["blk.1.ffn_gate_exps.weight"]}, "a llama file with experts whose layers [1] hold none"),
 }
 
 
