@@ -352,10 +352,21 @@ def _encode(x: np.ndarray, qtype: Q, *, asked: bool) -> tuple[np.ndarray, Q]:
         return np.zeros((*x.shape[:-1], x.shape[-1] // block * type_size), dtype=np.uint8), qtype
 
 
-def _split_experts(name: str, bid: int | None, x: np.ndarray) -> list:
-    """A stacked experts tensor as the early format's tensors, one an expert (blk.N.ffn_gate.X.weight)."""
-    m = _STACKED.match(name)
-    return [(f"{m.group(1)}.{i}.weight", bid, x[i]) for i in range(len(x))] if m else [(name, bid, x)]
+def _split_experts(tensors: list) -> list:
+    """Stacked experts as the early format's tensors, one an expert (blk.N.ffn_gate.X.weight), in the
+    order the early converter wrote them, the checkpoint's: expert by expert, w1 (gate), w2 (down),
+    w3 (up) of each, so that no kind's experts lie side by side in the file."""
+    out, layer = [], {}
+    for name, bid, x in tensors:
+        if not (m := _STACKED.match(name)):
+            out.append((name, bid, x))
+            continue
+        layer[m.group(1).rsplit("_", 1)[1]] = (m.group(1), x)
+        if len(layer) == 3:
+            for i in range(len(x)):
+                out += [(f"{layer[kind][0]}.{i}.weight", bid, layer[kind][1][i]) for kind in ("gate", "down", "up")]
+            layer = {}
+    return out
 
 
 def _add_tensors(
@@ -371,7 +382,7 @@ def _add_tensors(
     # prepare_tensors chains generate_extra_tensors() before the checkpoint's own.
     tensors = _extra_tensors(hparams, conv) + tensors
     if split_experts:
-        tensors = [split for name, bid, x in tensors for split in _split_experts(name, bid, x)]
+        tensors = _split_experts(tensors)
     tied = not any(name == "output.weight" for name, _, _ in tensors)
     n_expert = hparams.get("num_local_experts") or hparams.get("num_experts") or 0
     if qtype in LLAMA_QUANTIZE_QTYPES:

@@ -99,6 +99,11 @@ class Tensor:
     parts: tuple["Tensor", ...] = ()
 
     @property
+    def spans(self) -> list[tuple[int, int]]:
+        """[start, end) of its bytes in the file: one span, or one a part."""
+        return [(t.offset, t.offset + t.nbytes) for t in self.parts or (self,)]
+
+    @property
     def form(self) -> Form | None:
         """What its blocks are in MLX; None for a float tensor."""
         return FORMS.get(self.type)
@@ -177,7 +182,7 @@ class GgufFile:
         layers = [0] * self.config["num_hidden_layers"]
         embed = norm = head = 0
         for t in self.tensors.values():
-            if t.name in _NOT_PARAMETERS:
+            if t.name in CONFIG_TENSORS:
                 continue
             m = _BLOCK_NUMBER.match(t.name)
             if m is not None:
@@ -272,7 +277,7 @@ class GgufFile:
     def mlx_config(self) -> dict:
         """config.json for the checkpoint this file is: the model's settings and its quantization."""
         config = dict(self.config)
-        forms = [(t.form.bits, t.form.mode) for t in self.tensors.values() if t.form is not None and t.name not in _NOT_PARAMETERS]
+        forms = [(t.form.bits, t.form.mode) for t in self.tensors.values() if t.form is not None and t.name not in CONFIG_TENSORS]
         if forms:
             bits, mode = max(set(forms), key=forms.count)
             quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": bits, "mode": mode}
@@ -355,9 +360,9 @@ class GgufFile:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-# Tensors of a GGUF that are not parameters of mlx-lm's model: it computes them from the config
-# (Llama 3's RoPE scaling, Phi-3's LongRoPE factors).
-_NOT_PARAMETERS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
+# Tensors of a GGUF that are not parameters of mlx-lm's model: the config is read from them
+# (Llama 3's RoPE scaling, Phi-3's LongRoPE factors), so every stage needs their bytes.
+CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 
 
 @functools.lru_cache(maxsize=8)

@@ -345,7 +345,7 @@ class PeerModel:
             for name in params:
                 if stage_keeps(name, start, end, num_layers, untied):
                     t, _ = g.source(name)
-                    spans.add((t.offset, t.offset + t.nbytes))
+                    spans.update(t.spans)
             return {self.manifest.files[0].name: merge_ranges(spans)}
         tables = {}
         for f in self.manifest.files:

@@ -240,3 +240,36 @@ def test_a_familys_metadata_reads_as_llama_cpp_reads_it(tiny_model, tmp_path_fac
     meta, tensors, data_offset = _parse(path, path.stat().st_size)
     config = GgufFile(path, {**meta, **change}, tensors, data_offset).config
     assert {k: config[k] for k in want} == want
+
+
+@pytest.mark.parametrize("name", ["phi3-longrope", "mixtral-split-experts"])
+def test_a_stage_fetched_from_peers_holds_what_it_would_read_from_the_whole_file(tiny_model, tmp_path_factory, name):
+    """A node that fetches only its stage's bytes (``PeerModel.stage_ranges``, the manifest's
+    ``always``, the header) loads the parameters it would load from the whole file: LongRoPE's
+    factors, which the config is read from, and each expert of an early file, stored apart."""
+    from ggufmake import write_gguf
+    from ringd.models import manifest as m
+    from ringd.models.peers import PeerModel
+    from ringd.models.source import model_info
+    from ringd.stage.shard import Shard
+
+    family = FAMILIES[name]
+    out = tmp_path_factory.mktemp(f"peers-{name}")
+    (out / "whole").mkdir()
+    path = write_gguf(_source(tiny_model, tmp_path_factory, family), out / "whole" / "m.gguf", qtype=family.qtype, **family.written)
+    manifest = m.build(path, model_info(str(path)).fingerprint, "tiny")
+    peer = PeerModel(path.parent, manifest, b"secret", "node1")
+    data = path.read_bytes()
+    for start, end in ((0, 1), (1, family.layers)):
+        need = [(0, manifest.files[0].head), *((a, b) for _, a, b in manifest.always), *peer.stage_ranges(start, end, family.layers)[path.name]]
+        sparse = bytearray(len(data))  # what a fetching node's sparse file holds: zeros where it fetched nothing
+        for a, b in need:
+            sparse[a:b] = data[a:b]
+        fetched = out / f"{start}-{end}" / "m.gguf"
+        fetched.parent.mkdir()
+        fetched.write_bytes(bytes(sparse))
+        got, want = Shard.load(str(fetched), start, end), Shard.load(str(path), start, end)
+        assert model_info(str(fetched)).config == model_info(str(path)).config
+        want_parameters = dict(want._named_parameters())
+        for key, value in got._named_parameters():
+            assert mx.array_equal(value, want_parameters[key]).item(), f"[{start}, {end}): {key} differs from the whole file's"
