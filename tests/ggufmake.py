@@ -7,30 +7,42 @@ by step as llama.cpp does, with llama.cpp's own Python package (gguf-py) and wit
 looking at ringd's reader:
 
 - ``convert_hf_to_gguf.py`` (qtype f32, f16, bf16, q8_0, its ``--outtype``s): the
-  metadata (``TextModel.set_gguf_parameters`` plus what ``LlamaModel`` and
-  ``Qwen2MoeModel`` add), tensor names (gguf-py's ``TensorNameMap``), the Q/K
-  permutation of ``LlamaModel.modify_tensors``, expert stacking, the tensor types of
-  ``ModelBase.prepare_tensors`` and the vocabulary of ``_set_vocab_gpt2``; and for the MoE
-  families, each family's own converter class (``DeepseekV2Model``, ``Glm4MoeModel``,
-  ``GptOssModel``, ``MiniMaxM2Model``, ``Qwen3NextModel``) as a ``Converter``'s ``modify`` and
-  ``params``, from an mlx-lm checkpoint (whose sanitize has already done some of the
-  converter's work, each says which);
+  metadata (``TextModel.set_gguf_parameters`` plus what ``LlamaModel``,
+  ``Qwen2MoeModel`` and ``Gemma3Model`` add; ``Phi3MiniModel``'s and ``Gemma2Model``'s
+  own), tensor names (gguf-py's ``TensorNameMap``), the Q/K permutation of
+  ``LlamaModel.modify_tensors``, expert stacking (Qwen2MoeModel's, and LlamaModel's
+  for Mixtral), Gemma's norms stored plus one and Gemma 3's embedding cut to the
+  vocabulary (``Gemma2Model``/``Gemma3Model.modify_tensors``), Mistral 3's text
+  decoder without its vision tower (``Mistral3Model``, written as arch mistral3 by its
+  ``Ministral3Model``), the squeeze and tensor types of ``ModelBase.prepare_tensors``
+  and the vocabulary of ``_set_vocab_gpt2``; and for the MoE families with converters
+  of their own (``DeepseekV2Model``, ``Glm4MoeModel``, ``GptOssModel``,
+  ``MiniMaxM2Model``, ``Qwen3NextModel``), a ``Converter``'s ``modify`` and ``params``,
+  from an mlx-lm checkpoint (whose sanitize has already done some of the converter's
+  work, each says which);
 - ``llama-quantize`` (qtype q4_0, q4_1) on top of that: the type rules of
   ``llama_tensor_get_type`` in ``src/llama-quant.cpp`` that apply to these types.
 
 Each step below names the function it follows. Where this departs from llama.cpp it
 says so: the tiny tokenizer's pre-tokenizer hash is unknown to the converter (which
 would stop), so ``tokenizer.ggml.pre`` is given (``pre=``, "gpt-2" by default, the
-name llama.cpp gives GPT-2's ByteLevel split); the tiny qwen3_moe has a dense first
+name llama.cpp gives GPT-2's ByteLevel split); Phi-3's and Gemma 2's converters take a
+SentencePiece ``tokenizer.model``, which the tiny models do not have, so their byte-level
+BPE is written by ``_set_vocab_gpt2`` as Phi-4's and Gemma 3's converters write such a
+tokenizer; the tiny models are saved as mlx-lm saves them, Mixtral's and Qwen2-MoE's experts
+already stacked (``switch_mlp``), which is the tensor the converter stacks from HF's
+per-expert ones; the tiny qwen3_moe has a dense first
 layer that llama.cpp's qwen3moe cannot name (see ``_stacked_experts``); rows that no
 block type fits fall back to F16 as the converter does, where llama-quantize would stop.
 
 RoPE scaling: llama3's, as ``LlamaModel.generate_extra_tensors`` writes it (the
-``rope_freqs`` tensor, no metadata), and YaRN's keys; any other is refused.
+``rope_freqs`` tensor, no metadata), linear and YaRN, as ``TextModel.set_gguf_parameters``
+writes them (Gemma 3's global layers take linear), and Phi-3's LongRoPE, as
+``Phi3MiniModel.generate_extra_tensors`` writes it (``rope_factors_long``/``rope_factors_short``
+and an attention factor); any other is refused.
 
-What it deliberately ignores: SentencePiece vocabularies, other RoPE scalings (YaRN is
-written as ``TextModel.set_gguf_parameters`` writes it), the families' own vocabularies
-(GLM's ``_set_vocab_glm``), NextN/MTP layers, multimodal towers, split files, and any
+What it deliberately ignores: SentencePiece vocabularies, other RoPE scalings, the families'
+own vocabularies (GLM's ``_set_vocab_glm``), NextN/MTP layers, multimodal towers, and any
 architecture not in ``CONVERTERS``.
 """
 
@@ -81,13 +93,29 @@ class Converter:
     modify: Callable[[str, int | None, np.ndarray, dict, dict], Iterator[tuple[str, int | None, np.ndarray]]] | None = None
     # A family's own set_gguf_parameters, after TextModel's: (writer, hparams).
     params: Callable[[Any, dict], None] | None = None
+    # LlamaModel.modify_tensors for Mixtral: block_sparse_moe's experts stacked (w1 gate, w2 down, w3 up)
+    mixtral: bool = False
+    # GemmaModel/Gemma2Model.modify_tensors, Gemma3Model.norm_shift: every "*norm.weight" stored + 1
+    norm_shift: bool = False
+    # Gemma3Model.modify_tensors: token_embd cut to the tokenizer's real vocabulary
+    trim_vocab: bool = False
+    # Mistral3Model.modify_tensors (name.replace("language_model.", "")): the text decoder of a
+    # multimodal checkpoint, its vision tower and projector left out
+    text_of_multimodal: bool = False
+    skip: tuple[str, ...] = ()  # filter_tensors: checkpoint tensors not written (Gemma2Model: lm_head)
+    # The class's own set_gguf_parameters (phi3, gemma2, gemma3), else TextModel's and the flags' above
+    parameters: str = "text"
 
 
 # Registered by config.json's architectures[0], as ModelBase.register does.
 CONVERTERS: dict[str, Converter] = {
     "LlamaForCausalLM": Converter(MODEL_ARCH.LLAMA, llama=True),
     "MistralForCausalLM": Converter(MODEL_ARCH.LLAMA, llama=True),
+    "MixtralForCausalLM": Converter(MODEL_ARCH.LLAMA, llama=True, mixtral=True),  # LlamaModel
+    # Mistral3Model.Ministral3Model (a LlamaModel) for a text_config of model_type "mistral"
+    "Mistral3ForConditionalGeneration": Converter(MODEL_ARCH.MISTRAL3, llama=True, text_of_multimodal=True),
     "Qwen2ForCausalLM": Converter(MODEL_ARCH.QWEN2),
+    "Qwen2MoeForCausalLM": Converter(MODEL_ARCH.QWEN2MOE, moe=True),  # Qwen2MoeModel
     "Qwen3ForCausalLM": Converter(MODEL_ARCH.QWEN3),
     "Qwen3MoeForCausalLM": Converter(MODEL_ARCH.QWEN3MOE, moe=True),
     "DeepseekV2ForCausalLM": Converter(MODEL_ARCH.DEEPSEEK2, moe=True, modify=lambda *a: _deepseek2_tensors(*a), params=lambda *a: _deepseek2_params(*a)),
@@ -96,6 +124,9 @@ CONVERTERS: dict[str, Converter] = {
     "MiniMaxM2ForCausalLM": Converter(MODEL_ARCH.MINIMAXM2, moe=True, modify=lambda *a: _minimax_m2_tensors(*a), params=lambda *a: _minimax_m2_params(*a)),
     "Qwen3NextForCausalLM": Converter(MODEL_ARCH.QWEN3NEXT, moe=True, modify=lambda *a: _qwen3next_tensors(*a), params=lambda *a: _qwen3next_params(*a)),
     "GptOssForCausalLM": Converter(MODEL_ARCH.GPT_OSS, moe=True, modify=lambda *a: _gpt_oss_tensors(*a), params=lambda *a: _gpt_oss_params(*a)),
+    "Phi3ForCausalLM": Converter(MODEL_ARCH.PHI3, parameters="phi3"),  # Phi3MiniModel
+    "Gemma2ForCausalLM": Converter(MODEL_ARCH.GEMMA2, norm_shift=True, skip=("lm_head.weight",), parameters="gemma2"),  # Gemma2Model
+    "Gemma3ForCausalLM": Converter(MODEL_ARCH.GEMMA3, norm_shift=True, trim_vocab=True, parameters="gemma3"),  # Gemma3Model
 }
 
 
@@ -109,6 +140,7 @@ def write_gguf(
     pre: str = DEFAULT_PRE,
     dequantized: bool = False,
     split_max_tensors: int = 0,
+    split_experts: bool = False,
 ) -> Path:
     """Write the unquantized mlx-lm model in ``model_dir`` to the GGUF file ``out``; return ``out``.
 
@@ -124,6 +156,9 @@ def write_gguf(
     checked against). ``split_max_tensors``: split the file as ``convert_hf_to_gguf.py
     --split-max-tensors N`` does (gguf-py's writer: OUT-00001-of-0000K.gguf, ...); the first
     part's path is returned.
+    checked against). ``split_experts`` writes each expert's matrices as tensors of their own
+    (``blk.N.ffn_gate.X.weight``), as the converter wrote Mixtral before llama.cpp stacked
+    them (April 2024; its loader still merges them, LLM_TENSOR_FFN_GATE_EXP).
     """
     model_dir, out = Path(model_dir), Path(out)
     if qtype not in QTYPES:
@@ -142,7 +177,7 @@ def write_gguf(
 
     writer = gguf.GGUFWriter(str(out), arch or gguf.MODEL_ARCH_NAMES[conv.arch], split_max_tensors=split_max_tensors)
     # ModelBase.write: prepare_tensors, then prepare_metadata (which counts the parameters).
-    written = _add_tensors(writer, model_dir, hparams, conv, qtype, default_type, overrides, dequantized)
+    written = _add_tensors(writer, model_dir, hparams, conv, qtype, default_type, overrides, dequantized, split_experts)
     unknown = sorted(set(overrides) - written)
     if unknown:
         raise ValueError(f"types names tensors the file does not have: {', '.join(unknown)}")
@@ -200,6 +235,15 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _MLX_EXPERTS = re.compile(r"^(.*\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight$")
 _HF_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _DENSE_FFN = {"gate_proj": MODEL_TENSOR.FFN_GATE, "up_proj": MODEL_TENSOR.FFN_UP, "down_proj": MODEL_TENSOR.FFN_DOWN}
+_MLX_EXPERTS_MIXTRAL = re.compile(r"^(.*\.block_sparse_moe)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight$")
+_MIXTRAL_W = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+_STACKED = re.compile(r"^(blk\.\d+\.ffn_(?:gate|down|up))_exps\.weight$")
+
+
+def _real_vocab_size(model_dir: Path) -> int:
+    """Gemma3Model.modify_tensors' n_vocab_real for a tokenizer.json without tokenizer.model."""
+    tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    return len(tokenizer_json["model"]["vocab"]) + len(tokenizer_json["added_tokens"])
 
 
 def _modified(model_dir: Path, hparams: dict, conv: Converter):
@@ -209,8 +253,23 @@ def _modified(model_dir: Path, hparams: dict, conv: Converter):
     experts: dict[int, dict[str, np.ndarray]] = {}
     held: dict[str, np.ndarray] = {}  # what a family's modify keeps until its other half comes
     for name, x in _source_tensors(model_dir):
+        if conv.text_of_multimodal:
+            if "multi_modal_projector" in name or "vision_tower" in name:
+                continue
+            name = name.replace("language_model.", "")
+        if name in conv.skip:
+            continue
         m = _LAYER.search(name)
         bid = int(m.group(1)) if m else None  # prepare_tensors: the first number-like part
+        if conv.trim_vocab and "embed_tokens.weight" in name:
+            x = x[: _real_vocab_size(model_dir)]
+        if conv.norm_shift and name.endswith("norm.weight"):
+            x = x + 1  # "Gemma3RMSNorm adds 1.0 to the norm value"
+        if conv.mixtral and (m := _MLX_EXPERTS_MIXTRAL.match(name)):
+            # mlx-lm's sanitize stacked HF's experts.{i}.w1 (gate), w3 (up), w2 (down) in expert
+            # order, as the converter stacks them into feed_forward.experts.w*
+            yield f"layers.{bid}.feed_forward.experts.{_MIXTRAL_W[m.group(2)]}.weight", bid, x
+            continue
         if conv.llama:
             # LlamaModel.modify_tensors (undo_permute): q with n_head, k with n_head_kv.
             if name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -263,7 +322,8 @@ def _converter_type(new_name: str, x: np.ndarray, bid: int | None, arch: MODEL_A
     """ModelBase.prepare_tensors' choice for one tensor (tensor_force_quant is False for these)."""
     if x.ndim <= 1 or new_name.endswith("_norm.weight"):
         return Q.F32  # "Most of the codebase that takes in 1D tensors or norms only handles F32 tensors"
-    if _is(new_name, MODEL_TENSOR.FFN_GATE_INP, bid, arch) or new_name[-7:] not in (".weight", ".lora_a", ".lora_b"):
+    routers = (MODEL_TENSOR.FFN_GATE_INP, MODEL_TENSOR.FFN_GATE_INP_SHEXP)
+    if any(_is(new_name, key, bid, arch) for key in routers) or new_name[-7:] not in (".weight", ".lora_a", ".lora_b"):
         return Q.F32  # the routers, as llama_model_quantize_internal keeps them
     if any(_is(new_name, key, bid, arch) for key in (MODEL_TENSOR.FFN_GATE_INP_SHEXP, MODEL_TENSOR.SSM_CONV1D)):
         return Q.F32  # in prepare_tensors' list of tensors kept F32
@@ -323,15 +383,37 @@ def _encode(x: np.ndarray, qtype: Q, *, asked: bool) -> tuple[np.ndarray, Q]:
         return np.zeros((*x.shape[:-1], x.shape[-1] // block * type_size), dtype=np.uint8), qtype
 
 
+def _split_experts(tensors: list) -> list:
+    """Stacked experts as the early format's tensors, one an expert (blk.N.ffn_gate.X.weight), in the
+    order the early converter wrote them, the checkpoint's: expert by expert, w1 (gate), w2 (down),
+    w3 (up) of each, so that no kind's experts lie side by side in the file."""
+    out, layer = [], {}
+    for name, bid, x in tensors:
+        if not (m := _STACKED.match(name)):
+            out.append((name, bid, x))
+            continue
+        layer[m.group(1).rsplit("_", 1)[1]] = (m.group(1), x)
+        if len(layer) == 3:
+            for i in range(len(x)):
+                out += [(f"{layer[kind][0]}.{i}.weight", bid, layer[kind][1][i]) for kind in ("gate", "down", "up")]
+            layer = {}
+    return out
+
+
 def _add_tensors(
-    writer, model_dir: Path, hparams: dict, conv: Converter, qtype: str, default: Q, overrides: dict[str, Q], dequantized: bool = False
+    writer, model_dir: Path, hparams: dict, conv: Converter, qtype: str, default: Q, overrides: dict[str, Q], dequantized: bool = False,
+    split_experts: bool = False,
 ) -> set[str]:
     """ModelBase.prepare_tensors (and llama-quantize for the Q4s); the GGUF names written."""
     block_count = hparams["num_hidden_layers"]
     tensor_map = gguf.get_tensor_name_map(conv.arch, block_count)
-    tensors = [(_gguf_name(tensor_map, name, bid, conv), bid, x) for name, bid, x in _modified(model_dir, hparams, conv)]
+    # prepare_tensors squeezes every tensor ("necessary for reloading in transformers"): a
+    # (1, hidden) matrix such as Qwen2-MoE's shared expert gate is written as a vector.
+    tensors = [(_gguf_name(tensor_map, name, bid, conv), bid, x.squeeze()) for name, bid, x in _modified(model_dir, hparams, conv)]
     # prepare_tensors chains generate_extra_tensors() before the checkpoint's own.
     tensors = _extra_tensors(hparams, conv) + tensors
+    if split_experts:
+        tensors = _split_experts(tensors)
     tied = not any(name == "output.weight" for name, _, _ in tensors)
     n_expert = hparams.get("num_local_experts") or hparams.get("num_experts") or 0
     if qtype in LLAMA_QUANTIZE_QTYPES:
@@ -354,12 +436,48 @@ def _add_tensors(
     return {name for name, _, _ in tensors}
 
 
+def _phi3_rope_factors(hparams: dict) -> list:
+    """Phi3MiniModel.generate_extra_tensors: LongRoPE's per-frequency factors, long and short, as
+    ``rope_factors_long.weight`` and ``rope_factors_short.weight`` (F32)."""
+    rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
+    long_factors, short_factors = rope.get("long_factor"), rope.get("short_factor")
+    if not long_factors:
+        return []
+    rope_dims = int(rope.get("partial_rotary_factor", hparams.get("partial_rotary_factor", 1.0)) * hparams["hidden_size"]) // hparams["num_attention_heads"]
+    if len(long_factors) != len(short_factors) or len(long_factors) != rope_dims / 2:
+        raise ValueError(f"The length of rope long and short factors must be {rope_dims / 2}")
+    return [
+        (gguf.TENSOR_NAMES[MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight", None, np.array(long_factors, dtype=np.float32)),
+        (gguf.TENSOR_NAMES[MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight", None, np.array(short_factors, dtype=np.float32)),
+    ]
+
+
+def _phi3_attn_factor(hparams: dict) -> float | None:
+    """The attention factor Phi3MiniModel.generate_extra_tensors writes beside LongRoPE's factors."""
+    import math
+
+    rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
+    if not rope.get("long_factor"):
+        return None
+    orig = rope.get("original_max_position_embeddings", hparams["original_max_position_embeddings"])
+    scale = _find(hparams, ["n_positions", "max_position_embeddings"]) / orig
+    kind = rope.get("rope_type", rope.get("type", "")).lower()
+    if kind in ("su", "longrope"):
+        return math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+    if kind == "yarn":
+        return 0.1 * math.log(scale) + 1.0 if scale > 1.0 else 1.0
+    raise NotImplementedError(f"The rope scaling type {kind} is not supported yet")
+
+
 def _extra_tensors(hparams: dict, conv: Converter) -> list:
     """LlamaModel.generate_extra_tensors: for llama3's RoPE scaling, the factor each frequency is
     divided by, as ``rope_freqs.weight`` (F32). Note ``old_context_len`` comes from the top-level
-    config there (default 8192), not from rope_scaling: followed as it is."""
+    config there (default 8192), not from rope_scaling: followed as it is. Phi3MiniModel's: its
+    LongRoPE factors."""
     import math
 
+    if conv.parameters == "phi3":
+        return _phi3_rope_factors(hparams)
     rope = hparams.get("rope_scaling") or {}
     if not conv.llama or rope.get("rope_type", "").lower() != "llama3":
         return []
@@ -413,6 +531,80 @@ def _add_metadata(writer, model_dir: Path, hparams: dict, conv: Converter, ftype
 
 
 def _set_gguf_parameters(writer, hparams: dict, conv: Converter, ftype: LlamaFileType) -> None:
+    """The converter class's set_gguf_parameters: its own (Phi3MiniModel, Gemma2Model), or
+    TextModel's with what Gemma3Model, LlamaModel or Qwen2MoeModel add."""
+    if conv.parameters == "phi3":
+        return _phi3_parameters(writer, hparams, ftype)
+    if conv.parameters == "gemma2":
+        return _gemma2_parameters(writer, hparams, ftype)
+    _text_parameters(writer, hparams, conv, ftype)
+    if conv.parameters == "gemma3":
+        _gemma3_parameters(writer, hparams)
+
+
+def _phi3_parameters(writer, hparams: dict, ftype: LlamaFileType) -> None:
+    """Phi3MiniModel.set_gguf_parameters (it does not call TextModel's): no head size, the rotated
+    part of a head as rope.dimension_count, a sliding window of 0 where the config has none."""
+    n_embd, n_head = hparams["hidden_size"], hparams["num_attention_heads"]
+    rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
+    rot_pct = rope.get("partial_rotary_factor", hparams.get("partial_rotary_factor", 1.0))
+    writer.add_context_length(_find(hparams, ["n_positions", "max_position_embeddings"]))
+    writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", hparams["original_max_position_embeddings"]))
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(hparams["intermediate_size"])
+    writer.add_block_count(hparams["num_hidden_layers"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(_find(hparams, ["num_key_value_heads", "n_head_kv"]))
+    writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
+    writer.add_rope_dimension_count(int(rot_pct * n_embd) // n_head)
+    writer.add_rope_freq_base(rope.get("rope_theta", hparams["rope_theta"]))
+    writer.add_file_type(ftype)
+    writer.add_sliding_window(hparams.get("sliding_window") or 0)  # 0: "to distinguish Phi-4 from other PHI3 models"
+    if (attn_factor := _phi3_attn_factor(hparams)) is not None:  # generate_extra_tensors writes it
+        writer.add_rope_scaling_attn_factors(attn_factor)
+
+
+# Gemma2Config's default window, which the converter's hparams (AutoConfig's) hold where config.json has none.
+GEMMA2_SLIDING_WINDOW = 4096
+
+
+def _gemma2_parameters(writer, hparams: dict, ftype: LlamaFileType) -> None:
+    """Gemma2Model.set_gguf_parameters (it does not call TextModel's): no RoPE base, the soft caps
+    and the window."""
+    writer.add_context_length(hparams["max_position_embeddings"])
+    writer.add_embedding_length(hparams["hidden_size"])
+    writer.add_block_count(hparams["num_hidden_layers"])
+    writer.add_feed_forward_length(hparams["intermediate_size"])
+    writer.add_head_count(hparams["num_attention_heads"])
+    writer.add_head_count_kv(hparams.get("num_key_value_heads", hparams["num_attention_heads"]))
+    writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
+    writer.add_key_length(hparams["head_dim"])
+    writer.add_value_length(hparams["head_dim"])
+    writer.add_file_type(ftype)
+    writer.add_attn_logit_softcapping(hparams["attn_logit_softcapping"])
+    writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
+    writer.add_sliding_window(hparams.get("sliding_window", GEMMA2_SLIDING_WINDOW))
+
+
+def _gemma3_parameters(writer, hparams: dict) -> None:
+    """What Gemma3Model.set_gguf_parameters writes after TextModel's (the same keys again, with
+    Gemma 3's defaults; the RoPE base of the global layers). It writes no window pattern and no
+    local RoPE base: llama.cpp fixes those for every gemma3 file (5 sliding to 1 global, 10000)."""
+    writer.add_context_length(hparams.get("max_position_embeddings", 131072))
+    writer.add_head_count(hparams.get("num_attention_heads", 8))
+    writer.add_layer_norm_rms_eps(hparams.get("rms_norm_eps", 1e-6))
+    writer.add_key_length(hparams.get("head_dim", 256))
+    writer.add_value_length(hparams.get("head_dim", 256))
+    writer.add_rope_freq_base(hparams.get("rope_theta", 1_000_000.0))
+    assert hparams.get("attn_logit_softcapping") is None  # "attn_logit_softcapping is removed in Gemma3"
+    if final_logit_softcap := hparams.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(final_logit_softcap)
+    if hparams.get("sliding_window_pattern") != 1:
+        writer.add_sliding_window(hparams["sliding_window"])
+    writer.add_head_count_kv(hparams.get("num_key_value_heads", 4))
+
+
+def _text_parameters(writer, hparams: dict, conv: Converter, ftype: LlamaFileType) -> None:
     """TextModel.set_gguf_parameters, then LlamaModel's or Qwen2MoeModel's additions (Qwen2Model
     and Qwen3Model add only a pooling type, which a causal LM does not have)."""
     writer.add_block_count(hparams["num_hidden_layers"])
@@ -427,9 +619,10 @@ def _set_gguf_parameters(writer, hparams: dict, conv: Converter, ftype: LlamaFil
     if (n_head_kv := _find(hparams, ["num_key_value_heads", "n_kv_heads"])) is not None:
         writer.add_head_count_kv(n_head_kv)
     rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
-    if rope.get("rope_type", rope.get("type")) not in (None, "default", "yarn", *(("llama3",) if conv.llama else ())):
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type not in (None, "default", "linear", "yarn", *(("llama3",) if conv.llama else ())):
         raise ValueError(f"rope scaling {rope} is not written by this helper")
-    if rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("factor") is not None:
+    if rope_type == "yarn" and rope.get("factor") is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
@@ -438,6 +631,9 @@ def _set_gguf_parameters(writer, hparams: dict, conv: Converter, ftype: LlamaFil
                 add(rope[key])
     if (rope_theta := rope.get("rope_theta", _find(hparams, _ROPE_THETA_KEYS))) is not None:
         writer.add_rope_freq_base(rope_theta)
+    if rope_type == "linear" and rope.get("factor") is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     if (f_rms_eps := _find(hparams, ["rms_norm_eps", "norm_eps"])) is not None:
         writer.add_layer_norm_rms_eps(f_rms_eps)
     if (f_norm_eps := _find(hparams, ["layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"])) is not None:

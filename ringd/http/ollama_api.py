@@ -643,10 +643,10 @@ def describe(info: "ModelInfo") -> dict:
     params, quant = None, _quantization(config)
     if info.is_gguf:
         try:
-            from ringd.models.gguf import _NOT_PARAMETERS, GgufFile
+            from ringd.models.gguf import CONFIG_TENSORS, GgufFile
 
             g = GgufFile.open(info.path)
-            tensors = [t for t in g.tensors.values() if t.name not in _NOT_PARAMETERS]
+            tensors = [t for t in g.tensors.values() if t.name not in CONFIG_TENSORS]
             params = sum(math.prod(t.shape) for t in tensors)
             kinds = Counter(t.type for t in tensors if len(t.shape) >= 2)
             quant = kinds.most_common(1)[0][0] if kinds else quant

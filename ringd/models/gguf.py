@@ -16,12 +16,16 @@ the MLX array(s) mlx-lm's model code computes with:
 - llama-family files store Q and K for the interleaved RoPE, which mlx-lm's llama
   computes as is with ``rope_traditional: true``;
 - a family's tensors that mlx-lm names its own way (DeepSeek-V3's ``embed_q`` for
-  llama.cpp's ``attn_k_b``, gpt-oss's sinks, MiniMax's stacked ``w1``/``w2``/``w3``) are
-  found through ``Arch.renames`` (``gguf_archs.py``), each tensor still read as it is;
+  llama.cpp's ``attn_k_b``, gpt-oss's sinks, Mixtral's and MiniMax's stacked
+  ``w1``/``w2``/``w3``) are found through ``Arch.renames`` (``gguf_archs.py``), each tensor
+  still read as it is;
 - a parameter llama.cpp's converter stores otherwise (Qwen3-Next's in_proj_qkvz split in
   two, its A_log as -exp(A_log)) is made from the file's tensors as ``Arch.derived`` says:
   whole rows moved and joined (exact for quantized rows, which must share a type), or a
-  float tensor's values computed with; anything else is refused with the tensor's name.
+  float tensor's values computed with; anything else is refused with the tensor's name;
+- a float tensor a family stores otherwise (Gemma's norms stored plus one) is undone as
+  ``Arch.fix`` says; an early MoE file's experts, one tensor each, are read one by one and
+  stacked, as llama.cpp's loader stacks them.
 
 Any other tensor type (IQ1-IQ3, TQ, NVFP4) is refused at start, naming the type
 and what works. So is an architecture this module has no mapping for.
@@ -99,6 +103,13 @@ class Tensor:
     offset: int  # absolute, in the file
     nbytes: int
     file: Path  # the file holding it: a split GGUF's part
+    # An early MoE file's experts, one tensor each, stacked into this one (``_stack_split_experts``).
+    parts: tuple["Tensor", ...] = ()
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """[start, end) of its bytes in its file: one span, or one a part."""
+        return [(t.offset, t.offset + t.nbytes) for t in self.parts or (self,)]
 
     @property
     def form(self) -> Form | None:
@@ -125,6 +136,7 @@ class GgufFile:
     def __init__(self, path: Path, meta: dict[str, Any], tensors: dict[str, Tensor], data_offset: int, parts: tuple[tuple[Path, int], ...] = ()):
         self.path = path  # a split GGUF's first part
         self.meta = meta
+        tensors = _stack_split_experts(path, tensors)
         self.tensors = tensors
         self.data_offset = data_offset
         # Every file of the model and where its tensor data starts: the file, or a split's parts in order.
@@ -189,7 +201,7 @@ class GgufFile:
         layers = [0] * self.config["num_hidden_layers"]
         embed = norm = head = 0
         for t in self.tensors.values():
-            if t.name in _NOT_PARAMETERS:
+            if t.name in CONFIG_TENSORS:
                 continue
             m = _BLOCK_NUMBER.match(t.name)
             if m is not None:
@@ -283,6 +295,8 @@ class GgufFile:
 
         model_class, args_class = _get_classes(self.config)
         model = model_class(args_class.from_dict(self.config))
+        if self.arch.built is not None:
+            self.arch.built(model, self.config)
 
         def predicate(path: str, module: nn.Module):
             return (hasattr(module, "to_quantized") and self.quantization(path)) or False
@@ -315,7 +329,9 @@ class GgufFile:
                     on_tensor(self.tensors[name])
             make = makers[key]
             parts = make(read) if make is not None else read[0]
-            out += [(p, parts[part]) for p, part in by_source[key]]
+            # A float tensor as the family stores it (Gemma's norms plus one), undone.
+            fix = self.arch.fix if make is None and self.tensors[key[0]].form is None else None
+            out += [(p, fix(p, parts[part]) if fix else parts[part]) for p, part in by_source[key]]
         return out
 
     # --- files beside the weights --------------------------------------------------
@@ -323,7 +339,7 @@ class GgufFile:
     def mlx_config(self) -> dict:
         """config.json for the checkpoint this file is: the model's settings and its quantization."""
         config = dict(self.config)
-        forms = [(t.form.bits, t.form.mode) for t in self.tensors.values() if t.form is not None and t.name not in _NOT_PARAMETERS]
+        forms = [(t.form.bits, t.form.mode) for t in self.tensors.values() if t.form is not None and t.name not in CONFIG_TENSORS]
         if forms:
             bits, mode = max(set(forms), key=forms.count)
             quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": bits, "mode": mode}
@@ -406,8 +422,9 @@ class GgufFile:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-# Tensors of a GGUF that are not parameters of mlx-lm's model: it computes them from the config.
-_NOT_PARAMETERS = frozenset({"rope_freqs.weight"})
+# Tensors of a GGUF that are not parameters of mlx-lm's model: the config is read from them
+# (Llama 3's RoPE scaling, Phi-3's LongRoPE factors), so every stage needs their bytes.
+CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 
 
 @functools.lru_cache(maxsize=8)
@@ -534,9 +551,36 @@ def _check_types(path: Path, tensors: dict[str, Tensor]) -> None:
         )
 
 
+# An expert's own tensor in the files llama.cpp wrote before it stacked them (April 2024: the
+# Mixtral GGUFs of that winter): LLM_TENSOR_FFN_GATE_EXP and its kin.
+_SPLIT_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|down|up)\.(\d+)\.weight$")
+
+
+def _stack_split_experts(path: Path, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The table with each layer's per-expert tensors as one stacked ``ffn_*_exps`` tensor, as
+    llama.cpp's loader merges them ("for compatibility with older models"); read part by part."""
+    groups: dict[str, dict[int, Tensor]] = {}
+    for name, t in tensors.items():
+        if m := _SPLIT_EXPERT.match(name):
+            groups.setdefault(f"blk.{m.group(1)}.ffn_{m.group(2)}_exps.weight", {})[int(m.group(3))] = t
+    if not groups:
+        return tensors
+    out = {name: t for name, t in tensors.items() if not _SPLIT_EXPERT.match(name)}
+    for name, experts in groups.items():
+        parts = tuple(experts.get(x) for x in range(len(experts)))
+        if None in parts or len({(p.type, p.shape) for p in parts}) != 1 or name in out:
+            raise ModelError(f"{path}: the experts of {name} are not one tensor each of one type and shape, numbered from 0")
+        first = parts[0]
+        out[name] = Tensor(name, first.type, (len(parts), *first.shape), first.offset, sum(p.nbytes for p in parts), first.file, parts)
+    return out
+
+
 def read_tensor(path: Path, t: Tensor) -> dict[str, mx.array]:
     """One tensor as MLX arrays: {"": weight} for a float tensor, plus "scales" (and "biases") for a
     quantized one, laid out as MLX's quantization (groups of 32) lays them out (``gguf_blocks``)."""
+    if t.parts:  # experts stored one by one: each read as it is, then stacked
+        experts = [read_tensor(path, part) for part in t.parts]
+        return {key: mx.stack([e[key] for e in experts]) for key in experts[0]}
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
     try:
         if t.form is None:

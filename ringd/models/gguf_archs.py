@@ -4,11 +4,20 @@ llama.cpp's converter writes a model's settings as ``{arch}.*`` metadata keys an
 weights under its own tensor names; mlx-lm builds a model from a ``config.json`` in
 Hugging Face's terms. Each family here says which mlx-lm ``model_type`` computes it,
 which of gguf-py's ``MODEL_ARCH`` tensor maps names its tensors, and what of llama.cpp's
-writing differs from the original checkpoint (interleaved RoPE, a family's own keys, the
-names mlx-lm gives its own modules, the tensors the converter splits or transforms).
+writing differs from the original checkpoint: interleaved RoPE, a family's own keys, the
+settings llama.cpp fixes rather than reads (Gemma 3's window pattern), the names mlx-lm
+gives its own modules (Mixtral's and MiniMax's experts, DeepSeek-V3's embed_q), the
+tensors the converter splits or transforms (Qwen3-Next's in_proj_qkvz, DeepSeek-V2's
+kv_b), and float tensors stored otherwise (Gemma's norms plus one, Qwen2-MoE's squeezed
+shared-expert gate). Phi-3's fused attn_qkv and ffn_up need nothing: mlx-lm's phi3 keeps
+HF's fused qkv_proj and gate_up_proj too.
 
-A family with no entry is refused at start, naming what is served. What this ignores:
-the bytes of tensors (``gguf.py``, ``gguf_blocks.py``), the tokenizer (``gguf_vocab.py``).
+Served: llama (and Mixtral, a llama with experts), mistral3, qwen2, qwen2moe, qwen3,
+qwen3moe, phi3, gemma2, gemma3. A family with no entry, or a file of one that mlx-lm
+cannot compute as llama.cpp does (a YaRN Phi-3, Ministral 3's attention temperature,
+Gemma 3 with a final soft-cap, experts with gate and up fused), is refused at start
+in one line that says why and names what is served. What this ignores: the bytes of
+tensors (``gguf.py``, ``gguf_blocks.py``), the tokenizer (``gguf_vocab.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from ringd.models.errors import ModelError
 
@@ -91,13 +101,20 @@ class Arch:
     # llama.cpp's converter permutes Q and K of these for its interleaved RoPE
     # (LlamaModel.permute); mlx-lm computes the same with rope_traditional.
     rope_interleaved: bool
-    # The family's own config keys (experts, windows, ...), from the file's metadata.
+    # The family's own config keys (experts, windows, ...), from the file's metadata;
+    # a "model_type" here overrides the one above (a llama file with experts is a Mixtral).
     extra: Callable[[Facts], dict] | None = None
     # Parts of mlx-lm's parameter names spelled as the Hugging Face names gguf-py's map knows
     # (mlx-lm's own modules, like DeepSeek-V3's embed_q for the k_b_proj llama.cpp splits out).
     renames: tuple[tuple[str, str], ...] = ()
     # The parameters the file stores otherwise (by mlx-lm name, given the config), or None.
     derived: Callable[[str, Mapping[str, Any]], Derived | None] | None = None
+    # A float tensor as llama.cpp's converter stored it -> the parameter mlx-lm computes with
+    # (Gemma's norms are stored plus one), by mlx-lm parameter name.
+    fix: Callable[[str, mx.array], mx.array] | None = None
+    # What mlx-lm's load does to a fresh model from the checkpoint's weights alone (Gemma 3's
+    # sanitize ties the head when there is no lm_head), given the config.
+    built: Callable[[Any, dict], None] | None = None
 
     def hf_name(self, name: str) -> str:
         """An mlx-lm module or parameter name as gguf-py's TensorNameMap knows it."""
@@ -106,9 +123,20 @@ class Arch:
         return name
 
 
+# Mixtral's experts: mlx-lm's switch_mlp holds HF's w1 (gate), w3 (up), w2 (down), stacked.
+_MIXTRAL_EXPERTS = tuple(
+    (f".block_sparse_moe.switch_mlp.{proj}", f".block_sparse_moe.experts.{w}")
+    for proj, w in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
+)
+
 ARCHITECTURES = {
-    "llama": Arch("llama", "LLAMA", rope_interleaved=True),  # Llama 2/3.x, Mistral 7B, SmolLM2, DeepSeek-R1-Distill-Llama
+    # Llama 2/3.x, Mistral 7B, SmolLM2, DeepSeek-R1-Distill-Llama; Mixtral 8x7B/8x22B (experts: mixtral)
+    "llama": Arch("llama", "LLAMA", rope_interleaved=True, extra=lambda f: _llama(f), renames=_MIXTRAL_EXPERTS),
+    # Mistral Small 3.x's text decoder, as llama.cpp's Mistral3Model writes it (a llama)
+    "mistral3": Arch("llama", "MISTRAL3", rope_interleaved=True, extra=lambda f: _mistral3(f)),
     "qwen2": Arch("qwen2", "QWEN2", rope_interleaved=False),  # Qwen2, Qwen2.5, QwQ, DeepSeek-R1-Distill-Qwen
+    # Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B
+    "qwen2moe": Arch("qwen2_moe", "QWEN2MOE", rope_interleaved=False, extra=lambda f: _qwen2_moe(f), fix=lambda n, a: _qwen2_moe_fix(n, a)),
     "qwen3": Arch("qwen3", "QWEN3", rope_interleaved=False),
     "qwen3moe": Arch("qwen3_moe", "QWEN3MOE", rope_interleaved=False, extra=lambda f: _qwen3_moe(f)),  # Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder
     # DeepSeek-V3/R1, Kimi K2 (sigmoid router): mlx-lm's deepseek_v3, whose MLA holds kv_b_proj
@@ -136,7 +164,18 @@ ARCHITECTURES = {
         renames=((".linear_attn.dt_bias", ".linear_attn.dt_proj.bias"),), derived=lambda p, c: _qwen3next_derived(p, c),
     ),  # fmt: skip
     "gpt-oss": Arch("gpt_oss", "GPT_OSS", rope_interleaved=False, extra=lambda f: _gpt_oss(f), renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),
+    "phi3": Arch("phi3", "PHI3", rope_interleaved=False, extra=lambda f: _phi3(f)),  # Phi-3/3.5-mini, Phi-4, Phi-4-mini
+    "gemma2": Arch("gemma2", "GEMMA2", rope_interleaved=False, extra=lambda f: _gemma2(f), fix=lambda n, a: _gemma_norm(n, a)),
+    "gemma3": Arch(
+        "gemma3_text", "GEMMA3", rope_interleaved=False, extra=lambda f: _gemma3(f),
+        fix=lambda n, a: _gemma_norm(n, a), built=lambda m, c: _gemma3_built(m, c),
+    ),  # Gemma 3 1B-27B (the text decoder)  # fmt: skip
 }
+
+_SERVED = (
+    f"GGUF files of {', '.join(sorted(ARCHITECTURES))} are served directly (for another, serve the "
+    "original checkpoint converted with mlx_lm.convert)"
+)
 
 # Llama 3.1+ GGUFs carry their RoPE scaling only as the ``rope_freqs`` tensor (the
 # factor each frequency is divided by). These are the llama3 scalings Meta shipped
@@ -155,12 +194,13 @@ def architecture(path: Path, meta: Mapping[str, Any]) -> Arch:
     """The family of the file, or a ModelError naming those served."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ModelError(
-            f"{path}: GGUF architecture {arch!r} has no mapping to mlx-lm in ringd; GGUF files of "
-            f"{', '.join(sorted(ARCHITECTURES))} are served directly (for another, serve the original "
-            "checkpoint converted with mlx_lm.convert)"
-        )
+        raise ModelError(f"{path}: GGUF architecture {arch!r} has no mapping to mlx-lm in ringd; {_SERVED}")
     return ARCHITECTURES[arch]
+
+
+def _refuse(g: Facts, why: str) -> ModelError:
+    """A file of a served architecture that this mapping still cannot serve: why, and what is."""
+    return ModelError(f"{g.path}: {why}; {_SERVED}")
 
 
 def config(g: Facts) -> dict:
@@ -459,6 +499,172 @@ def _gpt_oss(g: Facts) -> dict:
         "sliding_window": key("attention.sliding_window"),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
     }
+
+
+def _llama(g: Facts) -> dict:
+    """A llama file with experts is a Mixtral (LlamaModel writes Mixtral as llama): llama.cpp's llama
+    computes every layer as a mixture of ``expert_count`` experts (ffn_*_exps stacked, or one tensor
+    an expert in early files, which ``gguf.py`` stacks as llama.cpp's loader does; ffn_gate_inp the
+    router), the chosen experts' softmax weights normalized (build_moe_ffn with norm_w), which is
+    mlx-lm's mixtral."""
+    key = g.key
+    if key("expert_count", None) is None:
+        return {}
+    dense = _layers_without_stacked_experts(g)
+    if dense:
+        raise _refuse(g, f"a llama file with experts whose layers {dense[:4]} hold none (mlx-lm's mixtral has no dense layers)")
+    heads, hidden = key("attention.head_count"), key("embedding_length")
+    if key("attention.key_length", hidden // heads) != hidden // heads:
+        raise _refuse(g, f"a llama file with experts and heads of {key('attention.key_length')}, not hidden size / heads (all mlx-lm's mixtral computes)")
+    return {"model_type": "mixtral", "num_local_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count")}
+
+
+def _layers_without_stacked_experts(g: Facts) -> list[int]:
+    """The layers with no ffn_gate_exps; a file whose experts' gate and up are one tensor is refused."""
+    fused = [name for name in g.tensors if name.endswith(".ffn_gate_up_exps.weight")]
+    if fused:
+        raise _refuse(g, f"experts' gate and up fused in one tensor ({fused[0]}: convert_hf_to_gguf's --fuse-gate-up-exps), which ringd does not split")
+    return [i for i in range(g.key("block_count")) if f"blk.{i}.ffn_gate_exps.weight" not in g.tensors]
+
+
+def _mistral3(g: Facts) -> dict:
+    """Mistral Small 3.x as llama.cpp's Mistral3Model writes it: its text decoder as LlamaModel writes
+    a llama (Q/K permuted), the vision tower left out; mlx-lm's mistral3 computes the same decoder with
+    its llama. Ministral 3 (the same converter, with Llama 4's attention temperature and a yarn log
+    multiplier) is mlx-lm's ministral3, which the ring has not proven."""
+    if f"{g.arch}.attention.temperature_scale" in g.meta or f"{g.arch}.rope.scaling.yarn_log_multiplier" in g.meta:
+        raise _refuse(g, "a Ministral 3 file (mistral3 with attention temperature scaling), which is mlx-lm's ministral3, not proven in the ring")
+    return {}
+
+
+def _qwen2_moe(g: Facts) -> dict:
+    """Qwen1.5/Qwen2-MoE as llama.cpp's qwen2moe reads it: every layer a mixture whose chosen experts'
+    softmax weights are not normalized (build_moe_ffn without norm_w, as mlx-lm's qwen2_moe), plus a
+    shared expert weighed by sigmoid(ffn_gate_inp_shexp); its size is the shared expert's tensor's
+    where the key is missing, as llama.cpp takes it."""
+    key = g.key
+    dense = _layers_without_stacked_experts(g)
+    if dense:
+        raise _refuse(g, f"a qwen2moe file whose layers {dense[:4]} hold no stacked experts (mlx-lm's qwen2_moe has no dense layers)")
+    shared = g.tensors.get("blk.0.ffn_up_shexp.weight")
+    return {
+        "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": key("expert_shared_feed_forward_length", shared.shape[0] if shared is not None else ...),
+    }
+
+
+def _qwen2_moe_fix(name: str, array: mx.array) -> mx.array:
+    # The converter squeezes the shared expert's gate, a (1, hidden) matrix, to a vector.
+    return array.reshape(1, -1) if name.endswith("shared_expert_gate.weight") else array
+
+
+def _phi3(g: Facts) -> dict:
+    """Phi-3 as llama.cpp's phi3 reads it: attention as one fused attn_qkv and the feed-forward's gate
+    and up as one ffn_up (HF's own qkv_proj and gate_up_proj, which mlx-lm's phi3 keeps too), the
+    rotation over ``rope.dimension_count`` of each head.
+
+    Two things mlx-lm's phi3 computes otherwise than llama.cpp, as it does on the original
+    checkpoint: llama.cpp slides a window over every layer where the file names one
+    (Phi-3-mini-4k: 2047), mlx-lm attends to the whole context, so the two agree up to the
+    window; and LongRoPE (the 128k Phi-3s, Phi-3.5-mini, Phi-4-mini: the rope_factors_long and
+    rope_factors_short tensors) takes the long factors at every length in mlx-lm, where llama.cpp
+    takes the short ones while its context is within the original length."""
+    key = g.key
+    heads, hidden = key("attention.head_count"), key("embedding_length")
+    head_dim = hidden // heads  # mlx-lm's phi3 (and llama.cpp's) sizes heads so
+    context = key("context_length")
+    original = key("rope.scaling.original_context_length", context)
+    out = {
+        "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
+        "original_max_position_embeddings": original,
+    }
+    factors = [name for name in ("rope_factors_long.weight", "rope_factors_short.weight") if name in g.tensors]
+    if factors:
+        if len(factors) != 2:
+            raise _refuse(g, f"a phi3 file with {factors[0]} alone (LongRoPE takes both rope_factors_long and rope_factors_short)")
+        # mlx-lm's SuScaledRoPE scales queries by LongRoPE's own attention factor, from the context
+        # lengths; llama.cpp by the file's (which the converter computes so, but for YaRN's).
+        scale = context / original
+        longrope = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        stated = key("rope.scaling.attn_factor", longrope, kind=float)
+        if not math.isclose(stated, longrope, rel_tol=_ROPE_FREQS_RTOL):
+            raise _refuse(g, f"a phi3 file whose RoPE attention factor {stated:.6g} is not LongRoPE's {longrope:.6g} (a YaRN Phi), which mlx-lm's phi3 does not compute")
+        # Each float32 factor as the shortest decimal that is it (1.1, not 1.100000023841858): the
+        # checkpoint's config.json numbers, which mlx-lm rounds to the same float32 values.
+        long, short = (
+            [float(str(v)) for v in np.array(g.read(name).astype(mx.float32))] for name in ("rope_factors_long.weight", "rope_factors_short.weight")
+        )
+        out["rope_scaling"] = {"type": "longrope", "long_factor": long, "short_factor": short}
+    return out
+
+
+# llama.cpp's llama_model::load_hparams: Gemma 2's 27B (46 layers) and Gemma 3's 27B (62) scale
+# queries by 1/sqrt(hidden size / heads), the others by 1/sqrt(head size), as Google's reference does.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# llama.cpp's defaults for Gemma 2 files without the keys (llama_hparams).
+_GEMMA2_ATTN_SOFTCAP, _GEMMA2_FINAL_SOFTCAP = 50.0, 30.0
+# What llama.cpp fixes for every Gemma 3 file rather than reading it (load_hparams, LLM_ARCH_GEMMA3):
+# five sliding-window layers to one global, and the sliding layers' RoPE base. A file that states
+# them (attention.sliding_window_pattern, rope.freq_base_swa) is read as it says.
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
+
+def _gemma_query_scalar(g: Facts) -> int:
+    key = g.key
+    heads, hidden = key("attention.head_count"), key("embedding_length")
+    if key("block_count") == _GEMMA_27B_LAYERS[g.arch]:
+        return hidden // heads
+    return key("attention.key_length", hidden // heads)
+
+
+def _gemma2(g: Facts) -> dict:
+    """Gemma 2 as llama.cpp's gemma2 reads it: soft-capped attention and logits, norms after attention
+    and after the feed-forward, the head tied to the embeddings. llama.cpp slides a window
+    (``attention.sliding_window``) over every other layer; mlx-lm's gemma2 attends to the whole
+    context, as it does on the original checkpoint, so the two agree up to the window (4096)."""
+    key = g.key
+    return {
+        "query_pre_attn_scalar": _gemma_query_scalar(g),
+        "attn_logit_softcapping": key("attn_logit_softcapping", _GEMMA2_ATTN_SOFTCAP, kind=float),
+        "final_logit_softcapping": key("final_logit_softcapping", _GEMMA2_FINAL_SOFTCAP, kind=float),
+    }
+
+
+def _gemma3(g: Facts) -> dict:
+    """Gemma 3's text decoder as llama.cpp's gemma3 reads it: q/k norms, post norms, five sliding
+    layers (their own RoPE base) to one global one, linear RoPE scaling on the global layers only
+    (as mlx-lm's gemma3_text), no logit soft-capping."""
+    key = g.key
+    if key("final_logit_softcapping", None, kind=float) is not None:
+        raise _refuse(g, "a gemma3 file with final logit soft-capping, which mlx-lm's gemma3_text does not compute")
+    pattern = _GEMMA3_SLIDING_WINDOW_PATTERN
+    sliding = g.meta.get(f"{g.arch}.attention.sliding_window_pattern")  # one flag a layer, where a file says
+    if sliding is not None:
+        sliding = [bool(s) for s in sliding]
+        pattern = sliding.index(False) + 1 if False in sliding else len(sliding) + 1
+        if sliding != [(i + 1) % pattern != 0 for i in range(len(sliding))]:
+            raise _refuse(g, f"a gemma3 file whose sliding layers ({sliding[:8]}...) repeat no pattern mlx-lm's gemma3_text holds (n-1 sliding, then one global)")
+    return {
+        "query_pre_attn_scalar": _gemma_query_scalar(g),
+        "sliding_window": key("attention.sliding_window"),
+        "sliding_window_pattern": pattern,
+        "rope_local_base_freq": key("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE, kind=float),
+    }
+
+
+def _gemma_norm(name: str, array: mx.array) -> mx.array:
+    # Gemma's RMSNorm computes with 1 + weight; llama.cpp's converter stores weight + 1
+    # (GemmaModel.modify_tensors, Gemma3Model.norm_shift) and mlx-lm adds the 1 itself.
+    return array - 1 if name.endswith("norm.weight") else array
+
+
+def _gemma3_built(model, config: dict) -> None:
+    # mlx-lm's gemma3_text ties its head in sanitize, when the checkpoint holds no lm_head.
+    if config["tie_word_embeddings"]:
+        model.sanitize({})
 
 
 # Tokens llama.cpp ends a generation on by their text, besides the ids the file names

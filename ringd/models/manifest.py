@@ -34,7 +34,7 @@ from blake3 import blake3
 from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, stage_keeps
 from ringd.models.errors import ModelError
 from ringd.models.fingerprint import identify
-from ringd.models.gguf import GgufFile
+from ringd.models.gguf import CONFIG_TENSORS, GgufFile
 
 # A piece is what a fetcher checks, writes and records at once, and what a fetch stopped
 # by kill -9 may have to fetch again per file: a tensor, or MAX_PIECE_BYTES of a longer one
@@ -94,8 +94,8 @@ class Manifest:
     label: str  # what the API calls the model
     gguf: bool  # the checkpoint is one GGUF file, files[0]
     files: tuple[FileEntry, ...]
-    # Bytes of weights files every stage takes besides their heads: a GGUF's rope_freqs,
-    # which its config is read from. (file, start, end)
+    # Bytes of weights files every stage takes besides their heads: a GGUF's tensors its
+    # config is read from (gguf.CONFIG_TENSORS: rope_freqs, LongRoPE's factors). (file, start, end)
     always: tuple[tuple[str, int, int], ...] = ()
     # What the fingerprint was made of besides the config (fingerprint.identify): a fetcher
     # makes it again from what it fetched and the same slices of the holder's files.
@@ -221,7 +221,7 @@ def _stats(path: Path) -> dict[str, list[int]]:
 def _tensor_starts(file: Path, gguf: bool, head: int) -> list[int]:
     """Where each tensor of a weights file starts."""
     if gguf:
-        return [t.offset for t in GgufFile.open(file).tensors.values()]
+        return [a for t in GgufFile.open(file).tensors.values() for a, _ in t.spans]
     with open(file, "rb") as f:
         return [a for a, _ in safetensors_ranges(f.read(head), head).values()]
 
@@ -261,9 +261,7 @@ def build(path: Path, fingerprint: str, label: str, max_piece: int = MAX_PIECE_B
     always = ()
     if gguf:
         g = GgufFile.open(path)
-        t = g.tensors.get("rope_freqs.weight")
-        if t is not None:
-            always = ((path.name, t.offset, t.offset + t.nbytes),)
+        always = tuple((path.name, a, b) for name in sorted(CONFIG_TENSORS) if name in g.tensors for a, b in g.tensors[name].spans)
     return Manifest(fingerprint, label, gguf, tuple(entries), always, digest)
 
 

@@ -344,7 +344,7 @@ class PeerModel:
             spans = set()
             for name in params:
                 if stage_keeps(name, start, end, num_layers, untied):
-                    spans |= {(t.offset, t.offset + t.nbytes) for t in g.tensors_for(name)}
+                    spans |= {span for t in g.tensors_for(name) for span in t.spans}
             return {self.manifest.files[0].name: merge_ranges(spans)}
         tables = {}
         for f in self.manifest.files:

@@ -249,3 +249,41 @@ def test_architecture_override(tiny_model, tmp_path):
     reader = gguf.GGUFReader(write_gguf(tiny_model(arch="llama", layers=2), tmp_path / "m.gguf", arch="mamba"))
     f = _fields(reader)
     assert f["general.architecture"] == "mamba" and f["mamba.block_count"] == 2 and "llama.block_count" not in f
+
+
+# The metadata each converter class added for the other families writes, and what it leaves
+# out (written out by hand from convert_hf_to_gguf.py, as GGUF_NAMES above): (tiny arch,
+# general.architecture, keys and values present, keys absent).
+CONVERTER_METADATA = {
+    "phi3": (  # Phi3MiniModel.set_gguf_parameters: no head size, the rotated part, window 0
+        "phi3", {"phi3.rope.dimension_count": 16, "phi3.rope.scaling.original_context_length": 4096, "phi3.attention.sliding_window": 0},
+        ("phi3.attention.key_length",),
+    ),
+    "gemma2": (  # Gemma2Model.set_gguf_parameters: soft caps, Gemma2Config's window, no RoPE base
+        "gemma2", {"gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softcapping": 30.0, "gemma2.attention.sliding_window": 4096},
+        ("gemma2.rope.freq_base",),
+    ),
+    "gemma3_text": (  # Gemma3Model: the window, the global layers' RoPE base; no pattern, no local base
+        "gemma3", {"gemma3.attention.sliding_window": 16, "gemma3.rope.freq_base": 1000000.0},
+        ("gemma3.attention.sliding_window_pattern", "gemma3.rope.freq_base_swa", "gemma3.final_logit_softcapping"),
+    ),
+    "mixtral": (  # LlamaModel: a llama with experts
+        "llama", {"llama.expert_count": 4, "llama.expert_used_count": 2, "llama.rope.dimension_count": 16}, ("llama.expert_feed_forward_length",),
+    ),
+    "qwen2_moe": (  # Qwen2MoeModel: the experts' and the shared expert's sizes
+        "qwen2moe", {"qwen2moe.expert_count": 4, "qwen2moe.expert_feed_forward_length": 44, "qwen2moe.expert_shared_feed_forward_length": 88}, (),
+    ),
+    "mistral3": (  # Mistral3Model.Ministral3Model, a LlamaModel, for a text_config of model_type mistral
+        "mistral3", {"mistral3.vocab_size": 704, "mistral3.rope.dimension_count": 16, "mistral3.block_count": 2},
+        ("mistral3.attention.temperature_scale", "mistral3.rope.scaling.yarn_log_multiplier"),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", list(CONVERTER_METADATA))
+def test_other_families_metadata_is_their_converter_classes(arch, tiny_model, tmp_path):
+    gguf_arch, present, absent = CONVERTER_METADATA[arch]
+    f = _fields(gguf.GGUFReader(write_gguf(tiny_model(arch=arch, layers=2), tmp_path / f"{arch}.gguf")))
+    assert f["general.architecture"] == gguf_arch
+    assert {k: f.get(k) for k in present} == present
+    assert not [k for k in absent if k in f]
