@@ -136,7 +136,7 @@ ARCHITECTURES = {
     "mistral3": Arch("llama", "MISTRAL3", rope_interleaved=True, extra=lambda f: _mistral3(f)),
     "qwen2": Arch("qwen2", "QWEN2", rope_interleaved=False),  # Qwen2, Qwen2.5, QwQ, DeepSeek-R1-Distill-Qwen
     # Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B
-    "qwen2moe": Arch("qwen2_moe", "QWEN2MOE", rope_interleaved=False, extra=lambda f: _qwen2_moe(f), fix=lambda n, a: _qwen2_moe_fix(n, a)),
+    "qwen2moe": Arch("qwen2_moe", "QWEN2MOE", rope_interleaved=False, extra=lambda f: _qwen2_moe(f), fix=lambda n, a: _shared_expert_gate_fix(n, a)),
     "qwen3": Arch("qwen3", "QWEN3", rope_interleaved=False),
     "qwen3moe": Arch("qwen3_moe", "QWEN3MOE", rope_interleaved=False, extra=lambda f: _qwen3_moe(f)),  # Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder
     # DeepSeek-V3/R1, Kimi K2 (sigmoid router): mlx-lm's deepseek_v3, whose MLA holds kv_b_proj
@@ -162,6 +162,7 @@ ARCHITECTURES = {
     "qwen3next": Arch(
         "qwen3_next", "QWEN3NEXT", rope_interleaved=False, extra=lambda f: _qwen3next(f),
         renames=((".linear_attn.dt_bias", ".linear_attn.dt_proj.bias"),), derived=lambda p, c: _qwen3next_derived(p, c),
+        fix=lambda n, a: _shared_expert_gate_fix(n, a),
     ),  # fmt: skip
     "gpt-oss": Arch("gpt_oss", "GPT_OSS", rope_interleaved=False, extra=lambda f: _gpt_oss(f), renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),
     "phi3": Arch("phi3", "PHI3", rope_interleaved=False, extra=lambda f: _phi3(f)),  # Phi-3/3.5-mini, Phi-4, Phi-4-mini
@@ -555,8 +556,9 @@ def _qwen2_moe(g: Facts) -> dict:
     }
 
 
-def _qwen2_moe_fix(name: str, array: mx.array) -> mx.array:
-    # The converter squeezes the shared expert's gate, a (1, hidden) matrix, to a vector.
+def _shared_expert_gate_fix(name: str, array: mx.array) -> mx.array:
+    # The converter squeezes the shared expert's gate, a (1, hidden) matrix, to a vector
+    # (ModelBase.prepare_tensors; Qwen2-MoE's and Qwen3-Next's).
     return array.reshape(1, -1) if name.endswith("shared_expert_gate.weight") else array
 
 
