@@ -6,7 +6,7 @@ Hugging Face cache (each GGUF repository's quants as ``OWNER/REPO:QUANT``, each 
 repository as ``OWNER/REPO``) and the node's ``models_dir`` (GGUF files and mlx-lm
 directories, by path, a few folders deep). Each entry says what ``--model`` takes for it,
 its size on disk, quant, architecture and layers, and why it cannot be served when it
-cannot (an architecture or tensor type ringd refuses, a split GGUF, a partial download);
+cannot (an architecture or tensor type ringd refuses, a partial download);
 its ``info`` is what placement needs to say whether the cluster's memory holds it.
 
 The work is bounded whatever the disk holds: a scan looks at no more than
@@ -244,7 +244,7 @@ class Catalogue:
         key = ("gguf", str(first), *((s.st_size, s.st_mtime_ns) for s in stats))
         facts = self._facts.get(key)
         if facts is None:
-            facts = self._facts[key] = self._read_gguf(first, len(parts))
+            facts = self._facts[key] = self._read_gguf(first)
         out.entries.append(Entry(name, source, first, sum(s.st_size for s in stats), max(s.st_mtime for s in stats), facts))
 
     def _add_dir(self, out: Listing, name: str, source: str, path: Path) -> None:
@@ -261,10 +261,8 @@ class Catalogue:
             facts = self._facts[key] = self._read_dir(path)
         out.entries.append(Entry(name, source, path, sum(s.st_size for s in stats[1:]), max(s.st_mtime for s in stats), facts))
 
-    def _read_gguf(self, path: Path, parts: int) -> Facts:
+    def _read_gguf(self, path: Path) -> Facts:
         self.headers_read += 1
-        if parts > 1:
-            return Facts("gguf", hubref.split_info(path.name).quant, "", 0, None, f"a GGUF split in {parts} parts: `llama-gguf-split --merge` joins them into one file to serve")
         try:
             g = GgufFile.open(path)
             text = check_supported(g.config, path)
