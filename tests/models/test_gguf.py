@@ -407,7 +407,7 @@ FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in 
 @pytest.mark.parametrize("mix", list(SMOLLM2_MIXES))
 def test_smollm2_requantized_to_k_quants_answers_as_mlx_lm(smollm2_gguf, tmp_path_factory, mix):
     """The real model requantized to Q4_K_M, Q5_K_M and Q6_K (``ggufmake.requantize``): a 3-stage
-    ring answers token for token as mlx-lm on the file dequantized to float32 by gguf-py, and
+    ring answers token for token as mlx-lm on the file dequantized to float32 by gguf-py, and (Q4_K_M)
     logit for logit as mlx-lm on ``ringd convert``'s checkpoint of it; each stage holds its share."""
     from collections import Counter
 
@@ -434,6 +434,8 @@ def test_smollm2_requantized_to_k_quants_answers_as_mlx_lm(smollm2_gguf, tmp_pat
     got, got_logits = _greedy(ring(stages), prompt, ends)
     assert "Paris" in tokenizer.decode(got)
     assert got == want, f"{tokenizer.decode(got)!r} against {tokenizer.decode(want)!r}"
+    if mix != "q4_k_m":
+        return  # the conversion's bit-identity is one code path for every type (and tested on each, tiny, above)
 
     converted, _ = load(str(_convert(path, out / "converted")))
     same, same_logits = _greedy(reference(converted), prompt, ends)
