@@ -12,10 +12,13 @@ llama.cpp encodes the same file:
   vocabulary and merges as the file has them, the pre-tokenizer regexes of the
   file's ``tokenizer.ggml.pre`` (``PRE_TOKENIZERS``, from llama.cpp), byte-level
   decoding;
-- ``llama`` (SentencePiece BPE: Llama 2, Mistral 7B): merges recovered from the
-  scores (as transformers' SentencePiece converters do), byte fallback to the
-  ``<0xNN>`` tokens, ``▁`` for spaces and one before the text, as SentencePiece
-  itself encodes.
+- ``llama`` (SentencePiece BPE: Llama 2, Mistral 7B, Gemma 1/2/3/3n): merges recovered from the scores (as transformers' SentencePiece
+  converters do, and as llama.cpp ranks its merges), byte fallback to the ``<0xNN>``
+  tokens, ``▁`` for spaces and one before the text unless the file says not to
+  (Gemma's do), as SentencePiece itself encodes. Gemma's runs of spaces and newlines
+  are user-defined tokens that the converter spells with real spaces: matched whole
+  in the text, longest first, as llama.cpp and SentencePiece match them (not merged
+  as BPE, as transformers' own Gemma builder does).
 
 Every token keeps its index in the file as its id and the vocabulary keeps the
 file's size, so ids mean the same to the model's embeddings as to llama.cpp.
@@ -169,11 +172,9 @@ SPM_SPACE = "\u2581"  # "▁": SentencePiece's spelling of a space inside tokens
 # llama.cpp's special token ids for a SentencePiece vocabulary whose file names none
 # (llama_vocab::impl::load): Llama's <unk>, <s>, </s>.
 _SPM_DEFAULT_IDS = {"unknown": 0, "bos": 1, "eos": 2}
-# SentencePiece architectures whose files need more than the generic recipe below
-# (transformers' GGUF loader has a builder of its own for each: Gemma stores runs of
-# spaces as spaces and its merge order is the file order, not the scores; Phi-3
-# prepends its space with a normalizer). Refused until they are built and tested.
-_SPM_ARCHITECTURES_NOT_BUILT = frozenset({"gemma", "gemma2", "gemma3", "gemma3n", "phi3"})
+# SentencePiece architectures whose files need more than the generic recipe below:
+# llama.cpp strips the whitespace after Phi-3's added tokens. Refused until built and tested.
+_SPM_ARCHITECTURES_NOT_BUILT = frozenset({"phi3"})
 
 
 def tokenizer_files(meta: Mapping[str, Any]) -> dict[str, dict]:
@@ -322,7 +323,7 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: list[str], types: list[int],
     if arch in _SPM_ARCHITECTURES_NOT_BUILT:
         raise ModelError(
             f"the SentencePiece vocabulary of a {arch!r} GGUF file is not rebuilt by ringd yet; "
-            "SentencePiece vocabularies of Llama 2 and Mistral 7B files are"
+            "SentencePiece vocabularies of Llama 2, Mistral 7B and Gemma files are"
         )
     scores = meta.get("tokenizer.ggml.scores")
     if scores is None or len(scores) < len(tokens):
