@@ -255,6 +255,8 @@ def test_sentencepiece_flags(spm, tmp_path):
 
 GEMMA_TURNS = ["<start_of_turn>", "<end_of_turn>"]
 GEMMA_USER_DEFINED = ["\n", "\n\n", "\n\n\n", "<table>", *("\u2581" * n for n in range(2, 9))]
+PHI3_ADDED = ["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|system|>", "<|end|>", "<|user|>"]
+PHI3_PADDING = 8  # Phi-3's config says 32064 tokens, its tokenizer.model has 32000
 # Text that reaches every path: special and user-defined tokens with and without
 # whitespace after them, runs of spaces and newlines, tabs, bytes no piece spells.
 SPM_FAMILY_TEXTS = [
@@ -338,6 +340,21 @@ def _gemma_meta(sp, arch: str = "gemma2") -> dict:
     return _added_tokens(meta, [(sp.piece_to_id(t), t, t in GEMMA_TURNS) for t in user], respell_spaces=True)
 
 
+def _phi3_meta(sp, name: str = "Phi3") -> dict:
+    """What Phi3MiniModel.set_vocab writes: the pieces, [PADn] up to the config's size,
+    then tokenizer.json's added tokens over them (Phi-3's "</s>" is not special)."""
+    n = sp.vocab_size()
+    meta = _spm_meta(sp, **{"general.architecture": "phi3", "general.name": name, "phi3.context_length": 4096})
+    size = n + PHI3_PADDING
+    meta["tokenizer.ggml.tokens"] += [f"[PAD{i}]" for i in range(n, size)]
+    meta["tokenizer.ggml.scores"] += [-10000.0] * PHI3_PADDING
+    meta["tokenizer.ggml.token_type"] += [int(TokenType.UNUSED)] * PHI3_PADDING
+    added = [(0, "<unk>", True), (1, "<s>", True), (2, "</s>", False)]
+    added += [(n + i, t, True) for i, t in enumerate(PHI3_ADDED)]
+    meta = _added_tokens(meta, added, respell_spaces=False)
+    return {**meta, "tokenizer.ggml.eos_token_id": n}  # <|endoftext|>, as Phi-3's tokenizer_config says
+
+
 def _llama_cpp_encode(sp, meta: dict, text: str) -> list[int]:
     """llama.cpp's tokenize for a SentencePiece vocabulary, with SentencePiece as the encoder.
 
@@ -381,6 +398,11 @@ def gemma_tokenizer(gemma_spm, tmp_path_factory):
     return _load(tokenizer_files(_gemma_meta(gemma_spm)), tmp_path_factory.mktemp("gemma-tok"))
 
 
+@pytest.fixture(scope="module")
+def phi3_tokenizer(spm, tmp_path_factory):
+    return _load(tokenizer_files(_phi3_meta(spm)), tmp_path_factory.mktemp("phi3-tok"))
+
+
 def test_gemma_file_is_written_as_the_converter_writes_it(gemma_spm):
     """The shape that the generic path must take: runs of spaces as spaces, user-defined."""
     meta = _gemma_meta(gemma_spm)
@@ -422,6 +444,40 @@ def test_gemma_family_matches_transformers_gguf_loader(gemma_spm, arch):
             assert ours.encode(text).ids[1:] == reference.encode(text, add_special_tokens=False).ids, text
 
 
+@pytest.mark.parametrize("text", SPM_FAMILY_TEXTS)
+def test_phi3_encodes_as_llama_cpp(spm, phi3_tokenizer, text):
+    meta = _phi3_meta(spm)
+    ids = phi3_tokenizer.encode(text)
+    assert ids == _llama_cpp_encode(spm, meta, text)
+    if not _has_control_token(meta, text) and "</s>" not in text:
+        assert ids == [spm.bos_id(), *spm.encode(text)]
+    assert isinstance(phi3_tokenizer.detokenizer, SPMStreamingDetokenizer)
+
+
+def test_phi3_strips_whitespace_after_its_chat_tokens(spm, phi3_tokenizer):
+    """As llama.cpp does for a file named Phi-3: "<|user|>\n  Hello" encodes as
+    "<|user|>Hello", the space before Hello SentencePiece's."""
+    user, end = phi3_tokenizer.convert_tokens_to_ids(["<|user|>", "<|end|>"])
+    ids = phi3_tokenizer.encode("<|user|>\n  Hello<|end|>\n", add_special_tokens=False)
+    assert ids == [user, *spm.encode("Hello"), end]
+    # <|endoftext|>, <s> and <unk> keep what follows them.
+    ids = phi3_tokenizer.encode("<|endoftext|>\nHello", add_special_tokens=False)
+    assert ids == [phi3_tokenizer.eos_token_id, *spm.encode("\nHello")]
+    assert phi3_tokenizer.eos_token == "<|endoftext|>"
+    assert len(phi3_tokenizer) == spm.vocab_size() + PHI3_PADDING  # the added tokens are within the padding
+
+
+@pytest.mark.parametrize("name", ["Phi 3 Mini 4k Instruct", "Llama 2 7b"])
+def test_whitespace_after_tokens_is_kept_unless_named_phi3(spm, name, tmp_path):
+    """llama.cpp keys the stripping on general.name alone: any other name keeps the whitespace."""
+    meta = _phi3_meta(spm, name)
+    tokenizer = _load(tokenizer_files(meta), tmp_path)
+    for text in SPM_FAMILY_TEXTS:
+        assert tokenizer.encode(text) == _llama_cpp_encode(spm, meta, text), text
+    user = tokenizer.convert_tokens_to_ids("<|user|>")
+    assert tokenizer.encode("<|user|>\nHi", add_special_tokens=False) == [user, *spm.encode("\nHi")]
+
+
 _SPM_ALPHABET = st.sampled_from(
     [" ", "  ", "\n", "\t", "a", "e", "r", "th", "the", "river", "é", "中", "🙂", "1", "23", ".", "<"]
     + GEMMA_TURNS + [" " * 8, "<table>", "<|user|>", "<|end|>", "<|endoftext|>", "</s>", "<s>"]
@@ -430,9 +486,10 @@ _SPM_ALPHABET = st.sampled_from(
 
 @settings(deadline=None)  # example counts from the profile (conftest.py)
 @given(parts=st.lists(_SPM_ALPHABET, max_size=24))
-def test_gemma_encodes_as_llama_cpp_on_any_text(gemma_spm, gemma_tokenizer, parts):
+def test_gemma_and_phi3_encode_as_llama_cpp_on_any_text(spm, gemma_spm, phi3_tokenizer, gemma_tokenizer, parts):
     text = "".join(parts)
     assert gemma_tokenizer.encode(text) == _llama_cpp_encode(gemma_spm, _gemma_meta(gemma_spm), text)
+    assert phi3_tokenizer.encode(text) == _llama_cpp_encode(spm, _phi3_meta(spm), text)
     assert gemma_tokenizer.decode(gemma_tokenizer.encode(text, add_special_tokens=False)) == text
 
 
@@ -656,8 +713,3 @@ def test_refuses_a_file_without_tokens(tiny_vocab):
     del meta["tokenizer.ggml.tokens"]
     with pytest.raises(ModelError, match=r"no tokenizer\.ggml\.tokens"):
         tokenizer_files(meta)
-
-
-def test_refuses_sentencepiece_of_an_architecture_not_built(spm):
-    with pytest.raises(ModelError, match=r"'phi3' GGUF file is not rebuilt by ringd yet; .*Llama 2, Mistral 7B and Gemma"):
-        tokenizer_files(_spm_meta(spm, **{"general.architecture": "phi3"}))
