@@ -1,8 +1,10 @@
 """ringd.models.gguf_vocab: a GGUF file's tokenizer, rebuilt as Hugging Face files and loaded by mlx-lm.
 
 Real parts only: the real SmolLM2-135M-Instruct GGUF (its vocabulary, merges and chat
-template), a SentencePiece BPE model trained here by the sentencepiece library (which
-is then the reference encoder), and ringd.models.tinymodel's trained byte-level BPE under each
+template), SentencePiece BPE models trained here by the sentencepiece library (which
+is then the reference encoder; llama.cpp's own loop cuts out the added tokens first),
+one like Llama 2's and Phi-3's, one like Gemma's, each written as llama.cpp's converter
+writes that family, and ringd.models.tinymodel's trained byte-level BPE under each
 pre-tokenizer, checked against transformers' own GGUF tokenizer builder where it knows
 the pre-tokenizer and against llama.cpp's regex table otherwise. Everything is loaded
 the way the caller loads it: files in a directory, ``mlx_lm.utils.load_tokenizer``.
