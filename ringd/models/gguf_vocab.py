@@ -12,10 +12,15 @@ llama.cpp encodes the same file:
   vocabulary and merges as the file has them, the pre-tokenizer regexes of the
   file's ``tokenizer.ggml.pre`` (``PRE_TOKENIZERS``, from llama.cpp), byte-level
   decoding;
-- ``llama`` (SentencePiece BPE: Llama 2, Mistral 7B): merges recovered from the
-  scores (as transformers' SentencePiece converters do), byte fallback to the
-  ``<0xNN>`` tokens, ``▁`` for spaces and one before the text, as SentencePiece
-  itself encodes.
+- ``llama`` (SentencePiece BPE: Llama 2, Mistral 7B, Gemma 1/2/3/3n, Phi-3 and
+  Phi-3.5): merges recovered from the scores (as transformers' SentencePiece
+  converters do, and as llama.cpp ranks its merges), byte fallback to the ``<0xNN>``
+  tokens, ``▁`` for spaces and one before the text unless the file says not to
+  (Gemma's do), as SentencePiece itself encodes. Gemma's runs of spaces and newlines
+  are user-defined tokens that the converter spells with real spaces: matched whole
+  in the text, longest first, as llama.cpp and SentencePiece match them (not merged
+  as BPE, as transformers' own Gemma builder does). A file named Phi-3 has the
+  whitespace after its added tokens stripped, as llama.cpp does for that name.
 
 Every token keeps its index in the file as its id and the vocabulary keeps the
 file's size, so ids mean the same to the model's embeddings as to llama.cpp.
@@ -169,11 +174,12 @@ SPM_SPACE = "\u2581"  # "▁": SentencePiece's spelling of a space inside tokens
 # llama.cpp's special token ids for a SentencePiece vocabulary whose file names none
 # (llama_vocab::impl::load): Llama's <unk>, <s>, </s>.
 _SPM_DEFAULT_IDS = {"unknown": 0, "bos": 1, "eos": 2}
-# SentencePiece architectures whose files need more than the generic recipe below
-# (transformers' GGUF loader has a builder of its own for each: Gemma stores runs of
-# spaces as spaces and its merge order is the file order, not the scores; Phi-3
-# prepends its space with a normalizer). Refused until they are built and tested.
-_SPM_ARCHITECTURES_NOT_BUILT = frozenset({"gemma", "gemma2", "gemma3", "gemma3n", "phi3"})
+# llama.cpp strips the whitespace after Phi-3's added tokens (the rstrip of Phi-3's
+# tokenizer.json, which a GGUF does not carry) and knows Phi-3 by its name: llama_vocab::impl::load
+# sets LLAMA_TOKEN_ATTR_RSTRIP on every special and user-defined token but these when
+# general.name, lowercased, contains "phi-3" or "phi3" (whatever the architecture).
+_RSTRIP_NAMES = ("phi-3", "phi3")
+_RSTRIP_EXCEPT = frozenset({"<unk>", "<s>", "<|endoftext|>"})
 
 
 def tokenizer_files(meta: Mapping[str, Any]) -> dict[str, dict]:
@@ -205,11 +211,20 @@ def tokenizer_files(meta: Mapping[str, Any]) -> dict[str, dict]:
     # spelling, so adding it gives no new id: it only makes it matched whole in text,
     # as llama.cpp matches them, before the pre-tokenizer could cut it.
     special_types = (TokenType.CONTROL, TokenType.UNKNOWN)
+    rstrip = _rstrips(meta)
     tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in special_types]
+        [
+            AddedToken(t, special=True, normalized=False, rstrip=rstrip and t not in _RSTRIP_EXCEPT)
+            for t, k in zip(tokens, types)
+            if k in special_types
+        ]
     )
     tokenizer.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == TokenType.USER_DEFINED]
+        [
+            AddedToken(t, special=False, normalized=False, rstrip=rstrip and t not in _RSTRIP_EXCEPT)
+            for t, k in zip(tokens, types)
+            if k == TokenType.USER_DEFINED
+        ]
     )
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     assert size == len(tokens), f"rebuilt tokenizer has {size} tokens, the file {len(tokens)}"  # all were in the vocab
@@ -253,6 +268,16 @@ def _tokens(meta: Mapping[str, Any]) -> list[str]:
         seen[token] = i
         out.append(token)
     return out
+
+
+def _rstrips(meta: Mapping[str, Any]) -> bool:
+    """Whether llama.cpp strips the whitespace after this file's added tokens (Phi-3's, by name).
+
+    llama.cpp strips ASCII whitespace there; tokenizers' rstrip strips any Unicode
+    whitespace, so the two differ only where one such as U+3000 follows the token.
+    """
+    name = str(meta.get("general.name") or "").lower()
+    return any(part in name for part in _RSTRIP_NAMES)
 
 
 def _token_types(meta: Mapping[str, Any], n: int) -> list[int]:
@@ -318,12 +343,6 @@ def _byte_level(meta: Mapping[str, Any], tokens: list[str], pre: PreTokenizer) -
 
 def _sentencepiece(meta: Mapping[str, Any], tokens: list[str], types: list[int], unk_id: int | None) -> Tokenizer:
     """SentencePiece BPE: merges from the scores, bytes for what no token spells, ▁ for spaces."""
-    arch = meta.get("general.architecture")
-    if arch in _SPM_ARCHITECTURES_NOT_BUILT:
-        raise ModelError(
-            f"the SentencePiece vocabulary of a {arch!r} GGUF file is not rebuilt by ringd yet; "
-            "SentencePiece vocabularies of Llama 2 and Mistral 7B files are"
-        )
     scores = meta.get("tokenizer.ggml.scores")
     if scores is None or len(scores) < len(tokens):
         raise ModelError(

@@ -1,8 +1,10 @@
 """ringd.models.gguf_vocab: a GGUF file's tokenizer, rebuilt as Hugging Face files and loaded by mlx-lm.
 
 Real parts only: the real SmolLM2-135M-Instruct GGUF (its vocabulary, merges and chat
-template), a SentencePiece BPE model trained here by the sentencepiece library (which
-is then the reference encoder), and ringd.models.tinymodel's trained byte-level BPE under each
+template), SentencePiece BPE models trained here by the sentencepiece library (which
+is then the reference encoder; llama.cpp's own loop cuts out the added tokens first),
+one like Llama 2's and Phi-3's, one like Gemma's, each written as llama.cpp's converter
+writes that family, and ringd.models.tinymodel's trained byte-level BPE under each
 pre-tokenizer, checked against transformers' own GGUF tokenizer builder where it knows
 the pre-tokenizer and against llama.cpp's regex table otherwise. Everything is loaded
 the way the caller loads it: files in a directory, ``mlx_lm.utils.load_tokenizer``.
@@ -16,6 +18,8 @@ from pathlib import Path
 import pytest
 import regex
 import sentencepiece
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from gguf import TokenType
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 from mlx_lm.utils import load_tokenizer
@@ -235,6 +239,260 @@ def test_sentencepiece_flags(spm, tmp_path):
     assert pieces[0] == "<s>" and not pieces[1].startswith("\u2581") and any(p.startswith("\u2581w") for p in pieces)
     assert tokenizer.decode(tokenizer.encode("hello world"), skip_special_tokens=True) == "hello world"
     assert isinstance(tokenizer.detokenizer, SPMStreamingDetokenizer) and not tokenizer.detokenizer.trim_space
+
+
+# ------------------------------------------- Gemma's and Phi-3's SentencePiece
+#
+# Both are SentencePiece BPE as above; what differs is how llama.cpp's converter
+# writes them and how llama.cpp reads them. Gemma (gemma, gemma2, gemma3, gemma3n
+# share Gemma2Model's set_vocab): no dummy prefix, and its user-defined pieces
+# (runs of spaces and newlines, HTML tags) listed again in tokenizer_config.json,
+# which turns them into USER_DEFINED tokens with "▁" written back as " "
+# (_create_vocab_sentencepiece). Phi-3 (Phi3MiniModel.set_vocab): Llama 2's pieces,
+# then padding, then its chat tokens from tokenizer.json's added_tokens, special ones
+# CONTROL and the rest (its "</s>") USER_DEFINED; llama.cpp strips the whitespace
+# after them when the file's name says Phi-3. The reference below is llama.cpp's own
+# loop (tokenizer_st_partition) cutting those tokens out of the text, and
+# SentencePiece itself encoding each stretch between them.
+
+GEMMA_TURNS = ["<start_of_turn>", "<end_of_turn>"]
+GEMMA_USER_DEFINED = ["\n", "\n\n", "\n\n\n", "<table>", *("\u2581" * n for n in range(2, 9))]
+PHI3_ADDED = ["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|system|>", "<|end|>", "<|user|>"]
+PHI3_PADDING = 8  # Phi-3's config says 32064 tokens, its tokenizer.model has 32000
+# Text that reaches every path: special and user-defined tokens with and without
+# whitespace after them, runs of spaces and newlines, tabs, bytes no piece spells.
+SPM_FAMILY_TEXTS = [
+    "hello",
+    " hello",
+    "   three leading spaces",
+    "a  b   c    d" + " " * 11 + "e",
+    "line\nline\n\n\nend\n\n\n\n\n",
+    "\ttabs\tand\r\nreturns",
+    "bytes: é ü ß 中文 🙂 e\u0301",
+    "The river runs through the middle of the town.",
+    "<start_of_turn>user\nhi there<end_of_turn>\n<start_of_turn>model\n",
+    "<table>  <table>\n",
+    "<|system|>\nYou are helpful.<|end|>\n<|user|>\n  Hello, 2024!<|end|>\n<|assistant|>\n",
+    "<|user|>   spaces kept?<|end|> \t\n<|endoftext|>  kept<s>  kept<unk>  kept</s>  stripped",
+    "trailing  ",
+    "\u3000ideographic space",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma_spm(tmp_path_factory):
+    """A SentencePiece BPE model trained like Gemma's: byte fallback, digits split, no
+    dummy prefix, whitespace kept, pad/eos/bos/unk first, and user-defined pieces for
+    its chat turns, runs of spaces and newlines and an HTML tag."""
+    prefix = tmp_path_factory.mktemp("gemma-spm") / "m"
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.splitlines()),
+        model_prefix=str(prefix),
+        model_type="bpe",
+        vocab_size=420,
+        byte_fallback=True,
+        split_digits=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        allow_whitespace_only_pieces=True,
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        user_defined_symbols=GEMMA_TURNS + GEMMA_USER_DEFINED,
+        minloglevel=2,
+    )
+    return sentencepiece.SentencePieceProcessor(model_file=f"{prefix}.model")
+
+
+def _looks_special(token: str) -> bool:
+    """convert_hf_to_gguf.py's does_token_look_special, for the tokens used here."""
+    return token in ("<pad>", "<mask>") or (token.startswith("<|") and token.endswith("|>"))
+
+
+def _added_tokens(meta: dict, added: list[tuple[int, str, bool]], *, respell_spaces: bool) -> dict:
+    """The converter's pass over tokenizer_config.json's added_tokens_decoder (Gemma's,
+    respelling "▁" as " " in user-defined ones) or tokenizer.json's added_tokens (Phi-3's):
+    each becomes CONTROL when special, USER_DEFINED otherwise, scored -1000."""
+    tokens, scores, types = (list(meta[f"tokenizer.ggml.{k}"]) for k in ("tokens", "scores", "token_type"))
+    for i, content, special in added:
+        if special or _looks_special(content):
+            types[i] = int(TokenType.CONTROL)
+        else:
+            types[i] = int(TokenType.USER_DEFINED)
+            content = content.replace("\u2581", " ") if respell_spaces else content
+        tokens[i], scores[i] = content, -1000.0
+    return {**meta, "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types}
+
+
+def _gemma_meta(sp, arch: str = "gemma2") -> dict:
+    """What Gemma2Model.set_vocab writes: _set_vocab_sentencepiece, then no space prefix."""
+    meta = _spm_meta(
+        sp,
+        **{
+            "general.architecture": arch,
+            "general.name": "Gemma 2 2b It",
+            "tokenizer.ggml.add_space_prefix": False,
+            "tokenizer.ggml.padding_token_id": sp.pad_id(),
+        },
+    )
+    user = GEMMA_TURNS + GEMMA_USER_DEFINED
+    return _added_tokens(meta, [(sp.piece_to_id(t), t, t in GEMMA_TURNS) for t in user], respell_spaces=True)
+
+
+def _phi3_meta(sp, name: str = "Phi3") -> dict:
+    """What Phi3MiniModel.set_vocab writes: the pieces, [PADn] up to the config's size,
+    then tokenizer.json's added tokens over them (Phi-3's "</s>" is not special)."""
+    n = sp.vocab_size()
+    meta = _spm_meta(sp, **{"general.architecture": "phi3", "general.name": name, "phi3.context_length": 4096})
+    size = n + PHI3_PADDING
+    meta["tokenizer.ggml.tokens"] += [f"[PAD{i}]" for i in range(n, size)]
+    meta["tokenizer.ggml.scores"] += [-10000.0] * PHI3_PADDING
+    meta["tokenizer.ggml.token_type"] += [int(TokenType.UNUSED)] * PHI3_PADDING
+    added = [(0, "<unk>", True), (1, "<s>", True), (2, "</s>", False)]
+    added += [(n + i, t, True) for i, t in enumerate(PHI3_ADDED)]
+    meta = _added_tokens(meta, added, respell_spaces=False)
+    return {**meta, "tokenizer.ggml.eos_token_id": n}  # <|endoftext|>, as Phi-3's tokenizer_config says
+
+
+def _llama_cpp_encode(sp, meta: dict, text: str) -> list[int]:
+    """llama.cpp's tokenize for a SentencePiece vocabulary, with SentencePiece as the encoder.
+
+    tokenizer_st_partition cuts the special and user-defined tokens out of the text,
+    longest first, each wherever it occurs; a Phi-3 file's tokens (by name) take the
+    ASCII whitespace after them along (RSTRIP). Each stretch left is encoded alone, a
+    space before it unless the file says not (is_prev_special is true at the start
+    and after every token): what SentencePiece's dummy prefix does, or not, for the
+    model the file was converted from.
+    """
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    kinds = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+    specials = sorted((i for i, k in enumerate(types) if k in kinds), key=lambda i: -len(tokens[i]))
+    name = meta.get("general.name", "").lower()
+    phi3 = "phi-3" in name or "phi3" in name
+    pieces: list[str | int] = [text]
+    for i in specials:
+        rstrip = phi3 and tokens[i] not in ("<unk>", "<s>", "<|endoftext|>")
+        cut: list[str | int] = []
+        for piece in pieces:
+            while isinstance(piece, str) and (at := piece.find(tokens[i])) >= 0:
+                cut += [piece[:at], i] if at else [i]
+                piece = piece[at + len(tokens[i]) :]
+                piece = piece.lstrip(" \t\n\v\f\r") if rstrip else piece
+            cut += [piece] if piece != "" else []
+        pieces = cut
+    ids = [meta["tokenizer.ggml.bos_token_id"]] if meta.get("tokenizer.ggml.add_bos_token", True) else []
+    for piece in pieces:
+        ids += [piece] if isinstance(piece, int) else sp.encode(piece)
+    return ids
+
+
+def _has_control_token(meta: dict, text: str) -> bool:
+    """Whether llama.cpp reads a control token in the text, which SentencePiece reads as text."""
+    kinds = (TokenType.CONTROL, TokenType.UNKNOWN)
+    return any(t in text for t, k in zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]) if k in kinds)
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer(gemma_spm, tmp_path_factory):
+    return _load(tokenizer_files(_gemma_meta(gemma_spm)), tmp_path_factory.mktemp("gemma-tok"))
+
+
+@pytest.fixture(scope="module")
+def phi3_tokenizer(spm, tmp_path_factory):
+    return _load(tokenizer_files(_phi3_meta(spm)), tmp_path_factory.mktemp("phi3-tok"))
+
+
+def test_gemma_file_is_written_as_the_converter_writes_it(gemma_spm):
+    """The shape that the generic path must take: runs of spaces as spaces, user-defined."""
+    meta = _gemma_meta(gemma_spm)
+    i = gemma_spm.piece_to_id("\u2581\u2581\u2581")
+    assert meta["tokenizer.ggml.tokens"][i] == "   " and meta["tokenizer.ggml.token_type"][i] == TokenType.USER_DEFINED
+    i = gemma_spm.piece_to_id("<end_of_turn>")
+    assert meta["tokenizer.ggml.token_type"][i] == TokenType.CONTROL
+    assert gemma_spm.encode("a  b") == [gemma_spm.piece_to_id(p) for p in ("a", "\u2581\u2581", "b")]
+
+
+@pytest.mark.parametrize("text", SPM_FAMILY_TEXTS)
+def test_gemma_encodes_as_llama_cpp_and_sentencepiece(gemma_spm, gemma_tokenizer, text):
+    meta = _gemma_meta(gemma_spm)
+    ids = gemma_tokenizer.encode(text)
+    assert ids == _llama_cpp_encode(gemma_spm, meta, text)
+    if not _has_control_token(meta, text):  # SentencePiece itself knows the user-defined pieces
+        assert ids == [gemma_spm.bos_id(), *gemma_spm.encode(text)]
+        assert gemma_tokenizer.decode(ids, skip_special_tokens=True) == gemma_spm.decode(ids[1:]) == text
+    assert gemma_tokenizer.decode(ids[1:]) == text
+    assert isinstance(gemma_tokenizer.detokenizer, SPMStreamingDetokenizer)
+    assert not gemma_tokenizer.detokenizer.trim_space  # no prefix space to take off
+    assert _stream(gemma_tokenizer, ids[1:]) == text
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "gemma3n"])
+def test_gemma_family_matches_transformers_gguf_loader(gemma_spm, arch):
+    """transformers' own Gemma builder (runs of spaces respelled, merges by file order)
+    gives the same ids on this file, where file order and scores agree. Not on a run of
+    spaces longer than the longest token: it merges the run as BPE, where llama.cpp and
+    SentencePiece take the longest token first (11 spaces: 8 + 3 here, 4 + 7 there)."""
+    meta = _gemma_meta(gemma_spm, arch)
+    reference, _ = convert_gguf_tokenizer(
+        "gemma3" if arch == "gemma3n" else arch,  # transformers has no builder named gemma3n
+        {"tokenizer_type": "llama", **{k: meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "scores", "token_type")}},
+    )
+    ours = _backend(meta)
+    for text in SPM_FAMILY_TEXTS:
+        if " " * 9 not in text:
+            assert ours.encode(text).ids[1:] == reference.encode(text, add_special_tokens=False).ids, text
+
+
+@pytest.mark.parametrize("text", SPM_FAMILY_TEXTS)
+def test_phi3_encodes_as_llama_cpp(spm, phi3_tokenizer, text):
+    meta = _phi3_meta(spm)
+    ids = phi3_tokenizer.encode(text)
+    assert ids == _llama_cpp_encode(spm, meta, text)
+    if not _has_control_token(meta, text) and "</s>" not in text:
+        assert ids == [spm.bos_id(), *spm.encode(text)]
+    assert isinstance(phi3_tokenizer.detokenizer, SPMStreamingDetokenizer)
+
+
+def test_phi3_strips_whitespace_after_its_chat_tokens(spm, phi3_tokenizer):
+    """As llama.cpp does for a file named Phi-3: "<|user|>\n  Hello" encodes as
+    "<|user|>Hello", the space before Hello SentencePiece's."""
+    user, end = phi3_tokenizer.convert_tokens_to_ids(["<|user|>", "<|end|>"])
+    ids = phi3_tokenizer.encode("<|user|>\n  Hello<|end|>\n", add_special_tokens=False)
+    assert ids == [user, *spm.encode("Hello"), end]
+    # <|endoftext|>, <s> and <unk> keep what follows them.
+    ids = phi3_tokenizer.encode("<|endoftext|>\nHello", add_special_tokens=False)
+    assert ids == [phi3_tokenizer.eos_token_id, *spm.encode("\nHello")]
+    assert phi3_tokenizer.eos_token == "<|endoftext|>"
+    assert len(phi3_tokenizer) == spm.vocab_size() + PHI3_PADDING  # the added tokens are within the padding
+
+
+@pytest.mark.parametrize("name", ["Phi 3 Mini 4k Instruct", "Llama 2 7b"])
+def test_whitespace_after_tokens_is_kept_unless_named_phi3(spm, name, tmp_path):
+    """llama.cpp keys the stripping on general.name alone: any other name keeps the whitespace."""
+    meta = _phi3_meta(spm, name)
+    tokenizer = _load(tokenizer_files(meta), tmp_path)
+    for text in SPM_FAMILY_TEXTS:
+        assert tokenizer.encode(text) == _llama_cpp_encode(spm, meta, text), text
+    user = tokenizer.convert_tokens_to_ids("<|user|>")
+    assert tokenizer.encode("<|user|>\nHi", add_special_tokens=False) == [user, *spm.encode("\nHi")]
+
+
+_SPM_ALPHABET = st.sampled_from(
+    [" ", "  ", "\n", "\t", "a", "e", "r", "th", "the", "river", "é", "中", "🙂", "1", "23", ".", "<"]
+    + GEMMA_TURNS + [" " * 8, "<table>", "<|user|>", "<|end|>", "<|endoftext|>", "</s>", "<s>"]
+)
+
+
+@settings(deadline=None)  # example counts from the profile (conftest.py)
+@given(parts=st.lists(_SPM_ALPHABET, max_size=24))
+def test_gemma_and_phi3_encode_as_llama_cpp_on_any_text(spm, gemma_spm, phi3_tokenizer, gemma_tokenizer, parts):
+    text = "".join(parts)
+    assert gemma_tokenizer.encode(text) == _llama_cpp_encode(gemma_spm, _gemma_meta(gemma_spm), text)
+    assert phi3_tokenizer.encode(text) == _llama_cpp_encode(spm, _phi3_meta(spm), text)
+    assert gemma_tokenizer.decode(gemma_tokenizer.encode(text, add_special_tokens=False)) == text
 
 
 # ------------------------------------------------------------ byte-level BPE
@@ -457,8 +715,3 @@ def test_refuses_a_file_without_tokens(tiny_vocab):
     del meta["tokenizer.ggml.tokens"]
     with pytest.raises(ModelError, match=r"no tokenizer\.ggml\.tokens"):
         tokenizer_files(meta)
-
-
-def test_refuses_sentencepiece_of_an_architecture_not_built(spm):
-    with pytest.raises(ModelError, match=r"'gemma2' GGUF file is not rebuilt by ringd yet; .*Llama 2 and Mistral"):
-        tokenizer_files(_spm_meta(spm, **{"general.architecture": "gemma2"}))
