@@ -156,6 +156,25 @@ def reference(model):
     return step
 
 
+# Greedy tokens ``greedy`` decodes: enough for a wrong mapping to show (checked to vary by callers).
+GREEDY_TOKENS = 24
+
+
+def greedy(step, prompt: list[int], until: frozenset[int] = frozenset()) -> tuple[list[int], list[mx.array]]:
+    """As mlx-lm's generate_step, on ``reference``'s or ``ring``'s step: the prompt but its last token
+    as one chunk, then token by token (GREEDY_TOKENS of them, or up to one of ``until``)."""
+    step(prompt[:-1], sample=False)
+    y, tokens, logits = prompt[-1], [], []
+    for _ in range(GREEDY_TOKENS):
+        out = step([y], sample=True)
+        logits.append(out)
+        y = mx.argmax(out, axis=-1).item()
+        tokens.append(y)
+        if y in until:
+            break
+    return tokens, logits
+
+
 def ring(stages: list[Shard]):
     caches = [s.make_cache() for s in stages]
 

@@ -76,6 +76,7 @@ from ringd.http.fields import (
 )
 from ringd.http.framing import NDJSON
 from ringd.http.request import Output, Request, ResponseFormat, ToolCall, given_fields
+from ringd.models.catalogue import mlx_quant
 from ringd.models.checkpoint import text_config
 from ringd.models.ollama_params import (
     OPTION_TYPES,
@@ -640,7 +641,7 @@ def describe(info: "ModelInfo") -> dict:
     config = text_config(info.config)
     w = info.weights
     size = sum(w.layers) + w.embed + w.norm + w.head
-    params, quant = None, _quantization(config)
+    params, quant = None, mlx_quant(config)
     if info.is_gguf:
         try:
             from ringd.models.gguf import CONFIG_TENSORS, GgufFile
@@ -680,15 +681,6 @@ def describe(info: "ModelInfo") -> dict:
         if isinstance(config.get(key), int):
             model_info[f"{arch}.{name}"] = config[key]
     return {"size": size, "digest": info.fingerprint, "modified_at": modified, "details": details, "model_info": model_info}
-
-
-def _quantization(config: dict) -> str:
-    """An mlx-lm checkpoint's quantization as Ollama names levels: Q4, or its float type."""
-    q = config.get("quantization")
-    if isinstance(q, dict) and isinstance(q.get("bits"), int):
-        return f"Q{q['bits']}"
-    dtype = config.get("torch_dtype") or config.get("dtype")
-    return {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(str(dtype), "")
 
 
 def parameter_count(c: dict) -> int | None:

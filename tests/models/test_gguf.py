@@ -21,7 +21,7 @@ import pytest
 from ringd.models.errors import ModelError
 from ringd.models.gguf import GgufFile, is_gguf, read_tensor
 from ringd.models.source import model_info
-from stagering import reference, ring
+from stagering import greedy, reference, ring
 
 
 def _write(path: Path, arrays: dict[str, np.ndarray], types: dict[str, str], arch: str = "llama") -> Path:
@@ -212,7 +212,6 @@ def test_a_damaged_or_foreign_file_is_refused_in_one_line(smollm2_gguf, tmp_path
 # --- tiny models of each mapped architecture, written as llama.cpp writes them (ggufmake) ---
 
 LAYERS = 4
-TOKENS = 24
 # Every row a whole number of 32-weight blocks, so every matrix takes the file's type.
 BLOCKS_FIT = {"intermediate_size": 128}
 PROMPT = "Tell me a short story about the river and the town."
@@ -239,21 +238,6 @@ def _tiny_gguf(tiny_model, tmp_path_factory, arch: str, qtype: str, rope_scaling
     return source, write_gguf(source, out, qtype=qtype)
 
 
-def _greedy(step, prompt: list[int], until: frozenset[int] = frozenset()) -> tuple[list[int], list[mx.array]]:
-    """As mlx-lm's generate_step: the prompt but its last token as one chunk, then token by token
-    (TOKENS of them, or up to one of ``until``)."""
-    step(prompt[:-1], sample=False)
-    y, tokens, logits = prompt[-1], [], []
-    for _ in range(TOKENS):
-        out = step([y], sample=True)
-        logits.append(out)
-        y = mx.argmax(out, axis=-1).item()
-        tokens.append(y)
-        if y in until:
-            break
-    return tokens, logits
-
-
 def _convert(gguf_path: Path, out: Path) -> Path:
     r = subprocess.run([sys.executable, "-m", "ringd", "convert", str(gguf_path), str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -277,10 +261,10 @@ def test_a_float_file_computes_what_the_original_model_computes(tiny_model, tmp_
         assert model_info(str(path)).config["rope_scaling"] == rope_scaling
     model, tokenizer = load(str(source))
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
-    want, want_logits = _greedy(reference(model), prompt)
+    want, want_logits = greedy(reference(model), prompt)
     assert len(set(want)) >= 8, "the reference repeats itself: the test would prove little"
     stages = [Shard.load(str(path), a, b) for a, b in ((0, 1), (1, 3), (3, LAYERS))]
-    got, got_logits = _greedy(ring(stages), prompt)
+    got, got_logits = greedy(ring(stages), prompt)
     assert got == want
     # llama's interleaved RoPE sums the same products in another order: equal up to rounding.
     for a, b in zip(want_logits, got_logits):
@@ -302,11 +286,11 @@ def test_every_split_of_a_file_computes_what_mlx_lm_computes_on_its_conversion(t
     converted = _convert(path, tmp_path_factory.mktemp("converted") / "model")
     model, tokenizer = load(str(converted))  # mlx-lm's own loader, from the directory convert wrote
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
-    want, want_logits = _greedy(reference(model), prompt)
+    want, want_logits = greedy(reference(model), prompt)
     assert len(set(want)) >= 8, "the reference repeats itself: the test would prove little"
     for bounds in ([0, 2, LAYERS], [0, 1, 3, LAYERS], [0, LAYERS]):
         stages = [Shard.load(str(path), a, b) for a, b in zip(bounds, bounds[1:])]
-        got, got_logits = _greedy(ring(stages), prompt)
+        got, got_logits = greedy(ring(stages), prompt)
         for i, (a, b) in enumerate(zip(want_logits, got_logits)):
             assert mx.array_equal(a, b).item(), f"split {bounds}: logits differ at step {i}"
         assert got == want
@@ -355,16 +339,16 @@ def test_a_k_quant_file_computes_what_mlx_lm_computes_on_it_dequantized(tiny_mod
     assert {t.type for t in GgufFile.open(path).tensors.values()} == {"F32", "Q4_K", "Q5_K", "Q5_0", "Q5_1", "MXFP4"}
     model, tokenizer = load(str(_convert(plain, out / "dequantized")))
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
-    want, want_logits = _greedy(reference(model), prompt)
+    want, want_logits = greedy(reference(model), prompt)
     assert len(set(want)) >= 8, "the reference repeats itself: the test would prove little"
     stages = [Shard.load(str(path), a, b) for a, b in ((0, 1), (1, 3), (3, LAYERS))]
-    got, got_logits = _greedy(ring(stages), prompt)
+    got, got_logits = greedy(ring(stages), prompt)
     assert got == want
     for a, b in zip(want_logits, got_logits):  # the same products, summed in another order
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
 
     converted, _ = load(str(_convert(path, out / "converted")))
-    same, same_logits = _greedy(reference(converted), prompt)
+    same, same_logits = greedy(reference(converted), prompt)
     assert same == got
     for i, (a, b) in enumerate(zip(same_logits, got_logits)):
         assert mx.array_equal(a, b).item(), f"logits differ from mlx-lm's on the conversion at step {i}"
@@ -382,7 +366,7 @@ def test_a_q6_k_file_computes_within_its_requantization_error(tiny_model, tmp_pa
     path, plain, out = _k_files(tiny_model, tmp_path_factory, {**types, "token_embd.weight": "q6_k"})
     model, tokenizer = load(str(_convert(plain, out / "dequantized")))
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
-    want, want_logits = _greedy(reference(model), prompt)
+    want, want_logits = greedy(reference(model), prompt)
     stages = [Shard.load(str(path), a, b) for a, b in ((0, 1), (1, 3), (3, LAYERS))]
     got_logits = _forced(ring(stages), prompt, want)
     worst = max(mx.abs(a - b).max().item() for a, b in zip(want_logits, got_logits))
@@ -432,8 +416,8 @@ def test_smollm2_requantized_to_k_quants_answers_as_mlx_lm(smollm2_gguf, tmp_pat
     model, tokenizer = load(str(out / "f32"))
     prompt = list(tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True))
     ends = frozenset(tokenizer.eos_token_ids)
-    want, _ = _greedy(reference(model), prompt, ends)
-    got, got_logits = _greedy(ring(stages), prompt, ends)
+    want, _ = greedy(reference(model), prompt, ends)
+    got, got_logits = greedy(ring(stages), prompt, ends)
     assert "Paris" in tokenizer.decode(got)
     assert got == want, f"{tokenizer.decode(got)!r} against {tokenizer.decode(want)!r}"
     if mix != "q4_k_m":
@@ -441,7 +425,7 @@ def test_smollm2_requantized_to_k_quants_answers_as_mlx_lm(smollm2_gguf, tmp_pat
 
     g.convert(out / "converted")
     converted, _ = load(str(out / "converted"))
-    same, same_logits = _greedy(reference(converted), prompt, ends)
+    same, same_logits = greedy(reference(converted), prompt, ends)
     assert same == got
     for i, (a, b) in enumerate(zip(same_logits, got_logits)):
         assert mx.array_equal(a, b).item(), f"logits differ from mlx-lm's on the conversion at step {i}"

@@ -29,9 +29,8 @@ import pytest
 
 from ringd.models.errors import ModelError
 from ringd.models.gguf import GgufFile
-from stagering import reference, ring
+from stagering import greedy, reference, ring
 
-TOKENS = 24
 PROMPT = "Tell me a short story about the river and the town."
 # Every row a whole number of 32-weight blocks, so every matrix takes the file's type.
 BLOCKS_FIT = {"intermediate_size": 128}
@@ -91,18 +90,6 @@ def _source(tiny_model, tmp_path_factory, family: Family) -> Path:
     return changed
 
 
-def _greedy(step, prompt: list[int]) -> tuple[list[int], list[mx.array]]:
-    """As mlx-lm's generate_step: the prompt but its last token as one chunk, then token by token."""
-    step(prompt[:-1], sample=False)
-    y, tokens, logits = prompt[-1], [], []
-    for _ in range(TOKENS):
-        out = step([y], sample=True)
-        logits.append(out)
-        y = mx.argmax(out, axis=-1).item()
-        tokens.append(y)
-    return tokens, logits
-
-
 def _splits(layers: int) -> list[list[int]]:
     """Every cut of a two-stage ring, a stage per layer, and one stage holding all."""
     return [[0, k, layers] for k in range(1, layers)] + [list(range(layers + 1)), [0, layers]]
@@ -152,9 +139,9 @@ def test_a_family_computes_what_mlx_lm_computes(tiny_model, tmp_path_factory, na
 
     model, tokenizer = load(str(source))
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
-    want, want_logits = _greedy(reference(model), prompt)
+    want, want_logits = greedy(reference(model), prompt)
     assert len(set(want)) >= 8, "the reference repeats itself: the test would prove little"
-    got, got_logits = _greedy(ring(_stages(plain, list(range(family.layers + 1)))), prompt)
+    got, got_logits = greedy(ring(_stages(plain, list(range(family.layers + 1)))), prompt)
     assert got == want
     for a, b in zip(want_logits, got_logits):  # llama's interleaved RoPE sums in another order
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
@@ -163,9 +150,9 @@ def test_a_family_computes_what_mlx_lm_computes(tiny_model, tmp_path_factory, na
     converted = out / "converted"
     GgufFile.open(path).convert(converted)  # what `ringd convert` writes
     model, _ = load(str(converted))
-    want, want_logits = _greedy(reference(model), prompt)
+    want, want_logits = greedy(reference(model), prompt)
     for bounds in _splits(family.layers):
-        got, got_logits = _greedy(ring(_stages(path, bounds)), prompt)
+        got, got_logits = greedy(ring(_stages(path, bounds)), prompt)
         for i, (a, b) in enumerate(zip(want_logits, got_logits)):
             assert mx.array_equal(a, b).item(), f"split {bounds}: logits differ from mlx-lm's on the conversion at step {i}"
         assert got == want

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from test_gguf import PROMPT, _greedy
+from test_gguf import PROMPT
 
 from ringd.models.errors import ModelError
 from ringd.models.source import model_info
-from stagering import reference, ring
+from stagering import greedy, reference, ring
 
 # DeepSeek and GLM: a dense first layer, then two MoE layers (cuts at the dense/MoE boundary and
 # between MoE layers); gpt-oss: sliding, full, sliding; Qwen3-Next: linear, linear, full attention.
@@ -139,7 +139,7 @@ def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_pat
     out = tmp_path_factory.mktemp(family)
     model, tokenizer = load(str(source))
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
-    want, want_logits = _greedy(reference(model), prompt)
+    want, want_logits = greedy(reference(model), prompt)
     assert len(set(want)) >= 8, "the reference repeats itself: the test would prove little"
 
     plain = write_gguf(source, out / "f32.gguf")
@@ -149,7 +149,7 @@ def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_pat
     assert config["model_type"] == arch
     for key, value in CONFIG.get(family, {}).items():
         assert config[key] == value, key
-    got, got_logits = _greedy(ring([Shard.load(str(plain), a, b) for a, b in CUTS]), prompt)
+    got, got_logits = greedy(ring([Shard.load(str(plain), a, b) for a, b in CUTS]), prompt)
     assert got == want
     for a, b in zip(want_logits, got_logits):
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
@@ -157,9 +157,9 @@ def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_pat
     path = write_gguf(source, out / f"{qtype}.gguf", qtype=qtype, types=types)
     GgufFile.open(path).convert(out / "converted")  # what `ringd convert` does (test_gguf.py runs the command)
     converted, _ = load(str(out / "converted"))
-    want, want_logits = _greedy(reference(converted), prompt)
+    want, want_logits = greedy(reference(converted), prompt)
     assert len(set(want)) >= 8
-    got, got_logits = _greedy(ring([Shard.load(str(path), a, b) for a, b in CUTS]), prompt)
+    got, got_logits = greedy(ring([Shard.load(str(path), a, b) for a, b in CUTS]), prompt)
     for i, (a, b) in enumerate(zip(want_logits, got_logits)):
         assert mx.array_equal(a, b).item(), f"logits differ from mlx-lm's on the conversion at step {i}"
     assert got == want
