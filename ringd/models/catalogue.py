@@ -4,8 +4,9 @@
 Three places are looked in: the Ollama store (each pulled name, ``ollama:NAME:TAG``), the
 Hugging Face cache (each GGUF repository's quants as ``OWNER/REPO:QUANT``, each mlx-lm
 repository as ``OWNER/REPO``) and the node's ``models_dir`` (GGUF files and mlx-lm
-directories, by path, a few folders deep). Each entry says what ``--model`` takes for it,
-its size on disk, quant, architecture and layers, and why it cannot be served when it
+directories a few folders deep, by their path relative to it: ``vendor/m.gguf``, ``tiny-a``).
+Each entry says what a request names it by, what ``--model`` takes for it (``ref``), its
+size on disk, quant, architecture and layers, and why it cannot be served when it
 cannot (an architecture or tensor type ringd refuses, a partial download);
 its ``info`` is what placement needs to say whether the cluster's memory holds it.
 
@@ -67,12 +68,18 @@ class Facts:
 
 @dataclass(frozen=True)
 class Entry:
-    name: str  # what --model (and a request, once served) takes
+    name: str  # what a request names it by (a models_dir model: its path relative to models_dir)
     source: str  # OLLAMA, HUGGING_FACE or MODELS_DIR
-    path: Path
+    path: Path  # absolute
     size: int  # bytes on disk (all parts)
     modified: float  # mtime, seconds since the epoch
     facts: Facts
+
+    @property
+    def ref(self) -> str:
+        """What ``--model`` (``source.model_info``) takes to load it: its name, but a models_dir
+        model's path (its relative name would be read from the working directory, or as a Hub repo id)."""
+        return str(self.path) if self.source == MODELS_DIR else self.name
 
     def to_wire(self) -> dict:
         f = self.facts
@@ -174,16 +181,19 @@ class Catalogue:
     def _scan_models_dir(self, out: Listing) -> None:
         if self.models_dir is None:
             return
-        for path in self._walk(self.models_dir, out, MAX_DEPTH, stop_at_models=True):
+        root = self.models_dir.absolute()
+        for path in self._walk(root, out, MAX_DEPTH, stop_at_models=True):
             if not self._room(out):
                 return
+            # Named as a user names it in a request: relative to models_dir, "/" between folders.
+            name = path.relative_to(root).as_posix()
             if path.is_dir():
-                self._add_dir(out, str(path), MODELS_DIR, path)
+                self._add_dir(out, name, MODELS_DIR, path)
             elif hubref.is_model_file(path.name) and (s := hubref.split_info(path.name)) and s.index == 1:
                 # A split's other parts by their names (not by listing the folder again).
                 parts = [path.with_name(f"{s.prefix}-{i:05d}-of-{s.count:05d}{path.suffix}") for i in range(1, s.count + 1)]
                 if s.count == 1 or all(p.is_file() for p in parts):
-                    self._add_gguf(out, str(path), MODELS_DIR, path, parts if s.count > 1 else [path])
+                    self._add_gguf(out, name, MODELS_DIR, path, parts if s.count > 1 else [path])
 
     # --- bounded walking ---------------------------------------------------------------
 

@@ -80,8 +80,7 @@ def test_the_three_places_listed_once_read_and_bounded(tiny_model, tmp_path, mon
     assert sorted(by_name) == sorted([
         "ollama:tiny:latest", "ollama:hf.co/someone/Tiny-GGUF:Q4_0",
         "someone/Tiny-GGUF:Q4_0", "someone/Tiny-GGUF:Q8_0", "someone/tiny-mlx",
-        str(models / "vendor" / "family" / "Tiny-Q4_0.gguf"), str(models / "odd.gguf"), str(models / "mine"),
-        str(models / "Big-Q8_0-00001-of-00002.gguf"),
+        "vendor/family/Tiny-Q4_0.gguf", "odd.gguf", "mine", "Big-Q8_0-00001-of-00002.gguf",
     ])  # fmt: skip
     tiny = by_name["ollama:tiny:latest"]
     assert (tiny.source, tiny.facts.format, tiny.facts.quant, tiny.facts.arch, tiny.facts.layers) == (OLLAMA, "gguf", "Q8_0", "llama", 2)
@@ -91,10 +90,15 @@ def test_the_three_places_listed_once_read_and_bounded(tiny_model, tmp_path, mon
     mlx = by_name["someone/tiny-mlx"]
     assert (mlx.source, mlx.path, mlx.facts.format, mlx.facts.arch, mlx.facts.layers) == (HUGGING_FACE, mlx_repo, "mlx", "llama", 2)
     assert mlx.size == sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    assert by_name[str(models / "mine")].source == MODELS_DIR and by_name[str(models / "mine")].facts.format == "mlx"
+    # A models_dir model by its path relative to models_dir; its row keeps the whole path, which
+    # --model takes (its ref), as it takes the other places' names.
+    mine = by_name["mine"]
+    assert (mine.source, mine.path, mine.ref, mine.facts.format) == (MODELS_DIR, models / "mine", str(models / "mine"), "mlx")
+    assert by_name["vendor/family/Tiny-Q4_0.gguf"].path == models / "vendor" / "family" / "Tiny-Q4_0.gguf"
+    assert (tiny.ref, hub.ref) == ("ollama:tiny:latest", "someone/Tiny-GGUF:Q4_0")
     # What cannot be served is listed with the reason, in one line.
-    assert "nosucharch" in by_name[str(models / "odd.gguf")].facts.error and by_name[str(models / "odd.gguf")].facts.info is None
-    big = by_name[str(models / "Big-Q8_0-00001-of-00002.gguf")]
+    assert "nosucharch" in by_name["odd.gguf"].facts.error and by_name["odd.gguf"].facts.info is None
+    big = by_name["Big-Q8_0-00001-of-00002.gguf"]
     # A split's parts as one model (here two stubs of 4 bytes, which no GGUF reader can read).
     assert big.size == 8 and "not a readable GGUF file" in big.facts.error and big.facts.quant == "Q8_0"
     assert set(tiny.to_wire()) >= {"name", "source", "path", "size", "format", "quant", "architecture", "layers", "error"}
