@@ -1,11 +1,12 @@
 """Every model this node could serve, found where people keep them: the list ``/v1/models``,
-``/api/tags`` and ``ringctl models`` show.
+``/api/tags`` and ``ringctl models`` show, and the one a request's ``model`` names.
 
 Three places are looked in: the Ollama store (each pulled name, ``ollama:NAME:TAG``), the
 Hugging Face cache (each GGUF repository's quants as ``OWNER/REPO:QUANT``, each mlx-lm
 repository as ``OWNER/REPO``) and the node's ``models_dir`` (GGUF files and mlx-lm
-directories, by path, a few folders deep). Each entry says what ``--model`` takes for it,
-its size on disk, quant, architecture and layers, and why it cannot be served when it
+directories a few folders deep, by their path relative to it: ``vendor/m.gguf``, ``tiny-a``).
+Each entry says what a request names it by, what ``--model`` takes for it (``ref``), its
+size on disk, quant, architecture and layers, and why it cannot be served when it
 cannot (an architecture or tensor type ringd refuses, a partial download);
 its ``info`` is what placement needs to say whether the cluster's memory holds it.
 
@@ -13,8 +14,15 @@ The work is bounded whatever the disk holds: a scan looks at no more than
 ``MAX_SCAN_ENTRIES`` directory entries and lists at most ``MAX_MODELS`` models (the
 listing says when it stopped short); a GGUF is read for its header only (``gguf.py``),
 an mlx-lm directory for its config and safetensors headers, and what was read is kept by
-(path, size, mtime) so the next scan reads only what changed. ``Catalogue.listing``
-runs the scan off the event loop, one at a time, and keeps its result ``SCAN_TTL_S``.
+(path, size, mtime) so the next scan reads only what changed. One scan runs at a time and
+its listing is kept ``SCAN_TTL_S``, shared by ``listing()`` (async, off the event loop) and
+``current()`` (blocking, for a caller already off it).
+
+``find`` and ``lookup`` say which listed model a name means (``match``): the name exactly,
+an Ollama model by any spelling ``ollama run`` takes, a models_dir GGUF without its
+``.gguf``. A name is only ever compared with what was listed, never opened as a path: a
+request's ``model`` comes from any HTTP client, and only what the catalogue found may be
+loaded.
 
 It ignores what is loaded and what the cluster holds: marking the one served and the
 fit are the views' (``http/``), from the ``info`` each entry carries.
@@ -24,8 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +56,10 @@ MAX_DEPTH = 3
 SCAN_TTL_S = 10.0
 # What was read of a file is kept for at most this many files (a models_dir past it is truncated anyway).
 MAX_CACHED_FACTS = 2 * MAX_MODELS
+# A name longer than a path (PATH_MAX) names nothing listed: every listed name is shorter (a models_dir
+# name is at most MAX_DEPTH + 1 file names of 255 bytes, an Ollama name 600 characters), so a longer
+# one is refused before it is parsed.
+MAX_NAME_CHARS = 4096
 
 OLLAMA = "ollama"
 HUGGING_FACE = "huggingface"
@@ -67,12 +81,18 @@ class Facts:
 
 @dataclass(frozen=True)
 class Entry:
-    name: str  # what --model (and a request, once served) takes
+    name: str  # what a request names it by (a models_dir model: its path relative to models_dir)
     source: str  # OLLAMA, HUGGING_FACE or MODELS_DIR
-    path: Path
+    path: Path  # absolute
     size: int  # bytes on disk (all parts)
     modified: float  # mtime, seconds since the epoch
     facts: Facts
+
+    @property
+    def ref(self) -> str:
+        """What ``--model`` (``source.model_info``) takes to load it: its name, but a models_dir
+        model's path (its relative name would be read from the working directory, or as a Hub repo id)."""
+        return str(self.path) if self.source == MODELS_DIR else self.name
 
     def to_wire(self) -> dict:
         f = self.facts
@@ -102,26 +122,60 @@ class Catalogue:
         self._facts: dict[tuple, Facts] = {}
         self._listing: Listing | None = None
         self._listed_at = -SCAN_TTL_S
+        # One scan at a time, whichever thread asks (the loop's worker for listing(), a loader's for
+        # find()): a scan fills _facts and the listing. Reentrant: current() holds it around scan().
+        self._scan_lock = threading.RLock()
+        # Callers on the loop wait here rather than each in a worker thread of its own.
         self._lock = asyncio.Lock()
 
     async def listing(self) -> Listing:
         """The models, scanned off the event loop (one scan at a time), reused for SCAN_TTL_S."""
+        fresh = self._fresh()
+        if fresh is not None:
+            return fresh
         async with self._lock:
-            if self._listing is None or time.monotonic() - self._listed_at >= SCAN_TTL_S:
-                self._listing = await asyncio.to_thread(self.scan)
-                self._listed_at = time.monotonic()
-            return self._listing
+            return await asyncio.to_thread(self.current)
+
+    def current(self) -> Listing:
+        """The listing if it is younger than SCAN_TTL_S, else a scan's (blocking: run it off the
+        loop); the same listing ``listing()`` answers."""
+        with self._scan_lock:
+            fresh = self._fresh()
+            if fresh is None:
+                fresh = self._listing = self.scan()
+                self._listed_at = time.monotonic()  # after the listing: see _fresh
+            return fresh
+
+    def _fresh(self) -> Listing | None:
+        # Lock-free for the loop's fast path: the time is read before the listing, and written after
+        # it, so a fresh time never comes with an older listing.
+        listed_at = self._listed_at
+        listing = self._listing
+        return listing if listing is not None and time.monotonic() - listed_at < SCAN_TTL_S else None
 
     def scan(self) -> Listing:
         """Look in the three places now (blocking: run it off the loop)."""
-        out = Listing()
-        for place in (self._scan_ollama, self._scan_hf, self._scan_models_dir):
-            if not self._room(out):
-                break
-            place(out)
-        if len(self._facts) > MAX_CACHED_FACTS:
-            self._facts.clear()
-        return out
+        with self._scan_lock:
+            out = Listing()
+            for place in (self._scan_ollama, self._scan_hf, self._scan_models_dir):
+                if not self._room(out):
+                    break
+                place(out)
+            if len(self._facts) > MAX_CACHED_FACTS:
+                self._facts.clear()
+            return out
+
+    def find(self, name: str) -> Entry | None:
+        """The listed model ``name`` means (``match``), from a listing at most SCAN_TTL_S old
+        (blocking: a scan may run; call it off the loop). A model put on disk after that listing
+        was made is found once the listing is SCAN_TTL_S old: a name not found never starts a
+        scan, so any number of unknown names costs no more than one scan each SCAN_TTL_S."""
+        return match(self.current().entries, name)
+
+    async def lookup(self, name: str) -> Entry | None:
+        """``find`` for a caller on the event loop: the scan and the matching run off it."""
+        listing = await self.listing()
+        return await asyncio.to_thread(match, listing.entries, name)
 
     # --- the places -------------------------------------------------------------------
 
@@ -174,16 +228,19 @@ class Catalogue:
     def _scan_models_dir(self, out: Listing) -> None:
         if self.models_dir is None:
             return
-        for path in self._walk(self.models_dir, out, MAX_DEPTH, stop_at_models=True):
+        root = self.models_dir.absolute()
+        for path in self._walk(root, out, MAX_DEPTH, stop_at_models=True):
             if not self._room(out):
                 return
+            # Named as a user names it in a request: relative to models_dir, "/" between folders.
+            name = path.relative_to(root).as_posix()
             if path.is_dir():
-                self._add_dir(out, str(path), MODELS_DIR, path)
+                self._add_dir(out, name, MODELS_DIR, path)
             elif hubref.is_model_file(path.name) and (s := hubref.split_info(path.name)) and s.index == 1:
                 # A split's other parts by their names (not by listing the folder again).
                 parts = [path.with_name(f"{s.prefix}-{i:05d}-of-{s.count:05d}{path.suffix}") for i in range(1, s.count + 1)]
                 if s.count == 1 or all(p.is_file() for p in parts):
-                    self._add_gguf(out, str(path), MODELS_DIR, path, parts if s.count > 1 else [path])
+                    self._add_gguf(out, name, MODELS_DIR, path, parts if s.count > 1 else [path])
 
     # --- bounded walking ---------------------------------------------------------------
 
@@ -291,6 +348,45 @@ class Catalogue:
         except (ModelError, OSError, ValueError) as e:
             return Facts("mlx", "", "", 0, None, str(e))
         return Facts("mlx", mlx_quant(config), info.model_type, info.num_layers, info)
+
+
+def match(entries: Sequence[Entry], name: str) -> Entry | None:
+    """The entry ``name`` means, by the first rule that finds one: an entry named exactly ``name``
+    (the first listed, if two are); an Ollama model by any spelling Ollama takes for it (``smollm2``,
+    ``library/smollm2:latest``, ``registry.ollama.ai/library/smollm2:latest``, each with or without
+    ``ollama:``); a models_dir GGUF by its name without ``.gguf`` (``vendor/m`` for ``vendor/m.gguf``),
+    when only one has that name. Else None. An entry ringd cannot serve (``facts.info`` None) is
+    found all the same: its ``facts.error`` says why, which the caller reports.
+
+    ``name`` comes from any HTTP client. It is only compared with the names listed, never made
+    into a path or looked up on disk: ``/etc/passwd``, ``../x`` or ``~/m`` finds nothing (no
+    listed name is absolute or has ``..`` in it), so only what the catalogue found can be loaded.
+    """
+    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+        return None
+    for e in entries:
+        if e.name == name:
+            return e
+    wanted = _ollama_key(name)
+    if wanted is not None:
+        for e in entries:
+            if e.source == OLLAMA and _ollama_key(e.name) == wanted:
+                return e
+    stems = [e for e in entries if e.source == MODELS_DIR and _gguf_stem(e.name) == name]
+    return stems[0] if len(stems) == 1 else None
+
+
+def _ollama_key(name: str) -> ollama.OllamaName | None:
+    """The model an Ollama name means, its left-out parts filled in as Ollama fills them (None if it
+    is no Ollama name). Parts are compared as spelt, as the store's folders are (``ollama.py``)."""
+    try:
+        return ollama.parse_name(name.removeprefix(ollama.PREFIX))
+    except ModelError:
+        return None
+
+
+def _gguf_stem(name: str) -> str | None:
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else None
 
 
 def gguf_quant(g: GgufFile) -> str:

@@ -97,7 +97,8 @@ def test_every_model_is_listed_with_its_facts_and_fit(tiny_model, tmp_path, monk
     answers, code = asyncio.run(run())
 
     openai = answers["/v1/models"]["data"]
-    assert [m["id"] for m in openai] == ["tiny", str(f32), str(models / "odd.gguf"), str(models / "tiny-mlx")]
+    # The loaded model by the name it is served as; the others as the catalogue names them (models_dir's relative to it).
+    assert [m["id"] for m in openai] == ["tiny", "Tiny-F32.gguf", "odd.gguf", "tiny-mlx"]
     first = openai[0]
     assert first["loaded"] is True and first["created"] == node.started and first["object"] == "model"
     assert (first["format"], first["quant"], first["architecture"], first["layers"], first["size"]) == ("gguf", "Q8_0", "llama", 2, q8.stat().st_size)
@@ -114,7 +115,8 @@ def test_every_model_is_listed_with_its_facts_and_fit(tiny_model, tmp_path, monk
     assert tags[1]["details"]["quantization_level"] == "F32" and tags[1]["details"]["family"] == "llama" and tags[1]["fits"] is False
 
     rows = answers["/cluster/models"]["models"]
-    assert rows[0]["started_as"] == str(q8) and rows[0]["path"] == str(q8) and not answers["/cluster/models"]["truncated"]
+    assert rows[0]["started_as"] == "Tiny-Q8_0.gguf" and rows[0]["path"] == str(q8) and not answers["/cluster/models"]["truncated"]
+    assert [r["path"] for r in rows[1:]] == [str(f32), str(models / "odd.gguf"), str(models / "tiny-mlx")]  # whole paths here
 
     out = capsys.readouterr().out
     assert code == 0, out
@@ -123,6 +125,6 @@ def test_every_model_is_listed_with_its_facts_and_fit(tiny_model, tmp_path, monk
     assert "●" in row and "Q8_0" in row and "yes" in row
     (row,) = [line for line in table if "Tiny-F32.gguf" in line and "│" in line]
     assert " no " in row
-    assert any(line.startswith(f"{models / 'odd.gguf'}: ") and "nosucharch" in line for line in table)
-    assert any(line.startswith(f"{f32}: ") and "short by" in line for line in table)
+    assert any(line.startswith("odd.gguf: ") and "nosucharch" in line for line in table)
+    assert any(line.startswith("Tiny-F32.gguf: ") and "short by" in line for line in table)
     assert json.dumps(rows)  # the raw list (ringctl models --json) is JSON as it came

@@ -13,9 +13,14 @@ import hashlib
 import json
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from ggufmake import write_gguf
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ringd.models import catalogue
 from ringd.models.catalogue import HUGGING_FACE, MODELS_DIR, OLLAMA, Catalogue
@@ -80,8 +85,7 @@ def test_the_three_places_listed_once_read_and_bounded(tiny_model, tmp_path, mon
     assert sorted(by_name) == sorted([
         "ollama:tiny:latest", "ollama:hf.co/someone/Tiny-GGUF:Q4_0",
         "someone/Tiny-GGUF:Q4_0", "someone/Tiny-GGUF:Q8_0", "someone/tiny-mlx",
-        str(models / "vendor" / "family" / "Tiny-Q4_0.gguf"), str(models / "odd.gguf"), str(models / "mine"),
-        str(models / "Big-Q8_0-00001-of-00002.gguf"),
+        "vendor/family/Tiny-Q4_0.gguf", "odd.gguf", "mine", "Big-Q8_0-00001-of-00002.gguf",
     ])  # fmt: skip
     tiny = by_name["ollama:tiny:latest"]
     assert (tiny.source, tiny.facts.format, tiny.facts.quant, tiny.facts.arch, tiny.facts.layers) == (OLLAMA, "gguf", "Q8_0", "llama", 2)
@@ -91,10 +95,15 @@ def test_the_three_places_listed_once_read_and_bounded(tiny_model, tmp_path, mon
     mlx = by_name["someone/tiny-mlx"]
     assert (mlx.source, mlx.path, mlx.facts.format, mlx.facts.arch, mlx.facts.layers) == (HUGGING_FACE, mlx_repo, "mlx", "llama", 2)
     assert mlx.size == sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    assert by_name[str(models / "mine")].source == MODELS_DIR and by_name[str(models / "mine")].facts.format == "mlx"
+    # A models_dir model by its path relative to models_dir; its row keeps the whole path, which
+    # --model takes (its ref), as it takes the other places' names.
+    mine = by_name["mine"]
+    assert (mine.source, mine.path, mine.ref, mine.facts.format) == (MODELS_DIR, models / "mine", str(models / "mine"), "mlx")
+    assert by_name["vendor/family/Tiny-Q4_0.gguf"].path == models / "vendor" / "family" / "Tiny-Q4_0.gguf"
+    assert (tiny.ref, hub.ref) == ("ollama:tiny:latest", "someone/Tiny-GGUF:Q4_0")
     # What cannot be served is listed with the reason, in one line.
-    assert "nosucharch" in by_name[str(models / "odd.gguf")].facts.error and by_name[str(models / "odd.gguf")].facts.info is None
-    big = by_name[str(models / "Big-Q8_0-00001-of-00002.gguf")]
+    assert "nosucharch" in by_name["odd.gguf"].facts.error and by_name["odd.gguf"].facts.info is None
+    big = by_name["Big-Q8_0-00001-of-00002.gguf"]
     # A split's parts as one model (here two stubs of 4 bytes, which no GGUF reader can read).
     assert big.size == 8 and "not a readable GGUF file" in big.facts.error and big.facts.quant == "Q8_0"
     assert set(tiny.to_wire()) >= {"name", "source", "path", "size", "format", "quant", "architecture", "layers", "error"}
@@ -132,3 +141,117 @@ def test_the_three_places_listed_once_read_and_bounded(tiny_model, tmp_path, mon
     first, second = asyncio.run(twice())
     assert first is second and len(threads) == 1 and threads[0] is not threading.main_thread()
     assert sorted(e.name for e in first.entries) == ["someone/Tiny-GGUF:Q4_0", "someone/Tiny-GGUF:Q8_0", "someone/tiny-mlx"]
+
+
+@pytest.fixture(scope="module")
+def shelf(tiny_model, tmp_path_factory):
+    """A catalogue over the three places, holding the names each rule of ``match`` is about."""
+    root = tmp_path_factory.mktemp("shelf")
+    model = tiny_model(arch="llama", layers=2)
+    q8 = write_gguf(model, root / "Tiny-Q8_0.gguf", qtype="q8_0")
+    odd = write_gguf(model, root / "odd.gguf", arch="nosucharch")
+    store = root / "ollama"
+    for name in ("registry.ollama.ai/library/smollm2/latest", "registry.ollama.ai/library/smollm2/q8",
+                 "registry.ollama.ai/someone/tiny/q8", "hf.co/someone/Tiny-GGUF/Q8_0", "registry.ollama.ai/library/mine/latest"):  # fmt: skip
+        _ollama_pull(store, name, q8)
+    cache = root / "hf"
+    _hf_cached(cache, "someone/tiny-mlx", {p.name: p for p in model.iterdir() if p.is_file()})
+    models = root / "models"
+    (models / "vendor" / "deep").mkdir(parents=True)
+    (models / "tiny-a").symlink_to(model, target_is_directory=True)
+    (models / "mine").symlink_to(model, target_is_directory=True)
+    (models / "vendor" / "m.gguf").symlink_to(q8)
+    (models / "vendor" / "deep" / "tiny-b").symlink_to(model, target_is_directory=True)
+    (models / "odd.gguf").symlink_to(odd)
+    c = Catalogue(models, hf_cache=cache, ollama_store=store)
+    return c, models
+
+
+def test_a_name_finds_the_model_it_means_by_each_rule_and_nothing_else(shelf):
+    c, models = shelf
+    listed = {e.name for e in c.current().entries}
+    assert listed == {
+        "ollama:smollm2:latest", "ollama:smollm2:q8", "ollama:someone/tiny:q8", "ollama:hf.co/someone/Tiny-GGUF:Q8_0",
+        "ollama:mine:latest", "someone/tiny-mlx", "tiny-a", "mine", "vendor/m.gguf", "vendor/deep/tiny-b", "odd.gguf",
+    }  # fmt: skip
+
+    def found(name: str) -> str | None:
+        e = c.find(name)
+        return e and e.name
+
+    # Exactly its name, whatever the place; an exact name comes before any other rule.
+    for name in listed:
+        assert found(name) == name
+    assert found("mine") == "mine" and found("ollama:mine") == "ollama:mine:latest"
+    # Ollama's spellings, as `ollama run` takes them, with or without ollama:.
+    for name in ("smollm2", "smollm2:latest", "library/smollm2", "library/smollm2:latest", "registry.ollama.ai/library/smollm2:latest",
+                 "https://registry.ollama.ai/library/smollm2:latest", "ollama:smollm2", "ollama:registry.ollama.ai/library/smollm2"):  # fmt: skip
+        assert found(name) == "ollama:smollm2:latest", name
+    assert found("smollm2:q8") == "ollama:smollm2:q8" and found("someone/tiny:q8") == "ollama:someone/tiny:q8"
+    assert found("hf.co/someone/Tiny-GGUF:Q8_0") == "ollama:hf.co/someone/Tiny-GGUF:Q8_0"
+    # As spelt: the store's folders are (ollama.py); a tag or namespace left out means latest and library only.
+    assert found("SmolLM2") is None and found("smollm2:Q8") is None and found("someone/tiny") is None and found("tiny:q8") is None
+    # A models_dir GGUF without .gguf; not a Hugging Face or Ollama name, nor a directory.
+    assert found("vendor/m") == "vendor/m.gguf" and found("odd") == "odd.gguf"
+    assert found("vendor/m.GGUF") is None and found("tiny-a.gguf") is None and found("someone/tiny-mlx.gguf") is None
+    # A model ringd cannot serve is found all the same, with why.
+    odd = c.find("odd.gguf")
+    assert odd.facts.info is None and "nosucharch" in odd.facts.error
+    # Nothing else: not a path, absolute, relative, home or climbing; not a part of a name.
+    for name in (str(models / "vendor" / "m.gguf"), str(models / "tiny-a"), "/etc/passwd", "../../x", "~/model", "./tiny-a",
+                 "vendor/../tiny-a", "vendor//m.gguf", "vendor/deep", "deep/tiny-b", "tiny-b", "m.gguf", "m", "tiny",
+                 "ollama:../../etc/passwd", "ollama:/etc/passwd", "someone/tiny-mlx:Q8_0", "hf.co/someone/tiny-mlx", "",
+                 "x" * (catalogue.MAX_NAME_CHARS + 1)):  # fmt: skip
+        assert found(name) is None, name
+
+
+def test_ambiguous_stems_find_nothing_and_a_name_listed_twice_finds_the_first(shelf):
+    c, _ = shelf
+    m = c.find("vendor/m.gguf")
+    entries = [m, replace(m, name="vendor/m.GGUF", path=m.path.with_suffix(".GGUF"))]
+    assert catalogue.match(entries, "vendor/m") is None  # two files it could mean: neither
+    assert catalogue.match(entries, "vendor/m.GGUF") is entries[1]
+    twice = [replace(m, name="a/b", source=HUGGING_FACE), replace(m, name="a/b")]
+    assert catalogue.match(twice, "a/b") is twice[0]  # in the order the model list shows them
+
+
+# Names as clients send them and as attackers do: paths, Ollama spellings, the listed names bent.
+_NAME_PARTS = st.sampled_from(["/", "..", ".", "~", ":", "ollama:", "smollm2", "latest", "library", "vendor", "m", ".gguf",
+                               "registry.ollama.ai", "https://", "tiny-a", "\x00", "%2e%2e", "\\", "é", " "])  # fmt: skip
+
+
+@given(name=st.one_of(st.text(), st.lists(_NAME_PARTS, max_size=8).map("".join), st.integers(), st.none()))
+def test_any_name_finds_a_listed_model_or_nothing(shelf, name):
+    c, _ = shelf
+    entries = c.current().entries
+    found = catalogue.match(entries, name)
+    assert found is None or any(found is e for e in entries)
+    if found is not None and found.name != name:  # found by another rule: never by a path's spelling
+        assert isinstance(name, str) and not name.startswith(("/", "~", ".")) and ".." not in name.split("/"), name
+    # find and lookup answer the same (equal, not the same object: SCAN_TTL_S may pass and a scan run).
+    assert c.find(name) == found and asyncio.run(c.lookup(name)) == found
+
+
+def test_find_and_listing_share_one_listing_and_one_scan_at_a_time(shelf, monkeypatch):
+    _, models = shelf
+    c = Catalogue(models, hf_cache=models / "no-hf", ollama_store=models / "no-store")
+    with ThreadPoolExecutor(8) as pool:  # callers off the loop at once: one scan, each header read once
+        found = list(pool.map(c.find, ["tiny-a", "vendor/m", "odd", "nothing"] * 2))
+    listing = c.current()
+    assert [e and e.name for e in found] == ["tiny-a", "vendor/m.gguf", "odd.gguf", None] * 2
+    assert c.headers_read == len(listing.entries) == 5
+
+    # Within SCAN_TTL_S: the same listing, by either path, and no header read again.
+    assert asyncio.run(c.listing()) is listing and c.current() is listing
+    assert asyncio.run(c.lookup("vendor/deep/tiny-b")).name == "vendor/deep/tiny-b" and c.headers_read == 5
+    # Past it: a new scan, whose facts come from the cache of what was read.
+    monkeypatch.setattr(catalogue, "SCAN_TTL_S", 0.0)
+    assert c.find("tiny-a").name == "tiny-a" and c.current() is not listing and c.headers_read == 5
+
+
+def test_a_relative_models_dir_names_relative_and_paths_absolute(shelf, monkeypatch):
+    _, models = shelf
+    monkeypatch.chdir(models.parent)
+    c = Catalogue(Path(models.name), hf_cache=models / "no-hf", ollama_store=models / "no-store")
+    e = c.find("vendor/m")
+    assert (e.name, e.path, e.ref) == ("vendor/m.gguf", models / "vendor" / "m.gguf", str(models / "vendor" / "m.gguf"))
