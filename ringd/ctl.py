@@ -67,6 +67,9 @@ DEFAULT_NODE = f"127.0.0.1:{DEFAULT_HTTP_PORT}"
 DEFAULT_KNOWN_NODES = "~/.local/state/ringd/ringctl-nodes.json"
 # A node answers status from memory; seconds of silence mean it is down or stuck.
 HTTP_TIMEOUT_S = 5.0
+# `ringctl load` waits while the leader places the model and the nodes read their layers: a
+# large model from a Mac's SSD takes a minute or two (the leader's own bound is pool.LOAD_TIMEOUT_S).
+LOAD_TIMEOUT_S = 600.0
 # `top` redraws once a second by default: live enough for a person watching.
 TOP_INTERVAL_S = 1.0
 # Each poll asks every node over the ring for its status; faster than this shows
@@ -228,7 +231,7 @@ class Credentials:
 
 def fetch(
     node: str, path: str, body: dict | None = None, creds: Credentials | None = None, sign_with_secret: bool = False,
-    allow_error: bool = False, trust: Trust | None = None,
+    allow_error: bool = False, trust: Trust | None = None, timeout_s: float = HTTP_TIMEOUT_S,
 ) -> dict:  # fmt: skip
     trust = trust or (creds.trust if creds is not None else Trust(False, None, DEFAULT_CLUSTER, lambda: None))
     data = None if body is None else json.dumps(body).encode()
@@ -244,7 +247,7 @@ def fetch(
         url = trust.url(node, path)
         req = urllib.request.Request(url, data=data, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S, context=trust.context()) as r:
+            with urllib.request.urlopen(req, timeout=timeout_s, context=trust.context()) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             raw = e.read()
@@ -387,6 +390,30 @@ def print_plan(doc: dict) -> None:
             f"  stage {i}: {node:<16} {addr:<22} layers [{start}, {end})  ({end - start})  "
             f"budget {_mib(n.get('budget'))} MiB, weights {_mib(n.get('parameter_bytes'))} MiB, "
             f"KV {_mib(n.get('kv_bytes'))} of {_mib(n.get('kv_capacity'))} MiB, speed {speed}"
+        )
+
+
+def instances_of(doc: dict) -> list[dict]:
+    """The leader's instances, from a cluster status document."""
+    for n in doc.get("nodes", []):
+        if n.get("role") == "leader" and isinstance(n.get("instances"), list):
+            return n["instances"]
+    return []
+
+
+def print_instances(rows: list[dict]) -> None:
+    """One line per instance the leader serves: model, state, ring, requests, keep_alive."""
+    if not rows:
+        print("no instances (no leader answered, or it serves nothing yet)")
+        return
+    for r in rows:
+        name = r.get("instance") or r.get("model") or "?"
+        state = "ready" if r.get("ready") else f"not ready: {r.get('reason') or '?'}"
+        ring = " -> ".join(f"{node}[{a},{b})" for node, a, b in r.get("stages") or []) or "-"
+        keep = "pinned" if r.get("pinned") else f"keep_alive {r.get('keep_alive')}"
+        print(
+            f"{name:<32} {state}  ring {ring}  active {r.get('active', 0)}, queued {r.get('queued', 0)}, "
+            f"served {r.get('served', 0)}  {keep}"
         )
 
 
@@ -715,6 +742,13 @@ def main(argv: list[str] | None = None) -> int:
     leader_sub = leader.add_subparsers(dest="action", required=True)
     leader_sub.add_parser("set", help="pin NODE as leader").add_argument("target", metavar="NODE")
     leader_sub.add_parser("auto", help="unpin: priority and name decide")
+    sub.add_parser("ps", help="the models loaded now: each instance's ring, state, requests and keep_alive")
+    load = sub.add_parser("load", help="load MODEL (a name the model list shows) and wait until it serves")
+    load.add_argument("model", metavar="MODEL")
+    load.add_argument("--replicas", type=_positive, default=1, help="keep this many instances of it, each a ring of its own (default 1)")
+    load.add_argument("--keep-alive", metavar="DURATION", help="how long it stays loaded once idle (5m, 1h, -1: forever; default: the leader's keep_alive)")
+    unload = sub.add_parser("unload", help="unload MODEL (every instance of it) now")
+    unload.add_argument("model", metavar="MODEL")
     drain = sub.add_parser("drain", help="keep NODE out of the ring")
     drain.add_argument("target", metavar="NODE")
     drain.add_argument("--undo", action="store_true", help="let NODE back into the ring")
@@ -753,6 +787,16 @@ def main(argv: list[str] | None = None) -> int:
             target = args.target if args.action == "set" else None
             answer = fetch(args.node, "/cluster/leader", {"node": target}, creds, sign_with_secret=True)
             print(f"pinned {target}" if target else "unpinned: the election decides", f"(pin epoch {answer['pin'][0]})")
+        elif args.command == "ps":
+            print_instances(instances_of(fetch(args.node, "/cluster/status", creds=creds)))
+        elif args.command == "load":
+            body = {"model": args.model, "replicas": args.replicas}
+            if args.keep_alive is not None:
+                body["keep_alive"] = args.keep_alive
+            print_instances(fetch(args.node, "/cluster/load", body, creds, sign_with_secret=True, timeout_s=LOAD_TIMEOUT_S)["instances"])
+        elif args.command == "unload":
+            answer = fetch(args.node, "/cluster/unload", {"model": args.model}, creds, sign_with_secret=True)
+            print(f"unloaded: {', '.join(answer['unloaded']) or 'nothing (not loaded, or the configured model)'}")
         elif args.command == "drain":
             answer = fetch(args.node, "/cluster/drain", {"node": args.target, "undo": args.undo}, creds, sign_with_secret=True)
             print(f"drained: {', '.join(answer['drained']) or 'none'}")

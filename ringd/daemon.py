@@ -3,8 +3,8 @@
 Wiring only, no policy. The parts:
 
     cluster/members.py      links, election, pin, drains, heartbeats (who is here, who leads)
-    cluster/stagehost.py    plan -> shard -> stage runner (this node's layers)
-    cluster/coordinator.py  while leading: reconciliation, plans, the engine
+    node/stages.py          this node's stages, one per instance it holds layers of (stagehost.py each)
+    node/pool.py            while leading: the instances, each a coordinator.py (reconciliation, plans, an engine)
     cluster/discovery.py    Bonjour adverts, and the addresses peers dial us at
     status.py               /health, /cluster/status, STATUS frames
     http/api.py             HTTP (through the narrow ``ApiNode`` this class provides)
@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 from ringd.node.coordinator import Coordinator
+from ringd.node.pool import Pool, same_model
+from ringd.node.stages import Stages
 from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_order, local_networks, own_addresses
 from ringd.node.holders import holder_of, model_from_peers
 from ringd.cluster.members import Cluster, DrainError
@@ -41,6 +43,7 @@ from ringd.metrics import Gauges, Metrics
 from ringd.cluster.placement import ModelCost, NodeSpec, shortfall
 from ringd.models.catalogue import Catalogue
 from ringd.models.checkpoint import ModelInfo, load_tokenizer, weights_complete
+from ringd.leader.errors import EngineError
 from ringd.models.source import model_info
 from ringd.models.errors import ModelError
 from ringd.models.ollama import PREFIX as OLLAMA_PREFIX
@@ -81,8 +84,9 @@ class Daemon:
         self.secret = b""
         self.api_keys: frozenset[str] = frozenset()
         self.cluster: Cluster | None = None
-        self.stage: StageHost | None = None
-        self.coordinator: Coordinator | None = None
+        self.stage: StageHost | None = None  # the configured model's stage (``stages.default``)
+        self.stages: Stages | None = None
+        self.pool: Pool | None = None  # while leading: the instances it serves
         self.status: Status | None = None
         self.discovery: Discovery | None = None
         self.profile: DeviceProfile | None = None
@@ -155,13 +159,14 @@ class Daemon:
             tokenizer_source=lambda: self.tokenizer, departed=lambda node: node in self.cluster.left,
             peer_model=self.peer_model, holders=self._holders,
         )
+        self.stages = Stages(self.stage, self._instance_stage)
         self.cluster = Cluster(
             node=self.name, cluster=cfg.cluster, priority=cfg.priority, secret=self.secret, info=own,
             state_file=Path(cfg.state_dir).expanduser() / f"{cfg.cluster}-{self.name}.json",
             heartbeat_interval_s=cfg.heartbeat_interval_s, dead_after_s=cfg.dead_after_s, encrypt=cfg.ring_encryption,
             supervisor=self.supervisor, on_frame=self._route, on_leadership=self._on_leadership,
             on_change=self._on_change, report=lambda: self.stage.report, serving=self._serving,
-            sent=self.metrics.link_send.observe,
+            sent=self.metrics.link_send.observe, instances=self.stages.reports,
         )  # fmt: skip
         self.stage.dial = self.cluster.links.dial
         self.status = Status(
@@ -193,15 +198,15 @@ class Daemon:
         serves; every task stops (a load under way is given up); the compute thread finishes
         its step and MLX goes idle; the links close. Each step is bounded: it exits within seconds."""
         self.stopping = True
-        if self.stage is not None:
-            self.stage.stop()
+        if self.stages is not None:
+            self.stages.stop()
         if self.cluster is not None:
             self.cluster.leave()
         self.api.stop_serving(STOPPING)
-        if self.coordinator is not None:
+        if self.pool is not None:
             # A 503 "service unavailable": a follower forwarding the stream carries it over to
             # the next leader; a client of this node's own gets the error event and [DONE].
-            self.coordinator.close(STOPPING)
+            self.pool.close(STOPPING)
         await self.api.stop()
         await self.supervisor.stop()
         if self.discovery is not None:
@@ -243,14 +248,17 @@ class Daemon:
         """A frame from ``peer`` (heartbeats and election notes are the cluster's own)."""
         t = frame.type
         if t in (MsgType.FORWARD, MsgType.RELEASE):
-            self.stage.on_frame(peer, frame)
+            self.stages.route(frame).on_frame(peer, frame)
         elif t in (MsgType.TOKEN, MsgType.ERROR):
-            if self.coordinator is not None:
-                self.coordinator.on_frame(peer, frame)
+            if self.pool is not None:
+                self.pool.on_frame(peer, frame)
         elif t == MsgType.PLAN:
-            plan = self.stage.take(peer, frame.descriptor, self.cluster.leader)
-            if plan is not None:
-                self.supervisor.once(f"load plan {plan.term}", self.stage.load(plan))
+            taken = self.stages.take(peer, frame.descriptor, self.cluster.leader)
+            if taken is not None:
+                host, plan = taken
+                self.supervisor.once(f"load plan {plan.term}", host.load(plan))
+        elif t == MsgType.UNLOAD:
+            self.stages.unload(peer, frame.descriptor, self.cluster.leader)
         elif t == MsgType.LOADED:
             try:
                 report = parse_loaded(frame.descriptor)
@@ -269,19 +277,60 @@ class Daemon:
 
     def _on_leadership(self, leading: bool) -> None:
         if leading:
-            self.coordinator = Coordinator(
-                self.cfg, self.info, self.tokenizer, self.cluster, self.stage, self.supervisor, self._own,
-                self.budget, self._started, self.metrics, planned_before=self.stage.plan is not None, drafter=self.drafter,
+            planned_before = self.stage.plan is not None
+            self.pool = Pool(
+                self.cfg, self.model_id,
+                lambda pool: self._coordinator(pool, "", "", self.info, self.tokenizer, planned_before, self.drafter),
+                lambda pool, name, model, info, tokenizer: self._coordinator(pool, name, model, info, tokenizer, True, None),
+                self.catalogue, self.supervisor, self._budgets,
             )  # fmt: skip
-        elif self.coordinator is not None:
-            self.coordinator.close(f"leadership moved to {self.cluster.leader or 'another node'}; retry")
-            self.coordinator = None
+        elif self.pool is not None:
+            self.pool.close(f"leadership moved to {self.cluster.leader or 'another node'}; retry")
+            self.pool = None
+
+    def _coordinator(self, pool: Pool, instance: str, model: str, info: ModelInfo, tokenizer, planned_before: bool, drafter) -> Coordinator:
+        return Coordinator(
+            self.cfg, info, tokenizer, self.cluster, self.stages.named(instance), self.supervisor, self._own,
+            self.budget, self._started, self.metrics, planned_before=planned_before, drafter=drafter,
+            instance=instance, source=model, host=lambda: self.stages.named(instance),
+            room=lambda node: pool.room(instance, node), kv_room=lambda node: pool.kv_room(instance, node),
+        )  # fmt: skip
+
+    def _instance_stage(self, instance: str) -> StageHost:
+        """A stage for another of the leader's instances: its model found by name in this node's list."""
+        host = StageHost(
+            self.name, None, None, self.compute, self._send, self._on_change, self.metrics,
+            tokenizer_source=lambda: load_tokenizer(host.info), departed=lambda node: node in self.cluster.left,
+            instance=instance, resolve=self._resolve,
+        )  # fmt: skip
+        return host
+
+    async def _resolve(self, name: str) -> tuple[str, ModelInfo]:
+        """The model the leader's plan names, as this node's model list holds it: its path and info."""
+        entry = await self.catalogue.lookup(name)
+        if entry is None or entry.facts.info is None:
+            why = entry.facts.error if entry is not None else "no model by that name in its model list (models_dir, the Ollama store, the Hugging Face cache)"
+            raise ModelError(f"{self.name} cannot load model {name}: {why}; every node that holds its layers needs its files")
+        info = await asyncio.get_running_loop().run_in_executor(None, model_info, entry.ref)
+        return entry.ref, info
+
+    def _budgets(self) -> dict[str, tuple[int | None, bool]]:
+        """Each member's memory budget and whether it is api_only, as it said at its handshake."""
+        out = {}
+        for node in self.members():
+            info = self._own if node == self.name else self.cluster.info_of(node)
+            budget = self.budget if node == self.name else info.get("budget")
+            budget = budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
+            out[node] = (budget, info.get("api_only") is True)
+        return out
 
     def _on_change(self) -> None:
-        if self.stage is not None and self.cluster is not None:
-            self.stage.check_links({p: peer.number for p, peer in self.cluster.peers.items()})
-        if self.coordinator is not None:
-            self.coordinator.changed()
+        if self.stages is not None and self.cluster is not None:
+            self.stages.check_links({p: peer.number for p, peer in self.cluster.peers.items()})
+            if self.cluster.leader is not None:
+                self.stages.leader_is(self.cluster.leader)
+        if self.pool is not None:
+            self.pool.changed()
 
     def _holders(self, model: str) -> list[Holder]:
         """The linked peers that serve the files of ``model``."""
@@ -294,10 +343,14 @@ class Daemon:
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL_S)
-            if self.stage.stage is not None:
-                self.stage.stage.expire_idle()
+            self.stages.expire_idle()
 
     # --- what the API and status see (api.ApiNode) --------------------------------------
+
+    @property
+    def coordinator(self) -> Coordinator | None:
+        """The configured model's coordinator, while this node leads."""
+        return self.pool.default.coordinator if self.pool is not None else None
 
     @property
     def engine(self) -> Engine | None:
@@ -305,7 +358,31 @@ class Daemon:
 
     @property
     def leading(self) -> bool:
-        return self.coordinator is not None
+        return self.pool is not None
+
+    async def served(self, name: str | None, keep_alive: float | None | bool = False):
+        pool = self.pool
+        if pool is None:
+            raise EngineError("this node does not lead; retry in a moment", 503)
+        if name is None or same_model(name, self.model_id):
+            return pool.default
+        return await pool.served(name, keep_alive)
+
+    async def load(self, name: str, replicas: int = 1, keep_alive: float | None | bool = False):
+        if self.pool is None:
+            raise EngineError("this node does not lead; retry in a moment", 503)
+        if same_model(name, self.model_id):
+            return self.pool.default
+        return await self.pool.load(name, replicas, keep_alive)
+
+    def find(self, instance: str):
+        return self.pool.instances.get(instance) if self.pool is not None else None
+
+    def instances(self) -> list[dict]:
+        return self.pool.status() if self.pool is not None else []
+
+    def unload(self, name: str) -> list[str]:
+        return self.pool.unload_model(name, "asked to (keep_alive 0, or ringctl unload)") if self.pool is not None else []
 
     def members(self) -> set[str]:
         return set(self.cluster.election.members) if self.cluster else {self.name}
@@ -315,12 +392,7 @@ class Daemon:
 
     def fit_rule(self) -> Callable[[ModelInfo], str | None]:
         """placement.shortfall over the members as they are now (each one's budget, api_only or not)."""
-        nodes = []
-        for node in sorted(self.members()):
-            info = self._own if node == self.name else self.cluster.info_of(node)
-            budget = self.budget if node == self.name else info.get("budget")
-            budget = budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
-            nodes.append(NodeSpec(node, "", budget, api_only=info.get("api_only") is True))
+        nodes = [NodeSpec(node, "", budget, api_only=api_only) for node, (budget, api_only) in sorted(self._budgets().items())]
         cfg = self.cfg
         return lambda info: shortfall(nodes, ModelCost.of(info, cfg.kv_reserve_tokens, cfg.kv_bits, cfg.kv_group_size))
 
@@ -383,6 +455,8 @@ class Daemon:
             },
             "ring_encryption": self.cfg.ring_encryption,
             "tls": self.tls.mode if self.tls else "off",
+            # The leader's instances (the models it serves now), for ringctl ps and the dashboard.
+            "instances": self.instances(),
         }
 
     def _kv_capacity(self, start: int, end: int) -> int | None:

@@ -93,6 +93,7 @@ def run_local(
     log_level: str = "info",
     draft_model: str | None = None,
     tls: str = "off",
+    models_dir: str | None = None,
 ) -> int:
     """``tls``: "auto" serves https with certificates from the run's cluster CA, written to
     ringd-ca.pem in the run's folder for clients to trust."""
@@ -178,6 +179,8 @@ def run_local(
                 cmd += ["--model-id", model_id]
             if draft_model:  # on every node: whichever leads drafts
                 cmd += ["--draft-model", draft_model]
+            if models_dir:  # on every node: whichever leads loads from it, each node its layers
+                cmd += ["--models-dir", models_dir]
             procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, pass_fds=(rings[i].fileno(), https[i].fileno())))
             # The node holds its listeners now: when it exits, they close (peers see it refuse).
             rings[i].close()

@@ -70,6 +70,7 @@ class MsgType(enum.IntEnum):
     CONTROL = 13  # misc control messages, e.g. membership gossip
     INFO = 14  # handshake, first sealed frame: the node's info, once the peer proved the secret
     LEAVE = 15  # a node is stopping: take it out of the ring now, do not wait for its heartbeats to stop
+    UNLOAD = 16  # leader -> node: drop the layers of one of the leader's instances
 
 
 # Types whose descriptor is bytes in a fixed binary layout of the layer above's

@@ -30,7 +30,7 @@ from typing import Callable
 
 from ringd.cluster.election import Election, ElectionError, Pin, Term
 from ringd.cluster.links import LinkError, Links
-from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, Heartbeat, MessageError, clip, parse_control
+from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, MAX_INSTANCES, Heartbeat, MessageError, clip, parse_control
 from ringd.ring.plan import MAX_ADDR_CHARS
 from ringd.cluster.reconcile import Report
 from ringd.names import natural_key, parse_hostport
@@ -80,6 +80,7 @@ class Cluster:
         report: Callable[[], Report],
         serving: Callable[[], tuple[Term | None, str]],
         sent: Callable[[float], None] = lambda seconds: None,
+        instances: Callable[[], tuple[Report, ...]] = lambda: (),
     ):
         self.node = node
         self.priority = priority
@@ -87,6 +88,7 @@ class Cluster:
         self._on_leadership = on_leadership
         self._on_change = on_change
         self._report = report
+        self._instances = instances
         self._serving = serving
         self._dispatch = on_frame
         self._sent = sent  # seconds each frame took to hand to its link (metrics)
@@ -94,6 +96,8 @@ class Cluster:
         self.leading = False
         self.drained: set[str] = set()  # nodes `ringctl drain` keeps out of the ring (followers copy the leader's)
         self.reports: dict[str, Report] = {}  # what each linked peer last said of its stage
+        # ... and of its stages of the leader's other instances: peer -> instance -> report.
+        self.instance_reports: dict[str, dict[str, Report]] = {}
         self.leader_serving: tuple[Term | None, str] = (None, "no word from the leader yet")
         self._leader_moved = asyncio.Event()  # set, then replaced, whenever the leader changes
         self._last_leader: str | None = None
@@ -204,8 +208,10 @@ class Cluster:
         if peer == self.election.leader and beat.drained is not None:
             self.drained = set(beat.drained)
             self.leader_serving = (beat.serving, beat.reason)
-        changed = self.reports.get(peer) != beat.report
+        others = {r.instance: r for r in beat.instances}
+        changed = self.reports.get(peer) != beat.report or self.instance_reports.get(peer, {}) != others
         self.reports[peer] = beat.report
+        self.instance_reports[peer] = others
         self._elect(self.election.receive(peer, beat.election))
         if changed:
             self._on_change()
@@ -232,9 +238,18 @@ class Cluster:
 
     def take_report(self, peer: str, report: Report) -> None:
         """A LOADED frame: the same word a heartbeat carries, sent at once."""
-        if self.reports.get(peer) != report:
+        if report.instance:
+            held = self.instance_reports.setdefault(peer, {})
+            if held.get(report.instance) != report:
+                held[report.instance] = report
+                self._on_change()
+        elif self.reports.get(peer) != report:
             self.reports[peer] = report
             self._on_change()
+
+    def report_of(self, peer: str, instance: str) -> Report | None:
+        """What ``peer`` last said of its stage of ``instance`` (None: nothing yet)."""
+        return self.reports.get(peer) if not instance else self.instance_reports.get(peer, {}).get(instance)
 
     def view_changed(self) -> None:
         if self.leaving:
@@ -253,6 +268,8 @@ class Cluster:
                 del self.left[node]  # it came back: a new link, a member again
         for gone in set(self.reports) - set(self.links.peers):
             del self.reports[gone]
+        for gone in set(self.instance_reports) - set(self.links.peers):
+            del self.instance_reports[gone]
         members = {self.node: self.priority}
         for p, peer in self.links.peers.items():
             priority = peer.info.get("priority", 0)
@@ -272,11 +289,12 @@ class Cluster:
             addr = peer.info.get("addr")
             if len(known) < MAX_GOSSIPED_PEERS and _dialable(addr):
                 known[p] = addr
-        beat = Heartbeat(self.election.announcement(), self._report(), known)
+        instances = self._instances()[:MAX_INSTANCES]
+        beat = Heartbeat(self.election.announcement(), self._report(), known, instances=instances)
         if self.leading:
             serving, reason = self._serving()
             drained = tuple(sorted(self.drained, key=natural_key))
-            beat = Heartbeat(beat.election, beat.report, known, drained, serving, clip(reason))
+            beat = Heartbeat(beat.election, beat.report, known, drained, serving, clip(reason), instances)
         return beat.to_wire()
 
     def claim_plan_term(self) -> Term:

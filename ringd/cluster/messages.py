@@ -27,6 +27,9 @@ from ringd.names import check_name, parse_hostport
 MAX_GOSSIPED_PEERS = 64
 # Nodes `ringctl drain` may keep out at once: every node of the largest cluster.
 MAX_DRAINED = 64
+# Instances a node may hold stages of besides the configured model's: each is a whole model's
+# layers range in memory, so a Mac holds a handful; this bounds what a heartbeat carries.
+MAX_INSTANCES = 32
 # Why the leader does not serve, as followers repeat it in /health: one line.
 MAX_REASON_CHARS = 300
 
@@ -64,8 +67,11 @@ class Heartbeat:
     drained: tuple[str, ...] | None = None
     serving: Term | None = None
     reason: str = ""
+    instances: tuple[Report, ...] = ()  # its stages of the leader's other instances (``report`` is the configured model's)
 
     def __post_init__(self):
+        if len(self.instances) > MAX_INSTANCES:
+            raise MessageError(f"a heartbeat reports at most {MAX_INSTANCES} instances, not {len(self.instances)}")
         if len(self.knows) > MAX_GOSSIPED_PEERS:
             raise MessageError(f"a heartbeat tells of at most {MAX_GOSSIPED_PEERS} peers, not {len(self.knows)}")
         if self.drained is not None and len(self.drained) > MAX_DRAINED:
@@ -75,6 +81,8 @@ class Heartbeat:
 
     def to_wire(self) -> dict:
         d = {"election": self.election.to_wire(), "report": self.report.to_wire(), "knows": self.knows}
+        if self.instances:
+            d["instances"] = [r.to_wire() for r in self.instances]
         if self.drained is not None:
             d.update(drained=list(self.drained), serving=self.serving.to_wire() if self.serving else None, reason=self.reason)
         return d
@@ -84,11 +92,15 @@ class Heartbeat:
         if not isinstance(d, dict):
             raise MessageError(f"a heartbeat is an object, got {type(d).__name__}")
         required, leader_keys = {"election", "report", "knows"}, {"drained", "serving", "reason"}
-        if not required <= set(d) <= required | leader_keys or (set(d) & leader_keys and not leader_keys <= set(d)):
+        if not required <= set(d) <= required | leader_keys | {"instances"} or (set(d) & leader_keys and not leader_keys <= set(d)):
             raise MessageError(f"a heartbeat has keys election, report, knows (and from a leader drained, serving, reason); got {sorted(map(str, d))!r:.200}")
         try:
             election = Announce.from_wire(d["election"])
             report = Report.from_wire(d["report"])
+            instances = d.get("instances", [])
+            if not isinstance(instances, list) or len(instances) > MAX_INSTANCES:
+                raise MessageError(f"heartbeat instances must be a list of at most {MAX_INSTANCES} reports")
+            others = tuple(Report.from_wire(r) for r in instances)
             serving = Term.from_wire(d["serving"]) if d.get("serving") is not None else None
         except (ElectionError, ReportError) as e:
             raise MessageError(f"heartbeat: {e}") from None
@@ -110,7 +122,7 @@ class Heartbeat:
             drained = tuple(_node("drained node", n) for n in d["drained"])
             if not isinstance(d["reason"], str) or len(d["reason"]) > MAX_REASON_CHARS:
                 raise MessageError(f"heartbeat reason must be a string of at most {MAX_REASON_CHARS} characters")
-        return cls(election, report, dict(knows), drained, serving, d.get("reason", ""))
+        return cls(election, report, dict(knows), drained, serving, d.get("reason", ""), others)
 
 
 def parse_control(d: object) -> Announce:

@@ -41,6 +41,7 @@ from typing import Mapping
 
 from ringd.cluster.election import ElectionError, Term
 from ringd.ring.kvcost import KvCost, KvCostError
+from ringd.ring.plan import MAX_INSTANCE_CHARS
 from ringd.names import natural_key
 
 # Each member's report rides its heartbeats (every heartbeat_interval_s): this many
@@ -86,8 +87,12 @@ class Report:
     state: str = IDLE
     error: str | None = None
     kv: KvCost | None = None
+    # Which of the leader's instances the stage is of ("": the model the cluster was started with).
+    instance: str = ""
 
     def __post_init__(self):
+        if not isinstance(self.instance, str) or len(self.instance) > MAX_INSTANCE_CHARS or not self.instance.isprintable():
+            raise ReportError(f"report instance must be a printable string of at most {MAX_INSTANCE_CHARS} characters")
         if self.state not in STATES:
             raise ReportError(f"report state must be one of {', '.join(STATES)}, got {self.state!r:.40}")
         if (self.plan is None) != (self.state == IDLE):
@@ -102,12 +107,14 @@ class Report:
         d = {"plan": self.plan.to_wire() if self.plan else None, "state": self.state, "error": self.error}
         if self.kv is not None:
             d["kv"] = self.kv.to_wire()
+        if self.instance:
+            d["instance"] = self.instance
         return d
 
     @classmethod
     def from_wire(cls, d: object) -> "Report":
-        if not isinstance(d, dict) or not {"plan", "state", "error"} <= set(d) <= {"plan", "state", "error", "kv"}:
-            raise ReportError(f"a report is an object with keys plan, state, error (and kv), got {d!r:.200}")
+        if not isinstance(d, dict) or not {"plan", "state", "error"} <= set(d) <= {"plan", "state", "error", "kv", "instance"}:
+            raise ReportError(f"a report is an object with keys plan, state, error (and kv, instance), got {d!r:.200}")
         try:
             plan = None if d["plan"] is None else Term.from_wire(d["plan"])
             kv = KvCost.from_wire(d["kv"]) if d.get("kv") is not None else None
@@ -115,7 +122,7 @@ class Report:
             raise ReportError(f"report: {e}") from None
         if not isinstance(d["state"], str):
             raise ReportError(f"report state must be a string, got {d['state']!r:.40}")
-        return cls(plan, d["state"], d["error"], kv)
+        return cls(plan, d["state"], d["error"], kv, d.get("instance", ""))
 
 
 def failure_report(term: Term, error: str) -> Report:
@@ -152,6 +159,7 @@ class Decision:
     inform: tuple[str, ...] = ()
     ready: bool = False
     reason: str = ""
+    failed: bool = False  # a stage could not load its layers (``reason`` says which and why)
 
 
 @dataclass
@@ -240,8 +248,8 @@ class Reconciler:
             node, report = failed[0]
             reason = f"node {node} could not load its layers: {report.error or 'no reason given'}"
             if now - plan.sent_at >= RETRY_AFTER_FAILURE_S:
-                return Decision(plan_over=holders, inform=inform, reason=reason + "; trying a fresh plan")
-            return Decision(inform=inform, reason=reason)
+                return Decision(plan_over=holders, inform=inform, reason=reason + "; trying a fresh plan", failed=True)
+            return Decision(inform=inform, reason=reason, failed=True)
         waiting = [s for s in plan.stages if not (members[s].report is not None and members[s].report.plan == plan.term and members[s].report.state == LOADED)]
         if waiting:
             return Decision(inform=inform, reason=f"loading plan term {plan.term.number}; waiting for {', '.join(waiting)}")

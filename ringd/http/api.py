@@ -42,6 +42,9 @@ from ringd.auth import AuthError, ControlAuth, is_signed, sign
 from ringd.http import anthropic_api, embeddings, models_list, ollama_api, openai_api, responses_api
 from ringd.http.endpoint import Endpoint
 from ringd.http.errors import ApiError
+from ringd.http.fields import MAX_MODEL_CHARS
+from ringd.leader.errors import EngineError
+from ringd.ring.keepalive import KeepAliveError, parse_keep_alive
 from ringd.http.files import FileServer
 from ringd.http.bodies import MAX_BODY_BYTES
 from ringd.http.guard import AIOHTTP_LOG, HTTP_IDLE_TIMEOUT_S, ConnectionCap, listen, raise_fd_limit, undecodable_header
@@ -181,13 +184,13 @@ class Api:
         # Each route that generates: the one lifecycle, with its API's translation.
         endpoint = Endpoint(node, self.intake, self.serving, self.proxy)
         generating, counting, embedding = endpoint.generating, endpoint.counting, endpoint.embedding
-        ollama = ollama_api.Models(node, self.intake)
+        ollama = ollama_api.Models(node, self.intake, self.proxy.forward)
         self.app.add_routes(
             [
-                web.post("/v1/chat/completions", generating(openai_api.Completions(node, chat=True))),
-                web.post("/v1/completions", generating(openai_api.Completions(node, chat=False))),
-                web.post("/v1/responses", generating(responses_api.Responses(node))),
-                web.post("/v1/messages", generating(anthropic_api.Messages(node))),
+                web.post("/v1/chat/completions", generating(openai_api.Completions(chat=True))),
+                web.post("/v1/completions", generating(openai_api.Completions(chat=False))),
+                web.post("/v1/responses", generating(responses_api.Responses())),
+                web.post("/v1/messages", generating(anthropic_api.Messages())),
                 web.post("/v1/messages/count_tokens", counting(anthropic_api.CountTokens())),
                 web.post("/api/chat", generating(ollama_api.Generate(node, chat=True))),
                 web.post("/api/generate", generating(ollama_api.Generate(node, chat=False))),
@@ -205,6 +208,8 @@ class Api:
                 web.get("/cluster/models", self.cluster_models),
                 web.post("/cluster/leader", self.set_leader),
                 web.post("/cluster/drain", self.drain),
+                web.post("/cluster/load", self.load),
+                web.post("/cluster/unload", self.unload),
                 *FileServer(node).routes(),
                 web.get("/metrics", make_aiohttp_handler(node.metrics.registry)),
                 web.get("/openapi.json", self.openapi),
@@ -328,6 +333,51 @@ class Api:
         except ValueError as e:
             raise ApiError(400, str(e), "node") from None
         return web.json_response({"drained": sorted(self.d.drained)})
+
+    async def _control_body(self, request: web.Request) -> tuple[bytes, dict]:
+        raw = await self.intake.read(request)
+        await self._need_secret(request, raw)
+        return raw, await self.intake.json(raw)
+
+    async def _to_leader(self, request: web.Request, raw: bytes) -> web.Response:
+        url, leader = self.d.leader_http(), self.d.leader
+        if url is None or leader is None:
+            raise ApiError(503, "no leader is elected right now; retry in a moment")
+        signed = sign(self.d.secret, request.method, request.path_qs, leader, raw, time.time())
+        return await self.proxy.control(request, url, raw, signed)
+
+    async def load(self, request: web.Request) -> web.Response:
+        """`ringctl load MODEL [--replicas N] [--keep-alive D]`: the leader loads it (N instances),
+        answering once one serves."""
+        raw, body = await self._control_body(request)
+        model, replicas = body.get("model"), body.get("replicas", 1)
+        if not isinstance(model, str) or not model or len(model) > MAX_MODEL_CHARS:
+            raise ApiError(400, 'load takes {"model": NAME, "replicas": 1, "keep_alive": "5m"}', "model")
+        if type(replicas) is not int:
+            raise ApiError(400, "replicas must be an integer", "replicas")
+        keep_alive: float | None | bool = False
+        if body.get("keep_alive") is not None:
+            try:
+                keep_alive = parse_keep_alive(body["keep_alive"])
+            except KeepAliveError as e:
+                raise ApiError(400, str(e), "keep_alive") from None
+        if not self.d.leading:
+            return await self._to_leader(request, raw)
+        try:
+            await self.d.load(model, replicas, keep_alive)
+        except EngineError as e:
+            raise ApiError(e.status, str(e), "model" if e.status in (400, 404) else None) from None
+        return web.json_response({"instances": self.d.instances()})
+
+    async def unload(self, request: web.Request) -> web.Response:
+        """`ringctl unload MODEL`: every instance of it goes now (never the configured model)."""
+        raw, body = await self._control_body(request)
+        model = body.get("model")
+        if not isinstance(model, str) or not model or len(model) > MAX_MODEL_CHARS:
+            raise ApiError(400, 'unload takes {"model": NAME}', "model")
+        if not self.d.leading:
+            return await self._to_leader(request, raw)
+        return web.json_response({"unloaded": self.d.unload(model), "instances": self.d.instances()})
 
     # --- status -------------------------------------------------------------------
 

@@ -42,13 +42,16 @@ from aiohttp import web
 
 from ringd.http import embeddings
 from ringd.http.errors import ApiError
+from ringd.http.fields import MAX_MODEL_CHARS
+from ringd.leader.errors import EngineError
+from ringd.ring.keepalive import KeepAliveError, parse_keep_alive
 from ringd.http.intake import Intake, request_id
 from ringd.http.proxy import RESUME_FIELD, TOKEN_COMMENT, Proxy, Resume, read_resume
 from ringd.http.serving import Generation, Serving
 
 if TYPE_CHECKING:
     from ringd.http.framing import Framing
-    from ringd.http.node import ApiNode
+    from ringd.http.node import ApiNode, Served
     from ringd.http.request import Output, Request
 
 log = logging.getLogger(__name__)
@@ -89,12 +92,17 @@ class Translation(Protocol):
 
     framing: "Framing"  # how its streams are written
     resumable: bool  # a follower can carry its streams over to a new leader (OpenAI's SSE)
+    keep_alive: bool  # its body may say how long the model stays loaded (Ollama's keep_alive)
 
     def streams(self, body: dict) -> bool:
         """Whether ``body`` asks for a stream, before it is parsed (a follower forwards it so)."""
 
-    def parse(self, body: dict) -> Answer:
-        """The body as the one internal request, or a 400 ``ApiError``."""
+    def parse(self, body: dict, served: "Served") -> Answer:
+        """The body as the one internal request to ``served`` (the model it names), or a 400 ``ApiError``."""
+
+    def unloaded(self, body: dict) -> dict | None:
+        """The answer if ``body`` only asks to unload its model (Ollama's keep_alive 0 with no
+        prompt), else None."""
 
 
 class Count(Protocol):
@@ -147,7 +155,23 @@ class Endpoint:
         raw, body, _ = await self._receive(request)
         if self.d.engine is None:
             return await self.proxy.forward(request, raw, False, resumable=False)
-        return web.json_response(api.counted(await self.serving.count_tokens(await self.intake.off_loop(api.parse, body))))
+        req = await self.intake.off_loop(api.parse, body)
+        return web.json_response(api.counted(await self.serving.count_tokens(req, await self.served(body, api))))
+
+    async def served(self, body: dict, api: "Translation | Count") -> "Served":
+        """The model ``body`` names, loaded if need be (a malformed name: the configured model's,
+        and the API's parse refuses the name in its own words)."""
+        name = body.get("model")
+        keep_alive: float | None | bool = False
+        if getattr(api, "keep_alive", False) and body.get("keep_alive") is not None:
+            try:
+                keep_alive = parse_keep_alive(body["keep_alive"])
+            except KeepAliveError as e:
+                raise ApiError(400, str(e), "keep_alive") from None
+        try:
+            return await self.d.served(name if isinstance(name, str) and 0 < len(name) <= MAX_MODEL_CHARS else None, keep_alive)
+        except EngineError as e:
+            raise ApiError(e.status, str(e), "model" if e.status in (400, 404) else None, "model_not_found" if e.status == 404 else None, retry_after=e.retry_after) from None
 
     async def embed(self, request: web.Request, api: "embeddings.Translation") -> web.StreamResponse:
         raw, body, _ = await self._receive(request)
@@ -166,8 +190,13 @@ class Endpoint:
         raw, body, forwarded = await self._receive(request)
         if self.d.engine is None:
             return await self.proxy.forward(request, raw, api.streams(body), resumable=api.resumable)
+        unloaded = api.unloaded(body)
+        if unloaded is not None:
+            self.d.unload(body["model"])
+            return web.json_response(unloaded)
+        served = await self.served(body, api)
         # Messages, tools and schemas checked: work that grows with the body, not on the loop.
-        answer = await self.intake.off_loop(api.parse, body)
+        answer = await self.intake.off_loop(api.parse, body, served)
         if answer.request is None:
             return web.json_response(answer.whole(None))
         resume = None
@@ -175,8 +204,8 @@ class Endpoint:
             if not answer.stream:  # followers carry streams over; anything else is sent again whole
                 raise ApiError(400, f"{RESUME_FIELD} carries a stream over; this request does not stream", RESUME_FIELD)
             # Up to MAX_RESUME_TOKENS ids, each checked: tens of milliseconds, not on the loop.
-            resume = await asyncio.get_running_loop().run_in_executor(None, read_resume, body[RESUME_FIELD], self.d.info.vocab_size)
-        gen = await self.serving.open(answer.request, request_id(request), resume.tokens if resume else (), received_ns)
+            resume = await asyncio.get_running_loop().run_in_executor(None, read_resume, body[RESUME_FIELD], served.info.vocab_size)
+        gen = await self.serving.open(answer.request, served, request_id(request), resume.tokens if resume else (), received_ns)
         try:
             if answer.stream:
                 return await self._stream(request, api.framing, answer, gen, resume, token_ids=forwarded and api.resumable)

@@ -19,6 +19,22 @@ if TYPE_CHECKING:
     from ringd.models.checkpoint import ModelInfo
 
 
+class Served(Protocol):
+    """One model the leader serves (an instance of its pool): what a request naming it runs on."""
+
+    name: str  # the instance ("" for the model the cluster was started with)
+    model_id: str  # what requests name it by, and answers call it
+    pinned: bool
+
+    @property
+    def info(self) -> "ModelInfo": ...
+    @property
+    def tokenizer(self) -> object: ...
+    @property
+    def engine(self) -> "Engine": ...
+    def readiness(self) -> tuple[bool, str]: ...
+
+
 class ApiNode(Protocol):
     name: str
     model_id: str
@@ -52,5 +68,20 @@ class ApiNode(Protocol):
         """Whether the cluster's memory holds a model, as placement would place it over the members'
         budgets as they are now: None if it does, else why not. Pure: callable off the loop."""
         ...
+    async def served(self, name: str | None, keep_alive: "float | None | bool" = False) -> Served:
+        """The instance that serves ``name`` (None: the configured model), loading it first if the
+        model list holds it (the leader only); ``keep_alive`` (False: leave it) sets how long it stays
+        loaded once idle. Raises leader.errors.EngineError (404, 400, 503) saying why not."""
+        ...
+    def find(self, instance: str) -> Served | None:
+        """The leader's instance named ``instance`` (None: no such instance, or not the leader)."""
+        ...
+    def instances(self) -> list[dict]:
+        """The leader's instances, as /api/ps and ``ringctl ps`` show them ([] on a follower)."""
+        ...
+    def unload(self, name: str) -> list[str]:
+        """Unload every instance of the model ``name`` now; the instances unloaded."""
+        ...
+    async def load(self, name: str, replicas: int, keep_alive: "float | None | bool" = False) -> Served: ...
     def set_pin(self, node: str | None) -> dict: ...
     def drain(self, node: str, undo: bool) -> None: ...

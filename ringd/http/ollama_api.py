@@ -89,10 +89,11 @@ from ringd.models.ollama_params import (
     sampling_of,
 )
 from ringd.ring.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr
+from ringd.ring.keepalive import KeepAliveError, parse_keep_alive
 
 if TYPE_CHECKING:
     from ringd.http.intake import Intake
-    from ringd.http.node import ApiNode
+    from ringd.http.node import ApiNode, Served
     from ringd.http.serving import Generation
     from ringd.models.checkpoint import ModelInfo
 
@@ -106,6 +107,8 @@ OLLAMA_VERSION = "0.12.0"
 VERSION_HEADER = "X-Ringd-Version"
 # /api/ps: when the model would be unloaded. Never: the ring holds it while it runs.
 NEVER_EXPIRES = "9999-12-31T23:59:59Z"
+# Models described at once (each a header read, kept): the pool's instances and the configured one.
+MAX_DESCRIBED = 64
 # Ollama's roles; "tool" carries a result back.
 ROLES = ("system", "user", "assistant", "tool")
 # think levels (gpt-oss's reasoning efforts); each also means "think".
@@ -426,6 +429,8 @@ class Generate:
     framing = NDJSON
     resumable = False  # a follower relays the lines as they come; a new leader cannot continue them
 
+    keep_alive = True  # Ollama's keep_alive: how long the model stays loaded once idle
+
     def __init__(self, node: "ApiNode", chat: bool):
         self.d = node
         self.chat = chat
@@ -433,17 +438,31 @@ class Generate:
     def streams(self, body: dict) -> bool:
         return body.get("stream") is not False  # Ollama streams unless told not to
 
-    def parse(self, body: dict) -> "GenerateAnswer | Loaded":
-        d = self.d
-        p = parse(body, self.chat, d.model_id, d.info.context_length, getattr(d.tokenizer, "has_thinking", False))
+    def unloaded(self, body: dict) -> dict | None:
+        """Ollama's "unload the model" call: keep_alive 0 and nothing to generate."""
+        ka, model = body.get("keep_alive"), body.get("model")
+        if ka is None or not isinstance(model, str) or not model:
+            return None
+        try:
+            if parse_keep_alive(ka) != 0:
+                return None
+        except KeepAliveError:
+            return None  # the request's parse says what is wrong with it
+        empty = not body.get("messages") if self.chat else body.get("prompt") in (None, "")
+        if not empty:
+            return None
+        answer = {"message": {"role": "assistant", "content": ""}} if self.chat else {"response": ""}
+        return {"model": model, "created_at": created_at(), **answer, "done": True, "done_reason": "unload"}
+
+    def parse(self, body: dict, served: "Served") -> "GenerateAnswer | Loaded":
+        p = parse(body, self.chat, served.model_id, served.info.context_length, getattr(served.tokenizer, "has_thinking", False))
         if p.request is None:
-            # Ollama's "load the model" call: the ring has it loaded once it is ready.
-            check_model(p.model, d.model_id)
-            ready, reason = d.readiness()
+            # Ollama's "load the model" call: the model was loaded (served) before the parse.
+            ready, reason = served.readiness() if not served.pinned else self.d.readiness()
             if not ready:
                 raise ApiError(503, f"the ring is not ready: {reason}")
             return Loaded(p.model, self.chat)
-        return GenerateAnswer(p, self.chat, d.tokenizer)
+        return GenerateAnswer(p, self.chat, served.tokenizer)
 
 
 class Loaded:
@@ -536,16 +555,22 @@ class Models:
     """Ollama's descriptions of the one model the ring serves: ``GET /api/tags``, ``POST /api/show``,
     ``GET /api/ps``, ``GET /api/version``. Any node answers them, about the model it serves."""
 
-    def __init__(self, node: "ApiNode", intake: "Intake"):
+    def __init__(self, node: "ApiNode", intake: "Intake", forward=None):
         self.d = node
         self.intake = intake
-        self._described: dict | None = None
+        self.forward = forward  # a follower's way to ask its leader (proxy.Proxy.forward)
+        self._described: dict[str, dict] = {}  # by model fingerprint
 
-    async def _description(self) -> dict:
+    async def _description(self, info: "ModelInfo | None" = None) -> dict:
         """What Ollama lists of a model (``/api/tags``, ``/api/ps``), worked out once off the loop."""
-        if self._described is None:
-            self._described = await asyncio.get_running_loop().run_in_executor(None, describe, self.d.info)
-        return self._described
+        info = info or self.d.info
+        found = self._described.get(info.fingerprint)
+        if found is None:
+            found = await asyncio.get_running_loop().run_in_executor(None, describe, info)
+            if len(self._described) >= MAX_DESCRIBED:
+                self._described.clear()
+            self._described[info.fingerprint] = found
+        return found
 
     async def tags(self, request: web.Request) -> web.Response:
         """The loaded model as ``describe`` has it, then every other model the node could serve
@@ -559,17 +584,31 @@ class Models:
         return web.json_response({"models": [model, *map(models_list.ollama_model, rows[1:])]})
 
     async def ps(self, request: web.Request) -> web.Response:
+        """The models loaded now: the leader's instances (a follower asks its leader), each with
+        Ollama's fields and ringd's own (its ring, state, requests, load progress)."""
         self.intake.need_key(request)
-        d = await self._description()
+        if self.d.engine is None and self.forward is not None:
+            return await self.forward(request, b"", False, resumable=False)
         profile = getattr(self.d, "profile", None)
-        # Apple silicon's memory is the GPU's: on a Mac the whole model is "in VRAM".
-        vram = d["size"] if getattr(profile, "gpu_cores", None) else 0
-        name = ollama_name(self.d.model_id)
-        model = {
-            "name": name, "model": name, "size": d["size"], "digest": d["digest"],
-            "details": d["details"], "expires_at": NEVER_EXPIRES, "size_vram": vram, "context_length": default_context(self.d.info),
-        }  # fmt: skip
-        return web.json_response({"models": [model]})
+        models = []
+        for row in self.d.instances() or [self._configured()]:
+            served = self.d.find(row["instance"]) if row["instance"] else None
+            info = served.info if served is not None else self.d.info
+            d = await self._description(info)
+            # Apple silicon's memory is the GPU's: on a Mac the whole model is "in VRAM".
+            vram = d["size"] if getattr(profile, "gpu_cores", None) else 0
+            name = ollama_name(row["model"] or self.d.model_id)
+            expires = row.get("expires_at")
+            models.append({
+                "name": name, "model": name, "size": d["size"], "digest": d["digest"], "details": d["details"],
+                "expires_at": models_list.iso(expires) if expires is not None else NEVER_EXPIRES, "size_vram": vram,
+                "context_length": default_context(info), "ringd": row,
+            })  # fmt: skip
+        return web.json_response({"models": models})
+
+    def _configured(self) -> dict:
+        """The configured model's row where no pool lists it (a node that does not lead)."""
+        return {"instance": "", "model": "", "expires_at": None}
 
     async def show(self, request: web.Request) -> web.Response:
         self.intake.need_key(request)

@@ -22,7 +22,7 @@ from ringd.http.openai_types import CompletionRequest, envelope, new_id, now, pa
 from ringd.http.request import CallArguments, CallDone, CallOpened, CallPiece, Output, ToolCall, Usage
 
 if TYPE_CHECKING:
-    from ringd.http.node import ApiNode
+    from ringd.http.node import Served
     from ringd.http.proxy import Resume
     from ringd.http.serving import Generation
 
@@ -56,16 +56,19 @@ class Completions:
 
     framing = OPENAI_SSE
     resumable = True
+    keep_alive = False
 
-    def __init__(self, node: "ApiNode", chat: bool):
-        self.d = node
+    def __init__(self, chat: bool):
         self.chat = chat
 
     def streams(self, body: dict) -> bool:
         return body.get("stream") is True
 
-    def parse(self, body: dict) -> "CompletionAnswer":
-        return CompletionAnswer(parse_request(body, self.chat), self.d.tokenizer, self.d.model_id)
+    def unloaded(self, body: dict) -> None:
+        return None
+
+    def parse(self, body: dict, served: "Served") -> "CompletionAnswer":
+        return CompletionAnswer(parse_request(body, self.chat), served.tokenizer, served.model_id)
 
 
 class CompletionAnswer:

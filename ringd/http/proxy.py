@@ -228,7 +228,8 @@ class Proxy:
                 await asyncio.sleep(FAILOVER_POLL_S)
 
     async def _post_whole(self, url: str, request: web.Request, body: bytes, headers: dict) -> web.Response:
-        async with self._session().post(url + request.path_qs, data=body, headers=headers) as up:
+        # The method the client used: a GET asked of the leader (/api/ps) stays a GET.
+        async with self._session().request(request.method, url + request.path_qs, data=body if request.method != "GET" else None, headers=headers) as up:
             data = await up.read()
             headers = {"Content-Type": up.headers.get("Content-Type", "application/json")}
             for h in ("Retry-After", REQUEST_ID_HEADER):

@@ -89,7 +89,7 @@ from ringd.http.request import MAX_TOOLS, CallArguments, CallOpened, CallPiece, 
 from ringd.ring.sampling import SamplingParams, brief_repr
 
 if TYPE_CHECKING:
-    from ringd.http.node import ApiNode
+    from ringd.http.node import Served
     from ringd.http.serving import Generation
 
 # Input items in one request: as many as chat completions takes messages.
@@ -583,15 +583,16 @@ class Responses:
 
     framing = NAMED_SSE
     resumable = False  # a follower relays these events as they come; a new leader cannot continue them
-
-    def __init__(self, node: "ApiNode"):
-        self.d = node
+    keep_alive = False
 
     def streams(self, body: dict) -> bool:
         return body.get("stream") is True
 
-    def parse(self, body: dict) -> "ResponseAnswer":
-        return ResponseAnswer(parse(body), self.d.model_id)
+    def unloaded(self, body: dict) -> None:
+        return None
+
+    def parse(self, body: dict, served: "Served") -> "ResponseAnswer":
+        return ResponseAnswer(parse(body), served.model_id)
 
 
 class ResponseAnswer:

@@ -33,7 +33,7 @@ from ringd.leader.errors import EngineError
 from ringd.ring.sampling import SamplingError
 
 if TYPE_CHECKING:
-    from ringd.http.node import ApiNode
+    from ringd.http.node import ApiNode, Served
     from ringd.leader.engine import Engine
 
 # Prompts rendered and grammars checked at once: CPU-bound work off the event
@@ -104,28 +104,30 @@ class Serving:
     def __init__(self, node: "ApiNode"):
         self.d = node
         self._renders = asyncio.Semaphore(MAX_CONCURRENT_RENDERS)
-        self._checked: OrderedDict[str, None] = OrderedDict()
-        self._chars_per_token: int | None = None
+        self._checked: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._chars_per_token: dict[str, int] = {}  # by model: its tokenizer's longest entry
 
-    async def open(self, req: Request, request_id: str | None, resumed: list[int] = (), received_ns: int | None = None) -> Generation:
-        """Check, render and start ``req``; its first token is not awaited here.
+    async def open(
+        self, req: Request, served: "Served", request_id: str | None, resumed: list[int] = (), received_ns: int | None = None
+    ) -> Generation:
+        """Check, render and start ``req`` on ``served`` (the model it names); its first token is
+        not awaited here.
 
         ``resumed``: the ids a stream carried over already sent; ``received_ns``: when the request arrived."""
-        self._check_model(req)
-        req = with_model_defaults(req, self.d.info.defaults)
-        engine = await self.ready()
+        req = with_model_defaults(req, served.info.defaults)
+        engine = await self.ready(served)
         try:
-            req.params.check_vocab(self.d.info.vocab_size)
+            req.params.check_vocab(served.info.vocab_size)
         except SamplingError as e:
             raise ApiError(400, str(e), req.name(e.field) if e.field else None) from None
-        rendered = await self._rendered(req)
+        rendered = await self._rendered(req, served)
         prompt = rendered.prompt
-        context = self._context(req)
+        context = self._context(req, served)
         max_tokens = req.max_tokens if req.max_tokens is not None else context - len(prompt)
         if len(prompt) + max_tokens > context:
             raise ApiError(
                 400,
-                f"{len(prompt)} prompt tokens + {req.name('max_tokens')} {max_tokens} exceed the {self._context_name(req)} of {context} tokens",
+                f"{len(prompt)} prompt tokens + {req.name('max_tokens')} {max_tokens} exceed the {self._context_name(req, served)} of {context} tokens",
                 req.name("max_tokens"),
                 "context_length_exceeded",
             )
@@ -134,49 +136,46 @@ class Serving:
         params = req.params if rendered.grammar is None else dataclasses.replace(req.params, grammar=rendered.grammar)
         self.d.metrics.prompt_tokens.inc(len(prompt))
         events = engine.generate(prompt, params, max_tokens, req.stop, list(resumed), request_id, emit_resumed=True, ignore_eos=req.ignore_eos)
-        return Generation(req, rendered, events, self.d.tokenizer, len(resumed), received_ns)
+        return Generation(req, rendered, events, served.tokenizer, len(resumed), received_ns)
 
-    async def ready(self) -> "Engine":
+    async def ready(self, served: "Served") -> "Engine":
         """The engine, once a ring serves (a ring lost a moment ago: waiting for the next, as the
         requests in flight do); a 503 if this node does not lead or no ring serves."""
-        engine = self.d.engine
+        engine = served.engine if self.d.engine is not None else None
         if engine is None:
             raise ApiError(503, "this node does not lead; retry in a moment")
-        ready, reason = self.d.readiness()
+        readiness = self.d.readiness if served.pinned else served.readiness
+        ready, reason = readiness()
         if not ready and await engine.ring_back(self.d.failover_wait_s):
-            ready, reason = self.d.readiness()
+            ready, reason = readiness()
         if not ready:
             raise ApiError(503, f"the ring is not ready: {reason}")
         return engine
 
-    async def count_tokens(self, req: Request) -> int:
+    async def count_tokens(self, req: Request, served: "Served") -> int:
         """The prompt tokens ``req`` would take (Anthropic's count_tokens): checked and rendered, not run."""
-        self._check_model(req)
-        return len((await self._rendered(with_model_defaults(req, self.d.info.defaults))).prompt)
+        return len((await self._rendered(with_model_defaults(req, served.info.defaults), served)).prompt)
 
-    def _check_model(self, req: Request) -> None:
-        if req.model != self.d.model_id:
-            raise ApiError(
-                404, f"model {req.model!r} is not served here; this ring serves {self.d.model_id!r}", req.name("model"), "model_not_found"
-            )
-
-    def _context(self, req: Request) -> int:
+    def _context(self, req: Request, served: "Served") -> int:
         """The tokens ``req``'s prompt and answer may take together: the model's context length,
         or less where the request (Ollama's options.num_ctx) or else the model's defaults (an
         Ollama params layer's num_ctx) ask for less."""
-        model = self.d.info.context_length
+        model = served.info.context_length
         return min(model, req.context or model)
 
-    def _context_name(self, req: Request) -> str:
-        return "model's context" if self._context(req) == self.d.info.context_length else "context asked for (num_ctx)"
+    def _context_name(self, req: Request, served: "Served") -> str:
+        return "model's context" if self._context(req, served) == served.info.context_length else "context asked for (num_ctx)"
 
-    async def _rendered(self, req: Request) -> Rendered:
+    async def _rendered(self, req: Request, served: "Served") -> Rendered:
         """The prompt (that fits the context) and the grammar (that compiles) of ``req``."""
-        context = self._context(req)
+        context = self._context(req, served)
         where = req.name("messages" if req.chat else "prompt")
-        if self._chars_per_token is None:
-            self._chars_per_token = max_chars_per_token(self.d.tokenizer)
-        budget = context * self._chars_per_token
+        chars_per_token = self._chars_per_token.get(served.model_id)
+        if chars_per_token is None:
+            chars_per_token = self._chars_per_token[served.model_id] = max_chars_per_token(served.tokenizer)
+            while len(self._chars_per_token) > CHECKED_GRAMMARS:
+                self._chars_per_token.pop(next(iter(self._chars_per_token)))
+        budget = context * chars_per_token
         # Every string of the request, counted before it is rendered or tokenized: off the loop,
         # as a request may hold a million of them.
         chars = await asyncio.get_running_loop().run_in_executor(None, req.prompt_chars, budget)
@@ -184,40 +183,40 @@ class Serving:
             raise ApiError(
                 400,
                 f"the prompt{' and tools' if req.tools else ''} come to over {budget} characters, which cannot fit "
-                f"the {self._context_name(req)} of {context} tokens (a token here spans at most {self._chars_per_token} characters)",
+                f"the {self._context_name(req, served)} of {context} tokens (a token here spans at most {chars_per_token} characters)",
                 where,
                 "context_length_exceeded",
             )
         async with self._renders:
-            rendered = await asyncio.get_running_loop().run_in_executor(None, self._render, req)
+            rendered = await asyncio.get_running_loop().run_in_executor(None, self._render, req, served)
         if rendered.grammar is not None:
-            self._remember(rendered.grammar)
+            self._remember((served.model_id, rendered.grammar))
         prompt = rendered.prompt
         if isinstance(req.prompt, list):
-            vocab = self.d.info.vocab_size
+            vocab = served.info.vocab_size
             if any(t >= vocab for t in prompt):
                 raise ApiError(400, f"prompt token ids must be below the vocabulary size {vocab}", where)
         if len(prompt) >= context:
-            raise ApiError(400, f"the prompt is {len(prompt)} tokens; the {self._context_name(req)} is {context}", where, "context_length_exceeded")
+            raise ApiError(400, f"the prompt is {len(prompt)} tokens; the {self._context_name(req, served)} is {context}", where, "context_length_exceeded")
         return rendered
 
-    def _render(self, req: Request) -> Rendered:
+    def _render(self, req: Request, served: "Served") -> Rendered:
         """On an executor thread: the prompt and grammar, the grammar checked against the tokenizer."""
         try:
-            rendered = render(req, self.d.tokenizer, getattr(self.d, "chat_template_kwargs", None))
+            rendered = render(req, served.tokenizer, getattr(self.d, "chat_template_kwargs", None))
         except RenderError as e:
             raise ApiError(400, str(e), e.field) from None
-        if rendered.grammar is not None and rendered.grammar not in self._checked:
+        if rendered.grammar is not None and (served.model_id, rendered.grammar) not in self._checked:
             from ringd.stage import grammar as grammars  # llguidance: loaded by the first request with a grammar
 
             try:
-                grammars.check(rendered.grammar, self.d.tokenizer, self.d.info.vocab_size, req.name(_grammar_field(req)))
+                grammars.check(rendered.grammar, served.tokenizer, served.info.vocab_size, req.name(_grammar_field(req)))
             except grammars.GrammarError as e:
                 raise ApiError(400, str(e), e.where, "invalid_grammar") from None
         return rendered
 
-    def _remember(self, grammar: str) -> None:
-        """On the event loop: ``grammar`` compiles; later requests skip the check."""
+    def _remember(self, grammar: tuple[str, str]) -> None:
+        """On the event loop: ``grammar`` (model, text) compiles; later requests skip the check."""
         self._checked[grammar] = None
         self._checked.move_to_end(grammar)
         while len(self._checked) > CHECKED_GRAMMARS:

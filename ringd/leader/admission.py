@@ -93,6 +93,11 @@ class KvLedger:
     def book(self, key: int, tokens: int) -> None:
         self._booked[key] = tokens
 
+    def resize(self, capacities: list[int | None]) -> None:
+        """New capacities per stage (another instance came to share, or left, a node): bookings stay;
+        while some stage holds more than its new capacity, new requests wait for room."""
+        self.stages = [StageKv(s.node, s.cost, c) for s, c in zip(self.stages, capacities, strict=True)]
+
     def release(self, key: int) -> None:
         self._booked.pop(key, None)
 

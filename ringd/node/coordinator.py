@@ -16,8 +16,10 @@ A leader that takes over a running cluster plans at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from typing import Callable
 
 from ringd.cluster.election import Term
 from ringd.cluster.links import LinkError
@@ -31,6 +33,7 @@ from ringd.leader.admission import KvLedger, StageKv
 from ringd.ring.kvcost import KvCost
 from ringd.leader.draft import Drafter
 from ringd.leader.engine import Engine
+from ringd.leader.errors import EngineError
 from ringd.logs import about
 from ringd.metrics import Metrics
 from ringd.models.checkpoint import ModelInfo
@@ -75,12 +78,27 @@ class Coordinator:
         metrics: Metrics,
         planned_before: bool,
         drafter: Drafter | None = None,
+        instance: str = "",
+        source: str = "",
+        host: Callable[[], StageHost | None] | None = None,
+        room: Callable[[str], int | None] | None = None,
+        kv_room: Callable[[str], int | None] | None = None,
     ):
         self.cfg = cfg
         self.info = info
+        self.tokenizer = tokenizer
         self.cluster = cluster
         self.node = cluster.node
         self.stage = stage
+        # Which of the pool's instances this ring serves ("": the model the cluster was started
+        # with) and the name nodes find its model by; this node's stage of it (made when the
+        # plan reaches it); and what each node's memory leaves this instance beside the others
+        # (``room``: for its weights and reserve when placing; ``kv_room``: for its KV caches
+        # once placed). Without a pool: the whole budget.
+        self.instance, self.source = instance, source
+        self._host = host or (lambda: stage)
+        self._room = room or self.budget_of
+        self._kv_room = kv_room
         self.own = own  # this node's handshake info: addr, profile, api_only
         self.budget = budget
         self.metrics = metrics
@@ -106,7 +124,10 @@ class Coordinator:
             failover_wait_s=cfg.failover_wait_s,
         )  # fmt: skip
         self._closed = False
-        self._task = supervisor.forever("reconcile", self._loop, restart_on_return=False)
+        # Set after every tick: what waits for this ring to serve (a model loaded on demand) looks again.
+        self._ticked = asyncio.Event()
+        self.failure = ""  # why the last plan could not be placed or loaded ("" while none failed)
+        self._task = supervisor.forever(f"reconcile {self.instance}" if self.instance else "reconcile", self._loop, restart_on_return=False)
 
     def close(self, reason: str) -> None:
         self._closed = True
@@ -165,13 +186,28 @@ class Coordinator:
                 # or not at all if this node is stopping too.
                 continue
             self._tick()
+            self._ticked.set()
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Returns once this ring serves; EngineError 503 if it cannot be placed or loaded, or
+        is not ready within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not self.ready:
+                    if self.failure or self._closed:
+                        raise EngineError(self.failure or self.reason, 503)
+                    self._ticked.clear()
+                    await self._ticked.wait()
+        except TimeoutError:
+            raise EngineError(f"{self.label} was not ready within {timeout_s:.0f} s: {self.reason}", 503) from None
 
     def _members(self) -> dict[str, Member]:
         cluster = self.cluster
-        members = {self.node: Member(0, not self.cfg.api_only and self.node not in cluster.drained, self.stage.report)}
+        host = self._host()
+        members = {self.node: Member(0, not self.cfg.api_only and self.node not in cluster.drained, host.report if host is not None else None)}
         for p, peer in cluster.peers.items():
             holder = p not in cluster.drained and peer.info.get("api_only") is not True
-            members[p] = Member(peer.number, holder, cluster.reports.get(p))
+            members[p] = Member(peer.number, holder, cluster.report_of(p, self.instance))
         return members
 
     def _hold(self, members: dict[str, Member]) -> str | None:
@@ -195,6 +231,7 @@ class Coordinator:
         now = time.monotonic()
         members = self._members()
         decision = self.reconciler.tick(now, members, self._hold(members))
+        self.failure = decision.reason if decision.failed else ""
         if decision.plan_over is not None:
             self._make_plan(now, decision.plan_over, members, decision.reason)
             return
@@ -240,13 +277,15 @@ class Coordinator:
 
     def _make_plan(self, now: float, over: tuple[str, ...], members: dict[str, Member], why: str) -> None:
         specs = self._node_specs(over)
-        split = self.cfg.split if self.cfg.split is not None and len(self.cfg.split) == len(over) else None
+        split = self.cfg.split if self.cfg.split is not None and len(self.cfg.split) == len(over) and not self.instance else None
         term = self.cluster.claim_plan_term()
         try:
             plan = plan_for(term.number, self.node, self.info.fingerprint, specs, self._model_cost(), self.cfg.placement, split)
+            plan = dataclasses.replace(plan, instance=self.instance, source=self.source)
         except PlacementError as e:
-            reason = f"cannot place the model: {e}"
+            reason = f"cannot place {self.label}: {e}"
             log.error(reason)
+            self.failure = reason
             self.reconciler.placement_failed(now, over, reason)
             self.ready, self.reason, self.plan = False, reason, None
             self.engine.fail_all(reason)
@@ -260,7 +299,7 @@ class Coordinator:
         self.reason = f"loading plan term {plan.term}"
         self.engine.suspend_all(self.reason)
         log.info(
-            "plan term %d (%s): %s", plan.term, why, ", ".join(f"{s.node}[{s.start},{s.end})" for s in plan.stages),
+            "plan term %d%s (%s): %s", plan.term, f" of {self.instance}" if self.instance else "", why, ", ".join(f"{s.node}[{s.start},{s.end})" for s in plan.stages),
             extra=about(term=plan.term, why=why, split=plan.split, nodes=[s.node for s in plan.stages]),
         )  # fmt: skip
         # Every member hears it, this node included: those left out drop their layers.
@@ -292,7 +331,7 @@ class Coordinator:
             # busy machine) must not split the layers of identical Macs unevenly.
             speed = max(round(speeds[node] / fastest, 1), SLOWEST_RELATIVE_SPEED)
             addr = info.get("addr") if isinstance(info.get("addr"), str) else ""
-            specs.append(NodeSpec(node, addr, self.budget_of(node), speed, self.cfg.placement_weights.get(node), False))
+            specs.append(NodeSpec(node, addr, self._room(node), speed, self.cfg.placement_weights.get(node), False))
         return specs
 
     def _model_cost(self) -> ModelCost:
@@ -304,8 +343,9 @@ class Coordinator:
         caches at load (its report says), else the dense formula over the config."""
         per_layer = self.info.kv_bytes_per_token()
         costs = []
+        host = self._host()
         for s in plan.stages:
-            report = self.stage.report if s.node == self.node else self.cluster.reports.get(s.node)
+            report = (host.report if host is not None else None) if s.node == self.node else self.cluster.report_of(s.node, self.instance)
             costs.append(report.kv if report is not None and report.kv is not None else KvCost(per_token=per_layer * s.layers))
         return costs
 
@@ -318,9 +358,36 @@ class Coordinator:
         return KvLedger(stages, cfg.max_kv_size, cfg.kv_bits, cfg.kv_group_size)
 
     def kv_capacity(self, node: str, start: int, end: int) -> int | None:
-        """KV bytes ``node`` can hold holding layers [start, end): its budget less their weights."""
+        """KV bytes ``node`` can hold holding layers [start, end): its budget less their weights
+        (with other instances beside this one: the share the pool gives it)."""
+        if self._kv_room is not None:
+            return self._kv_room(node)
         budget = self.budget_of(node)
         return None if budget is None else budget - self.info.weights.stage(start, end)
+
+    def refresh_kv(self) -> None:
+        """Each stage's KV capacity again, as the pool's instances share the nodes now."""
+        plan, ledger = self.plan, self.engine.admission.ledger
+        if self.ready and plan is not None and ledger is not None:
+            ledger.resize([self.kv_capacity(s.node, s.start, s.end) for s in plan.stages])
+            self.engine.admission.wake()
+
+    @property
+    def label(self) -> str:
+        return f"instance {self.instance}" if self.instance else "the model"
+
+    def unload(self, reason: str) -> None:
+        """This instance goes: its requests fail with ``reason``, every member drops its layers."""
+        plan = self.plan
+        self.close(reason)
+        if plan is None:
+            return
+        d = {"instance": self.instance, "term": plan.term, "leader": self.node}
+        for node in [self.node, *self.cluster.peers]:
+            try:
+                self.cluster.send(node, Frame(MsgType.UNLOAD, 0, d))
+            except LinkError as e:
+                log.warning("could not tell %s to unload %s (its next plan from this leader will): %s", node, self.instance, e)
 
     def budget_of(self, node: str) -> int | None:
         if node == self.node:

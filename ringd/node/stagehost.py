@@ -15,9 +15,10 @@ another ring, however it got here, never touches this ring's caches.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from ringd.cluster.election import Term
 from ringd.ring.plan import PlacementError, Plan
@@ -52,8 +53,8 @@ class StageHost:
     def __init__(
         self,
         node: str,
-        model: str,
-        info: ModelInfo,
+        model: str | None,
+        info: ModelInfo | None,
         compute: ComputeThread,
         send: Callable[[str, Frame], None],
         on_report: Callable[[], None],
@@ -62,8 +63,15 @@ class StageHost:
         departed: Callable[[str], bool] = lambda node: False,
         peer_model: PeerModel | None = None,
         holders: Callable[[str], list[Holder]] = lambda model: [],
+        instance: str = "",
+        resolve: Callable[[str], Awaitable[tuple[str, ModelInfo]]] | None = None,
     ):
         self.node = node
+        # Which of the leader's instances this stage is of ("": the configured model's). Another
+        # instance's model is found by the name its plan gives (``resolve``: path and info) at its
+        # first load, and checked against the plan's fingerprint like the configured one.
+        self.instance = instance
+        self.resolve = resolve
         # A model fetched from peers (model_from_peers): a plan's layers are fetched from the peers
         # that hold the model (``holders(fingerprint)``) before they load.
         self.peer_model = peer_model
@@ -162,19 +170,26 @@ class StageHost:
             log.warning("could not answer plan term %d (its heartbeat will): %s", plan.term, e)
 
     def _set(self, report: Report) -> None:
-        self.report = report
+        self.report = dataclasses.replace(report, instance=self.instance) if self.instance else report
         self._on_report()
 
     async def _load(self, plan: Plan) -> None:
+        if self.stage is not None:
+            self.stage.close()
+            self.stage = None
+        i = plan.index_of(self.node)
+        if self.resolve is not None:
+            if i is None:
+                self.shard = None
+                return
+            if self.info is None or plan.model != self.info.fingerprint:
+                self.shard = None
+                self.model, self.info = await self.resolve(plan.source)
         if plan.model != self.info.fingerprint:
             raise ModelError(
                 f"the leader serves model {plan.model}, this node has {self.info.fingerprint} "
                 f"({self.model}); every node needs the same model"
             )
-        if self.stage is not None:
-            self.stage.close()
-            self.stage = None
-        i = plan.index_of(self.node)
         if i is None:
             self.shard = None
             return

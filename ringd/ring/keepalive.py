@@ -19,6 +19,8 @@ import math
 from fractions import Fraction
 
 FOREVER = None  # what parse_keep_alive returns for "never unload"
+# How long a model loaded on demand stays once idle when nothing says otherwise: Ollama's default (5m).
+DEFAULT_KEEP_ALIVE_S = 300.0
 
 NS_PER_S = 10**9
 # Go's time.Duration is int64 nanoseconds: ParseDuration refuses a longer one

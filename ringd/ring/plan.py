@@ -19,6 +19,9 @@ MAX_STAGES = 256  # a ring of a dozen Macs, with room to spare
 MAX_TERM = 2**53 - 1  # terms travel in JSON; beyond this not every reader holds them exactly
 MAX_FINGERPRINT_CHARS = 256
 MAX_ADDR_CHARS = 64  # "[ipv6]:port"
+# An instance's name and the model name its nodes resolve: what a request's ``model`` may be
+# (an Ollama name, OWNER/REPO:QUANT, a path under models_dir), with a replica's "#N".
+MAX_INSTANCE_CHARS = 300
 
 
 class PlacementError(ValueError):
@@ -44,6 +47,11 @@ class Plan:
     model: str  # the model's fingerprint: every node must have loaded the same model
     num_layers: int
     stages: tuple[Stage, ...]
+    # Which of the leader's instances this plan is the ring of ("": the model the cluster was
+    # started with), and the name each node finds that instance's model by in its own model list
+    # ("": its configured model). Plans of different instances are independent; their terms differ.
+    instance: str = ""
+    source: str = ""
 
     def __post_init__(self):
         if not self.stages:
@@ -80,13 +88,16 @@ class Plan:
         return [s.layers for s in self.stages]
 
     def to_wire(self) -> dict:
-        return {
+        d = {
             "term": self.term,
             "leader": self.leader,
             "model": self.model,
             "num_layers": self.num_layers,
             "stages": [[s.node, s.addr, s.start, s.end] for s in self.stages],
         }
+        if self.instance or self.source:
+            d.update(instance=self.instance, source=self.source)
+        return d
 
     @classmethod
     def from_wire(cls, d: object) -> "Plan":
@@ -102,8 +113,13 @@ class Plan:
             except ValueError as e:
                 raise PlacementError(f"plan {what} {v!r:.80}: {e}") from None
 
-        if not isinstance(d, dict) or set(d) != {"term", "leader", "model", "num_layers", "stages"}:
-            raise PlacementError(f"a plan has exactly term, leader, model, num_layers and stages; got {d!r:.200}")
+        keys = {"term", "leader", "model", "num_layers", "stages"}
+        if not isinstance(d, dict) or set(d) not in (keys, keys | {"instance", "source"}):
+            raise PlacementError(f"a plan has exactly term, leader, model, num_layers and stages (and instance, source); got {d!r:.200}")
+        instance, source = d.get("instance", ""), d.get("source", "")
+        for what, v in (("instance", instance), ("source", source)):
+            if not isinstance(v, str) or len(v) > MAX_INSTANCE_CHARS or not v.isprintable():
+                raise PlacementError(f"plan {what} must be a printable string of at most {MAX_INSTANCE_CHARS} characters")
         model, stages = d["model"], d["stages"]
         if not isinstance(model, str) or len(model) > MAX_FINGERPRINT_CHARS:
             raise PlacementError(f"plan model must be a fingerprint of at most {MAX_FINGERPRINT_CHARS} characters")
@@ -118,7 +134,7 @@ class Plan:
             if not isinstance(addr, str) or len(addr) > MAX_ADDR_CHARS:
                 raise PlacementError(f"plan stage {i}: the address must be a string of at most {MAX_ADDR_CHARS} characters")
             parsed.append(Stage(name(f"stage {i} node", node), addr, count(f"stage {i} start", start, num_layers), count(f"stage {i} end", end, num_layers)))
-        return cls(count("term", d["term"], MAX_TERM), name("leader", d["leader"]), model, num_layers, tuple(parsed))
+        return cls(count("term", d["term"], MAX_TERM), name("leader", d["leader"]), model, num_layers, tuple(parsed), instance, source)
 
 
 def even_split(num_layers: int, num_stages: int) -> list[int]:
@@ -152,6 +168,8 @@ def make_plan(
     num_layers: int,
     members: list[tuple[str, str]],
     split: list[int] | None = None,
+    instance: str = "",
+    source: str = "",
 ) -> Plan:
     """Members (node, addr) in ring order -> a Plan with ``split`` or an even split."""
     counts = split if split is not None else even_split(num_layers, len(members))
@@ -163,4 +181,4 @@ def make_plan(
     for (node, addr), n in zip(members, counts):
         stages.append(Stage(node, addr, start, start + n))
         start += n
-    return Plan(term, leader, model, num_layers, tuple(stages))
+    return Plan(term, leader, model, num_layers, tuple(stages), instance, source)

@@ -1,0 +1,356 @@
+"""The leader's instances: the models it serves at once, each a ring of its own.
+
+An instance is one model with its own plan, reconciler and engine (a
+``Coordinator``). The model the cluster was started with is always one
+(pinned: never unloaded). A request naming another model that the model list
+holds (``models/catalogue.py``: the Ollama store, the Hugging Face cache,
+``models_dir``) loads it on demand: the request waits while the leader places
+it over what the nodes' budgets leave beside the instances already there, the
+nodes load their layers, and the ring serves. Several instances share a Mac:
+each claims its layers' weights and its KV reserve there, and the KV memory
+no claim holds is split between those on the node (``cluster/sharing.py``).
+
+Idle instances go: after their ``keep_alive`` (Ollama's semantics: a request
+sets it for its model, else the default), or, least recently used first, when
+a new instance needs their room. An instance serving requests never goes.
+
+Replicas: ``load(model, replicas=N)`` keeps N instances of one model (named
+MODEL, MODEL#2, ...); a request goes to the ready one with the least work
+outstanding.
+
+What it ignores: how a request is checked and rendered (``http/``), how a
+ring is planned and reconciled (``coordinator.py``), the rules of sharing
+(``cluster/sharing.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ringd.cluster.placement import ModelCost, NodeSpec, shortfall
+from ringd.cluster.sharing import Held, Usage, eviction_order, expired, kv_shares, pick_replica, room_left, victims
+from ringd.config import Config
+from ringd.leader.errors import EngineError
+from ringd.models.catalogue import Catalogue
+from ringd.models.checkpoint import ModelInfo, load_tokenizer
+from ringd.models.errors import ModelError
+from ringd.models.source import model_info
+from ringd.node.coordinator import Coordinator
+from ringd.ring.keepalive import format_keep_alive
+from ringd.ring.plan import MAX_INSTANCE_CHARS
+from ringd.ring.steps import term_of
+from ringd.tasks import Supervisor
+from wire.frames import Frame
+
+log = logging.getLogger(__name__)
+
+# How long a request waits for a model it named to load: reading a large model from a Mac's SSD
+# takes a minute or two, fetching its layers from peers longer.
+LOAD_TIMEOUT_S = 600.0
+# How often idle instances are checked against their keep_alive: Ollama's own granularity is
+# seconds, and the check is a pass over a handful of instances.
+KEEP_ALIVE_TICK_S = 1.0
+# Replicas one model may have: a dozen Macs hold at most a dozen.
+MAX_REPLICAS = 16
+# Instances at once (replicas included): each is a ring with its own engine and caches.
+MAX_POOL_INSTANCES = 32
+REPLICA_MARK = "#"
+
+
+@dataclass
+class Instance:
+    """One of the pool's models: what a request is served by (``http/node.Served``)."""
+
+    name: str  # the instance: "" for the configured model, else its list name ("#N" for a replica past the first)
+    model: str  # the model's name in the list ("" for the configured model: each node's --model)
+    model_id: str  # what requests name it by, and answers call it
+    coordinator: Coordinator
+    pinned: bool
+    keep_alive: float | None  # seconds idle before it unloads; None: never
+    last_used: float = field(default_factory=time.monotonic)
+    loaded_at: float = field(default_factory=time.time)
+    served: int = 0  # requests routed to it
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.coordinator.info
+
+    @property
+    def tokenizer(self):
+        return self.coordinator.tokenizer
+
+    @property
+    def engine(self):
+        return self.coordinator.engine
+
+    def readiness(self) -> tuple[bool, str]:
+        return self.coordinator.ready, self.coordinator.reason
+
+    @property
+    def outstanding(self) -> int:
+        return self.engine.active + self.engine.queued
+
+    def usage(self) -> Usage:
+        return Usage(self.name, self.pinned, self.outstanding, self.last_used, self.keep_alive)
+
+    def status(self, now: float) -> dict:
+        c = self.coordinator
+        plan = c.plan
+        expires = None if self.pinned or self.keep_alive is None else time.time() + max(0.0, self.last_used + self.keep_alive - now)
+        return {
+            "instance": self.name, "model": self.model_id, "source": self.model, "pinned": self.pinned,
+            "ready": c.ready, "reason": c.reason, "loaded_at": self.loaded_at, "expires_at": expires,
+            "keep_alive": format_keep_alive(None if self.pinned else self.keep_alive),
+            "active": self.engine.active, "queued": self.engine.queued, "served": self.served,
+            "term": plan.term if plan else None, "stages": [[s.node, s.start, s.end] for s in plan.stages] if plan else [],
+            "layers": c.info.num_layers, "weights": c.info.weights.stage(0, c.info.num_layers),
+        }  # fmt: skip
+
+
+class Pool:
+    """Exists while this node leads; ``close`` when it stops."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        model_id: str,
+        default: Callable[["Pool"], Coordinator],
+        make: Callable[["Pool", str, str, ModelInfo, object], Coordinator],
+        catalogue: Catalogue | None,
+        supervisor: Supervisor,
+        members: Callable[[], dict[str, tuple[int | None, bool]]],
+    ):
+        """``default(pool)``: the configured model's coordinator; ``make(pool, name, model, info,
+        tokenizer)``: another instance's; ``members()``: node -> (budget, api_only) as now."""
+        self.cfg = cfg
+        self._make = make
+        self.catalogue = catalogue
+        self._members = members
+        self.instances: dict[str, Instance] = {}
+        self._loading: dict[str, asyncio.Future] = {}  # name -> its load under way
+        self._closed = False
+        first = default(self)
+        self.default = Instance("", "", model_id, first, pinned=True, keep_alive=None)
+        self.instances[""] = self.default
+        self._task = supervisor.forever("keep_alive", self._expire_loop)
+
+    # --- what the daemon calls ----------------------------------------------------------
+
+    def coordinators(self) -> list[Coordinator]:
+        return [i.coordinator for i in self.instances.values()]
+
+    def changed(self) -> None:
+        for c in self.coordinators():
+            c.changed()
+
+    def on_frame(self, peer: str, frame: Frame) -> None:
+        """TOKEN and ERROR frames: to the instance whose ring (term) they name."""
+        term = term_of(frame)
+        for inst in self.instances.values():
+            plan = inst.coordinator.plan
+            if plan is not None and plan.term == term:
+                inst.coordinator.on_frame(peer, frame)
+                return
+        self.default.coordinator.on_frame(peer, frame)
+
+    def close(self, reason: str) -> None:
+        self._closed = True
+        self._task.cancel()
+        for c in self.coordinators():
+            c.close(reason)
+        for fut in self._loading.values():
+            if not fut.done():
+                fut.set_exception(EngineError(reason, 503))
+
+    # --- routing ------------------------------------------------------------------------
+
+    def find(self, name: str) -> Instance | None:
+        """The instance that serves requests naming ``name`` now (the least busy replica), or None."""
+        found = [i for i in self.instances.values() if same_model(i.model_id, name)]
+        if not found:
+            return None
+        ready = [i for i in found if i.coordinator.ready] or found
+        pick = pick_replica([(i.name, i.outstanding) for i in ready])
+        return self.instances[pick]
+
+    async def served(self, name: str, keep_alive: float | None | bool = False) -> Instance:
+        """The instance for ``name``, loaded first if none is; ``keep_alive`` (False: leave it)
+        sets how long it stays loaded once idle. EngineError 404/400/503 says why it cannot serve."""
+        inst = self.find(name)
+        pending = self._loading.get(normal_name(name))
+        if inst is None or (pending is not None and not inst.coordinator.ready):
+            inst = await self.load(name)  # or waits for the load under way
+        if keep_alive is not False and not inst.pinned:
+            inst.keep_alive = keep_alive
+        inst.last_used = time.monotonic()
+        inst.served += 1
+        return inst
+
+    # --- loading and unloading ------------------------------------------------------------
+
+    async def load(self, name: str, replicas: int = 1, keep_alive: float | None | bool = False) -> Instance:
+        """Load ``name`` (up to ``replicas`` instances of it) and wait until one serves."""
+        if not 1 <= replicas <= MAX_REPLICAS:
+            raise EngineError(f"replicas must be from 1 to {MAX_REPLICAS}, got {replicas}", 400)
+        if len(name) > MAX_INSTANCE_CHARS or REPLICA_MARK in name:
+            raise EngineError(f"model {name[:80]!r} is not a model name (at most {MAX_INSTANCE_CHARS} characters, no {REPLICA_MARK!r})", 400)
+        key = normal_name(name)
+        pending = self._loading.get(key)
+        if pending is None:
+            pending = self._loading[key] = asyncio.get_running_loop().create_future()
+            try:
+                inst = await self._load(name, replicas, keep_alive)
+                pending.set_result(inst)
+            except BaseException as e:
+                pending.set_exception(e if isinstance(e, EngineError) else EngineError(f"could not load {name}: {e}", 503))
+                pending.exception()  # retrieved: the waiters each get it
+                raise
+            finally:
+                self._loading.pop(key, None)
+            return inst
+        return await asyncio.shield(pending)
+
+    async def _load(self, name: str, replicas: int, keep_alive: float | None | bool) -> Instance:
+        existing = [i for i in self.instances.values() if same_model(i.model_id, name)]
+        if existing and existing[0].pinned:
+            return existing[0]
+        if existing:
+            model, info, tokenizer = existing[0].model, existing[0].info, existing[0].tokenizer
+        else:
+            model, info, tokenizer = await self._read(name)
+        first: Instance | None = existing[0] if existing else None
+        for k in range(len(existing), replicas):
+            label = model_name = name if k == 0 else f"{name}{REPLICA_MARK}{k + 1}"
+            if len(self.instances) >= MAX_POOL_INSTANCES:
+                raise EngineError(f"the cluster serves {MAX_POOL_INSTANCES} instances already; unload one first", 503)
+            self._make_room(label, info)
+            coordinator = self._make(self, label, model, info, tokenizer)
+            ka = self.cfg.keep_alive if keep_alive is False else keep_alive
+            inst = Instance(label, model, name, coordinator, pinned=False, keep_alive=ka)
+            self.instances[label] = inst
+            log.info("loading %s (%s) on demand: %d layers", model_name, model, info.num_layers)
+            try:
+                await coordinator.wait_ready(LOAD_TIMEOUT_S)
+            except EngineError:
+                self.unload(label, "it could not be loaded")
+                raise
+            first = first or inst
+        for c in self.coordinators():
+            c.refresh_kv()
+        return first
+
+    async def _read(self, name: str) -> tuple[str, ModelInfo, object]:
+        """The model ``name`` as the model list holds it: its list name, info and tokenizer."""
+        entry = None
+        if self.catalogue is not None:
+            entry = await self.catalogue.lookup(name)
+            if entry is None and name.endswith(":latest"):  # Ollama's clients tag an untagged name
+                entry = await self.catalogue.lookup(name.removesuffix(":latest"))
+        if entry is None:
+            raise EngineError(
+                f"model {name!r} is not served here, and the model list holds no model by that name "
+                "(GET /v1/models lists what can be served; put models in models_dir)", 404
+            )  # fmt: skip
+        if entry.facts.info is None:
+            raise EngineError(f"model {name!r} cannot be served: {entry.facts.error}", 400)
+        loop = asyncio.get_running_loop()
+        try:
+            info = await loop.run_in_executor(None, model_info, entry.ref)
+            tokenizer = await loop.run_in_executor(None, load_tokenizer, info)
+        except ModelError as e:
+            raise EngineError(f"model {name!r} cannot be served: {e}", 400) from None
+        return entry.name, info, tokenizer
+
+    def _cost(self, info: ModelInfo) -> ModelCost:
+        cfg = self.cfg
+        return ModelCost.of(info, cfg.kv_reserve_tokens, cfg.kv_bits, cfg.kv_group_size)
+
+    def held(self, node: str, skip: frozenset[str] = frozenset()) -> dict[str, Held]:
+        """What each placed instance holds on ``node`` (their plans' stages there)."""
+        out = {}
+        for inst in self.instances.values():
+            plan = inst.coordinator.plan
+            if inst.name in skip or plan is None:
+                continue
+            for s in plan.stages:
+                if s.node == node:
+                    cost = self._cost(inst.info)
+                    out[inst.name] = Held(cost.stage_bytes(s.start, s.end), cost.kv_per_layer * (s.end - s.start))
+        return out
+
+    def room(self, instance: str, node: str) -> int | None:
+        """What ``node``'s budget leaves ``instance`` for its weights and reserve beside the others."""
+        budget = self._members().get(node, (None, False))[0]
+        return room_left(budget, self.held(node, frozenset({instance})).values())
+
+    def kv_room(self, instance: str, node: str) -> int | None:
+        """``instance``'s share of ``node``'s KV memory."""
+        budget = self._members().get(node, (None, False))[0]
+        return kv_shares(budget, self.held(node)).get(instance, budget)
+
+    def _make_room(self, name: str, info: ModelInfo) -> None:
+        """Unload idle instances, least recently used first, until ``name`` fits; EngineError 503 if it
+        cannot fit even then (a busy instance is never unloaded)."""
+        cost = self._cost(info)
+        members = self._members()
+
+        def short(removed: frozenset[str]) -> str | None:
+            nodes = [NodeSpec(n, "", room_left(b, self.held(n, removed).values()), api_only=a) for n, (b, a) in sorted(members.items())]
+            return shortfall(nodes, cost)
+
+        order = eviction_order(i.usage() for i in self.instances.values())
+        gone = victims(order, lambda removed: short(removed) is None)
+        if gone is None:
+            why = short(frozenset(order))
+            busy = [i.name or "the configured model" for i in self.instances.values() if i.name not in order]
+            raise EngineError(
+                f"model {name} does not fit the cluster's memory beside {', '.join(busy) or 'nothing'}: {why}", 503
+            )  # fmt: skip
+        for victim in gone:
+            self.unload(victim, f"evicted (least recently used, idle) to make room for {name}")
+
+    def unload(self, name: str, reason: str) -> bool:
+        """Unload the instance ``name`` (never the configured model's); False if there is none."""
+        inst = self.instances.get(name)
+        if inst is None or inst.pinned:
+            return False
+        del self.instances[name]
+        log.info("unloading %s: %s", name, reason)
+        inst.coordinator.unload(f"model {name} was unloaded: {reason}")
+        for c in self.coordinators():
+            c.refresh_kv()
+        return True
+
+    def unload_model(self, model: str, reason: str) -> list[str]:
+        """Every instance of ``model`` (its replicas too)."""
+        names = [i.name for i in self.instances.values() if i.name and same_model(i.model_id, model)]
+        return [n for n in names if self.unload(n, reason)]
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(KEEP_ALIVE_TICK_S)
+            now = time.monotonic()
+            for inst in self.instances.values():
+                if inst.outstanding:
+                    inst.last_used = now  # busy: its idle time starts when its last request ends
+            for name in expired((i.usage() for i in self.instances.values()), now):
+                inst = self.instances[name]
+                self.unload(name, f"idle for its keep_alive ({format_keep_alive(inst.keep_alive)})")
+
+    def status(self) -> list[dict]:
+        now = time.monotonic()
+        return [i.status(now) for i in self.instances.values()]
+
+
+def normal_name(name: str) -> str:
+    """Ollama's form of a name: ``smollm2`` is ``smollm2:latest`` (a tag after the last slash)."""
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two names a request may use name the same model (``smollm2``, ``smollm2:latest``)."""
+    return normal_name(a) == normal_name(b)

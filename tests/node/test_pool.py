@@ -1,0 +1,183 @@
+"""The Macs as a pool: several models served at once, loaded on demand, unloaded when idle.
+
+Real `ringd serve` daemons (tests/conftest.Cluster), real models: two tiny ones and the
+real SmolLM2 (its GGUF, as a user's models folder holds it), named by their names in
+``--models-dir``. Every answer is compared with single-process mlx-lm on that model alone.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+
+from conftest import RING_START_TIMEOUT_S, reference, tokenizer_of
+
+MAX_TOKENS = 12
+LOAD_DEADLINE_S = 180  # a model loaded on demand, on a loaded two-core machine
+
+
+def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def ps(url: str) -> list[dict]:
+    with urllib.request.urlopen(url + "/api/ps", timeout=30) as r:
+        return json.loads(r.read())["models"]
+
+
+def greedy(url: str, model: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=LOAD_DEADLINE_S)
+    r = client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1, extra_body={"return_tokens_as_token_ids": True}
+    )
+    choice = r.choices[0]
+    assert r.model == model
+    return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens], choice.finish_reason
+
+
+def models_dir(tmp: Path, **models: Path) -> Path:
+    """A user's models folder: each model under the name a request gives it."""
+    folder = tmp / "models"
+    folder.mkdir(exist_ok=True)
+    for name, path in models.items():
+        (folder / name).symlink_to(path)
+    return folder
+
+
+def test_three_models_at_once_each_answer_as_mlx_lm_alone(tiny_model, smollm2_gguf, smollm2_dir, cluster_factory, tmp_path):
+    """A 3-node cluster started with one tiny model loads a second tiny model and SmolLM2 when
+    requests name them; requests for the three, interleaved, each get mlx-lm's greedy tokens."""
+    a, b = tiny_model(arch="llama", layers=6), tiny_model(arch="qwen3", layers=4)
+    folder = models_dir(tmp_path, **{"tiny-b": b, "smollm2.gguf": smollm2_gguf})
+    c = cluster_factory(a, 3, ["--models-dir", str(folder)])
+    c.wait(lambda: c.leader_ready(0), RING_START_TIMEOUT_S, "the ring to serve")
+    url = c.url(1)  # a follower: it forwards every request, and /api/ps, to the leader
+    france = list(tokenizer_of(smollm2_dir).apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True))
+    jobs = [("tiny", a, [1, 5, 9, 300, 17]), ("tiny-b", b, [4, 8, 15, 16, 23, 42]), ("smollm2.gguf", smollm2_dir, france)]
+    expected = {}
+    for name, path, prompt in jobs:
+        tokens, _ = reference(path, prompt, MAX_TOKENS)
+        expected[name] = tokens
+    # Each model alone first would hide a mix-up: the three, twice each, at once.
+    got: dict = {}
+    errors: list = []
+
+    def run(name, prompt, k):
+        try:
+            got[(name, k)] = greedy(url, name, prompt)
+        except Exception as e:  # reported below with the model's name
+            errors.append((name, e))
+
+    threads = [threading.Thread(target=run, args=(name, prompt, k)) for k in range(2) for name, _, prompt in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(LOAD_DEADLINE_S * 2)
+    assert not errors, errors
+    for (name, k), (tokens, finish) in got.items():
+        want = expected[name]
+        if finish == "stop":  # SmolLM2 ends its answer: mlx-lm's tokens up to there
+            want = want[: len(tokens)]
+        assert tokens == want, f"{name} (request {k}) diverged from mlx-lm:\nring {tokens}\nref  {want}"
+    assert tokenizer_of(smollm2_dir).decode(got[("smollm2.gguf", 0)][0]).startswith("The capital of France is Paris")
+    loaded = ps(url)
+    assert sorted(m["name"] for m in loaded) == ["smollm2.gguf:latest", "tiny-b:latest", "tiny:latest"], loaded
+    for m in loaded:
+        assert m["ringd"]["ready"] and len(m["ringd"]["stages"]) >= 1, m
+
+
+KV_RESERVE_TOKENS = 2048  # room for the long stream below (1508 positions) in d's own reserve
+
+
+def claim(path: Path) -> int:
+    """What one instance of the model claims on a node that holds it whole: weights and KV reserve."""
+    from ringd.cluster.placement import ModelCost
+    from ringd.models.source import model_info
+
+    info = model_info(str(path))
+    return ModelCost.of(info, KV_RESERVE_TOKENS).stage_need(0, info.num_layers)
+
+
+def ollama(url: str, model: str, prompt: str = "", **body) -> tuple[int, dict]:
+    return post(url + "/api/generate", {"model": model, "prompt": prompt, "raw": bool(prompt), "stream": False, "options": {"temperature": 0, "num_predict": 4}, **body})
+
+
+def loaded(url: str) -> set[str]:
+    return {m["ringd"]["instance"] or m["name"] for m in ps(url)}
+
+
+def test_idle_models_go_least_recently_used_first_never_a_busy_one_and_after_their_keep_alive(tiny_model, cluster_factory, tmp_path):
+    """One Mac whose budget holds the configured model and two of three others: a third evicts
+    the least recently used idle one; one busy streaming is never evicted (its stream ends as
+    mlx-lm's); a keep_alive runs out; keep_alive 0 unloads; a model that can never fit is a 503
+    saying what is short; a name no list holds is a 404."""
+    a = tiny_model(arch="llama", layers=6)
+    b, c_, d = tiny_model(arch="qwen3", layers=4), tiny_model(arch="qwen2", layers=4), tiny_model(arch="mistral", layers=4)
+    big = tiny_model(arch="llama", layers=24)
+    budget = claim(a) + claim(b) + claim(c_) + claim(d) - 1  # the configured model and any two of the three
+    assert claim(big) > budget - claim(a)
+    folder = models_dir(tmp_path, b=b, c=c_, d=d, big=big)
+    gb = repr(budget / 2**30)
+    cluster = cluster_factory(a, 1, ["--models-dir", str(folder), "--memory-budget-gb", gb, "--kv-reserve-tokens", str(KV_RESERVE_TOKENS)])
+    cluster.wait(lambda: cluster.leader_ready(0), RING_START_TIMEOUT_S, "the node to serve")
+    url = cluster.url(0)
+
+    for name in ("b", "c", "b"):  # b loaded, c loaded, b used again: c is the least recently used
+        status, body = ollama(url, name, "Hello", keep_alive="10m")
+        assert status == 200 and body["done"], body
+    assert loaded(url) == {"tiny:latest", "b", "c"}
+    status, body = ollama(url, "d", "Hello")
+    assert status == 200, body
+    assert loaded(url) == {"tiny:latest", "b", "d"}, "c, the least recently used idle model, should have made room"
+
+    # d busy with a long stream: loading c again evicts b (idle), never d.
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    long = 1500
+    want, _ = reference(d, prompt, long)
+    got: dict = {}
+    started = threading.Event()
+
+    def stream_d():
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=LOAD_DEADLINE_S)
+        tokens = []
+        for chunk in client.completions.create(model="d", prompt=prompt, max_tokens=long, temperature=0, stream=True, logprobs=1, extra_body={"return_tokens_as_token_ids": True}):
+            if chunk.choices and chunk.choices[0].logprobs:
+                tokens += [int(t.removeprefix("token_id:")) for t in chunk.choices[0].logprobs.tokens]
+                started.set()
+        got["d"] = tokens
+
+    streamer = threading.Thread(target=stream_d)
+    streamer.start()
+    assert started.wait(60), "d's stream did not start"
+    status, body = ollama(url, "c", "Hello")
+    assert status == 200, body
+    during = loaded(url)
+    streamer.join(LOAD_DEADLINE_S)
+    assert during == {"tiny:latest", "c", "d"}, f"b (idle) should have gone, never d (busy): {during}"
+    assert got.get("d") == want, "d's stream changed while the pool made room beside it"
+
+    # A model that could never fit beside the busy or pinned: a 503 that says what is short.
+    status, body = ollama(url, "big", "Hello")
+    assert status == 503 and "does not fit" in body["error"], body
+    status, body = ollama(url, "no-such-model", "Hello")
+    assert status == 404 and "model list" in body["error"], body
+
+    # keep_alive: c for one second after this request, d unloaded now by keep_alive 0.
+    status, body = ollama(url, "c", "Hello", keep_alive="1s")
+    assert status == 200, body
+    status, body = ollama(url, "d", keep_alive=0)
+    assert status == 200 and body["done_reason"] == "unload", body
+    cluster.wait(lambda: loaded(url) == {"tiny:latest"}, 60, "c's keep_alive to run out and d to unload")
+    # Loaded again on the next request, as Ollama does.
+    status, body = ollama(url, "c", "Hello")
+    assert status == 200 and loaded(url) == {"tiny:latest", "c"}, body
