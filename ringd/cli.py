@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     local.add_argument("--draft-model", help="a small model with the same tokenizer, for speculative decoding of greedy requests")
     local.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     local.add_argument("--tls", default="off", choices=["off", "auto"], help="auto: https, with certificates from the run's cluster CA (its file is printed)")
+    local.add_argument("--replicas", type=int, default=1, help="instances of the model, each a ring over its share of the nodes (e.g. 4 nodes, 2 replicas: two rings of two)")
     local.add_argument("--models-dir", help="a folder of models the nodes load on demand when a request names one (its subdirectory or .gguf file, by its name there)")
 
     from ringd import demo as demo_mod
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             split = parse_split(args.split) if args.split else None
         except PlacementError as e:
             parser.error(f"--split: {e}")
-        return run_local(args.nodes, args.model, args.port, split, args.host, args.model_id, args.log_level, args.draft_model, args.tls, args.models_dir)
+        return run_local(args.nodes, args.model, args.port, split, args.host, args.model_id, args.log_level, args.draft_model, args.tls, args.models_dir, args.replicas)
 
     return demo_mod.run(cache_dir(), args.port, args.nodes, args.log_level, args.tls)
 

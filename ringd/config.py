@@ -38,6 +38,7 @@ from ringd.names import DEFAULT_HTTP_PORT, DEFAULT_RING_PORT, check_name, parse_
 from ringd.names import check_port as _port
 from ringd.ring.steps import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES, MAX_ROWS
 from ringd.ring.keepalive import DEFAULT_KEEP_ALIVE_S, KeepAliveError, parse_keep_alive
+from ringd.cluster.sharing import MAX_REPLICAS
 from ringd.tls import TlsSettings
 
 # Where `ringd serve` and `ringctl` look for the cluster secret unless told
@@ -284,6 +285,7 @@ KEYS: list[Key] = [
     Key("kv_group_size", _int_in(*KV_GROUP_SIZES), DEFAULT_KV_GROUP_SIZE, "mlx-lm kv_group_size for a quantized KV cache", int),
     Key("quantized_kv_start", _non_negative_int, 5000, "mlx-lm quantized_kv_start: positions kept unquantized", int),
     Key("chat_template_kwargs", _template_kwargs, {}, 'variables every chat template gets unless a request sets them (chat_template_kwargs), e.g. {"enable_thinking": false}'),
+    Key("replicas", _int_between(1, MAX_REPLICAS), 1, f"instances of the configured model (1 to {MAX_REPLICAS}), each a ring over its share of the nodes: a model that fits on fewer Macs serves more streams as several short rings than as one long one", int),
     Key("keep_alive", _keep_alive, DEFAULT_KEEP_ALIVE_S, "how long a model loaded on demand stays loaded once idle, as Ollama's keep_alive: 5m, 1h, 0 (unload at once), -1 (forever); a request's keep_alive sets its model's (the configured model always stays)"),
     Key("prefix_cache_entries", _non_negative_int, DEFAULT_PREFIX_CACHE_ENTRIES, "finished requests whose KV caches stay for prefix reuse (0: off)", int),
     Key("max_queued_requests", _non_negative_int, MAX_QUEUED_REQUESTS, "requests that may wait for KV room before 429s", int),
@@ -344,6 +346,7 @@ class Config:
     kv_group_size: int
     quantized_kv_start: int
     chat_template_kwargs: dict
+    replicas: int
     keep_alive: float | None
     prefix_cache_entries: int
     max_queued_requests: int

@@ -55,6 +55,7 @@ import urllib.request
 from pathlib import Path
 
 from ringd import service
+from ringd.cluster.sharing import MAX_REPLICAS
 from ringd.config import DEFAULT_SECRET_FILE, KEYS, ConfigError, read_secret_file
 from ringd.tls import TlsError, cluster_ca_pem, trusting
 from ringd.auth import sign
@@ -679,6 +680,12 @@ def _interval(text: str) -> float:
     return value
 
 
+def _replicas(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"{text!r}: replicas must be a whole number from 1 to {MAX_REPLICAS}")
+    return int(text)
+
+
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of lines")
@@ -745,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("ps", help="the models loaded now: each instance's ring, state, requests and keep_alive")
     load = sub.add_parser("load", help="load MODEL (a name the model list shows) and wait until it serves")
     load.add_argument("model", metavar="MODEL")
-    load.add_argument("--replicas", type=_positive, default=1, help="keep this many instances of it, each a ring of its own (default 1)")
+    load.add_argument("--replicas", type=_replicas, default=1, help="keep this many instances of it, each a ring of its own (default 1)")
     load.add_argument("--keep-alive", metavar="DURATION", help="how long it stays loaded once idle (5m, 1h, -1: forever; default: the leader's keep_alive)")
     unload = sub.add_parser("unload", help="unload MODEL (every instance of it) now")
     unload.add_argument("model", metavar="MODEL")

@@ -294,6 +294,7 @@ class Daemon:
             self.budget, self._started, self.metrics, planned_before=planned_before, drafter=drafter,
             instance=instance, source=model, host=lambda: self.stages.named(instance),
             room=lambda node: pool.room(instance, node), kv_room=lambda node: pool.kv_room(instance, node),
+            nodes=lambda: pool.nodes_for(instance),
         )  # fmt: skip
 
     def _instance_stage(self, instance: str) -> StageHost:
@@ -306,7 +307,10 @@ class Daemon:
         return host
 
     async def _resolve(self, name: str) -> tuple[str, ModelInfo]:
-        """The model the leader's plan names, as this node's model list holds it: its path and info."""
+        """The model the leader's plan names, as this node's model list holds it: its path and info
+        ("": this node's configured model, of which the leader keeps replicas)."""
+        if not name:
+            return self.stage.model, self.info
         entry = await self.catalogue.lookup(name)
         if entry is None or entry.facts.info is None:
             why = entry.facts.error if entry is not None else "no model by that name in its model list (models_dir, the Ollama store, the Hugging Face cache)"

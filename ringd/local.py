@@ -94,6 +94,7 @@ def run_local(
     draft_model: str | None = None,
     tls: str = "off",
     models_dir: str | None = None,
+    replicas: int = 1,
 ) -> int:
     """``tls``: "auto" serves https with certificates from the run's cluster CA, written to
     ringd-ca.pem in the run's folder for clients to trust."""
@@ -181,6 +182,8 @@ def run_local(
                 cmd += ["--draft-model", draft_model]
             if models_dir:  # on every node: whichever leads loads from it, each node its layers
                 cmd += ["--models-dir", models_dir]
+            if replicas != 1:  # on every node: whichever leads keeps them
+                cmd += ["--replicas", str(replicas)]
             procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, pass_fds=(rings[i].fileno(), https[i].fileno())))
             # The node holds its listeners now: when it exits, they close (peers see it refuse).
             rings[i].close()

@@ -20,6 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+# Replicas one model may have: each is a ring of at least one Mac, and a cluster is a dozen.
+MAX_REPLICAS = 16
+
 
 @dataclass(frozen=True)
 class Held:
@@ -138,3 +141,34 @@ def pick_replica(replicas: Sequence[tuple[str, int]]) -> str:
         raise ValueError("pick_replica: no replicas to choose from (an instance routed to has at least one; load one first)")
     name, _ = min(replicas, key=lambda r: r[1])  # min keeps the first of equals
     return name
+
+
+def regroup(groups: Sequence[frozenset[str]], live: Sequence[str], replicas: int) -> list[frozenset[str]]:
+    """Which nodes each of ``replicas`` replicas of one model may place its ring over.
+
+    ``groups``: the last answer ([] at first); ``live``: the nodes that may hold layers now,
+    in ring order. When the number of replicas changed, the live nodes are cut anew into
+    that many contiguous groups, as even as possible (earlier groups take the extra node).
+    Otherwise the groups stick: a node that left drops out of its group only, so the other
+    replicas keep their rings, and a node that came goes to the smallest group (ties: the
+    first). A group may be empty when there are fewer nodes than replicas.
+    """
+    if replicas < 1:
+        raise ValueError(f"a model has at least one replica, not {replicas}")
+    if len(groups) != replicas:
+        base, extra = divmod(len(live), replicas)
+        out, start = [], 0
+        for k in range(replicas):
+            n = base + (1 if k < extra else 0)
+            out.append(frozenset(live[start : start + n]))
+            start += n
+        return out
+    alive = set(live)
+    out = [frozenset(g & alive) for g in groups]
+    placed = set().union(*out)
+    for node in live:
+        if node not in placed:
+            k = min(range(replicas), key=lambda i: len(out[i]))
+            out[k] = out[k] | {node}
+            placed.add(node)
+    return out

@@ -83,6 +83,7 @@ class Coordinator:
         host: Callable[[], StageHost | None] | None = None,
         room: Callable[[str], int | None] | None = None,
         kv_room: Callable[[str], int | None] | None = None,
+        nodes: Callable[[], frozenset[str] | None] = lambda: None,
     ):
         self.cfg = cfg
         self.info = info
@@ -99,6 +100,7 @@ class Coordinator:
         self._host = host or (lambda: stage)
         self._room = room or self.budget_of
         self._kv_room = kv_room
+        self._nodes = nodes
         self.own = own  # this node's handshake info: addr, profile, api_only
         self.budget = budget
         self.metrics = metrics
@@ -204,9 +206,11 @@ class Coordinator:
     def _members(self) -> dict[str, Member]:
         cluster = self.cluster
         host = self._host()
-        members = {self.node: Member(0, not self.cfg.api_only and self.node not in cluster.drained, host.report if host is not None else None)}
+        allowed = self._nodes()  # a replica's share of the nodes (None: any)
+        own = not self.cfg.api_only and self.node not in cluster.drained and (allowed is None or self.node in allowed)
+        members = {self.node: Member(0, own, host.report if host is not None else None)}
         for p, peer in cluster.peers.items():
-            holder = p not in cluster.drained and peer.info.get("api_only") is not True
+            holder = p not in cluster.drained and peer.info.get("api_only") is not True and (allowed is None or p in allowed)
             members[p] = Member(peer.number, holder, cluster.report_of(p, self.instance))
         return members
 

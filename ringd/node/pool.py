@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ringd.cluster.placement import ModelCost, NodeSpec, shortfall
-from ringd.cluster.sharing import Held, Usage, eviction_order, expired, kv_shares, pick_replica, room_left, victims
+from ringd.cluster.sharing import MAX_REPLICAS, Held, Usage, eviction_order, expired, kv_shares, pick_replica, regroup, room_left, victims
 from ringd.config import Config
 from ringd.leader.errors import EngineError
 from ringd.models.catalogue import Catalogue
@@ -42,6 +42,7 @@ from ringd.models.source import model_info
 from ringd.node.coordinator import Coordinator
 from ringd.ring.keepalive import format_keep_alive
 from ringd.ring.plan import MAX_INSTANCE_CHARS
+from ringd.names import natural_key
 from ringd.ring.steps import term_of
 from ringd.tasks import Supervisor
 from wire.frames import Frame
@@ -54,8 +55,6 @@ LOAD_TIMEOUT_S = 600.0
 # How often idle instances are checked against their keep_alive: Ollama's own granularity is
 # seconds, and the check is a pass over a handful of instances.
 KEEP_ALIVE_TICK_S = 1.0
-# Replicas one model may have: a dozen Macs hold at most a dozen.
-MAX_REPLICAS = 16
 # Instances at once (replicas included): each is a ring with its own engine and caches.
 MAX_POOL_INSTANCES = 32
 REPLICA_MARK = "#"
@@ -132,11 +131,19 @@ class Pool:
         self._members = members
         self.instances: dict[str, Instance] = {}
         self._loading: dict[str, asyncio.Future] = {}  # name -> its load under way
+        # Each model with replicas: which nodes each replica places its ring over (sticky).
+        self._groups: dict[str, list[frozenset[str]]] = {}
         self._closed = False
         first = default(self)
         self.default = Instance("", "", model_id, first, pinned=True, keep_alive=None)
         self.instances[""] = self.default
         self._task = supervisor.forever("keep_alive", self._expire_loop)
+        if cfg.replicas > 1:
+            supervisor.once("replicas", self._configured_replicas(cfg.replicas))
+
+    async def _configured_replicas(self, n: int) -> None:
+        await self.default.coordinator.wait_ready(LOAD_TIMEOUT_S)
+        await self.load(self.default.model_id, n)
 
     # --- what the daemon calls ----------------------------------------------------------
 
@@ -215,30 +222,34 @@ class Pool:
         return await asyncio.shield(pending)
 
     async def _load(self, name: str, replicas: int, keep_alive: float | None | bool) -> Instance:
-        existing = [i for i in self.instances.values() if same_model(i.model_id, name)]
-        if existing and existing[0].pinned:
-            return existing[0]
+        existing = self.replicas_of(name)
         if existing:
-            model, info, tokenizer = existing[0].model, existing[0].info, existing[0].tokenizer
+            model, info, tokenizer, pinned = existing[0].model, existing[0].info, existing[0].tokenizer, existing[0].pinned
+            name = existing[0].model_id
         else:
-            model, info, tokenizer = await self._read(name)
+            (model, info, tokenizer), pinned = await self._read(name), False
         first: Instance | None = existing[0] if existing else None
         for k in range(len(existing), replicas):
-            label = model_name = name if k == 0 else f"{name}{REPLICA_MARK}{k + 1}"
+            label = name if k == 0 else f"{name}{REPLICA_MARK}{k + 1}"
             if len(self.instances) >= MAX_POOL_INSTANCES:
                 raise EngineError(f"the cluster serves {MAX_POOL_INSTANCES} instances already; unload one first", 503)
-            self._make_room(label, info)
+            if k == 0:
+                self._make_room(label, info)
             coordinator = self._make(self, label, model, info, tokenizer)
-            ka = self.cfg.keep_alive if keep_alive is False else keep_alive
-            inst = Instance(label, model, name, coordinator, pinned=False, keep_alive=ka)
+            ka = None if pinned else self.cfg.keep_alive if keep_alive is False else keep_alive
+            inst = Instance(label, model, name, coordinator, pinned=pinned, keep_alive=ka)
             self.instances[label] = inst
-            log.info("loading %s (%s) on demand: %d layers", model_name, model, info.num_layers)
-            try:
-                await coordinator.wait_ready(LOAD_TIMEOUT_S)
-            except EngineError:
-                self.unload(label, "it could not be loaded")
-                raise
+            log.info("loading %s (%s): %d layers%s", label, model or "the configured model", info.num_layers, f", replica {k + 1} of {replicas}" if replicas > 1 else "")
             first = first or inst
+        # Every replica (the ones there already re-plan over their share of the nodes) serving.
+        for inst in self.replicas_of(name):
+            try:
+                await inst.coordinator.wait_ready(LOAD_TIMEOUT_S)
+            except EngineError:
+                if inst.pinned and not inst.name:
+                    raise
+                self.unload(inst.name, "it could not be loaded", force=True)
+                raise
         for c in self.coordinators():
             c.refresh_kv()
         return first
@@ -313,10 +324,31 @@ class Pool:
         for victim in gone:
             self.unload(victim, f"evicted (least recently used, idle) to make room for {name}")
 
-    def unload(self, name: str, reason: str) -> bool:
-        """Unload the instance ``name`` (never the configured model's); False if there is none."""
+    def replicas_of(self, name: str) -> list[Instance]:
+        """The instances of the model ``name``, in replica order (the first, then #2, #3, ...)."""
+        found = [i for i in self.instances.values() if same_model(i.model_id, name)]
+        return sorted(found, key=lambda i: int(i.name.rsplit(REPLICA_MARK, 1)[1]) if REPLICA_MARK in i.name else 1)
+
+    def nodes_for(self, instance: str) -> frozenset[str] | None:
+        """The nodes ``instance`` may place its ring over: a replica's share (``sharing.regroup``:
+        sticky, even, contiguous), or None (any) for a model with one instance."""
+        inst = self.instances.get(instance)
+        if inst is None:
+            return None
+        replicas = self.replicas_of(inst.model_id)
+        key = normal_name(inst.model_id)
+        if len(replicas) <= 1:
+            self._groups.pop(key, None)
+            return None
+        live = sorted((n for n, (_, api_only) in self._members().items() if not api_only), key=natural_key)
+        groups = self._groups[key] = regroup(self._groups.get(key, []), live, len(replicas))
+        return groups[replicas.index(inst)]
+
+    def unload(self, name: str, reason: str, force: bool = False) -> bool:
+        """Unload the instance ``name`` (a pinned one, of the configured model, only with
+        ``force``, and never the first); False if there is none."""
         inst = self.instances.get(name)
-        if inst is None or inst.pinned:
+        if inst is None or not inst.name or (inst.pinned and not force):
             return False
         del self.instances[name]
         log.info("unloading %s: %s", name, reason)

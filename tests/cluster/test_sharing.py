@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringd.cluster.sharing import Held, Usage, eviction_order, expired, kv_shares, next_expiry, pick_replica, room_left, victims
+from ringd.cluster.sharing import Held, Usage, eviction_order, expired, kv_shares, next_expiry, pick_replica, regroup, room_left, victims
 
 GIB = 2**30
 
@@ -204,3 +204,36 @@ def test_usage_refuses_nonsense():
         Usage("x", False, -1, 0.0, None)
     with pytest.raises(ValueError, match="keep_alive"):
         Usage("x", False, 0, 0.0, float("nan"))
+
+
+# --- regroup -----------------------------------------------------------------------------
+
+node_names = st.lists(st.sampled_from([f"n{i}" for i in range(12)]), unique=True, max_size=12)
+
+
+@given(live=node_names, replicas=st.integers(1, 6))
+def test_a_new_count_of_replicas_cuts_the_nodes_into_even_contiguous_groups(live, replicas):
+    groups = regroup([], live, replicas)
+    assert len(groups) == replicas
+    assert [n for g in groups for n in sorted(g, key=live.index)] == live  # every node once, in order
+    sizes = [len(g) for g in groups]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+@given(before=node_names, after=node_names, replicas=st.integers(1, 6))
+def test_groups_stick_a_leaver_leaves_only_its_group_and_a_newcomer_joins_the_smallest(before, after, replicas):
+    groups = regroup([], before, replicas)
+    again = regroup(groups, after, replicas)
+    assert set().union(*again) == set(after)
+    assert sum(len(g) for g in again) == len(after)  # no node in two groups
+    for old, new in zip(groups, again):
+        assert old & set(after) <= new  # nobody who stayed was moved
+    if set(after) <= set(before):
+        assert again == [g & set(after) for g in groups]
+
+
+def test_regroup_examples():
+    assert regroup([], ["a", "b", "c", "d"], 2) == [frozenset("ab"), frozenset("cd")]
+    assert regroup([frozenset("ab"), frozenset("cd")], ["a", "c", "d"], 2) == [frozenset("a"), frozenset("cd")]
+    assert regroup([frozenset("a"), frozenset("cd")], ["a", "c", "d", "e"], 2) == [frozenset("ae"), frozenset("cd")]
+    assert regroup([], ["a"], 2) == [frozenset("a"), frozenset()]

@@ -116,7 +116,17 @@ def loaded(url: str) -> set[str]:
     return {m["ringd"]["instance"] or m["name"] for m in ps(url)}
 
 
-def test_idle_models_go_least_recently_used_first_never_a_busy_one_and_after_their_keep_alive(tiny_model, cluster_factory, tmp_path):
+def ringctl(cluster, *args: str) -> str:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "ringd.ctl", "--node", cluster.url(0).removeprefix("http://"), "--secret-file", str(cluster.secret), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=LOAD_DEADLINE_S)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_idle_models_go_least_recently_used_first_never_a_busy_one_and_after_their_keep_alive(tiny_model, cluster_factory, tmp_path, ringctl_known_nodes):
     """One Mac whose budget holds the configured model and two of three others: a third evicts
     the least recently used idle one; one busy streaming is never evicted (its stream ends as
     mlx-lm's); a keep_alive runs out; keep_alive 0 unloads; a model that can never fit is a 503
@@ -132,7 +142,9 @@ def test_idle_models_go_least_recently_used_first_never_a_busy_one_and_after_the
     cluster.wait(lambda: cluster.leader_ready(0), RING_START_TIMEOUT_S, "the node to serve")
     url = cluster.url(0)
 
-    for name in ("b", "c", "b"):  # b loaded, c loaded, b used again: c is the least recently used
+    shown = ringctl(cluster, "load", "b", "--keep-alive", "10m")
+    assert shown.startswith("b ") and " ready " in shown and "node0[0,4)" in shown and "keep_alive 10m0s" in shown, shown
+    for name in ("c", "b"):  # c loaded, b used again: c is the least recently used
         status, body = ollama(url, name, "Hello", keep_alive="10m")
         assert status == 200 and body["done"], body
     assert loaded(url) == {"tiny:latest", "b", "c"}
@@ -178,6 +190,69 @@ def test_idle_models_go_least_recently_used_first_never_a_busy_one_and_after_the
     status, body = ollama(url, "d", keep_alive=0)
     assert status == 200 and body["done_reason"] == "unload", body
     cluster.wait(lambda: loaded(url) == {"tiny:latest"}, 60, "c's keep_alive to run out and d to unload")
-    # Loaded again on the next request, as Ollama does.
+    # Loaded again on the next request, as Ollama does; ringctl shows and unloads it.
     status, body = ollama(url, "c", "Hello")
     assert status == 200 and loaded(url) == {"tiny:latest", "c"}, body
+    listed = ringctl(cluster, "ps")
+    assert "pinned" in listed and "\nc " in listed, listed
+    assert ringctl(cluster, "unload", "c").strip() == "unloaded: c"
+    assert loaded(url) == {"tiny:latest"}
+
+
+def test_two_replicas_on_four_nodes_share_the_streams_and_a_kill_9_loses_nothing(tiny_model, cluster_factory):
+    """replicas: 2 on four Macs: two rings of two, requests to the one with the least work
+    outstanding; kill -9 of a node of one replica mid-stream: it re-plans on its survivor, the
+    other keeps serving, and every stream ends with mlx-lm's greedy tokens."""
+    import os
+    import signal
+
+    a = tiny_model(arch="llama", layers=6)
+    c = cluster_factory(a, 4, ["--replicas", "2"])
+
+    def two_rings():
+        rows = ps(c.url(0)) if c.leader_ready(0) else []
+        rings = [r["ringd"]["stages"] for r in rows if r["ringd"]["ready"]]
+        return rows if len(rings) == 2 and not {s[0] for s in rings[0]} & {s[0] for s in rings[1]} else None
+
+    rows = c.wait(two_rings, RING_START_TIMEOUT_S, "two replicas, each a ring of its own")
+    by_name = {r["ringd"]["instance"] or "tiny": r["ringd"] for r in rows}
+    assert set(by_name) == {"tiny", "tiny#2"}
+    victim = next(node for node, _, _ in by_name["tiny#2"]["stages"] if node != "node0")
+    streams, tokens = 8, 60
+    prompts = [[7 + i, 3, 11 * (i + 1), 5, 2 + i] for i in range(streams)]
+    got: dict[int, list[int]] = {}
+    errors: list = []
+    flowing = threading.Barrier(streams + 1, timeout=LOAD_DEADLINE_S)
+
+    def stream(i):
+        client = openai.OpenAI(base_url=c.url(0) + "/v1", api_key="x", max_retries=0, timeout=LOAD_DEADLINE_S)
+        out, told = [], False
+        try:
+            for chunk in client.completions.create(model="tiny", prompt=prompts[i], max_tokens=tokens, temperature=0, stream=True, logprobs=1, extra_body={"return_tokens_as_token_ids": True}):
+                if chunk.choices and chunk.choices[0].logprobs:
+                    out += [int(t.removeprefix("token_id:")) for t in chunk.choices[0].logprobs.tokens]
+                    if len(out) >= 5 and not told:
+                        told = True
+                        flowing.wait()
+            got[i] = out
+        except Exception as e:  # reported below with the stream's number
+            errors.append((i, e))
+            if not told:
+                flowing.abort()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    flowing.wait()  # every stream has its first tokens: both replicas are mid-answer
+    os.kill(c.procs[int(victim.removeprefix("node"))].pid, signal.SIGKILL)
+    for t in threads:
+        t.join(LOAD_DEADLINE_S)
+    assert not errors, errors
+    for i in range(streams):
+        want, _ = reference(a, prompts[i], tokens)
+        assert got[i] == want, f"stream {i} changed by the kill of {victim}:\nring {got[i]}\nref  {want}"
+    after = {r["ringd"]["instance"] or "tiny": r["ringd"] for r in ps(c.url(0))}
+    served = {name: r["served"] for name, r in after.items()}
+    assert all(n >= 2 for n in served.values()), f"both replicas should have served streams: {served}"
+    print(f"requests per replica: {served}; tiny#2 now on {after['tiny#2']['stages']}")
+    assert victim not in {s[0] for r in after.values() for s in r["stages"]}
