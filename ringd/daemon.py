@@ -368,9 +368,9 @@ class Daemon:
         pool = self.pool
         if pool is None:
             raise EngineError("this node does not lead; retry in a moment", 503)
-        if name is None or same_model(name, self.model_id):
+        if name is None:
             return pool.default
-        return await pool.served(name, keep_alive)
+        return await pool.served(name, keep_alive)  # the configured model's too: its replicas share its requests
 
     async def load(self, name: str, replicas: int = 1, keep_alive: float | None | bool = False):
         if self.pool is None:
@@ -381,6 +381,9 @@ class Daemon:
 
     def find(self, instance: str):
         return self.pool.instances.get(instance) if self.pool is not None else None
+
+    def loaded(self, name: str):
+        return self.pool.find(name) if self.pool is not None else None
 
     def instances(self) -> list[dict]:
         return self.pool.status() if self.pool is not None else []
@@ -461,6 +464,8 @@ class Daemon:
             "tls": self.tls.mode if self.tls else "off",
             # The leader's instances (the models it serves now), for ringctl ps and the dashboard.
             "instances": self.instances(),
+            # This node's stages of those instances (their layers, sessions, load progress).
+            "instance_stages": self.stages.status() if self.stages is not None else [],
         }
 
     def _kv_capacity(self, start: int, end: int) -> int | None:

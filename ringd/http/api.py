@@ -200,6 +200,7 @@ class Api:
                 web.get("/api/tags", ollama.tags),
                 web.post("/api/show", ollama.show),
                 web.get("/api/ps", ollama.ps),
+                web.post("/api/pull", ollama.pull),
                 web.get("/api/version", ollama.version),
                 web.get("/v1/models", self.models),
                 web.get("/v1/models/{model:.+}", self.model),

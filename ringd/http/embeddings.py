@@ -75,7 +75,11 @@ class Embedder:
 
     async def embed(self, req: EmbedRequest, request_id: str | None) -> Embedded:
         started = time.monotonic_ns()
-        engine = await self.serving.ready()
+        try:
+            served = await self.d.served(None)  # embeddings: of the configured model (the route checked the name)
+        except EngineError as e:
+            raise ApiError(e.status, str(e), retry_after=e.retry_after) from None
+        engine = await self.serving.ready(served)
         async with self._tokenizing:
             prompts = await asyncio.get_running_loop().run_in_executor(None, self._tokens, req)
         pool = self.d.info.pooling

@@ -1,4 +1,4 @@
-"""The model list a node answers: every model it could serve, the loaded one marked, each with
+"""The model list a node answers: every model it could serve, the loaded ones marked, each with
 whether the cluster's memory holds it.
 
 One list (``rows``) behind three views: ``GET /v1/models`` (OpenAI's and Anthropic's
@@ -10,8 +10,8 @@ holds a model is the node's ``fit_rule``: placement's own rule over the members'
 as they are now (``cluster/placement.shortfall``).
 
 The list is built off the event loop (realpaths, fits over up to MAX_MODELS models) from
-the catalogue's cached listing; it ignores what a request may name (only the loaded
-model is served: the others say how to start one).
+the catalogue's cached listing. On the leader, the models it loaded on demand (its
+instances, ``node/pool.py``) are marked loaded too; any other a request names is loaded then.
 """
 
 from __future__ import annotations
@@ -36,17 +36,21 @@ async def rows(node: "ApiNode") -> tuple[list[dict], bool]:
     """The list's rows (the loaded model first), and whether the catalogue stopped short."""
     listing = await node.catalogue.listing() if node.catalogue is not None else Listing()
     rule = node.fit_rule()  # on the loop: it reads the members' budgets
-    return await asyncio.to_thread(_rows, listing, node.info, node.model_id, rule), listing.truncated
+    # The leader's instances loaded from the list, by their names there (a follower knows none).
+    instances = {row["source"] for row in node.instances() if row.get("source")}
+    return await asyncio.to_thread(_rows, listing, node.info, node.model_id, rule, instances), listing.truncated
 
 
-def _rows(listing: Listing, served: "ModelInfo", model_id: str, fit: Callable[["ModelInfo"], str | None]) -> list[dict]:
+def _rows(
+    listing: Listing, served: "ModelInfo", model_id: str, fit: Callable[["ModelInfo"], str | None], instances: set[str] = frozenset()
+) -> list[dict]:
     real = os.path.realpath(served.path)
     loaded, others = None, []
     for entry in listing.entries:
         if loaded is None and os.path.realpath(entry.path) == real:
             loaded = _row(entry, fit) | {"name": model_id, "loaded": True, "started_as": entry.name}
         else:
-            others.append(_row(entry, fit))
+            others.append(_row(entry, fit) | ({"loaded": True} if entry.name in instances else {}))
     if loaded is None:
         loaded = _row(_served_entry(served, model_id), fit) | {"loaded": True, "started_as": str(served.path)}
     return [loaded, *others]

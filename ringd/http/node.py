@@ -76,6 +76,9 @@ class ApiNode(Protocol):
     def find(self, instance: str) -> Served | None:
         """The leader's instance named ``instance`` (None: no such instance, or not the leader)."""
         ...
+    def loaded(self, name: str) -> Served | None:
+        """The instance a request naming ``name`` would go to now, without loading (None: none)."""
+        ...
     def instances(self) -> list[dict]:
         """The leader's instances, as /api/ps and ``ringctl ps`` show them ([] on a follower)."""
         ...

@@ -616,16 +616,19 @@ class Models:
         name = body.get("model", body.get("name"))  # "name": Ollama's older field
         if not isinstance(name, str) or not name:
             raise bad("model is required")
-        check_model(name, self.d.model_id)
-        d = await self._description()
-        tokenizer = self.d.tokenizer
+        served = self.d.loaded(name)
+        if served is None:
+            check_model(name, self.d.model_id)  # the configured model's name, or a 404 that names it
+        info = served.info if served is not None else self.d.info
+        d = await self._description(info)
+        tokenizer = served.tokenizer if served is not None else self.d.tokenizer
         template = getattr(tokenizer, "chat_template", None)
         capabilities = ["completion", "tools"]  # ringd calls tools with any model (render.py)
         if getattr(tokenizer, "has_thinking", False):
             capabilities.append("thinking")
-        params = parameters(self.d.info)
-        system = self.d.info.defaults.system
-        modelfile = f"# Modelfile of the model ringd serves as {self.d.model_id}\nFROM {self.d.info.name}\n"
+        params = parameters(info)
+        system = info.defaults.system
+        modelfile = f"# Modelfile of the model ringd serves as {served.model_id if served else self.d.model_id}\nFROM {info.name}\n"
         modelfile += "".join(f"PARAMETER {name} {value}\n" for name, value in params)
         if system:
             modelfile += f'SYSTEM """{system}"""\n'
@@ -641,6 +644,32 @@ class Models:
                 "modified_at": d["modified_at"],
             }
         )
+
+    async def pull(self, request: web.Request) -> web.StreamResponse:
+        """``POST /api/pull``: ringd downloads nothing from Ollama's registry; a model this node's
+        list holds (the Ollama store, the Hugging Face cache, models_dir) is there already, and
+        the first request that names it loads it."""
+        self.intake.need_key(request)
+        body = await self.intake.json(await self.intake.read(request))
+        name = body.get("model", body.get("name"))  # "name": Ollama's older field
+        if not isinstance(name, str) or not name or len(name) > MAX_MODEL_CHARS:
+            raise bad("model is required")
+        found = None
+        if self.d.catalogue is not None:
+            found = await self.d.catalogue.lookup(name) or await self.d.catalogue.lookup(name.removesuffix(":latest"))
+        if found is None:
+            raise ApiError(
+                404,
+                f"ringd does not download models from Ollama's registry, and {name!r} is not in this node's model list "
+                f"(the Ollama store, the Hugging Face cache, models_dir): `ollama pull {name}` on every node, or copy it "
+                "into models_dir on every node; then name it in a request (GET /api/tags lists what is there)",
+            )
+        if found.facts.info is None:
+            raise ApiError(400, f"{name!r} is in the model list, but ringd cannot serve it: {found.facts.error}")
+        done = {"status": "success"}
+        if body.get("stream") is False:
+            return web.json_response(done)
+        return web.Response(body=NDJSON.frame({"status": f"{name} is in the model list as {found.name}"}) + NDJSON.frame(done), content_type=NDJSON.content_type)
 
     async def version(self, request: web.Request) -> web.Response:
         self.intake.need_key(request)

@@ -44,7 +44,7 @@ class Members:
 class Node:
     """What the HTTP app asks of its node, for the model routes; fit_rule is the daemon's own."""
 
-    fit_rule = Daemon.fit_rule
+    fit_rule, _budgets = Daemon.fit_rule, Daemon._budgets
     name, started, tokenizer, secret, api_keys = "node0", 1_700_000_000, None, b"", frozenset()
     chat_template_kwargs, failover_wait_s, files, client_ssl, engine, leading, leader = {}, 1.0, None, None, None, True, "node0"
     drained: set = set()
@@ -60,6 +60,9 @@ class Node:
 
     def readiness(self) -> tuple[bool, str]:
         return True, ""
+
+    def instances(self) -> list[dict]:
+        return []  # the model list's own facts: no instance loaded on demand
 
 
 def test_every_model_is_listed_with_its_facts_and_fit(tiny_model, tmp_path, monkeypatch, capsys):

@@ -535,12 +535,12 @@ def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_sa
         engine.generate = recorded
         node = SimpleNamespace(
             info=info, tokenizer=tokenizer, model_id="smollm2", engine=engine, readiness=lambda: (True, ""),
-            failover_wait_s=0.0, metrics=Metrics("node0"), chat_template_kwargs={},
+            failover_wait_s=0.0, metrics=Metrics("node0"), chat_template_kwargs={}, name="", pinned=True,
         )  # fmt: skip
         serving = Serving(node)
 
         async def run(req):
-            gen = await serving.open(req, None)
+            gen = await serving.open(req, node, None)
             outs = [o async for o in gen]
             return gen, "".join(o.text for o in outs), outs[-1]
 
@@ -551,12 +551,12 @@ def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_sa
                  "temperature": 1.5, "seed": 7, "stop": ["zzz"], "max_tokens": 3}, chat=True,
             ).to_request()  # fmt: skip
             results = [await run(bare)]
-            gen = await serving.open(own, None)  # what it sets is what reaches the engine: no need to run it
+            gen = await serving.open(own, node, None)  # what it sets is what reaches the engine: no need to run it
             await gen.aclose()
             results.append(gen)
             tight = ollama_api.parse({"model": "smollm2", "messages": question, "options": {"num_ctx": 16}}, True, "smollm2", info.context_length, False)
             with pytest.raises(ApiError) as refused:
-                await serving.open(tight.request, None)
+                await serving.open(tight.request, node, None)
             return results, refused.value
         finally:
             await ring.stop()

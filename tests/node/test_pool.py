@@ -94,6 +94,16 @@ def test_three_models_at_once_each_answer_as_mlx_lm_alone(tiny_model, smollm2_gg
     assert sorted(m["name"] for m in loaded) == ["smollm2.gguf:latest", "tiny-b:latest", "tiny:latest"], loaded
     for m in loaded:
         assert m["ringd"]["ready"] and len(m["ringd"]["stages"]) >= 1, m
+    # The leader's model list marks what it loaded; Ollama's show and pull know those models too.
+    url = c.url(0)
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+        listed = {m["id"]: m["loaded"] for m in json.loads(r.read())["data"]}
+    assert listed["tiny"] and listed["tiny-b"] and listed["smollm2.gguf"], listed
+    status, shown = post(url + "/api/show", {"model": "tiny-b"})
+    assert status == 200 and "serves as tiny-b" in shown["modelfile"], shown
+    assert post(url + "/api/pull", {"model": "tiny-b", "stream": False}) == (200, {"status": "success"})
+    status, body = post(url + "/api/pull", {"model": "llama3.2"})
+    assert status == 404 and "does not download" in body["error"], body
 
 
 KV_RESERVE_TOKENS = 2048  # room for the long stream below (1508 positions) in d's own reserve
@@ -143,7 +153,8 @@ def test_idle_models_go_least_recently_used_first_never_a_busy_one_and_after_the
     url = cluster.url(0)
 
     shown = ringctl(cluster, "load", "b", "--keep-alive", "10m")
-    assert shown.startswith("b ") and " ready " in shown and "node0[0,4)" in shown and "keep_alive 10m0s" in shown, shown
+    row = next(line for line in shown.splitlines() if line.startswith("b "))
+    assert " ready " in row and "ring node0[0,4)" in row and "keep_alive 10m0s" in row, shown
     for name in ("c", "b"):  # c loaded, b used again: c is the least recently used
         status, body = ollama(url, name, "Hello", keep_alive="10m")
         assert status == 200 and body["done"], body
