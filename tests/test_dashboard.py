@@ -3,10 +3,14 @@
 The page is served by a FOLLOWER of a real three-node ring of `ringd serve`
 daemons and talks only to that node. It must draw the three nodes in ring order,
 crown the leader and show every layer range; while a stream runs its tokens/s
-figure must change; the chat box must answer. A screenshot is kept as an
+figure must change; the chat box must answer; the Models panel must list the
+configured model on that same ring. A screenshot is kept as an
 artifact. A second test covers a node with API keys (the page asks for the key,
 then draws the ring and chats with it) and a node that goes away and comes back
-(the page says so, keeps polling, and recovers).
+(the page says so, keeps polling, and recovers); on that node's models folder the
+page loads a second model through its Models panel, sees it loading and then serving
+on its own ring, and unloads it. A third test serves the page a status document of
+states a test ring cannot show on demand.
 
 Playwright drives the system's Chromium (``executable_path``); it never downloads
 a browser of its own (``playwright install`` is not used).

@@ -459,7 +459,7 @@
     namesAt: 0,            // when /v1/models was last asked
   };
 
-  // The leader's instances, or null when no leader's entry is in the status.
+  // The leader's instances, or null when its entry in the status lists none (no leader, or no answer from it).
   function instanceRows() {
     const leader = leaderEntry();
     if (!leader || !Array.isArray(leader.instances)) return null;
@@ -577,7 +577,7 @@
       next.push(el);
     }
     if (next.length !== body.children.length || next.some((el, i) => body.children[i] !== el)) body.replaceChildren(...next);
-    if (!rows) setText("models-caption", view.leader ? `no status from the leader (${view.leader}) yet` : "no leader yet");
+    if (!rows) setText("models-caption", !view.leader ? "no leader yet" : leaderEntry() && !leaderEntry().error ? `${view.leader} lists no instances` : `no status from the leader (${view.leader})`);
     else {
       const serving = rows.filter((r) => r.ready).length;
       setText("models-caption", `${rows.length} loaded, ${serving} serving`);
@@ -652,16 +652,13 @@
     models.namesAt = Date.now();
     try {
       const response = await fetch("v1/models", { headers: authHeaders(), cache: "no-store" });
-      if (!response.ok) {
-        models.namesAt = 0;  // a key still to come, or the node restarting: ask again next time
-        return;
-      }
+      if (!response.ok) return;  // asked again on the box's next focus, at most every MODEL_NAMES_MAX_AGE_MS
       const body = await response.json();
       const data = body && Array.isArray(body.data) ? body.data.filter((m) => m && typeof m.id === "string") : [];
       const options = data.map((m) => h("option", { value: m.id, label: m.loaded ? "loaded" : m.fits === false ? `does not fit: ${m.fit || "too large"}` : null }));
       $("model-names").replaceChildren(...options);
     } catch {
-      models.namesAt = 0;
+      // the node is away: the polling says so; asked again as above
     }
   }
 
@@ -986,6 +983,7 @@
       } catch {
         // storage disabled: the field still holds the key for this page
       }
+      models.namesAt = 0;  // the list again, with this key, once the status answers
       poll();
     });
     $("chat-form").addEventListener("submit", (e) => {
