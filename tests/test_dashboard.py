@@ -3,10 +3,14 @@
 The page is served by a FOLLOWER of a real three-node ring of `ringd serve`
 daemons and talks only to that node. It must draw the three nodes in ring order,
 crown the leader and show every layer range; while a stream runs its tokens/s
-figure must change; the chat box must answer. A screenshot is kept as an
+figure must change; the chat box must answer; the Models panel must list the
+configured model on that same ring. A screenshot is kept as an
 artifact. A second test covers a node with API keys (the page asks for the key,
 then draws the ring and chats with it) and a node that goes away and comes back
-(the page says so, keeps polling, and recovers).
+(the page says so, keeps polling, and recovers); on that node's models folder the
+page loads a second model through its Models panel, sees it loading and then serving
+on its own ring, and unloads it. A third test serves the page a status document of
+states a test ring cannot show on demand.
 
 Playwright drives the system's Chromium (``executable_path``); it never downloads
 a browser of its own (``playwright install`` is not used).
@@ -18,6 +22,7 @@ import json
 import re
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +93,19 @@ def keep_screenshot(page, tmp_path: Path, name: str) -> Path:
     print(f"\ndashboard screenshot: {kept} (and {shot})")
     return kept
 
+# Each model row's state as it changes ("name:state", each change once), recorded in the page:
+# a tiny model loads in a moment, quicker than polling from here could see it loading.
+RECORD_MODEL_STATES = """() => {
+    window.modelStatesSeen = [];
+    const note = () => {
+        for (const row of document.querySelectorAll("#models .instance[data-model]:not([data-pinned='true'])")) {
+            const seen = `${row.dataset.model}:${row.dataset.state}`;
+            if (window.modelStatesSeen.at(-1) !== seen && !window.modelStatesSeen.includes(seen)) window.modelStatesSeen.push(seen);
+        }
+    };
+    new MutationObserver(note).observe(document.getElementById("models"), {childList: true, attributes: true, subtree: true});
+}"""
+
 
 def test_dashboard_on_a_follower_draws_the_ring_and_chats(tiny_model, cluster_factory, browser, tmp_path):
 
@@ -116,6 +134,13 @@ def test_dashboard_on_a_follower_draws_the_ring_and_chats(tiny_model, cluster_fa
     for a, b in zip(ring, ring[1:] + ring[:1]):
         expect(page.locator(f'#ring .link[data-from="{a}"][data-to="{b}"]')).to_have_attribute("data-up", "true")
     expect(page.locator('#nodes [data-node="node2"] .bar-weights')).to_have_count(1)
+    # The Models panel: the configured model, serving on that same ring, pinned (no Unload button).
+    configured = page.locator('#models .instance[data-instance=""]')
+    expect(configured).to_have_attribute("data-state", "ready")
+    expect(configured.locator(".model-name")).to_have_text("tiny")
+    expect(configured.locator(".hop")).to_have_text([f"{name} [{start}, {end})" for name, _addr, start, end in stages])
+    expect(configured.locator(".keep-alive")).to_have_text("forever")
+    expect(configured.locator("button.unload")).to_have_count(0)
 
     # A long answer through the chat box: the tokens/s figure changes while it streams.
     # Greedy, so the answer runs to max_tokens: sampled, the tiny model may end it at once.
@@ -158,7 +183,10 @@ def test_dashboard_asks_for_the_api_key_and_rides_out_a_restart(tiny_model, clus
 
     key = "dashboard-key-0123456789abcdef"
     (tmp_path / "keys").write_text(key + "\n")
-    c = cluster_factory(tiny_model(arch="llama", layers=6), 1, extra=["--api-keys-file", str(tmp_path / "keys")])
+    models = tmp_path / "models"  # a user's models folder: one more model, under the name a request gives it
+    models.mkdir()
+    (models / "tiny-b").symlink_to(tiny_model(arch="qwen3", layers=4))
+    c = cluster_factory(tiny_model(arch="llama", layers=6), 1, extra=["--api-keys-file", str(tmp_path / "keys"), "--models-dir", str(models)])
     c.wait(lambda: serving_leader(c, [0]) == "node0", what="node0 to serve")
 
     page = open_page(browser, c.url(0) + "/")
@@ -173,6 +201,8 @@ def test_dashboard_asks_for_the_api_key_and_rides_out_a_restart(tiny_model, clus
     expect(page.locator("#banner")).to_be_hidden()
     assert page.evaluate("() => localStorage.getItem('ringd.apiKey')") == key
 
+    requests = []
+    page.on("request", lambda r: requests.append(r))
     page.fill("#chat-max-tokens", "8")
     page.fill("#chat-temperature", "0")
     page.fill("#chat-input", "hi")
@@ -181,6 +211,40 @@ def test_dashboard_asks_for_the_api_key_and_rides_out_a_restart(tiny_model, clus
     expect(answer).to_have_attribute("data-done", "true", timeout=STREAM_WAIT_MS)
     expect(answer.locator(".error")).to_have_count(0)
     expect(answer.locator(".text")).to_have_text(re.compile(r"\S"))
+
+    # Models, loaded and unloaded from the page (through the key): a name no list holds is
+    # refused with the node's message; tiny-b shows as loading, then serving on its own ring.
+    expect(page.locator('#models .instance[data-instance=""] .model-name')).to_have_text("tiny")
+    page.focus("#load-model")  # the list's names offered in the box
+    expect(page.locator('#model-names option[value="tiny-b"]')).to_have_count(1)
+    page.fill("#load-model", "no-such-model")
+    page.click("#load-submit")
+    expect(page.locator("#load-status")).to_have_attribute("data-kind", "error")
+    expect(page.locator("#load-status")).to_contain_text("no-such-model: 404")
+    page.evaluate(RECORD_MODEL_STATES)
+    page.fill("#load-model", "tiny-b")
+    page.fill("#load-keep-alive", "10m")
+    page.click("#load-submit")
+    row = page.locator('#models .instance[data-instance="tiny-b"]')
+    expect(row).to_have_attribute("data-state", "ready", timeout=STREAM_WAIT_MS)
+    expect(row.locator(".hop")).to_have_text(["node0 [0, 4)"])
+    expect(row.locator(".keep-alive")).to_have_text("10m0s")
+    expect(row.locator(".expires")).to_contain_text("if idle")
+    expect(page.locator("#load-status")).to_have_text("tiny-b serves")
+    expect(page.locator("#models .instance")).to_have_count(2)
+    keep_screenshot(page, tmp_path, "dashboard-models.png")
+    row.locator("button.unload").click()
+    expect(row).to_have_count(0)
+    expect(page.locator("#load-status")).to_have_text("tiny-b unloaded")
+    expect(page.locator("#models .instance")).to_have_count(1)
+    assert page.evaluate("() => window.modelStatesSeen") == ["tiny-b:loading", "tiny-b:ready", "tiny-b:unloading"]
+    loads = [r for r in requests if r.url.endswith("/api/generate")]
+    assert [json.loads(r.post_data) for r in loads] == [
+        {"model": "no-such-model", "prompt": "", "stream": False},
+        {"model": "tiny-b", "prompt": "", "keep_alive": "10m", "stream": False},
+        {"model": "tiny-b", "keep_alive": 0, "stream": False},
+    ]
+    assert all(r.headers.get("authorization") == f"Bearer {key}" for r in loads)
 
     # The node goes away: the page says so and keeps asking; it comes back: the page recovers.
     c.signal(0, signal.SIGTERM)
@@ -206,6 +270,15 @@ def node_status(name: str, role: str, stage: int | None, layers: list[int] | Non
     }  # fmt: skip
 
 
+def instance(name: str, model: str, stages: list, ready: bool = True, reason: str = "", pinned: bool = False, keep_alive: str = "5m0s", **extra) -> dict:
+    """A row of the leader's "instances", with the keys node/pool.py gives it."""
+    return {
+        "instance": name, "model": model, "source": name.split("#")[0], "pinned": pinned, "ready": ready, "reason": reason,
+        "loaded_at": time.time() - 60, "expires_at": None if pinned else time.time() + 300, "keep_alive": keep_alive,
+        "active": 0, "queued": 0, "served": 0, "term": 3, "stages": stages, "layers": stages[-1][2], "weights": 5 * 2**30, **extra,
+    }  # fmt: skip
+
+
 def test_dashboard_draws_progress_encryption_silent_and_drained_nodes(browser, tmp_path):
     """What a ring here cannot show on demand (a Hub download needs the network; a node that stops
     answering mid-poll is a moment): a status document of that shape, served to the real page
@@ -221,7 +294,10 @@ def test_dashboard_draws_progress_encryption_silent_and_drained_nodes(browser, t
         "nodes": [
             node_status("m1", "leader", 0, [0, 30], {"m2": locked, "m3": locked, "m4": locked}, drained=["m4"],
                         stats={"tokens_per_s": 17.25, "ttft_s": 0.42, "active_requests": 2, "queued_requests": 1, "requests_total": 40, "tokens_out_total": 9000,
-                               "micro_batches": 3, "draft_acceptance": 0.7512}),
+                               "micro_batches": 3, "draft_acceptance": 0.7512},
+                        instances=[instance("", "qwen3-32b", [["m1", 0, 30], ["m2", 30, 52], ["m3", 52, 64]], pinned=True, keep_alive="forever", active=2, queued=1, served=40),
+                                   instance("gemma3", "gemma3", [["m4", 0, 26]], ready=False, reason="m4 is loading its layers"),
+                                   instance("gemma3#2", "gemma3", [["m2", 0, 26]], served=7)]),
             node_status("m2", "follower", 1, [30, 52], {"m1": locked, "m4": locked}),  # its link to m3 is down
             node_status("m3", "follower", 2, None, {"m1": locked}, ready=False, reason="downloading",
                         progress={"phase": "download", "file": "model-00004-of-00006.safetensors", "files_done": 3, "files_total": 6,
@@ -234,6 +310,10 @@ def test_dashboard_draws_progress_encryption_silent_and_drained_nodes(browser, t
         path = route.request.url.split("ringd.invalid", 1)[1]
         if path == "/cluster/status":
             return route.fulfill(json=doc)
+        if path == "/v1/models":
+            return route.fulfill(json={"object": "list", "data": [{"id": "qwen3-32b", "loaded": True}, {"id": "llama3.1-70b", "loaded": False, "fits": False, "fit": "short 9.0 GiB"}]})
+        if path == "/api/generate":  # what the leader answers a model that cannot fit
+            return route.fulfill(status=503, json={"error": "llama3.1-70b does not fit: the nodes are short 9.0 GiB"})
         name = {"/dashboard": "index.html"}.get(path) or path.removeprefix("/static/")
         types = {"html": "text/html", "js": "text/javascript", "css": "text/css"}
         route.fulfill(body=(WEB_DIR / name).read_bytes(), content_type=types[name.rsplit(".", 1)[1]])
@@ -272,5 +352,22 @@ def test_dashboard_draws_progress_encryption_silent_and_drained_nodes(browser, t
     for figure, value in figures.items():
         expect(page.locator(f"#{figure}")).to_have_text(value)
     expect(page.locator("#cluster-ready")).to_have_attribute("data-state", "waiting")
+    # The leader's instances: the configured model (pinned: no Unload), one loading, a replica serving.
+    expect(page.locator("#models .instance")).to_have_count(3)
+    expect(page.locator('#models [data-instance=""] .requests')).to_have_text("2 / 1 / 40")
+    expect(page.locator('#models [data-instance=""] button.unload')).to_have_count(0)
+    loading = page.locator('#models [data-instance="gemma3"]')
+    expect(loading).to_have_attribute("data-state", "loading")
+    expect(loading.locator(".reason")).to_have_text("m4 is loading its layers")
+    expect(loading.locator(".hop")).to_have_text(["m4 [0, 26)"])
+    expect(page.locator('#models [data-instance="gemma3#2"] .replica')).to_have_text("#2")
+    expect(page.locator('#models [data-instance="gemma3#2"] .expires')).to_contain_text(re.compile(r"if idle \(in (4 min \d+|5 min 0) s\)"))
+    expect(page.locator("#models button.unload")).to_have_count(2)
+    expect(page.locator("#models-caption")).to_have_text("3 loaded, 2 serving")
+    expect(page.locator('#model-names option[value="llama3.1-70b"]')).to_have_attribute("label", "does not fit: short 9.0 GiB")
+    page.fill("#load-model", "llama3.1-70b")
+    page.click("#load-submit")
+    expect(page.locator("#load-status")).to_have_text("llama3.1-70b: 503: llama3.1-70b does not fit: the nodes are short 9.0 GiB")
+    expect(page.locator('#models .instance[data-pending="true"]')).to_have_count(0)
     keep_screenshot(page, tmp_path, "dashboard-states.png")
     assert errors == []

@@ -443,6 +443,225 @@
     setText("nodes-caption", `${view.entries.size} node${view.entries.size === 1 ? "" : "s"}, ${ready} ready`);
   }
 
+  // --- models: the leader's instances, each a ring of its own ----------------------------
+
+  // How long the model names offered in the load box are reused before /v1/models is asked again.
+  const MODEL_NAMES_MAX_AGE_MS = 15000;
+
+  // How long a load or unload that was answered waits for the status to show it (a poll
+  // already under way when the answer came still shows the model as it was).
+  const SETTLE_MS = 10000;
+
+  // What this page asked for and the status cannot show yet.
+  const models = {
+    loading: new Map(),    // name typed -> when its load call was answered (null: not yet)
+    unloading: new Map(),  // model name -> when its unload call was answered (null: not yet)
+    namesAt: 0,            // when /v1/models was last asked
+  };
+
+  // The leader's instances, or null when its entry in the status lists none (no leader, or no answer from it).
+  function instanceRows() {
+    const leader = leaderEntry();
+    if (!leader || !Array.isArray(leader.instances)) return null;
+    return leader.instances.filter((row) => row && typeof row === "object" && typeof row.instance === "string");
+  }
+
+  const namesOf = (row) => [row.model, row.source, row.instance].filter((n) => typeof n === "string" && n);
+
+  // An instance's state: serving, loading (with the ring's reason) or unloading (asked from here).
+  function instanceState(row) {
+    if (models.unloading.has(row.model)) return { kind: "unloading", word: "unloading", reason: "" };
+    if (row.ready) return { kind: "ready", word: "serving", reason: "" };
+    return { kind: "loading", word: "loading", reason: row.reason || "" };
+  }
+
+  function fmtIn(seconds) {
+    seconds = Math.max(0, Math.round(seconds));
+    if (seconds < 60) return `${seconds} s`;
+    if (seconds < 3600) return `${Math.floor(seconds / 60)} min ${seconds % 60} s`;
+    return `${Math.floor(seconds / 3600)} h ${Math.floor((seconds % 3600) / 60)} min`;
+  }
+
+  // When an idle instance unloads: changes every second, so kept out of the row's signature.
+  function expiresText(row) {
+    if (row.pinned) return "never unloads";
+    if (!isNum(row.expires_at)) return "stays until unloaded";
+    const at = new Date(row.expires_at * 1000).toLocaleTimeString();
+    return `unloads at ${at} if idle (in ${fmtIn(row.expires_at - Date.now() / 1000)})`;
+  }
+
+  function ringPath(stages) {
+    if (!stages.length) return h("span", { class: "muted" }, "no plan yet");
+    return stages.map(([node, start, end], i) => [
+      i ? h("span", { class: "hop-arrow", "aria-hidden": "true" }, "→") : null,
+      h("span", { class: "hop", "data-node": node }, h("span", { class: "hop-node" }, node), " ", h("span", { class: "layers" }, fmtRange([start, end]))),
+    ]);
+  }
+
+  function instanceRow(row, state) {
+    const stages = Array.isArray(row.stages) ? row.stages.filter((st) => Array.isArray(st) && st.length === 3) : [];
+    const replica = row.instance.includes("#") ? row.instance.slice(row.instance.lastIndexOf("#")) : null;
+    const facts = [
+      row.pinned ? "configured" : null,
+      row.source && row.source !== row.model ? `from ${row.source}` : null,
+      isNum(row.layers) ? `${row.layers} layers` : null,
+      isNum(row.weights) ? fmtBytes(row.weights) : null,
+      isNum(row.loaded_at) ? `loaded ${new Date(row.loaded_at * 1000).toLocaleTimeString()}` : null,
+    ].filter(Boolean);
+    const busy = models.unloading.has(row.model);
+    return h("tr", { class: "instance", "data-instance": row.instance, "data-model": row.model, "data-state": state.kind, "data-pinned": String(!!row.pinned) },
+      h("td", { class: "model-cell" },
+        h("div", { class: "model-name" }, h("b", {}, row.model || DASH), replica ? h("span", { class: "replica", title: "a replica: a ring of its own over other nodes" }, replica) : null),
+        h("div", { class: "model-facts muted" }, facts.join(" · "))),
+      h("td", { class: "state-cell" },
+        h("span", { class: "state" }, state.word),
+        state.reason ? h("div", { class: "reason" }, state.reason) : null),
+      h("td", { class: "ring-path", title: isNum(row.term) ? `plan term ${row.term}` : "" }, ringPath(stages)),
+      h("td", { class: "requests" },
+        h("span", { class: "active", title: "active" }, fmtCount(row.active)), " / ",
+        h("span", { class: "queued", title: "queued" }, fmtCount(row.queued)), " / ",
+        h("span", { class: "served", title: "served" }, fmtCount(row.served))),
+      h("td", { class: "keep-cell" },
+        h("div", { class: "keep-alive" }, row.keep_alive || DASH),
+        h("div", { class: "expires muted" }, expiresText(row))),
+      h("td", { class: "actions" }, row.pinned ? null :
+        h("button", { type: "button", class: "unload", "data-model": row.model, disabled: busy, title: `unload ${row.model} (every replica of it)` }, busy ? "Unloading…" : "Unload")));
+  }
+
+  // A load asked for from this page that no instance shows yet.
+  function pendingRow(name) {
+    return h("tr", { class: "instance pending", "data-model": name, "data-state": "loading", "data-pending": "true" },
+      h("td", { class: "model-cell" }, h("div", { class: "model-name" }, h("b", {}, name))),
+      h("td", { class: "state-cell" }, h("span", { class: "state" }, "loading"), h("div", { class: "reason" }, "asked for; placing it on the nodes")),
+      h("td", { class: "ring-path" }, h("span", { class: "muted" }, "no plan yet")),
+      h("td", { class: "requests" }, DASH),
+      h("td", { class: "keep-cell" }, DASH),
+      h("td", { class: "actions" }));
+  }
+
+  const rowSignatures = new Map();
+
+  function drawModels() {
+    const rows = instanceRows();
+    const shown = new Set((rows || []).flatMap(namesOf));
+    const now = Date.now();
+    for (const [name, at] of models.loading) if (at !== null && (shown.has(name) || now - at > SETTLE_MS)) models.loading.delete(name);
+    for (const [name, at] of models.unloading) if (at !== null && (!shown.has(name) || now - at > SETTLE_MS)) models.unloading.delete(name);
+    const body = $("models");
+    const old = new Map([...body.children].map((el) => [el.dataset.key, el]));
+    const next = [];
+    for (const row of rows || []) {
+      const state = instanceState(row);
+      const key = `i:${row.instance}`;
+      const { expires_at: _expires, ...rest } = row;
+      const signature = JSON.stringify([rest, state]);
+      let el = old.get(key);
+      if (!el || rowSignatures.get(key) !== signature) {
+        el = instanceRow(row, state);
+        el.dataset.key = key;
+        rowSignatures.set(key, signature);
+      }
+      const expires = el.querySelector(".expires");
+      const text = expiresText(row);
+      if (expires && expires.textContent !== text) expires.textContent = text;
+      next.push(el);
+    }
+    for (const name of models.loading.keys()) {
+      if (shown.has(name)) continue;
+      const key = `p:${name}`;
+      let el = old.get(key);
+      if (!el) {
+        el = pendingRow(name);
+        el.dataset.key = key;
+      }
+      next.push(el);
+    }
+    if (next.length !== body.children.length || next.some((el, i) => body.children[i] !== el)) body.replaceChildren(...next);
+    if (!rows) setText("models-caption", !view.leader ? "no leader yet" : leaderEntry() && !leaderEntry().error ? `${view.leader} lists no instances` : `no status from the leader (${view.leader})`);
+    else {
+      const serving = rows.filter((r) => r.ready).length;
+      setText("models-caption", `${rows.length} loaded, ${serving} serving`);
+    }
+  }
+
+  function loadStatus(kind, text) {
+    const el = $("load-status");
+    el.dataset.kind = kind;
+    if (el.textContent !== text) el.textContent = text;
+  }
+
+  // Ollama's calls, which every node answers (a follower forwards them to the leader):
+  // {"model", "prompt": ""} loads a model and answers once it serves; {"model", "keep_alive": 0}
+  // unloads it. Errors come back as {"error": "..."} with a status (404 not in the list, 503 no room).
+  async function ollamaGenerate(body) {
+    const response = await fetch("api/generate", {
+      method: "POST",
+      headers: { "Content-Type": "application/json", ...authHeaders() },
+      body: JSON.stringify({ ...body, stream: false }),
+    });
+    if (!response.ok) throw new Error(`${response.status}: ${await errorMessage(response)}`);
+    const answer = await response.json();
+    if (answer && answer.error) throw new Error(String(answer.error));
+    return answer;
+  }
+
+  // A keep_alive as Ollama takes it: a number is seconds, anything else a duration ("10m", "1h").
+  function keepAliveValue(text) {
+    return /^-?\d+(\.\d+)?$/.test(text) ? Number(text) : text;
+  }
+
+  async function loadModel() {
+    const name = $("load-model").value.trim();
+    if (!name || models.loading.has(name)) return;
+    const keepAlive = $("load-keep-alive").value.trim();
+    models.loading.set(name, null);
+    loadStatus("loading", `loading ${name}…`);
+    drawModels();
+    try {
+      await ollamaGenerate({ model: name, prompt: "", ...(keepAlive ? { keep_alive: keepAliveValue(keepAlive) } : {}) });
+      models.loading.set(name, Date.now());
+      loadStatus("ok", `${name} serves`);
+      if ($("load-model").value.trim() === name) $("load-model").value = "";
+    } catch (e) {
+      models.loading.delete(name);
+      loadStatus("error", `${name}: ${e && e.message ? e.message : String(e)}`);
+    }
+    models.namesAt = 0;
+    poll();
+  }
+
+  async function unloadModel(model) {
+    if (!model || models.unloading.has(model)) return;
+    models.unloading.set(model, null);
+    drawModels();
+    try {
+      await ollamaGenerate({ model, keep_alive: 0 });
+      models.unloading.set(model, Date.now());
+      loadStatus("ok", `${model} unloaded`);
+    } catch (e) {
+      models.unloading.delete(model);
+      loadStatus("error", `${model}: ${e && e.message ? e.message : String(e)}`);
+    }
+    models.namesAt = 0;
+    poll();
+  }
+
+  // The names the load box offers: the node's model list, each with whether it is loaded or fits.
+  async function fetchModelNames() {
+    if (Date.now() - models.namesAt < MODEL_NAMES_MAX_AGE_MS) return;
+    models.namesAt = Date.now();
+    try {
+      const response = await fetch("v1/models", { headers: authHeaders(), cache: "no-store" });
+      if (!response.ok) return;  // asked again on the box's next focus, at most every MODEL_NAMES_MAX_AGE_MS
+      const body = await response.json();
+      const data = body && Array.isArray(body.data) ? body.data.filter((m) => m && typeof m.id === "string") : [];
+      const options = data.map((m) => h("option", { value: m.id, label: m.loaded ? "loaded" : m.fits === false ? `does not fit: ${m.fit || "too large"}` : null }));
+      $("model-names").replaceChildren(...options);
+    } catch {
+      // the node is away: the polling says so; asked again as above
+    }
+  }
+
   // --- live figures -------------------------------------------------------------------
 
   function drawFigures() {
@@ -506,6 +725,7 @@
     if (view.doc) {
       drawRing();
       drawCards();
+      drawModels();
     }
     drawFigures();
     drawSummary();
@@ -555,6 +775,7 @@
         $("key-form").classList.remove("attention");
         showBanner(null);
         setText("updated", `updated ${new Date().toLocaleTimeString()}`);
+        if (!models.namesAt) fetchModelNames();
       }
     } catch (e) {
       fail("lost", abort.signal.aborted ? `no answer within ${STATUS_TIMEOUT_MS / 1000} s` : e && e.message ? e.message : String(e));
@@ -762,6 +983,7 @@
       } catch {
         // storage disabled: the field still holds the key for this page
       }
+      models.namesAt = 0;  // the list again, with this key, once the status answers
       poll();
     });
     $("chat-form").addEventListener("submit", (e) => {
@@ -776,6 +998,15 @@
     });
     $("chat-stop").addEventListener("click", () => chat.stream && chat.stream.abort.abort());
     $("chat-clear").addEventListener("click", clearChat);
+    $("load-form").addEventListener("submit", (e) => {
+      e.preventDefault();
+      loadModel();
+    });
+    $("load-model").addEventListener("focus", fetchModelNames);
+    $("models").addEventListener("click", (e) => {
+      const button = e.target instanceof Element ? e.target.closest("button.unload") : null;
+      if (button && !button.disabled) unloadModel(button.dataset.model);
+    });
     poll();
   }
 
