@@ -172,3 +172,15 @@ def regroup(groups: Sequence[frozenset[str]], live: Sequence[str], replicas: int
             out[k] = out[k] | {node}
             placed.add(node)
     return out
+
+
+def fewest_nodes(rooms: Sequence[tuple[str, int | None]], holds: Callable[[Sequence[str]], bool]) -> list[str] | None:
+    """The fewest nodes a model loaded on demand should be placed over: the shortest run of the
+    nodes with the most room (None: no limit, first; ties in the given order) that ``holds``
+    the model. One Mac alone when the model fits there: no hop is the cheapest hop. None when
+    not even all of them hold it."""
+    order = [node for node, _ in sorted(rooms, key=lambda r: -(float("inf") if r[1] is None else r[1]))]
+    for k in range(1, len(order) + 1):
+        if holds(order[:k]):
+            return order[:k]
+    return None

@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ringd.cluster.placement import ModelCost, NodeSpec, shortfall
-from ringd.cluster.sharing import MAX_REPLICAS, Held, Usage, eviction_order, expired, kv_shares, pick_replica, regroup, room_left, victims
+from ringd.cluster.sharing import (
+    MAX_REPLICAS, Held, Usage, eviction_order, expired, fewest_nodes, kv_shares, pick_replica, regroup, room_left, victims,
+)
 from ringd.config import Config
 from ringd.leader.errors import EngineError
 from ringd.models.catalogue import Catalogue
@@ -133,6 +135,8 @@ class Pool:
         self._loading: dict[str, asyncio.Future] = {}  # name -> its load under way
         # Each model with replicas: which nodes each replica places its ring over (sticky).
         self._groups: dict[str, list[frozenset[str]]] = {}
+        # Each model loaded on demand alone: the nodes it is placed over, and why.
+        self.homes: dict[str, tuple[frozenset[str], str]] = {}
         self._closed = False
         first = default(self)
         self.default = Instance("", "", model_id, first, pinned=True, keep_alive=None)
@@ -337,12 +341,36 @@ class Pool:
             return None
         replicas = self.replicas_of(inst.model_id)
         key = normal_name(inst.model_id)
+        live = sorted((n for n, (_, api_only) in self._members().items() if not api_only), key=natural_key)
         if len(replicas) <= 1:
             self._groups.pop(key, None)
-            return None
-        live = sorted((n for n, (_, api_only) in self._members().items() if not api_only), key=natural_key)
+            return None if inst.pinned else self._home(inst, live)
         groups = self._groups[key] = regroup(self._groups.get(key, []), live, len(replicas))
         return groups[replicas.index(inst)]
+
+    def _home(self, inst: Instance, live: list[str]) -> frozenset[str] | None:
+        """The nodes of a model loaded on demand: the fewest that hold it, those with the most room
+        first (``sharing.fewest_nodes``), kept while they live and still hold it."""
+        cost = self._cost(inst.info)
+
+        def holds(nodes) -> bool:
+            return shortfall([NodeSpec(n, "", self.room(inst.name, n)) for n in nodes], cost) is None
+
+        home = self.homes.get(inst.name)
+        if home is not None and home[0] <= set(live) and holds(sorted(home[0])):
+            return home[0]
+        chosen = fewest_nodes([(n, self.room(inst.name, n)) for n in live], holds)
+        if chosen is None:
+            self.homes.pop(inst.name, None)
+            return None  # no set holds it: placement over all of them says by how much
+        why = (
+            f"on {chosen[0]} alone: it fits there, and no hop is the cheapest hop" if len(chosen) == 1
+            else f"over {', '.join(chosen)}: the fewest Macs whose free memory holds it"
+        )  # fmt: skip
+        if home is None or home[0] != frozenset(chosen):
+            log.info("placing %s %s", inst.name, why)
+        self.homes[inst.name] = (frozenset(chosen), why)
+        return frozenset(chosen)
 
     def unload(self, name: str, reason: str, force: bool = False) -> bool:
         """Unload the instance ``name`` (a pinned one, of the configured model, only with
@@ -351,6 +379,7 @@ class Pool:
         if inst is None or not inst.name or (inst.pinned and not force):
             return False
         del self.instances[name]
+        self.homes.pop(name, None)
         log.info("unloading %s: %s", name, reason)
         inst.coordinator.unload(f"model {name} was unloaded: {reason}")
         for c in self.coordinators():
@@ -375,7 +404,12 @@ class Pool:
 
     def status(self) -> list[dict]:
         now = time.monotonic()
-        return [i.status(now) for i in self.instances.values()]
+        rows = []
+        for i in self.instances.values():
+            home = self.homes.get(i.name)
+            why = home[1] if home else "over every Mac that may hold layers" if len(self.replicas_of(i.model_id)) <= 1 else f"replica {self.replicas_of(i.model_id).index(i) + 1} of {len(self.replicas_of(i.model_id))}, over its share of the Macs"
+            rows.append(i.status(now) | {"placement": why})
+        return rows
 
 
 def normal_name(name: str) -> str:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringd.cluster.sharing import Held, Usage, eviction_order, expired, kv_shares, next_expiry, pick_replica, regroup, room_left, victims
+from ringd.cluster.sharing import Held, Usage, eviction_order, expired, kv_shares, next_expiry, fewest_nodes, pick_replica, regroup, room_left, victims
 
 GIB = 2**30
 
@@ -237,3 +237,26 @@ def test_regroup_examples():
     assert regroup([frozenset("ab"), frozenset("cd")], ["a", "c", "d"], 2) == [frozenset("a"), frozenset("cd")]
     assert regroup([frozenset("a"), frozenset("cd")], ["a", "c", "d", "e"], 2) == [frozenset("ae"), frozenset("cd")]
     assert regroup([], ["a"], 2) == [frozenset("a"), frozenset()]
+
+
+@given(st.lists(st.one_of(st.none(), st.integers(0, 100)), max_size=8), st.integers(1, 300))
+def test_fewest_nodes_is_the_shortest_run_of_the_roomiest_that_holds(rooms_, need):
+    rooms = [(f"n{i}", r) for i, r in enumerate(rooms_)]
+    room = dict(rooms)
+
+    def holds(nodes):  # a model of `need` bytes, split any way (None: no limit)
+        return any(room[n] is None for n in nodes) or sum(room[n] for n in nodes) >= need
+
+    got = fewest_nodes(rooms, holds)
+    if got is None:
+        assert not holds([n for n, _ in rooms])
+        return
+    assert holds(got) and (len(got) == 1 or not holds(got[:-1]))
+    roomiest = sorted((float("inf") if r is None else r for _, r in rooms), reverse=True)[: len(got)]
+    assert sorted((float("inf") if room[n] is None else room[n] for n in got), reverse=True) == roomiest
+
+
+def test_fewest_nodes_examples():
+    assert fewest_nodes([("a", 10), ("b", 50), ("c", 50)], lambda ns: sum(dict(a=10, b=50, c=50)[n] for n in ns) >= 40) == ["b"]
+    assert fewest_nodes([("a", 10), ("b", 50), ("c", 50)], lambda ns: sum(dict(a=10, b=50, c=50)[n] for n in ns) >= 90) == ["b", "c"]
+    assert fewest_nodes([("a", 10)], lambda ns: False) is None

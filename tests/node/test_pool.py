@@ -56,10 +56,13 @@ def models_dir(tmp: Path, **models: Path) -> Path:
 
 def test_three_models_at_once_each_answer_as_mlx_lm_alone(tiny_model, smollm2_gguf, smollm2_dir, cluster_factory, tmp_path):
     """A 3-node cluster started with one tiny model loads a second tiny model and SmolLM2 when
-    requests name them; requests for the three, interleaved, each get mlx-lm's greedy tokens."""
+    requests name them; requests for the three, interleaved, each get mlx-lm's greedy tokens;
+    kill -9 of a node that holds layers of all three re-plans each and replays their streams."""
     a, b = tiny_model(arch="llama", layers=6), tiny_model(arch="qwen3", layers=4)
     folder = models_dir(tmp_path, **{"tiny-b": b, "smollm2.gguf": smollm2_gguf})
-    c = cluster_factory(a, 3, ["--models-dir", str(folder)])
+    # Budgets the same on every Mac (not what each process found free at its start): the Macs with
+    # the most room left take the models loaded on demand.
+    c = cluster_factory(a, 3, ["--models-dir", str(folder), "--memory-budget-gb", "4"])
     c.wait(lambda: c.leader_ready(0), RING_START_TIMEOUT_S, "the ring to serve")
     url = c.url(1)  # a follower: it forwards every request, and /api/ps, to the leader
     france = list(tokenizer_of(smollm2_dir).apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True))
@@ -104,6 +107,55 @@ def test_three_models_at_once_each_answer_as_mlx_lm_alone(tiny_model, smollm2_gg
     assert post(url + "/api/pull", {"model": "tiny-b", "stream": False}) == (200, {"status": "success"})
     status, body = post(url + "/api/pull", {"model": "llama3.2"})
     assert status == 404 and "does not download" in body["error"], body
+
+    # A model loaded on demand that fits one Mac is placed on one (no hop is the cheapest hop).
+    rings = {m["ringd"]["instance"]: m["ringd"] for m in loaded}
+    for name in ("tiny-b", "smollm2.gguf"):
+        assert len(rings[name]["stages"]) == 1 and "alone" in rings[name]["placement"], rings[name]
+
+    # kill -9 of a Mac that holds layers of the configured model and of one loaded on demand:
+    # each re-plans (the second moves to another Mac), and their streams, cut mid-answer,
+    # replay and end as mlx-lm's.
+    import signal
+
+    homes = {name: rings[name]["stages"][0][0] for name in ("tiny-b", "smollm2.gguf")}
+    second = next((name for name, node in homes.items() if node != "node0"), None)
+    assert second is not None, f"both on the leader: {homes}"
+    victim = homes[second]
+    jobs = [jobs[0], next(j for j in jobs if j[0] == second)]
+
+    long = 40
+    got.clear()
+    flowing = threading.Barrier(3, timeout=LOAD_DEADLINE_S)
+
+    def stream(name, prompt):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=LOAD_DEADLINE_S)
+        out, told = [], False
+        try:
+            for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=long, temperature=0, stream=True, logprobs=1, extra_body={"return_tokens_as_token_ids": True}):
+                if chunk.choices and chunk.choices[0].logprobs:
+                    out += [int(t.removeprefix("token_id:")) for t in chunk.choices[0].logprobs.tokens]
+                    if len(out) >= 3 and not told:
+                        told = True
+                        flowing.wait()
+            got[name] = out
+        except Exception as e:  # reported below with the model's name
+            errors.append((name, e))
+            flowing.abort()
+
+    threads = [threading.Thread(target=stream, args=(name, prompt)) for name, _, prompt in jobs]
+    for t in threads:
+        t.start()
+    flowing.wait()
+    c.signal(int(victim.removeprefix("node")), signal.SIGKILL)
+    for t in threads:
+        t.join(LOAD_DEADLINE_S)
+    assert not errors, errors
+    for name, path, prompt in jobs:
+        want = reference(path, prompt, long)[0]
+        assert got[name] == want[: len(got[name])] and len(got[name]) in (long, len(want)), f"{name}'s stream changed by the kill of {victim}"
+    after = c.wait(lambda: (rows := ps(url)) and all(m["ringd"]["ready"] for m in rows) and rows, 120, "every instance to serve again")
+    assert all(victim not in {s[0] for s in m["ringd"]["stages"]} for m in after), after
 
 
 KV_RESERVE_TOKENS = 2048  # room for the long stream below (1508 positions) in d's own reserve
