@@ -388,9 +388,15 @@ SMOLLM2_MIXES = {
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
-@pytest.mark.parametrize("mix", list(SMOLLM2_MIXES))
+# Through the real model, the two ways a K-quant becomes MLX: Q4_K_M's Q4_K/Q5_0 (exact affine
+# groups, as Q5_K_M's Q5_K/Q5_1 are) and Q6_K's requantization to 8 bits. Q5_K_M (65 s of the
+# suite's budget) adds no code path: its types are proven exact on a tiny model above.
+RING_MIXES = ["q4_k_m", "q6_k"]
+
+
+@pytest.mark.parametrize("mix", RING_MIXES)
 def test_smollm2_requantized_to_k_quants_answers_as_mlx_lm(smollm2_gguf, tmp_path_factory, mix):
-    """The real model requantized to Q4_K_M, Q5_K_M and Q6_K (``ggufmake.requantize``): a 3-stage
+    """The real model requantized to Q4_K_M and Q6_K (``ggufmake.requantize``): a 3-stage
     ring answers token for token as mlx-lm on the file dequantized to float32 by gguf-py, and (Q4_K_M)
     logit for logit as mlx-lm on ``ringd convert``'s checkpoint of it; each stage holds its share."""
     from collections import Counter

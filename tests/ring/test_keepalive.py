@@ -192,7 +192,9 @@ duration_parts = st.lists(
     st.tuples(st.integers(0, 10**6), st.none() | st.text("0123456789", min_size=1, max_size=12), st.sampled_from(sorted(_UNIT))),
     min_size=1,
     max_size=4,
-).map(lambda parts: "".join(f"{w}{'' if f is None else '.' + f}{u}" for w, f, u in parts))
+).map(lambda parts: "".join(f"{w}{'' if f is None else '.' + f}{u}" for w, f, u in parts)).filter(
+    lambda text: len(text) < MAX_DURATION_CHARS  # a "-" before it still fits; longer is refused unread (tested above)
+)
 
 
 def _exact_ns(text: str) -> Fraction:
