@@ -379,7 +379,7 @@ def test_a_q6_k_file_computes_within_its_requantization_error(tiny_model, tmp_pa
 
 
 # SmolLM2 as llama-quantize makes it of each K-quant mix (its 576-wide rows fall back to
-# Q5_0/Q5_1/Q8_0, as the issue counts for Q4_K_M), and the tensor types each then holds.
+# Q5_0/Q8_0, as the issue counts for Q4_K_M), and the tensor types each then holds.
 SMOLLM2_MIXES = {
     "q4_k_m": {"F32": 61, "Q5_0": 166, "Q4_K": 16, "Q6_K": 14, "Q8_0": 15},
     "q6_k": {"F32": 61, "Q8_0": 181, "Q6_K": 30},
