@@ -173,9 +173,8 @@ class Pool:
         self._task.cancel()
         for c in self.coordinators():
             c.close(reason)
-        for fut in self._loading.values():
-            if not fut.done():
-                fut.set_exception(EngineError(reason, 503))
+        for task in self._loading.values():
+            task.cancel()  # its waiters see the pool closed: the coordinators failed their requests with reason
 
     # --- routing ------------------------------------------------------------------------
 
@@ -212,18 +211,25 @@ class Pool:
         key = normal_name(name)
         pending = self._loading.get(key)
         if pending is None:
-            pending = self._loading[key] = asyncio.get_running_loop().create_future()
-            try:
-                inst = await self._load(name, replicas, keep_alive)
-                pending.set_result(inst)
-            except BaseException as e:
-                pending.set_exception(e if isinstance(e, EngineError) else EngineError(f"could not load {name}: {e}", 503))
-                pending.exception()  # retrieved: the waiters each get it
-                raise
-            finally:
-                self._loading.pop(key, None)
-            return inst
-        return await asyncio.shield(pending)
+            # A task of its own: the client that asked first may go away; the others wait on it still.
+            pending = self._loading[key] = asyncio.ensure_future(self._load(name, replicas, keep_alive))
+            pending.add_done_callback(lambda done: self._loaded(key, done))
+        try:
+            return await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            if pending.cancelled() and not asyncio.current_task().cancelling():
+                raise EngineError(f"the load of {name} was given up: this node stopped leading or is stopping; retry", 503) from None
+            raise
+        except EngineError:
+            raise
+        except Exception as e:  # a bug, not a reason: said in one line to the client, whole in the log
+            raise EngineError(f"could not load {name}: {type(e).__name__}: {e}", 503) from None
+
+    def _loaded(self, key: str, done: asyncio.Future) -> None:
+        if self._loading.get(key) is done:
+            del self._loading[key]
+        if not done.cancelled() and done.exception() is not None and not isinstance(done.exception(), EngineError):
+            log.error("loading %s failed", key, exc_info=done.exception())
 
     async def _load(self, name: str, replicas: int, keep_alive: float | None | bool) -> Instance:
         existing = self.replicas_of(name)
