@@ -368,8 +368,6 @@ class Daemon:
         pool = self.pool
         if pool is None:
             raise EngineError("this node does not lead; retry in a moment", 503)
-        if name is None:
-            return pool.default
         return await pool.served(name, keep_alive)  # the configured model's too: its replicas share its requests
 
     async def load(self, name: str, replicas: int = 1, keep_alive: float | None | bool = False):

@@ -35,7 +35,7 @@ from ringd.leader.errors import EngineError
 from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
-    from ringd.http.node import ApiNode
+    from ringd.http.node import ApiNode, Served
     from ringd.http.serving import Serving
 
 # Inputs in one request: OpenAI's own limit. Each is a prompt through the ring.
@@ -79,6 +79,12 @@ class Embedder:
             served = await self.d.served(None)  # embeddings: of the configured model (the route checked the name)
         except EngineError as e:
             raise ApiError(e.status, str(e), retry_after=e.retry_after) from None
+        try:
+            return await self._embed(req, request_id, served, started)
+        finally:
+            served.release()
+
+    async def _embed(self, req: EmbedRequest, request_id: str | None, served: "Served", started: int) -> Embedded:
         engine = await self.serving.ready(served)
         async with self._tokenizing:
             prompts = await asyncio.get_running_loop().run_in_executor(None, self._tokens, req)

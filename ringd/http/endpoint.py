@@ -156,7 +156,11 @@ class Endpoint:
         if self.d.engine is None:
             return await self.proxy.forward(request, raw, False, resumable=False)
         req = await self.intake.off_loop(api.parse, body)
-        return web.json_response(api.counted(await self.serving.count_tokens(req, await self.served(body, api))))
+        served = await self.served(body, api)
+        try:
+            return web.json_response(api.counted(await self.serving.count_tokens(req, served)))
+        finally:
+            served.release()
 
     async def served(self, body: dict, api: "Translation | Count") -> "Served":
         """The model ``body`` names, loaded if need be (a malformed name: the configured model's,
@@ -195,6 +199,14 @@ class Endpoint:
             self.d.unload(body["model"])
             return web.json_response(unloaded)
         served = await self.served(body, api)
+        try:
+            return await self._generate(request, api, body, served, forwarded, received_ns)
+        finally:
+            served.release()  # its replica's outstanding work, counted from the routing on
+
+    async def _generate(
+        self, request: web.Request, api: Translation, body: dict, served: "Served", forwarded: bool, received_ns: int
+    ) -> web.StreamResponse:
         # Messages, tools and schemas checked: work that grows with the body, not on the loop.
         answer = await self.intake.off_loop(api.parse, body, served)
         if answer.request is None:

@@ -33,6 +33,9 @@ class Served(Protocol):
     @property
     def engine(self) -> "Engine": ...
     def readiness(self) -> tuple[bool, str]: ...
+    def release(self) -> None:
+        """A request ``ApiNode.served`` routed here ended (whichever way): it is outstanding work no more."""
+        ...
 
 
 class ApiNode(Protocol):

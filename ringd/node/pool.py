@@ -75,6 +75,9 @@ class Instance:
     last_used: float = field(default_factory=time.monotonic)
     loaded_at: float = field(default_factory=time.time)
     served: int = 0  # requests routed to it
+    # Requests routed to it and not yet ended: counted from the routing on, so requests that
+    # arrive together spread over the replicas before any reaches an engine.
+    routed: int = 0
 
     @property
     def info(self) -> ModelInfo:
@@ -93,7 +96,10 @@ class Instance:
 
     @property
     def outstanding(self) -> int:
-        return self.engine.active + self.engine.queued
+        return max(self.routed, self.engine.active + self.engine.queued)
+
+    def release(self) -> None:
+        self.routed = max(0, self.routed - 1)
 
     def usage(self) -> Usage:
         return Usage(self.name, self.pinned, self.outstanding, self.last_used, self.keep_alive)
@@ -187,17 +193,20 @@ class Pool:
         pick = pick_replica([(i.name, i.outstanding) for i in ready])
         return self.instances[pick]
 
-    async def served(self, name: str, keep_alive: float | None | bool = False) -> Instance:
-        """The instance for ``name``, loaded first if none is; ``keep_alive`` (False: leave it)
-        sets how long it stays loaded once idle. EngineError 404/400/503 says why it cannot serve."""
-        inst = self.find(name)
-        pending = self._loading.get(normal_name(name))
+    async def served(self, name: str | None, keep_alive: float | None | bool = False) -> Instance:
+        """The instance for ``name`` (None: the configured model itself), loaded first if none is;
+        ``keep_alive`` (False: leave it) sets how long it stays loaded once idle. The request counts
+        as its outstanding work until the caller's ``release()``. EngineError 404/400/503 says why
+        it cannot serve."""
+        inst = self.find(name) if name is not None else self.default
+        pending = self._loading.get(normal_name(name)) if name is not None else None
         if inst is None or (pending is not None and not inst.coordinator.ready):
             inst = await self.load(name)  # or waits for the load under way
         if keep_alive is not False and not inst.pinned:
             inst.keep_alive = keep_alive
         inst.last_used = time.monotonic()
         inst.served += 1
+        inst.routed += 1  # until the caller's release()
         return inst
 
     # --- loading and unloading ------------------------------------------------------------
