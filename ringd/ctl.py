@@ -373,6 +373,10 @@ def print_status(doc: dict) -> None:
     loading = _progress_grid(doc)
     if loading is not None:
         console.print(loading)
+    # Models besides the configured one (loaded on demand, replicas), each with its state: loading ones say why.
+    rows = instances_of(doc)
+    if len(rows) > 1:
+        console.print("models:", *instance_lines(rows), sep="\n", markup=False, highlight=False)
     if not doc.get("ready"):
         console.print(f"[bold red]not serving:[/] {doc.get('reason') or 'unknown'}")
 
@@ -402,20 +406,24 @@ def instances_of(doc: dict) -> list[dict]:
     return []
 
 
-def print_instances(rows: list[dict]) -> None:
-    """One line per instance the leader serves: model, state, ring, requests, keep_alive."""
-    if not rows:
-        print("no instances (no leader answered, or it serves nothing yet)")
-        return
+def instance_lines(rows: list[dict]) -> list[str]:
+    """One line per instance the leader serves: model, state (or why it is still loading), ring,
+    requests, keep_alive."""
+    lines = []
     for r in rows:
         name = r.get("instance") or r.get("model") or "?"
         state = "ready" if r.get("ready") else f"not ready: {r.get('reason') or '?'}"
         ring = " -> ".join(f"{node}[{a},{b})" for node, a, b in r.get("stages") or []) or "-"
         keep = "pinned" if r.get("pinned") else f"keep_alive {r.get('keep_alive')}"
-        print(
+        lines.append(
             f"{name:<32} {state}  ring {ring}  active {r.get('active', 0)}, queued {r.get('queued', 0)}, "
             f"served {r.get('served', 0)}  {keep}"
         )
+    return lines
+
+
+def print_instances(rows: list[dict]) -> None:
+    print("\n".join(instance_lines(rows)) if rows else "no instances (no leader answered, or it serves nothing yet)")
 
 
 # ---- top: the status, redrawn live ----

@@ -168,11 +168,18 @@ def test_top_draws_live_figures_and_loading_progress_when_the_document_has_them(
     assert re.search(r"studio\s+downloading\s+\S+\s+45%\s+45\.0 / 100\.0 MiB\s+12\.5 MiB/s\s+model-00002\.safetensors", text), text
     assert "no answer: timed out" in text and "3,072.0" in text and "1.0 / 4,096.0" in text
 
-    # `ringctl status` prints the same figures and progress once, under its table.
+    # `ringctl status` prints the same figures and progress once, under its table, and the
+    # leader's models besides the configured one, a loading one with why it is not ready.
+    doc["nodes"][0]["instances"] = [
+        {"instance": "", "model": "tiny", "pinned": True, "ready": True, "stages": [["mini1", 0, 4]], "active": 1, "served": 9},
+        {"instance": "qwen3-4b", "model": "qwen3-4b", "ready": False, "reason": "loading plan term 9; waiting for studio",
+         "stages": [["studio", 0, 36]], "keep_alive": "5m0s"},
+    ]  # fmt: skip
     print_status(doc)
     once = capsys.readouterr().out
     assert "tokens/s 41.2 · active 1 · queued 3 · requests 1,200 · tokens out 98,765 · micro-batches 2" in once
     assert re.search(r"studio\s+downloading\s+\S+\s+45%\s+45\.0 / 100\.0 MiB\s+12\.5 MiB/s\s+model-00002\.safetensors", once), once
+    assert re.search(r"\nqwen3-4b\s+not ready: loading plan term 9; waiting for studio  ring studio\[0,36\)  .*keep_alive 5m0s", once), once
 
     # Without the live fields nothing of them is drawn; a failed poll keeps the last answer under the error.
     plain = {"leader": "mini1", "ready": True, "plan": None, "nodes": [{"node": "mini1", "ready": True}]}
