@@ -152,8 +152,13 @@ class Pool:
             supervisor.once("replicas", self._configured_replicas(cfg.replicas))
 
     async def _configured_replicas(self, n: int) -> None:
-        await self.default.coordinator.wait_ready(LOAD_TIMEOUT_S)
-        await self.load(self.default.model_id, n)
+        """``replicas: n``: once the configured model serves, its other n - 1 instances."""
+        try:
+            await self.default.coordinator.wait_ready(LOAD_TIMEOUT_S)
+            await self.load(self.default.model_id, n)
+        except EngineError as e:
+            if not self._closed:  # closed: this node stopped leading, and the next leader loads them
+                log.error("the configured model's %d replicas could not be loaded: %s", n, e)
 
     # --- what the daemon calls ----------------------------------------------------------
 
