@@ -437,7 +437,11 @@ class Api:
     async def model(self, request: web.Request) -> web.Response:
         self.intake.need_key(request)
         asked = request.match_info["model"]
-        if asked != self.d.model_id:
-            raise ApiError(404, f"model {brief_repr(asked)} is not served here; this ring serves {self.d.model_id!r}", "model", "model_not_found")
         rows, _ = await models_list.rows(self.d)
-        return web.json_response(models_list.openai_model(rows[0], self.d.started))
+        if asked == self.d.model_id:
+            return web.json_response(models_list.openai_model(rows[0], self.d.started))
+        # Any other model of the list (loaded or not: a request naming it loads it), by its name there.
+        row = next((r for r in rows[1:] if r["name"] == asked), None)
+        if row is None:
+            raise ApiError(404, f"model {brief_repr(asked)} is not in the model list (GET /v1/models lists it)", "model", "model_not_found")
+        return web.json_response(models_list.openai_model(row))

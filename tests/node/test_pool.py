@@ -102,6 +102,8 @@ def test_three_models_at_once_each_answer_as_mlx_lm_alone(tiny_model, smollm2_gg
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
         listed = {m["id"]: m["loaded"] for m in json.loads(r.read())["data"]}
     assert listed["tiny"] and listed["tiny-b"] and listed["smollm2.gguf"], listed
+    one = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).models.retrieve("tiny-b")
+    assert one.id == "tiny-b" and one.model_extra["loaded"], one
     status, shown = post(url + "/api/show", {"model": "tiny-b"})
     assert status == 200 and "serves as tiny-b" in shown["modelfile"], shown
     assert post(url + "/api/pull", {"model": "tiny-b", "stream": False}) == (200, {"status": "success"})
