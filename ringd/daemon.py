@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from ringd.node.coordinator import Coordinator
-from ringd.node.pool import Pool, same_model
+from ringd.node.pool import Pool
 from ringd.node.stages import Stages
 from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_order, local_networks, own_addresses
 from ringd.node.holders import holder_of, model_from_peers
@@ -373,9 +373,7 @@ class Daemon:
     async def load(self, name: str, replicas: int = 1, keep_alive: float | None | bool = False):
         if self.pool is None:
             raise EngineError("this node does not lead; retry in a moment", 503)
-        if same_model(name, self.model_id):
-            return self.pool.default
-        return await self.pool.load(name, replicas, keep_alive)
+        return await self.pool.load(name, replicas, keep_alive)  # the configured model's replicas too
 
     def find(self, instance: str):
         return self.pool.instances.get(instance) if self.pool is not None else None

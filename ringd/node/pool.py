@@ -246,6 +246,9 @@ class Pool:
             log.error("loading %s failed", key, exc_info=done.exception())
 
     async def _load(self, name: str, replicas: int, keep_alive: float | None | bool) -> Instance:
+        holders = sum(not api_only for _, api_only in self._members().values())
+        if replicas > max(holders, 1):
+            raise EngineError(f"{replicas} replicas need {replicas} Macs that hold layers, and the cluster has {holders}", 400)
         existing = self.replicas_of(name)
         if existing:
             model, info, tokenizer, pinned = existing[0].model, existing[0].info, existing[0].tokenizer, existing[0].pinned

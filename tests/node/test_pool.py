@@ -180,14 +180,15 @@ def loaded(url: str) -> set[str]:
     return {m["ringd"]["instance"] or m["name"] for m in ps(url)}
 
 
-def ringctl(cluster, *args: str) -> str:
+def ringctl(cluster, *args: str, ok: bool = True) -> str:
+    """ringctl's output (``ok``: it succeeded), or its error (not ``ok``: it failed)."""
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "ringd.ctl", "--node", cluster.url(0).removeprefix("http://"), "--secret-file", str(cluster.secret), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=LOAD_DEADLINE_S)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
+    assert (r.returncode == 0) == ok, (r.stdout, r.stderr)
+    return r.stdout if ok else r.stderr
 
 
 def test_idle_models_go_least_recently_used_first_never_a_busy_one_and_after_their_keep_alive(tiny_model, cluster_factory, tmp_path, ringctl_known_nodes):
@@ -206,6 +207,8 @@ def test_idle_models_go_least_recently_used_first_never_a_busy_one_and_after_the
     cluster.wait(lambda: cluster.leader_ready(0), RING_START_TIMEOUT_S, "the node to serve")
     url = cluster.url(0)
 
+    refused = ringctl(cluster, "load", "tiny", "--replicas", "2", ok=False)
+    assert "2 replicas need 2 Macs that hold layers, and the cluster has 1" in refused, refused
     shown = ringctl(cluster, "load", "b", "--keep-alive", "10m")
     row = next(line for line in shown.splitlines() if line.startswith("b "))
     assert " ready " in row and "ring node0[0,4)" in row and "keep_alive 10m0s" in row, shown
