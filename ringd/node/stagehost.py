@@ -1,6 +1,7 @@
-"""This node's stage: take a plan from the leader, load the layers it gives us, run them.
+"""This node's stage of one instance: take a plan from the leader, load the layers it gives us, run them.
 
-Every node hosts at most one stage. A PLAN from the leader the election follows
+A node hosts at most one stage of each of the leader's instances (``stages.py`` keeps
+them: the configured model's, and one per model loaded on demand or replica). A PLAN from the leader the election follows
 is taken (``reconcile.plan_refusal`` says which are not); the layers it gives
 this node are loaded on the compute thread (the ones already loaded are kept
 when the range is the same), and the answer goes back as LOADED. What this
