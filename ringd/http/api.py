@@ -42,9 +42,8 @@ from ringd.auth import AuthError, ControlAuth, is_signed, sign
 from ringd.http import anthropic_api, embeddings, models_list, ollama_api, openai_api, responses_api
 from ringd.http.endpoint import Endpoint
 from ringd.http.errors import ApiError
-from ringd.http.fields import MAX_MODEL_CHARS
+from ringd.http.fields import MAX_MODEL_CHARS, keep_alive_field
 from ringd.leader.errors import EngineError
-from ringd.ring.keepalive import KeepAliveError, parse_keep_alive
 from ringd.http.files import FileServer
 from ringd.http.bodies import MAX_BODY_BYTES
 from ringd.http.guard import AIOHTTP_LOG, HTTP_IDLE_TIMEOUT_S, ConnectionCap, listen, raise_fd_limit, undecodable_header
@@ -294,13 +293,25 @@ class Api:
             self._control = ControlAuth(self.d.secret, self.d.name)
         self._control.verify(request.method, request.path_qs, request.headers, body, time.time())
 
+    async def _control_body(self, request: web.Request) -> tuple[bytes, dict]:
+        """A control request's body, as bytes and JSON, once its signature with the secret holds."""
+        raw = await self.intake.read(request)
+        await self._need_secret(request, raw)
+        return raw, await self.intake.json(raw)
+
+    async def _to_leader(self, request: web.Request, raw: bytes) -> web.Response:
+        """A control request for the leader, sent on once with this node's own signature."""
+        url, leader = self.d.leader_http(), self.d.leader
+        if url is None or leader is None:
+            raise ApiError(503, "no leader is elected right now; retry in a moment")
+        signed = sign(self.d.secret, request.method, request.path_qs, leader, raw, time.time())
+        return await self.proxy.control(request, url, raw, signed)
+
     # --- control --------------------------------------------------------------------
 
     async def set_leader(self, request: web.Request) -> web.Response:
         """`ringctl leader set NODE` ({"node": NODE}) or `leader auto` ({"node": null})."""
-        raw = await self.intake.read(request)
-        await self._need_secret(request, raw)
-        body = await self.intake.json(raw)
+        _, body = await self._control_body(request)
         node = body.get("node")
         if node is not None and not isinstance(node, str):
             raise ApiError(400, 'leader takes {"node": NAME} or {"node": null} for auto', "node")
@@ -311,9 +322,7 @@ class Api:
 
     async def drain(self, request: web.Request) -> web.Response:
         """`ringctl drain NODE`: the leader plans rings without it ({"undo": true} takes it back)."""
-        raw = await self.intake.read(request)
-        await self._need_secret(request, raw)
-        body = await self.intake.json(raw)
+        raw, body = await self._control_body(request)
         node, undo = body.get("node"), body.get("undo", False)
         if not isinstance(undo, bool):
             raise ApiError(400, 'drain takes {"node": NAME, "undo": false}', "undo")
@@ -322,11 +331,7 @@ class Api:
         except ValueError as e:
             raise ApiError(400, f"node {node!r:.80} is not a node name: {e}", "node") from None
         if not self.d.leading:
-            url, leader = self.d.leader_http(), self.d.leader
-            if url is None or leader is None:
-                raise ApiError(503, "no leader is elected right now; retry in a moment")
-            signed = sign(self.d.secret, request.method, request.path_qs, leader, raw, time.time())
-            return await self.proxy.control(request, url, raw, signed)
+            return await self._to_leader(request, raw)
         if node == self.d.name and not undo:
             raise ApiError(400, f"{node} leads; move leadership first (ringctl leader set OTHER), then drain it", "node")
         try:
@@ -334,18 +339,6 @@ class Api:
         except ValueError as e:
             raise ApiError(400, str(e), "node") from None
         return web.json_response({"drained": sorted(self.d.drained)})
-
-    async def _control_body(self, request: web.Request) -> tuple[bytes, dict]:
-        raw = await self.intake.read(request)
-        await self._need_secret(request, raw)
-        return raw, await self.intake.json(raw)
-
-    async def _to_leader(self, request: web.Request, raw: bytes) -> web.Response:
-        url, leader = self.d.leader_http(), self.d.leader
-        if url is None or leader is None:
-            raise ApiError(503, "no leader is elected right now; retry in a moment")
-        signed = sign(self.d.secret, request.method, request.path_qs, leader, raw, time.time())
-        return await self.proxy.control(request, url, raw, signed)
 
     async def load(self, request: web.Request) -> web.Response:
         """`ringctl load MODEL [--replicas N] [--keep-alive D]`: the leader loads it (N instances),
@@ -356,12 +349,7 @@ class Api:
             raise ApiError(400, 'load takes {"model": NAME, "replicas": 1, "keep_alive": "5m"}', "model")
         if type(replicas) is not int:
             raise ApiError(400, "replicas must be an integer", "replicas")
-        keep_alive: float | None | bool = False
-        if body.get("keep_alive") is not None:
-            try:
-                keep_alive = parse_keep_alive(body["keep_alive"])
-            except KeepAliveError as e:
-                raise ApiError(400, str(e), "keep_alive") from None
+        keep_alive = keep_alive_field(body)
         if not self.d.leading:
             return await self._to_leader(request, raw)
         try:

@@ -42,9 +42,8 @@ from aiohttp import web
 
 from ringd.http import embeddings
 from ringd.http.errors import ApiError
-from ringd.http.fields import MAX_MODEL_CHARS
+from ringd.http.fields import KEEP_ALIVE_UNSET, MAX_MODEL_CHARS, keep_alive_field
 from ringd.leader.errors import EngineError
-from ringd.ring.keepalive import KeepAliveError, parse_keep_alive
 from ringd.http.intake import Intake, request_id
 from ringd.http.proxy import RESUME_FIELD, TOKEN_COMMENT, Proxy, Resume, read_resume
 from ringd.http.serving import Generation, Serving
@@ -166,12 +165,7 @@ class Endpoint:
         """The model ``body`` names, loaded if need be (a malformed name: the configured model's,
         and the API's parse refuses the name in its own words)."""
         name = body.get("model")
-        keep_alive: float | None | bool = False
-        if getattr(api, "keep_alive", False) and body.get("keep_alive") is not None:
-            try:
-                keep_alive = parse_keep_alive(body["keep_alive"])
-            except KeepAliveError as e:
-                raise ApiError(400, str(e), "keep_alive") from None
+        keep_alive = keep_alive_field(body) if getattr(api, "keep_alive", False) else KEEP_ALIVE_UNSET
         try:
             return await self.d.served(name if isinstance(name, str) and 0 < len(name) <= MAX_MODEL_CHARS else None, keep_alive)
         except EngineError as e:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from ringd.http.errors import ApiError
 from ringd.http.request import MAX_TOOLS, Tool
+from ringd.ring.keepalive import KeepAliveError, parse_keep_alive
 from ringd.ring.sampling import SamplingError, SamplingParams, brief_repr
 from ringd.stage.patterns import too_costly
 
@@ -177,6 +178,20 @@ def model_name(body: dict) -> str:
     if len(model) > MAX_MODEL_CHARS:
         raise bad(f"model must be a name of at most {MAX_MODEL_CHARS} characters; GET /v1/models lists it", "model")
     return valid_text(model, "model")
+
+
+# A body that leaves keep_alive out (or null, which Go reads as absent): the model's keep_alive stays.
+KEEP_ALIVE_UNSET = False
+
+
+def keep_alive_field(body: dict) -> float | None | bool:
+    """Ollama's ``keep_alive`` of ``body``: seconds, None (forever), or KEEP_ALIVE_UNSET; a 400 if malformed."""
+    if body.get("keep_alive") is None:
+        return KEEP_ALIVE_UNSET
+    try:
+        return parse_keep_alive(body["keep_alive"])
+    except KeepAliveError as e:
+        raise ApiError(400, str(e), "keep_alive") from None
 
 
 def sampling_fields(body: dict) -> dict[str, Any]:

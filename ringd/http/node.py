@@ -22,9 +22,7 @@ if TYPE_CHECKING:
 class Served(Protocol):
     """One model the leader serves (an instance of its pool): what a request naming it runs on."""
 
-    name: str  # the instance ("" for the model the cluster was started with)
     model_id: str  # what requests name it by, and answers call it
-    pinned: bool
 
     @property
     def info(self) -> "ModelInfo": ...

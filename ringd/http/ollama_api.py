@@ -458,7 +458,7 @@ class Generate:
         p = parse(body, self.chat, served.model_id, served.info.context_length, getattr(served.tokenizer, "has_thinking", False))
         if p.request is None:
             # Ollama's "load the model" call: the model was loaded (served) before the parse.
-            ready, reason = served.readiness() if not served.pinned else self.d.readiness()
+            ready, reason = served.readiness()
             if not ready:
                 raise ApiError(503, f"the ring is not ready: {reason}")
             return Loaded(p.model, self.chat)
@@ -656,7 +656,7 @@ class Models:
             raise bad("model is required")
         found = None
         if self.d.catalogue is not None:
-            found = await self.d.catalogue.lookup(name) or await self.d.catalogue.lookup(name.removesuffix(":latest"))
+            found = await self.d.catalogue.lookup(name)
         if found is None:
             raise ApiError(
                 404,

@@ -144,10 +144,9 @@ class Serving:
         engine = served.engine if self.d.engine is not None else None
         if engine is None:
             raise ApiError(503, "this node does not lead; retry in a moment")
-        readiness = self.d.readiness if served.pinned else served.readiness
-        ready, reason = readiness()
+        ready, reason = served.readiness()
         if not ready and await engine.ring_back(self.d.failover_wait_s):
-            ready, reason = readiness()
+            ready, reason = served.readiness()
         if not ready:
             raise ApiError(503, f"the ring is not ready: {reason}")
         return engine

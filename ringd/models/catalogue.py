@@ -355,7 +355,8 @@ def match(entries: Sequence[Entry], name: str) -> Entry | None:
     (the first listed, if two are); an Ollama model by any spelling Ollama takes for it (``smollm2``,
     ``library/smollm2:latest``, ``registry.ollama.ai/library/smollm2:latest``, each with or without
     ``ollama:``); a models_dir GGUF by its name without ``.gguf`` (``vendor/m`` for ``vendor/m.gguf``),
-    when only one has that name. Else None. An entry ringd cannot serve (``facts.info`` None) is
+    when only one has that name; and by each of these, ``NAME:latest`` what ``NAME`` finds (Ollama's
+    clients tag an untagged name). Else None. An entry ringd cannot serve (``facts.info`` None) is
     found all the same: its ``facts.error`` says why, which the caller reports.
 
     ``name`` comes from any HTTP client. It is only compared with the names listed, never made
@@ -364,6 +365,13 @@ def match(entries: Sequence[Entry], name: str) -> Entry | None:
     """
     if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
         return None
+    found = _match(entries, name)
+    if found is None and name.endswith(":latest"):
+        found = _match(entries, name.removesuffix(":latest"))
+    return found
+
+
+def _match(entries: Sequence[Entry], name: str) -> Entry | None:
     for e in entries:
         if e.name == name:
             return e

@@ -27,6 +27,7 @@ from ringd.cluster.members import Cluster
 from ringd.cluster.placement import ModelCost, NodeSpec, plan_for
 from ringd.cluster.reconcile import Member, Reconciler
 from ringd.node.stagehost import StageHost
+from ringd.node.stages import Unload
 from ringd.config import Config
 from ringd.device import DeviceProfile
 from ringd.leader.admission import KvLedger, StageKv
@@ -133,6 +134,7 @@ class Coordinator:
 
     def close(self, reason: str) -> None:
         self._closed = True
+        self.ready, self.reason = False, reason  # what a request still routed here is told
         self._task.cancel()
         self.engine.fail_all(reason)
         self.reconciler.reset()
@@ -386,7 +388,7 @@ class Coordinator:
         self.close(reason)
         if plan is None:
             return
-        d = {"instance": self.instance, "term": plan.term, "leader": self.node}
+        d = Unload(self.instance, plan.term, self.node).to_wire()
         for node in [self.node, *self.cluster.peers]:
             try:
                 self.cluster.send(node, Frame(MsgType.UNLOAD, 0, d))

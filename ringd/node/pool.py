@@ -283,11 +283,7 @@ class Pool:
 
     async def _read(self, name: str) -> tuple[str, ModelInfo, object]:
         """The model ``name`` as the model list holds it: its list name, info and tokenizer."""
-        entry = None
-        if self.catalogue is not None:
-            entry = await self.catalogue.lookup(name)
-            if entry is None and name.endswith(":latest"):  # Ollama's clients tag an untagged name
-                entry = await self.catalogue.lookup(name.removesuffix(":latest"))
+        entry = await self.catalogue.lookup(name) if self.catalogue is not None else None
         if entry is None:
             raise EngineError(
                 f"model {name!r} is not served here, and the model list holds no model by that name "
@@ -429,8 +425,13 @@ class Pool:
         now = time.monotonic()
         rows = []
         for i in self.instances.values():
-            home = self.homes.get(i.name)
-            why = home[1] if home else "over every Mac that may hold layers" if len(self.replicas_of(i.model_id)) <= 1 else f"replica {self.replicas_of(i.model_id).index(i) + 1} of {len(self.replicas_of(i.model_id))}, over its share of the Macs"
+            home, replicas = self.homes.get(i.name), self.replicas_of(i.model_id)
+            if home is not None:
+                why = home[1]
+            elif len(replicas) > 1:
+                why = f"replica {replicas.index(i) + 1} of {len(replicas)}, over its share of the Macs"
+            else:
+                why = "over every Mac that may hold layers"
             rows.append(i.status(now) | {"placement": why})
         return rows
 

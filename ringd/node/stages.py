@@ -34,7 +34,7 @@ class Unload:
     def __init__(self, instance: str, term: int, leader: str):
         self.instance, self.term, self.leader = instance, term, leader
 
-    def frame_descriptor(self) -> dict:
+    def to_wire(self) -> dict:
         return {"instance": self.instance, "term": self.term, "leader": self.leader}
 
     @classmethod

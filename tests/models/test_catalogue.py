@@ -194,6 +194,8 @@ def test_a_name_finds_the_model_it_means_by_each_rule_and_nothing_else(shelf):
     # A models_dir GGUF without .gguf; not a Hugging Face or Ollama name, nor a directory.
     assert found("vendor/m") == "vendor/m.gguf" and found("odd") == "odd.gguf"
     assert found("vendor/m.GGUF") is None and found("tiny-a.gguf") is None and found("someone/tiny-mlx.gguf") is None
+    # Ollama's clients tag an untagged name: NAME:latest finds what NAME finds, whatever the place.
+    assert found("tiny-a:latest") == "tiny-a" and found("vendor/m:latest") == "vendor/m.gguf" and found("someone/tiny:latest") is None
     # A model ringd cannot serve is found all the same, with why.
     odd = c.find("odd.gguf")
     assert odd.facts.info is None and "nosucharch" in odd.facts.error

@@ -535,7 +535,7 @@ def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_sa
         engine.generate = recorded
         node = SimpleNamespace(
             info=info, tokenizer=tokenizer, model_id="smollm2", engine=engine, readiness=lambda: (True, ""),
-            failover_wait_s=0.0, metrics=Metrics("node0"), chat_template_kwargs={}, name="", pinned=True,
+            failover_wait_s=0.0, metrics=Metrics("node0"), chat_template_kwargs={},
         )  # fmt: skip
         serving = Serving(node)
 
