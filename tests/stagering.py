@@ -160,19 +160,25 @@ def reference(model):
 GREEDY_TOKENS = 24
 
 
-def greedy(step, prompt: list[int], until: frozenset[int] = frozenset()) -> tuple[list[int], list[mx.array]]:
+def greedy(
+    step, prompt: list[int], until: frozenset[int] = frozenset(), chunk: int | None = None, tokens: int = GREEDY_TOKENS
+) -> tuple[list[int], list[mx.array]]:
     """As mlx-lm's generate_step, on ``reference``'s or ``ring``'s step: the prompt but its last token
-    as one chunk, then token by token (GREEDY_TOKENS of them, or up to one of ``until``)."""
-    step(prompt[:-1], sample=False)
-    y, tokens, logits = prompt[-1], [], []
-    for _ in range(GREEDY_TOKENS):
+    as one chunk (or in chunks of ``chunk``), then token by token (``tokens`` of them, or up to one of ``until``)."""
+    if chunk is None:
+        step(prompt[:-1], sample=False)
+    else:
+        for i in range(0, len(prompt) - 1, chunk):
+            step(prompt[i : i + chunk], sample=False)
+    y, out_tokens, logits = prompt[-1], [], []
+    for _ in range(tokens):
         out = step([y], sample=True)
         logits.append(out)
         y = mx.argmax(out, axis=-1).item()
-        tokens.append(y)
+        out_tokens.append(y)
         if y in until:
             break
-    return tokens, logits
+    return out_tokens, logits
 
 
 def ring(stages: list[Shard]):

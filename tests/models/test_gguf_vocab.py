@@ -152,26 +152,23 @@ SPM_TEXTS = [
 ]
 
 
+def _train(folder, **settings) -> "sentencepiece.SentencePieceProcessor":
+    """A SentencePiece BPE model of CORPUS as Llama 2's and Gemma's are trained (byte fallback,
+    digits split, no normalization, whitespace kept), with ``settings`` on top."""
+    prefix = folder / "m"
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.splitlines()), model_prefix=str(prefix), model_type="bpe",
+        byte_fallback=True, split_digits=True, character_coverage=1.0, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, minloglevel=2, **settings,
+    )  # fmt: skip
+    return sentencepiece.SentencePieceProcessor(model_file=f"{prefix}.model")
+
+
 @pytest.fixture(scope="module")
 def spm(tmp_path_factory):
     """A SentencePiece BPE model trained like Llama 2's: byte fallback, digits split,
     no normalization, extra whitespace kept, a dummy prefix space."""
-    prefix = tmp_path_factory.mktemp("spm") / "m"
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS.splitlines()),
-        model_prefix=str(prefix),
-        model_type="bpe",
-        vocab_size=400,
-        byte_fallback=True,
-        split_digits=True,
-        character_coverage=1.0,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=True,
-        allow_whitespace_only_pieces=True,
-        minloglevel=2,
-    )
-    return sentencepiece.SentencePieceProcessor(model_file=f"{prefix}.model")
+    return _train(tmp_path_factory.mktemp("spm"), vocab_size=400, add_dummy_prefix=True)
 
 
 def _spm_meta(sp, **extra) -> dict:
@@ -284,27 +281,10 @@ def gemma_spm(tmp_path_factory):
     """A SentencePiece BPE model trained like Gemma's: byte fallback, digits split, no
     dummy prefix, whitespace kept, pad/eos/bos/unk first, and user-defined pieces for
     its chat turns, runs of spaces and newlines and an HTML tag."""
-    prefix = tmp_path_factory.mktemp("gemma-spm") / "m"
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS.splitlines()),
-        model_prefix=str(prefix),
-        model_type="bpe",
-        vocab_size=420,
-        byte_fallback=True,
-        split_digits=True,
-        character_coverage=1.0,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=False,
-        allow_whitespace_only_pieces=True,
-        pad_id=0,
-        eos_id=1,
-        bos_id=2,
-        unk_id=3,
-        user_defined_symbols=GEMMA_TURNS + GEMMA_USER_DEFINED,
-        minloglevel=2,
-    )
-    return sentencepiece.SentencePieceProcessor(model_file=f"{prefix}.model")
+    return _train(
+        tmp_path_factory.mktemp("gemma-spm"), vocab_size=420, add_dummy_prefix=False,
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, user_defined_symbols=GEMMA_TURNS + GEMMA_USER_DEFINED,
+    )  # fmt: skip
 
 
 def _looks_special(token: str) -> bool:

@@ -35,14 +35,36 @@ def ps(url: str) -> list[dict]:
         return json.loads(r.read())["models"]
 
 
-def greedy(url: str, model: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:
+def completion(url: str, model: str, prompt: list[int], max_tokens: int, stream: bool):
+    """A greedy completion of token ids, each token answered as its id (logprobs' tokens)."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=LOAD_DEADLINE_S)
-    r = client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1, extra_body={"return_tokens_as_token_ids": True}
-    )
+    return client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=stream, logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+
+
+def token_ids(logprobs) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+
+
+def greedy(url: str, model: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:
+    r = completion(url, model, prompt, max_tokens, stream=False)
     choice = r.choices[0]
     assert r.model == model
-    return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens], choice.finish_reason
+    return token_ids(choice.logprobs), choice.finish_reason
+
+
+def streamed(url: str, model: str, prompt: list[int], max_tokens: int, cue=lambda: None, after: int = 1) -> list[int]:
+    """A greedy stream's token ids; ``cue()`` once its first ``after`` have come (the stream is mid-answer)."""
+    out, cued = [], False
+    for chunk in completion(url, model, prompt, max_tokens, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            out += token_ids(chunk.choices[0].logprobs)
+            if not cued and len(out) >= after:
+                cued = True
+                cue()
+    return out
 
 
 def models_dir(tmp: Path, **models: Path) -> Path:
@@ -131,16 +153,8 @@ def test_three_models_at_once_each_answer_as_mlx_lm_alone(tiny_model, smollm2_gg
     flowing = threading.Barrier(3, timeout=LOAD_DEADLINE_S)
 
     def stream(name, prompt):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=LOAD_DEADLINE_S)
-        out, told = [], False
         try:
-            for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=long, temperature=0, stream=True, logprobs=1, extra_body={"return_tokens_as_token_ids": True}):
-                if chunk.choices and chunk.choices[0].logprobs:
-                    out += [int(t.removeprefix("token_id:")) for t in chunk.choices[0].logprobs.tokens]
-                    if len(out) >= 3 and not told:
-                        told = True
-                        flowing.wait()
-            got[name] = out
+            got[name] = streamed(url, name, prompt, long, flowing.wait, after=3)
         except Exception as e:  # reported below with the model's name
             errors.append((name, e))
             flowing.abort()
@@ -228,13 +242,7 @@ def test_idle_models_go_least_recently_used_first_never_a_busy_one_and_after_the
     started = threading.Event()
 
     def stream_d():
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=LOAD_DEADLINE_S)
-        tokens = []
-        for chunk in client.completions.create(model="d", prompt=prompt, max_tokens=long, temperature=0, stream=True, logprobs=1, extra_body={"return_tokens_as_token_ids": True}):
-            if chunk.choices and chunk.choices[0].logprobs:
-                tokens += [int(t.removeprefix("token_id:")) for t in chunk.choices[0].logprobs.tokens]
-                started.set()
-        got["d"] = tokens
+        got["d"] = streamed(url, "d", prompt, long, started.set)
 
     streamer = threading.Thread(target=stream_d)
     streamer.start()
@@ -293,20 +301,11 @@ def test_two_replicas_on_four_nodes_share_the_streams_and_a_kill_9_loses_nothing
     flowing = threading.Barrier(streams + 1, timeout=LOAD_DEADLINE_S)
 
     def stream(i):
-        client = openai.OpenAI(base_url=c.url(0) + "/v1", api_key="x", max_retries=0, timeout=LOAD_DEADLINE_S)
-        out, told = [], False
         try:
-            for chunk in client.completions.create(model="tiny", prompt=prompts[i], max_tokens=tokens, temperature=0, stream=True, logprobs=1, extra_body={"return_tokens_as_token_ids": True}):
-                if chunk.choices and chunk.choices[0].logprobs:
-                    out += [int(t.removeprefix("token_id:")) for t in chunk.choices[0].logprobs.tokens]
-                    if len(out) >= 5 and not told:
-                        told = True
-                        flowing.wait()
-            got[i] = out
+            got[i] = streamed(c.url(0), "tiny", prompts[i], tokens, flowing.wait, after=5)
         except Exception as e:  # reported below with the stream's number
             errors.append((i, e))
-            if not told:
-                flowing.abort()
+            flowing.abort()  # the others no longer wait for this one
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
     for t in threads:

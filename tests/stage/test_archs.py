@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from ringd.models.checkpoint import SUPPORTED_ARCHITECTURES, _model_module
 from ringd.models.errors import ModelError
 from ringd.stage.shard import Shard
-from stagering import reference, ring
+from stagering import greedy, reference, ring
 from ringd.models.tinyarchs import ARCHS
 
 LAYERS = 6
@@ -41,28 +41,15 @@ QUANTIZED = [("qwen3", 4), ("qwen3", 8), ("qwen3_moe", 4), ("gpt_oss", 4)]
 PROMPT = "Tell me a short story about the river and the town."
 
 
-def greedy(step, prompt: list[int]) -> tuple[list[int], list[mx.array]]:
-    """As generate_step: all but the last prompt token in chunks, then token by token."""
-    for i in range(0, len(prompt) - 1, CHUNK):
-        step(prompt[i : i + CHUNK], sample=False)
-    y, tokens, logits = prompt[-1], [], []
-    for _ in range(TOKENS):
-        out = step([y], sample=True)
-        logits.append(out)
-        y = mx.argmax(out, axis=-1).item()
-        tokens.append(y)
-    return tokens, logits
-
-
 def check_every_split(path) -> None:
     model, tokenizer = load(str(path))
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
-    want, want_logits = greedy(reference(model), prompt)
+    want, want_logits = greedy(reference(model), prompt, chunk=CHUNK, tokens=TOKENS)
     assert len(set(want)) >= MIN_DISTINCT_TOKENS, f"the reference repeats itself ({len(set(want))} distinct tokens): the test would prove little"
     for cut in TWO_STAGE_CUTS + THREE_STAGE_CUTS:
         bounds = [0, *cut, LAYERS]
         stages = [Shard.load(str(path), a, b) for a, b in zip(bounds, bounds[1:])]
-        got, got_logits = greedy(ring(stages), prompt)
+        got, got_logits = greedy(ring(stages), prompt, chunk=CHUNK, tokens=TOKENS)
         for i, (a, b) in enumerate(zip(want_logits, got_logits)):
             assert mx.array_equal(a, b), f"split {bounds}: logits differ from mlx-lm at step {i}"
         assert got == want, f"split {bounds}: tokens differ"
