@@ -9,7 +9,8 @@ with backoff; every attempt has a deadline.
 
 Every link carries a PING every ``heartbeat_interval_s``, with whatever the
 daemon wants its peers to hear that often (``heartbeat()``: election state,
-whom it knows). A peer silent for ``dead_after_s`` is dead: its link is
+whom it knows, the clock its peers measure their RTT by) and now and then a
+payload (``probe()``) to measure bandwidth by. A peer silent for ``dead_after_s`` is dead: its link is
 closed, which a closed socket does at once anyway. A dead peer that comes back
 (a SIGSTOP'd process resumed, a cable replugged) is linked again by the dial
 loops and counts as a new arrival.
@@ -102,6 +103,7 @@ class Links:
         on_frame: Callable[[str, Frame], None],
         on_change: Callable[[], None] = lambda: None,
         heartbeat: Callable[[], dict] = dict,
+        probe: Callable[[], int] = lambda: 0,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         dead_after_s: float = DEAD_AFTER_S,
         encrypt: bool = False,
@@ -114,6 +116,9 @@ class Links:
         self.on_frame = on_frame
         self.on_change = on_change
         self.heartbeat = heartbeat
+        # Bytes of payload this round's PING carries (called right after ``heartbeat``): a
+        # bandwidth probe (cluster/linkcost.py); receivers, older ones too, ignore a PING's payload.
+        self.probe = probe
         self.heartbeat_interval_s = heartbeat_interval_s
         self.dead_after_s = dead_after_s
         self.encrypt = encrypt
@@ -217,7 +222,7 @@ class Links:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             now = time.monotonic()
-            beat = Frame(MsgType.PING, 0, self.heartbeat())
+            beat = Frame(MsgType.PING, 0, self.heartbeat(), bytes(self.probe()))
             for peer in list(self.peers.values()):
                 silent = now - peer.last_heard
                 if silent > self.dead_after_s:

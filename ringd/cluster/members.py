@@ -21,6 +21,7 @@ before it would re-plan or elect over the others.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -29,8 +30,9 @@ from pathlib import Path
 from typing import Callable
 
 from ringd.cluster.election import Election, ElectionError, Pin, Term
+from ringd.cluster.linkcost import LinkMeter, Measured
 from ringd.cluster.links import LinkError, Links
-from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, MAX_INSTANCES, Heartbeat, MessageError, clip, parse_control
+from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, MAX_INSTANCES, MAX_LINK_REPORTS, Heartbeat, MessageError, clip, parse_control
 from ringd.ring.plan import MAX_ADDR_CHARS
 from ringd.cluster.reconcile import Report
 from ringd.names import natural_key, parse_hostport
@@ -108,10 +110,15 @@ class Cluster:
         self.left: dict[str, int] = {}
         self._settle: asyncio.TimerHandle | None = None  # a view change held back while a leaver settles
         self._settle_until = 0.0
+        # RTT and bandwidth of our links, measured by our heartbeats' echoes; and each peer's
+        # measurements of its own, as its heartbeats report them (the leader places by them).
+        self.meter = LinkMeter(node, MAX_LINK_REPORTS)
+        self.peer_links: dict[str, dict[str, Measured]] = {}
+        self._probe = 0  # payload bytes of the heartbeat being sent (a bandwidth probe)
         self.links = Links(
             node, cluster, secret, info, self._on_frame, self.view_changed,
-            heartbeat=self._heartbeat, heartbeat_interval_s=heartbeat_interval_s, dead_after_s=dead_after_s,
-            encrypt=encrypt, supervisor=supervisor,
+            heartbeat=self._heartbeat, probe=lambda: self._probe, heartbeat_interval_s=heartbeat_interval_s,
+            dead_after_s=dead_after_s, encrypt=encrypt, supervisor=supervisor,
         )  # fmt: skip
 
     # --- views ------------------------------------------------------------------------
@@ -136,6 +143,12 @@ class Cluster:
     def leader_linked(self) -> bool:
         leader = self.election.leader
         return leader == self.node or (leader is not None and leader in self.links.peers)
+
+    def link_views(self) -> dict[str, dict[str, Measured]]:
+        """Each live node's measurements of its links (this node's own included): node -> peer -> figures."""
+        views = {p: dict(v) for p, v in self.peer_links.items() if p in self.links.peers}
+        views[self.node] = self.meter.view()
+        return views
 
     def info_of(self, node: str) -> dict:
         peer = self.links.peers.get(node)
@@ -202,6 +215,9 @@ class Cluster:
             log.exception("error handling %s frame from %s", frame.type.name, peer)
 
     def _on_heartbeat(self, peer: str, beat: Heartbeat) -> None:
+        if beat.clock is not None:
+            self.meter.heard(peer, time.monotonic(), beat.clock)
+        self.peer_links[peer] = beat.links
         for node, addr in beat.knows.items():
             if node != self.node and node not in self.links.peers:
                 self.links.dial(*parse_hostport(addr))
@@ -270,6 +286,9 @@ class Cluster:
             del self.reports[gone]
         for gone in set(self.instance_reports) - set(self.links.peers):
             del self.instance_reports[gone]
+        for gone in set(self.peer_links) - set(self.links.peers):
+            del self.peer_links[gone]
+            self.meter.forget(gone)
         members = {self.node: self.priority}
         for p, peer in self.links.peers.items():
             priority = peer.info.get("priority", 0)
@@ -290,11 +309,13 @@ class Cluster:
             if len(known) < MAX_GOSSIPED_PEERS and _dialable(addr):
                 known[p] = addr
         instances = self._instances()[:MAX_INSTANCES]
-        beat = Heartbeat(self.election.announcement(), self._report(), known, instances=instances)
+        clock = self.meter.stamp(time.monotonic())
+        self._probe = clock.probe
+        beat = Heartbeat(self.election.announcement(), self._report(), known, instances=instances, clock=clock, links=self.meter.view())
         if self.leading:
             serving, reason = self._serving()
             drained = tuple(sorted(self.drained, key=natural_key))
-            beat = Heartbeat(beat.election, beat.report, known, drained, serving, clip(reason), instances)
+            beat = dataclasses.replace(beat, drained=drained, serving=serving, reason=clip(reason))
         return beat.to_wire()
 
     def claim_plan_term(self) -> Term:

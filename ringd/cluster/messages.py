@@ -15,9 +15,11 @@ FORWARD, TOKEN and RELEASE belong to the ring's hot path and are parsed in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from ringd.cluster.election import Announce, ElectionError, Term
+from ringd.cluster.linkcost import Clock, Measured
 from ringd.ring.plan import MAX_ADDR_CHARS
 from ringd.cluster.reconcile import Report, ReportError
 from ringd.names import check_name, parse_hostport
@@ -30,6 +32,10 @@ MAX_DRAINED = 64
 # Instances a node may hold stages of besides the configured model's: each is a whole model's
 # layers range in memory, so a Mac holds a handful; this bounds what a heartbeat carries.
 MAX_INSTANCES = 32
+# Links a heartbeat reports the cost of, and echoes it carries: one per peer, as many as it gossips.
+MAX_LINK_REPORTS = MAX_GOSSIPED_PEERS
+# A measured RTT a report may carry, in microseconds: an hour; a link slower than that is dead.
+MAX_RTT_US = 3_600_000_000
 # Why the leader does not serve, as followers repeat it in /health: one line.
 MAX_REASON_CHARS = 300
 
@@ -68,6 +74,11 @@ class Heartbeat:
     serving: Term | None = None
     reason: str = ""
     instances: tuple[Report, ...] = ()  # its stages of the leader's other instances (``report`` is the configured model's)
+    # Both optional (a node of an older version sends neither): ``clock``, the send time and
+    # echoes its peers measure their RTT to it by (cluster/linkcost.py); ``links``, its measured
+    # links, which the leader places the ring by.
+    clock: Clock | None = None
+    links: dict[str, Measured] = field(default_factory=dict)
 
     def __post_init__(self):
         if len(self.instances) > MAX_INSTANCES:
@@ -78,11 +89,17 @@ class Heartbeat:
             raise MessageError(f"at most {MAX_DRAINED} nodes may be drained, not {len(self.drained)}")
         if len(self.reason) > MAX_REASON_CHARS:
             raise MessageError(f"a heartbeat's reason is at most {MAX_REASON_CHARS} characters")
+        if len(self.links) > MAX_LINK_REPORTS or (self.clock is not None and len(self.clock.echo) > MAX_LINK_REPORTS):
+            raise MessageError(f"a heartbeat reports and echoes at most {MAX_LINK_REPORTS} links")
 
     def to_wire(self) -> dict:
         d = {"election": self.election.to_wire(), "report": self.report.to_wire(), "knows": self.knows}
         if self.instances:
             d["instances"] = [r.to_wire() for r in self.instances]
+        if self.clock is not None:
+            d["clock"] = {"t": self.clock.t, "echo": {p: list(e) for p, e in self.clock.echo.items()}}
+        if self.links:
+            d["links"] = {p: [m.rtt_us, m.bandwidth] for p, m in self.links.items()}
         if self.drained is not None:
             d.update(drained=list(self.drained), serving=self.serving.to_wire() if self.serving else None, reason=self.reason)
         return d
@@ -92,7 +109,7 @@ class Heartbeat:
         if not isinstance(d, dict):
             raise MessageError(f"a heartbeat is an object, got {type(d).__name__}")
         required, leader_keys = {"election", "report", "knows"}, {"drained", "serving", "reason"}
-        if not required <= set(d) <= required | leader_keys | {"instances"} or (set(d) & leader_keys and not leader_keys <= set(d)):
+        if not required <= set(d) <= required | leader_keys | {"instances", "clock", "links"} or (set(d) & leader_keys and not leader_keys <= set(d)):
             raise MessageError(f"a heartbeat has keys election, report, knows (and from a leader drained, serving, reason); got {sorted(map(str, d))!r:.200}")
         try:
             election = Announce.from_wire(d["election"])
@@ -122,7 +139,42 @@ class Heartbeat:
             drained = tuple(_node("drained node", n) for n in d["drained"])
             if not isinstance(d["reason"], str) or len(d["reason"]) > MAX_REASON_CHARS:
                 raise MessageError(f"heartbeat reason must be a string of at most {MAX_REASON_CHARS} characters")
-        return cls(election, report, dict(knows), drained, serving, d.get("reason", ""), others)
+        clock = _clock(d["clock"]) if "clock" in d else None
+        links = _links(d["links"]) if "links" in d else {}
+        return cls(election, report, dict(knows), drained, serving, d.get("reason", ""), others, clock, links)
+
+
+def _seconds(what: str, v: object) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise MessageError(f"heartbeat {what} must be a finite number of seconds, got {v!r:.40}")
+    return float(v)
+
+
+def _clock(d: object) -> Clock:
+    if not isinstance(d, dict) or set(d) != {"t", "echo"} or not isinstance(d["echo"], dict):
+        raise MessageError(f"heartbeat clock is {{'t': seconds, 'echo': {{node: [t, held]}}}}, got {d!r:.200}")
+    if len(d["echo"]) > MAX_LINK_REPORTS:
+        raise MessageError(f"heartbeat clock echoes at most {MAX_LINK_REPORTS} peers")
+    echo = {}
+    for node, e in d["echo"].items():
+        _node("heartbeat echo node", node)
+        if not isinstance(e, list) or len(e) != 2:
+            raise MessageError(f"heartbeat echo for {node} must be [t, held], got {e!r:.80}")
+        echo[node] = (_seconds("echo t", e[0]), _seconds("echo held", e[1]))
+    return Clock(_seconds("clock t", d["t"]), echo)
+
+
+def _links(d: object) -> dict[str, Measured]:
+    if not isinstance(d, dict) or len(d) > MAX_LINK_REPORTS:
+        raise MessageError(f"heartbeat links must be an object of at most {MAX_LINK_REPORTS} node: [rtt_us, bytes/s] entries")
+    out = {}
+    for node, m in d.items():
+        _node("heartbeat links node", node)
+        ok = isinstance(m, list) and len(m) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in m[:1])
+        if not ok or not 0 < m[0] <= MAX_RTT_US or not (m[1] is None or (isinstance(m[1], int) and not isinstance(m[1], bool) and m[1] > 0)):
+            raise MessageError(f"heartbeat links {node} must be [rtt_us in (0, {MAX_RTT_US}], bytes/s > 0 or null], got {m!r:.80}")
+        out[node] = Measured(m[0], m[1])
+    return out
 
 
 def parse_control(d: object) -> Announce:

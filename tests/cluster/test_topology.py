@@ -1,0 +1,175 @@
+"""ringd.cluster.topology: ring order and exclusion by link cost, property-tested (pure functions)."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from ringd.cluster.linkcost import Measured
+from ringd.cluster.topology import (
+    MAX_EXACT_NODES,
+    REPLAN_FLOOR_US,
+    Layout,
+    choose,
+    link_matrix,
+    ring_cost,
+)
+from ringd.names import natural_key
+
+WIRED_US, WIFI_US = 150, 4000  # RTTs: a wired mini's links, a Wi-Fi laptop's
+
+
+def names(n: int) -> list[str]:
+    return [f"node{i}" for i in range(1, n + 1)]
+
+
+def by_rtt(rtts: dict[tuple[str, str], int]) -> dict[frozenset[str], Measured]:
+    return {frozenset(p): Measured(r) for p, r in rtts.items()}
+
+
+def fits_with(budgets: dict[str, int], need: int):
+    """fits(nodes): the model of ``need`` units fits when their budgets add up (a note), else None."""
+
+    def fits(nodes):
+        have = sum(budgets[n] for n in nodes)
+        return f"needs {need} of {have}" if have >= need else None
+
+    return fits
+
+
+@st.composite
+def clusters(draw, min_nodes=1, max_nodes=7):
+    nodes = names(draw(st.integers(min_nodes, max_nodes)))
+    pairs = list(itertools.combinations(nodes, 2))
+    links = {}
+    for a, b in pairs:
+        if draw(st.booleans()) or draw(st.booleans()):  # most links measured, some not yet
+            rate = draw(st.none() | st.integers(1_000_000, 5_000_000_000))
+            links[frozenset((a, b))] = Measured(draw(st.integers(20, 20_000)), rate)
+    budgets = {n: draw(st.integers(0, 10)) for n in nodes}
+    need = draw(st.integers(0, sum(budgets.values())))
+    leader = draw(st.sampled_from(nodes))
+    holders = [n for n in nodes if n == leader or draw(st.integers(0, 5)) > 0]  # some may hold no layers
+    return leader, holders, links, budgets, need
+
+
+def test_a_wifi_mac_whose_memory_is_not_needed_is_left_out_and_says_why():
+    nodes = names(4)
+    rtts = {(a, b): (WIFI_US if "node4" in (a, b) else WIRED_US) for a, b in itertools.combinations(nodes, 2)}
+    layout = choose("node1", nodes, by_rtt(rtts), fits_with(dict.fromkeys(nodes, 1), 3))
+    assert layout.ring == ("node1", "node2", "node3") and layout.out == {"node4"}
+    assert layout.left_out[0][1] == "node4 left out: its links average 4.00 ms against 0.15 ms, and the model fits on node1-node3 (needs 3 of 3)"
+    assert [(a, b) for a, b, _ in layout.hops] == [("node1", "node2"), ("node2", "node3"), ("node3", "node1")]
+    assert layout.cost_us == 3 * WIRED_US // 2
+
+
+def test_a_wifi_mac_whose_memory_is_needed_stays_in():
+    nodes = names(4)
+    rtts = {(a, b): (WIFI_US if "node4" in (a, b) else WIRED_US) for a, b in itertools.combinations(nodes, 2)}
+    layout = choose("node1", nodes, by_rtt(rtts), fits_with(dict.fromkeys(nodes, 1), 4))
+    assert set(layout.ring) == set(nodes) and not layout.left_out
+
+
+def test_the_order_avoids_a_slow_link():
+    # node1-node2 and node3-node4 are slow (a Wi-Fi hop each way); name order crosses both.
+    nodes = names(4)
+    slow = {frozenset(("node1", "node2")), frozenset(("node3", "node4"))}
+    links = {frozenset(p): Measured(3000 if frozenset(p) in slow else 200) for p in itertools.combinations(nodes, 2)}
+    layout = choose("node1", nodes, links, fits_with(dict.fromkeys(nodes, 1), 4))
+    assert layout.ring == ("node1", "node3", "node2", "node4")
+    assert layout.cost_us == 4 * 100 < ring_cost("node1", tuple(nodes), links, nodes)
+    # Named order again once the same ring is given as the running one (sticky), and with no figures at all.
+    assert choose("node1", nodes, links, fits_with(dict.fromkeys(nodes, 1), 4), current=layout).ring == layout.ring
+    assert choose("node1", nodes, {}, fits_with(dict.fromkeys(nodes, 1), 4)).ring == tuple(nodes)
+
+
+def test_bandwidth_counts_a_hidden_state_s_time_on_the_wire():
+    # Same RTT everywhere, but node2-node3 carries 8 KiB at 1 MB/s: 8 ms a hop.
+    nodes = names(4)
+    links = {frozenset(p): Measured(200, 1_000_000_000) for p in itertools.combinations(nodes, 2)}
+    links[frozenset(("node2", "node3"))] = Measured(200, 1_000_000)
+    layout = choose("node1", nodes, links, fits_with(dict.fromkeys(nodes, 1), 4), hop_bytes=8192)
+    assert ("node2", "node3") not in [(a, b) for a, b, _ in layout.hops] and ("node3", "node2") not in [(a, b) for a, b, _ in layout.hops]
+
+
+def test_link_matrix_takes_both_ends_rtt_mean_and_slower_bandwidth():
+    m = link_matrix({"a": {"b": Measured(100, 5)}, "b": {"a": Measured(301, 9), "c": Measured(50)}, "c": {}})
+    assert m == {frozenset("ab"): Measured(200, 5), frozenset("bc"): Measured(50, None)}
+
+
+@given(clusters())
+def test_the_chosen_ring_is_never_costlier_than_name_order_and_only_slow_macs_not_needed_are_out(c):
+    leader, holders, links, budgets, need = c
+    fits = fits_with(budgets, need)
+    assume(fits(tuple(holders)) is not None)
+    layout = choose(leader, holders, links, fits)
+    # Every holder is in the ring or left out, once; the leader holds layers if it may, first.
+    assert sorted(layout.ring + tuple(layout.out), key=natural_key) == sorted(holders, key=natural_key)
+    assert leader not in layout.out
+    assert layout.ring[0] == leader if leader in holders else True
+    # A Mac whose memory is needed is never left out: what stays holds the model.
+    assert fits(layout.ring) is not None
+    # The cycle over the ring it kept is no costlier than that ring in name order.
+    named = tuple(([leader] if leader in layout.ring else []) + sorted((n for n in layout.ring if n != leader), key=natural_key))
+    assert layout.cost_us == ring_cost(leader, layout.ring, links, holders)
+    assert layout.cost_us <= ring_cost(leader, named, links, holders)
+    # Leaving Macs out never costs the cycle more than keeping every holder in name order.
+    everyone = tuple(([leader] if leader in holders else []) + sorted((n for n in holders if n != leader), key=natural_key))
+    if not layout.left_out:
+        assert layout.cost_us <= ring_cost(leader, everyone, links, holders)
+
+
+@given(clusters(max_nodes=6))
+def test_the_exact_order_is_the_cheapest_of_all_orders(c):
+    leader, holders, links, budgets, need = c
+    fits = fits_with(budgets, need)
+    assume(fits(tuple(holders)) is not None)
+    layout = choose(leader, holders, links, fits)
+    rest = [n for n in layout.ring if n != leader]
+    head = (leader,) if leader in layout.ring else ()
+    cheapest = min(ring_cost(leader, head + p, links, holders) for p in itertools.permutations(rest))
+    assert layout.cost_us == cheapest
+
+
+@settings(max_examples=20)
+@given(clusters(min_nodes=MAX_EXACT_NODES + 1, max_nodes=MAX_EXACT_NODES + 3))
+def test_two_opt_beyond_the_exact_search_is_never_costlier_than_name_order(c):
+    leader, holders, links, budgets, need = c
+    fits = fits_with(budgets, need)
+    assume(fits(tuple(holders)) is not None)
+    layout = choose(leader, holders, links, fits)
+    named = tuple(([leader] if leader in layout.ring else []) + sorted((n for n in layout.ring if n != leader), key=natural_key))
+    assert layout.cost_us <= ring_cost(leader, named, links, holders)
+
+
+@given(clusters(), st.data())
+def test_a_layout_is_stable_under_jitter_within_the_margin(c, data):
+    leader, holders, links, budgets, need = c
+    fits = fits_with(budgets, need)
+    assume(fits(tuple(holders)) is not None)
+    first = choose(leader, holders, links, fits)
+    # Every link's RTT and bandwidth moved by up to 10% (the margin allows 11%).
+    jitter = st.floats(1 / 1.1, 1.1)
+    moved = {
+        p: Measured(max(1, round(m.rtt_us * data.draw(jitter))), None if m.bandwidth is None else max(1, round(m.bandwidth * data.draw(jitter))))
+        for p, m in links.items()
+    }
+    again = choose(leader, holders, moved, fits, current=first)
+    assert (again.ring, again.out) == (first.ring, first.out)
+
+
+@given(clusters())
+def test_a_running_layout_is_replaced_when_the_best_saves_more_than_the_margin(c):
+    leader, holders, links, budgets, need = c
+    fits = fits_with(budgets, need)
+    assume(fits(tuple(holders)) is not None)
+    best = choose(leader, holders, links, fits)
+    # The running ring: every holder, in name order (as rings were placed before links counted).
+    named = tuple(([leader] if leader in holders else []) + sorted((n for n in holders if n != leader), key=natural_key))
+    running = Layout(named)
+    kept = choose(leader, holders, links, fits, current=running)
+    if kept.ring == named and not best.left_out:
+        # Kept: the best over the same Macs saves no more than the margin allows.
+        assert kept.cost_us - best.cost_us <= max(REPLAN_FLOOR_US, 0.25 * kept.cost_us)
