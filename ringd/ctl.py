@@ -396,6 +396,29 @@ def print_plan(doc: dict) -> None:
             f"budget {_mib(n.get('budget'))} MiB, weights {_mib(n.get('parameter_bytes'))} MiB, "
             f"KV {_mib(n.get('kv_bytes'))} of {_mib(n.get('kv_capacity'))} MiB, speed {speed}"
         )
+    for line in layout_lines(next((n.get("layout") for n in nodes.values() if n.get("role") == "leader" and n.get("layout")), None)):
+        print(line)
+
+
+def layout_lines(layout: dict | None) -> list[str]:
+    """The ring's links as the leader measured them (each hop's RTT and bandwidth, the token's
+    link cost) and each Mac left out with why."""
+    if not isinstance(layout, dict):
+        return []
+
+    def hop(h) -> str:
+        a, b, rtt, rate = h
+        if rtt is None:
+            return f"{a} -> {b}: not measured yet"
+        bw = "" if rate is None else f", {rate * 8 / 1e6:.0f} Mb/s"
+        return f"{a} -> {b}: RTT {rtt / 1000:.2f} ms{bw}"
+
+    lines = []
+    if layout.get("hops"):
+        lines.append(f"links ({layout.get('cost_us', 0) / 1000:.2f} ms a token around the ring):")
+        lines += [f"  {hop(h)}" for h in layout["hops"]]
+    lines += [str(o.get("why")) for o in layout.get("left_out") or []]
+    return lines
 
 
 def instances_of(doc: dict) -> list[dict]:

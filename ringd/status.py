@@ -93,6 +93,9 @@ class Status:
             "drained": sorted(cluster.drained, key=natural_key),
             # The leader's live figures (tokens/s, time to first token), for the dashboard and `ringctl top`.
             "stats": self._stats(coordinator.engine) if coordinator else None,
+            # The leader's ring as its links shape it: order, each hop's measured RTT and bandwidth,
+            # the Macs left out and why (`ringctl plan`).
+            "layout": coordinator.layout.to_wire() if coordinator is not None and coordinator.layout is not None else None,
         }
 
     def _stats(self, engine) -> dict:

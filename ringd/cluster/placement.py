@@ -430,6 +430,19 @@ def shortfall(nodes: list[NodeSpec], cost: ModelCost) -> str | None:
     return _holds(tuple(nodes), cost)
 
 
+def fit_note(nodes: list[NodeSpec], cost: ModelCost) -> str | None:
+    """None when the model does not fit these nodes (``shortfall``), else how it fits, for a reason
+    a user reads: "needs 1.20 of 3.00 GiB" (weights + KV reserve of one stage holding every layer,
+    against the budgets)."""
+    if shortfall(nodes, cost) is not None:
+        return None
+    budgets = [n.budget for n in nodes if not n.api_only]
+    need = cost.stage_need(0, len(cost.layers))
+    if any(b is None for b in budgets):
+        return f"needs {_size(need)}; some have no memory limit"
+    return f"needs {_size(need)} of {_size(sum(budgets))}"
+
+
 # Answers shortfall keeps: a model list of up to 500 models (models/catalogue.py), twice over.
 SHORTFALLS_KEPT = 1024
 

@@ -196,6 +196,11 @@ class Reconciler:
         """The term of the current plan, if any."""
         return self._plan.term if self._plan else None
 
+    @property
+    def over(self) -> tuple[str, ...] | None:
+        """The holders the current plan was made over (name order), if any."""
+        return tuple(sorted(self._plan.over, key=natural_key)) if self._plan else None
+
     def reset(self) -> None:
         """This node stopped leading: whatever it planned is someone else's business now."""
         self._plan = None

@@ -24,8 +24,9 @@ from typing import Callable
 from ringd.cluster.election import Term
 from ringd.cluster.links import LinkError
 from ringd.cluster.members import Cluster
-from ringd.cluster.placement import ModelCost, NodeSpec, plan_for
+from ringd.cluster.placement import ModelCost, NodeSpec, fit_note, plan_for
 from ringd.cluster.reconcile import Member, Reconciler
+from ringd.cluster.topology import Layout, choose, link_matrix
 from ringd.node.stagehost import StageHost
 from ringd.node.stages import Unload
 from ringd.config import Config
@@ -57,6 +58,13 @@ PLAN_SETTLE_S = 0.3
 # replace, but loading the whole model on one node first would.
 DISCOVERY_WAIT_S = 2.5
 DISCOVERY_SETTLE_S = 1.5
+# A ring re-placed for its links (a Mac left out, the order changed) runs at least
+# this long before its links re-place it again: each re-plan reloads layers, and a
+# link that flaps between fast and slow (Wi-Fi roaming) must not reload every few seconds.
+LINK_REPLAN_INTERVAL_S = 30.0
+# Bytes per element of the hidden state a hop carries, which a link's bandwidth
+# prices: the bf16/fp16 activations of nearly every checkpoint.
+HOP_ITEM_BYTES = 2
 # Placement counts a node whose speed is unknown (or tiny) as this fraction of
 # the fastest, so it still gets layers when it is the only one with room.
 SLOWEST_RELATIVE_SPEED = 0.1
@@ -107,6 +115,10 @@ class Coordinator:
         self.metrics = metrics
         self.reconciler = Reconciler(self.node, cfg.heartbeat_interval_s)
         self.plan: Plan | None = None
+        # The ring's order and the Macs left out by their links, with the figures and why
+        # (topology.py); None where a configured split fixes the ring, or before the first plan.
+        self.layout: Layout | None = None
+        self._link_replanned = -LINK_REPLAN_INTERVAL_S
         self.ready = False
         self.reason = "leading; planning the ring"
         self._started = started
@@ -241,6 +253,11 @@ class Coordinator:
         if decision.plan_over is not None:
             self._make_plan(now, decision.plan_over, members, decision.reason)
             return
+        why = self._links_moved(now)
+        if why is not None:
+            self._link_replanned = now
+            self._make_plan(now, self.reconciler.over, members, why)
+            return
         plan = self.plan
         for node in decision.inform:
             self._send_plan(node, plan)
@@ -281,9 +298,43 @@ class Coordinator:
         log.log(level, "ring down: %s" if level >= logging.WARNING else "%s", reason)
         self.engine.suspend_all(reason)
 
+    def _split(self, over: tuple[str, ...]) -> list[int] | None:
+        """The configured split, where it applies to this ring (it fixes the ring: no layout by links)."""
+        return self.cfg.split if self.cfg.split is not None and len(self.cfg.split) == len(over) and not self.instance else None
+
+    def _layout(self, specs: list[NodeSpec]) -> Layout:
+        """The ring over ``specs`` that the measured links favour, sticking to the running one."""
+        by_node, cost = {s.node: s for s in specs}, self._model_cost()
+        links = link_matrix(self.cluster.link_views())
+        hop_bytes = self.info.hidden_size * HOP_ITEM_BYTES
+        return choose(self.node, [s.node for s in specs], links, lambda nodes: fit_note([by_node[n] for n in nodes], cost), hop_bytes, self.layout)
+
+    def _links_moved(self, now: float) -> str | None:
+        """Why the serving ring should be re-placed for its links (a Mac's links turned slow or
+        fast, a cheaper order), or None; refreshes the figures ``ringctl plan`` shows."""
+        over = self.reconciler.over
+        if not self.ready or self.layout is None or over is None or self._split(over) is not None:
+            return None
+        new = self._layout(self._node_specs(over))
+        if (new.ring, new.out) == (self.layout.ring, self.layout.out):
+            self.layout = new
+            return None
+        if now - self._link_replanned < LINK_REPLAN_INTERVAL_S:
+            return None
+        gone = [why for n, why in new.left_out if n not in self.layout.out]
+        back = sorted(self.layout.out - new.out, key=natural_key)
+        parts = gone + ([f"{', '.join(back)} back in: its links are no longer slow"] if back else [])
+        return "; ".join(parts) or f"the links favour the ring {' -> '.join(new.ring)} ({new.cost_us / 1000:.2f} ms of links a token)"
+
     def _make_plan(self, now: float, over: tuple[str, ...], members: dict[str, Member], why: str) -> None:
         specs = self._node_specs(over)
-        split = self.cfg.split if self.cfg.split is not None and len(self.cfg.split) == len(over) and not self.instance else None
+        split = self._split(over)
+        layout = None
+        if split is None:
+            # Ring order and who holds layers by the links (node-name order while none are measured).
+            layout = self._layout(specs)
+            by_node = {s.node: s for s in specs}
+            specs = [by_node[n] for n in layout.ring] + [dataclasses.replace(by_node[n], api_only=True) for n, _ in layout.left_out]
         term = self.cluster.claim_plan_term()
         try:
             plan = plan_for(term.number, self.node, self.info.fingerprint, specs, self._model_cost(), self.cfg.placement, split)
@@ -298,7 +349,9 @@ class Coordinator:
             return
         self._first = False
         self.reconciler.planned(now, term, tuple(s.node for s in plan.stages), over, members)
-        self.plan = plan
+        self.plan, self.layout = plan, layout
+        for node, reason in layout.left_out if layout else ():
+            log.info("%s", reason, extra=about(term=plan.term))
         self.metrics.plans.inc()
         if self.ready:
             self.ready = False
