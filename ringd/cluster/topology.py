@@ -11,9 +11,9 @@ the leader. Each hop costs about half its link's RTT plus a hidden state's
 bytes over its bandwidth, so the ring's link cost per token is the sum around
 that cycle. ``choose``:
 
-- leaves out a Mac whose links are slow (their average RTT SLOW_LINK_FACTOR
-  times the typical RTT among the others, and SLOW_LINK_FLOOR_US more) when the
-  model fits on the rest: it stays a member (it serves the API as a follower)
+- leaves out a Mac whose links are slow (going through it adds more than
+  SLOW_LINK_FACTOR typical hops among the others, and over SLOW_LINK_FLOOR_US,
+  to a token's trip) when the model fits on the rest: it stays a member (it serves the API as a follower)
   and holds no layers. A Mac whose memory is needed stays in, wherever its
   links cost least; the leader always stays (tokens come back to it anyway);
 - orders the rest for the cheapest cycle: exact (Held-Karp) up to
@@ -37,14 +37,19 @@ from typing import Callable, Mapping
 from ringd.cluster.linkcost import Measured
 from ringd.names import natural_key
 
-# A Mac is "slow" when its links average this many times the typical RTT among
-# the others: a Wi-Fi laptop (2-5 ms) beside wired minis (0.1-0.3 ms) is 10x and
-# more; two wired links of different kinds (1 GbE against 10 GbE) are 2-3x, and
-# leaving a Mac out for that would waste its memory and compute.
-SLOW_LINK_FACTOR = 4.0
-# ... and this many microseconds more: below half a millisecond a hop costs less
-# than jitter on a busy Mac's event loop, and a few percent of a token's compute.
-SLOW_LINK_FLOOR_US = 500
+# A Mac is "slow" when its detour (what going through it adds to a token's trip
+# over going straight from one neighbour to the other) is over this many typical
+# hops among the others: a Wi-Fi laptop (1-2.5 ms a hop) beside Thunderbolt or
+# 10 GbE minis (0.05-0.15 ms) adds 10-40 hops' worth; a 1 GbE Mac beside 10 GbE
+# ones adds 2-3 of theirs but under the floor below. Measured figures carry both
+# ends' time to read a beat, which adds to every link alike (on this project's
+# shared 2-core VM 1.5 ms a hop: a Wi-Fi host's detour read 2.5 typical hops), so
+# the factor is low and the floor does the rest.
+SLOW_LINK_FACTOR = 2.0
+# ... and this many microseconds a token: below a millisecond a detour costs a few
+# percent of a token's compute on a Mac, less than the memory and compute (KV
+# room, pipeline stages) a Mac brings.
+SLOW_LINK_FLOOR_US = 1000
 # A re-plan reloads layers (seconds without service), so a new layout must save
 # this share of the running one's link cost per token (and a Mac's links must
 # cross the slow threshold by this share before it goes out or comes back): RTT
@@ -215,18 +220,35 @@ def _layout(leader: str, ring: tuple[str, ...], left_out: tuple[tuple[str, str],
 
 
 def _slowness(node: str, among: list[str], cost: _Costs) -> tuple[float, float]:
-    """``node``'s links' average RTT, and the typical RTT among the others (µs)."""
+    """``node``'s mean hop cost to the others, and a typical hop among the others (their pairs'
+    median), in µs. (0, 0) with fewer than two others: no link of theirs to judge its links by.
+
+    Going through ``node`` instead of straight between two others adds about twice its hop less
+    one of theirs (its detour). Both figures move no more than the links they are made of, so
+    the verdict is as steady as the links are (a detour taken pair by pair, a difference of
+    near-equal costs, is not)."""
     others = [n for n in among if n != node]
-    mine = [cost.rtt(node, o) for o in others]
-    theirs = sorted(cost.rtt(a, b) for i, a in enumerate(others) for b in others[i + 1 :])
-    typical = statistics.median_low(theirs) if theirs else (statistics.median_low(sorted(mine)) if mine else 0)
-    return (sum(mine) / len(mine) if mine else 0.0), float(typical)
+    if len(others) < 2:
+        return 0.0, 0.0
+    mine = sum(cost(node, o) for o in others) / len(others)
+    return mine, float(statistics.median_low(sorted(cost(a, b) for i, a in enumerate(others) for b in others[i + 1 :])))
 
 
 def _slow(node: str, among: list[str], cost: _Costs, scale: float = 1.0) -> bool:
-    """Whether ``node``'s links are slow (``scale`` > 1: clearly so; < 1: still so, by a margin)."""
-    avg, typical = _slowness(node, among, cost)
-    return avg > SLOW_LINK_FACTOR * scale * typical and avg - typical > SLOW_LINK_FLOOR_US * scale
+    """Whether ``node``'s detour is over SLOW_LINK_FACTOR typical hops and SLOW_LINK_FLOOR_US
+    (``scale`` > 1: clearly so; < 1: still so, by a margin)."""
+    mine, typical = _slowness(node, among, cost)
+    if mine == 0:
+        return False
+    return mine > (1 + SLOW_LINK_FACTOR) / 2 * scale * typical and 2 * mine - typical > SLOW_LINK_FLOOR_US * scale
+
+
+def _average_rtt(node: str, among: list[str], cost: _Costs) -> tuple[float, float]:
+    """``node``'s links' average RTT, and the others' (µs): what a user reads of why it is out."""
+    others = [n for n in among if n != node]
+    mine = [cost.rtt(node, o) for o in others]
+    theirs = [cost.rtt(a, b) for i, a in enumerate(others) for b in others[i + 1 :]]
+    return (sum(mine) / len(mine) if mine else 0.0), (sum(theirs) / len(theirs) if theirs else 0.0)
 
 
 def _ms(us: float) -> str:
@@ -295,9 +317,12 @@ def _reasons(leader, holders, out, among, cost, fits) -> tuple[tuple[str, str], 
     note = fits(rest) if rest else None
     reasons = []
     for n in sorted(out, key=natural_key):
-        avg, typical = _slowness(n, among, cost)
+        avg, others = _average_rtt(n, among, cost)
+        mine, typical = _slowness(n, among, cost)
+        detour = 2 * mine - typical
         reasons.append(
-            (n, f"{n} left out: its links average {_ms(avg)} against {_ms(typical)}, and the model fits on {_span(list(rest))}"
+            (n, f"{n} left out: its links average {_ms(avg)} against {_ms(others)} (RTT), adding {_ms(detour)} a token, "
+                f"and the model fits on {_span(list(rest))}"
              + (f" ({note})" if note else ""))
         )  # fmt: skip
     return tuple(reasons)

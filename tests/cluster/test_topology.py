@@ -60,7 +60,7 @@ def test_a_wifi_mac_whose_memory_is_not_needed_is_left_out_and_says_why():
     rtts = {(a, b): (WIFI_US if "node4" in (a, b) else WIRED_US) for a, b in itertools.combinations(nodes, 2)}
     layout = choose("node1", nodes, by_rtt(rtts), fits_with(dict.fromkeys(nodes, 1), 3))
     assert layout.ring == ("node1", "node2", "node3") and layout.out == {"node4"}
-    assert layout.left_out[0][1] == "node4 left out: its links average 4.00 ms against 0.15 ms, and the model fits on node1-node3 (needs 3 of 3)"
+    assert layout.left_out[0][1] == "node4 left out: its links average 4.00 ms against 0.15 ms (RTT), adding 3.92 ms a token, and the model fits on node1-node3 (needs 3 of 3)"
     assert [(a, b) for a, b, _ in layout.hops] == [("node1", "node2"), ("node2", "node3"), ("node3", "node1")]
     assert layout.cost_us == 3 * WIRED_US // 2
 
@@ -173,3 +173,86 @@ def test_a_running_layout_is_replaced_when_the_best_saves_more_than_the_margin(c
     if kept.ring == named and not best.left_out:
         # Kept: the best over the same Macs saves no more than the margin allows.
         assert kept.cost_us - best.cost_us <= max(REPLAN_FLOOR_US, 0.25 * kept.cost_us)
+
+
+# --- over shaped links: four daemons, three wired and one on Wi-Fi --------------------------------
+
+# Run inside host 0's namespace: wait for the leader to leave a Mac out, then chat through the ring.
+_NS_WAIT = r"""
+import json, sys, time, urllib.request
+url, within = sys.argv[1], float(sys.argv[2])
+body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0}).encode()
+deadline, last = time.monotonic() + within, None
+while time.monotonic() < deadline:
+    try:
+        with urllib.request.urlopen(url + "/cluster/status", timeout=5) as r:
+            status = json.loads(r.read())
+        layout = next((n.get("layout") for n in status["nodes"] if n.get("role") == "leader"), None)
+        last = {"reason": status.get("reason"), "layout": layout}
+        if status["ready"] and layout and layout["left_out"]:
+            req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                chat = json.loads(r.read())
+            print(json.dumps({"status": status, "chat": chat}))
+            sys.exit(0)
+    except Exception as e:
+        last = repr(e)
+    time.sleep(0.5)
+print(json.dumps({"error": last}))
+sys.exit(1)
+"""
+
+
+def test_four_daemons_on_shaped_links_leave_the_wifi_mac_out_and_ringctl_plan_says_why(tiny_model, tmp_path):
+    """Three Macs on a Thunderbolt bridge, a laptop on Wi-Fi (tests/linkshape.py), each allowed a
+    little less than half the model: the three hold it, so once the leader has measured the links
+    the laptop holds no layers, and ringctl plan says why."""
+    import contextlib
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from netns import NetnsHosts, netns_available
+
+    from ringd.models.source import model_info
+
+    reason = netns_available()
+    assert reason is None, f"cannot build test hosts: {reason}"
+    model = tiny_model(arch="llama", layers=6)
+    budget_gb = model_info(str(model)).weights.stage(0, 6) * 0.45 / 2**30  # three fit, two do not
+    secret = tmp_path / "secret"
+    secret.write_text("w" * 32)
+    secret.chmod(0o600)
+    cluster = f"wifi-{os.getpid()}"
+    with NetnsHosts(4, links=["thunderbolt"] * 3 + ["wifi"]) as net, contextlib.ExitStack() as files:
+        logs = [tmp_path / f"host{i}.log" for i in range(4)]
+        for i in range(4):
+            out = files.enter_context(open(logs[i], "w"))
+            cmd = [
+                sys.executable, "-m", "ringd", "serve", "--name", f"host{i}", "--cluster", cluster,
+                "--secret-file", str(secret), "--model", str(model), "--model-id", "tiny",
+                "--state-dir", str(tmp_path / "state"), "--memory-budget-gb", f"{budget_gb:.9f}", "--kv-reserve-tokens", "1",
+            ]  # fmt: skip
+            net.popen(i, cmd, cwd=REPO, stdout=out, stderr=out)
+        api = f"http://{net.hosts[0].ip}:8100"
+        done = subprocess.run(net.exec_prefix(0) + [sys.executable, "-c", _NS_WAIT, api, "90"], capture_output=True, text=True, timeout=120)
+
+        def tails() -> str:
+            return "\n".join(f"--- host{i}\n{p.read_text()[-2500:]}" for i, p in enumerate(logs))
+
+        assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{tails()}"
+        result = json.loads(done.stdout)
+        assert result["chat"]["choices"][0]["message"]["content"], tails()
+        status = result["status"]
+        print(next(n["layout"] for n in status["nodes"] if n.get("role") == "leader"))
+        assert [s[0] for s in status["plan"]["stages"]] == ["host0", "host1", "host2"], status
+        plan = subprocess.run(
+            net.exec_prefix(0) + [sys.executable, "-m", "ringd.ctl", "--node", f"{net.hosts[0].ip}:8100", "--secret-file", str(secret), "plan"],
+            cwd=REPO, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert plan.returncode == 0, plan.stderr
+        print(plan.stdout)
+        assert "host3 left out: its links average" in plan.stdout and "and the model fits on host0-host2 (needs" in plan.stdout, plan.stdout
+        assert "host0 -> host1: RTT" in plan.stdout, plan.stdout
