@@ -9,9 +9,9 @@ time ``t`` and, for each peer it heard from since its last beat, that peer's
 ``t`` and how long it held it before echoing (``held``). When our own ``t``
 comes back, ``now - t - held`` is the time on the wire both ways plus the
 peer's reading of the frame: one RTT sample per heartbeat interval, on frames
-the link sends anyway. A link's RTT is the median of its last RTT_SAMPLES
-samples' lower quartile, which slow samples (an event loop busy with a prefill
-chunk, a frame queued behind a FORWARD) do not move unless most are slow.
+the link sends anyway. A link's RTT is the second fastest of its last RTT_SAMPLES
+samples' second fastest, which slow samples (an event loop busy with a prefill
+chunk, a frame queued behind a FORWARD) do not move unless all but one are slow.
 
 Bandwidth: every PROBE_INTERVAL_S one heartbeat carries PROBE_BYTES of payload
 (ignored by the receiver, older versions included). Its echo comes back later
@@ -35,17 +35,19 @@ from dataclasses import dataclass
 # Samples a link's RTT is taken from: 9 heartbeats (4.5 s at the default
 # interval) follow a link that changes within seconds.
 RTT_SAMPLES = 9
-# A link's RTT is the lower quartile of its samples (the 3rd of 9). A sample is
-# the wire both ways plus whatever kept either end from reading the beat at once
-# (its event loop busy with a prefill chunk, a CPU shared with other work), which
-# only ever adds: the lower quartile sees through up to 6 slow samples of 9 (on
-# this project's shared 2-core VM the median of wired links read 3-4 ms where the
-# wire takes 0.3), yet follows a jittery link's usual delay, not its luckiest beat
-# as the minimum would.
-RTT_QUANTILE_OF = 4
-# A link's RTT is reported once it has this many samples: a figure from fewer is
-# one stalled beat away from a wrong figure, and a wrong one could re-plan a ring.
-MIN_RTT_SAMPLES = 3
+# A link's RTT is the second fastest of its samples. A sample is the wire both
+# ways plus whatever kept either end from reading the beat at once (its event
+# loop busy with a prefill chunk, a CPU shared with other work, a switch's queue),
+# which only ever adds; nothing makes a beat faster than the wire. So the fastest
+# samples are the link's own figure: on this project's shared 2-core VM, over the
+# link emulator, the median of a 50 us Thunderbolt link's samples read 3-4 ms and
+# the lower quartile 3 ms, all of it reading delays, which would hide a Wi-Fi
+# link's extra 2 ms. The second, not the first: one beat timed wrong cannot make it.
+RTT_RANK = 1
+# A link's RTT is reported once its window is full: a figure from fewer samples
+# may all come from the seconds a node was busy (starting, loading layers; on the
+# shared VM a wired host's first three read 16 ms against 3.5 ms) and could re-plan a ring.
+MIN_RTT_SAMPLES = RTT_SAMPLES
 # Bandwidth probes: PROBE_BYTES of heartbeat payload every PROBE_INTERVAL_S, on
 # every link: 64 KiB every 15 s is 256 KiB a minute per link (PROBE_BYTES_PER_MIN),
 # 0.003% of a 1 GbE link and 0.1% of a slow 30 Mb/s Wi-Fi link, and the probe
@@ -103,7 +105,7 @@ class _Link:
         return Measured(max(1, round(self.rtt() * 1e6)), None if math.isinf(rate) else int(rate))
 
     def rtt(self) -> float:
-        return sorted(self.rtts)[(len(self.rtts) - 1) // RTT_QUANTILE_OF]
+        return sorted(self.rtts)[min(RTT_RANK, len(self.rtts) - 1)]
 
 
 class LinkMeter:

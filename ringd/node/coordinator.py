@@ -22,6 +22,7 @@ import time
 from typing import Callable
 
 from ringd.cluster.election import Term
+from ringd.cluster.linkcost import RTT_SAMPLES
 from ringd.cluster.links import LinkError
 from ringd.cluster.members import Cluster
 from ringd.cluster.placement import ModelCost, NodeSpec, fit_note, plan_for
@@ -119,6 +120,7 @@ class Coordinator:
         # (topology.py); None where a configured split fixes the ring, or before the first plan.
         self.layout: Layout | None = None
         self._link_replanned = -LINK_REPLAN_INTERVAL_S
+        self._ready_since = 0.0
         self.ready = False
         self.reason = "leading; planning the ring"
         self._started = started
@@ -269,7 +271,7 @@ class Coordinator:
                     self.engine.fail_all(unusable)
                 self.reason = unusable
                 return
-            self.ready, self.reason = True, ""
+            self.ready, self.reason, self._ready_since = True, "", now
             log.info("ring ready: term %d, %d stages, split %s", plan.term, len(plan.stages), plan.split, extra=about(term=plan.term))
             self.engine.set_plan(plan, self._kv_ledger(plan), _prefix_limit(self.stage_costs(plan)))
         elif not decision.ready:
@@ -315,6 +317,8 @@ class Coordinator:
         over = self.reconciler.over
         if not self.ready or self.layout is None or over is None or self._split(over) is not None:
             return None
+        if now - self._ready_since < RTT_SAMPLES * self.cfg.heartbeat_interval_s:
+            return None  # the links' figures still hold samples from while the ring loaded (busy nodes read slow)
         new = self._layout(self._node_specs(over))
         if (new.ring, new.out) == (self.layout.ring, self.layout.out):
             self.layout = new

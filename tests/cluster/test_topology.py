@@ -182,7 +182,7 @@ _NS_WAIT = r"""
 import json, sys, time, urllib.request
 url, within = sys.argv[1], float(sys.argv[2])
 body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0}).encode()
-deadline, last = time.monotonic() + within, None
+deadline, last, failed = time.monotonic() + within, None, None
 while time.monotonic() < deadline:
     try:
         with urllib.request.urlopen(url + "/cluster/status", timeout=5) as r:
@@ -196,9 +196,9 @@ while time.monotonic() < deadline:
             print(json.dumps({"status": status, "chat": chat}))
             sys.exit(0)
     except Exception as e:
-        last = repr(e)
+        failed = repr(e) + (e.read()[:300].decode(errors="replace") if hasattr(e, "read") else "")
     time.sleep(0.5)
-print(json.dumps({"error": last}))
+print(json.dumps({"error": last, "failed": failed}))
 sys.exit(1)
 """
 
