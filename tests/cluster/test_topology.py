@@ -204,9 +204,9 @@ sys.exit(1)
 
 
 def test_four_daemons_on_shaped_links_leave_the_wifi_mac_out_and_ringctl_plan_says_why(tiny_model, tmp_path):
-    """Three Macs on a Thunderbolt bridge, a laptop on Wi-Fi (tests/linkshape.py), each allowed a
-    little less than half the model: the three hold it, so once the leader has measured the links
-    the laptop holds no layers, and ringctl plan says why."""
+    """Three Macs on a Thunderbolt bridge, a laptop on Wi-Fi (tests/linkshape.py): the three hold
+    the model, so once the leader has measured the links the laptop holds no layers (it stays a
+    member), and ringctl plan says why. The first plan, before any link is measured, has all four."""
     import contextlib
     import json
     import os
@@ -221,7 +221,8 @@ def test_four_daemons_on_shaped_links_leave_the_wifi_mac_out_and_ringctl_plan_sa
     reason = netns_available()
     assert reason is None, f"cannot build test hosts: {reason}"
     model = tiny_model(arch="llama", layers=6)
-    budget_gb = model_info(str(model)).weights.stage(0, 6) * 0.45 / 2**30  # three fit, two do not
+    # Each host may hold 0.6 of the model: the three wired ones hold it with room for a chat's KV cache.
+    budget_gb = model_info(str(model)).weights.stage(0, 6) * 0.6 / 2**30
     secret = tmp_path / "secret"
     secret.write_text("w" * 32)
     secret.chmod(0o600)
