@@ -120,7 +120,12 @@ class Coordinator:
         # (topology.py); None where a configured split fixes the ring, or before the first plan.
         self.layout: Layout | None = None
         self._link_replanned = -LINK_REPLAN_INTERVAL_S
-        self._ready_since = 0.0
+        # The links as measured over the last window in which the ring was loaded and idle, and
+        # since when it has been: a node computing reads its beats late (on a CPU shared with its
+        # stage, milliseconds), so figures taken under load would count compute as link; and a
+        # re-plan while idle suspends no request.
+        self._quiet_links: dict = {}
+        self._quiet_since = 0.0
         self.ready = False
         self.reason = "leading; planning the ring"
         self._started = started
@@ -271,7 +276,7 @@ class Coordinator:
                     self.engine.fail_all(unusable)
                 self.reason = unusable
                 return
-            self.ready, self.reason, self._ready_since = True, "", now
+            self.ready, self.reason, self._quiet_since = True, "", now
             log.info("ring ready: term %d, %d stages, split %s", plan.term, len(plan.stages), plan.split, extra=about(term=plan.term))
             self.engine.set_plan(plan, self._kv_ledger(plan), _prefix_limit(self.stage_costs(plan)))
         elif not decision.ready:
@@ -305,9 +310,10 @@ class Coordinator:
         return self.cfg.split if self.cfg.split is not None and len(self.cfg.split) == len(over) and not self.instance else None
 
     def _layout(self, specs: list[NodeSpec]) -> Layout:
-        """The ring over ``specs`` that the measured links favour, sticking to the running one."""
+        """The ring over ``specs`` that the links favour as measured while the ring was idle,
+        sticking to the running one."""
         by_node, cost = {s.node: s for s in specs}, self._model_cost()
-        links = link_matrix(self.cluster.link_views())
+        links = self._quiet_links
         hop_bytes = self.info.hidden_size * HOP_ITEM_BYTES
         return choose(self.node, [s.node for s in specs], links, lambda nodes: fit_note([by_node[n] for n in nodes], cost), hop_bytes, self.layout)
 
@@ -315,10 +321,14 @@ class Coordinator:
         """Why the serving ring should be re-placed for its links (a Mac's links turned slow or
         fast, a cheaper order), or None; refreshes the figures ``ringctl plan`` shows."""
         over = self.reconciler.over
-        if not self.ready or self.layout is None or over is None or self._split(over) is not None:
+        if not self.ready or self.engine.active or self.engine.queued:
+            self._quiet_since = now
             return None
-        if now - self._ready_since < RTT_SAMPLES * self.cfg.heartbeat_interval_s:
-            return None  # the links' figures still hold samples from while the ring loaded (busy nodes read slow)
+        if now - self._quiet_since < RTT_SAMPLES * self.cfg.heartbeat_interval_s:
+            return None  # the links' figures still hold samples from while the ring loaded or computed
+        self._quiet_links = link_matrix(self.cluster.link_views())
+        if self.layout is None or over is None or self._split(over) is not None:
+            return None
         new = self._layout(self._node_specs(over))
         if (new.ring, new.out) == (self.layout.ring, self.layout.out):
             self.layout = new
