@@ -31,7 +31,6 @@ their commands must be equal, so the queues decide exactly as the sort did.
 from __future__ import annotations
 
 import hashlib
-import itertools
 
 import pytest
 from hypothesis import event, given, settings
