@@ -440,6 +440,41 @@ def test_a_micro_batch_lost_on_a_live_ring_fails_its_request_and_frees_its_slot(
     assert in_flight == 0
 
 
+def test_one_timer_per_request_moves_its_deadline_with_each_wait_and_fails_a_silent_ring():
+    """The step deadline (``_answer``): an answer already there is taken without a timer; a wait
+    arms the request's one timer, which, firing while a later wait has not yet lasted
+    ``step_timeout_s``, waits for that wait's deadline instead of failing it; a ring that stays
+    silent for ``step_timeout_s`` fails the request with a 503."""
+    from types import SimpleNamespace
+
+    from ringd.leader.engine import _Flight
+
+    async def main():
+        engine = Engine("node0", SimpleNamespace(eos_token_ids=[EOS]), None, step_timeout_s=0.2)
+        flight = _Flight(1, [5], SamplingParams(temperature=0), 4, asyncio.Queue())
+        flight.queue.put_nowait("a token")
+        assert await engine._answer(flight) == "a token" and flight.watchdog is None
+        waiting = asyncio.ensure_future(engine._answer(flight))
+        await until(lambda: flight.waiting_since is not None, "the consumer to wait")
+        armed = flight.watchdog
+        assert armed is not None and armed.when() == flight.waiting_since + engine.step_timeout_s
+        flight.queue.put_nowait("the next")
+        assert await waiting == "the next" and flight.waiting_since is None
+        # A later wait, begun just now: the timer of the first fires early for it, and moves.
+        waiting = asyncio.ensure_future(engine._answer(flight))
+        await until(lambda: flight.waiting_since is not None, "the consumer to wait again")
+        assert flight.watchdog is armed  # no new timer per wait
+        armed.cancel()
+        engine._overdue(flight)
+        assert flight.queue.empty() and flight.watchdog.when() == flight.waiting_since + engine.step_timeout_s
+        with contextlib.suppress(EngineError):
+            await asyncio.wait_for(waiting, 30)  # the ring says nothing: the moved deadline fails it
+        return waiting.exception()
+
+    error = asyncio.run(main())
+    assert isinstance(error, EngineError) and error.status == 503 and "did not answer within" in str(error), error
+
+
 def pooled_reference(model, prompt: list[int], pool: str) -> mx.array:
     """mlx-lm in one process: the decoder's final hidden states (its norm applied) over the whole
     prompt at once, pooled (the mean, the first position's, the last's)."""
