@@ -545,8 +545,10 @@ class Engine:
             rows.append(row)
         self.metrics.micro_batch_rows.observe(len(rows))
         self._sent_at[send.batch] = (send.term, time.monotonic())
+        first, forward = self.plan.stages[0].node, steps.Forward(send.batch, send.term, tuple(rows))
         try:
-            self.send(self.plan.stages[0].node, steps.Forward(send.batch, send.term, tuple(rows)).frame())
+            # This node's own stage 0 takes the micro-batch as it is; a peer, as the frame's bytes.
+            self.send(first, forward.handed() if first == self.node else forward.frame())
         except ConnectionError as e:
             # The ring is breaking: the leader re-plans (reconcile.py) and the next ring replays it.
             log.warning("batch=%x: cannot reach the ring's first stage (%s); its rows wait for the next ring", send.batch, e)
