@@ -92,6 +92,7 @@ class TokenEvent:
     cached_tokens: int = 0  # prompt tokens whose caches came from a cached prefix
     resumed: bool = False  # a token an earlier leader streamed (emit_resumed), not a new one
     stop_sequence: str | None = None  # the stop string that ended the request (Anthropic reports it)
+    queued: int = 0  # the ring's answers for the request already waiting behind this one (its consumer lags)
 
 
 @dataclass
@@ -459,7 +460,9 @@ class Engine:
         flight.produced += 1
         if finish is not None:
             flight.outcome = f"finished ({finish})"
-        return TokenEvent(sampled.token, piece, sampled.logprob, list(sampled.top), finish, flight.cached, stop_sequence=text.matched)
+        return TokenEvent(
+            sampled.token, piece, sampled.logprob, list(sampled.top), finish, flight.cached, stop_sequence=text.matched, queued=flight.queue.qsize()
+        )
 
     def _leave(self, flight: _Flight) -> None:
         """However the request ended: it leaves the schedule, its booking is settled once no row of

@@ -173,7 +173,9 @@ def test_requests_at_once_through_real_stages_get_mlx_lms_tokens_and_leave_nothi
 def test_ignore_eos_runs_past_the_end_token_to_max_tokens(tiny_model):
     """The tiny model's third greedy token made its end token: a request ends there, with
     ``ignore_eos`` it runs on to max_tokens with mlx-lm's greedy tokens (the end token among
-    them, spelt as nothing), finishing for its length."""
+    them, spelt as nothing), finishing for its length. The ring does not wait for a consumer
+    that lags: its answers queue up, and each event says how many wait behind it (``queued``,
+    what lets a stream join their events into one write)."""
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load as mlx_load
 
@@ -189,10 +191,15 @@ def test_ignore_eos_runs_past_the_end_token_to_max_tokens(tiny_model):
         ring = StageRing(path, [1], tokenizer)
         engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0))
         try:
-            outs = []
-            for ignore in (False, True):
-                events = [e async for e in engine.generate(prompt, SamplingParams(temperature=0), 8, ignore_eos=ignore)]
-                outs.append(([e.token for e in events], events[-1].finish_reason))
+            events = [e async for e in engine.generate(prompt, SamplingParams(temperature=0), 8)]
+            outs = [([e.token for e in events], events[-1].finish_reason)]
+            lagging = engine.generate(prompt, SamplingParams(temperature=0), 8, ignore_eos=True)
+            events = [await anext(lagging)]
+            [flight] = engine._flights.values()
+            await until(lambda: flight.queue.qsize() == 7, "the ring's other seven answers to queue behind the consumer")
+            events += [e async for e in lagging]
+            outs.append(([e.token for e in events], events[-1].finish_reason))
+            assert [e.queued for e in events[1:]] == [6, 5, 4, 3, 2, 1, 0], [e.queued for e in events]
             return outs, events[2].text
         finally:
             await ring.stop()
