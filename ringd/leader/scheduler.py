@@ -199,7 +199,7 @@ class Scheduler:
         # are dropped when they reach the top.
         self._queues: tuple[list, list] = ([], [])
         self._decoding: set[int] = set()  # requests past their prompt's chunks, not done
-        self._touched: dict[int, None] = {}  # requests changed since the last _fill looked for Drafts
+        self._touched: dict[int, None] = {}  # speculative requests changed since the last _fill looked for Drafts
         self._joins = itertools.count()
         self.proposed = 0  # a draft's proposals verified around the ring, in all
         self.kept = 0  # of them, those the ring kept
@@ -370,10 +370,11 @@ class Scheduler:
             self._decoding.discard(req.rid)
         else:
             self._decoding.add(req.rid)
-        self._touched[req.rid] = None
+        if req.speculative:
+            self._touched[req.rid] = None
         if done or req.queued_as == (prefilling, req.waited):
             return  # not ready, or queued already as it is
-        if req.queued < len(req.prompt) + len(req.generated) and not req.waits_for_draft(self.num_draft):  # ready()
+        if req.queued < len(req.prompt) + len(req.generated) and not (req.speculative and req.waits_for_draft(self.num_draft)):  # ready()
             req.queued_as = (prefilling, req.waited)
             heapq.heappush(self._queues[prefilling], (req.waited, req.rid))
 
@@ -395,7 +396,7 @@ class Scheduler:
         """Drafts asked for, and micro-batches for every free slot in flight."""
         out = []
         if self.term is not None:
-            # Only a request that changed can newly wait for a draft; asked in the order they joined.
+            # Only a speculative request that changed can newly wait for a draft; asked in the order they joined.
             for req in sorted((self._requests[rid] for rid in self._touched), key=lambda r: r.joined):
                 if not req.drafting and not req.in_flight and not req.done() and req.waits_for_draft(self.num_draft):
                     req.drafting = True
