@@ -413,7 +413,8 @@ class Scheduler:
                 req.queued = row.offset + len(row.tokens)
                 if row.verify:
                     req.draft = None
-                self._touch(req)
+                if not row.sample or row.silent:  # else it waits for its token: not ready, nothing else changed
+                    self._touch(req)
             self._in_flight[batch] = (self.term, not rows[0].sample, rows)
             out.append(Send(batch, self.term, rows))
         return out
