@@ -43,8 +43,8 @@ from aiohttp import web
 from ringd.http import embeddings
 from ringd.http.errors import ApiError
 from ringd.http.fields import KEEP_ALIVE_UNSET, MAX_MODEL_CHARS, keep_alive_field
-from ringd.leader.errors import EngineError
 from ringd.http.framing import Joined
+from ringd.leader.errors import EngineError
 from ringd.http.intake import Intake, request_id
 from ringd.http.proxy import RESUME_FIELD, TOKEN_COMMENT, Proxy, Resume, read_resume
 from ringd.http.serving import Generation, Serving
