@@ -9,6 +9,12 @@ test's own hosts: there is no way out. ``eth0`` has multicast on and a route for
 picks its multicast interface (python-zeroconf's ``InterfaceChoice.All`` sets
 it per socket and needs no route; ``InterfaceChoice.Default`` does).
 
+``NetnsHosts(n, links=["1gbe", "1gbe", "wifi"])`` gives each host a link of that
+profile instead (tests/linkshape.py: latency, jitter, loss and rate, emulated in
+userspace because the kernel has no netem): each host's ``eth0`` is then a TUN device
+whose packets the emulator, a process in the bridge's namespace, delivers as the
+links would.
+
 Needs root and iproute2. ``netns_available()`` says which is missing, for an assertion.
 Everything is torn down on exit, on failure halfway through creation, and at
 interpreter exit if a caller forgot: processes started through ``popen`` (and
@@ -24,13 +30,19 @@ import os
 import shutil
 import signal
 import subprocess
+import select
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+import linkshape
 
 # Every `ip` command is local configuration; one that takes longer is stuck.
 IP_COMMAND_TIMEOUT_S = 10.0
 # How long a process gets to exit after SIGTERM before SIGKILL.
 PROCESS_STOP_TIMEOUT_S = 5.0
+# The emulator creates its TUN devices and says so; a Python start takes well under this.
+EMULATOR_START_TIMEOUT_S = 30.0
 SUBNET = "10.213.{k}.0/24"  # private (RFC 1918), and only ever inside our namespaces
 BRIDGE = "br0"
 HOST_INTERFACE = "eth0"
@@ -64,7 +76,11 @@ class Host:
 class NetnsHosts:
     """``with NetnsHosts(3) as net:`` three hosts on one bridge; see the module docstring."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, links: list | None = None):
+        if links is not None and len(links) != n:
+            raise ValueError(f"{len(links)} link profiles for {n} hosts; give one per host")
+        self.links = None if links is None else [linkshape.profile(x) if isinstance(x, str) else x for x in links]
+        self._emulator: subprocess.Popen | None = None
         if not 1 <= n <= 250:
             raise ValueError(f"{n} hosts; a /24 test subnet holds 1 to 250")
         run = next(_runs)
@@ -105,6 +121,9 @@ class NetnsHosts:
         for proc in self._procs:
             _stop(proc)
         self._procs.clear()
+        if self._emulator is not None:
+            _stop(self._emulator)
+            self._emulator = None
         for ns in reversed(self._created):
             self._end_processes_inside(ns)
             try:
@@ -127,6 +146,9 @@ class NetnsHosts:
         # nothing depends on IGMP timing.
         ip("-n", br, "link", "add", BRIDGE, "type", "bridge", "mcast_snooping", "0")
         ip("-n", br, "link", "set", BRIDGE, "up")
+        if self.links is not None:
+            self._create_shaped()
+            return
         for i, host in enumerate(self.hosts):
             self._add_namespace(host.name)
             port = f"h{i}"
@@ -136,6 +158,28 @@ class NetnsHosts:
             ip("-n", br, "link", "set", port, "master", BRIDGE, "up")
             ip("-n", host.name, "addr", "add", f"{host.ip}/24", "dev", host.interface)
             ip("-n", host.name, "link", "set", host.interface, "multicast", "on", "up")
+            ip("-n", host.name, "route", "add", "224.0.0.0/4", "dev", host.interface)
+
+    def _create_shaped(self) -> None:
+        br = self.bridge_ns
+        names = [f"t{i}" for i in range(len(self.hosts))]
+        prefix = self.hosts[0].ip.rsplit(".", 1)[0]
+        argv = [sys.executable, str(Path(__file__).with_name("linkshape.py")), "--names", ",".join(names),
+                "--links", linkshape.encode(self.links), "--prefix", prefix]
+        self._emulator = subprocess.Popen(
+            ["ip", "netns", "exec", br, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
+        )
+        ready, _, _ = select.select([self._emulator.stdout], [], [], EMULATOR_START_TIMEOUT_S)
+        line = self._emulator.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            raise NetnsError(f"the link emulator did not start within {EMULATOR_START_TIMEOUT_S} s (said {line!r})")
+        for name, host, link in zip(names, self.hosts, self.links):
+            self._add_namespace(host.name)
+            # The emulator holds the TUN's file; the device itself moves to the host.
+            ip("-n", br, "link", "set", name, "netns", host.name)
+            ip("-n", host.name, "link", "set", name, "name", host.interface)
+            ip("-n", host.name, "addr", "add", f"{host.ip}/24", "dev", host.interface)
+            ip("-n", host.name, "link", "set", host.interface, "mtu", str(link.mtu), "multicast", "on", "up")
             ip("-n", host.name, "route", "add", "224.0.0.0/4", "dev", host.interface)
 
     @staticmethod

@@ -1,0 +1,87 @@
+"""The link emulator (tests/linkshape.py): its model, and real TCP through it between namespaces."""
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from linkshape import PROFILES, LinkModel, Profile, profile
+from netns import NetnsHosts, netns_available
+
+profiles = st.sampled_from(sorted(PROFILES.values(), key=lambda p: p.name))
+
+
+@given(a=profiles, b=profiles, sizes=st.lists(st.integers(20, 9000), min_size=1, max_size=50),
+       gaps=st.lists(st.floats(0, 1e-3), min_size=50, max_size=50), seed=st.integers(0, 2**32))
+@settings(max_examples=200, deadline=None)
+def test_a_packet_arrives_no_sooner_than_its_links_allow_and_a_pair_stays_in_order(a, b, sizes, gaps, seed):
+    model = LinkModel([a, b], seed)
+    now, last = 0.0, 0.0
+    for size, gap in zip(sizes, gaps):
+        now += gap
+        at = model.deliver_at(0, 1, size, now)
+        if at is None:
+            assert a.loss or b.loss
+            continue
+        floor = a.latency_s / 2 + b.latency_s / 2 - (a.jitter_s + b.jitter_s) / 2
+        assert at >= now + max(floor, 0.0) + 8 * size / a.rate_bps
+        assert at >= last  # in order
+        last = at
+
+
+def test_back_to_back_packets_leave_at_the_links_rate_and_a_lossy_link_loses_its_share():
+    slow = Profile("slow", 0.0, 0.0, 0.0, 8e6, 1500)  # one byte a microsecond
+    model = LinkModel([slow, slow])
+    ats = [model.deliver_at(0, 1, 1000, 0.0) for _ in range(100)]
+    assert ats[-1] == pytest.approx(100 * 1000e-6 + 1000e-6)  # serialized up, then down
+    lossy = LinkModel([profile("wifi"), profile("1gbe")], seed=7)
+    lost = sum(lossy.deliver_at(0, 1, 100, i * 1e-3) is None for i in range(20000))
+    assert 60 <= lost <= 140  # 0.5% of 20000 is 100
+
+
+def test_unknown_profile_names_the_known_ones():
+    with pytest.raises(ValueError, match="thunderbolt"):
+        profile("carrier pigeon")
+
+
+_ECHO = """
+import socket, sys
+s = socket.create_server((sys.argv[1], 9000))
+print("listening", flush=True)
+c, _ = s.accept()
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while (d := c.recv(1)):
+    c.sendall(d)
+"""
+_PING = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], 9000), timeout=30)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+best = 1.0
+for _ in range(20):
+    t = time.perf_counter(); c.sendall(b"x"); c.recv(1); best = min(best, time.perf_counter() - t)
+print(best)
+"""
+
+
+def test_tcp_between_shaped_hosts_takes_the_links_round_trip():
+    missing = netns_available()
+    assert missing is None, missing
+    with NetnsHosts(3, links=["1gbe", "wifi", "1gbe"]) as net:
+        server = net.popen(1, [sys.executable, "-c", _ECHO, net.hosts[1].ip], stdout=subprocess.PIPE)
+        assert server.stdout.readline().strip() == b"listening"
+        def best_round_trip(i: int) -> float:
+            out = subprocess.run(net.exec_prefix(0) + [sys.executable, "-c", _PING, net.hosts[i].ip],
+                                 capture_output=True, text=True, timeout=60, check=True)
+            return float(out.stdout)
+
+        wifi, wired = profile("wifi"), profile("1gbe")
+        # The best of 20 round trips: two crossings of both links, jitter at its kindest.
+        over_wifi = best_round_trip(1)
+        assert over_wifi >= 2 * (wifi.latency_s / 2 + wired.latency_s / 2 - wifi.jitter_s / 2)
+        # Between the two wired hosts no Wi-Fi is crossed.
+        server2 = net.popen(2, [sys.executable, "-c", _ECHO, net.hosts[2].ip], stdout=subprocess.PIPE)
+        assert server2.stdout.readline().strip() == b"listening"
+        assert best_round_trip(2) < over_wifi
