@@ -69,6 +69,16 @@ def test_forwards_round_trip(fwd):
     assert back.positions == sum(len(r.tokens) for r in fwd.rows)
 
 
+@given(forwards())
+def test_a_forward_handed_over_in_process_is_what_its_bytes_would_parse_to(fwd):
+    """The leader's FORWARD to its own stage 0 skips the parse: the stage gets the same micro-batch,
+    so it computes and passes on the same rows, and the frame's bytes are a link's."""
+    handed = fwd.handed()
+    assert b"".join(bytes(b) for b in encode_frame(handed)) == b"".join(bytes(b) for b in encode_frame(fwd.frame()))
+    assert Forward.parse(handed, VOCAB) is fwd and Forward.parse(through_the_wire(handed), VOCAB) == fwd
+    assert term_of(handed) == fwd.term
+
+
 @given(ids, st.integers(1, 2**40), st.lists(sampled, max_size=12).map(tuple), st.lists(st.tuples(ids, st.text(max_size=60)), max_size=3).map(tuple))
 def test_tokens_round_trip(batch, term, rows_, failed):
     assert Tokens.parse(through_the_wire(Tokens(batch, term, rows_, failed).frame())) == Tokens(batch, term, rows_, failed)

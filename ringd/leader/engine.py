@@ -92,6 +92,7 @@ class TokenEvent:
     cached_tokens: int = 0  # prompt tokens whose caches came from a cached prefix
     resumed: bool = False  # a token an earlier leader streamed (emit_resumed), not a new one
     stop_sequence: str | None = None  # the stop string that ended the request (Anthropic reports it)
+    queued: int = 0  # the ring's answers for the request already waiting behind this one (its consumer lags)
 
 
 @dataclass
@@ -119,6 +120,8 @@ class _Flight:
     outcome: str = "ended by its client"  # unless it finishes or fails
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``released``
     pool: str | None = None  # an embedding: pooled on the last stage (steps.POOLINGS), not sampled
+    waiting_since: float | None = None  # when its consumer began waiting for the ring's answer (loop time)
+    watchdog: asyncio.TimerHandle | None = None  # fails that wait at step_timeout_s (``_overdue``)
 
     def about(self, term: int | None = None, **fields) -> dict:
         """``extra`` for a log line about this request."""
@@ -408,15 +411,40 @@ class Engine:
 
     async def _answer(self, flight: _Flight) -> steps.Sampled | steps.Embedded:
         """The ring's next answer for ``flight``; an EngineError if the ring says it failed or says
-        nothing for ``step_timeout_s``."""
-        try:
-            async with asyncio.timeout(self.step_timeout_s):
-                got = await flight.queue.get()
-        except TimeoutError:
-            raise EngineError(f"the ring did not answer within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)", 503) from None
+        nothing for ``step_timeout_s``.
+
+        The deadline moves with the request rather than being made anew per token: one timer per
+        request (``_overdue``), armed by its first wait, fires at most every ``step_timeout_s`` and
+        re-arms for the wait then under way, so a token costs a clock read, not a timer's set-up
+        and cancel."""
+        queue = flight.queue
+        if queue.empty():
+            loop = asyncio.get_running_loop()
+            flight.waiting_since = loop.time()
+            if flight.watchdog is None:
+                flight.watchdog = loop.call_at(flight.waiting_since + self.step_timeout_s, self._overdue, flight)
+            try:
+                got = await queue.get()
+            finally:
+                flight.waiting_since = None
+        else:  # the answer is here already: no wait, no deadline
+            got = queue.get_nowait()
         if isinstance(got, EngineError):
             raise got
         return got
+
+    def _overdue(self, flight: _Flight) -> None:
+        """``flight``'s timer: fail the wait under way if it began ``step_timeout_s`` ago, else
+        wait for that wait's deadline (none under way: the next wait arms it again)."""
+        flight.watchdog = None
+        since = flight.waiting_since
+        if since is None or flight.finished:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < since + self.step_timeout_s:
+            flight.watchdog = loop.call_at(since + self.step_timeout_s, self._overdue, flight)
+            return
+        flight.queue.put_nowait(EngineError(f"the ring did not answer within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)", 503))
 
     async def _next(self, flight: _Flight, text: _Text, resumed: bool) -> TokenEvent:
         """The request's next token from the ring, as text (``_answer``'s errors)."""
@@ -432,13 +460,17 @@ class Engine:
         flight.produced += 1
         if finish is not None:
             flight.outcome = f"finished ({finish})"
-        return TokenEvent(sampled.token, piece, sampled.logprob, list(sampled.top), finish, flight.cached, stop_sequence=text.matched)
+        return TokenEvent(
+            sampled.token, piece, sampled.logprob, list(sampled.top), finish, flight.cached, stop_sequence=text.matched, queued=flight.queue.qsize()
+        )
 
     def _leave(self, flight: _Flight) -> None:
         """However the request ended: it leaves the schedule, its booking is settled once no row of
         it is in flight, and one line says how it went."""
         rid = flight.rid
         flight.finished = True
+        if flight.watchdog is not None:
+            flight.watchdog.cancel()
         self._run(self.scheduler.leave(rid))
         if self.drafter is not None:
             self.drafter.forget(rid)
@@ -516,8 +548,10 @@ class Engine:
             rows.append(row)
         self.metrics.micro_batch_rows.observe(len(rows))
         self._sent_at[send.batch] = (send.term, time.monotonic())
+        first, forward = self.plan.stages[0].node, steps.Forward(send.batch, send.term, tuple(rows))
         try:
-            self.send(self.plan.stages[0].node, steps.Forward(send.batch, send.term, tuple(rows)).frame())
+            # This node's own stage 0 takes the micro-batch as it is; a peer, as the frame's bytes.
+            self.send(first, forward.handed() if first == self.node else forward.frame())
         except ConnectionError as e:
             # The ring is breaking: the leader re-plans (reconcile.py) and the next ring replays it.
             log.warning("batch=%x: cannot reach the ring's first stage (%s); its rows wait for the next ring", send.batch, e)

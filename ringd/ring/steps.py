@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -329,8 +329,18 @@ class Forward:
         _write_failed(out, self.failed)
         return Frame(MsgType.FORWARD, self.batch, b"".join(out), payload)
 
+    def handed(self) -> "Handed":
+        """The FORWARD frame of a leader's tokens for its own stage 0, in this process: the frame
+        (byte for byte the one a link would carry) with this micro-batch, which ``parse`` then
+        returns as it is rather than reading back the rows this process just wrote."""
+        assert not self.dtype_code, "only the leader's tokens are handed over: hidden states travel as bytes"
+        frame = self.frame()
+        return Handed(frame.type, frame.request_id, frame.descriptor, forward=self)
+
     @classmethod
     def parse(cls, frame: Frame, vocab_size: int) -> "Forward":
+        if isinstance(frame, Handed) and frame.forward is not None:
+            return frame.forward  # built by this process's leader, not read from a peer
         d = frame.descriptor
         if not isinstance(d, (bytes, bytearray)):
             raise FrameError("a FORWARD descriptor must be binary")
@@ -358,6 +368,14 @@ class Forward:
         if not self.dtype_code:
             raise FrameError("FORWARD carries no hidden states")
         return tensor_from_bits(self.dtype_code, (1, self.positions, self.hidden_size), payload)
+
+
+@dataclass(frozen=True)
+class Handed(Frame):
+    """A FORWARD the leader hands its own stage 0 (``Forward.handed``): the frame as a link
+    would carry it, and the micro-batch it was packed from."""
+
+    forward: Forward | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
