@@ -68,6 +68,15 @@ def position_key(seed: int, position: int) -> mx.array:
     return mx.random.key(int.from_bytes(digest, "little") >> 1)
 
 
+def draw(params: SamplingParams, logits: mx.array, seed: int, position: int, filters=None) -> tuple[mx.array, mx.array]:
+    """A sampled request's proposal at ``position`` after the draft's ``logits`` [1, V], lazily:
+    the token [1], and the distribution q [1, V] it is drawn from, through the request's own
+    filters and temperature (float32: what the ring carries, steps.PROBS_DTYPE)."""
+    logits = logits.astype(mx.float32)
+    scaled = sampled_logits(params, logits - mx.logsumexp(logits, axis=-1, keepdims=True), filters)
+    return mx.random.categorical(scaled, key=position_key(seed, position)), mx.softmax(scaled, axis=-1)
+
+
 class Drafter:
     def __init__(self, shard: Shard, compute: ComputeThread, name: str):
         self.shard = shard
@@ -135,11 +144,10 @@ class Drafter:
         # (mlx-lm's _draft_generate hands each to async_eval the same way).
         y, tokens, probs = mx.array([[sequence[-1]]], dtype=mx.int32), [], []
         for i in range(k):
-            logits = self.shard(y, None, cache)[:, -1, :].astype(mx.float32)
+            logits = self.shard(y, None, cache)[:, -1, :]
             if sampled:
-                scaled = sampled_logits(params, logits - mx.logsumexp(logits, axis=-1, keepdims=True), filters)
-                token = mx.random.categorical(scaled, key=position_key(seed, len(sequence) + i))
-                probs.append(mx.softmax(scaled, axis=-1))
+                token, q = draw(params, logits, seed, len(sequence) + i, filters)
+                probs.append(q)
             else:
                 token = mx.argmax(logits, axis=-1)
             tokens.append(token)
