@@ -127,11 +127,11 @@ class Verification:
     tokens: mx.array  # [k + 1]
     logprobs: mx.array  # [k + 1]: each of ``tokens``' log probability (before the filters)
     accepted: mx.array | None  # [k] bool; None: greedy
-    keys: list[mx.array]  # the request's key after each position (sampled)
+    key: mx.array | None = None  # sampled: the request's key after the step's first split
 
     @property
     def arrays(self) -> list[mx.array]:
-        return [self.tokens, self.logprobs] + ([self.accepted, *self.keys] if self.accepted is not None else [])
+        return [self.tokens, self.logprobs] + ([self.accepted] if self.accepted is not None else [])
 
     def result(self, sampler: "RequestSampler") -> tuple[int, Sample]:
         """How many proposals were kept, and the token after them; the sampler's key moves past
@@ -142,8 +142,11 @@ class Verification:
         else:
             agree = self.accepted.tolist()
         kept = agree.index(False) if False in agree else len(self.proposals)
-        if self.accepted is not None:
-            sampler._key = self.keys[kept]
+        if self.key is not None:  # one split per token produced, lazily: the next draw evaluates them
+            key = self.key
+            for _ in range(kept):
+                key, _ = mx.random.split(key)
+            sampler._key = key
         return kept, Sample(tokens[kept], self.logprobs[kept].item(), [])
 
 
@@ -260,26 +263,22 @@ class RequestSampler:
             raise SamplingError("a sampled request's proposals must come with the draft's distribution for each")
         scaled = sampled_logits(self.params, logprobs, self._filters)  # [k + 1, V]
         p = mx.softmax(scaled, axis=-1)
-        # One split of the request's key per position, as plain draws take one per token.
-        keys, uses = [], []
-        key = self._key
-        for _ in range(k + 1):
-            key, use = mx.random.split(key)
-            keys.append(key)
-            uses.append(use)
-        x = mx.array(proposals, dtype=mx.int32)
-        passes, drawn = [], []
-        for j in range(k):
-            test, redraw = mx.random.split(uses[j])
-            passes.append(mx.random.uniform(shape=(), key=test) < acceptance(p[j, x[j]], draft_probs[j, x[j]]))
-            rest = residual(p[j], draft_probs[j])
-            # p and q equal to rounding leave no residual: then p itself (rejection was a rounding's chance).
-            rest = mx.where(rest.sum() > 0, rest, p[j])
-            drawn.append(mx.random.categorical(mx.log(rest), key=redraw))
-        drawn.append(mx.random.categorical(scaled[k], key=uses[k]))  # every proposal kept: one more from p
-        tokens = mx.stack(drawn)
+        # The step's randomness comes from the key's next split, as a plain draw's; the key then
+        # moves one split per token produced (``Verification.result``), as plain draws move it.
+        key, use = mx.random.split(self._key)
+        test, redraw, last = mx.random.split(use, 3)
+        x = mx.array(proposals, dtype=mx.int32)[:, None]
+        p_x = mx.take_along_axis(p[:k], x, axis=-1)[:, 0]
+        q_x = mx.take_along_axis(draft_probs, x, axis=-1)[:, 0]
+        accepted = mx.random.uniform(shape=(k,), key=test) < acceptance(p_x, q_x)
+        rest = residual(p[:k], draft_probs)
+        # p and q equal to rounding leave no residual: then p itself (rejection was a rounding's chance).
+        rest = mx.where(rest.sum(axis=-1, keepdims=True) > 0, rest, p[:k])
+        redrawn = mx.random.categorical(mx.log(rest), key=redraw)  # [k]: after a rejection at each position
+        after = mx.random.categorical(scaled[k:], key=last)  # [1]: every proposal kept, one more from p
+        tokens = mx.concatenate([redrawn, after])
         lp = mx.take_along_axis(logprobs, tokens[:, None].astype(mx.int32), axis=-1)[:, 0].astype(mx.float32)
-        return Verification(proposals, tokens, lp, mx.stack(passes), keys)
+        return Verification(proposals, tokens, lp, accepted, key)
 
     def _mask(self, logits: mx.array) -> mx.array:
         from ringd.stage.grammar import GrammarError
