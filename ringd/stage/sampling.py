@@ -258,7 +258,7 @@ class RequestSampler:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.params.temperature == 0:
             tokens = mx.argmax(logprobs, axis=-1)
-            return Verification(proposals, tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0].astype(mx.float32), None, [])
+            return Verification(proposals, tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0].astype(mx.float32), None)
         if draft_probs is None or draft_probs.shape != (k, logits.shape[-1]):
             raise SamplingError("a sampled request's proposals must come with the draft's distribution for each")
         scaled = sampled_logits(self.params, logprobs, self._filters)  # [k + 1, V]
