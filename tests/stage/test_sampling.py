@@ -339,3 +339,28 @@ def test_a_seeded_request_speculates_the_same_tokens_every_time(speculating_pair
     position's, the last stage's its seed's."""
     target, draft = speculating_pair
     assert speculated(target, draft, 40) == speculated(target, draft, 40)
+
+
+def test_a_verify_step_moves_the_key_as_many_plain_draws_as_tokens_it_gives(speculating_pair):
+    """A failover replays a speculating request's tokens one silent draw each: its key must then
+    be where the verify steps left it, so the stream carries on as it would have."""
+    from ringd.stage.sampling import sampled_logits
+
+    target, _ = speculating_pair
+    params = SamplingParams(**SPECULATIVE_PARAMS, seed=5)
+    first = int(mx.argmax(target((FIRST_TOKEN,))).item())
+    second = int(mx.argmax(target((FIRST_TOKEN, first))).item())
+    logits = mx.concatenate([target((FIRST_TOKEN,)), target((FIRST_TOKEN, first)), target((FIRST_TOKEN, first, second))])
+    p = mx.softmax(sampled_logits(params, logits - mx.logsumexp(logits, axis=-1, keepdims=True)), axis=-1)
+    outside = int(mx.argmin(p[0]).item())  # a token the target never draws there
+    kepts = []
+    for proposals, q in (((first, second), p[:2]), ((outside, second), mx.eye(p.shape[-1])[mx.array([outside, second])])):  # kept; not
+        speculating, replaying = RequestSampler(params), RequestSampler(params)
+        verification = speculating.verify(logits, proposals, q)
+        mx.eval(verification.arrays)
+        kept, _ = verification.result(speculating)
+        kepts.append(kept)
+        for _ in range(kept + 1):
+            replaying.draw(logits[:1])
+        assert mx.array_equal(speculating._key, replaying._key), kept
+    assert kepts == [2, 0], kepts
