@@ -140,8 +140,9 @@ class Drafter:
             self.shard(mx.array([rest[i : i + CATCH_UP_CHUNK]], dtype=mx.int32), None, cache)
             mx.eval([c.state for c in cache])
         filters = sampling_filters(params) if sampled else []
-        # Each step's token feeds the next without being read: one evaluation for the k of them
-        # (mlx-lm's _draft_generate hands each to async_eval the same way).
+        # Each step's token feeds the next without being read: one evaluation for the k of them.
+        # (mlx-lm's _draft_generate also hands each to async_eval; on MLX's CPU backend that
+        # is a thread handoff per step, and the proposals are read only together anyway.)
         y, tokens, probs = mx.array([[sequence[-1]]], dtype=mx.int32), [], []
         for i in range(k):
             logits = self.shard(y, None, cache)[:, -1, :]
@@ -152,7 +153,6 @@ class Drafter:
                 token = mx.argmax(logits, axis=-1)
             tokens.append(token)
             y = token[:, None].astype(mx.int32)
-            mx.async_eval(y)
         mx.eval(tokens, probs)
         proposals = tuple(int(t.item()) for t in tokens)
         held = list(sequence) + list(proposals[:-1]) if k > 0 else list(sequence[:-1])
