@@ -54,7 +54,7 @@ from mlx_lm.generate import TextStateMachine
 from ringd.ring import steps
 from ringd.ring.plan import Plan
 from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S, Admission, KvLedger
-from ringd.leader.draft import Drafter
+from ringd.leader.draft import Drafter, Proposal
 from ringd.leader.errors import RETRY_AFTER_S, EngineError
 from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES, MIN_REUSE_TOKENS, PrefixIndex, common_prefix
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, Deliver, Draft, Fail, Release, Scheduler, Send
@@ -219,6 +219,8 @@ class Engine:
         # Speculative decoding (draft.py): the draft model's proposals, asked for off the loop.
         self.drafter = drafter
         self._drafting: set[asyncio.Task] = set()
+        # A sampled request's latest proposals with their distributions, until its verify row goes.
+        self._proposals: dict[int, Proposal] = {}
         # Clear between a lost ring and the next (or the news that none can serve): requests
         # that arrive then wait for it (``ring_back``), as the requests it held do.
         self._settled = asyncio.Event()
@@ -474,6 +476,7 @@ class Engine:
         self._run(self.scheduler.leave(rid))
         if self.drafter is not None:
             self.drafter.forget(rid)
+            self._proposals.pop(rid, None)
         if rid not in self.scheduler:  # else its RELEASE follows its last row, and settles it
             if flight.released:
                 self._flights.pop(rid, None)
@@ -491,9 +494,9 @@ class Engine:
 
     def _speculates(self, params: SamplingParams, positions: int) -> bool:
         """Whether a request's decode steps verify the draft's proposals: a draft model is loaded,
-        the request is greedy with nothing that follows its tokens (``SamplingParams.verifiable``)
-        and asks no logprobs (the ring sends none for proposals it keeps), and every stage can cut
-        a rejected proposal from its caches for as long as the request runs."""
+        the request has nothing that follows its tokens (``SamplingParams.verifiable``; greedy or
+        sampled) and asks no logprobs (the ring sends none for proposals it keeps), and every stage
+        can cut a rejected proposal from its caches for as long as the request runs."""
         if self.drafter is None or not params.verifiable or params.logprobs:
             return False
         limits = [n for n in (self.prefix_limit, self.kv.max_size if self.kv is not None else None) if n is not None]
@@ -502,13 +505,18 @@ class Engine:
     def _draft(self, ask: Draft) -> None:
         """Ask the draft model for proposals; the scheduler hears the answer (none if it fails)."""
 
+        flight = self._flights.get(ask.rid)
+        params = flight.params if flight is not None else None
+
         async def propose() -> None:
             try:
-                tokens = await self.drafter.propose(ask.rid, ask.sequence, ask.k)
+                proposal = await self.drafter.propose(ask.rid, ask.sequence, ask.k, params)
             except Exception:  # the step goes without proposals; the request carries on
                 log.exception("req=%x: the draft model failed; this step goes without proposals", ask.rid)
-                tokens = ()
-            self._run(self.scheduler.drafted(ask.rid, len(ask.sequence), tokens))
+                proposal = Proposal(())
+            if proposal.probs is not None:
+                self._proposals[ask.rid] = proposal
+            self._run(self.scheduler.drafted(ask.rid, len(ask.sequence), proposal.tokens))
 
         task = asyncio.ensure_future(propose())
         self._drafting.add(task)
@@ -538,20 +546,30 @@ class Engine:
 
     def _send_batch(self, send: Send) -> None:
         """A micro-batch to the ring's first stage; a request's first row there opens it."""
-        rows = []
+        rows, probs = [], []
         for row in send.rows:
             flight = self._flights[row.rid]
             if flight.opened != send.term:  # its first row on this ring opens it on every stage
                 flight.opened = send.term
                 row = replace(row, open=steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id, flight.pool))
                 flight.reuse = None  # a replay on another ring starts cold
+            if row.verify and flight.params.temperature > 0:
+                # Speculative sampling: the last stage tests each proposal against the draft's q.
+                proposal = self._proposals.pop(row.rid, None)
+                k = len(row.tokens) - 1
+                if proposal is None or proposal.tokens[:k] != row.tokens[1:]:
+                    raise AssertionError(f"req={row.rid:x}: a sampled verify row without the draft's distributions for its proposals")
+                row = replace(row, probs=True)
+                probs.append(np.ascontiguousarray(proposal.probs[:k], dtype="<f4"))
             rows.append(row)
         self.metrics.micro_batch_rows.observe(len(rows))
         self._sent_at[send.batch] = (send.term, time.monotonic())
         first, forward = self.plan.stages[0].node, steps.Forward(send.batch, send.term, tuple(rows))
         try:
             # This node's own stage 0 takes the micro-batch as it is; a peer, as the frame's bytes.
-            self.send(first, forward.handed() if first == self.node else forward.frame())
+            # The payload: the drafts' distributions of sampled verify rows.
+            payload = b"".join(p.data for p in probs)
+            self.send(first, forward.handed(payload) if first == self.node else forward.frame(payload=payload))
         except ConnectionError as e:
             # The ring is breaking: the leader re-plans (reconcile.py) and the next ring replays it.
             log.warning("batch=%x: cannot reach the ring's first stage (%s); its rows wait for the next ring", send.batch, e)

@@ -244,7 +244,7 @@ def test_a_request_failing_on_a_stage_fails_alone(tiny_model):
 def test_speculative_decoding_through_real_stages_gives_the_plain_greedy_tokens(tiny_model):
     """A draft that always agrees (the model itself) and one that rarely does (another random
     model with the same vocabulary): greedy requests at once get the tokens the same engine gives
-    without a draft; a sampled request beside them does not speculate; nothing is left behind."""
+    without a draft; a sampled request beside them speculates too (speculative sampling); nothing is left behind."""
     from ringd.leader.draft import Drafter
 
     path = tiny_model(arch="llama", layers=4, dtype="float32")
@@ -303,7 +303,7 @@ async def _drain(stream) -> None:
 
 
 def test_only_requests_whose_caches_can_be_cut_back_speculate(tiny_model):
-    """Greedy requests without logprobs, penalties or a grammar, on caches that can drop a rejected
+    """Greedy and sampled requests without logprobs, penalties or a grammar, on caches that can drop a rejected
     proposal for the request's whole length (a sliding window cannot once it wraps; linear
     attention never)."""
     from ringd.ring.steps import KvOptions
@@ -312,7 +312,7 @@ def test_only_requests_whose_caches_can_be_cut_back_speculate(tiny_model):
     engine = Engine("node0", tokenizer, None, drafter=object())
     greedy = SamplingParams(temperature=0)
     assert engine._speculates(greedy, 10_000)
-    assert not engine._speculates(SamplingParams(temperature=0.5), 10)
+    assert engine._speculates(SamplingParams(temperature=0.5, top_k=5), 10)  # speculative sampling
     assert not engine._speculates(SamplingParams(temperature=0, logprobs=True), 10)
     assert not engine._speculates(SamplingParams(temperature=0, repetition_penalty=1.1), 10)
     engine.prefix_limit = 0  # linear-attention state
