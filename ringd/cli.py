@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     local.add_argument("--host", default="127.0.0.1", help="the API's address; default 127.0.0.1")
     local.add_argument("--split", help="layers per node, e.g. 10,9,9 (default: even, low stages take the extra)")
     local.add_argument("--model-id", help="model name the API serves")
-    local.add_argument("--draft-model", help="a small model with the same tokenizer, for speculative decoding of greedy requests")
+    local.add_argument("--draft-model", help="a small model with the same tokenizer, for speculative decoding")
     local.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     local.add_argument("--tls", default="off", choices=["off", "auto"], help="auto: https, with certificates from the run's cluster CA (its file is printed)")
     local.add_argument("--replicas", type=int, default=1, help="instances of the model, each a ring over its share of the nodes (e.g. 4 nodes, 2 replicas: two rings of two)")

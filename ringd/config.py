@@ -254,7 +254,7 @@ KEYS: list[Key] = [
     Key("model", _optional(_str), None, "mlx-lm model directory, Hugging Face repo id, .gguf file, OWNER/REPO:QUANT (a Hub GGUF repository's quant, e.g. Q4_K_M; also hf.co/OWNER/REPO) or ollama:NAME[:TAG]"),
     Key("model_from_peers", _bool, False, "with no model of its own (or before the Hub), fetch the layers this node runs from peers that hold the model: config, tokenizer and its stages' tensors only, checked chunk by chunk"),
     Key("models_dir", _optional(_str), None, f"a folder of models (GGUF files, mlx-lm directories, a few folders deep) that the model list shows besides the Ollama store and the Hugging Face cache, and where a model fetched from peers is kept (default: {DEFAULT_MODELS_DIR} in ringd's cache)"),
-    Key("draft_model", _optional(_str), None, "a small model sharing the served model's tokenizer, run whole on the leader for speculative decoding of greedy requests (directory, repo id or .gguf)"),
+    Key("draft_model", _optional(_str), None, "a small model sharing the served model's tokenizer, run whole on the leader for speculative decoding (directory, repo id or .gguf)"),
     Key("num_draft_tokens", _int_between(1, MAX_NUM_DRAFT), DEFAULT_NUM_DRAFT, f"tokens the draft model proposes per step (1 to {MAX_NUM_DRAFT})", int),
     Key("model_id", _optional(_str), None, "model name the API serves (default: the model's directory or repo name)"),
     Key("host", _host, "0.0.0.0", "address the ring port listens on"),

@@ -83,9 +83,10 @@ class StageRing:
         engine.set_plan(self.plan, ledger)
         return engine
 
-    def forward(self, rows: list[Row]) -> int:
+    def forward(self, rows: list[Row], payload: bytes = b"") -> int:
+        """``payload``: what the leader's FORWARD carries (the draft's distributions of ``probs`` rows)."""
         batch = next(self._batches)
-        self.send(self.first, Forward(batch, TERM, tuple(rows)).frame())
+        self.send(self.first, Forward(batch, TERM, tuple(rows)).frame(payload=payload))
         return batch
 
     async def answer(self) -> Tokens | Failure:

@@ -69,6 +69,16 @@ def test_forwards_round_trip(fwd):
     assert back.positions == sum(len(r.tokens) for r in fwd.rows)
 
 
+@given(forwards())
+def test_a_forward_handed_over_in_process_is_what_its_bytes_would_parse_to(fwd):
+    """The leader's FORWARD to its own stage 0 skips the parse: the stage gets the same micro-batch,
+    so it computes and passes on the same rows, and the frame's bytes are a link's."""
+    handed = fwd.handed()
+    assert b"".join(bytes(b) for b in encode_frame(handed)) == b"".join(bytes(b) for b in encode_frame(fwd.frame()))
+    assert Forward.parse(handed, VOCAB) is fwd and Forward.parse(through_the_wire(handed), VOCAB) == fwd
+    assert term_of(handed) == fwd.term
+
+
 @given(ids, st.integers(1, 2**40), st.lists(sampled, max_size=12).map(tuple), st.lists(st.tuples(ids, st.text(max_size=60)), max_size=3).map(tuple))
 def test_tokens_round_trip(batch, term, rows_, failed):
     assert Tokens.parse(through_the_wire(Tokens(batch, term, rows_, failed).frame())) == Tokens(batch, term, rows_, failed)
@@ -93,8 +103,8 @@ def test_hidden_states_round_trip_and_must_fit_the_rows():
     assert back.dtype_code == DTYPE_CODES[mx.bfloat16] and back.hidden_size == 16
     assert mx.array_equal(back.hidden(through_the_wire(Forward(3, 2, rows).frame(h, tensor_to_buffer(h))).payload), h)
     short = Forward(3, 2, rows[:1]).frame(h, tensor_to_buffer(h))  # 3 positions, 4 sent
-    with pytest.raises(FrameError, match="needs 96 bytes but the payload has 128"):
-        Forward.parse(short, VOCAB).hidden(short.payload)
+    with pytest.raises(FrameError, match=r"hidden states \[1, 3, 16\] \(96 bytes\).*not 128 bytes"):
+        Forward.parse(short, VOCAB)
 
 
 def test_term_of_reads_every_ring_message():
@@ -252,3 +262,29 @@ def test_an_embeddings_open_names_a_known_pooling_and_no_cached_prefix():
         Open.from_wire({"params": {}, "pool": "max"}, 0)
     with pytest.raises(FrameError, match="cannot start from a cached prefix"):
         Open.from_wire({"params": {}, "pool": "mean", "reuse": [9, 4]}, 4)
+
+
+def test_draft_distributions_ride_after_the_hidden_states_and_must_fit_their_rows():
+    """A sampled request's verify row (PROBS) carries q, [proposals, V] float32, after the hidden states."""
+    from ringd.ring.steps import draft_distribution
+
+    vocab = 8
+    rows = (Row(1, 4, (5, 6, 7), True, verify=True, probs=True), Row(2, 9, (3,), True), Row(3, 2, (1, 2), True, verify=True, probs=True))
+    h = mx.random.normal((1, 6, 16)).astype(mx.bfloat16)
+    q = np.random.default_rng(0).dirichlet(np.ones(vocab), size=3).astype("<f4")  # 2 proposals of row 1, 1 of row 3
+    fwd = Forward(3, 2, rows)
+    frame = through_the_wire(fwd.frame(h, bytes(tensor_to_buffer(h)) + q.tobytes()))
+    back = Forward.parse(frame, vocab)
+    assert back.rows == rows and back.drafted == 3
+    assert mx.array_equal(back.hidden(frame.payload), h)
+    drafts = back.draft_probs(frame.payload, vocab)
+    assert np.array_equal(np.array(draft_distribution(drafts[1], 2, vocab)), q[:2])
+    assert np.array_equal(np.array(draft_distribution(drafts[3], 1, vocab)), q[2:])
+    # From the leader (no hidden states), the payload is the distributions alone.
+    assert Forward.parse(through_the_wire(fwd.frame(payload=q.tobytes())), vocab).drafted == 3
+    with pytest.raises(FrameError, match="3 draft distributions of 8 float32"):
+        Forward.parse(through_the_wire(fwd.frame(payload=q[:2].tobytes())), vocab)
+    with pytest.raises(FrameError, match="hidden states"):
+        Forward.parse(through_the_wire(fwd.frame(h, bytes(tensor_to_buffer(h)) + q[:2].tobytes())), vocab)
+    with pytest.raises(FrameError, match="finite and not negative"):
+        draft_distribution((-q[:1]).tobytes(), 1, vocab)

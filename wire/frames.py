@@ -34,7 +34,8 @@ MAGIC = b"RNGD"
 # 2: HELLO without node info, INFO after the proofs, every later frame sealed.
 # 3: FORWARD and TOKEN descriptors in a fixed binary layout (RAW_TYPES).
 # 4: TOKEN carries pooled hidden states (embeddings) beside sampled tokens.
-PROTOCOL_VERSION = 4
+# 5: the integrity MAC is keyed BLAKE3, not HMAC-SHA256 (wire.seal).
+PROTOCOL_VERSION = 5
 
 HEADER = struct.Struct("<4sBBHQII")
 HEADER_BYTES = HEADER.size

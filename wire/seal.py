@@ -15,7 +15,7 @@ the wrong number and fails.
 
 Two modes, chosen in the handshake:
 
-    integrity (default)  header | descriptor | payload | HMAC-SHA256(key,
+    integrity (default)  header | descriptor | payload | keyed BLAKE3(key,
                          seq || header || descriptor || payload), 32 bytes.
                          Nothing is copied: the MAC is fed the caller's buffers.
     encryption           header | AES-256-GCM(descriptor || payload) | tag,
@@ -23,6 +23,12 @@ Two modes, chosen in the handshake:
                          Costs one copy each way: the descriptor and payload are
                          joined before encryption, and the receiver decrypts
                          into a new buffer.
+
+The MAC is keyed BLAKE3 (a MAC by design, as HMAC-SHA256 is; protocol 4 used
+HMAC-SHA256): several times faster per byte on the same core (SIMD across its
+chunks; SHA-256 is one serial chain even with SHA-NI), which a prefill chunk of
+megabytes pays on both ends of every hop, and cheaper to start per frame (no
+HMAC pads to copy). The key is 32 bytes from the same HKDF as before.
 
 In both modes the header travels in the clear, because the receiver needs its
 lengths to find the frame's end; it is covered by the MAC or the tag, so a
@@ -34,6 +40,7 @@ import hmac
 import struct
 from dataclasses import dataclass
 
+from blake3 import blake3
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -41,10 +48,11 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from wire.frames import FrameError, IntegrityError
 
-# Versioned so that keys of a later protocol never equal this one's.
-SESSION_LABEL = b"ringd-session-v2|"
-KEY_BYTES = 32  # HMAC-SHA256 key, or AES-256 key
-MAC_BYTES = 32  # the full HMAC-SHA256 output; truncating buys nothing at these frame sizes
+# Versioned so that keys of a later protocol never equal this one's (v3: the MAC is keyed
+# BLAKE3, protocol 5; v2 keyed HMAC-SHA256).
+SESSION_LABEL = b"ringd-session-v3|"
+KEY_BYTES = 32  # BLAKE3's key size (keyed mode takes exactly 32 bytes), or AES-256 key
+MAC_BYTES = 32  # BLAKE3's default output; truncating buys nothing at these frame sizes
 TAG_BYTES = 16  # AES-GCM's full tag
 NONCE_BYTES = 12  # AES-GCM's native nonce size: no extra hashing of the nonce
 # Sequence numbers are u64. At a million frames a second that is 584,000
@@ -83,15 +91,12 @@ class MacSealer(_Sequence):
 
     def __init__(self, key: bytes):
         super().__init__()
-        # Copying a keyed HMAC skips rehashing the key's pads for every frame.
-        self._keyed = hmac.new(key, digestmod=hashlib.sha256)
+        self._key = key
 
     def seal(self, header: bytes, descriptor: bytes, payload: memoryview) -> list:
         """The buffers to write: header+descriptor, the payload as given, the MAC."""
-        mac = self._keyed.copy()
-        mac.update(_SEQ.pack(self.take()))
         head = header + descriptor
-        mac.update(head)
+        mac = blake3(_SEQ.pack(self.take()) + head, key=self._key)
         if not payload.nbytes:
             return [head + mac.digest()]
         mac.update(payload)  # a memoryview: hashed where it lies, not copied
@@ -122,13 +127,12 @@ class MacOpener(_Sequence):
 
     def __init__(self, key: bytes):
         super().__init__()
-        self._keyed = hmac.new(key, digestmod=hashlib.sha256)
+        self._key = key
         self._mac = None
 
     def begin(self, head: memoryview):
         """Start a frame: `head` is its header and descriptor."""
-        self._mac = self._keyed.copy()
-        self._mac.update(_SEQ.pack(self.current()))
+        self._mac = blake3(_SEQ.pack(self.current()), key=self._key)
         self._mac.update(head)
 
     def update(self, chunk: memoryview):
@@ -179,7 +183,7 @@ class Session:
 def derive_session(secret: bytes, transcript: bytes, *, initiator: bool, encrypt: bool) -> Session:
     """The session keys of one connection, from the secret and its handshake transcript."""
     salt = hashlib.sha256(transcript).digest()
-    mode = b"aes-256-gcm|" if encrypt else b"hmac-sha256|"
+    mode = b"aes-256-gcm|" if encrypt else b"blake3-keyed|"
 
     def key(direction: bytes) -> bytes:
         hkdf = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=salt,

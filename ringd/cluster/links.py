@@ -136,6 +136,8 @@ class Links:
         # Members' addresses: a flood of strangers on our port never keeps their dials out.
         self._configured_hosts: set[str] = set()
         self._linked_hosts: dict[str, None] = {}  # oldest link first, at most MAX_KNOWN_HOSTS
+        # Dial loops that wait because the node at their address is linked already (it dialed us).
+        self.waiting_on: dict[tuple[str, int], str] = {}
         # Peers that left (said LEAVE): not dialed back, until one links again.
         self._departed: set[str] = set()
         # Rounds of the heartbeat loop so far: each PINGs every peer and declares dead those silent
@@ -275,6 +277,15 @@ class Links:
         backoff = DIAL_BACKOFF_INITIAL_S
         failed_handshakes, linked_at = 0, time.monotonic()
         while not self._closing:
+            # The node at this address dialed us while we waited to dial again (it started
+            # later and our first dial found no listener): a second link would only lose or win
+            # a tie, and a won tie swaps the link a loaded ring runs on, which breaks the ring.
+            if (other := self._linked_to(host, port)) is not None:
+                self.waiting_on[(host, port)] = other.node
+                await other.gone.wait()
+                self.waiting_on.pop((host, port), None)
+                linked_at = time.monotonic()
+                continue
             if not persistent and time.monotonic() - linked_at > LEARNED_DIAL_GIVE_UP_S:
                 log.info("giving up dialing %s:%d: no link for %.0f s", host, port, LEARNED_DIAL_GIVE_UP_S)
                 return
@@ -304,6 +315,17 @@ class Links:
                 await other.gone.wait()
             linked_at = time.monotonic()
             await asyncio.sleep(backoff)
+
+    def _linked_to(self, host: str, port: int) -> Peer | None:
+        """The live peer that listens at host:port (by the address its handshake gave), if any."""
+        for peer in self.peers.values():
+            try:
+                addr = parse_hostport(peer.info.get("addr"))
+            except ValueError:
+                continue
+            if not peer.stream.closed and addr[1] == port and canonical_host(addr[0]) == canonical_host(host):
+                return peer
+        return None
 
     def _prefer(self, new_outbound: bool, peer_id: str) -> bool:
         # Both ends keep the connection dialed by the smaller node id.

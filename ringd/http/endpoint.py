@@ -43,6 +43,7 @@ from aiohttp import web
 from ringd.http import embeddings
 from ringd.http.errors import ApiError
 from ringd.http.fields import KEEP_ALIVE_UNSET, MAX_MODEL_CHARS, keep_alive_field
+from ringd.http.framing import Joined
 from ringd.leader.errors import EngineError
 from ringd.http.intake import Intake, request_id
 from ringd.http.proxy import RESUME_FIELD, TOKEN_COMMENT, Proxy, Resume, read_resume
@@ -239,13 +240,17 @@ class Endpoint:
         await resp.prepare(request)
         resumed = len(resume.tokens) if resume is not None else 0
 
-        async def send(batch: list[dict], token: int | None = None) -> None:
+        joined = Joined()
+
+        async def send(batch: list[dict], token: int | None = None, more: bool = False) -> None:
             data = b"".join(framing.frame(ev) for ev in batch)
             if token_ids and token is not None:
                 # For the follower that proxies this stream: the token's id, so it can
                 # carry the stream over to another leader (proxy.py strips the line). A
                 # token with no events of its own still has its id, as an event by itself.
                 data = TOKEN_COMMENT + str(token).encode() + b"\n" + (data or b"\n")
+            # A client that lags has the next token's events waiting: one write for both.
+            data = joined.add(data, more)
             if data:
                 await resp.write(data)
 
@@ -253,7 +258,7 @@ class Endpoint:
             await send(answer.start(gen, resume))
             out = first
             while out is not None:
-                await send(answer.feed(out), out.token)
+                await send(answer.feed(out), out.token, gen.backlog > 0)
                 out = await anext(events, None)
             await send(answer.end(gen))
         except ApiError as e:

@@ -10,6 +10,10 @@ Each API streams in its own framing, and picks it here; the endpoint driver
   event's ``type``) before each ``data:`` line;
 - Ollama: one JSON object a line (NDJSON), non-ASCII as it is, as Ollama writes it.
 
+A client that lags has the ring's next answers waiting when a token's events are
+framed: ``Joined`` holds them to go out in one write with the next token's (the
+same bytes, fewer writes) instead of one write per token.
+
 Pure: dicts in, bytes out.
 """
 
@@ -33,6 +37,33 @@ def sse(event: dict) -> bytes:
 def ndjson(obj: dict) -> bytes:
     """One line of NDJSON."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+# The most a stream holds back to join with the next token's events: aiohttp's writer drains
+# past 64 KiB (http_writer.LIMIT), so a larger write would only wait for the client longer.
+MERGED_WRITE_BYTES = 64 * 1024
+
+
+class Joined:
+    """A stream's framed events on their way to the client: held while the next token's events
+    follow without waiting (its client lags, so the ring's answers queue up), up to ``limit``
+    bytes, and written together; else written at once, as they come."""
+
+    def __init__(self, limit: int = MERGED_WRITE_BYTES):
+        self.limit = limit
+        self._held: list[bytes] = []
+        self._size = 0
+
+    def add(self, data: bytes, more: bool = False) -> bytes:
+        """What to write now after ``data`` (b"": nothing yet); ``more``: the next events are here already."""
+        if data:
+            self._held.append(data)
+            self._size += len(data)
+        if more and self._size < self.limit or not self._held:
+            return b""
+        out = self._held[0] if len(self._held) == 1 else b"".join(self._held)
+        self._held, self._size = [], 0
+        return out
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,9 @@ class Generation:
         self.received_ns = self.opened_ns if received_ns is None else received_ns
         self.first_ns: int | None = None
         self.ended_ns: int | None = None
+        # Answers the ring has sent that wait behind the output just yielded: the next output
+        # comes without waiting, so a stream may write both at once (endpoint.py).
+        self.backlog = 0
         self._events = events
         self._reader = Reader(rendered.read)
         self._tokenizer = tokenizer
@@ -87,6 +90,7 @@ class Generation:
                     finish = "tool_calls"  # a call came again: what it would go on writing is not wanted
                 elif finish in ("stop", "length") and self._reader.calls:
                     finish = "tool_calls"  # max_tokens cut a list of calls: the complete ones are the answer
+                self.backlog = ev.queued
                 yield Output(ev.token, ev.logprob, ev.top_logprobs, text, reasoning, pieces, finish, ev.cached_tokens, ev.stop_sequence)
                 if finish is not None and ev.finish_reason is None:
                     break  # ended here, not by the engine: the consumer's aclose() releases it on every stage

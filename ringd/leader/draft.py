@@ -2,10 +2,17 @@
 
 Speculative decoding as mlx-lm's ``speculative_generate_step`` does it, on a
 ring: a small model that shares the big one's vocabulary runs whole on the
-leader and proposes the next few tokens greedily; one trip around the ring
-computes every proposal's position at once, and the last stage keeps those
-that agree with what the big model samples (``stage/runner.py``). A ring pays one
-traversal per step, so each proposal kept saves a whole trip.
+leader and proposes the next few tokens; one trip around the ring computes
+every proposal's position at once, and the last stage keeps those it accepts
+(``stage/sampling.py``). A ring pays one traversal per step, so each proposal
+kept saves a whole trip.
+
+For a greedy request the draft proposes its own greedy tokens. For a sampled
+one it samples them, through the request's own filters and temperature, and
+hands back the distribution q each was drawn from: the last stage's test
+min(1, p/q) needs it. Its random key for a position comes from the request's
+seed and that position alone, so a seeded request proposes the same tokens
+however often it is asked (a replay, an answer that came too late).
 
 The draft keeps its own KV cache per request: for each ask it trims the cache
 to what it shares with the request's sequence (proposals that were not kept
@@ -15,9 +22,14 @@ MLX work runs on the node's compute thread, as every other.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
@@ -25,7 +37,9 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from ringd.models.checkpoint import ModelInfo
 from ringd.models.errors import ModelError
 from ringd.models.source import model_info
+from ringd.ring.sampling import SamplingParams
 from ringd.stage.compute import ComputeThread
+from ringd.stage.sampling import sampling_filters, sampled_logits
 from ringd.stage.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -38,12 +52,37 @@ CATCH_UP_CHUNK = 512
 MAX_DRAFT_SESSIONS = 256
 
 
+@dataclass(frozen=True)
+class Proposal:
+    """A draft's tokens and, for a sampled request, the distribution each was drawn from
+    (``probs``: [len(tokens), V] float32, as the ring carries it: steps.PROBS_DTYPE)."""
+
+    tokens: tuple[int, ...]
+    probs: np.ndarray | None = None
+
+
+def position_key(seed: int, position: int) -> mx.array:
+    """The draft's random key for the proposal at ``position`` of a request seeded ``seed``: a
+    function of the two alone, and apart from the last stage's key (stage/sampling.py)."""
+    digest = hashlib.blake2b(f"ringd draft {seed} {position}".encode(), digest_size=8).digest()
+    return mx.random.key(int.from_bytes(digest, "little") >> 1)
+
+
+def draw(params: SamplingParams, logits: mx.array, seed: int, position: int, filters=None) -> tuple[mx.array, mx.array]:
+    """A sampled request's proposal at ``position`` after the draft's ``logits`` [1, V], lazily:
+    the token [1], and the distribution q [1, V] it is drawn from, through the request's own
+    filters and temperature (float32: what the ring carries, steps.PROBS_DTYPE)."""
+    logits = logits.astype(mx.float32)
+    scaled = sampled_logits(params, logits - mx.logsumexp(logits, axis=-1, keepdims=True), filters)
+    return mx.random.categorical(scaled, key=position_key(seed, position)), mx.softmax(scaled, axis=-1)
+
+
 class Drafter:
     def __init__(self, shard: Shard, compute: ComputeThread, name: str):
         self.shard = shard
         self.compute = compute
         self.name = name
-        self._states: OrderedDict[int, tuple[list[Any], list[int]]] = OrderedDict()  # rid -> (cache, tokens it holds)
+        self._states: OrderedDict[int, tuple[list[Any], list[int], int]] = OrderedDict()  # rid -> (cache, tokens it holds, seed)
 
     @classmethod
     async def load(cls, path_or_repo: str, compute: ComputeThread, target: ModelInfo) -> "Drafter":
@@ -70,9 +109,10 @@ class Drafter:
         log.info("draft model %s loaded: the leader proposes tokens for speculative decoding", drafter.name)
         return drafter
 
-    async def propose(self, rid: int, sequence: tuple[int, ...], k: int) -> tuple[int, ...]:
-        """Up to ``k`` tokens the draft expects after ``sequence`` (request ``rid``'s prompt and tokens)."""
-        return await self.compute.run(self._propose, rid, sequence, k)
+    async def propose(self, rid: int, sequence: tuple[int, ...], k: int, params: SamplingParams | None = None) -> Proposal:
+        """Up to ``k`` tokens the draft proposes after ``sequence`` (request ``rid``'s prompt and
+        tokens): greedy ones, or drawn as ``params`` asks (temperature above 0) with their distributions."""
+        return await self.compute.run(self._propose, rid, sequence, k, params)
 
     def forget(self, rid: int) -> None:
         """The request ended: its draft cache goes (after whatever is queued for it)."""
@@ -83,10 +123,13 @@ class Drafter:
 
     # --- compute thread -------------------------------------------------------
 
-    def _propose(self, rid: int, sequence: tuple[int, ...], k: int) -> tuple[int, ...]:
-        cache, held = self._states.pop(rid, (None, []))
+    def _propose(self, rid: int, sequence: tuple[int, ...], k: int, params: SamplingParams | None = None) -> Proposal:
+        sampled = params is not None and params.temperature > 0
+        cache, held, seed = self._states.pop(rid, (None, [], None))
         if cache is None:
             cache = self.shard.make_cache(None)
+        if seed is None:
+            seed = params.seed if params is not None and params.seed is not None else secrets.randbits(63)
         # What the cache holds that the sequence shares (a proposal not kept does not).
         common, limit = 0, min(len(held), len(sequence) - 1)
         while common < limit and held[common] == sequence[common]:
@@ -96,15 +139,24 @@ class Drafter:
         for i in range(0, len(rest), CATCH_UP_CHUNK):
             self.shard(mx.array([rest[i : i + CATCH_UP_CHUNK]], dtype=mx.int32), None, cache)
             mx.eval([c.state for c in cache])
-        held = list(sequence) if k > 0 else list(sequence[:-1])
-        token, proposals = sequence[-1], []
+        filters = sampling_filters(params) if sampled else []
+        # Each step's token feeds the next without being read: one evaluation for the k of them.
+        # (mlx-lm's _draft_generate also hands each to async_eval; on MLX's CPU backend that
+        # is a thread handoff per step, and the proposals are read only together anyway.)
+        y, tokens, probs = mx.array([[sequence[-1]]], dtype=mx.int32), [], []
         for i in range(k):
-            logits = self.shard(mx.array([[token]], dtype=mx.int32), None, cache)
-            token = int(mx.argmax(logits[0, -1]).item())
-            proposals.append(token)
-            if i < k - 1:
-                held.append(token)
-        self._states[rid] = (cache, held)
+            logits = self.shard(y, None, cache)[:, -1, :]
+            if sampled:
+                token, q = draw(params, logits, seed, len(sequence) + i, filters)
+                probs.append(q)
+            else:
+                token = mx.argmax(logits, axis=-1)
+            tokens.append(token)
+            y = token[:, None].astype(mx.int32)
+        mx.eval(tokens, probs)
+        proposals = tuple(int(t.item()) for t in tokens)
+        held = list(sequence) + list(proposals[:-1]) if k > 0 else list(sequence[:-1])
+        self._states[rid] = (cache, held, seed)
         while len(self._states) > MAX_DRAFT_SESSIONS:
             self._states.popitem(last=False)
-        return tuple(proposals)
+        return Proposal(proposals, np.array(mx.concatenate(probs)) if sampled and k else None)

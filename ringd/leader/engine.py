@@ -54,7 +54,7 @@ from mlx_lm.generate import TextStateMachine
 from ringd.ring import steps
 from ringd.ring.plan import Plan
 from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S, Admission, KvLedger
-from ringd.leader.draft import Drafter
+from ringd.leader.draft import Drafter, Proposal
 from ringd.leader.errors import RETRY_AFTER_S, EngineError
 from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES, MIN_REUSE_TOKENS, PrefixIndex, common_prefix
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, Deliver, Draft, Fail, Release, Scheduler, Send
@@ -92,6 +92,7 @@ class TokenEvent:
     cached_tokens: int = 0  # prompt tokens whose caches came from a cached prefix
     resumed: bool = False  # a token an earlier leader streamed (emit_resumed), not a new one
     stop_sequence: str | None = None  # the stop string that ended the request (Anthropic reports it)
+    queued: int = 0  # the ring's answers for the request already waiting behind this one (its consumer lags)
 
 
 @dataclass
@@ -119,6 +120,8 @@ class _Flight:
     outcome: str = "ended by its client"  # unless it finishes or fails
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``released``
     pool: str | None = None  # an embedding: pooled on the last stage (steps.POOLINGS), not sampled
+    waiting_since: float | None = None  # when its consumer began waiting for the ring's answer (loop time)
+    watchdog: asyncio.TimerHandle | None = None  # fails that wait at step_timeout_s (``_overdue``)
 
     def about(self, term: int | None = None, **fields) -> dict:
         """``extra`` for a log line about this request."""
@@ -216,6 +219,8 @@ class Engine:
         # Speculative decoding (draft.py): the draft model's proposals, asked for off the loop.
         self.drafter = drafter
         self._drafting: set[asyncio.Task] = set()
+        # A sampled request's latest proposals with their distributions, until its verify row goes.
+        self._proposals: dict[int, Proposal] = {}
         # Clear between a lost ring and the next (or the news that none can serve): requests
         # that arrive then wait for it (``ring_back``), as the requests it held do.
         self._settled = asyncio.Event()
@@ -408,15 +413,40 @@ class Engine:
 
     async def _answer(self, flight: _Flight) -> steps.Sampled | steps.Embedded:
         """The ring's next answer for ``flight``; an EngineError if the ring says it failed or says
-        nothing for ``step_timeout_s``."""
-        try:
-            async with asyncio.timeout(self.step_timeout_s):
-                got = await flight.queue.get()
-        except TimeoutError:
-            raise EngineError(f"the ring did not answer within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)", 503) from None
+        nothing for ``step_timeout_s``.
+
+        The deadline moves with the request rather than being made anew per token: one timer per
+        request (``_overdue``), armed by its first wait, fires at most every ``step_timeout_s`` and
+        re-arms for the wait then under way, so a token costs a clock read, not a timer's set-up
+        and cancel."""
+        queue = flight.queue
+        if queue.empty():
+            loop = asyncio.get_running_loop()
+            flight.waiting_since = loop.time()
+            if flight.watchdog is None:
+                flight.watchdog = loop.call_at(flight.waiting_since + self.step_timeout_s, self._overdue, flight)
+            try:
+                got = await queue.get()
+            finally:
+                flight.waiting_since = None
+        else:  # the answer is here already: no wait, no deadline
+            got = queue.get_nowait()
         if isinstance(got, EngineError):
             raise got
         return got
+
+    def _overdue(self, flight: _Flight) -> None:
+        """``flight``'s timer: fail the wait under way if it began ``step_timeout_s`` ago, else
+        wait for that wait's deadline (none under way: the next wait arms it again)."""
+        flight.watchdog = None
+        since = flight.waiting_since
+        if since is None or flight.finished:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < since + self.step_timeout_s:
+            flight.watchdog = loop.call_at(since + self.step_timeout_s, self._overdue, flight)
+            return
+        flight.queue.put_nowait(EngineError(f"the ring did not answer within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)", 503))
 
     async def _next(self, flight: _Flight, text: _Text, resumed: bool) -> TokenEvent:
         """The request's next token from the ring, as text (``_answer``'s errors)."""
@@ -432,16 +462,21 @@ class Engine:
         flight.produced += 1
         if finish is not None:
             flight.outcome = f"finished ({finish})"
-        return TokenEvent(sampled.token, piece, sampled.logprob, list(sampled.top), finish, flight.cached, stop_sequence=text.matched)
+        return TokenEvent(
+            sampled.token, piece, sampled.logprob, list(sampled.top), finish, flight.cached, stop_sequence=text.matched, queued=flight.queue.qsize()
+        )
 
     def _leave(self, flight: _Flight) -> None:
         """However the request ended: it leaves the schedule, its booking is settled once no row of
         it is in flight, and one line says how it went."""
         rid = flight.rid
         flight.finished = True
+        if flight.watchdog is not None:
+            flight.watchdog.cancel()
         self._run(self.scheduler.leave(rid))
         if self.drafter is not None:
             self.drafter.forget(rid)
+            self._proposals.pop(rid, None)
         if rid not in self.scheduler:  # else its RELEASE follows its last row, and settles it
             if flight.released:
                 self._flights.pop(rid, None)
@@ -459,9 +494,9 @@ class Engine:
 
     def _speculates(self, params: SamplingParams, positions: int) -> bool:
         """Whether a request's decode steps verify the draft's proposals: a draft model is loaded,
-        the request is greedy with nothing that follows its tokens (``SamplingParams.verifiable``)
-        and asks no logprobs (the ring sends none for proposals it keeps), and every stage can cut
-        a rejected proposal from its caches for as long as the request runs."""
+        the request has nothing that follows its tokens (``SamplingParams.verifiable``; greedy or
+        sampled) and asks no logprobs (the ring sends none for proposals it keeps), and every stage
+        can cut a rejected proposal from its caches for as long as the request runs."""
         if self.drafter is None or not params.verifiable or params.logprobs:
             return False
         limits = [n for n in (self.prefix_limit, self.kv.max_size if self.kv is not None else None) if n is not None]
@@ -470,13 +505,18 @@ class Engine:
     def _draft(self, ask: Draft) -> None:
         """Ask the draft model for proposals; the scheduler hears the answer (none if it fails)."""
 
+        flight = self._flights.get(ask.rid)
+        params = flight.params if flight is not None else None
+
         async def propose() -> None:
             try:
-                tokens = await self.drafter.propose(ask.rid, ask.sequence, ask.k)
+                proposal = await self.drafter.propose(ask.rid, ask.sequence, ask.k, params)
             except Exception:  # the step goes without proposals; the request carries on
                 log.exception("req=%x: the draft model failed; this step goes without proposals", ask.rid)
-                tokens = ()
-            self._run(self.scheduler.drafted(ask.rid, len(ask.sequence), tokens))
+                proposal = Proposal(())
+            if proposal.probs is not None:
+                self._proposals[ask.rid] = proposal
+            self._run(self.scheduler.drafted(ask.rid, len(ask.sequence), proposal.tokens))
 
         task = asyncio.ensure_future(propose())
         self._drafting.add(task)
@@ -506,18 +546,30 @@ class Engine:
 
     def _send_batch(self, send: Send) -> None:
         """A micro-batch to the ring's first stage; a request's first row there opens it."""
-        rows = []
+        rows, probs = [], []
         for row in send.rows:
             flight = self._flights[row.rid]
             if flight.opened != send.term:  # its first row on this ring opens it on every stage
                 flight.opened = send.term
                 row = replace(row, open=steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id, flight.pool))
                 flight.reuse = None  # a replay on another ring starts cold
+            if row.verify and flight.params.temperature > 0:
+                # Speculative sampling: the last stage tests each proposal against the draft's q.
+                proposal = self._proposals.pop(row.rid, None)
+                k = len(row.tokens) - 1
+                if proposal is None or proposal.tokens[:k] != row.tokens[1:]:
+                    raise AssertionError(f"req={row.rid:x}: a sampled verify row without the draft's distributions for its proposals")
+                row = replace(row, probs=True)
+                probs.append(np.ascontiguousarray(proposal.probs[:k], dtype="<f4"))
             rows.append(row)
         self.metrics.micro_batch_rows.observe(len(rows))
         self._sent_at[send.batch] = (send.term, time.monotonic())
+        first, forward = self.plan.stages[0].node, steps.Forward(send.batch, send.term, tuple(rows))
         try:
-            self.send(self.plan.stages[0].node, steps.Forward(send.batch, send.term, tuple(rows)).frame())
+            # This node's own stage 0 takes the micro-batch as it is; a peer, as the frame's bytes.
+            # The payload: the drafts' distributions of sampled verify rows.
+            payload = b"".join(p.data for p in probs)
+            self.send(first, forward.handed(payload) if first == self.node else forward.frame(payload=payload))
         except ConnectionError as e:
             # The ring is breaking: the leader re-plans (reconcile.py) and the next ring replays it.
             log.warning("batch=%x: cannot reach the ring's first stage (%s); its rows wait for the next ring", send.batch, e)

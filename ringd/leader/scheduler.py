@@ -21,6 +21,10 @@ same path), which is what keeps each stage's caches right.
 
 - A row is one request's step: a prompt chunk (``sample`` false), the prompt's
   last token (sampled, as mlx-lm's ``generate_step``), or a token fed back.
+- The ready requests wait in two queues (a prompt's chunk next, or a decode step),
+  heaps ordered by when each last got a row, kept as requests change, so a
+  micro-batch costs the same whether 1 request runs or 64 (as vLLM keeps its
+  waiting and running queues), not a sort of every request per token.
 - Decode rows of ready requests fill a micro-batch, longest-waiting first, up
   to ``max_rows`` and to an even share of the decoding requests per slot in
   flight (so 8 streams on 3 stages go round as micro-batches of 3, 3 and 2, each
@@ -49,6 +53,7 @@ same path), which is what keeps each stage's caches right.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -135,6 +140,8 @@ class _Request:
     speculative: bool = False  # its decode steps verify a draft's proposals
     draft: tuple[int, ...] | None = None  # proposals for its next decode row
     drafting: bool = False  # a Draft is out for it
+    joined: int = 0  # its place among the requests, in the order they joined (Drafts go in it)
+    queued_as: tuple[bool, int] | None = None  # (prefilling, waited) of its entry in a ready queue
 
     def draft_size(self, num_draft: int) -> int:
         """Proposals its next row may carry: never past max_tokens, whatever is accepted."""
@@ -187,6 +194,13 @@ class Scheduler:
         self._batches = itertools.count(1)
         self._clock = itertools.count(1)
         self._prefill_turn = False  # the next micro-batch is a prompt's chunk, if one is waiting
+        # The ready requests, (waited, rid), longest-waiting first: [decode steps, prompts' chunks].
+        # An entry counts while it is its request's ``queued_as`` and the request is ready; others
+        # are dropped when they reach the top.
+        self._queues: tuple[list, list] = ([], [])
+        self._decoding: set[int] = set()  # requests past their prompt's chunks, not done
+        self._touched: dict[int, None] = {}  # speculative requests changed since the last _fill looked for Drafts
+        self._joins = itertools.count()
         self.proposed = 0  # a draft's proposals verified around the ring, in all
         self.kept = 0  # of them, those the ring kept
 
@@ -220,12 +234,12 @@ class Scheduler:
         if not 0 <= cached < len(prompt):
             raise SchedulerError(f"a cached prefix of {cached} positions must leave the prompt's last token ({len(prompt)}) to compute")
         stops = self.stops if stops is None else frozenset(stops)
-        req = _Request(rid, list(prompt), max_tokens, list(generated), waited=next(self._clock), stops=stops, speculative=draft)
+        req = _Request(rid, list(prompt), max_tokens, list(generated), waited=next(self._clock), stops=stops, speculative=draft, joined=next(self._joins))
         req.sent = req.queued = cached if self.term is not None else 0
-        self._requests[rid] = req
         if req.done():  # every token delivered already: nothing to compute
-            del self._requests[rid]
             return []
+        self._requests[rid] = req
+        self._touch(req)
         return self._fill()
 
     def leave(self, rid: int) -> list:
@@ -234,6 +248,7 @@ class Scheduler:
         if req is None:
             return []
         req.leaving = True
+        self._touch(req)
         out = self._retire(req)
         return out + self._fill()
 
@@ -246,6 +261,7 @@ class Scheduler:
         req.drafting = False
         if length == len(req.prompt) + len(req.generated):
             req.draft = tuple(tokens)[: req.draft_size(self.num_draft)]
+        self._touch(req)
         return self._fill()
 
     def tokens(
@@ -285,6 +301,7 @@ class Scheduler:
                         break
                     req.generated.append(token)
                     out.append(Deliver(row.rid, token, drafted=i < kept))
+            self._touch(req)
             out += self._retire(req)
         return out + self._fill()
 
@@ -304,7 +321,9 @@ class Scheduler:
             req.sent = req.queued = 0
             req.draft = None
             if req.leaving:  # its caches went with the ring
-                del self._requests[req.rid]
+                self._forget(req)
+            else:
+                self._touch(req)
 
     def ring_up(self, term: int) -> list:
         """A new ring (``term``) serves: every request is replayed on it from its first token."""
@@ -313,6 +332,7 @@ class Scheduler:
         self.term = term
         for req in self._requests.values():
             req.sent = req.queued = 0
+            self._touch(req)
         return self._fill()
 
     # --- the schedule ----------------------------------------------------------------
@@ -320,7 +340,7 @@ class Scheduler:
     def _retire(self, req: _Request) -> list:
         if req.in_flight or not req.done():
             return []
-        del self._requests[req.rid]
+        self._forget(req)
         return [Release(req.rid, req.sent)] if self.term is not None and req.sent > 0 else []
 
     def _next_row(self, req: _Request, chunk: int = 0) -> Row:
@@ -337,17 +357,51 @@ class Scheduler:
             return Row(req.rid, at, (token, *req.draft), sample=True, verify=True)
         return Row(req.rid, at, (token,), sample=True, silent=k + 1 < len(req.generated))
 
-    def _ready(self) -> list[_Request]:
-        return sorted((r for r in self._requests.values() if r.ready(self.num_draft)), key=lambda r: r.waited)
+    def _forget(self, req: _Request) -> None:
+        """The request leaves the schedule (its entries in the ready queues are dropped when met)."""
+        del self._requests[req.rid]
+        self._decoding.discard(req.rid)
+        self._touched.pop(req.rid, None)
+
+    def _touch(self, req: _Request) -> None:
+        """After any change to ``req``: its place in the ready queues and among the decoding."""
+        done, prefilling = req.done(), req.prefilling
+        if done or prefilling:
+            self._decoding.discard(req.rid)
+        else:
+            self._decoding.add(req.rid)
+        if req.speculative:
+            self._touched[req.rid] = None
+        if done or req.queued_as == (prefilling, req.waited):
+            return  # not ready, or queued already as it is
+        if req.queued < len(req.prompt) + len(req.generated) and not (req.speculative and req.waits_for_draft(self.num_draft)):  # ready()
+            req.queued_as = (prefilling, req.waited)
+            heapq.heappush(self._queues[prefilling], (req.waited, req.rid))
+
+    def _head(self, prefill: bool) -> _Request | None:
+        """The ready request that waited longest for a prompt's chunk (or a decode step), left queued."""
+        queue = self._queues[prefill]
+        while queue:
+            waited, rid = queue[0]
+            req = self._requests.get(rid)
+            current = req is not None and req.queued_as == (prefill, waited)
+            if current and req.ready(self.num_draft):
+                return req
+            heapq.heappop(queue)  # stale: its request moved on, left, or waits (it is queued again when ready)
+            if current:
+                req.queued_as = None
+        return None
 
     def _fill(self) -> list:
         """Drafts asked for, and micro-batches for every free slot in flight."""
         out = []
         if self.term is not None:
-            for req in self._requests.values():
+            # Only a speculative request that changed can newly wait for a draft; asked in the order they joined.
+            for req in sorted((self._requests[rid] for rid in self._touched), key=lambda r: r.joined):
                 if not req.drafting and not req.in_flight and not req.done() and req.waits_for_draft(self.num_draft):
                     req.drafting = True
                     out.append(Draft(req.rid, tuple(req.prompt + req.generated), req.draft_size(self.num_draft)))
+            self._touched.clear()
         while self.term is not None and len(self._in_flight) < self.max_in_flight:
             rows = self._take()
             if not rows:
@@ -359,26 +413,29 @@ class Scheduler:
                 req.queued = row.offset + len(row.tokens)
                 if row.verify:
                     req.draft = None
+                if not row.sample or row.silent:  # else it waits for its token: not ready, nothing else changed
+                    self._touch(req)
             self._in_flight[batch] = (self.term, not rows[0].sample, rows)
             out.append(Send(batch, self.term, rows))
         return out
 
     def _take(self) -> tuple[Row, ...]:
-        ready = self._ready()
-        prefill = [r for r in ready if r.prefilling]
-        decode = [r for r in ready if not r.prefilling]
-        decoding = sum(1 for r in self._requests.values() if not r.done() and not r.prefilling)
+        decoding = len(self._decoding)
         # Prompts' chunks keep a slot free for decoding while anything decodes (if there are
         # two slots or more), so running streams wait for one chunk at a time at most.
         chunks = sum(1 for _, is_prefill, _ in self._in_flight.values() if is_prefill)
-        if chunks >= max(1, self.max_in_flight - (1 if decoding else 0)):
-            prefill = []
+        prefill = self._head(True) if chunks < max(1, self.max_in_flight - (1 if decoding else 0)) else None
         # Prompts' chunks and decode steps take turns; either goes alone if the other has nothing.
-        if prefill and (self._prefill_turn or not decode):
+        if prefill is not None and (self._prefill_turn or self._head(False) is None):
             self._prefill_turn = False
             chunk = min(self.prefill_chunk, self.interleaved_chunk) if decoding else self.prefill_chunk
-            return (self._next_row(prefill[0], chunk),)
+            return (self._next_row(prefill, chunk),)
         self._prefill_turn = True
         # An even share of the decoding requests per slot: every stage gets a micro-batch.
         share = -(-decoding // self.max_in_flight)
-        return tuple(self._next_row(r) for r in decode[: max(1, min(self.max_rows, share))])
+        rows = []
+        while len(rows) < max(1, min(self.max_rows, share)) and (req := self._head(False)) is not None:
+            heapq.heappop(self._queues[False])  # taken: queued again (by _fill's _touch) if still ready
+            req.queued_as = None
+            rows.append(self._next_row(req))
+        return tuple(rows)

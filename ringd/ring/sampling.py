@@ -135,12 +135,11 @@ class SamplingParams:
 
     @property
     def verifiable(self) -> bool:
-        """Whether a draft's proposals can be checked for this request by sampling each position:
-        greedy, and nothing that follows the tokens sampled (penalties, a grammar)."""
-        return (
-            self.temperature == 0 and self.grammar is None
-            and not (self.presence_penalty or self.frequency_penalty or self.repetition_penalty)
-        )  # fmt: skip
+        """Whether a draft's proposals can be checked for this request, every position of a verify
+        row at once: nothing that follows the tokens sampled (penalties, a grammar), whose
+        distribution at one proposal would depend on the proposals before it. Greedy requests keep
+        the proposals that agree; sampled ones use speculative sampling (stage/sampling.py)."""
+        return self.grammar is None and not (self.presence_penalty or self.frequency_penalty or self.repetition_penalty)
 
     def to_wire(self) -> dict:
         d = asdict(self)

@@ -20,6 +20,11 @@ stage keeps the pooling of its final hidden states (after the model's norm) over
 its rows, and its last row (the one that would sample) is answered with the pooled
 vector (``Embedded``), in the TOKEN frame's payload.
 
+A sampled request's verify row (speculative sampling) carries, after the hidden
+states in the payload, the draft's distribution q for each of its proposals
+(``[k, V]`` float32, the row flagged ``PROBS``), for the last stage's test
+min(1, p/q); every stage passes them on with the row.
+
 RELEASE (one request's caches: free them, keep them as a cached prefix, or drop
 a cached prefix) follows the request's last row around the ring.
 
@@ -35,7 +40,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -74,7 +79,11 @@ MAX_KV_SIZE = 2**24
 SAMPLE = 1  # the last stage samples after this row
 SILENT = 2  # a replayed step: sample (the key advances) but send nothing back
 VERIFY = 4  # tokens[1:] are a draft's proposals: sample after each position, keep those that agree
-FLAGS = (0, SAMPLE, SAMPLE | SILENT, SAMPLE | VERIFY)
+PROBS = 8  # the payload carries the draft's distribution for each proposal (a sampled request's)
+FLAGS = (0, SAMPLE, SAMPLE | SILENT, SAMPLE | VERIFY, SAMPLE | VERIFY | PROBS)
+# The draft's distributions travel as float32: the dtype the leader's draft samples from, so q
+# at the last stage is exactly the q its proposals were drawn with.
+PROBS_DTYPE = mx.float32
 
 
 def _int(v: object, name: str, lo: int = 0, hi: int = MAX_REQUEST_ID) -> int:
@@ -271,10 +280,11 @@ class Row:
     silent: bool = False
     open: Open | None = None
     verify: bool = False
+    probs: bool = False  # the frame's payload carries the draft's distribution for each proposal
 
     @property
     def flags(self) -> int:
-        return SAMPLE * self.sample | SILENT * self.silent | VERIFY * self.verify
+        return SAMPLE * self.sample | SILENT * self.silent | VERIFY * self.verify | PROBS * self.probs
 
     def write(self, out: list) -> None:
         opened = json.dumps(self.open.to_wire(), separators=(",", ":"), allow_nan=False).encode() if self.open is not None else b""
@@ -290,7 +300,8 @@ class Row:
             raise FrameError(f"row {rid:x}'s tokens must be ids in [0, {vocab_size})")
         if flags not in FLAGS:
             raise FrameError(
-                f"row {rid:x}'s flags must be 0, {SAMPLE} (sample), {SAMPLE | SILENT} (sample silently) or {SAMPLE | VERIFY} (verify proposals), got {flags}"
+                f"row {rid:x}'s flags must be 0, {SAMPLE} (sample), {SAMPLE | SILENT} (sample silently), {SAMPLE | VERIFY} (verify proposals) "
+                f"or {SAMPLE | VERIFY | PROBS} (verify proposals drawn from the distributions in the payload), got {flags}"
             )
         if flags & VERIFY and n < 2:
             raise FrameError(f"row {rid:x} verifies proposals but carries none")
@@ -301,7 +312,7 @@ class Row:
             except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, NaN, too deep
                 raise FrameError(f"row {rid:x}'s open is not JSON: {e}") from None
             open_ = Open.from_wire(d, offset)
-        return cls(rid, offset, tokens, bool(flags & SAMPLE), bool(flags & SILENT), open_, bool(flags & VERIFY))
+        return cls(rid, offset, tokens, bool(flags & SAMPLE), bool(flags & SILENT), open_, bool(flags & VERIFY), bool(flags & PROBS))
 
 
 @dataclass(frozen=True)
@@ -320,6 +331,15 @@ class Forward:
     def positions(self) -> int:
         return sum(len(r.tokens) for r in self.rows)
 
+    @property
+    def drafted(self) -> int:
+        """Draft distributions the payload carries after the hidden states: one per proposal of each ``probs`` row."""
+        return sum(len(r.tokens) - 1 for r in self.rows if r.probs)
+
+    @property
+    def hidden_bytes(self) -> int:
+        return self.positions * self.hidden_size * CODE_DTYPES[self.dtype_code].size if self.dtype_code else 0
+
     def frame(self, hidden: mx.array | None = None, payload=b"") -> Frame:
         """The FORWARD frame; ``hidden``: the hidden states whose bytes ``payload`` holds."""
         code, size = (DTYPE_CODES[hidden.dtype], hidden.shape[-1]) if hidden is not None else (0, 0)
@@ -329,8 +349,19 @@ class Forward:
         _write_failed(out, self.failed)
         return Frame(MsgType.FORWARD, self.batch, b"".join(out), payload)
 
+    def handed(self, payload=b"") -> "Handed":
+        """The FORWARD frame of a leader's tokens for its own stage 0, in this process: the frame
+        (byte for byte the one a link would carry, ``payload`` the drafts' distributions) with
+        this micro-batch, which ``parse`` then returns as it is rather than reading back the rows
+        this process just wrote."""
+        assert not self.dtype_code, "only the leader's tokens are handed over: hidden states travel as bytes"
+        frame = self.frame(payload=payload)
+        return Handed(frame.type, frame.request_id, frame.descriptor, frame.payload, forward=self)
+
     @classmethod
     def parse(cls, frame: Frame, vocab_size: int) -> "Forward":
+        if isinstance(frame, Handed) and frame.forward is not None:
+            return frame.forward  # built by this process's leader, not read from a peer
         d = frame.descriptor
         if not isinstance(d, (bytes, bytearray)):
             raise FrameError("a FORWARD descriptor must be binary")
@@ -349,15 +380,54 @@ class Forward:
             raise FrameError("FORWARD names a request both as a row and as failed")
         if code and code not in CODE_DTYPES:
             raise FrameError(f"FORWARD hidden states' dtype code {code} is not one of {sorted(CODE_DTYPES)}")
-        if not code and len(frame.payload):
-            raise FrameError("FORWARD has a payload but declares no hidden states")
-        return cls(frame.request_id, term, parsed, failures, code, size)
+        forward = cls(frame.request_id, term, parsed, failures, code, size)
+        probs = forward.drafted * vocab_size * PROBS_DTYPE.size
+        if not code and len(frame.payload) != probs:
+            raise FrameError(
+                "FORWARD has a payload but declares no hidden states" if not probs
+                else f"FORWARD's payload must be its {forward.drafted} draft distributions of {vocab_size} float32 ({probs} bytes), not {len(frame.payload)}"
+            )  # fmt: skip
+        if code and len(frame.payload) != forward.hidden_bytes + probs:
+            raise FrameError(
+                f"FORWARD's payload must be its hidden states [1, {forward.positions}, {size}] ({forward.hidden_bytes} bytes) "
+                f"and {forward.drafted} draft distributions ({probs} bytes), not {len(frame.payload)} bytes"
+            )
+        return forward
 
     def hidden(self, payload) -> mx.array:
         """The hidden states the frame's ``payload`` holds, checked against the rows' positions."""
         if not self.dtype_code:
             raise FrameError("FORWARD carries no hidden states")
-        return tensor_from_bits(self.dtype_code, (1, self.positions, self.hidden_size), payload)
+        return tensor_from_bits(self.dtype_code, (1, self.positions, self.hidden_size), memoryview(payload)[: self.hidden_bytes])
+
+    def draft_probs(self, payload, vocab_size: int) -> dict[int, memoryview]:
+        """Each ``probs`` row's draft distributions, as the payload's bytes after the hidden states
+        (``[k, vocab_size]`` float32, k its proposals), by request."""
+        out, at, view = {}, self.hidden_bytes, memoryview(payload)
+        for row in self.rows:
+            if row.probs:
+                n = (len(row.tokens) - 1) * vocab_size * PROBS_DTYPE.size
+                out[row.rid] = view[at : at + n]
+                at += n
+        return out
+
+
+def draft_distribution(raw, proposals: int, vocab_size: int) -> mx.array:
+    """A row's draft distributions ([proposals, vocab_size] float32) from their bytes, checked:
+    probabilities (finite, not negative), or a FrameError."""
+    probs = tensor_from_bits(DTYPE_CODES[PROBS_DTYPE], (proposals, vocab_size), raw)
+    values = np.frombuffer(raw, dtype="<f4")
+    if not (np.isfinite(values).all() and (values >= 0).all()):
+        raise FrameError("a row's draft distributions must be finite and not negative")
+    return probs
+
+
+@dataclass(frozen=True)
+class Handed(Frame):
+    """A FORWARD the leader hands its own stage 0 (``Forward.handed``): the frame as a link
+    would carry it, and the micro-batch it was packed from."""
+
+    forward: Forward | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

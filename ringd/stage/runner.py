@@ -13,11 +13,15 @@ a request's caches here and travels on, behind the request's last row, so it
 frees every stage.
 
 A verify row (speculative decoding) carries a fed-back token and a draft
-model's proposals: every stage computes all their positions; the last stage
-samples after each and keeps the proposals that agree with what it samples,
-cuts the rest from its caches, and answers how many it kept. The other stages
-learn it from the request's next row, which starts where the kept positions end:
-they cut the rest then (``Sessions.rewind``).
+model's proposals (and, for a sampled request, the draft's distribution for
+each): every stage computes all their positions in one pass, batched with the
+micro-batch's other verify rows of as many positions (as decode rows are with
+each other); the last stage draws every position at once
+(``RequestSampler.verify``) and answers how many proposals it kept and the token
+after them. Every stage, the last too, learns it from the request's next row,
+which starts where the kept positions end, and cuts the rest then: in the
+batched caches where the group's rows come as they were
+(``Sessions.rewind_group``), else each alone (``Sessions.rewind``).
 
 Frames are applied in arrival order on the one compute thread and their
 results leave in that order. A row that does not fit (unknown request, wrong
@@ -47,7 +51,7 @@ from ringd.ring.sampling import SamplingError, SamplingParams
 from ringd.stage.sampling import RequestSampler, draw_greedy
 from ringd.stage.sessions import SessionError, Sessions
 from ringd.stage.shard import Shard
-from ringd.ring.steps import Embedded, Failure, Forward, KvOptions, Row, Sampled, Tokens, parse_release, term_of
+from ringd.ring.steps import Embedded, Failure, Forward, KvOptions, Row, Sampled, Tokens, draft_distribution, parse_release, term_of
 from wire.frames import Frame, FrameError, MsgType
 from wire.tensors import tensor_to_buffer, wire_bits
 
@@ -193,6 +197,7 @@ class StageRunner:
             if batch.hidden_size != shard.info.hidden_size or not mx.issubdtype(hidden.dtype, mx.floating):
                 raise BatchError(f"hidden states of size {batch.hidden_size}, {hidden.dtype}; expected {shard.info.hidden_size}, floating", batch)
         failed = list(batch.failed)
+        drafts = batch.draft_probs(frame.payload, shard.info.vocab_size) if batch.drafted else {}
         # Blocks of rows computed together: (rows, their outputs [rows, positions, H or V]).
         blocks = self._batched(batch.rows, hidden, failed)
         if blocks is None:
@@ -203,15 +208,18 @@ class StageRunner:
             out = Forward(batch.batch, batch.term, rows, tuple(failed))
             if not rows:
                 return [(self.next_node, out.frame())], prefill
-            # [1, N, H] in row order: a batched block's [B, 1, H] is that already, reshaped.
+            # [1, N, H] in row order: a batched block's [B, L, H] is that already, reshaped.
             flat = [h.reshape(1, -1, h.shape[-1]) for _, h in blocks]
             h = mx.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
             bits = wire_bits(h)  # evaluated with the step: one evaluation per frame
             # A prompt chunk's caches are evaluated with it, as mlx-lm's prefill does; a decode
             # step's are part of its output's graph already.
             mx.eval(bits, self.sessions.states(row.rid for row in rows) if prefill else [])
-            return [(self.next_node, out.frame(h, tensor_to_buffer(bits)))], prefill
-        sampled, embedded = self._sample(blocks, failed)
+            payload = tensor_to_buffer(bits)
+            if drafts:  # the draft's distributions go on with their rows, in the rows' order now
+                payload = b"".join([payload, *(drafts[row.rid] for row in rows if row.probs)])
+            return [(self.next_node, out.frame(h, payload))], prefill
+        sampled, embedded = self._sample(blocks, failed, drafts)
         return [(self.leader, Tokens(batch.batch, batch.term, sampled, tuple(failed), embedded).frame())], prefill
 
     def _one_by_one(self, rows: tuple[Row, ...], hidden: mx.array | None, failed: list) -> list[tuple[tuple[Row], mx.array]]:
@@ -233,38 +241,80 @@ class StageRunner:
         return done
 
     def _batched(self, rows: tuple[Row, ...], hidden: mx.array | None, failed: list) -> list[tuple[tuple[Row, ...], mx.array]] | None:
-        """Decode rows of requests open here (one token each) through the layers as one batch,
-        their caches merged (``Sessions.batched``): one block; None where the rows must go one by one."""
-        if not self.shard.batchable or len(rows) < 2 or any(len(row.tokens) != 1 or row.open is not None or self._pools(row) for row in rows):
+        """Decode rows of requests open here through the layers in batches, their caches merged
+        (``Sessions.batched``): rows of one token together, and verify rows of as many positions
+        together (a block each, in the order their first rows come); None where the rows must go
+        one by one."""
+        if not self.shard.batchable or len(rows) < 2 or any(
+            (len(row.tokens) != 1 and not row.verify) or row.open is not None or self._pools(row) for row in rows
+        ):
             return None
-        fit, at = [], []
-        for i, row in enumerate(rows):  # rows that do not fit their sessions fail before anything runs
+        starts, at = {}, 0
+        for row in rows:
+            starts[row.rid] = at
+            at += len(row.tokens)
+        by_length: dict[int, list[Row]] = {}
+        for row in rows:
+            by_length.setdefault(len(row.tokens), []).append(row)
+        blocks = []
+        for same in by_length.values():
+            blocks += self._block(tuple(same), hidden, [starts[row.rid] for row in same], failed)
+        return blocks
+
+    def _block(self, rows: tuple[Row, ...], hidden: mx.array | None, starts: list[int], failed: list) -> list[tuple[tuple[Row, ...], mx.array]]:
+        """Rows of L positions each (starting at ``starts`` in ``hidden``) through the layers as one
+        batch: one block [B, L, H or V]; one by one where fewer than two fit or their caches do not merge."""
+        L = len(rows[0].tokens)
+
+        def alone(part: tuple[Row, ...], where: list[int]) -> list:
+            x = None if hidden is None else mx.concatenate([hidden[:, i : i + L] for i in where], axis=1)
+            return self._one_by_one(part, x, failed) if part else []
+
+        self._cut_together(rows)
+        fit, where = [], []
+        for row, start in zip(rows, starts):  # rows that do not fit their sessions fail before anything runs
             try:
                 self._at_row(self.sessions.get(row.rid), row)
             except SessionError as e:
                 failed.append(self._fail_row(row, str(e)))
                 continue
             fit.append(row)
-            at.append(i)
+            where.append(start)
         if len(fit) < 2:
-            return self._one_by_one(tuple(fit), hidden[:, at] if hidden is not None else None, failed) if fit else []
+            return alone(tuple(fit), where)
         cache = self.sessions.batched(tuple(row.rid for row in fit))
         if cache is None:
-            return self._one_by_one(tuple(fit), hidden[:, at] if hidden is not None else None, failed)
-        tokens = mx.array([row.tokens for row in fit], dtype=mx.int32)  # [B, 1]
+            return alone(tuple(fit), where)
+        tokens = mx.array([row.tokens for row in fit], dtype=mx.int32)  # [B, L]
         x = None
-        if hidden is not None:  # [B, 1, H]: every row's, or those that fit
-            x = hidden.reshape(-1, 1, hidden.shape[-1]) if len(fit) == len(rows) else hidden[0, mx.array(at)][:, None, :]
+        if hidden is not None:  # [B, L, H]: every row's, or those that fit
+            if len(fit) * L == hidden.shape[1]:
+                x = hidden.reshape(len(fit), L, hidden.shape[-1])
+            else:
+                x = mx.concatenate([hidden[:, i : i + L] for i in where], axis=0)
         h = self.shard(tokens, x, cache)
         self.metrics.batch_rows.observe(len(fit))
         for i, row in enumerate(fit):
             session = self.sessions.get(row.rid)
-            session.offset += 1
+            session.offset += L
             session.tokens += row.tokens
-            session.provisional = 0
+            session.provisional = L - 1 if row.verify else 0
             if self.shard.is_last:
                 session.sampler.observe(tokens[i])
         return [(tuple(fit), h)]
+
+    def _cut_together(self, rows: tuple[Row, ...]) -> None:
+        """Where ``rows`` are the requests of one group in its order and some start before their
+        caches end (proposals their last verify rows left that were not kept), cut those in the
+        group's batched caches at once; anything else is cut (or refused) row by row (``_at_row``)."""
+        cuts = {}
+        for row in rows:
+            try:
+                cuts[row.rid] = self.sessions.get(row.rid).offset - row.offset
+            except SessionError:
+                return
+        if any(cuts.values()):
+            self.sessions.rewind_group(cuts)
 
     def _pools(self, row: Row) -> bool:
         """Whether ``row`` is an embedding's on this (the last) stage: its hidden states, not logits."""
@@ -334,13 +384,16 @@ class StageRunner:
         )  # fmt: skip
         return session
 
-    def _sample(self, blocks: list[tuple[tuple[Row, ...], mx.array]], failed: list) -> tuple[tuple[Sampled, ...], tuple[Embedded, ...]]:
+    def _sample(
+        self, blocks: list[tuple[tuple[Row, ...], mx.array]], failed: list, drafts: dict[int, memoryview]
+    ) -> tuple[tuple[Sampled, ...], tuple[Embedded, ...]]:
         """The last stage after the micro-batch's rows (their logits): each row that samples draws its
         token, and all of it, with the caches of rows that only fill them, is evaluated at once: one
         round trip to MLX's thread per micro-batch, not one per row. Plain greedy rows of a batched
-        block are drawn together (``draw_greedy``). A verify row samples on its own (what it keeps
-        depends on each position's token). An embedding's last row gives its pooled vector."""
-        sampled, draws, greedy, filled, pooled = [], [], [], [], []
+        block are drawn together (``draw_greedy``). A verify row draws every position at once
+        (``RequestSampler.verify``; ``drafts``: the draft's distributions of sampled requests' rows).
+        An embedding's last row gives its pooled vector."""
+        sampled, draws, greedy, filled, pooled, verified = [], [], [], [], [], []
         for rows, out in blocks:
             plain = []
             for i, row in enumerate(rows):
@@ -354,19 +407,20 @@ class StageRunner:
                 logits = out[i : i + 1] if len(rows) > 1 else out
                 try:
                     if row.verify:
-                        sampled.append(self._verify(row, session, logits))
+                        probs = draft_distribution(drafts[row.rid], len(row.tokens) - 1, self.shard.info.vocab_size) if row.probs else None
+                        verified.append((row, session, session.sampler.verify(logits[0], row.tokens[1:], probs)))
                     elif len(rows) > 1 and session.sampler.plain:
                         plain.append((i, row, session))
                     else:  # as mlx-lm's generate_step: the head over the row's positions, then the last
                         draws.append((row, session, session.sampler.draw(logits[:, -1, :])))
-                except SamplingError as e:
+                except (SamplingError, FrameError) as e:
                     failed.append(self._fail_row(row, str(e)))
             if plain:
                 at = [i for i, _, _ in plain]
                 last = out[:, -1, :] if len(at) == len(rows) else out[mx.array(at), -1, :]
                 greedy.append((plain, *draw_greedy(last)))
         arrays = [a for _, _, draw in draws for a in draw.arrays] + [a for _, tokens, logprobs in greedy for a in (tokens, logprobs)]
-        arrays += [vector for _, _, vector in pooled]
+        arrays += [vector for _, _, vector in pooled] + [a for _, _, v in verified for a in v.arrays]
         mx.eval(arrays, self.sessions.states(filled + [row.rid for row, _, _ in pooled]))
         for row, session, draw in draws:
             s = draw.result()
@@ -378,28 +432,13 @@ class StageRunner:
             for (_, row, session), token, (logprob,) in zip(plain, tokens.tolist(), logprobs.tolist()):
                 if not row.silent:
                     sampled.append(Sampled(row.rid, session.offset, token, logprob))
+        for row, session, verification in verified:
+            # The rejected proposals stay in the caches until the request's next row cuts them.
+            kept, s = verification.result(session.sampler)
+            self.metrics.draft_tokens(kept, len(row.tokens) - 1 - kept)
+            sampled.append(Sampled(row.rid, row.offset + 1 + kept, s.token, s.logprob, (), kept))
         embedded = tuple(Embedded(row.rid, session.offset, np.array(vector)) for row, session, vector in pooled)
         return tuple(sampled), embedded
-
-    def _verify(self, row: Row, session, logits: mx.array) -> Sampled:
-        """A verify row on the last stage, as mlx-lm's speculative_generate_step: sample after each
-        position; the proposals are kept while they equal what was sampled, and the token sampled
-        after the last one kept follows them. The rest are cut from this stage's caches now."""
-        if not session.sampler.params.verifiable:
-            raise SamplingError("a draft's proposals are verified only for greedy requests without penalties or a grammar")
-        proposals = row.tokens[1:]
-        kept = 0
-        while True:
-            s = session.sampler.sample(logits[:, kept, :])
-            if kept == len(proposals) or s.token != proposals[kept]:
-                break
-            kept += 1
-        cut = len(proposals) - kept
-        if cut:
-            self.sessions.rewind(row.rid, session.offset - cut)
-        session.provisional = 0
-        self.metrics.draft_tokens(kept, cut)
-        return Sampled(row.rid, session.offset, s.token, s.logprob, tuple(s.top_logprobs), kept)
 
     def _expire(self) -> None:
         for session in self.sessions.expire():

@@ -26,6 +26,12 @@ group ``filter``s it out). Quantized caches (``kv_bits``) and the rotating cache
 of ``max_kv_size`` (which keeps its first positions, as mlx-lm's does, and whose
 batched twin does not) step one row at a time, which is exact, just not batched.
 
+A group's verify rows (speculative decoding) leave positions some of its
+requests did not keep; they are cut where they are, in the batched caches: each
+row's rejected positions at its right end become left padding (the caches' own
+``prepare(right_padding=...)`` and ``finalize``, as mlx-lm's batched prefill
+right-justifies its rows), so the group stays merged.
+
 Only the compute thread mutates sessions (FORWARD and RELEASE of one request
 are applied there in arrival order); the event loop only reads counts.
 """
@@ -37,7 +43,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from ringd.stage.pooling import Pooling
 from ringd.stage.sampling import RequestSampler
@@ -191,6 +197,33 @@ class Sessions:
         if session.sampler is not None:
             session.sampler.rewind(cut)
         return session
+
+    def rewind_group(self, cuts: dict[int, int]) -> bool:
+        """Cut positions that verify rows left provisional from these live sessions, in their
+        group's batched caches: ``cuts`` maps each request of one group, in its order, to the
+        positions to cut (0 for none). False (nothing cut) where they are not one whole group
+        of plain attention caches; then ``rewind`` cuts each alone."""
+        sessions = [self._live.get(rid) for rid in cuts]
+        if any(s is None for s in sessions):
+            return False
+        group = sessions[0].group
+        if group is None or group.rids != tuple(cuts) or not all(type(c) is BatchKVCache for c in group.cache):
+            return False
+        if not all(0 <= n <= s.provisional for s, n in zip(sessions, cuts.values())):
+            return False
+        padding = list(cuts.values())
+        for c in group.cache:
+            c.prepare(right_padding=padding)
+            c.finalize()
+        for session, n in zip(sessions, padding):
+            if n:
+                session.offset -= n
+                del session.tokens[session.offset :]
+                if session.sampler is not None:
+                    session.sampler.rewind(n)
+            session.provisional = 0
+            session.last_used = time.monotonic()
+        return True
 
     def batched(self, request_ids: tuple[int, ...]) -> list[Any] | None:
         """Batched caches for these live requests' rows, in this order; None if they cannot be

@@ -136,7 +136,7 @@ def _cache_kind(c: Any) -> tuple:
     return (type(c).__name__, getattr(c, "max_size", None), getattr(c, "keep", None), size)
 
 
-def _inner_model(model: nn.Module) -> tuple[str, nn.Module]:
+def inner_model(model: nn.Module) -> tuple[str, nn.Module]:
     """The text decoder inside an mlx-lm Model (``model``, or ``language_model.model`` for a
     multimodal checkpoint's text path), and its parameter prefix."""
     for path in ("model", "language_model.model", "language_model", "transformer"):
@@ -172,7 +172,7 @@ class Shard:
         self.rotating_allowed = not hasattr(model, "make_cache")
         self.kv_cost = KvCost()  # measured at load
         self.batchable = False  # decode rows of several requests in one pass: tried at load
-        _, inner = _inner_model(model)
+        _, inner = inner_model(model)
         layers = list(inner.layers)
         first = None
         wrapped = []
@@ -362,7 +362,7 @@ class Shard:
         if self._first is not None:
             self._first.set_hidden(hidden)
         try:
-            model = self.model if head or not self.is_last else _inner_model(self.model)[1]
+            model = self.model if head or not self.is_last else inner_model(self.model)[1]
             return model(tokens, cache=self._all_caches(cache))
         except _StageOutput as out:
             return out.value

@@ -191,3 +191,30 @@ def test_members_addresses_are_configured_peers_and_addresses_linked_before(monk
         await a.close()
 
     uvloop.run(main())
+
+
+def test_a_node_whose_first_dial_found_no_listener_takes_the_link_its_peer_dialed_and_dials_no_second(caplog):
+    # Regression (found by tools/bench --link): a node started first dials a peer not yet
+    # listening; the peer starts and dials it; the first node's retry made a second link,
+    # which won the tie and swapped the link a loaded ring runs on: the ring broke at start.
+    async def main():
+        import socket
+
+        with socket.socket() as s:  # a port with no listener yet
+            s.bind(("127.0.0.1", 0))
+            port_b = s.getsockname()[1]
+        a = links("a")
+        a.info["addr"] = f"127.0.0.1:{await a.listen('127.0.0.1', 0)}"
+        b = links("b")
+        b.info["addr"] = f"127.0.0.1:{port_b}"
+        caplog.set_level("DEBUG", logger="ringd.cluster.links")
+        a.dial("127.0.0.1", port_b)  # refused: nothing listens there yet
+        await until(lambda: f"dial 127.0.0.1:{port_b} failed" in caplog.text, what="a's first dial to fail")
+        await b.listen("127.0.0.1", port_b)
+        b.dial("127.0.0.1", int(a.info["addr"].rsplit(":", 1)[1]))
+        await until(lambda: a.waiting_on.get(("127.0.0.1", port_b)) == "b", what="a's dial loop waiting on b's link")
+        assert not a.peers["b"].outbound and len(a._streams) == 1 and len(b._streams) == 1
+        await a.close()
+        await b.close()
+
+    uvloop.run(main())

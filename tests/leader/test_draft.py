@@ -33,14 +33,14 @@ def test_proposals_are_the_drafts_greedy_tokens_whatever_was_kept_before(tiny_mo
         compute = ComputeThread()
         try:
             drafter = await Drafter.load(str(path), compute, model_info(str(path)))
-            first = await drafter.propose(1, tuple(prompt), 3)
+            first = (await drafter.propose(1, tuple(prompt), 3)).tokens
             # Two of three kept, then a token of the big model's own: the draft's cache must drop
             # its third proposal and go on from the sequence as it is now.
             sequence = prompt + list(first[:2]) + [(first[2] + 1) % 700]
-            second = await drafter.propose(1, tuple(sequence), 4)
+            second = (await drafter.propose(1, tuple(sequence), 4)).tokens
             # All kept, and the big model's token after them.
             sequence += list(second) + [7]
-            third = await drafter.propose(1, tuple(sequence), 2)
+            third = (await drafter.propose(1, tuple(sequence), 2)).tokens
             drafter.forget(1)
             await compute.run(lambda: None)
             return first, second, third, sequence, dict(drafter._states)
@@ -69,3 +69,36 @@ def test_a_draft_with_another_vocabulary_is_refused_by_name(tiny_model):
             await compute.stop()
 
     asyncio.run(main())
+
+
+def test_a_sampled_requests_proposals_come_with_their_distributions_and_follow_its_seed(tiny_model):
+    """For a sampled request the draft draws through the request's own filters (top_k here) and
+    hands back each proposal's distribution q; a seeded request proposes the same tokens however
+    often it is asked, whatever its draft cache held before."""
+    import numpy as np
+
+    from ringd.ring.sampling import SamplingParams
+
+    path = tiny_model(arch="llama", layers=2, dtype="float32")
+    prompt = (5, 17, 200, 33, 9, 41)
+    params = SamplingParams(temperature=0.9, top_k=5, seed=11)
+
+    async def main():
+        compute = ComputeThread()
+        try:
+            drafter = await Drafter.load(str(path), compute, model_info(str(path)))
+            first = await drafter.propose(1, prompt, 4, params)
+            again = await drafter.propose(1, prompt, 4, params)  # its cache holds the proposals now: trimmed back
+            other = await drafter.propose(2, prompt, 4, SamplingParams(temperature=0.9, top_k=5, seed=12))
+            greedy = await drafter.propose(3, prompt, 4, SamplingParams(temperature=0))
+            return first, again, other, greedy
+        finally:
+            await compute.stop()
+
+    first, again, other, greedy = asyncio.run(main())
+    assert first.tokens == again.tokens and np.array_equal(first.probs, again.probs)
+    assert first.probs.shape == (4, 704) and first.probs.dtype == np.float32
+    assert np.allclose(first.probs.sum(axis=1), 1, atol=1e-5) and ((first.probs > 0).sum(axis=1) == 5).all()
+    assert all(first.probs[i, t] > 0 for i, t in enumerate(first.tokens))  # each drawn from its own q
+    assert np.array_equal(first.probs[0], other.probs[0])  # q is the context's; the draw is the seed's
+    assert greedy.probs is None and len(greedy.tokens) == 4

@@ -173,7 +173,9 @@ def test_requests_at_once_through_real_stages_get_mlx_lms_tokens_and_leave_nothi
 def test_ignore_eos_runs_past_the_end_token_to_max_tokens(tiny_model):
     """The tiny model's third greedy token made its end token: a request ends there, with
     ``ignore_eos`` it runs on to max_tokens with mlx-lm's greedy tokens (the end token among
-    them, spelt as nothing), finishing for its length."""
+    them, spelt as nothing), finishing for its length. The ring does not wait for a consumer
+    that lags: its answers queue up, and each event says how many wait behind it (``queued``,
+    what lets a stream join their events into one write)."""
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load as mlx_load
 
@@ -189,10 +191,15 @@ def test_ignore_eos_runs_past_the_end_token_to_max_tokens(tiny_model):
         ring = StageRing(path, [1], tokenizer)
         engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0))
         try:
-            outs = []
-            for ignore in (False, True):
-                events = [e async for e in engine.generate(prompt, SamplingParams(temperature=0), 8, ignore_eos=ignore)]
-                outs.append(([e.token for e in events], events[-1].finish_reason))
+            events = [e async for e in engine.generate(prompt, SamplingParams(temperature=0), 8)]
+            outs = [([e.token for e in events], events[-1].finish_reason)]
+            lagging = engine.generate(prompt, SamplingParams(temperature=0), 8, ignore_eos=True)
+            events = [await anext(lagging)]
+            [flight] = engine._flights.values()
+            await until(lambda: flight.queue.qsize() == 7, "the ring's other seven answers to queue behind the consumer")
+            events += [e async for e in lagging]
+            outs.append(([e.token for e in events], events[-1].finish_reason))
+            assert [e.queued for e in events[1:]] == [6, 5, 4, 3, 2, 1, 0], [e.queued for e in events]
             return outs, events[2].text
         finally:
             await ring.stop()
@@ -237,7 +244,7 @@ def test_a_request_failing_on_a_stage_fails_alone(tiny_model):
 def test_speculative_decoding_through_real_stages_gives_the_plain_greedy_tokens(tiny_model):
     """A draft that always agrees (the model itself) and one that rarely does (another random
     model with the same vocabulary): greedy requests at once get the tokens the same engine gives
-    without a draft; a sampled request beside them does not speculate; nothing is left behind."""
+    without a draft; a sampled request beside them speculates too (speculative sampling); nothing is left behind."""
     from ringd.leader.draft import Drafter
 
     path = tiny_model(arch="llama", layers=4, dtype="float32")
@@ -296,7 +303,7 @@ async def _drain(stream) -> None:
 
 
 def test_only_requests_whose_caches_can_be_cut_back_speculate(tiny_model):
-    """Greedy requests without logprobs, penalties or a grammar, on caches that can drop a rejected
+    """Greedy and sampled requests without logprobs, penalties or a grammar, on caches that can drop a rejected
     proposal for the request's whole length (a sliding window cannot once it wraps; linear
     attention never)."""
     from ringd.ring.steps import KvOptions
@@ -305,7 +312,7 @@ def test_only_requests_whose_caches_can_be_cut_back_speculate(tiny_model):
     engine = Engine("node0", tokenizer, None, drafter=object())
     greedy = SamplingParams(temperature=0)
     assert engine._speculates(greedy, 10_000)
-    assert not engine._speculates(SamplingParams(temperature=0.5), 10)
+    assert engine._speculates(SamplingParams(temperature=0.5, top_k=5), 10)  # speculative sampling
     assert not engine._speculates(SamplingParams(temperature=0, logprobs=True), 10)
     assert not engine._speculates(SamplingParams(temperature=0, repetition_penalty=1.1), 10)
     engine.prefix_limit = 0  # linear-attention state
@@ -438,6 +445,41 @@ def test_a_micro_batch_lost_on_a_live_ring_fails_its_request_and_frees_its_slot(
     prompt = tokenizer.encode("hello", add_special_tokens=False)[:1]
     assert served == greedy_tokens(path, prompt, 4, set(tokenizer.eos_token_ids)), served
     assert in_flight == 0
+
+
+def test_one_timer_per_request_moves_its_deadline_with_each_wait_and_fails_a_silent_ring():
+    """The step deadline (``_answer``): an answer already there is taken without a timer; a wait
+    arms the request's one timer, which, firing while a later wait has not yet lasted
+    ``step_timeout_s``, waits for that wait's deadline instead of failing it; a ring that stays
+    silent for ``step_timeout_s`` fails the request with a 503."""
+    from types import SimpleNamespace
+
+    from ringd.leader.engine import _Flight
+
+    async def main():
+        engine = Engine("node0", SimpleNamespace(eos_token_ids=[EOS]), None, step_timeout_s=0.2)
+        flight = _Flight(1, [5], SamplingParams(temperature=0), 4, asyncio.Queue())
+        flight.queue.put_nowait("a token")
+        assert await engine._answer(flight) == "a token" and flight.watchdog is None
+        waiting = asyncio.ensure_future(engine._answer(flight))
+        await until(lambda: flight.waiting_since is not None, "the consumer to wait")
+        armed = flight.watchdog
+        assert armed is not None and armed.when() == flight.waiting_since + engine.step_timeout_s
+        flight.queue.put_nowait("the next")
+        assert await waiting == "the next" and flight.waiting_since is None
+        # A later wait, begun just now: the timer of the first fires early for it, and moves.
+        waiting = asyncio.ensure_future(engine._answer(flight))
+        await until(lambda: flight.waiting_since is not None, "the consumer to wait again")
+        assert flight.watchdog is armed  # no new timer per wait
+        armed.cancel()
+        engine._overdue(flight)
+        assert flight.queue.empty() and flight.watchdog.when() == flight.waiting_since + engine.step_timeout_s
+        with contextlib.suppress(EngineError):
+            await asyncio.wait_for(waiting, 30)  # the ring says nothing: the moved deadline fails it
+        return waiting.exception()
+
+    error = asyncio.run(main())
+    assert isinstance(error, EngineError) and error.status == 503 and "did not answer within" in str(error), error
 
 
 def pooled_reference(model, prompt: list[int], pool: str) -> mx.array:

@@ -21,6 +21,11 @@ answered at any later point, right (the model's own continuation) or wrong; the
 last stage keeps the proposals that agree with what it samples and cuts the
 rest from its cache, the other stages cut them when the request's next row
 says where; a cut is allowed only into positions a verify row left provisional.
+
+The scheduler keeps its ready requests in queues (heaps kept as requests
+change); ``Oracle`` is the order it replaced (every request sorted per
+micro-batch), and ``Twin`` runs both on every event of the same workloads:
+their commands must be equal, so the queues decide exactly as the sort did.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ringd.leader.scheduler import Deliver, Draft, Fail, Release, Scheduler, SchedulerError, Send
+from ringd.leader.scheduler import Deliver, Draft, Fail, Release, Scheduler, SchedulerError, Send, _Request
 from ringd.ring.steps import Row
 
 VOCAB = 1000
@@ -50,6 +55,76 @@ def reference(rid: int, prompt: list[int], n: int) -> list[int]:
         out.append(model(rid, seq))
         seq.append(out[-1])
     return out
+
+
+class Oracle(Scheduler):
+    """The schedule's order as it was decided before the ready queues: every request looked at,
+    and the ready ones sorted by when they last got a row, for each micro-batch."""
+
+    def _ready(self) -> list[_Request]:
+        return sorted((r for r in self._requests.values() if r.ready(self.num_draft)), key=lambda r: r.waited)
+
+    def _fill(self) -> list:
+        out = []
+        if self.term is not None:
+            for req in self._requests.values():
+                if not req.drafting and not req.in_flight and not req.done() and req.waits_for_draft(self.num_draft):
+                    req.drafting = True
+                    out.append(Draft(req.rid, tuple(req.prompt + req.generated), req.draft_size(self.num_draft)))
+        while self.term is not None and len(self._in_flight) < self.max_in_flight:
+            rows = self._take()
+            if not rows:
+                break
+            batch = next(self._batches)
+            for row in rows:
+                req = self._requests[row.rid]
+                req.in_flight.append(batch)
+                req.queued = row.offset + len(row.tokens)
+                if row.verify:
+                    req.draft = None
+            self._in_flight[batch] = (self.term, not rows[0].sample, rows)
+            out.append(Send(batch, self.term, rows))
+        return out
+
+    def _take(self) -> tuple[Row, ...]:
+        ready = self._ready()
+        prefill = [r for r in ready if r.prefilling]
+        decode = [r for r in ready if not r.prefilling]
+        decoding = sum(1 for r in self._requests.values() if not r.done() and not r.prefilling)
+        chunks = sum(1 for _, is_prefill, _ in self._in_flight.values() if is_prefill)
+        if chunks >= max(1, self.max_in_flight - (1 if decoding else 0)):
+            prefill = []
+        if prefill and (self._prefill_turn or not decode):
+            self._prefill_turn = False
+            chunk = min(self.prefill_chunk, self.interleaved_chunk) if decoding else self.prefill_chunk
+            return (self._next_row(prefill[0], chunk),)
+        self._prefill_turn = True
+        share = -(-decoding // self.max_in_flight)
+        return tuple(self._next_row(r) for r in decode[: max(1, min(self.max_rows, share))])
+
+
+class Twin:
+    """A Scheduler and its Oracle given every event alike: each answer must be the same."""
+
+    def __init__(self, **options):
+        self.sched, self.oracle = Scheduler(**options), Oracle(**options)
+
+    def __getattr__(self, name):
+        mine, theirs = getattr(self.sched, name), getattr(self.oracle, name)
+        if not callable(mine):
+            assert mine == theirs, f"{name}: {mine!r} (queues) != {theirs!r} (sorted)"
+            return mine
+
+        def both(*args, **kwargs):
+            got, want = mine(*args, **kwargs), theirs(*args, **kwargs)
+            assert got == want, f"{name}{args}: the queues decided {got}, the sort {want}"
+            return got
+
+        return both
+
+    def __contains__(self, rid: int) -> bool:
+        assert (rid in self.sched) == (rid in self.oracle)
+        return rid in self.sched
 
 
 class Ring:
@@ -188,7 +263,7 @@ EVENTS = st.one_of(
     hog=st.booleans(),
 )
 def test_any_interleaving_delivers_every_token_once_in_order_as_the_uninterrupted_run(stages, in_flight, max_rows, chunk, interleaved, num_draft, events, hog):
-    sched = Scheduler(max_in_flight=in_flight, max_rows=max_rows, prefill_chunk=chunk, interleaved_chunk=interleaved, num_draft=num_draft)
+    sched = Twin(max_in_flight=in_flight, max_rows=max_rows, prefill_chunk=chunk, interleaved_chunk=interleaved, num_draft=num_draft)
     ring = Ring(stages, sched)
     ring.apply(sched.ring_up(ring.term))
     joined: dict[int, tuple[list[int], int]] = {}

@@ -159,11 +159,15 @@ def test_verify_rows_keep_the_proposals_that_agree_and_every_stage_cuts_the_rest
                 offset, token = s.offset, s.token
                 assert offset == len(prompt) + len(out) - 1
             ring.send(ring.first, release(2, TERM))
-            # A request that samples cannot verify: its proposals are refused, not guessed at.
-            opened = await ring.prefill(3, prompt, SamplingParams(temperature=0.7, seed=1))
-            ring.forward([Row(3, len(prompt) - 1, (prompt[-1], 5, 6), True, open=opened, verify=True)])
-            refused = await ring.answer()
-            ring.send(ring.first, release(3, TERM))  # as the leader does after a failed row
+            # Proposals whose test needs what the row lacks are refused, not guessed at: a request
+            # with penalties (its distribution would follow the proposals), a sampled one without
+            # the draft's distributions.
+            refused = []
+            for rid, params in ((3, SamplingParams(temperature=0, repetition_penalty=1.2)), (4, SamplingParams(temperature=0.7, seed=1))):
+                opened = await ring.prefill(rid, prompt, params)
+                ring.forward([Row(rid, len(prompt) - 1, (prompt[-1], 5, 6), True, open=opened, verify=True)])
+                refused.append(await ring.answer())
+                ring.send(ring.first, release(rid, TERM))  # as the leader does after a failed row
             for _ in range(1000):  # every RELEASE applied: each stage hands it on, then applies it
                 left = [len(r.sessions) for r in ring.runners.values()]
                 if not any(left):
@@ -182,5 +186,65 @@ def test_verify_rows_keep_the_proposals_that_agree_and_every_stage_cuts_the_rest
     get = registry.get_sample_value
     assert get("ringd_draft_tokens_total", {"node": "node-last", "outcome": "accepted"}) > 0
     assert get("ringd_draft_tokens_total", {"node": "node-last", "outcome": "rejected"}) > 0
-    assert isinstance(refused, Tokens) and "greedy" in refused.failed[0][1]
+    assert isinstance(refused[0], Tokens) and "without penalties or a grammar" in refused[0].failed[0][1], refused
+    assert isinstance(refused[1], Tokens) and "the draft's distribution" in refused[1].failed[0][1], refused
     assert left == [0, 0, 0], left
+
+
+def test_verify_rows_of_several_requests_go_batched_and_keep_mlx_lms_tokens(model, monkeypatch):
+    """Verify rows of three requests, each turn right, wrong or half right, go through every stage
+    as one batch of [3, 4] positions, beside a fourth request's plain row in the same micro-batch;
+    the proposals not kept are cut in the batched caches (``Sessions.rewind_group``), and every
+    request's tokens are still mlx-lm's (teacher-forced, as batched decode rows are checked)."""
+    from mlx_lm.generate import generate_step
+    import mlx.core as mx
+
+    from ringd.stage.sessions import Sessions
+
+    cuts_in_groups = []
+    rewind_group = Sessions.rewind_group
+    monkeypatch.setattr(Sessions, "rewind_group", lambda self, cuts: cuts_in_groups.append(rewind_group(self, cuts)) or cuts_in_groups[-1])
+    rng = random.Random(9)
+    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in (5, 9, 14, 20)]
+    mlx_model, _ = mlx_load(str(model))
+    reference = [[t for t, _ in generate_step(mx.array(p), mlx_model, max_tokens=48)] for p in prompts]
+
+    async def main():
+        ring = StageRing(model, [1, 3])
+        try:
+            live, out, kept = {}, {rid: [] for rid in range(4)}, []
+            for rid, prompt in enumerate(prompts):
+                opened = await ring.prefill(rid, prompt, SamplingParams(temperature=0))
+                ring.forward([Row(rid, len(prompt) - 1, (prompt[-1],), True, open=opened)])
+                [s] = (await ring.answer()).rows
+                out[rid].append(s.token)
+                live[rid] = (s.offset, s.token)
+            for turn in range(9):
+                rows = []
+                for rid in range(4):
+                    offset, token = live[rid]
+                    right = reference[rid][len(out[rid]) : len(out[rid]) + 3] if rid < 3 else []
+                    proposals = [right, [(t + 1) % 500 for t in right], right[:1] + [(t + 1) % 500 for t in right[1:]]][(turn + rid) % 3]
+                    rows.append(Row(rid, offset, (token, *proposals), True, verify=bool(proposals)))
+                ring.forward(rows)
+                answer = await ring.answer()
+                assert isinstance(answer, Tokens) and not answer.failed and len(answer.rows) == 4, answer
+                for s in answer.rows:
+                    proposals = next(r.tokens[1:] for r in rows if r.rid == s.rid)
+                    out[s.rid] += list(proposals[: s.accepted]) + [s.token]
+                    live[s.rid] = (s.offset, s.token)
+                    if s.rid < 3:
+                        kept.append(((turn + s.rid) % 3, s.accepted))
+            return out, kept, [rows_batched(ring.runners[s.node].metrics) for s in ring.stages]
+        finally:
+            await ring.stop()
+
+    out, kept, batched = asyncio.run(main())
+    assert all(n >= 9 for n in batched), batched  # every turn's verify rows as one batch, on every stage
+    assert any(cuts_in_groups) and all(cuts_in_groups), cuts_in_groups
+    right = [n for kind, n in kept if kind == 0]
+    assert sum(right) >= 0.9 * 3 * len(right), kept  # the reference's own tokens are kept (near ties aside)
+    assert all(n == 0 for kind, n in kept if kind == 1), kept
+    for rid, prompt in enumerate(prompts):
+        bad = teacher_forced_mismatches(mlx_model, prompt, out[rid])
+        assert not bad, f"request {rid}:\n" + "\n".join(bad)

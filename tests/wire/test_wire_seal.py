@@ -289,3 +289,56 @@ def test_session_keys_follow_the_transcript():
     a2, _ = sessions(False, hashlib.sha256(b"2").digest())
     frame = Frame(MsgType.PING)
     assert sealed(a1, [frame]) != sealed(a2, [frame])
+
+
+def _direction_key(label: bytes, mode: bytes, transcript: bytes = b"transcript") -> bytes:
+    """The initiator's sending key, derived as wire.seal derives it, under ``label`` and ``mode``."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    salt = hashlib.sha256(transcript).digest()
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=label + mode + b"initiator->responder").derive(SECRET)
+
+
+def test_integrity_trailer_is_keyed_blake3_of_seq_header_descriptor_and_payload():
+    """Protocol 5's MAC, computed here apart from wire.seal: keyed BLAKE3 under the session's key."""
+    from blake3 import blake3
+
+    from wire.seal import SESSION_LABEL
+
+    ours, _ = sessions(False)
+    frames_ = [Frame(MsgType.CONTROL, 3, {"a": 1}, b"payload" * 9), Frame(MsgType.PING)]
+    key = _direction_key(SESSION_LABEL, b"blake3-keyed|")
+    for seq, (frame, data) in enumerate(zip(frames_, sealed(ours, frames_))):
+        body, trailer = data[:-MAC_BYTES], data[-MAC_BYTES:]
+        assert trailer == blake3(seq.to_bytes(8, "little") + body, key=key).digest()
+
+
+def test_a_protocol_4_hmac_trailer_does_not_open():
+    """A frame sealed as protocol 4 sealed it (HMAC-SHA256 under the v2 label's key) fails here, so
+    two versions never talk past their handshake (which refuses the mismatch first)."""
+    import hmac
+
+    frame = Frame(MsgType.CONTROL, 3, {"a": 1}, b"payload")
+    body = b"".join(bytes(b) for b in encode_frame(frame, LIMITS))
+    old = _direction_key(b"ringd-session-v2|", b"hmac-sha256|")
+    trailer = hmac.new(old, (0).to_bytes(8, "little") + body, hashlib.sha256).digest()
+    _, theirs = sessions(False)
+    _, error = decode_until_error(theirs, body + trailer + PADDING)
+    assert isinstance(error, IntegrityError)
+
+
+@settings(max_examples=200)
+@given(st.lists(small_frames, min_size=1, max_size=3), st.data())
+def test_any_changed_byte_after_the_header_is_an_integrity_error(fs, data):
+    """Descriptor, payload or MAC: any byte replaced by another fails the MAC (the header's bytes
+    may fail its checks first, as a FrameError: test_any_flipped_bit_fails_the_frame)."""
+    ours, theirs = sessions(False)
+    wire = sealed(ours, fs)
+    index = data.draw(st.integers(0, len(fs) - 1))
+    pos = data.draw(st.integers(HEADER_BYTES, len(wire[index]) - 1))
+    changed = bytearray(wire[index])
+    changed[pos] ^= data.draw(st.integers(1, 255))
+    got, error = decode_until_error(theirs, b"".join(wire[:index]) + bytes(changed) + b"".join(wire[index + 1 :]) + PADDING)
+    assert isinstance(error, IntegrityError), error
+    assert got == fs[:index]
