@@ -38,6 +38,7 @@ from ringd.cluster.reconcile import Report
 from ringd.names import natural_key, parse_hostport
 from ringd.tasks import Supervisor
 from wire.frames import Frame, MsgType
+from wire.slots import canonical_host
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +146,26 @@ class Cluster:
         return leader == self.node or (leader is not None and leader in self.links.peers)
 
     def link_views(self) -> dict[str, dict[str, Measured]]:
-        """Each live node's measurements of its links (this node's own included): node -> peer -> figures."""
+        """Each live node's measurements of its links (this node's own included): node -> peer -> figures.
+
+        Only links between two machines: two nodes that listen on one host (``ringd local``, a
+        test's ring) talk over loopback, whose round trip is how soon each process is scheduled,
+        not a network, and placement must not read a loaded machine's delays as a slow link."""
         views = {p: dict(v) for p, v in self.peer_links.items() if p in self.links.peers}
         views[self.node] = self.meter.view()
-        return views
+        hosts = {node: self._host(node) for node in views}
+        return {
+            a: {b: m for b, m in view.items() if hosts.get(a) is None or hosts.get(a) != self._host(b)}
+            for a, view in views.items()
+        }
+
+    def _host(self, node: str) -> str | None:
+        """The host a node listens on (its handshake's advertised address), or None if unknown."""
+        info = self.links.info if node == self.node else self.info_of(node)
+        try:
+            return canonical_host(parse_hostport(info.get("addr"))[0])
+        except ValueError:
+            return None
 
     def info_of(self, node: str) -> dict:
         peer = self.links.peers.get(node)
