@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-from pathlib import Path
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "bench"
+from toolscript import load
 
-
-def load():
-    loader = importlib.machinery.SourceFileLoader("bench", str(TOOL))
-    spec = importlib.util.spec_from_loader("bench", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
-bench = load()
+bench = load("bench")
 
 names = st.lists(st.sampled_from("abcdef"), min_size=1, max_size=6, unique=True)
 streams = st.integers(1, 64)

@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-from pathlib import Path
-
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "layers"
-
-
-def load():
-    loader = importlib.machinery.SourceFileLoader("layers", str(TOOL))
-    spec = importlib.util.spec_from_loader("layers", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+from toolscript import load
 
 
 def test_no_cycle_and_no_arrow_up():
-    graph, problems = load().check()
+    graph, problems = load("layers").check()
     assert len(graph) > 80, "the tool found the modules"
     assert problems == [], "\n".join(problems)
 
 
 def test_an_import_inside_a_function_or_under_type_checking_counts(tmp_path):
     """A cycle hidden by an import in a function, and an arrow up under TYPE_CHECKING, are found."""
-    layers = load()
+    layers = load("layers")
     pkg = tmp_path / "ringd"
     (pkg / "ring").mkdir(parents=True)
     (tmp_path / "wire").mkdir()
