@@ -161,9 +161,9 @@ class Cluster:
 
     def _host(self, node: str) -> str | None:
         """The host a node listens on (its handshake's advertised address), or None if unknown."""
-        info = self.links.info if node == self.node else self.info_of(node)
+        addr = self.links.info.get("addr") if node == self.node else self.links.addr_of(node)
         try:
-            return canonical_host(parse_hostport(info.get("addr"))[0])
+            return canonical_host(parse_hostport(addr)[0])
         except ValueError:
             return None
 
