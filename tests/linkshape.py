@@ -11,12 +11,18 @@ is retransmitted as on a real Wi-Fi link, a slow link fills the socket buffers.
 
 The model (``LinkModel``, sans-I/O) gives each host one access link, a ``Profile``:
 a packet from A to B is serialized at A's rate onto A's link, crosses A's and B's
-links (half of each one's one-way latency, plus each one's jitter), is serialized at
-B's rate off B's link, and is lost with each link's loss probability. So two hosts of
-one profile see its latency one way, as a Mac sees a switch's other port. Packets
-between one pair of hosts are delivered in the order they were sent (jitter never
-reorders: a Wi-Fi link's does not either, and reordering would make TCP retransmit
-for nothing). Multicast and broadcast (mDNS) go to every other host.
+links (half of each one's one-way latency, plus half of each one's jitter), is
+serialized at B's rate off B's link, and is lost with each link's loss probability.
+So two hosts of one profile see its latency one way, as a Mac sees a switch's other
+port. Hosts may sit on SEGMENTS (switches, Thunderbolt bridges, rooms) joined by one
+UPLINK, itself a ``Profile`` whose latency and jitter are those of crossing it once: a
+packet between hosts of different segments also crosses the uplink (serialized at its
+rate, each direction shared by every packet that crosses it that way; its whole latency
+and jitter; its loss). So the path, not just the two ends, decides what a pair's link
+costs, and a ring's order can cross the uplink more or less often. Packets between one
+pair of hosts are delivered in the order they were sent (jitter never reorders: a Wi-Fi
+link's does not either, and reordering would make TCP retransmit for nothing).
+Multicast and broadcast (mDNS) go to every other host.
 
 The emulator adds its own cost (a Python process reading and writing each packet:
 tens of microseconds); ``tools/bench --link`` measures each link's round trip through
@@ -70,30 +76,54 @@ def profile(name: str) -> Profile:
 
 
 class LinkModel:
-    """When (if ever) a packet sent now arrives: sans-I/O, the emulator's whole policy."""
+    """When (if ever) a packet sent now arrives: sans-I/O, the emulator's whole policy.
 
-    def __init__(self, links: list[Profile], seed: int = 0):
+    ``links``: each host's access link. ``segments``: each host's segment (None: one
+    segment); hosts of different segments are joined by ``uplink``."""
+
+    def __init__(self, links: list[Profile], seed: int = 0, segments: list[int] | None = None, uplink: Profile | None = None):
         self.links = links
+        self.segments = [0] * len(links) if segments is None else list(segments)
+        if len(self.segments) != len(links):
+            raise ValueError(f"{len(self.segments)} segments for {len(links)} hosts; give one per host")
+        if uplink is None and len(set(self.segments)) > 1:
+            raise ValueError(f"hosts on segments {sorted(set(self.segments))} and no uplink to join them")
+        self.uplink = uplink
         self.rng = random.Random(seed)
         self._up_free = [0.0] * len(links)  # when each host's link is free to send again
         self._down_free = [0.0] * len(links)  # when each host's link is free to deliver again
+        self._uplink_free = {}  # (from segment, to segment): when that direction is free again
         self._last = {}  # (src, dst): the last delivery time, so a pair stays in order
 
-    def deliver_at(self, src: int, dst: int, size: int, now: float) -> float | None:
+    def path(self, src: int, dst: int) -> tuple[Profile, ...]:
+        """The links a packet from ``src`` to ``dst`` crosses, in order."""
         a, b = self.links[src], self.links[dst]
-        if self.rng.random() < a.loss or self.rng.random() < b.loss:
+        return (a, b) if self.segments[src] == self.segments[dst] else (a, self.uplink, b)
+
+    def deliver_at(self, src: int, dst: int, size: int, now: float) -> float | None:
+        path = self.path(src, dst)
+        if any(self.rng.random() < link.loss for link in path):
             return None
+        a, b = path[0], path[-1]
         sent = max(now, self._up_free[src]) + 8 * size / a.rate_bps
         self._up_free[src] = sent
-        flight = a.latency_s / 2 + b.latency_s / 2
-        for link in (a, b):
-            if link.jitter_s:
-                flight += self.rng.uniform(-link.jitter_s, link.jitter_s) / 2
-        arrive = max(sent + max(flight, 0.0), self._down_free[dst]) + 8 * size / b.rate_bps
+        at = sent + self._flight(a, 0.5)
+        if len(path) == 3:
+            way = (self.segments[src], self.segments[dst])
+            at = max(at, self._uplink_free.get(way, 0.0)) + 8 * size / self.uplink.rate_bps
+            self._uplink_free[way] = at
+            at += self._flight(self.uplink, 1.0)
+        at += self._flight(b, 0.5)
+        arrive = max(at, self._down_free[dst]) + 8 * size / b.rate_bps
         self._down_free[dst] = arrive
         arrive = max(arrive, self._last.get((src, dst), 0.0))
         self._last[(src, dst)] = arrive
         return arrive
+
+    def _flight(self, link: Profile, share: float) -> float:
+        """``share`` of ``link``'s one-way latency, and of a jitter draw (never below 0)."""
+        jitter = self.rng.uniform(-link.jitter_s, link.jitter_s) if link.jitter_s else 0.0
+        return max(share * (link.latency_s + jitter), 0.0)
 
 
 # --- the emulator process ----------------------------------------------------------------
@@ -134,12 +164,12 @@ def _destinations(packet: bytes, prefix: bytes, src: int, n: int) -> list[int]:
     return []
 
 
-def run(names: list[str], links: list[Profile], prefix: bytes, seed: int) -> None:
-    """Create one TUN per host (named ``names``), say "ready", then forward until stdin closes."""
+def run(names: list[str], model: LinkModel, prefix: bytes) -> None:
+    """Create one TUN per host (named ``names``), say "ready", then forward as ``model`` says
+    until stdin closes."""
     _timer_slack_1ns()
     fds = [_open_tun(name) for name in names]
     src_of = {fd: i for i, fd in enumerate(fds)}
-    model = LinkModel(links, seed)
     due: list[tuple[float, int, int, bytes]] = []  # (time, order, dst, packet)
     order = 0
     print("ready", flush=True)
@@ -181,14 +211,21 @@ def main() -> None:
     p.add_argument("--names", required=True, help="TUN names, comma-separated, one per host")
     p.add_argument("--links", required=True, help="JSON list of Profile fields, one per host")
     p.add_argument("--prefix", required=True, help="the hosts' /24, as A.B.C")
+    p.add_argument("--segments", help="each host's segment, comma-separated integers (default: one segment)")
+    p.add_argument("--uplink", help="JSON of the Profile fields of the link joining the segments")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     links = [Profile(**d) for d in json.loads(args.links)]
+    segments = None if args.segments is None else [int(x) for x in args.segments.split(",")]
+    uplink = None if args.uplink is None else Profile(**json.loads(args.uplink))
     prefix = bytes(int(x) for x in args.prefix.split("."))
-    run(args.names.split(","), links, prefix, args.seed)
+    run(args.names.split(","), LinkModel(links, args.seed, segments, uplink), prefix)
 
 
-def encode(links: list[Profile]) -> str:
+def encode(links: list[Profile] | Profile) -> str:
+    """``links`` (a list, or one) as JSON of their fields: what ``--links`` and ``--uplink`` read."""
+    if isinstance(links, Profile):
+        return json.dumps(dataclasses.asdict(links))
     return json.dumps([dataclasses.asdict(link) for link in links])
 
 

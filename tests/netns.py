@@ -13,7 +13,9 @@ it per socket and needs no route; ``InterfaceChoice.Default`` does).
 profile instead (tests/linkshape.py: latency, jitter, loss and rate, emulated in
 userspace because the kernel has no netem): each host's ``eth0`` is then a TUN device
 whose packets the emulator, a process in the bridge's namespace, delivers as the
-links would.
+links would. ``segments=[0, 1, 0, 1], uplink="1gbe"`` puts the hosts on segments
+(two switches, two rooms) joined by an uplink of that profile, which a packet between
+segments crosses too.
 
 Needs root and iproute2. ``netns_available()`` says which is missing, for an assertion.
 Everything is torn down on exit, on failure halfway through creation, and at
@@ -76,10 +78,16 @@ class Host:
 class NetnsHosts:
     """``with NetnsHosts(3) as net:`` three hosts on one bridge; see the module docstring."""
 
-    def __init__(self, n: int, links: list | None = None):
+    def __init__(self, n: int, links: list | None = None, segments: list[int] | None = None, uplink=None):
         if links is not None and len(links) != n:
             raise ValueError(f"{len(links)} link profiles for {n} hosts; give one per host")
-        self.links = None if links is None else [linkshape.profile(x) if isinstance(x, str) else x for x in links]
+        if segments is not None and links is None:
+            raise ValueError("segments are joined by emulated links; give links too")
+        self.links = None if links is None else [_profile(x) for x in links]
+        self.segments = segments
+        self.uplink = None if uplink is None else _profile(uplink)
+        if self.links is not None:
+            linkshape.LinkModel(self.links, segments=segments, uplink=self.uplink)  # its errors, before any namespace exists
         self._emulator: subprocess.Popen | None = None
         if not 1 <= n <= 250:
             raise ValueError(f"{n} hosts; a /24 test subnet holds 1 to 250")
@@ -166,6 +174,10 @@ class NetnsHosts:
         prefix = self.hosts[0].ip.rsplit(".", 1)[0]
         argv = [sys.executable, str(Path(__file__).with_name("linkshape.py")), "--names", ",".join(names),
                 "--links", linkshape.encode(self.links), "--prefix", prefix]
+        if self.segments is not None:
+            argv += ["--segments", ",".join(str(s) for s in self.segments)]
+        if self.uplink is not None:
+            argv += ["--uplink", linkshape.encode(self.uplink)]
         self._emulator = subprocess.Popen(
             ["ip", "netns", "exec", br, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
         )
@@ -194,6 +206,10 @@ class NetnsHosts:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _profile(link) -> linkshape.Profile:
+    return linkshape.profile(link) if isinstance(link, str) else link
 
 
 def _stop(proc: subprocess.Popen) -> None:
