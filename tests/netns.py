@@ -48,6 +48,7 @@ EMULATOR_START_TIMEOUT_S = 30.0
 SUBNET = "10.213.{k}.0/24"  # private (RFC 1918), and only ever inside our namespaces
 BRIDGE = "br0"
 HOST_INTERFACE = "eth0"
+REPO = Path(__file__).resolve().parent.parent  # `python -m ringd` there runs this checkout
 
 _runs = itertools.count()
 
@@ -122,6 +123,11 @@ class NetnsHosts:
         proc = subprocess.Popen(self.exec_prefix(i) + argv, start_new_session=True, **kwargs)
         self._procs.append(proc)
         return proc
+
+    def serve(self, i: int, log: Path, *args: str) -> subprocess.Popen:
+        """``ringd serve ARGS`` on host i, this checkout's code, its output written to ``log``."""
+        with open(log, "w") as out:  # the daemon holds its own copy of the file
+            return self.popen(i, [sys.executable, "-m", "ringd", "serve", *args], cwd=REPO, stdout=out, stderr=out)
 
     def close(self) -> None:
         """End our processes, delete our namespaces. Safe to call twice."""

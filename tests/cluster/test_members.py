@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -230,18 +229,15 @@ def test_three_daemons_in_three_network_namespaces_discover_each_other_and_serve
     secret.write_text("n" * 32)
     secret.chmod(0o600)
     cluster = f"ns-{os.getpid()}"
-    with NetnsHosts(3) as net, contextlib.ExitStack() as files:
+    with NetnsHosts(3) as net:
         logs = [tmp_path / f"host{i}.log" for i in range(3)]
         for i in range(3):
             # Nothing but a name, a cluster, a secret and a model: default ports
             # (each host has its own), addresses from the host's interfaces.
-            out = files.enter_context(open(logs[i], "w"))
-            cmd = [
-                sys.executable, "-m", "ringd", "serve", "--name", f"host{i}", "--cluster", cluster,
-                "--secret-file", str(secret), "--model", str(model), "--model-id", "tiny",
-                "--state-dir", str(tmp_path / "state"),
-            ]  # fmt: skip
-            net.popen(i, cmd, cwd=REPO, stdout=out, stderr=out)
+            net.serve(
+                i, logs[i], "--name", f"host{i}", "--cluster", cluster, "--secret-file", str(secret),
+                "--model", str(model), "--model-id", "tiny", "--state-dir", str(tmp_path / "state"),
+            )  # fmt: skip
         api = f"http://{net.hosts[2].ip}:8100"  # a follower's API, reached from host 0
         done = subprocess.run(
             net.exec_prefix(0) + [sys.executable, "-c", NS_CLIENT, api, "60"], capture_output=True, text=True, timeout=90

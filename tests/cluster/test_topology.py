@@ -104,11 +104,23 @@ def test_link_matrix_takes_both_ends_rtt_mean_and_slower_bandwidth():
     assert m == {frozenset("ab"): Measured(200, 5), frozenset("bc"): Measured(50, None)}
 
 
-@given(clusters())
-def test_the_chosen_ring_is_never_costlier_than_name_order_and_only_slow_macs_not_needed_are_out(c):
+def placeable(c) -> tuple:
+    """A drawn cluster whose holders hold the model between them (Hypothesis draws another where
+    they do not): its leader, holders, links and ``fits``."""
     leader, holders, links, budgets, need = c
     fits = fits_with(budgets, need)
     assume(fits(tuple(holders)) is not None)
+    return leader, holders, links, fits
+
+
+def in_name_order(leader: str, nodes) -> tuple[str, ...]:
+    """``nodes`` as rings were placed before links counted: the leader first if it is one, the rest by name."""
+    return tuple(([leader] if leader in nodes else []) + sorted((n for n in nodes if n != leader), key=natural_key))
+
+
+@given(clusters())
+def test_the_chosen_ring_is_never_costlier_than_name_order_and_only_slow_macs_not_needed_are_out(c):
+    leader, holders, links, fits = placeable(c)
     layout = choose(leader, holders, links, fits)
     # Every holder is in the ring or left out, once; the leader holds layers if it may, first.
     assert sorted(layout.ring + tuple(layout.out), key=natural_key) == sorted(holders, key=natural_key)
@@ -117,20 +129,18 @@ def test_the_chosen_ring_is_never_costlier_than_name_order_and_only_slow_macs_no
     # A Mac whose memory is needed is never left out: what stays holds the model.
     assert fits(layout.ring) is not None
     # The cycle over the ring it kept is no costlier than that ring in name order.
-    named = tuple(([leader] if leader in layout.ring else []) + sorted((n for n in layout.ring if n != leader), key=natural_key))
+    named = in_name_order(leader, layout.ring)
     assert layout.cost_us == ring_cost(leader, layout.ring, links, holders)
     assert layout.cost_us <= ring_cost(leader, named, links, holders)
     # Leaving Macs out never costs the cycle more than keeping every holder in name order.
-    everyone = tuple(([leader] if leader in holders else []) + sorted((n for n in holders if n != leader), key=natural_key))
+    everyone = in_name_order(leader, holders)
     if not layout.left_out:
         assert layout.cost_us <= ring_cost(leader, everyone, links, holders)
 
 
 @given(clusters(max_nodes=6))
 def test_the_exact_order_is_the_cheapest_of_all_orders(c):
-    leader, holders, links, budgets, need = c
-    fits = fits_with(budgets, need)
-    assume(fits(tuple(holders)) is not None)
+    leader, holders, links, fits = placeable(c)
     layout = choose(leader, holders, links, fits)
     rest = [n for n in layout.ring if n != leader]
     head = (leader,) if leader in layout.ring else ()
@@ -141,19 +151,15 @@ def test_the_exact_order_is_the_cheapest_of_all_orders(c):
 @settings(max_examples=20)
 @given(clusters(min_nodes=MAX_EXACT_NODES + 1, max_nodes=MAX_EXACT_NODES + 3))
 def test_two_opt_beyond_the_exact_search_is_never_costlier_than_name_order(c):
-    leader, holders, links, budgets, need = c
-    fits = fits_with(budgets, need)
-    assume(fits(tuple(holders)) is not None)
+    leader, holders, links, fits = placeable(c)
     layout = choose(leader, holders, links, fits)
-    named = tuple(([leader] if leader in layout.ring else []) + sorted((n for n in layout.ring if n != leader), key=natural_key))
+    named = in_name_order(leader, layout.ring)
     assert layout.cost_us <= ring_cost(leader, named, links, holders)
 
 
 @given(clusters(), st.data())
 def test_a_layout_is_stable_under_jitter_within_the_margin(c, data):
-    leader, holders, links, budgets, need = c
-    fits = fits_with(budgets, need)
-    assume(fits(tuple(holders)) is not None)
+    leader, holders, links, fits = placeable(c)
     first = choose(leader, holders, links, fits)
     # Every link's RTT and bandwidth moved by up to 10% (the margin allows 11%).
     jitter = st.floats(1 / 1.1, 1.1)
@@ -167,12 +173,10 @@ def test_a_layout_is_stable_under_jitter_within_the_margin(c, data):
 
 @given(clusters())
 def test_a_running_layout_is_replaced_when_the_best_saves_more_than_the_margin(c):
-    leader, holders, links, budgets, need = c
-    fits = fits_with(budgets, need)
-    assume(fits(tuple(holders)) is not None)
+    leader, holders, links, fits = placeable(c)
     best = choose(leader, holders, links, fits)
     # The running ring: every holder, in name order (as rings were placed before links counted).
-    named = tuple(([leader] if leader in holders else []) + sorted((n for n in holders if n != leader), key=natural_key))
+    named = in_name_order(leader, holders)
     running = Layout(named)
     kept = choose(leader, holders, links, fits, current=running)
     if kept.ring == named and not best.left_out:
@@ -228,7 +232,6 @@ def test_five_daemons_on_shaped_links_cross_the_backhaul_twice_leave_the_wifi_ma
     orders them to cross the backhaul twice, the laptop holds no layers (it stays a member), and
     ringctl plan shows each hop's RTT and why the laptop is out. The first plan, before any link is
     measured, has all five in name order."""
-    import contextlib
     import json
     import os
     import re
@@ -254,16 +257,14 @@ def test_five_daemons_on_shaped_links_cross_the_backhaul_twice_leave_the_wifi_ma
     cluster = f"rooms-{os.getpid()}"
     segments = [0, 1, 0, 1, 0]
     segment = {f"host{i}": s for i, s in enumerate(segments)}
-    with NetnsHosts(5, links=["thunderbolt"] * 4 + [BUSY_WIFI], segments=segments, uplink=BACKHAUL) as net, contextlib.ExitStack() as files:
+    with NetnsHosts(5, links=["thunderbolt"] * 4 + [BUSY_WIFI], segments=segments, uplink=BACKHAUL) as net:
         logs = [tmp_path / f"host{i}.log" for i in range(5)]
         for i in range(5):
-            out = files.enter_context(open(logs[i], "w"))
-            cmd = [
-                sys.executable, "-m", "ringd", "serve", "--name", f"host{i}", "--cluster", cluster,
-                "--secret-file", str(secret), "--model", str(model), "--model-id", "tiny",
-                "--state-dir", str(tmp_path / "state"), "--memory-budget-gb", f"{budget_gb:.9f}", "--kv-reserve-tokens", str(KV_STEP_TOKENS),
-            ]  # fmt: skip
-            net.popen(i, cmd, cwd=REPO, stdout=out, stderr=out)
+            net.serve(
+                i, logs[i], "--name", f"host{i}", "--cluster", cluster, "--secret-file", str(secret),
+                "--model", str(model), "--model-id", "tiny", "--state-dir", str(tmp_path / "state"),
+                "--memory-budget-gb", f"{budget_gb:.9f}", "--kv-reserve-tokens", str(KV_STEP_TOKENS),
+            )  # fmt: skip
         api = f"http://{net.hosts[0].ip}:8100"
         wait = [sys.executable, "-c", _NS_WAIT, api, "120", json.dumps(segment)]
         done = subprocess.run(net.exec_prefix(0) + wait, capture_output=True, text=True, timeout=150)
