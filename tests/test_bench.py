@@ -1,4 +1,4 @@
-"""tools/bench --link: the theory its table puts beside each measured figure (pure functions)."""
+"""tools/bench: the theory its --link table puts beside each measured figure (pure functions), and its count of context switches."""
 
 from __future__ import annotations
 
@@ -57,3 +57,28 @@ def test_micro_batches_hide_links_shorter_than_what_the_others_compute_meanwhile
     # of up to 15 ms a trip are hidden, and 4 hops of 5 ms (20 ms) are not, all of them.
     assert bench.streams_bound_tok_s(8, 400.0, 0.005, 3, 0.005) == pytest.approx(400.0)
     assert bench.streams_bound_tok_s(8, 400.0, 0.005, 4, 0.005) == pytest.approx(8 / 0.025)
+
+
+def test_switches_counts_every_wait_of_every_thread():
+    import os
+    import threading
+    import time
+
+    slept, done = threading.Event(), threading.Event()
+
+    def sleeper():
+        for _ in range(20):
+            time.sleep(0.001)
+        slept.set()
+        done.wait()  # counted while it lives: a thread that ended has left /proc
+
+    before = bench.switches([os.getpid()])
+    waiter = threading.Thread(target=sleeper)
+    waiter.start()
+    try:
+        assert slept.wait(30)
+        # The thread slept 20 times, each a switch away from it.
+        assert bench.switches([os.getpid()]) - before >= 20
+    finally:
+        done.set()
+        waiter.join()
