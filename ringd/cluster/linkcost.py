@@ -10,8 +10,8 @@ time ``t`` and, for each peer it heard from since its last beat, that peer's
 comes back, ``now - t - held`` is the time on the wire both ways plus the
 peer's reading of the frame: one RTT sample per heartbeat interval, on frames
 the link sends anyway. A link's RTT is the second fastest of its last RTT_SAMPLES
-samples' second fastest, which slow samples (an event loop busy with a prefill
-chunk, a frame queued behind a FORWARD) do not move unless all but one are slow.
+samples, which slow samples (an event loop busy with a prefill chunk, a frame
+queued behind a FORWARD) do not move unless all but one are slow.
 
 Bandwidth: every PROBE_INTERVAL_S one heartbeat carries PROBE_BYTES of payload
 (ignored by the receiver, older versions included). Its echo comes back later

@@ -153,11 +153,8 @@ class Cluster:
         not a network, and placement must not read a loaded machine's delays as a slow link."""
         views = {p: dict(v) for p, v in self.peer_links.items() if p in self.links.peers}
         views[self.node] = self.meter.view()
-        hosts = {node: self._host(node) for node in views}
-        return {
-            a: {b: m for b, m in view.items() if hosts.get(a) is None or hosts.get(a) != self._host(b)}
-            for a, view in views.items()
-        }
+        hosts = {node: self._host(node) for node in {*views, *(b for view in views.values() for b in view)}}
+        return {a: {b: m for b, m in view.items() if hosts[a] is None or hosts[a] != hosts[b]} for a, view in views.items()}
 
     def _host(self, node: str) -> str | None:
         """The host a node listens on (its handshake's advertised address), or None if unknown."""

@@ -170,11 +170,16 @@ def _links(d: object) -> dict[str, Measured]:
     out = {}
     for node, m in d.items():
         _node("heartbeat links node", node)
-        ok = isinstance(m, list) and len(m) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in m[:1])
-        if not ok or not 0 < m[0] <= MAX_RTT_US or not (m[1] is None or (isinstance(m[1], int) and not isinstance(m[1], bool) and m[1] > 0)):
+        ok = isinstance(m, list) and len(m) == 2 and _whole(m[0]) and 0 < m[0] <= MAX_RTT_US
+        if not ok or not (m[1] is None or (_whole(m[1]) and m[1] > 0)):
             raise MessageError(f"heartbeat links {node} must be [rtt_us in (0, {MAX_RTT_US}], bytes/s > 0 or null], got {m!r:.80}")
         out[node] = Measured(m[0], m[1])
     return out
+
+
+def _whole(v: object) -> bool:
+    """An integer, and not a bool (which JSON's true would be)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def parse_control(d: object) -> Announce:

@@ -179,14 +179,16 @@ def _two_opt(start: str, rest: list[str], cost: _Costs) -> list[str]:
     """2-opt from ``rest`` as given: reverse a segment while that makes the cycle cheaper.
     Only strict improvements, so never costlier than where it began."""
     order = list(rest)
+    current = cost.cycle([start, *order])
     improved = True
     while improved:
         improved = False
         for i in range(len(order) - 1):
             for j in range(i + 1, len(order)):
                 cand = order[:i] + order[i : j + 1][::-1] + order[j + 1 :]
-                if cost.cycle([start, *cand]) < cost.cycle([start, *order]):
-                    order, improved = cand, True
+                c = cost.cycle([start, *cand])
+                if c < current:
+                    order, current, improved = cand, c, True
     return order
 
 
@@ -275,8 +277,8 @@ def choose(
     Y"), which the reason for leaving a Mac out quotes. ``current``: the layout of
     the ring that runs (kept unless a new one is clearly better; see the module).
     """
-    cost = _Costs(links, sorted({leader, *holders}, key=natural_key), hop_bytes)
     among = sorted({leader, *holders}, key=natural_key)
+    cost = _Costs(links, among, hop_bytes)
     best_out = _leave_out(leader, holders, among, cost, fits)
     if current is None or set(current.ring) | current.out != set(holders) or not current.ring:
         return _with(leader, holders, best_out, cost, fits, among)

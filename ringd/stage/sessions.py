@@ -120,6 +120,15 @@ class Session:
         """Its own caches' bytes (a group's are counted once, by Sessions)."""
         return sum(getattr(c, "nbytes", 0) for c in self.cache or ())
 
+    def forget_last(self, n: int) -> None:
+        """Its last ``n`` positions were cut from its caches: forget their tokens (the sampler's
+        history too); nothing it holds is provisional any more."""
+        self.offset -= n
+        del self.tokens[self.offset :]
+        self.provisional = 0
+        if self.sampler is not None:
+            self.sampler.rewind(n)
+
 
 @dataclass
 class Stored:
@@ -191,11 +200,7 @@ class Sessions:
         if not can_trim_prompt_cache(session.cache):
             raise SessionError("a draft's proposals cannot be cut from this stage's caches (a rotating window that wrapped, or a recurrent state)")
         trim_prompt_cache(session.cache, cut)
-        session.offset = offset
-        del session.tokens[offset:]
-        session.provisional = 0
-        if session.sampler is not None:
-            session.sampler.rewind(cut)
+        session.forget_last(cut)
         return session
 
     def rewind_group(self, cuts: dict[int, int]) -> bool:
@@ -216,12 +221,7 @@ class Sessions:
             c.prepare(right_padding=padding)
             c.finalize()
         for session, n in zip(sessions, padding):
-            if n:
-                session.offset -= n
-                del session.tokens[session.offset :]
-                if session.sampler is not None:
-                    session.sampler.rewind(n)
-            session.provisional = 0
+            session.forget_last(n)
             session.last_used = time.monotonic()
         return True
 
