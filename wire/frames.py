@@ -148,8 +148,8 @@ class Sealer(Protocol):
 class Opener(Protocol):
     """What FrameDecoder needs of a wire.seal opener.
 
-    With a MAC (`encrypted` false) the decoder calls begin(header+descriptor),
-    update(chunk) as payload bytes land, finish(trailer, name) -> seq; with
+    With a MAC (`encrypted` false) the decoder calls begin(header), update(chunk)
+    as descriptor and payload bytes land, finish(trailer, name) -> seq; with
     encryption, open(header, ciphertext+tag, name) -> (plaintext, seq). Every
     one of them raises IntegrityError, never anything else, on a bad frame.
     """
@@ -235,8 +235,9 @@ class _State(enum.Enum):
     HEADER = enum.auto()
     DESCRIPTOR = enum.auto()
     PAYLOAD = enum.auto()
-    TRAILER = enum.auto()  # sealed with a MAC: the MAC after the payload
-    BODY = enum.auto()  # encrypted: descriptor, payload and tag in one ciphertext
+    # Sealed: descriptor, payload and MAC (or ciphertext and tag) in one buffer, read as one part:
+    # a frame of the ring's hot path is two reads (its header, then the rest), not four.
+    BODY = enum.auto()
 
 
 def _reject_constant(name: str):
@@ -250,20 +251,22 @@ class FrameDecoder:
     asyncio.BufferedProtocol: fill the view `get_buffer()` returns, then report
     the byte count to `buffer_updated()`.
 
-    A view never reaches past the end of the part being read (header,
-    descriptor, payload or trailer), so a read never takes bytes of the next
-    frame. Two things follow: payload bytes land straight in the frame's own
-    buffer, and `limits` and `opener` may be changed between frames and apply
-    from the next header on (a connection starts sealing after its handshake's
-    PROOF and relaxes the limits after its INFO).
+    A view never reaches past the end of the part being read (header, then
+    descriptor and payload, or on a sealed link everything after the header),
+    so a read never takes bytes of the next frame. Two things follow: payload
+    bytes land straight in the frame's own buffer, and `limits` and `opener` may
+    be changed between frames and apply from the next header on (a connection
+    starts sealing after its handshake's PROOF and relaxes the limits after its
+    INFO).
 
     With an `opener` (wire.seal), every frame must be sealed: its MAC or tag is
     checked before the descriptor is parsed or the frame handed on, and the
     frame comes out with the sequence number it was checked under.
 
-    Memory: a scratch buffer holds a header, a descriptor and a MAC, sized for
-    the current limits (about 1 KiB under HANDSHAKE_LIMITS) and grown when they
-    are relaxed; each frame's payload gets a buffer of its declared size.
+    Memory: a scratch buffer holds a header and, unsealed, a descriptor, sized
+    for the current limits (about 1 KiB under HANDSHAKE_LIMITS) and grown when
+    they are relaxed; a sealed frame's descriptor, payload and MAC or tag get
+    one buffer of their declared size, as an unsealed frame's payload does.
 
     After a FrameError the decoder is dead: every later call raises.
     """
@@ -340,9 +343,13 @@ class FrameDecoder:
                 f"{self._need - self._have} bytes"
             )
         try:
-            if nbytes and self._state is _State.PAYLOAD and self._opener is not None:
-                # Hash the payload as it lands, so its MAC is ready when the last byte is.
-                self._opener.update(memoryview(self._own)[self._have : self._have + nbytes])
+            opener = self._opener
+            if nbytes and self._state is _State.BODY and not opener.encrypted:
+                # Hash descriptor and payload as they land, so the MAC is ready when its own
+                # bytes (the body's last) are.
+                end = min(self._have + nbytes, self._need - opener.trailer_bytes)
+                if end > self._have:
+                    opener.update(memoryview(self._own)[self._have : end])
             self._have += nbytes
             return self._advance()
         except FrameError as e:
@@ -356,8 +363,8 @@ class FrameDecoder:
             )
 
     def _fit_scratch(self):
-        trailer = self._opener.trailer_bytes if self._opener is not None else 0
-        size = HEADER_BYTES + self._limits.max_descriptor_bytes + trailer
+        # A sealed frame's descriptor is read into its body, not here.
+        size = HEADER_BYTES + (self._limits.max_descriptor_bytes if self._opener is None else 0)
         if size > len(self._scratch):
             # Grown between frames, or mid-header at worst: keep what has arrived.
             grown = bytearray(size)
@@ -376,8 +383,6 @@ class FrameDecoder:
         # Each step consumes a complete part; a part of zero length is complete at once.
         while self._have == self._need:
             state, opener = self._state, self._opener
-            # Where the descriptor ends in scratch (the MAC's trailer follows it).
-            head_end = HEADER_BYTES + self._descriptor_len if state is not _State.HEADER else 0
             if state is _State.HEADER:
                 try:
                     self._read_header()
@@ -389,37 +394,34 @@ class FrameDecoder:
                         f"{e} (on a sealed link: bytes were altered or injected on the way)"
                     ) from None
                 d, p = self._descriptor_len, self._payload_len
-                if opener is not None and opener.encrypted:
+                if opener is not None:
+                    if not opener.encrypted:
+                        opener.begin(self._scratch_view[:HEADER_BYTES])
                     # Sized from the header already checked against the limits.
                     body = bytearray(d + p + opener.trailer_bytes)
                     self._enter(_State.BODY, len(body), own=body)
                 else:
                     self._enter(_State.DESCRIPTOR, d, start=HEADER_BYTES)
-            elif state is _State.DESCRIPTOR:
-                if opener is None:
-                    descriptor = self._scratch_view[HEADER_BYTES:head_end]
-                    self._descriptor = self._read_descriptor(descriptor)
-                else:  # parsed only once the MAC has checked out
-                    opener.begin(self._scratch_view[:head_end])
+            elif state is _State.DESCRIPTOR:  # unsealed: the handshake's HELLO and PROOF
+                head_end = HEADER_BYTES + self._descriptor_len
+                self._descriptor = self._read_descriptor(self._scratch_view[HEADER_BYTES:head_end])
                 # Allocated once, sized from the header already checked against the limit.
                 payload = bytearray(self._payload_len)
                 self._enter(_State.PAYLOAD, len(payload), own=payload)
             elif state is _State.PAYLOAD:
                 self._payload = self._own
-                if opener is None:
-                    return [self._complete(None)]
-                self._enter(_State.TRAILER, opener.trailer_bytes, start=head_end)
-            elif state is _State.TRAILER:
-                trailer = self._scratch_view[head_end : head_end + opener.trailer_bytes]
-                seq = opener.finish(trailer, self._type.name)
-                self._descriptor = self._read_descriptor(self._scratch_view[HEADER_BYTES:head_end])
-                return [self._complete(seq)]
+                return [self._complete(None)]
             else:
-                header = self._scratch_view[:HEADER_BYTES]
-                plaintext, seq = opener.open(header, self._own, self._type.name)
-                plain = memoryview(plaintext)
-                self._descriptor = self._read_descriptor(plain[: self._descriptor_len])
-                self._payload = plain[self._descriptor_len :]
+                d, p = self._descriptor_len, self._payload_len
+                if opener.encrypted:
+                    header = self._scratch_view[:HEADER_BYTES]
+                    plaintext, seq = opener.open(header, self._own, self._type.name)
+                    plain = memoryview(plaintext)
+                else:  # the MAC checks out before the descriptor is parsed
+                    plain = memoryview(self._own)
+                    seq = opener.finish(plain[d + p :], self._type.name)
+                self._descriptor = self._read_descriptor(plain[:d])
+                self._payload = plain[d : d + p]
                 return [self._complete(seq)]
         return []
 

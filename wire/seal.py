@@ -131,7 +131,7 @@ class MacOpener(_Sequence):
         self._mac = None
 
     def begin(self, head: memoryview):
-        """Start a frame: `head` is its header and descriptor."""
+        """Start a frame: `head` is its header (its descriptor and payload come to `update`)."""
         self._mac = blake3(_SEQ.pack(self.current()), key=self._key)
         self._mac.update(head)
 

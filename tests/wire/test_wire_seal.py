@@ -101,7 +101,8 @@ def test_integrity_mode_sends_the_payload_uncopied():
     assert body.obj is payload
     assert len(mac) == MAC_BYTES
     [frame] = FrameDecoder(DEFAULT_LIMITS, theirs.opener).feed(bytes(head) + bytes(body) + mac)
-    assert frame.payload == payload and isinstance(frame.payload, bytearray)
+    # Received, a view of the one buffer the frame's body was read into: not copied out of it.
+    assert frame.payload == payload and isinstance(frame.payload.obj, bytearray)
 
 
 @modes
@@ -273,6 +274,27 @@ def test_big_header_fails_before_the_mac_and_before_allocating():
     with pytest.raises(FrameError, match="limit of 1024 bytes"):
         decoder.feed(HEADER.pack(b"RNGD", PROTOCOL_VERSION, MsgType.FORWARD, 0, 0, 0, 2**32 - 1))
     assert decoder.payload_capacity == 0
+
+
+@modes
+def test_a_sealed_frame_is_two_reads_its_header_then_the_rest(encrypt):
+    """Each read is a socket read and a callback on the event loop, per frame per hop: after
+    the header, one view takes descriptor, payload and MAC (or tag) at once, and nothing past
+    them. The decoder's own buffer holds only a header: the body is the frame's."""
+    ours, theirs = sessions(encrypt)
+    frame = Frame(MsgType.FORWARD, 5, b"rows", bytearray(b"h" * 300))
+    data = sealed(ours, [frame])[0]
+    decoder = FrameDecoder(DEFAULT_LIMITS, theirs.opener)
+    assert decoder.scratch_bytes == HEADER_BYTES  # not a 64 KiB descriptor's room
+    sizes = []
+    while data:
+        view = decoder.get_buffer(-1)
+        n = min(len(view), len(data))
+        sizes.append(len(view))
+        view[:n], data = data[:n], data[n:]
+        out = decoder.buffer_updated(n)
+    assert sizes == [HEADER_BYTES, 4 + 300 + (TAG_BYTES if encrypt else MAC_BYTES)]
+    assert out == [frame]
 
 
 def test_opener_only_changes_between_frames():
