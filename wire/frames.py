@@ -35,7 +35,9 @@ MAGIC = b"RNGD"
 # 3: FORWARD and TOKEN descriptors in a fixed binary layout (RAW_TYPES).
 # 4: TOKEN carries pooled hidden states (embeddings) beside sampled tokens.
 # 5: the integrity MAC is keyed BLAKE3, not HMAC-SHA256 (wire.seal).
-PROTOCOL_VERSION = 5
+# 6: a sampled proposal's draft distribution travels as its most likely tokens' ids and
+#    probabilities, not a whole vocabulary of them (FORWARD's payload).
+PROTOCOL_VERSION = 6
 
 HEADER = struct.Struct("<4sBBHQII")
 HEADER_BYTES = HEADER.size

@@ -8,9 +8,10 @@ every proposal's position at once, and the last stage keeps those it accepts
 kept saves a whole trip.
 
 For a greedy request the draft proposes its own greedy tokens. For a sampled
-one it samples them, through the request's own filters and temperature, and
-hands back the distribution q each was drawn from: the last stage's test
-min(1, p/q) needs it. Its random key for a position comes from the request's
+one it samples them, through the request's own filters and temperature, cut to
+the ``steps.DRAFT_SUPPORT`` most likely tokens (what q travels as), and hands
+back the distribution q each was drawn from: the last stage's test min(1, p/q)
+needs it. Its random key for a position comes from the request's
 seed and that position alone, so a seeded request proposes the same tokens
 however often it is asked (a replay, an answer that came too late).
 
@@ -37,6 +38,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from ringd.models.checkpoint import ModelInfo
 from ringd.models.errors import ModelError
 from ringd.models.source import model_info
+from ringd.ring import steps
 from ringd.ring.sampling import SamplingParams
 from ringd.stage.compute import ComputeThread
 from ringd.stage.sampling import sampling_filters, sampled_logits
@@ -54,10 +56,13 @@ MAX_DRAFT_SESSIONS = 256
 
 @dataclass(frozen=True)
 class Proposal:
-    """A draft's tokens and, for a sampled request, the distribution each was drawn from
-    (``probs``: [len(tokens), V] float32, as the ring carries it: steps.PROBS_DTYPE)."""
+    """A draft's tokens and, for a sampled request, the distribution each was drawn from: the
+    token ids of its support (``ids``: [len(tokens), S] uint32, S ``steps.draft_support``) and
+    their probabilities (``probs``: [len(tokens), S] float32, steps.PROBS_DTYPE), as the ring
+    carries them (``steps.pack_draft``)."""
 
     tokens: tuple[int, ...]
+    ids: np.ndarray | None = None
     probs: np.ndarray | None = None
 
 
@@ -68,13 +73,21 @@ def position_key(seed: int, position: int) -> mx.array:
     return mx.random.key(int.from_bytes(digest, "little") >> 1)
 
 
-def draw(params: SamplingParams, logits: mx.array, seed: int, position: int, filters=None) -> tuple[mx.array, mx.array]:
+def draw(params: SamplingParams, logits: mx.array, seed: int, position: int, filters=None) -> tuple[mx.array, mx.array, mx.array]:
     """A sampled request's proposal at ``position`` after the draft's ``logits`` [1, V], lazily:
-    the token [1], and the distribution q [1, V] it is drawn from, through the request's own
-    filters and temperature (float32: what the ring carries, steps.PROBS_DTYPE)."""
+    the token [1], and the distribution q it is drawn from, as its support's token ids [1, S] and
+    their probabilities [1, S] (float32: what the ring carries, steps.PROBS_DTYPE). q is the
+    request's own filters and temperature over the logits, cut to its S most likely tokens and
+    renormalized (``steps.draft_support``)."""
     logits = logits.astype(mx.float32)
-    scaled = sampled_logits(params, logits - mx.logsumexp(logits, axis=-1, keepdims=True), filters)
-    return mx.random.categorical(scaled, key=position_key(seed, position)), mx.softmax(scaled, axis=-1)
+    q = mx.softmax(sampled_logits(params, logits - mx.logsumexp(logits, axis=-1, keepdims=True), filters), axis=-1)
+    vocab = q.shape[-1]
+    support = steps.draft_support(vocab)
+    ids = mx.argpartition(-q, support - 1, axis=-1)[:, :support] if support < vocab else mx.arange(vocab, dtype=mx.uint32)[None]
+    probs = mx.take_along_axis(q, ids, axis=-1)
+    probs = probs / probs.sum(axis=-1, keepdims=True)
+    choice = mx.random.categorical(mx.log(probs), key=position_key(seed, position))
+    return mx.take_along_axis(ids, choice[:, None], axis=-1)[:, 0], ids.astype(mx.uint32), probs
 
 
 class Drafter:
@@ -143,20 +156,23 @@ class Drafter:
         # Each step's token feeds the next without being read: one evaluation for the k of them.
         # (mlx-lm's _draft_generate also hands each to async_eval; on MLX's CPU backend that
         # is a thread handoff per step, and the proposals are read only together anyway.)
-        y, tokens, probs = mx.array([[sequence[-1]]], dtype=mx.int32), [], []
+        y, tokens, ids, probs = mx.array([[sequence[-1]]], dtype=mx.int32), [], [], []
         for i in range(k):
             logits = self.shard(y, None, cache)[:, -1, :]
             if sampled:
-                token, q = draw(params, logits, seed, len(sequence) + i, filters)
+                token, support, q = draw(params, logits, seed, len(sequence) + i, filters)
+                ids.append(support)
                 probs.append(q)
             else:
                 token = mx.argmax(logits, axis=-1)
             tokens.append(token)
             y = token[:, None].astype(mx.int32)
-        mx.eval(tokens, probs)
+        mx.eval(tokens, ids, probs)
         proposals = tuple(int(t.item()) for t in tokens)
         held = list(sequence) + list(proposals[:-1]) if k > 0 else list(sequence[:-1])
         self._states[rid] = (cache, held, seed)
         while len(self._states) > MAX_DRAFT_SESSIONS:
             self._states.popitem(last=False)
-        return Proposal(proposals, np.array(mx.concatenate(probs)) if sampled and k else None)
+        if not (sampled and k):
+            return Proposal(proposals)
+        return Proposal(proposals, np.array(mx.concatenate(ids)), np.array(mx.concatenate(probs)))

@@ -560,7 +560,7 @@ class Engine:
                 if proposal is None or proposal.tokens[:k] != row.tokens[1:]:
                     raise AssertionError(f"req={row.rid:x}: a sampled verify row without the draft's distributions for its proposals")
                 row = replace(row, probs=True)
-                probs.append(np.ascontiguousarray(proposal.probs[:k], dtype="<f4"))
+                probs.append(steps.pack_draft(proposal.ids[:k], proposal.probs[:k]))
             rows.append(row)
         self.metrics.micro_batch_rows.observe(len(rows))
         self._sent_at[send.batch] = (send.term, time.monotonic())
@@ -568,7 +568,7 @@ class Engine:
         try:
             # This node's own stage 0 takes the micro-batch as it is; a peer, as the frame's bytes.
             # The payload: the drafts' distributions of sampled verify rows.
-            payload = b"".join(p.data for p in probs)
+            payload = b"".join(probs)
             self.send(first, forward.handed(payload) if first == self.node else forward.frame(payload=payload))
         except ConnectionError as e:
             # The ring is breaking: the leader re-plans (reconcile.py) and the next ring replays it.

@@ -251,7 +251,9 @@ def speculated(target: Logits, draft: Logits, requests: int) -> tuple[Counter, f
     (``RequestSampler.verify``); a step whose first proposal is rejected gives one token, and a
     second step (one proposal) the next. Also the share of proposals kept."""
     from ringd.leader.draft import draw
+    from ringd.ring.steps import dense_draft
 
+    V = target((FIRST_TOKEN,)).shape[-1]  # the vocabulary the distributions are densified over
     counts, made, kept = Counter(), 0, 0
     for start in range(0, requests, EVALUATED_TOGETHER):
         samplers = {start + i: RequestSampler(SamplingParams(**SPECULATIVE_PARAMS, seed=start + i)) for i in range(min(EVALUATED_TOGETHER, requests - start))}
@@ -263,10 +265,10 @@ def speculated(target: Logits, draft: Logits, requests: int) -> tuple[Counter, f
             probs = {seed: [] for seed in todo}
             for i in range(k):  # each proposal of every request drawn at once, as the draft would one by one
                 drawn = {seed: draw(samplers[seed].params, draft(sequences[seed] + proposals[seed]), seed, len(sequences[seed]) + i) for seed in todo}
-                mx.eval([token for token, _ in drawn.values()])
-                for seed, (token, q) in drawn.items():
+                mx.eval([token for token, _, _ in drawn.values()])
+                for seed, (token, ids, q) in drawn.items():
                     proposals[seed] += (token.item(),)
-                    probs[seed].append(q)
+                    probs[seed].append(dense_draft(ids, q, V))
             checks = {}
             for seed in todo:
                 logits = mx.concatenate([target(sequences[seed] + proposals[seed][:i]) for i in range(k + 1)])
@@ -310,16 +312,21 @@ def speculating_pair(tiny_model):
     return Logits(tiny_model(arch="llama", layers=4, dtype="float32")), Logits(tiny_model(arch="llama", layers=2, dtype="float32"))
 
 
-@pytest.mark.parametrize("rule", ["as written", "accepts with min(1, q/p)", "redraws from p, not the residual"])
+@pytest.mark.parametrize("rule", ["as written", "a draft cut to its 2 likeliest tokens", "accepts with min(1, q/p)", "redraws from p, not the residual"])
 def test_speculative_sampling_draws_the_first_tokens_as_plain_sampling_does(speculating_pair, monkeypatch, rule):
     """Over many seeded requests, the first two tokens speculative sampling gives (the leader's
     draft proposing, the last stage's sampler testing) are distributed as plain sampling's: a
     chi-square test at SIGNIFICANCE against the exact joint distribution, from the target's own
-    logits. The negative controls, a wrong acceptance rule and a redraw that ignores what the
-    draft proposed, fail the same test: it can tell."""
+    logits. So they are with the draft's q cut to fewer tokens than the request's filters leave
+    (what a large vocabulary's q travels as, steps.DRAFT_SUPPORT): only fewer proposals are kept.
+    The negative controls, a wrong acceptance rule and a redraw that ignores what the draft
+    proposed, fail the same test: it can tell."""
+    from ringd.ring import steps
     from ringd.stage import sampling
 
-    if rule == "accepts with min(1, q/p)":
+    if rule == "a draft cut to its 2 likeliest tokens":
+        monkeypatch.setattr(steps, "DRAFT_SUPPORT", 2)
+    elif rule == "accepts with min(1, q/p)":
         monkeypatch.setattr(sampling, "acceptance", lambda p_x, q_x: q_x / p_x)
     elif rule == "redraws from p, not the residual":
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)
@@ -329,6 +336,9 @@ def test_speculative_sampling_draws_the_first_tokens_as_plain_sampling_does(spec
     p_value = chi_square_tail(statistic, dof)
     if rule == "as written":
         assert 0.3 < kept < 0.9, f"the draft should agree some of the time, not always: {kept:.2f} of proposals kept"
+        assert p_value > SIGNIFICANCE, (statistic, dof, p_value, counts.most_common(8))
+    elif rule == "a draft cut to its 2 likeliest tokens":
+        assert 0.1 < kept < 0.9, f"{kept:.2f} of proposals kept"
         assert p_value > SIGNIFICANCE, (statistic, dof, p_value, counts.most_common(8))
     else:
         assert p_value < SIGNIFICANCE, (statistic, dof, p_value)
