@@ -370,11 +370,26 @@ def test_speculative_decoding_through_three_nodes_gives_the_plain_greedy_text(ti
         assert plain.choices[0].text == tok.decode(ref_tokens)
         assert "".join(c.choices[0].text for c in streamed if c.choices) == tok.decode(ref_tokens)
         assert plain.usage.completion_tokens == MAX_TOKENS
-        status, cluster = _get(ring.url + "/cluster/status")
-        with urllib.request.urlopen(f"http://{cluster['nodes'][-1]['http']}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        counts = {o: float(re.search(rf'^ringd_draft_tokens_total\{{node="node2",outcome="{o}"\}} (\S+)$', text, re.M).group(1)) for o in ("accepted", "rejected")}
+        counts = drafted(ring)
         rate = counts["accepted"] / (counts["accepted"] + counts["rejected"])
         assert rate > 0.9 if draft == "itself" else rate < 0.3, counts
+        if draft == "itself":
+            # Speculative sampling: the draft's q crosses the ring as its support (steps.pack_draft)
+            # and the last stage tests each proposal against it; a seed fixes the text.
+            sampled = [
+                client.completions.create(model=ring.model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.8, seed=7, extra_body={"ignore_eos": True})
+                for _ in range(2)
+            ]
+            assert sampled[0].choices[0].text == sampled[1].choices[0].text and sampled[0].usage.completion_tokens == MAX_TOKENS
+            after = drafted(ring)
+            assert after["accepted"] > counts["accepted"] and after["rejected"] >= counts["rejected"], (counts, after)
     finally:
         ring.stop()
+
+
+def drafted(ring) -> dict[str, float]:
+    """The last stage's count of proposals it kept and cut (``ringd_draft_tokens_total``)."""
+    status, cluster = _get(ring.url + "/cluster/status")
+    with urllib.request.urlopen(f"http://{cluster['nodes'][-1]['http']}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {o: float(re.search(rf'^ringd_draft_tokens_total\{{node="node2",outcome="{o}"\}} (\S+)$', text, re.M).group(1)) for o in ("accepted", "rejected")}
