@@ -266,8 +266,8 @@ def test_an_embeddings_open_names_a_known_pooling_and_no_cached_prefix():
 
 def test_draft_distributions_ride_after_the_hidden_states_and_must_fit_their_rows(monkeypatch):
     """A sampled request's verify row (PROBS) carries q after the hidden states: for each
-    proposal the ids of the tokens q was drawn over and their probabilities, densified at the
-    last stage. A vocabulary within DRAFT_SUPPORT travels whole; a larger one as its support."""
+    proposal the ids of its likeliest tokens, their probabilities and its tail, rebuilt whole at
+    the last stage. A vocabulary within DRAFT_SUPPORT travels whole; a larger one cut."""
     from ringd.ring import steps
     from ringd.ring.steps import draft_distribution, pack_draft
 
@@ -275,9 +275,10 @@ def test_draft_distributions_ride_after_the_hidden_states_and_must_fit_their_row
     rows = (Row(1, 4, (5, 6, 7), True, verify=True, probs=True), Row(2, 9, (3,), True), Row(3, 2, (1, 2), True, verify=True, probs=True))
     h = mx.random.normal((1, 6, 16)).astype(mx.bfloat16)
     q = np.random.default_rng(0).dirichlet(np.ones(vocab), size=3).astype("<f4")  # 2 proposals of row 1, 1 of row 3
-    ids = np.tile(np.arange(vocab), (3, 1))
+    ids, tails = np.tile(np.arange(vocab), (3, 1)), np.zeros(3)
+    one, three = pack_draft(ids[:2], q[:2], tails[:2]), pack_draft(ids[2:], q[2:], tails[2:])
     fwd = Forward(3, 2, rows)
-    frame = through_the_wire(fwd.frame(h, bytes(tensor_to_buffer(h)) + pack_draft(ids[:2], q[:2]) + pack_draft(ids[2:], q[2:])))
+    frame = through_the_wire(fwd.frame(h, bytes(tensor_to_buffer(h)) + one + three))
     back = Forward.parse(frame, vocab)
     assert back.rows == rows and back.drafted == 3
     assert mx.array_equal(back.hidden(frame.payload), h)
@@ -285,20 +286,26 @@ def test_draft_distributions_ride_after_the_hidden_states_and_must_fit_their_row
     assert np.array_equal(np.array(draft_distribution(drafts[1], 2, vocab)), q[:2])
     assert np.array_equal(np.array(draft_distribution(drafts[3], 1, vocab)), q[2:])
     # From the leader (no hidden states), the payload is the distributions alone.
-    both = pack_draft(ids[:2], q[:2]) + pack_draft(ids[2:], q[2:])
-    assert Forward.parse(through_the_wire(fwd.frame(payload=both)), vocab).drafted == 3
+    assert Forward.parse(through_the_wire(fwd.frame(payload=one + three)), vocab).drafted == 3
     with pytest.raises(FrameError, match="3 draft distributions of 8 token ids and probabilities"):
-        Forward.parse(through_the_wire(fwd.frame(payload=pack_draft(ids[:2], q[:2]))), vocab)
+        Forward.parse(through_the_wire(fwd.frame(payload=one)), vocab)
     with pytest.raises(FrameError, match="hidden states"):
-        Forward.parse(through_the_wire(fwd.frame(h, bytes(tensor_to_buffer(h)) + pack_draft(ids[:2], q[:2]))), vocab)
+        Forward.parse(through_the_wire(fwd.frame(h, bytes(tensor_to_buffer(h)) + one)), vocab)
     with pytest.raises(FrameError, match="finite and not negative"):
-        draft_distribution(pack_draft(ids[:1], -q[:1]), 1, vocab)
+        draft_distribution(pack_draft(ids[:1], -q[:1], tails[:1]), 1, vocab)
+    with pytest.raises(FrameError, match="finite and not negative"):
+        draft_distribution(pack_draft(ids[:1], q[:1], [np.nan]), 1, vocab)
     with pytest.raises(FrameError, match="past the vocabulary"):
-        draft_distribution(pack_draft(ids[:1] + 1, q[:1]), 1, vocab)
-    # Past DRAFT_SUPPORT tokens, a proposal's q travels as its support: 3 ids of 8 here.
+        draft_distribution(pack_draft(ids[:1] + 1, q[:1], tails[:1]), 1, vocab)
+    # Past DRAFT_SUPPORT tokens, a proposal's q travels cut: 3 ids of 8 here, the rest of its
+    # mass spread evenly over the 5 others; the draft draws from what the last stage rebuilds.
     monkeypatch.setattr(steps, "DRAFT_SUPPORT", 3)
-    support, p = np.array([[6, 0, 3]]), np.array([[0.5, 0.3, 0.2]], dtype="<f4")
-    assert steps.draft_bytes(1, vocab) == 3 * 8 and len(pack_draft(support, p)) == 3 * 8
-    dense = np.array(draft_distribution(pack_draft(support, p), 1, vocab))
-    assert dense.shape == (1, vocab) and dense[0, 6] == 0.5 and dense[0, 0] == np.float32(0.3) and dense[0, 3] == np.float32(0.2)
-    assert dense.sum() == pytest.approx(1) and (dense > 0).sum() == 3
+    full = mx.array([[0.1, 0.02, 0.03, 0.2, 0.05, 0.0, 0.5, 0.1]])
+    cut = [np.array(a) for a in steps.cut_draft(full)]
+    assert sorted(cut[0][0].tolist()) == [0, 3, 6] or sorted(cut[0][0].tolist()) == [3, 6, 7]  # 0.1 twice: either
+    assert cut[2][0] == pytest.approx(0.2 / 5)
+    assert steps.draft_bytes(1, vocab) == 3 * 8 + 4 == len(pack_draft(*cut))
+    dense = np.array(draft_distribution(pack_draft(*cut), 1, vocab))
+    assert np.array_equal(dense, np.array(steps.dense_draft(*(mx.array(a) for a in cut), vocab)))
+    assert dense[0, 6] == np.float32(0.5) and dense[0, 3] == np.float32(0.2) and dense.sum() == pytest.approx(1)
+    assert sorted({round(x, 6) for x in dense[0].tolist()}) == [0.04, 0.1, 0.2, 0.5]  # the 5 others share the tail

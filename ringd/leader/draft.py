@@ -8,10 +8,9 @@ every proposal's position at once, and the last stage keeps those it accepts
 kept saves a whole trip.
 
 For a greedy request the draft proposes its own greedy tokens. For a sampled
-one it samples them, through the request's own filters and temperature, cut to
-the ``steps.DRAFT_SUPPORT`` most likely tokens (what q travels as), and hands
-back the distribution q each was drawn from: the last stage's test min(1, p/q)
-needs it. Its random key for a position comes from the request's
+one it samples them, through the request's own filters and temperature, from q
+as it travels (``steps.cut_draft``: its likeliest tokens and an even tail), and
+hands back that q for each: the last stage's test min(1, p/q) needs it. Its random key for a position comes from the request's
 seed and that position alone, so a seeded request proposes the same tokens
 however often it is asked (a replay, an answer that came too late).
 
@@ -56,14 +55,15 @@ MAX_DRAFT_SESSIONS = 256
 
 @dataclass(frozen=True)
 class Proposal:
-    """A draft's tokens and, for a sampled request, the distribution each was drawn from: the
-    token ids of its support (``ids``: [len(tokens), S] uint32, S ``steps.draft_support``) and
-    their probabilities (``probs``: [len(tokens), S] float32, steps.PROBS_DTYPE), as the ring
-    carries them (``steps.pack_draft``)."""
+    """A draft's tokens and, for a sampled request, the distribution each was drawn from, as the
+    ring carries it (``steps.cut_draft``, ``steps.pack_draft``): its support's token ids
+    (``ids``: [len(tokens), S] uint32), their probabilities (``probs``: [len(tokens), S]
+    float32) and its tail (``tails``: [len(tokens)] float32)."""
 
     tokens: tuple[int, ...]
     ids: np.ndarray | None = None
     probs: np.ndarray | None = None
+    tails: np.ndarray | None = None
 
 
 def position_key(seed: int, position: int) -> mx.array:
@@ -73,21 +73,16 @@ def position_key(seed: int, position: int) -> mx.array:
     return mx.random.key(int.from_bytes(digest, "little") >> 1)
 
 
-def draw(params: SamplingParams, logits: mx.array, seed: int, position: int, filters=None) -> tuple[mx.array, mx.array, mx.array]:
+def draw(params: SamplingParams, logits: mx.array, seed: int, position: int, filters=None) -> tuple[mx.array, tuple[mx.array, mx.array, mx.array]]:
     """A sampled request's proposal at ``position`` after the draft's ``logits`` [1, V], lazily:
-    the token [1], and the distribution q it is drawn from, as its support's token ids [1, S] and
-    their probabilities [1, S] (float32: what the ring carries, steps.PROBS_DTYPE). q is the
-    request's own filters and temperature over the logits, cut to its S most likely tokens and
-    renormalized (``steps.draft_support``)."""
+    the token [1], and the distribution q it is drawn from as the ring carries it (``steps.cut_draft``:
+    ids [1, S], probabilities [1, S], tail [1], float32): the request's own filters and temperature
+    over the logits, its likeliest tokens kept, the rest of its mass spread evenly."""
     logits = logits.astype(mx.float32)
     q = mx.softmax(sampled_logits(params, logits - mx.logsumexp(logits, axis=-1, keepdims=True), filters), axis=-1)
-    vocab = q.shape[-1]
-    support = steps.draft_support(vocab)
-    ids = mx.argpartition(-q, support - 1, axis=-1)[:, :support] if support < vocab else mx.arange(vocab, dtype=mx.uint32)[None]
-    probs = mx.take_along_axis(q, ids, axis=-1)
-    probs = probs / probs.sum(axis=-1, keepdims=True)
-    choice = mx.random.categorical(mx.log(probs), key=position_key(seed, position))
-    return mx.take_along_axis(ids, choice[:, None], axis=-1)[:, 0], ids.astype(mx.uint32), probs
+    cut = steps.cut_draft(q)
+    drawn_from = steps.dense_draft(*cut, q.shape[-1])  # what the last stage rebuilds, bit for bit
+    return mx.random.categorical(mx.log(drawn_from), key=position_key(seed, position)), cut
 
 
 class Drafter:
@@ -156,18 +151,17 @@ class Drafter:
         # Each step's token feeds the next without being read: one evaluation for the k of them.
         # (mlx-lm's _draft_generate also hands each to async_eval; on MLX's CPU backend that
         # is a thread handoff per step, and the proposals are read only together anyway.)
-        y, tokens, ids, probs = mx.array([[sequence[-1]]], dtype=mx.int32), [], [], []
+        y, tokens, cuts = mx.array([[sequence[-1]]], dtype=mx.int32), [], []
         for i in range(k):
             logits = self.shard(y, None, cache)[:, -1, :]
             if sampled:
-                token, support, q = draw(params, logits, seed, len(sequence) + i, filters)
-                ids.append(support)
-                probs.append(q)
+                token, cut = draw(params, logits, seed, len(sequence) + i, filters)
+                cuts.append(cut)
             else:
                 token = mx.argmax(logits, axis=-1)
             tokens.append(token)
             y = token[:, None].astype(mx.int32)
-        mx.eval(tokens, ids, probs)
+        mx.eval(tokens, cuts)
         proposals = tuple(int(t.item()) for t in tokens)
         held = list(sequence) + list(proposals[:-1]) if k > 0 else list(sequence[:-1])
         self._states[rid] = (cache, held, seed)
@@ -175,4 +169,5 @@ class Drafter:
             self._states.popitem(last=False)
         if not (sampled and k):
             return Proposal(proposals)
-        return Proposal(proposals, np.array(mx.concatenate(ids)), np.array(mx.concatenate(probs)))
+        ids, probs, tails = (np.array(mx.concatenate(part)) for part in zip(*cuts))
+        return Proposal(proposals, ids, probs, tails)

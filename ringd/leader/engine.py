@@ -560,7 +560,7 @@ class Engine:
                 if proposal is None or proposal.tokens[:k] != row.tokens[1:]:
                     raise AssertionError(f"req={row.rid:x}: a sampled verify row without the draft's distributions for its proposals")
                 row = replace(row, probs=True)
-                probs.append(steps.pack_draft(proposal.ids[:k], proposal.probs[:k]))
+                probs.append(steps.pack_draft(proposal.ids[:k], proposal.probs[:k], proposal.tails[:k]))
             rows.append(row)
         self.metrics.micro_batch_rows.observe(len(rows))
         self._sent_at[send.batch] = (send.term, time.monotonic())

@@ -81,37 +81,55 @@ SILENT = 2  # a replayed step: sample (the key advances) but send nothing back
 VERIFY = 4  # tokens[1:] are a draft's proposals: sample after each position, keep those that agree
 PROBS = 8  # the payload carries the draft's distribution for each proposal (a sampled request's)
 FLAGS = (0, SAMPLE, SAMPLE | SILENT, SAMPLE | VERIFY, SAMPLE | VERIFY | PROBS)
-# A sampled proposal's distribution q travels as the DRAFT_SUPPORT tokens the draft drew it from
-# (ids, and their probabilities as float32: the dtype the draft samples with, so q at the last
-# stage is exactly the q its proposal was drawn from). The draft draws from its q cut to its most
-# likely tokens and renormalized; speculative sampling keeps the target's distribution exact for
-# any q the draft draws from and the last stage knows, so the cut costs only the tail's share of
-# acceptances. Dense, q was a whole vocabulary per proposal at every hop: 600 KiB for a 152k
-# vocabulary, 1.8 MB a step of 3 proposals (the default), ~15 ms a hop on 1 GbE; cut, 2 KiB a proposal.
+# A sampled proposal's distribution q travels as the DRAFT_SUPPORT tokens the draft finds likeliest
+# (ids, and their probabilities) and one more probability, its tail's: the rest of q's mass
+# spread evenly over the other tokens. The draft draws from that q' (``cut_draft``, then
+# ``dense_draft``), and the last stage rebuilds the same q' from the same float32 values, so it
+# tests each proposal against exactly the distribution it was drawn from: speculative sampling
+# keeps the target's distribution exact for any such q, and the cut costs acceptances only where
+# q' differs from q. Even tails cost nothing where q is flat (a cut that dropped the tail kept 0.01
+# of a flat model's proposals, tools/bench), little where q is peaked. Dense, q was a whole
+# vocabulary per proposal at every hop: 600 KiB for a 152k vocabulary, 1.8 MB a step of 3
+# proposals (the default), ~15 ms a hop on 1 GbE; cut, 2 KiB a proposal.
 DRAFT_SUPPORT = 256
 PROBS_DTYPE = mx.float32
-_DRAFT_ENTRY_BYTES = 4 + PROBS_DTYPE.size  # a uint32 token id and its probability
 
 
 def draft_support(vocab_size: int) -> int:
-    """Tokens a proposal's distribution travels as: DRAFT_SUPPORT, or a smaller vocabulary's all."""
+    """Tokens a proposal's distribution names: DRAFT_SUPPORT, or a smaller vocabulary's all."""
     return min(DRAFT_SUPPORT, vocab_size)
 
 
 def draft_bytes(proposals: int, vocab_size: int) -> int:
-    """Bytes of ``proposals`` draft distributions on the wire."""
-    return proposals * draft_support(vocab_size) * _DRAFT_ENTRY_BYTES
+    """Bytes of ``proposals`` draft distributions on the wire: per proposal its support's
+    uint32 ids and float32 probabilities, and its tail's float32."""
+    return proposals * (draft_support(vocab_size) * (4 + PROBS_DTYPE.size) + PROBS_DTYPE.size)
 
 
-def pack_draft(ids: np.ndarray, probs: np.ndarray) -> bytes:
-    """A row's draft distributions as they travel: its token ids [k, S] (uint32), then their
-    probabilities [k, S] (float32), S being ``draft_support``."""
-    return np.ascontiguousarray(ids, dtype="<u4").tobytes() + np.ascontiguousarray(probs, dtype="<f4").tobytes()
+def cut_draft(q: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Distributions q [k, V] as they travel, lazily: each one's ``draft_support`` likeliest
+    tokens [k, S] (uint32), their probabilities [k, S], and the tail [k]: the rest of the mass
+    over each other token (zero when the support is the whole vocabulary)."""
+    vocab = q.shape[-1]
+    support = draft_support(vocab)
+    if support == vocab:
+        return mx.broadcast_to(mx.arange(vocab, dtype=mx.uint32), q.shape), q, mx.zeros(q.shape[:1], dtype=q.dtype)
+    ids = mx.argpartition(-q, support - 1, axis=-1)[:, :support].astype(mx.uint32)
+    head = mx.take_along_axis(q, ids, axis=-1)
+    return ids, head, mx.maximum(1 - head.sum(axis=-1), 0) / (vocab - support)
 
 
-def dense_draft(ids: mx.array, probs: mx.array, vocab_size: int) -> mx.array:
-    """Distributions [k, vocab_size] from their support: ``probs`` at ``ids`` ([k, S] each), zero elsewhere."""
-    return mx.put_along_axis(mx.zeros((ids.shape[0], vocab_size), dtype=PROBS_DTYPE), ids, probs.astype(PROBS_DTYPE), axis=-1)
+def dense_draft(ids: mx.array, probs: mx.array, tails: mx.array, vocab_size: int) -> mx.array:
+    """The distributions [k, vocab_size] a proposal is drawn from and tested against: ``probs`` at
+    ``ids`` ([k, S] each), each row's tail (``tails``, [k]) everywhere else."""
+    rest = mx.zeros((ids.shape[0], vocab_size), dtype=PROBS_DTYPE) + tails.astype(PROBS_DTYPE)[:, None]
+    return mx.put_along_axis(rest, ids, probs.astype(PROBS_DTYPE), axis=-1)
+
+
+def pack_draft(ids: np.ndarray, probs: np.ndarray, tails: np.ndarray) -> bytes:
+    """A row's draft distributions as they travel: its support's token ids [k, S] (uint32), their
+    probabilities [k, S] (float32), then the tails [k] (float32)."""
+    return b"".join(np.ascontiguousarray(a, dtype=t).tobytes() for a, t in ((ids, "<u4"), (probs, "<f4"), (tails, "<f4")))
 
 
 def _int(v: object, name: str, lo: int = 0, hi: int = MAX_REQUEST_ID) -> int:
@@ -444,15 +462,15 @@ class Forward:
 def draft_distribution(raw, proposals: int, vocab_size: int) -> mx.array:
     """A row's draft distributions [proposals, vocab_size] from their bytes (``pack_draft``'s),
     checked: ids in the vocabulary, probabilities finite and not negative; else a FrameError."""
-    support = draft_support(vocab_size)
-    n = proposals * support
-    ids = np.frombuffer(raw, dtype="<u4", count=n).reshape(proposals, support)
-    probs = np.frombuffer(raw, dtype="<f4", offset=4 * n, count=n).reshape(proposals, support)
+    n = proposals * draft_support(vocab_size)
+    ids = np.frombuffer(raw, dtype="<u4", count=n)
+    probs = np.frombuffer(raw, dtype="<f4", offset=4 * n, count=n + proposals)  # the tails after the support's
     if n and ids.max() >= vocab_size:
         raise FrameError(f"a row's draft distributions name token ids past the vocabulary ({vocab_size})")
     if not (np.isfinite(probs).all() and (probs >= 0).all()):
         raise FrameError("a row's draft distributions must be finite and not negative")
-    return dense_draft(mx.array(ids), mx.array(probs), vocab_size)
+    shape = (proposals, n // proposals) if proposals else (0, 0)
+    return dense_draft(mx.array(ids).reshape(shape), mx.array(probs[:n]).reshape(shape), mx.array(probs[n:]), vocab_size)
 
 
 @dataclass(frozen=True)

@@ -98,10 +98,12 @@ def test_a_sampled_requests_proposals_come_with_their_distributions_and_follow_i
 
     first, again, other, greedy = asyncio.run(main())
     assert first.tokens == again.tokens and np.array_equal(first.probs, again.probs) and np.array_equal(first.ids, again.ids)
-    # q travels as its support: the DRAFT_SUPPORT most likely of the 704 tokens, ids and probabilities.
-    assert first.ids.shape == first.probs.shape == (4, DRAFT_SUPPORT) and first.probs.dtype == np.float32 and first.ids.dtype == np.uint32
+    # q travels cut: the DRAFT_SUPPORT likeliest of the 704 tokens (ids, probabilities) and a tail.
+    assert first.ids.shape == first.probs.shape == (4, DRAFT_SUPPORT) and first.tails.shape == (4,)
+    assert first.probs.dtype == first.tails.dtype == np.float32 and first.ids.dtype == np.uint32
     assert (np.sort(first.ids, axis=1)[:, 1:] != np.sort(first.ids, axis=1)[:, :-1]).all()  # each id once
-    assert np.allclose(first.probs.sum(axis=1), 1, atol=1e-5) and ((first.probs > 0).sum(axis=1) == 5).all()  # top_k=5 within it
+    # top_k=5 leaves 5 tokens, all within the support: nothing is left for the tail.
+    assert np.allclose(first.probs.sum(axis=1), 1, atol=1e-5) and ((first.probs > 0).sum(axis=1) == 5).all() and (first.tails < 1e-8).all()
     assert all(first.probs[i][first.ids[i] == t][0] > 0 for i, t in enumerate(first.tokens))  # each drawn from its own q
     assert np.array_equal(first.probs[0], other.probs[0]) and np.array_equal(first.ids[0], other.ids[0])  # q is the context's; the draw is the seed's
-    assert greedy.probs is None and greedy.ids is None and len(greedy.tokens) == 4
+    assert greedy.probs is None and greedy.ids is None and greedy.tails is None and len(greedy.tokens) == 4

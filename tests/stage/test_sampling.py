@@ -265,10 +265,10 @@ def speculated(target: Logits, draft: Logits, requests: int) -> tuple[Counter, f
             probs = {seed: [] for seed in todo}
             for i in range(k):  # each proposal of every request drawn at once, as the draft would one by one
                 drawn = {seed: draw(samplers[seed].params, draft(sequences[seed] + proposals[seed]), seed, len(sequences[seed]) + i) for seed in todo}
-                mx.eval([token for token, _, _ in drawn.values()])
-                for seed, (token, ids, q) in drawn.items():
+                mx.eval([token for token, _ in drawn.values()])
+                for seed, (token, cut) in drawn.items():
                     proposals[seed] += (token.item(),)
-                    probs[seed].append(dense_draft(ids, q, V))
+                    probs[seed].append(dense_draft(*cut, V))  # as the last stage rebuilds it
             checks = {}
             for seed in todo:
                 logits = mx.concatenate([target(sequences[seed] + proposals[seed][:i]) for i in range(k + 1)])
@@ -318,7 +318,8 @@ def test_speculative_sampling_draws_the_first_tokens_as_plain_sampling_does(spec
     draft proposing, the last stage's sampler testing) are distributed as plain sampling's: a
     chi-square test at SIGNIFICANCE against the exact joint distribution, from the target's own
     logits. So they are with the draft's q cut to fewer tokens than the request's filters leave
-    (what a large vocabulary's q travels as, steps.DRAFT_SUPPORT): only fewer proposals are kept.
+    (as a large vocabulary's q travels, steps.cut_draft: the rest of its mass spread evenly over
+    every other token, most of which the target never draws): only fewer proposals are kept.
     The negative controls, a wrong acceptance rule and a redraw that ignores what the draft
     proposed, fail the same test: it can tell."""
     from ringd.ring import steps
