@@ -374,7 +374,7 @@ def test_speculative_decoding_through_three_nodes_gives_the_plain_greedy_text(ti
         rate = counts["accepted"] / (counts["accepted"] + counts["rejected"])
         assert rate > 0.9 if draft == "itself" else rate < 0.3, counts
         if draft == "itself":
-            # Speculative sampling: the draft's q crosses the ring as its support (steps.pack_draft)
+            # Speculative sampling: the draft's q crosses the ring cut (steps.pack_draft)
             # and the last stage tests each proposal against it; a seed fixes the text.
             sampled = [
                 client.completions.create(model=ring.model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.8, seed=7, extra_body={"ignore_eos": True})
