@@ -87,8 +87,8 @@ FLAGS = (0, SAMPLE, SAMPLE | SILENT, SAMPLE | VERIFY, SAMPLE | VERIFY | PROBS)
 # ``dense_draft``), and the last stage rebuilds the same q' from the same float32 values, so it
 # tests each proposal against exactly the distribution it was drawn from: speculative sampling
 # keeps the target's distribution exact for any such q, and the cut costs acceptances only where
-# q' differs from q. Even tails cost nothing where q is flat (a cut that dropped the tail kept 0.01
-# of a flat model's proposals, tools/bench), little where q is peaked. Dense, q was a whole
+# q' differs from q. The even tail keeps a flat q's acceptances (a cut that dropped it kept 0.01
+# of a flat model's proposals, tools/bench) and costs little where q is peaked. Dense, q was a whole
 # vocabulary per proposal at every hop: 600 KiB for a 152k vocabulary, 1.8 MB a step of 3
 # proposals (the default), ~15 ms a hop on 1 GbE; cut, 2 KiB a proposal.
 DRAFT_SUPPORT = 256
