@@ -462,14 +462,15 @@ class Forward:
 def draft_distribution(raw, proposals: int, vocab_size: int) -> mx.array:
     """A row's draft distributions [proposals, vocab_size] from their bytes (``pack_draft``'s),
     checked: ids in the vocabulary, probabilities finite and not negative; else a FrameError."""
-    n = proposals * draft_support(vocab_size)
+    support = draft_support(vocab_size)
+    n = proposals * support
     ids = np.frombuffer(raw, dtype="<u4", count=n)
     probs = np.frombuffer(raw, dtype="<f4", offset=4 * n, count=n + proposals)  # the tails after the support's
     if n and ids.max() >= vocab_size:
         raise FrameError(f"a row's draft distributions name token ids past the vocabulary ({vocab_size})")
     if not (np.isfinite(probs).all() and (probs >= 0).all()):
         raise FrameError("a row's draft distributions must be finite and not negative")
-    shape = (proposals, n // proposals) if proposals else (0, 0)
+    shape = (proposals, support)
     return dense_draft(mx.array(ids).reshape(shape), mx.array(probs[:n]).reshape(shape), mx.array(probs[n:]), vocab_size)
 
 
