@@ -29,6 +29,7 @@ import yaml
 
 from ringd.cluster.links import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S
 from ringd.device import default_cache_dir
+from ringd.leader.engine import EngineSettings
 from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S
 from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, MAX_NUM_DRAFT
@@ -36,7 +37,7 @@ from ringd.logs import LOG_FORMATS
 from ringd.names import check_host as _host
 from ringd.names import DEFAULT_HTTP_PORT, DEFAULT_RING_PORT, check_name, parse_hostport
 from ringd.names import check_port as _port
-from ringd.ring.steps import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES, MAX_ROWS
+from ringd.ring.steps import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES, MAX_ROWS, KvOptions
 from ringd.ring.keepalive import DEFAULT_KEEP_ALIVE_S, KeepAliveError, parse_keep_alive
 from ringd.cluster.sharing import MAX_REPLICAS
 from ringd.tls import TlsSettings
@@ -377,6 +378,18 @@ class Config:
         """TLS for the API as ``tls.py`` takes it; ``secret``: the cluster secret (``read_secret``)."""
         mode = "cert" if self.tls_cert is not None else self.tls
         return TlsSettings(mode, self.cluster, secret, self.tls_cert, self.tls_key, self.tls_ca)
+
+    def engine_settings(self) -> EngineSettings:
+        """What a leader's engine is tuned by, cut from these settings."""
+        kv = None
+        if self.max_kv_size is not None or self.kv_bits is not None:
+            kv = KvOptions(self.max_kv_size, self.kv_bits, self.kv_group_size, self.quantized_kv_start)
+        return EngineSettings(
+            prefill_chunk_tokens=self.prefill_chunk_tokens, kv=kv, prefix_cache_entries=self.prefix_cache_entries,
+            max_queued=self.max_queued_requests, queue_timeout_s=self.queue_timeout_s, micro_batches=self.micro_batches,
+            max_batch_rows=self.max_batch_rows, interleaved_chunk_tokens=self.interleaved_chunk_tokens,
+            num_draft=self.num_draft_tokens, failover_wait_s=self.failover_wait_s,
+        )  # fmt: skip
 
     def read_api_keys(self) -> frozenset[str]:
         """The API keys of ``api_keys_file``; empty when none is set, which leaves /v1/* open."""

@@ -177,44 +177,53 @@ class _Text:
         return text, finish
 
 
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine is tuned by, each default the one the config table gives (config.py cuts
+    these from a Config; tests and benches set only what they change)."""
+
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK
+    max_active: int = MAX_ACTIVE_REQUESTS
+    step_timeout_s: float = STEP_TIMEOUT_S
+    kv: KvOptions | None = None  # a bounded or quantized KV cache; None: mlx-lm's default cache
+    prefix_cache_entries: int = DEFAULT_PREFIX_CACHE_ENTRIES
+    max_queued: int = MAX_QUEUED_REQUESTS
+    queue_timeout_s: float = QUEUE_TIMEOUT_S
+    micro_batches: int = 0  # 0: one in flight per stage of the ring
+    max_batch_rows: int = DEFAULT_MAX_ROWS
+    interleaved_chunk_tokens: int = DEFAULT_INTERLEAVED_CHUNK
+    num_draft: int = DEFAULT_NUM_DRAFT  # proposals a step, with a draft model
+    failover_wait_s: float = FAILOVER_WAIT_S
+
 class Engine:
     def __init__(
         self,
         node: str,
         tokenizer,
         send: Callable[[str, Frame], None],
-        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK,
-        max_active: int = MAX_ACTIVE_REQUESTS,
-        step_timeout_s: float = STEP_TIMEOUT_S,
-        kv: KvOptions | None = None,
-        prefix_cache_entries: int = DEFAULT_PREFIX_CACHE_ENTRIES,
-        max_queued: int = MAX_QUEUED_REQUESTS,
-        queue_timeout_s: float = QUEUE_TIMEOUT_S,
+        settings: EngineSettings = EngineSettings(),
         metrics: Metrics | None = None,
-        micro_batches: int = 0,
-        max_batch_rows: int = DEFAULT_MAX_ROWS,
-        interleaved_chunk_tokens: int = DEFAULT_INTERLEAVED_CHUNK,
         drafter: Drafter | None = None,
-        num_draft: int = DEFAULT_NUM_DRAFT,
-        failover_wait_s: float = FAILOVER_WAIT_S,
     ):
         self.node = node
         self.metrics = metrics if metrics is not None else Metrics(node)
         self.tokenizer = tokenizer
         self.send = send
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.max_active = max_active
-        self.step_timeout_s = step_timeout_s
-        self.failover_wait_s = failover_wait_s
+        self.settings = settings
+        self.prefill_chunk_tokens = settings.prefill_chunk_tokens
+        self.max_active = settings.max_active
+        self.step_timeout_s = settings.step_timeout_s
+        self.failover_wait_s = settings.failover_wait_s
         self.plan: Plan | None = None
         self.eos_ids = set(tokenizer.eos_token_ids)
         self._flights: dict[int, _Flight] = {}  # every request until its booking is settled
         # Which rows go around the ring together, and when (scheduler.py); the end of sequence
         # ends a request there, so no row follows it.
         self.scheduler = Scheduler(
-            max_in_flight=micro_batches or DEFAULT_MAX_IN_FLIGHT, max_rows=max_batch_rows,
-            prefill_chunk=prefill_chunk_tokens, stops=frozenset(self.eos_ids), interleaved_chunk=interleaved_chunk_tokens,
-            num_draft=num_draft if drafter is not None else 0,
+            max_in_flight=settings.micro_batches or DEFAULT_MAX_IN_FLIGHT, max_rows=settings.max_batch_rows,
+            prefill_chunk=settings.prefill_chunk_tokens, stops=frozenset(self.eos_ids),
+            interleaved_chunk=settings.interleaved_chunk_tokens, num_draft=settings.num_draft if drafter is not None else 0,
         )  # fmt: skip
         # Speculative decoding (draft.py): the draft model's proposals, asked for off the loop.
         self.drafter = drafter
@@ -227,12 +236,12 @@ class Engine:
         self._settled.set()
         # When each micro-batch around the ring was sent (term, time), for ``watch``.
         self._sent_at: dict[int, tuple[int, float]] = {}
-        self.micro_batches = micro_batches  # 0: one in flight per stage of the ring
-        self.kv = kv
+        self.micro_batches = settings.micro_batches  # 0: one in flight per stage of the ring
+        self.kv = kv = settings.kv
         # Who may enter now: KV room booked on the ring's ledger, or a place in line for it.
-        self.admission = Admission(self._make_room, max_queued, queue_timeout_s)
+        self.admission = Admission(self._make_room, settings.max_queued, settings.queue_timeout_s)
         # A rotating cache that has wrapped cannot be trimmed to a prefix.
-        self.prefix = PrefixIndex(0 if kv is not None and kv.max_size is not None else prefix_cache_entries)
+        self.prefix = PrefixIndex(0 if kv is not None and kv.max_size is not None else settings.prefix_cache_entries)
         self._prefix_term: int | None = None  # the ring whose stages hold the indexed prefixes
         # The current ring's caches can be trimmed back only while they hold fewer positions
         # than this (None: any; 0: never, prefix reuse is off); why, for the status.

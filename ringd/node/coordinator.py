@@ -42,7 +42,6 @@ from ringd.metrics import Metrics
 from ringd.models.checkpoint import ModelInfo
 from ringd.ring.plan import PlacementError, Plan
 from ringd.names import natural_key
-from ringd.ring.steps import KvOptions
 from ringd.tasks import Supervisor
 from wire.frames import Frame, MsgType
 
@@ -135,16 +134,7 @@ class Coordinator:
         self._burst = True  # membership changed since the last tick: let the burst settle first
         self._changed = asyncio.Event()
         self._changed.set()
-        kv = None
-        if cfg.max_kv_size is not None or cfg.kv_bits is not None:
-            kv = KvOptions(cfg.max_kv_size, cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
-        self.engine = Engine(
-            self.node, tokenizer, cluster.send, cfg.prefill_chunk_tokens, kv=kv,
-            prefix_cache_entries=cfg.prefix_cache_entries, max_queued=cfg.max_queued_requests,
-            queue_timeout_s=cfg.queue_timeout_s, metrics=metrics, micro_batches=cfg.micro_batches, max_batch_rows=cfg.max_batch_rows,
-            interleaved_chunk_tokens=cfg.interleaved_chunk_tokens, drafter=drafter, num_draft=cfg.num_draft_tokens,
-            failover_wait_s=cfg.failover_wait_s,
-        )  # fmt: skip
+        self.engine = Engine(self.node, tokenizer, cluster.send, cfg.engine_settings(), metrics, drafter)
         self._closed = False
         # Set after every tick: what waits for this ring to serve (a model loaded on demand) looks again.
         self._ticked = asyncio.Event()

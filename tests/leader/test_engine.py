@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from stagering import StageRing
 from stagering import teacher_forced_mismatches
 
-from ringd.leader.engine import Engine, _Text
+from ringd.leader.engine import Engine, EngineSettings, _Text
 from ringd.leader.errors import EngineError
 from ringd.models.checkpoint import load_tokenizer
 from ringd.models.source import model_info
@@ -137,7 +137,7 @@ def test_requests_at_once_through_real_stages_get_mlx_lms_tokens_and_leave_nothi
 
     async def main():
         ring = StageRing(path, [1, 3], tokenizer)
-        engine = ring.lead(Engine("node0", tokenizer, None, prefill_chunk_tokens=8, prefix_cache_entries=0))
+        engine = ring.lead(Engine("node0", tokenizer, None, EngineSettings(prefill_chunk_tokens=8, prefix_cache_entries=0)))
 
         async def one(i):
             got = []
@@ -189,7 +189,7 @@ def test_ignore_eos_runs_past_the_end_token_to_max_tokens(tiny_model):
 
     async def main():
         ring = StageRing(path, [1], tokenizer)
-        engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0))
+        engine = ring.lead(Engine("node0", tokenizer, None, EngineSettings(prefix_cache_entries=0)))
         try:
             events = [e async for e in engine.generate(prompt, SamplingParams(temperature=0), 8)]
             outs = [([e.token for e in events], events[-1].finish_reason)]
@@ -220,7 +220,7 @@ def test_a_request_failing_on_a_stage_fails_alone(tiny_model):
     async def main():
         ring = StageRing(path, [1], tokenizer)
         ring.runners[ring.stages[-1].node].grammar_tokenizer = None
-        engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0))
+        engine = ring.lead(Engine("node0", tokenizer, None, EngineSettings(prefix_cache_entries=0)))
         prompt = tokenizer.encode("hello there", add_special_tokens=False)
 
         async def run(params):
@@ -256,7 +256,7 @@ def test_speculative_decoding_through_real_stages_gives_the_plain_greedy_tokens(
         ring = StageRing(path, [1, 3], tokenizer)
 
         def engine_with(drafter):
-            return ring.lead(Engine("node0", tokenizer, None, prefill_chunk_tokens=8, prefix_cache_entries=0, drafter=drafter, num_draft=3))
+            return ring.lead(Engine("node0", tokenizer, None, EngineSettings(prefill_chunk_tokens=8, prefix_cache_entries=0, num_draft=3), drafter=drafter))
 
         async def answers(engine):
             async def one(prompt):
@@ -367,7 +367,7 @@ def test_a_request_that_arrives_while_the_ring_is_re_planned_waits_for_the_next(
 
     async def main():
         ring = StageRing(path, [1], tokenizer)
-        engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0))
+        engine = ring.lead(Engine("node0", tokenizer, None, EngineSettings(prefix_cache_entries=0)))
 
         async def run():
             return [e.token async for e in engine.generate(prompt, SamplingParams(temperature=0), 6)]
@@ -418,7 +418,7 @@ def test_a_micro_batch_lost_on_a_live_ring_fails_its_request_and_frees_its_slot(
                 return True
             return False
 
-        engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0, step_timeout_s=30), lose)
+        engine = ring.lead(Engine("node0", tokenizer, None, EngineSettings(prefix_cache_entries=0, step_timeout_s=30)), lose)
         # One token: its one row waits for its token, and nothing follows it on the ring.
         prompt = tokenizer.encode("hello", add_special_tokens=False)[:1]
 
@@ -457,7 +457,7 @@ def test_one_timer_per_request_moves_its_deadline_with_each_wait_and_fails_a_sil
     from ringd.leader.engine import _Flight
 
     async def main():
-        engine = Engine("node0", SimpleNamespace(eos_token_ids=[EOS]), None, step_timeout_s=0.2)
+        engine = Engine("node0", SimpleNamespace(eos_token_ids=[EOS]), None, EngineSettings(step_timeout_s=0.2))
         flight = _Flight(1, [5], SamplingParams(temperature=0), 4, asyncio.Queue())
         flight.queue.put_nowait("a token")
         assert await engine._answer(flight) == "a token" and flight.watchdog is None
@@ -502,7 +502,7 @@ def test_embeddings_through_real_stages_are_mlx_lms_pooled_hidden_states(tiny_mo
 
     async def main(cuts):
         ring = StageRing(path, cuts, tokenizer)
-        engine = ring.lead(Engine("node0", tokenizer, None, prefill_chunk_tokens=8))
+        engine = ring.lead(Engine("node0", tokenizer, None, EngineSettings(prefill_chunk_tokens=8)))
 
         async def generate():
             return [e.token async for e in engine.generate(prompts[1], SamplingParams(temperature=0), 6)]

@@ -20,7 +20,7 @@ from stagering import StageRing
 
 from ringd.leader.admission import KvLedger, StageKv
 from ringd.leader.draft import Drafter
-from ringd.leader.engine import Engine
+from ringd.leader.engine import Engine, EngineSettings
 from ringd.models.checkpoint import load_tokenizer
 from ringd.models.source import model_info
 from ringd.ring.kvcost import KV_STEP_TOKENS, KvCost
@@ -75,7 +75,7 @@ def test_a_stage_that_dies_while_a_request_is_in_any_state_loses_nothing(tiny_mo
         drafter = await Drafter.load(str(path), first.compute, model_info(str(path))) if state == "verifying" else None
 
         def engine() -> Engine:
-            return Engine("node0", tokenizer, None, prefill_chunk_tokens=8, prefix_cache_entries=0, drafter=drafter)
+            return Engine("node0", tokenizer, None, EngineSettings(prefill_chunk_tokens=8, prefix_cache_entries=0), drafter=drafter)
 
         async def serve(e: Engine) -> list[list[int]]:
             async def one(i: int) -> list[int]:

@@ -504,7 +504,7 @@ def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_sa
     from ringd.http import ollama_api, openai_types
     from ringd.http.errors import ApiError
     from ringd.http.serving import Serving
-    from ringd.leader.engine import Engine
+    from ringd.leader.engine import Engine, EngineSettings
     from ringd.metrics import Metrics
     from tests.stagering import StageRing
 
@@ -525,7 +525,7 @@ def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_sa
 
     async def main():
         ring = StageRing(info.path, [], tokenizer)  # one stage: the ring's cuts are other tests' matter
-        engine = ring.lead(Engine("node0", tokenizer, None, prefix_cache_entries=0))
+        engine = ring.lead(Engine("node0", tokenizer, None, EngineSettings(prefix_cache_entries=0)))
         generate = engine.generate
 
         def recorded(prompt, params, max_tokens, stop, *args, **kwargs):  # what reaches the engine, passed on to it
