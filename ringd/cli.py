@@ -32,7 +32,7 @@ def cache_dir() -> Path:
 
 
 async def _serve(cfg: config_mod.Config, ring_sock: socket.socket | None = None, http_sock: socket.socket | None = None) -> int:
-    from ringd.daemon import Daemon
+    from ringd.daemon import Node, build
     from ringd.models.errors import ModelError
 
     loop = asyncio.get_running_loop()
@@ -51,27 +51,34 @@ async def _serve(cfg: config_mod.Config, ring_sock: socket.socket | None = None,
             stop.set()
 
         watcher = loop.create_task(watch_parent())
-    daemon = Daemon(cfg, ring_sock, http_sock)
+
+    async def up() -> Node:
+        node = await build(cfg, ring_sock, http_sock)
+        try:
+            await node.start()
+        except BaseException:
+            await node.stop()
+            raise
+        return node
+
     # Raced with a signal: a start that waits (for a peer holding the model) still stops on one.
-    starting = asyncio.ensure_future(daemon.start())
+    starting = asyncio.ensure_future(up())
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
         logging.getLogger("ringd").info("stopping before the node was up")
-        await daemon.stop()
         return 0
     stopped.cancel()
     try:
-        starting.result()
+        node = starting.result()
     except (config_mod.ConfigError, ModelError, OSError) as e:
         logging.getLogger("ringd").error("ringd serve: %s", e)
-        await daemon.stop()
         return 1
     await stop.wait()
     logging.getLogger("ringd").info("stopping")
-    await daemon.stop()
+    await node.stop()
     if parent:
         watcher.cancel()
     return 0
@@ -116,7 +123,7 @@ def _run(coro) -> int:
 
 
 def _exit_stopped(code: int) -> NoReturn:
-    """End the process of a daemon that has stopped (``Daemon.stop`` ran: peers told, streams
+    """End the process of a daemon that has stopped (``Node.stop`` ran: peers told, streams
     ended, the compute thread idle), without the interpreter's finalization.
 
     Every thread that ran MLX holds thread-local MLX state whose destructor takes the GIL as

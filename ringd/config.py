@@ -28,6 +28,7 @@ from typing import Any, Callable
 import yaml
 
 from ringd.cluster.links import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S
+from ringd.cluster.members import ClusterSettings
 from ringd.device import default_cache_dir
 from ringd.leader.engine import EngineSettings
 from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S
@@ -378,6 +379,13 @@ class Config:
         """TLS for the API as ``tls.py`` takes it; ``secret``: the cluster secret (``read_secret``)."""
         mode = "cert" if self.tls_cert is not None else self.tls
         return TlsSettings(mode, self.cluster, secret, self.tls_cert, self.tls_key, self.tls_ca)
+
+    def cluster_settings(self) -> ClusterSettings:
+        """Who this node is among its peers, and how fast it hears of them."""
+        return ClusterSettings(
+            self.name, self.cluster, Path(self.state_dir).expanduser() / f"{self.cluster}-{self.name}.json", self.priority,
+            self.heartbeat_interval_s, self.dead_after_s, self.ring_encryption,
+        )  # fmt: skip
 
     def engine_settings(self) -> EngineSettings:
         """What a leader's engine is tuned by, cut from these settings."""

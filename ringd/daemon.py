@@ -1,6 +1,8 @@
-"""One ringd daemon: the parts of a node, put together.
+"""One ringd daemon: the parts of a node, built once and put together.
 
-Wiring only, no policy. The parts:
+Wiring only, no policy. ``build(cfg)`` resolves everything a node is first (its
+secret and TLS, its model, tokenizer and device, its listening sockets), then
+makes the ``Node`` whole: every part exists once its constructor returns. The parts:
 
     cluster/members.py      links, election, pin, drains, heartbeats (who is here, who leads)
     node/stages.py          this node's stages, one per instance it holds layers of (stagehost.py each)
@@ -10,8 +12,9 @@ Wiring only, no policy. The parts:
     http/api.py             HTTP (through the narrow ``ApiNode`` this class provides)
     tasks.py                supervision of everything that runs as long as the node does
 
-Frames from the links are routed by type to the part that owns them; frames
-to this node itself never touch a socket.
+The node is what its parts tell and ask (``members.Owner``, ``stagehost.StageOwner``,
+``http.node.ApiNode``). Frames from the links are routed by type to the part that owns
+them; frames to this node itself never touch a socket.
 """
 
 from __future__ import annotations
@@ -21,34 +24,38 @@ import dataclasses
 import errno
 import logging
 import socket
+import ssl
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from ringd.node.coordinator import Coordinator
-from ringd.node.pool import Pool
-from ringd.node.stages import Stages
 from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_order, local_networks, own_addresses
-from ringd.node.holders import holder_of, model_from_peers
+from ringd.cluster.election import Term
+from ringd.cluster.memberinfo import MemberInfo
 from ringd.cluster.members import Cluster, DrainError
 from ringd.cluster.messages import MessageError, parse_loaded
-from ringd.node.stagehost import StageHost
+from ringd.cluster.placement import ModelCost, NodeSpec, shortfall
+from ringd.cluster.reconcile import Report
 from ringd.config import Config, ConfigError
 from ringd.device import DeviceProfile, default_cache_dir, probe_speed, read_profile
 from ringd.http.api import Api
 from ringd.http.files import Holding
 from ringd.leader.draft import Drafter
-from ringd.leader.engine import Engine
-from ringd.metrics import Gauges, Metrics
-from ringd.cluster.placement import ModelCost, NodeSpec, shortfall
+from ringd.leader.errors import EngineError
+from ringd.listeners import bind
+from ringd.metrics import Metrics
 from ringd.models.catalogue import Catalogue
 from ringd.models.checkpoint import ModelInfo, load_tokenizer, weights_complete
-from ringd.leader.errors import EngineError
-from ringd.models.source import model_info
 from ringd.models.errors import ModelError
 from ringd.models.ollama import PREFIX as OLLAMA_PREFIX
-from ringd.models.peers import Holder, PeerModel
+from ringd.models.peers import Holder
+from ringd.models.source import model_info
 from ringd.names import check_name, parse_hostport
+from ringd.node.coordinator import Coordinator, NodeParts, ServedModel
+from ringd.node.holders import holder_of, model_from_peers
+from ringd.node.pool import Pool
+from ringd.node.stagehost import StageHost, StageSource
+from ringd.node.stages import Stages
 from ringd.stage.compute import ComputeThread
 from ringd.status import Status
 from ringd.tasks import Supervisor
@@ -63,131 +70,141 @@ EXPIRE_INTERVAL_S = 30.0
 STOPPING = "this node is stopping; retry the request (any other node of the cluster serves it)"
 
 
-class Daemon:
-    def __init__(self, cfg: Config, ring_sock: socket.socket | None = None, http_sock: socket.socket | None = None):
-        """``ring_sock``, ``http_sock``: listening sockets handed down by a launcher (listeners.py),
-        used instead of binding ring_port and http_port."""
-        self.cfg = cfg
-        self._ring_sock, self._http_sock = ring_sock, http_sock
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """What a node is before any of its parts exists: read, fetched, probed and bound (``build``)."""
+
+    cfg: Config
+    secret: bytes
+    tls: TlsSettings
+    serving_tls: ssl.SSLContext | None  # the API's certificate, when it is https
+    client_ssl: ssl.SSLContext | None  # whom this node trusts calling a peer's https API
+    api_keys: frozenset[str]
+    addresses: list[str]  # this host's addresses, the one peers dial first
+    networks: list  # this host's IPv4 networks (which of a peer's addresses to dial)
+    model: StageSource  # the configured model: its path, info, and the fetch from peers if any
+    tokenizer: Any
+    files: Holding | None  # the model this node serves to peers fetching theirs
+    drafter: Drafter | None  # speculative decoding's draft model, for when this node leads
+    profile: DeviceProfile
+    budget: int | None  # bytes for weights + KV cache, from the profile and memory_budget_gb
+    ring_sock: socket.socket  # listening
+    http_sock: socket.socket  # listening
+
+
+async def build(cfg: Config, ring_sock: socket.socket | None = None, http_sock: socket.socket | None = None) -> Node:
+    """The node ``cfg`` describes, whole. ``ring_sock``, ``http_sock``: listening sockets handed
+    down by a launcher (listeners.py), used instead of binding ring_port and http_port. A build
+    that fails or is cancelled (a signal while a model is fetched) leaves no thread behind."""
+    # Made first: a draft model and the device's speed are computed on the one, a fetch from
+    # peers is counted in the other.
+    compute, metrics = ComputeThread(), Metrics(cfg.name)
+    try:
+        resolved = await _resolve(cfg, compute, metrics, ring_sock, http_sock)
+    except BaseException:
+        await compute.stop()
+        raise
+    return Node(resolved, compute, metrics)
+
+
+async def _resolve(cfg: Config, compute: ComputeThread, metrics: Metrics, ring_sock: socket.socket | None, http_sock: socket.socket | None) -> Resolved:
+    if cfg.model is None and not cfg.model_from_peers:
+        raise ModelError("model: no model configured; set model (or RINGD_MODEL, --model), or model_from_peers to fetch it from peers that hold it")
+    secret = cfg.read_secret()
+    tls = cfg.tls_settings(secret)
+    addresses = own_addresses(cfg.advertise, cfg.host, cfg.prefer_interfaces)
+    try:
+        # Before any call to a peer's API (a model fetched from peers): whom this node trusts.
+        # And a certificate that cannot be used stops the node now, not after a model's load.
+        client_ssl = client_context(tls)
+        serving_tls = server_context(tls, cfg.name, socket.gethostname(), [*addresses, cfg.http_host]) if tls.on else None
+    except TlsError as e:
+        raise ConfigError(str(e)) from None
+    api_keys = cfg.read_api_keys() if cfg.api_keys_file else frozenset()
+    networks = local_networks()
+    loop = asyncio.get_running_loop()
+    model, peer_model = cfg.model, None
+    if cfg.model_from_peers and not _on_disk(model):
+        peer_model = await model_from_peers(cfg, secret, metrics, local_networks=networks, ssl=client_ssl)
+        if peer_model is not None:
+            model = str(peer_model.path)
+    info = await loop.run_in_executor(None, model_info, model)
+    files = None
+    if peer_model is None and await loop.run_in_executor(None, weights_complete, info.path):
+        # A model of its own, whole: served to peers that fetch theirs (sealed only, on a network
+        # ring_encryption calls untrusted; not by a node that fetched its stage's files only).
+        files = Holding(info.path, info.fingerprint, info.name, default_cache_dir(), sealed=cfg.ring_encryption)
+    tokenizer = await loop.run_in_executor(None, load_tokenizer, info)
+    profile = await loop.run_in_executor(None, read_profile, cfg.capabilities)
+    drafter = await Drafter.load(cfg.draft_model, compute, info) if cfg.draft_model is not None else None
+    profile = dataclasses.replace(profile, speed=await compute.run(probe_speed, default_cache_dir()))
+    return Resolved(
+        cfg, secret, tls, serving_tls, client_ssl, api_keys, addresses, networks, StageSource(model, info, peer_model),
+        tokenizer, files, drafter, profile, profile.budget(cfg.memory_budget_gb),
+        ring_sock if ring_sock is not None else _bind("ring_port", cfg.host, cfg.ring_port),
+        http_sock if http_sock is not None else _bind("http_port", cfg.http_host, cfg.http_port),
+    )  # fmt: skip
+
+
+class Node:
+    def __init__(self, r: Resolved, compute: ComputeThread, metrics: Metrics):
+        cfg = self.cfg = r.cfg
         self.name = cfg.name
         self.started = int(time.time())
+        self._started = time.monotonic()
+        self.r = r
         self.supervisor = Supervisor(log)
-        self.compute = ComputeThread()
-        self.metrics = Metrics(self.name, lambda: self.status.gauges() if self.status else Gauges())
+        self.compute = compute
+        self.metrics = metrics
+        # What the API reads of the node (http/node.ApiNode).
+        self.info, self.tokenizer = r.model.info, r.tokenizer
+        self.model_id = cfg.model_id or r.model.info.name
+        self.secret, self.api_keys, self.client_ssl, self.files = r.secret, r.api_keys, r.client_ssl, r.files
         self.chat_template_kwargs = cfg.chat_template_kwargs
-        self.api = Api(self)
-        self.info: ModelInfo | None = None
-        self.tokenizer = None
-        self.drafter: Drafter | None = None  # speculative decoding's draft model, for when this node leads
-        self.model_id = cfg.model_id or ""
         self.failover_wait_s = cfg.failover_wait_s
-        self.secret = b""
-        self.api_keys: frozenset[str] = frozenset()
-        self.cluster: Cluster | None = None
-        self.stage: StageHost | None = None  # the configured model's stage (``stages.default``)
-        self.stages: Stages | None = None
-        self.pool: Pool | None = None  # while leading: the instances it serves
-        self.status: Status | None = None
-        self.discovery: Discovery | None = None
-        self.profile: DeviceProfile | None = None
-        self.budget: int | None = None  # bytes for weights + KV cache, from the profile and memory_budget_gb
-        self.peer_model: PeerModel | None = None  # the model, fetched from peers (model_from_peers)
-        self.files: Holding | None = None  # the model this node serves to peers fetching theirs
+        self.budget = r.budget
         # The models on this machine that the model list shows (scanned at start, then as asked).
         self.catalogue = Catalogue(cfg.models_path)
-        self.addr = ""
-        self.http_addr = ""
-        self.tls: TlsSettings | None = None
-        self.client_ssl = None  # whom this node trusts calling a peer's https API: set at start
-        self._own: dict = {}  # what peers learn of this node once it has proved the secret
-        self._networks = []  # this host's IPv4 networks, read at start
-        self._started = time.monotonic()
+        host = r.addresses[0]
+        self.addr = f"{host}:{r.ring_sock.getsockname()[1]}"
+        self.http_addr = f"{host if cfg.http_host in ('0.0.0.0', '::') else cfg.http_host}:{r.http_sock.getsockname()[1]}"
+        # What peers learn of this node once it has proved the secret. Whether the API is https:
+        # a follower forwards to its leader with the scheme the leader serves.
+        own = MemberInfo(
+            addr=self.addr, http=self.http_addr, https=r.tls.on, model=self.info.fingerprint, budget=self.budget,
+            priority=cfg.priority, api_only=cfg.api_only, files=r.files is not None, profile=r.profile,
+        )  # fmt: skip
+        self.api = Api(self)
+        self.stages = Stages(lambda instance: StageHost(self.name, instance, self, compute, metrics))
+        self.stage = self.stages.default  # the configured model's stage
+        self.cluster = Cluster(cfg.cluster_settings(), r.secret, own, self.supervisor, self)
+        self.status = Status(
+            self.name, self.cluster, self.stage, self._facts, lambda: self.coordinator, self._kv_capacity,
+            self.budget, self.supervisor, metrics,
+        )  # fmt: skip
+        metrics.read_gauges_from(self.status.gauges)
+        self.discovery: Discovery | None = None  # once it advertises (``_discover``)
+        self.pool: Pool | None = None  # while leading: the instances it serves
         self.stopping = False
 
     # --- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
-        cfg = self.cfg
-        if cfg.model is None and not cfg.model_from_peers:
-            raise ModelError("model: no model configured; set model (or RINGD_MODEL, --model), or model_from_peers to fetch it from peers that hold it")
-        self.secret = cfg.read_secret()
-        self.tls = cfg.tls_settings(self.secret)
-        addresses = own_addresses(cfg.advertise, cfg.host, cfg.prefer_interfaces)
-        try:
-            # Before any call to a peer's API (a model fetched from peers): whom this node trusts.
-            # And a certificate that cannot be used stops the node now, not after a model's load.
-            self.client_ssl = client_context(self.tls)
-            serving_tls = server_context(self.tls, self.name, socket.gethostname(), [*addresses, cfg.http_host]) if self.tls.on else None
-        except TlsError as e:
-            raise ConfigError(str(e)) from None
-        self.api_keys = cfg.read_api_keys() if cfg.api_keys_file else frozenset()
-        self._networks = local_networks()
-        loop = asyncio.get_running_loop()
-        model = cfg.model
-        if cfg.model_from_peers and not _on_disk(model):
-            self.peer_model = await model_from_peers(cfg, self.secret, self.metrics, local_networks=self._networks, ssl=self.client_ssl)
-            if self.peer_model is not None:
-                model = str(self.peer_model.path)
-        self.info = await loop.run_in_executor(None, model_info, model)
-        if self.peer_model is None and await loop.run_in_executor(None, weights_complete, self.info.path):
-            # A model of its own, whole: served to peers that fetch theirs (sealed only, on a network
-            # ring_encryption calls untrusted; not by a node that fetched its stage's files only).
-            self.files = Holding(self.info.path, self.info.fingerprint, self.info.name, default_cache_dir(), sealed=cfg.ring_encryption)
-        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.info)
-        self.model_id = cfg.model_id or self.info.name
-        profile = await loop.run_in_executor(None, read_profile, cfg.capabilities)
-        if cfg.draft_model is not None:
-            self.drafter = await Drafter.load(cfg.draft_model, self.compute, self.info)
-        speed = await self.compute.run(probe_speed, default_cache_dir())
-        self.profile = dataclasses.replace(profile, speed=speed)
-        self.budget = self.profile.budget(cfg.memory_budget_gb)
-
-        trust = f"trust the cluster CA: {trust_hint(cfg.cluster)}" if self.tls.mode == "auto" else "trust the CA that issued the certificate in its tls_cert"
-        http_port = await _bind(
-            "http_port", cfg.http_host, cfg.http_port,
-            self.api.start(cfg.http_host, cfg.http_port, self._http_sock, serving_tls, self.supervisor, trust),
-        )  # fmt: skip
-        own: dict = {
-            "model": self.info.fingerprint, "budget": self.budget, "priority": cfg.priority,
-            "profile": self.profile.to_wire(), "api_only": cfg.api_only, "files": self.files is not None,
-            # Whether the API is https: a follower forwards to its leader with the scheme the leader serves.
-            "https": self.tls.on,
-        }  # fmt: skip
-        self._own = own
-        self.stage = StageHost(
-            self.name, model, self.info, self.compute, self._send, self._on_change, self.metrics,
-            tokenizer_source=lambda: self.tokenizer, departed=lambda node: node in self.cluster.left,
-            peer_model=self.peer_model, holders=self._holders,
-        )
-        self.stages = Stages(self.stage, self._instance_stage)
-        self.cluster = Cluster(
-            node=self.name, cluster=cfg.cluster, priority=cfg.priority, secret=self.secret, info=own,
-            state_file=Path(cfg.state_dir).expanduser() / f"{cfg.cluster}-{self.name}.json",
-            heartbeat_interval_s=cfg.heartbeat_interval_s, dead_after_s=cfg.dead_after_s, encrypt=cfg.ring_encryption,
-            supervisor=self.supervisor, on_frame=self._route, on_leadership=self._on_leadership,
-            on_change=self._on_change, report=lambda: self.stage.report, serving=self._serving,
-            sent=self.metrics.link_send.observe, instances=self.stages.reports,
-        )  # fmt: skip
-        self.stage.dial = self.cluster.links.dial
-        self.status = Status(
-            self.name, self.cluster, self.stage, self._facts, lambda: self.coordinator, self._kv_capacity,
-            self.budget, self.supervisor, self.metrics,
-        )  # fmt: skip
-        ring_port = await _bind("ring_port", cfg.host, cfg.ring_port, self.cluster.links.listen(cfg.host, cfg.ring_port, self._ring_sock))
-        self.addr = f"{addresses[0]}:{ring_port}"
-        self.http_addr = f"{addresses[0] if cfg.http_host in ('0.0.0.0', '::') else cfg.http_host}:{http_port}"
-        # Peers learn these after the handshake; filled in now that the ports are bound.
-        own.update(addr=self.addr, http=self.http_addr)
+        cfg, r = self.cfg, self.r
+        trust = f"trust the cluster CA: {trust_hint(cfg.cluster)}" if r.tls.mode == "auto" else "trust the CA that issued the certificate in its tls_cert"
+        await self.api.start(cfg.http_host, cfg.http_port, r.http_sock, r.serving_tls, self.supervisor, trust)
+        await self.cluster.links.listen(cfg.host, cfg.ring_port, r.ring_sock)
         for peer in cfg.peers:
             self.cluster.links.dial(*parse_hostport(peer), persistent=True)
         if cfg.discovery:
-            self.supervisor.once("discovery", self._discover(addresses, ring_port, http_port))
+            ring_port, http_port = r.ring_sock.getsockname()[1], r.http_sock.getsockname()[1]
+            self.supervisor.once("discovery", self._discover(r.addresses, ring_port, http_port))
         # The model list's first scan, now rather than on the first client's request.
-        self.supervisor.once("model list", self._scan_models())
+        self.supervisor.once("model list", self.catalogue.listing())
         self.supervisor.forever("session expiry", self._expire_loop)
         log.info(
             "ringd node %s up: ring %s, http %s://%s, model %s (%d layers), priority %d%s",
-            self.name, self.addr, self.tls.scheme, self.http_addr, self.model_id, self.info.num_layers, cfg.priority,
+            self.name, self.addr, r.tls.scheme, self.http_addr, self.model_id, self.info.num_layers, cfg.priority,
             ", ring encryption on" if cfg.ring_encryption else "",
         )  # fmt: skip
         self.cluster.view_changed()  # a node alone elects itself
@@ -198,10 +215,8 @@ class Daemon:
         serves; every task stops (a load under way is given up); the compute thread finishes
         its step and MLX goes idle; the links close. Each step is bounded: it exits within seconds."""
         self.stopping = True
-        if self.stages is not None:
-            self.stages.stop()
-        if self.cluster is not None:
-            self.cluster.leave()
+        self.stages.stop()
+        self.cluster.leave()
         self.api.stop_serving(STOPPING)
         if self.pool is not None:
             # A 503 "service unavailable": a follower forwarding the stream carries it over to
@@ -212,8 +227,7 @@ class Daemon:
         if self.discovery is not None:
             await self.discovery.stop()  # goodbyes, so peers' browsers forget us now
         await self.compute.stop()
-        if self.cluster is not None:
-            await self.cluster.links.close()
+        await self.cluster.links.close()
 
     # --- discovery --------------------------------------------------------------------
 
@@ -235,16 +249,16 @@ class Daemon:
     def _on_advert(self, advert: Advert) -> None:
         if advert.node in self.cluster.peers:
             return  # linked already (a static peer, gossip, or it dialed us)
-        host = dial_order(advert.addresses, self._networks)[0]
+        host = dial_order(advert.addresses, self.r.networks)[0]
         log.info("dialing %s at %s:%d (found by Bonjour)", advert.node, host, advert.ring_port)
         self.cluster.links.dial(host, advert.ring_port)
 
     # --- routing ----------------------------------------------------------------------
 
-    def _send(self, node: str, frame: Frame) -> None:
+    def send(self, node: str, frame: Frame) -> None:
         self.cluster.send(node, frame)
 
-    def _route(self, peer: str, frame: Frame) -> None:
+    def on_frame(self, peer: str, frame: Frame) -> None:
         """A frame from ``peer`` (heartbeats and election notes are the cluster's own)."""
         t = frame.type
         if t in (MsgType.FORWARD, MsgType.RELEASE):
@@ -267,82 +281,69 @@ class Daemon:
                 return
             if peer != self.name:
                 self.cluster.take_report(peer, report)
-            self._on_change()
+            self.on_change()
         elif t in (MsgType.STATUS, MsgType.STATUS_REPLY):
             self.status.on_frame(peer, frame)
         else:
             log.debug("ignoring %s frame from %s", t.name, peer)
 
-    # --- leadership -------------------------------------------------------------------
+    # --- what the cluster tells and asks (members.Owner) ---------------------------------
 
-    def _on_leadership(self, leading: bool) -> None:
+    def on_leadership(self, leading: bool) -> None:
         if leading:
-            planned_before = self.stage.plan is not None
-            self.pool = Pool(
-                self.cfg, self.model_id,
-                lambda pool: self._coordinator(pool, "", "", self.info, self.tokenizer, planned_before, self.drafter),
-                lambda pool, name, model, info, tokenizer: self._coordinator(pool, name, model, info, tokenizer, True, None),
-                self.catalogue, self.supervisor, self._budgets,
-            )  # fmt: skip
+            parts = NodeParts(self.cfg, self.cluster, self.stages, self.supervisor, self.metrics, self._started)
+            configured = ServedModel("", "", self.info, self.tokenizer, self.r.drafter)
+            self.pool = Pool(parts, configured, self.model_id, self.catalogue, planned_before=self.stage.plan is not None)
         elif self.pool is not None:
             self.pool.close(f"leadership moved to {self.cluster.leader or 'another node'}; retry")
             self.pool = None
 
-    def _coordinator(self, pool: Pool, instance: str, model: str, info: ModelInfo, tokenizer, planned_before: bool, drafter) -> Coordinator:
-        return Coordinator(
-            self.cfg, info, tokenizer, self.cluster, self.stages.named(instance), self.supervisor, self._own,
-            self.budget, self._started, self.metrics, planned_before=planned_before, drafter=drafter,
-            instance=instance, source=model, host=lambda: self.stages.named(instance),
-            room=lambda node: pool.room(instance, node), kv_room=lambda node: pool.kv_room(instance, node),
-            nodes=lambda: pool.nodes_for(instance),
-        )  # fmt: skip
+    def on_change(self) -> None:
+        self.stages.check_links({p: peer.number for p, peer in self.cluster.peers.items()})
+        if self.cluster.leader is not None:
+            self.stages.leader_is(self.cluster.leader)
+        if self.pool is not None:
+            self.pool.changed()
 
-    def _instance_stage(self, instance: str) -> StageHost:
-        """A stage for another of the leader's instances: its model found by name in this node's list."""
-        host = StageHost(
-            self.name, None, None, self.compute, self._send, self._on_change, self.metrics,
-            tokenizer_source=lambda: load_tokenizer(host.info), departed=lambda node: node in self.cluster.left,
-            instance=instance, resolve=self._resolve,
-        )  # fmt: skip
-        return host
+    def reports(self) -> tuple[Report, tuple[Report, ...]]:
+        return self.stage.report, self.stages.reports()
 
-    async def _resolve(self, name: str) -> tuple[str, ModelInfo]:
-        """The model the leader's plan names, as this node's model list holds it: its path and info
-        ("": this node's configured model, of which the leader keeps replicas)."""
+    def serving(self) -> tuple[Term | None, str]:
+        return self.coordinator.serving() if self.coordinator is not None else (None, "not leading")
+
+    def sent(self, seconds: float) -> None:
+        self.metrics.link_send.observe(seconds)
+
+    # --- what a stage host asks (stagehost.StageOwner) ------------------------------------
+
+    def reported(self) -> None:
+        self.on_change()
+
+    def departed(self, node: str) -> bool:
+        return node in self.cluster.left
+
+    def dial(self, host: str, port: int) -> None:
+        self.cluster.links.dial(host, port)
+
+    def holders(self, fingerprint: str) -> list[Holder]:
+        """The linked peers that serve the files of the model ``fingerprint``."""
+        found = (holder_of(p, peer.info, fingerprint) for p, peer in self.cluster.peers.items())
+        return [h for h in found if h is not None]
+
+    async def resolve(self, name: str) -> StageSource:
+        """The model the leader's plan names, as this node's model list holds it ("": this node's
+        configured model, of which the leader keeps replicas)."""
         if not name:
-            return self.stage.model, self.info
+            return self.r.model
         entry = await self.catalogue.lookup(name)
         if entry is None or entry.facts.info is None:
             why = entry.facts.error if entry is not None else "no model by that name in its model list (models_dir, the Ollama store, the Hugging Face cache)"
             raise ModelError(f"{self.name} cannot load model {name}: {why}; every node that holds its layers needs its files")
         info = await asyncio.get_running_loop().run_in_executor(None, model_info, entry.ref)
-        return entry.ref, info
+        return StageSource(entry.ref, info)
 
-    def _budgets(self) -> dict[str, tuple[int | None, bool]]:
-        """Each member's memory budget and whether it is api_only, as it said at its handshake."""
-        out = {}
-        for node in self.members():
-            info = self._own if node == self.name else self.cluster.info_of(node)
-            budget = self.budget if node == self.name else info.get("budget")
-            budget = budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
-            out[node] = (budget, info.get("api_only") is True)
-        return out
-
-    def _on_change(self) -> None:
-        if self.stages is not None and self.cluster is not None:
-            self.stages.check_links({p: peer.number for p, peer in self.cluster.peers.items()})
-            if self.cluster.leader is not None:
-                self.stages.leader_is(self.cluster.leader)
-        if self.pool is not None:
-            self.pool.changed()
-
-    def _holders(self, model: str) -> list[Holder]:
-        """The linked peers that serve the files of ``model``."""
-        found = (holder_of(p, peer.info, model) for p, peer in self.cluster.peers.items())
-        return [h for h in found if h is not None]
-
-    def _serving(self):
-        return self.coordinator.serving() if self.coordinator is not None else (None, "not leading")
+    def tokenizer_of(self, info: ModelInfo) -> Any:
+        return self.tokenizer if info is self.info else load_tokenizer(info)
 
     async def _expire_loop(self) -> None:
         while True:
@@ -355,10 +356,6 @@ class Daemon:
     def coordinator(self) -> Coordinator | None:
         """The configured model's coordinator, while this node leads."""
         return self.pool.default.coordinator if self.pool is not None else None
-
-    @property
-    def engine(self) -> Engine | None:
-        return self.coordinator.engine if self.coordinator is not None else None
 
     @property
     def leading(self) -> bool:
@@ -388,37 +385,31 @@ class Daemon:
         return self.pool.unload_model(name, "asked to (keep_alive 0, or ringctl unload)") if self.pool is not None else []
 
     def members(self) -> set[str]:
-        return set(self.cluster.election.members) if self.cluster else {self.name}
-
-    async def _scan_models(self) -> None:
-        await self.catalogue.listing()
+        return set(self.cluster.election.members)
 
     def fit_rule(self) -> Callable[[ModelInfo], str | None]:
         """placement.shortfall over the members as they are now (each one's budget, api_only or not)."""
-        nodes = [NodeSpec(node, "", budget, api_only=api_only) for node, (budget, api_only) in sorted(self._budgets().items())]
+        nodes = [NodeSpec(node, "", i.budget, api_only=i.api_only) for node, i in sorted(self.cluster.member_infos().items())]
         cfg = self.cfg
         return lambda info: shortfall(nodes, ModelCost.of(info, cfg.kv_reserve_tokens, cfg.kv_bits, cfg.kv_group_size))
 
     def readiness(self) -> tuple[bool, str]:
         if self.stopping:
             return False, STOPPING
-        return self.status.readiness() if self.status else (False, "starting")
+        return self.status.readiness()
 
     def local_status(self) -> dict:
-        return self.status.local() if self.status else {"node": self.name, "ready": False, "reason": "starting"}
+        return self.status.local()
 
     async def cluster_status(self) -> dict:
         return await self.status.cluster_status()
 
     def leader_http(self) -> str | None:
-        leader = self.cluster.leader if self.cluster else None
+        leader = self.cluster.leader
         if leader is None:
             return None
-        if leader == self.name:
-            return f"{self.tls.scheme}://{self.http_addr}"
         info = self.cluster.info_of(leader)
-        http = info.get("http")
-        return f"{'https' if info.get('https') is True else 'http'}://{http}" if isinstance(http, str) else None
+        return f"{'https' if info.https else 'http'}://{info.http}" if info.http else None
 
     async def leader_changed(self) -> None:
         """Returns when the leader changes next."""
@@ -438,30 +429,30 @@ class Daemon:
 
     @property
     def leader(self) -> str | None:
-        return self.cluster.leader if self.cluster else None
+        return self.cluster.leader
 
     @property
     def drained(self) -> set[str]:
-        return self.cluster.drained if self.cluster else set()
+        return self.cluster.drained
 
     def _facts(self) -> dict:
         return {
             "addr": self.addr,
             "http": self.http_addr,
             "model": self.model_id,
-            "speed": round(self.profile.speed, 2) if self.profile and self.profile.speed else None,
-            "device": self.profile.to_wire() if self.profile else None,
+            "speed": round(self.r.profile.speed, 2) if self.r.profile.speed else None,
+            "device": self.r.profile.to_wire(),
             "discovery": {
                 "enabled": self.cfg.discovery,
                 "advertising": bool(self.discovery and self.discovery.advertising),
                 "found": sorted(self.discovery.peers) if self.discovery else [],
             },
             "ring_encryption": self.cfg.ring_encryption,
-            "tls": self.tls.mode if self.tls else "off",
+            "tls": self.r.tls.mode,
             # The leader's instances (the models it serves now), for ringctl ps and the dashboard.
             "instances": self.instances(),
             # This node's stages of those instances (their layers, sessions, load progress).
-            "instance_stages": self.stages.status() if self.stages is not None else [],
+            "instance_stages": self.stages.status(),
         }
 
     def _kv_capacity(self, start: int, end: int) -> int | None:
@@ -476,10 +467,10 @@ def _on_disk(model: str | None) -> bool:
     return model.startswith(OLLAMA_PREFIX) or Path(model).expanduser().exists()
 
 
-async def _bind(key: str, host: str, port: int, bind):
-    """Run ``bind``; a port in use becomes an error that names the key and the port."""
+def _bind(key: str, host: str, port: int) -> socket.socket:
+    """A socket listening on host:port; a port in use is an error that names the key and the port."""
     try:
-        return await bind
+        sock = bind(host, port)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             raise ConfigError(
@@ -487,3 +478,6 @@ async def _bind(key: str, host: str, port: int, bind):
                 f"stop it or choose another port (--{key.replace('_', '-')})"
             ) from None
         raise
+    sock.set_inheritable(False)  # this node's own: no process it starts holds it
+    sock.setblocking(False)
+    return sock

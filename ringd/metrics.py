@@ -221,8 +221,14 @@ class Metrics:
             "ringd_files_fetched_bytes", "Bytes of the model's files this node fetched from peers, by outcome (verified, or refused: a chunk that did not match the manifest)",
             ["node", "outcome"], registry=r,
         )  # fmt: skip
-        r.register(_Collector(node, read))
+        self._gauges = _Collector(node, read)
+        r.register(self._gauges)
         self.live = Live()
+
+    def read_gauges_from(self, read: Callable[[], Gauges]) -> None:
+        """Where /metrics reads the node's gauges: its status, once the node is built (a model
+        fetched from peers is counted here before)."""
+        self._gauges.read = read
 
     def request(self, endpoint: str, status: int) -> None:
         self._requests.labels(self.node, endpoint, str(status)).inc()

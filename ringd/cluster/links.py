@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ringd.cluster.memberinfo import MemberInfo
 from ringd.names import parse_hostport
 from ringd.tasks import Supervisor
 from wire import stream as wire_stream
@@ -81,7 +82,7 @@ class Peer:
     node: str
     stream: "wire_stream.FrameStream"
     outbound: bool
-    info: dict
+    info: MemberInfo  # what it said of itself in the handshake
     # A number of its own for every link ever made: a peer that re-linked (a
     # dropped socket re-made, a process stalled past dead_after) has a new one,
     # which tells the leader that frames on the old link may be lost.
@@ -99,7 +100,7 @@ class Links:
         node: str,
         cluster: str,
         secret: bytes,
-        info: dict,
+        info: MemberInfo,
         on_frame: Callable[[str, Frame], None],
         on_change: Callable[[], None] = lambda: None,
         heartbeat: Callable[[], dict] = dict,
@@ -148,7 +149,7 @@ class Links:
         """Start accepting peers on host:port, or on ``sock`` (a listening socket handed down by a
         launcher); returns the bound port (useful with port 0)."""
         self._server = await wire_stream.serve(
-            host, port, self._accepted, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info,
+            host, port, self._accepted, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info.to_wire(),
             encrypt=self.encrypt, trusted=self._known_host, sock=sock,
         )  # fmt: skip
         self._supervisor.forever("heartbeats", self._heartbeat_loop)
@@ -193,7 +194,7 @@ class Links:
 
     def addr_of(self, node: str) -> str | None:
         peer = self.peers.get(node)
-        return peer.info.get("addr") if peer else None
+        return peer.info.addr if peer else None
 
     def leave(self) -> None:
         """This node is stopping: accept no link and dial no more (the dial loops end at their next
@@ -252,7 +253,7 @@ class Links:
         if self._closing or stream.peer_id in (self.node, *self.peers, *self._departed):
             return
         try:
-            self.dial(*parse_hostport((stream.peer_info or {}).get("addr")))
+            self.dial(*parse_hostport(MemberInfo.parse(stream.peer_info).addr))
         except ValueError:
             pass  # it gave no address we can dial (a test's bare Links): it redials us
 
@@ -264,7 +265,7 @@ class Links:
         """A member linked: where it dials from and where it listens are members' addresses now."""
         hosts = [stream.peername[0]]
         try:
-            hosts.append(parse_hostport((stream.peer_info or {}).get("addr"))[0])
+            hosts.append(parse_hostport(MemberInfo.parse(stream.peer_info).addr)[0])
         except ValueError:
             pass
         for host in map(canonical_host, hosts):
@@ -291,7 +292,7 @@ class Links:
                 return
             try:
                 stream = await wire_stream.connect(
-                    host, port, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info,
+                    host, port, secret=self._secret, node_id=self.node, cluster=self.cluster, info=self.info.to_wire(),
                     encrypt=self.encrypt,
                 )  # fmt: skip
             except (OSError, asyncio.TimeoutError, wire_stream.HandshakeError) as e:
@@ -320,7 +321,7 @@ class Links:
         """The live peer that listens at host:port (by the address its handshake gave), if any."""
         for peer in self.peers.values():
             try:
-                addr = parse_hostport(peer.info.get("addr"))
+                addr = parse_hostport(peer.info.addr)
             except ValueError:
                 continue
             if not peer.stream.closed and addr[1] == port and canonical_host(addr[0]) == canonical_host(host):
@@ -348,7 +349,7 @@ class Links:
             return
         self._remember(stream)
         self._departed.discard(peer_id)  # back
-        peer = Peer(peer_id, stream, outbound, dict(stream.peer_info or {}), next(self._numbers))
+        peer = Peer(peer_id, stream, outbound, MemberInfo.parse(stream.peer_info), next(self._numbers))
         self._streams.add(stream)
         current = self.peers.get(peer_id)
         later = asyncio.get_running_loop().call_later

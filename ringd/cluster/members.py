@@ -27,11 +27,12 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Protocol
 
 from ringd.cluster.election import Election, ElectionError, Pin, Term
 from ringd.cluster.linkcost import LinkMeter, Measured
-from ringd.cluster.links import LinkError, Links
+from ringd.cluster.links import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S, LinkError, Links
+from ringd.cluster.memberinfo import MemberInfo
 from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, MAX_INSTANCES, MAX_LINK_REPORTS, Heartbeat, MessageError, clip, parse_control
 from ringd.ring.plan import MAX_ADDR_CHARS
 from ringd.cluster.reconcile import Report
@@ -63,39 +64,49 @@ class DrainError(ValueError):
     """A drain request that cannot be honoured; the message says why."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ClusterSettings:
+    """Who this node is among its peers, and how fast it hears of them (cut from a Config)."""
+
+    node: str
+    cluster: str
+    state_file: Path  # the pin and the term this node claimed, kept across restarts
+    priority: int = 0
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    dead_after_s: float = DEAD_AFTER_S
+    encrypt: bool = False  # ring_encryption: AEAD on every link
+
+
+class Owner(Protocol):
+    """The node a ``Cluster`` belongs to: what the cluster tells it, and the little it asks of it."""
+
+    def on_frame(self, peer: str, frame: Frame) -> None:
+        """A frame that is not the cluster's own (heartbeats, elections, LEAVE are), from ``peer``."""
+
+    def on_leadership(self, leading: bool) -> None:
+        """This node starts (True) or stops (False) leading."""
+
+    def on_change(self) -> None:
+        """Something the leader reconciles against may have changed (a link, a report, the leader)."""
+
+    def reports(self) -> tuple[Report, tuple[Report, ...]]:
+        """What its heartbeats say of this node's stages: the configured model's, and the other instances'."""
+
+    def serving(self) -> tuple[Term | None, str]:
+        """While leading: the term of the ring that serves, or None and why not."""
+
+    def sent(self, seconds: float) -> None:
+        """A frame took ``seconds`` to hand to its link (for metrics)."""
+
+
 class Cluster:
-    def __init__(
-        self,
-        *,
-        node: str,
-        cluster: str,
-        priority: int,
-        secret: bytes,
-        info: dict,
-        state_file: Path,
-        heartbeat_interval_s: float,
-        dead_after_s: float,
-        encrypt: bool,
-        supervisor: Supervisor,
-        on_frame: Callable[[str, Frame], None],
-        on_leadership: Callable[[bool], None],
-        on_change: Callable[[], None],
-        report: Callable[[], Report],
-        serving: Callable[[], tuple[Term | None, str]],
-        sent: Callable[[float], None] = lambda seconds: None,
-        instances: Callable[[], tuple[Report, ...]] = lambda: (),
-    ):
+    def __init__(self, settings: ClusterSettings, secret: bytes, info: MemberInfo, supervisor: Supervisor, owner: Owner):
+        node = settings.node
         self.node = node
-        self.priority = priority
-        self._state_file = state_file
-        self._on_leadership = on_leadership
-        self._on_change = on_change
-        self._report = report
-        self._instances = instances
-        self._serving = serving
-        self._dispatch = on_frame
-        self._sent = sent  # seconds each frame took to hand to its link (metrics)
-        self.election = Election(node, priority, *self._restore_state())
+        self.priority = settings.priority
+        self._state_file = settings.state_file
+        self._owner = owner
+        self.election = Election(node, settings.priority, *self._restore_state())
         self.leading = False
         self.drained: set[str] = set()  # nodes `ringctl drain` keeps out of the ring (followers copy the leader's)
         self.reports: dict[str, Report] = {}  # what each linked peer last said of its stage
@@ -117,9 +128,9 @@ class Cluster:
         self.peer_links: dict[str, dict[str, Measured]] = {}
         self._probe = 0  # payload bytes of the heartbeat being sent (a bandwidth probe)
         self.links = Links(
-            node, cluster, secret, info, self._on_frame, self.view_changed,
-            heartbeat=self._heartbeat, probe=lambda: self._probe, heartbeat_interval_s=heartbeat_interval_s,
-            dead_after_s=dead_after_s, encrypt=encrypt, supervisor=supervisor,
+            node, settings.cluster, secret, info, self._on_frame, self.view_changed,
+            heartbeat=self._heartbeat, probe=lambda: self._probe, heartbeat_interval_s=settings.heartbeat_interval_s,
+            dead_after_s=settings.dead_after_s, encrypt=settings.encrypt, supervisor=supervisor,
         )  # fmt: skip
 
     # --- views ------------------------------------------------------------------------
@@ -158,26 +169,33 @@ class Cluster:
 
     def _host(self, node: str) -> str | None:
         """The host a node listens on (its handshake's advertised address), or None if unknown."""
-        addr = self.links.info.get("addr") if node == self.node else self.links.addr_of(node)
+        addr = self.links.info.addr if node == self.node else self.links.addr_of(node)
         try:
             return canonical_host(parse_hostport(addr)[0])
         except ValueError:
             return None
 
-    def info_of(self, node: str) -> dict:
+    def member_infos(self) -> dict[str, MemberInfo]:
+        """Every member of the current view, this node too, and what each said of itself."""
+        return {node: self.info_of(node) for node in self.election.members}
+
+    def info_of(self, node: str) -> MemberInfo:
+        """What ``node`` said of itself: this node's own, a linked peer's, or nothing known."""
+        if node == self.node:
+            return self.links.info
         peer = self.links.peers.get(node)
-        return peer.info if peer else {}
+        return peer.info if peer else MemberInfo()
 
     # --- sending ----------------------------------------------------------------------
 
     def send(self, node: str, frame: Frame) -> None:
         """Deliver to ``node``: over its link, or straight back in for this node itself."""
         if node == self.node:
-            self._dispatch(self.node, frame)
+            self._owner.on_frame(self.node, frame)
         else:
             started = time.perf_counter()
             self.links.send(node, frame)
-            self._sent(time.perf_counter() - started)
+            self._owner.sent(time.perf_counter() - started)
 
     # --- pin and drain ------------------------------------------------------------------
 
@@ -203,7 +221,7 @@ class Cluster:
             raise DrainError(f"{MAX_DRAINED} nodes are drained already (the most a heartbeat carries); undo one first")
         (self.drained.discard if undo else self.drained.add)(node)
         log.info("%s %s", "undrained" if undo else "draining", node)
-        self._on_change()
+        self._owner.on_change()
 
     # --- incoming -------------------------------------------------------------------------
 
@@ -222,7 +240,7 @@ class Cluster:
             elif frame.type == MsgType.CONTROL:
                 self._elect(self.election.receive(peer, parse_control(frame.descriptor)))
             else:
-                self._dispatch(peer, frame)
+                self._owner.on_frame(peer, frame)
         except MessageError as e:
             log.warning("ignoring a malformed %s frame from %s: %s", frame.type.name, peer, e)
         except Exception:  # one bad frame must not end the link or the node
@@ -244,7 +262,7 @@ class Cluster:
         self.instance_reports[peer] = others
         self._elect(self.election.receive(peer, beat.election))
         if changed:
-            self._on_change()
+            self._owner.on_change()
 
     def _on_leave(self, peer: str) -> None:
         link = self.links.peers.get(peer)
@@ -272,10 +290,10 @@ class Cluster:
             held = self.instance_reports.setdefault(peer, {})
             if held.get(report.instance) != report:
                 held[report.instance] = report
-                self._on_change()
+                self._owner.on_change()
         elif self.reports.get(peer) != report:
             self.reports[peer] = report
-            self._on_change()
+            self._owner.on_change()
 
     def report_of(self, peer: str, instance: str) -> Report | None:
         """What ``peer`` last said of its stage of ``instance`` (None: nothing yet)."""
@@ -305,10 +323,9 @@ class Cluster:
             self.meter.forget(gone)
         members = {self.node: self.priority}
         for p, peer in self.links.peers.items():
-            priority = peer.info.get("priority", 0)
-            members[p] = priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
+            members[p] = peer.info.priority
         self._elect(self.election.view(members))
-        self._on_change()
+        self._owner.on_change()
 
     def _settled(self) -> None:
         self._settle = None
@@ -319,15 +336,16 @@ class Cluster:
     def _heartbeat(self) -> dict:
         known = {}
         for p, peer in self.links.peers.items():
-            addr = peer.info.get("addr")
+            addr = peer.info.addr
             if len(known) < MAX_GOSSIPED_PEERS and _dialable(addr):
                 known[p] = addr
-        instances = self._instances()[:MAX_INSTANCES]
+        report, instances = self._owner.reports()
+        instances = instances[:MAX_INSTANCES]
         clock = self.meter.stamp(time.monotonic())
         self._probe = clock.probe
-        beat = Heartbeat(self.election.announcement(), self._report(), known, instances=instances, clock=clock, links=self.meter.view())
+        beat = Heartbeat(self.election.announcement(), report, known, instances=instances, clock=clock, links=self.meter.view())
         if self.leading:
-            serving, reason = self._serving()
+            serving, reason = self._owner.serving()
             drained = tuple(sorted(self.drained, key=natural_key))
             beat = dataclasses.replace(beat, drained=drained, serving=serving, reason=clip(reason))
         return beat.to_wire()
@@ -353,11 +371,11 @@ class Cluster:
         if leader == self.node and not self.leading:
             log.info("leading the cluster (term %s)", self.election.term.to_wire())
             self.leading = True
-            self._on_leadership(True)
+            self._owner.on_leadership(True)
         elif leader != self.node and self.leading:
             log.info("following %s", leader or "nobody yet")
             self.leading = False
-            self._on_leadership(False)
+            self._owner.on_leadership(False)
         if leader != self._last_leader:
             self._last_leader = leader
             self.leader_changes += 1

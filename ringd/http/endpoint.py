@@ -153,7 +153,7 @@ class Endpoint:
 
     async def count(self, request: web.Request, api: Count) -> web.StreamResponse:
         raw, body, _ = await self._receive(request)
-        if self.d.engine is None:
+        if not self.d.leading:
             return await self.proxy.forward(request, raw, False, resumable=False)
         req = await self.intake.off_loop(api.parse, body)
         served = await self.served(body, api)
@@ -174,7 +174,7 @@ class Endpoint:
 
     async def embed(self, request: web.Request, api: "embeddings.Translation") -> web.StreamResponse:
         raw, body, _ = await self._receive(request)
-        if self.d.engine is None:
+        if not self.d.leading:
             return await self.proxy.forward(request, raw, False, resumable=False)
         loop = asyncio.get_running_loop()
         # Up to MAX_INPUTS inputs of token ids each checked: not on the loop.
@@ -187,7 +187,7 @@ class Endpoint:
     async def generate(self, request: web.Request, api: Translation) -> web.StreamResponse:
         received_ns = time.monotonic_ns()
         raw, body, forwarded = await self._receive(request)
-        if self.d.engine is None:
+        if not self.d.leading:
             return await self.proxy.forward(request, raw, api.streams(body), resumable=api.resumable)
         unloaded = api.unloaded(body)
         if unloaded is not None:

@@ -587,7 +587,7 @@ class Models:
         """The models loaded now: the leader's instances (a follower asks its leader), each with
         Ollama's fields and ringd's own (its ring, state, requests, load progress)."""
         self.intake.need_key(request)
-        if self.d.engine is None and self.forward is not None:
+        if not self.d.leading and self.forward is not None:
             return await self.forward(request, b"", False, resumable=False)
         profile = getattr(self.d, "profile", None)
         models = []

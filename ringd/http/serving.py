@@ -145,7 +145,7 @@ class Serving:
     async def ready(self, served: "Served") -> "Engine":
         """The engine, once a ring serves (a ring lost a moment ago: waiting for the next, as the
         requests in flight do); a 503 if this node does not lead or no ring serves."""
-        engine = served.engine if self.d.engine is not None else None
+        engine = served.engine if self.d.leading else None
         if engine is None:
             raise ApiError(503, "this node does not lead; retry in a moment")
         ready, reason = served.readiness()

@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Any, Protocol
 
 from ringd.cluster.election import Term
 from ringd.cluster.linkcost import RTT_SAMPLES
@@ -28,10 +28,8 @@ from ringd.cluster.members import Cluster
 from ringd.cluster.placement import ModelCost, NodeSpec, fit_note, plan_for
 from ringd.cluster.reconcile import Member, Reconciler
 from ringd.cluster.topology import Layout, choose, link_matrix
-from ringd.node.stagehost import StageHost
-from ringd.node.stages import Unload
+from ringd.node.stages import Stages, Unload
 from ringd.config import Config
-from ringd.device import DeviceProfile
 from ringd.leader.admission import KvLedger, StageKv
 from ringd.ring.kvcost import KvCost
 from ringd.leader.draft import Drafter
@@ -70,49 +68,59 @@ HOP_ITEM_BYTES = 2
 SLOWEST_RELATIVE_SPEED = 0.1
 
 
-class Coordinator:
-    """Exists while this node leads; ``close`` when it stops."""
+@dataclasses.dataclass(frozen=True)
+class NodeParts:
+    """What of its node every instance the leader serves uses (``daemon.Node`` makes it once)."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        info: ModelInfo,
-        tokenizer,
-        cluster: Cluster,
-        stage: StageHost,
-        supervisor: Supervisor,
-        own: dict,
-        budget: int | None,
-        started: float,
-        metrics: Metrics,
-        planned_before: bool,
-        drafter: Drafter | None = None,
-        instance: str = "",
-        source: str = "",
-        host: Callable[[], StageHost | None] | None = None,
-        room: Callable[[str], int | None] | None = None,
-        kv_room: Callable[[str], int | None] | None = None,
-        nodes: Callable[[], frozenset[str] | None] = lambda: None,
-    ):
+    cfg: Config
+    cluster: Cluster
+    stages: Stages  # this node's stages: an instance's own, when its plan gives this node layers
+    supervisor: Supervisor
+    metrics: Metrics
+    started: float  # when the node started (time.monotonic): the cluster's first plan waits for nodes from then
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """The model an instance serves, as the leader read it."""
+
+    instance: str  # the pool's name for the instance ("": the model the cluster was started with)
+    source: str  # the name nodes find its model by in their model lists ("": each node's configured model)
+    info: ModelInfo
+    tokenizer: Any
+    drafter: Drafter | None = None  # speculative decoding's draft model (the configured model's only)
+
+
+class Share(Protocol):
+    """What an instance gets of the nodes beside the other instances (``pool.Pool``)."""
+
+    def room(self, instance: str, node: str) -> int | None:
+        """Bytes ``node`` leaves ``instance`` for its weights and reserve (None: unknown)."""
+
+    def kv_room(self, instance: str, node: str) -> int | None:
+        """Bytes of ``node``'s KV memory that are ``instance``'s (None: unknown)."""
+
+    def nodes_for(self, instance: str) -> frozenset[str] | None:
+        """The nodes ``instance`` may place its ring over (None: any)."""
+
+
+class Coordinator:
+    """Exists while this node leads, one for each instance; ``close`` when it stops."""
+
+    def __init__(self, parts: NodeParts, served: ServedModel, share: Share, planned_before: bool):
+        cfg, cluster = parts.cfg, parts.cluster
         self.cfg = cfg
-        self.info = info
-        self.tokenizer = tokenizer
+        self.info = served.info
+        self.tokenizer = served.tokenizer
         self.cluster = cluster
         self.node = cluster.node
-        self.stage = stage
-        # Which of the pool's instances this ring serves ("": the model the cluster was started
-        # with) and the name nodes find its model by; this node's stage of it (made when the
-        # plan reaches it); and what each node's memory leaves this instance beside the others
-        # (``room``: for its weights and reserve when placing; ``kv_room``: for its KV caches
-        # once placed). Without a pool: the whole budget.
-        self.instance, self.source = instance, source
-        self._host = host or (lambda: stage)
-        self._room = room or self.budget_of
-        self._kv_room = kv_room
-        self._nodes = nodes
-        self.own = own  # this node's handshake info: addr, profile, api_only
-        self.budget = budget
-        self.metrics = metrics
+        # Which of the pool's instances this ring serves and the name nodes find its model by;
+        # this node's stage of it (made when the plan reaches it); and what each node's memory
+        # leaves this instance beside the others (``share``).
+        self.instance, self.source = served.instance, served.source
+        self._stages = parts.stages
+        self._share = share
+        self.metrics = parts.metrics
         self.reconciler = Reconciler(self.node, cfg.heartbeat_interval_s)
         self.plan: Plan | None = None
         # The ring's order and the Macs left out by their links, with the figures and why
@@ -127,19 +135,19 @@ class Coordinator:
         self._quiet_since = 0.0
         self.ready = False
         self.reason = "leading; planning the ring"
-        self._started = started
+        self._started = parts.started
         self._first = not planned_before  # only the cluster's very first plan waits for nodes
         self._seen: set[str] = set(cluster.peers)
-        self._last_join = started
+        self._last_join = parts.started
         self._burst = True  # membership changed since the last tick: let the burst settle first
         self._changed = asyncio.Event()
         self._changed.set()
-        self.engine = Engine(self.node, tokenizer, cluster.send, cfg.engine_settings(), metrics, drafter)
+        self.engine = Engine(self.node, served.tokenizer, cluster.send, cfg.engine_settings(), parts.metrics, served.drafter)
         self._closed = False
         # Set after every tick: what waits for this ring to serve (a model loaded on demand) looks again.
         self._ticked = asyncio.Event()
         self.failure = ""  # why the last plan could not be placed or loaded ("" while none failed)
-        self._task = supervisor.forever(f"reconcile {self.instance}" if self.instance else "reconcile", self._loop, restart_on_return=False)
+        self._task = parts.supervisor.forever(f"reconcile {self.instance}" if self.instance else "reconcile", self._loop, restart_on_return=False)
 
     def close(self, reason: str) -> None:
         self._closed = True
@@ -216,12 +224,12 @@ class Coordinator:
 
     def _members(self) -> dict[str, Member]:
         cluster = self.cluster
-        host = self._host()
-        allowed = self._nodes()  # a replica's share of the nodes (None: any)
+        host = self._stages.named(self.instance)
+        allowed = self._share.nodes_for(self.instance)  # a replica's share of the nodes (None: any)
         own = not self.cfg.api_only and self.node not in cluster.drained and (allowed is None or self.node in allowed)
         members = {self.node: Member(0, own, host.report if host is not None else None)}
         for p, peer in cluster.peers.items():
-            holder = p not in cluster.drained and peer.info.get("api_only") is not True and (allowed is None or p in allowed)
+            holder = p not in cluster.drained and not peer.info.api_only and (allowed is None or p in allowed)
             members[p] = Member(peer.number, holder, cluster.report_of(p, self.instance))
         return members
 
@@ -379,22 +387,16 @@ class Coordinator:
 
     def _node_specs(self, holders: tuple[str, ...]) -> list[NodeSpec]:
         """The holders as placement sees them, in ring order: this node first, then by name."""
-        infos = {self.node: self.own} if self.node in holders else {}
-        infos.update({p: self.cluster.info_of(p) for p in holders if p != self.node})
-        speeds = {}
-        for node, info in infos.items():
-            try:
-                speeds[node] = DeviceProfile.from_wire(info.get("profile")).speed or 0.0
-            except (TypeError, ValueError):
-                speeds[node] = 0.0  # an older or odd peer: the slowest bucket
+        infos = {node: self.cluster.info_of(node) for node in sorted(holders, key=lambda n: n != self.node)}
+        # An older or odd peer's speed is unknown: the slowest bucket.
+        speeds = {node: (info.profile.speed if info.profile is not None else None) or 0.0 for node, info in infos.items()}
         fastest = max(speeds.values(), default=0.0) or 1.0
         specs = []
         for node, info in infos.items():
             # Speeds in tenths of the fastest: the probe's own noise (~10% on a
             # busy machine) must not split the layers of identical Macs unevenly.
             speed = max(round(speeds[node] / fastest, 1), SLOWEST_RELATIVE_SPEED)
-            addr = info.get("addr") if isinstance(info.get("addr"), str) else ""
-            specs.append(NodeSpec(node, addr, self._room(node), speed, self.cfg.placement_weights.get(node), False))
+            specs.append(NodeSpec(node, info.addr, self._share.room(self.instance, node), speed, self.cfg.placement_weights.get(node), False))
         return specs
 
     def _model_cost(self) -> ModelCost:
@@ -406,7 +408,7 @@ class Coordinator:
         caches at load (its report says), else the dense formula over the config."""
         per_layer = self.info.kv_bytes_per_token()
         costs = []
-        host = self._host()
+        host = self._stages.named(self.instance)
         for s in plan.stages:
             report = (host.report if host is not None else None) if s.node == self.node else self.cluster.report_of(s.node, self.instance)
             costs.append(report.kv if report is not None and report.kv is not None else KvCost(per_token=per_layer * s.layers))
@@ -416,23 +418,20 @@ class Coordinator:
         """Each stage's KV capacity: what its budget leaves after its weights."""
         cfg = self.cfg
         stages = [
-            StageKv(s.node, cost, self.kv_capacity(s.node, s.start, s.end)) for s, cost in zip(plan.stages, self.stage_costs(plan))
+            StageKv(s.node, cost, self.kv_capacity(s.node)) for s, cost in zip(plan.stages, self.stage_costs(plan))
         ]
         return KvLedger(stages, cfg.max_kv_size, cfg.kv_bits, cfg.kv_group_size)
 
-    def kv_capacity(self, node: str, start: int, end: int) -> int | None:
-        """KV bytes ``node`` can hold holding layers [start, end): its budget less their weights
-        (with other instances beside this one: the share the pool gives it)."""
-        if self._kv_room is not None:
-            return self._kv_room(node)
-        budget = self.budget_of(node)
-        return None if budget is None else budget - self.info.weights.stage(start, end)
+    def kv_capacity(self, node: str) -> int | None:
+        """KV bytes ``node`` can hold for this instance: the share of its memory the pool gives it
+        beside its weights and the other instances."""
+        return self._share.kv_room(self.instance, node)
 
     def refresh_kv(self) -> None:
         """Each stage's KV capacity again, as the pool's instances share the nodes now."""
         plan, ledger = self.plan, self.engine.admission.ledger
         if self.ready and plan is not None and ledger is not None:
-            ledger.resize([self.kv_capacity(s.node, s.start, s.end) for s in plan.stages])
+            ledger.resize([self.kv_capacity(s.node) for s in plan.stages])
             self.engine.admission.wake()
 
     @property
@@ -451,12 +450,6 @@ class Coordinator:
                 self.cluster.send(node, Frame(MsgType.UNLOAD, 0, d))
             except LinkError as e:
                 log.warning("could not tell %s to unload %s (its next plan from this leader will): %s", node, self.instance, e)
-
-    def budget_of(self, node: str) -> int | None:
-        if node == self.node:
-            return self.budget
-        budget = self.cluster.info_of(node).get("budget")
-        return budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
 
 
 def _prefix_limit(costs: list[KvCost]) -> tuple[int | None, str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_order
+from ringd.cluster.memberinfo import MemberInfo
 from ringd.models.peers import FetchError, Holder, PeerModel
 from ringd.names import check_name, parse_hostport
 from wire import stream as wire_stream
@@ -100,17 +101,16 @@ async def _browse(cfg: "Config", local_networks) -> list[tuple[str, int]]:
     return [(dial_order(a.addresses, list(local_networks))[0], a.ring_port) for a in found.values()]
 
 
-def holder_of(node: str, info: dict, model: str | None = None) -> Holder | None:
+def holder_of(node: str, info: MemberInfo, model: str | None = None) -> Holder | None:
     """The peer as a holder if its INFO says it serves the files of ``model`` (None: any model)."""
-    http, fingerprint = info.get("http"), info.get("model")
-    if info.get("files") is not True or not isinstance(http, str) or not isinstance(fingerprint, str) or model not in (None, fingerprint):
+    if not info.files or not info.model or model not in (None, info.model):
         return None
     try:
         check_name(node)
-        parse_hostport(http)
+        parse_hostport(info.http)
     except ValueError:
         return None
-    return Holder(node, http, fingerprint, https=info.get("https") is True)
+    return Holder(node, info.http, info.model, https=info.https)
 
 
 async def probe(addrs: Iterable[tuple[str, int]], *, secret: bytes, node: str, cluster: str, encrypt: bool) -> list[Holder]:
@@ -124,7 +124,7 @@ async def probe(addrs: Iterable[tuple[str, int]], *, secret: bytes, node: str, c
             log.debug("probe of %s:%d: %s", host, port, e)
             return None
         try:
-            return holder_of(stream.peer_id, stream.peer_info or {})
+            return holder_of(stream.peer_id, MemberInfo.parse(stream.peer_info))
         finally:
             stream.close()
 

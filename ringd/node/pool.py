@@ -29,24 +29,22 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ringd.cluster.placement import ModelCost, NodeSpec, shortfall
 from ringd.cluster.sharing import (
     MAX_REPLICAS, Held, Usage, eviction_order, expired, fewest_nodes, kv_shares, pick_replica, regroup, room_left, victims,
 )
-from ringd.config import Config
 from ringd.leader.errors import EngineError
 from ringd.models.catalogue import Catalogue
 from ringd.models.checkpoint import ModelInfo, load_tokenizer
 from ringd.models.errors import ModelError
 from ringd.models.source import model_info
-from ringd.node.coordinator import Coordinator
+from ringd.cluster.memberinfo import MemberInfo
+from ringd.node.coordinator import Coordinator, NodeParts, ServedModel
 from ringd.ring.keepalive import format_keep_alive
 from ringd.ring.plan import MAX_INSTANCE_CHARS
 from ringd.names import natural_key
 from ringd.ring.steps import term_of
-from ringd.tasks import Supervisor
 from wire.frames import Frame
 
 log = logging.getLogger(__name__)
@@ -121,22 +119,12 @@ class Instance:
 class Pool:
     """Exists while this node leads; ``close`` when it stops."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        model_id: str,
-        default: Callable[["Pool"], Coordinator],
-        make: Callable[["Pool", str, str, ModelInfo, object], Coordinator],
-        catalogue: Catalogue | None,
-        supervisor: Supervisor,
-        members: Callable[[], dict[str, tuple[int | None, bool]]],
-    ):
-        """``default(pool)``: the configured model's coordinator; ``make(pool, name, model, info,
-        tokenizer)``: another instance's; ``members()``: node -> (budget, api_only) as now."""
-        self.cfg = cfg
-        self._make = make
+    def __init__(self, parts: NodeParts, configured: ServedModel, model_id: str, catalogue: Catalogue | None, planned_before: bool):
+        """``configured``: the model the cluster was started with, served as ``model_id``; its
+        first plan waits for nodes unless ``planned_before`` (a leader taking over a running ring)."""
+        self.cfg = cfg = parts.cfg
+        self.parts = parts
         self.catalogue = catalogue
-        self._members = members
         self.instances: dict[str, Instance] = {}
         self._loading: dict[str, asyncio.Future] = {}  # name -> its load under way
         # Each model with replicas: which nodes each replica places its ring over (sticky).
@@ -144,12 +132,12 @@ class Pool:
         # Each model loaded on demand alone: the nodes it is placed over, and why.
         self.homes: dict[str, tuple[frozenset[str], str]] = {}
         self._closed = False
-        first = default(self)
+        first = Coordinator(parts, configured, self, planned_before)
         self.default = Instance("", "", model_id, first, pinned=True, keep_alive=None)
         self.instances[""] = self.default
-        self._task = supervisor.forever("keep_alive", self._expire_loop)
+        self._task = parts.supervisor.forever("keep_alive", self._expire_loop)
         if cfg.replicas > 1:
-            supervisor.once("replicas", self._configured_replicas(cfg.replicas))
+            parts.supervisor.once("replicas", self._configured_replicas(cfg.replicas))
 
     async def _configured_replicas(self, n: int) -> None:
         """``replicas: n``: once the configured model serves, its other n - 1 instances."""
@@ -159,6 +147,9 @@ class Pool:
         except EngineError as e:
             if not self._closed:  # closed: this node stopped leading, and the next leader loads them
                 log.error("the configured model's %d replicas could not be loaded: %s", n, e)
+
+    def _members(self) -> dict[str, MemberInfo]:
+        return self.parts.cluster.member_infos()
 
     # --- what the daemon calls ----------------------------------------------------------
 
@@ -246,7 +237,7 @@ class Pool:
             log.error("loading %s failed", key, exc_info=done.exception())
 
     async def _load(self, name: str, replicas: int, keep_alive: float | None | bool) -> Instance:
-        holders = sum(not api_only for _, api_only in self._members().values())
+        holders = sum(not info.api_only for info in self._members().values())
         if replicas > max(holders, 1):
             raise EngineError(f"{replicas} replicas need {replicas} Macs that hold layers, and the cluster has {holders}", 400)
         existing = self.replicas_of(name)
@@ -262,7 +253,7 @@ class Pool:
                 raise EngineError(f"the cluster serves {MAX_POOL_INSTANCES} instances already; unload one first", 503)
             if k == 0:
                 self._make_room(label, info)
-            coordinator = self._make(self, label, model, info, tokenizer)
+            coordinator = Coordinator(self.parts, ServedModel(label, model, info, tokenizer), self, planned_before=True)
             ka = None if pinned else self.cfg.keep_alive if keep_alive is False else keep_alive
             inst = Instance(label, model, name, coordinator, pinned=pinned, keep_alive=ka)
             self.instances[label] = inst
@@ -318,12 +309,12 @@ class Pool:
 
     def room(self, instance: str, node: str) -> int | None:
         """What ``node``'s budget leaves ``instance`` for its weights and reserve beside the others."""
-        budget = self._members().get(node, (None, False))[0]
+        budget = self.parts.cluster.info_of(node).budget
         return room_left(budget, self.held(node, frozenset({instance})).values())
 
     def kv_room(self, instance: str, node: str) -> int | None:
         """``instance``'s share of ``node``'s KV memory."""
-        budget = self._members().get(node, (None, False))[0]
+        budget = self.parts.cluster.info_of(node).budget
         return kv_shares(budget, self.held(node)).get(instance, budget)
 
     def _make_room(self, name: str, info: ModelInfo) -> None:
@@ -333,7 +324,7 @@ class Pool:
         members = self._members()
 
         def short(removed: frozenset[str]) -> str | None:
-            nodes = [NodeSpec(n, "", room_left(b, self.held(n, removed).values()), api_only=a) for n, (b, a) in sorted(members.items())]
+            nodes = [NodeSpec(n, "", room_left(i.budget, self.held(n, removed).values()), api_only=i.api_only) for n, i in sorted(members.items())]
             return shortfall(nodes, cost)
 
         order = eviction_order(i.usage() for i in self.instances.values())
@@ -360,7 +351,7 @@ class Pool:
             return None
         replicas = self.replicas_of(inst.model_id)
         key = normal_name(inst.model_id)
-        live = sorted((n for n, (_, api_only) in self._members().items() if not api_only), key=natural_key)
+        live = sorted((n for n, info in self._members().items() if not info.api_only), key=natural_key)
         if len(replicas) <= 1:
             self._groups.pop(key, None)
             return None if inst.pinned else self._home(inst, live)

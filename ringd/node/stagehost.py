@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable, Protocol
 
 from ringd.cluster.election import Term
 from ringd.ring.plan import PlacementError, Plan
@@ -50,47 +50,52 @@ def plan_term(plan: Plan) -> Term:
     return Term(plan.term, plan.leader)
 
 
+@dataclasses.dataclass(frozen=True)
+class StageSource:
+    """The model a stage loads its layers of, as the node found it by the name a plan gives."""
+
+    model: str  # a path or reference mlx-lm (or models/source.py) reads
+    info: ModelInfo
+    peer_model: PeerModel | None = None  # fetched from peers (model_from_peers): layers come from holders first
+
+
+class StageOwner(Protocol):
+    """What a stage host asks of the node it runs on."""
+
+    def send(self, node: str, frame: Frame) -> None:
+        """To ``node`` (this one too) over its link; raises ConnectionError if there is none."""
+
+    def reported(self) -> None:
+        """A stage's report changed: the leader reconciles against it."""
+
+    def departed(self, node: str) -> bool:
+        """Whether ``node`` said LEAVE: a link to it that drops breaks no ring."""
+
+    def dial(self, host: str, port: int) -> None:
+        """Keep a link to the next stage's node."""
+
+    def holders(self, fingerprint: str) -> list[Holder]:
+        """The linked peers that serve the files of the model ``fingerprint``."""
+
+    async def resolve(self, name: str) -> StageSource:
+        """The model a plan names, as this node holds it ("": the node's configured model)."""
+
+    def tokenizer_of(self, info: ModelInfo) -> Any:
+        """The model's tokenizer (mlx-lm's TokenizerWrapper): the last stage follows grammars with it."""
+
+
 class StageHost:
-    def __init__(
-        self,
-        node: str,
-        model: str | None,
-        info: ModelInfo | None,
-        compute: ComputeThread,
-        send: Callable[[str, Frame], None],
-        on_report: Callable[[], None],
-        metrics: Metrics,
-        tokenizer_source: Callable[[], Any] | None = None,
-        departed: Callable[[str], bool] = lambda node: False,
-        peer_model: PeerModel | None = None,
-        holders: Callable[[str], list[Holder]] = lambda model: [],
-        instance: str = "",
-        resolve: Callable[[str], Awaitable[tuple[str, ModelInfo]]] | None = None,
-    ):
+    def __init__(self, node: str, instance: str, owner: StageOwner, compute: ComputeThread, metrics: Metrics):
         self.node = node
-        # Which of the leader's instances this stage is of ("": the configured model's). Another
-        # instance's model is found by the name its plan gives (``resolve``: path and info) at its
-        # first load, and checked against the plan's fingerprint like the configured one.
+        # Which of the leader's instances this stage is of ("": the configured model's). Its model
+        # is found by the name its plan gives (``owner.resolve``) at its first load, and checked
+        # against the plan's fingerprint.
         self.instance = instance
-        self.resolve = resolve
-        # A model fetched from peers (model_from_peers): a plan's layers are fetched from the peers
-        # that hold the model (``holders(fingerprint)``) before they load.
-        self.peer_model = peer_model
-        self.holders = holders
-        # Whether a peer said LEAVE: a link to it that drops, or a frame it can no longer take,
-        # breaks no ring, as the leader plans without it anyway (and a whole ring stopped at
-        # once, whose signals land a little apart, stays quiet).
-        self.departed = departed
-        # The model's tokenizer (mlx-lm's TokenizerWrapper) when asked: the last stage
-        # follows grammars with it. None: requests with a grammar fail here.
-        self.tokenizer_source = tokenizer_source
+        self._owner = owner
+        self.source: StageSource | None = None  # the model, once a plan named it
         self.metrics = metrics
-        self.model = model
         self.stopping = False
-        self.info = info
         self.compute = compute
-        self._send = send
-        self._on_report = on_report
         self.plan: Plan | None = None  # the plan taken last
         self.shard: Shard | None = None
         self.stage: StageRunner | None = None
@@ -101,7 +106,6 @@ class StageHost:
         self.unreadable: str | None = None
         self._lock = asyncio.Lock()  # one load at a time, in the order plans were taken
         self._ring_links: dict[str, int] = {}  # ring neighbour -> the number of our link to it, once seen
-        self.dial: Callable[[str, int], None] = lambda host, port: None
         self._links: dict[str, int] = {}  # linked peers -> link numbers, as of the last check_links
         self._links_changed = asyncio.Event()
 
@@ -163,33 +167,35 @@ class StageHost:
 
     def _answer(self, plan: Plan) -> None:
         try:
-            self._send(plan.leader, Frame(MsgType.LOADED, 0, self.report.to_wire()))
+            self._owner.send(plan.leader, Frame(MsgType.LOADED, 0, self.report.to_wire()))
         except ConnectionError as e:
-            if self.departed(plan.leader):
+            if self._owner.departed(plan.leader):
                 log.debug("not answering plan term %d: its leader %s is leaving", plan.term, plan.leader)
                 return
             log.warning("could not answer plan term %d (its heartbeat will): %s", plan.term, e)
 
     def _set(self, report: Report) -> None:
         self.report = dataclasses.replace(report, instance=self.instance) if self.instance else report
-        self._on_report()
+        self._owner.reported()
 
     async def _load(self, plan: Plan) -> None:
         if self.stage is not None:
             self.stage.close()
             self.stage = None
         i = plan.index_of(self.node)
-        if self.resolve is not None:
-            if i is None:
-                self.shard = None
-                return
-            if self.info is None or plan.model != self.info.fingerprint:
-                self.shard = None
-                self.model, self.info = await self.resolve(plan.source)
-        if plan.model != self.info.fingerprint:
+        if self.instance and i is None:
+            self.shard = None
+            return
+        # The configured model's is resolved once; another instance's again when a plan names
+        # another model (its stage is kept while the leader's instance of that name lives).
+        if self.source is None or (self.instance and plan.model != self.source.info.fingerprint):
+            self.shard = None
+            self.source = await self._owner.resolve(plan.source)
+        source = self.source
+        if plan.model != source.info.fingerprint:
             raise ModelError(
-                f"the leader serves model {plan.model}, this node has {self.info.fingerprint} "
-                f"({self.model}); every node needs the same model"
+                f"the leader serves model {plan.model}, this node has {source.info.fingerprint} "
+                f"({source.model}); every node needs the same model"
             )
         if i is None:
             self.shard = None
@@ -202,10 +208,10 @@ class StageHost:
             t0 = time.monotonic()
             progress = self.progress = LoadProgress(want.start, want.end)
             try:
-                if self.peer_model is not None:
-                    holders = self.holders(plan.model)
-                    await self.peer_model.ensure(want.start, want.end, self.info.num_layers, holders, progress)
-                self.shard = await self.compute.run(Shard.load, self.model, want.start, want.end, progress)
+                if source.peer_model is not None:
+                    holders = self._owner.holders(plan.model)
+                    await source.peer_model.ensure(want.start, want.end, source.info.num_layers, holders, progress)
+                self.shard = await self.compute.run(Shard.load, source.model, want.start, want.end, progress)
             except asyncio.CancelledError:
                 # The node is stopping: the compute thread gives the load up at its next step
                 # (a download's next chunk) instead of finishing many GB nobody will use.
@@ -221,7 +227,7 @@ class StageHost:
         successor = plan.successor(self.node)
         if successor is not None and successor.node not in self._links:
             try:
-                self.dial(*parse_hostport(successor.addr))
+                self._owner.dial(*parse_hostport(successor.addr))
             except ValueError:
                 raise ModelError(f"plan term {plan.term} gives {successor.node} an address we cannot dial: {successor.addr!r}") from None
             try:
@@ -234,17 +240,15 @@ class StageHost:
                     f"no link to the next stage {successor.node} at {successor.addr} within {SUCCESSOR_LINK_TIMEOUT_S:.0f} s"
                 ) from None
 
-    def _grammar_tokenizer(self) -> Callable[[], Any] | None:
+    def _grammar_tokenizer(self) -> Callable[[], Any]:
         """llguidance's tokenizer, built by the first request with a grammar (on the compute
         thread) and kept with the tokenizer, so nodes that never see a grammar never build it."""
-        source, vocab_size = self.tokenizer_source, self.shard.info.vocab_size
-        if source is None:
-            return None
+        owner, info, vocab_size = self._owner, self.source.info, self.shard.info.vocab_size
 
         def build():
             from ringd.stage import grammar  # llguidance: loaded by the first request with a grammar
 
-            return grammar.ll_tokenizer(source(), vocab_size)
+            return grammar.ll_tokenizer(owner.tokenizer_of(info), vocab_size)
 
         return build
 
@@ -258,9 +262,9 @@ class StageHost:
     def _pass_on(self, node: str, frame: Frame) -> None:
         """The stage's output, to the next stage or the leader. A frame that cannot go breaks the ring."""
         try:
-            self._send(node, frame)
+            self._owner.send(node, frame)
         except ConnectionError as e:
-            if self.stopping or self.departed(node):
+            if self.stopping or self._owner.departed(node):
                 who = "this node stops" if self.stopping else f"{node} is leaving"
                 log.debug("%x: not passed on to %s as %s: %s", frame.request_id, node, who, e)
                 return
@@ -279,7 +283,7 @@ class StageHost:
             if n in links and n not in self._ring_links:
                 self._ring_links[n] = links[n]
             elif n in self._ring_links and links.get(n) != self._ring_links[n]:
-                if n not in links and self.departed(n):
+                if n not in links and self._owner.departed(n):
                     continue  # it left: the leader re-plans without it
                 self._broken(f"the link to {n} {'was re-made' if n in links else 'dropped'}")
                 return
@@ -304,7 +308,7 @@ class StageHost:
         stage = self.stage
         if stage is None:
             if frame.type == MsgType.FORWARD:
-                self._send(peer, Failure(frame.request_id, term_of(frame), self.node, "no stage loaded here", 503).frame())
+                self._owner.send(peer, Failure(frame.request_id, term_of(frame), self.node, "no stage loaded here", 503).frame())
             return
         if peer != stage.predecessor:
             log.warning(

@@ -52,9 +52,10 @@ class Unload:
 
 
 class Stages:
-    def __init__(self, default: StageHost, make: Callable[[str], StageHost]):
-        """``make(instance)``: a new stage host for another instance (it resolves its model at load)."""
-        self.default = default
+    def __init__(self, make: Callable[[str], StageHost]):
+        """``make(instance)``: a stage host for an instance ("": the configured model's, made now;
+        another's when its first plan arrives). Each resolves its model at its first load."""
+        self.default = make("")
         self._make = make
         self.others: dict[str, StageHost] = {}
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from ringd.cluster import linkcost
 from ringd.cluster.election import Announce, Pin, Term
 from ringd.cluster.linkcost import MIN_RTT_SAMPLES, PROBE_BYTES, PROBE_INTERVAL_S, RTT_SAMPLES, LinkMeter
-from ringd.cluster.members import Cluster
+from ringd.cluster.memberinfo import MemberInfo
+from ringd.cluster.members import Cluster, ClusterSettings
 from ringd.cluster.messages import Heartbeat, MessageError
 from ringd.cluster.reconcile import Report
 from ringd.tasks import Supervisor
@@ -104,6 +105,19 @@ def test_heartbeats_without_the_new_fields_still_parse_and_bad_ones_are_refused(
             Heartbeat.from_wire({**d, "links": bad})
 
 
+class Quiet:
+    """A node that owns a Cluster and does nothing with what it hears (cluster.members.Owner)."""
+
+    def on_frame(self, peer, frame): ...
+    def on_leadership(self, leading): ...
+    def on_change(self): ...
+    def reports(self):
+        return Report(), ()
+    def serving(self):
+        return None, ""
+    def sent(self, seconds): ...
+
+
 def test_members_measure_each_other_over_real_tcp_and_report_to_each_other(tmp_path, monkeypatch):
     monkeypatch.setattr(linkcost, "PROBE_INTERVAL_S", 0.2)
 
@@ -111,12 +125,8 @@ def test_members_measure_each_other_over_real_tcp_and_report_to_each_other(tmp_p
         sup = Supervisor()
 
         def member(node: str) -> Cluster:
-            return Cluster(
-                node=node, cluster="lab", priority=0, secret=b"linkcost-secret-0123456789abcdef", info={"node": node},
-                state_file=tmp_path / f"{node}.json", heartbeat_interval_s=0.02, dead_after_s=5.0, encrypt=False,
-                supervisor=sup, on_frame=lambda p, f: None, on_leadership=lambda leading: None, on_change=lambda: None,
-                report=Report, serving=lambda: (None, ""),
-            )  # fmt: skip
+            settings = ClusterSettings(node, "lab", tmp_path / f"{node}.json", heartbeat_interval_s=0.02, dead_after_s=5.0)
+            return Cluster(settings, b"linkcost-secret-0123456789abcdef", MemberInfo(), sup, Quiet())
 
         a, b = member("a"), member("b")
         await a.links.listen("127.0.0.1", 0)
@@ -132,9 +142,9 @@ def test_members_measure_each_other_over_real_tcp_and_report_to_each_other(tmp_p
         assert set(a.link_views()) == {"a", "b"}
         # Two nodes that listen on one host talk over loopback: its round trip is scheduling, not
         # a link, and placement gets no figure for it (a loaded CI machine left nodes out).
-        a.links.info["addr"], a.links.peers["b"].info["addr"] = "127.0.0.1:7001", "127.0.0.1:7002"
+        a.links.info, a.links.peers["b"].info = MemberInfo(addr="127.0.0.1:7001"), MemberInfo(addr="127.0.0.1:7002")
         assert a.link_views() == {"a": {}, "b": {}}
-        a.links.peers["b"].info["addr"] = "10.0.0.2:7002"  # another machine
+        a.links.peers["b"].info = MemberInfo(addr="10.0.0.2:7002")  # another machine
         assert a.link_views()["a"]["b"] and a.link_views()["b"]["a"]
         await a.links.close()
         await b.links.close()

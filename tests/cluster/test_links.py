@@ -9,6 +9,7 @@ import pytest
 import uvloop
 
 from ringd.cluster.links import MAX_FAILED_HANDSHAKES, Links
+from ringd.cluster.memberinfo import MemberInfo
 from wire import stream as wire_stream
 from wire.frames import Frame, MsgType
 
@@ -21,7 +22,7 @@ SECRET = b"membership-secret-0123456789abcdef"
 
 def links(node: str, **kw) -> Links:
     got: list[tuple[str, Frame]] = []
-    link = Links(node, "lab", SECRET, {"node": node}, on_frame=lambda p, f: got.append((p, f)), **kw)
+    link = Links(node, "lab", SECRET, MemberInfo(), on_frame=lambda p, f: got.append((p, f)), **kw)
     link.got = got
     return link
 
@@ -106,7 +107,7 @@ def test_a_silent_peer_is_declared_dead_and_its_link_closed():
 
 def test_a_learned_address_whose_handshakes_fail_is_given_up_and_a_configured_one_is_not():
     async def main():
-        stranger = Links("x", "lab", b"another-secret-0123456789abcdef", {}, on_frame=lambda p, f: None)
+        stranger = Links("x", "lab", b"another-secret-0123456789abcdef", MemberInfo(), on_frame=lambda p, f: None)
         port = await stranger.listen("127.0.0.1", 0)
         # Every handshake a's dials fail, as the stranger's listener counts it (this process's).
         failed_before = wire_stream.EVENTS["failed handshakes"]
@@ -156,9 +157,9 @@ def test_a_member_that_dialed_in_is_dialed_back_once_its_link_is_lost():
     async def main():
         a, b = links("a"), links("b")
         pa, pb = await a.listen("127.0.0.1", 0), await b.listen("127.0.0.1", 0)
-        b.info["addr"] = f"127.0.0.1:{pb}"
+        b.info = MemberInfo(addr=f"127.0.0.1:{pb}")
         # b's link to a, dialed by hand: nothing on b's side dials a again once it is gone.
-        inbound = await wire_stream.connect("127.0.0.1", pa, secret=SECRET, node_id="b", cluster="lab", info=b.info)
+        inbound = await wire_stream.connect("127.0.0.1", pa, secret=SECRET, node_id="b", cluster="lab", info=b.info.to_wire())
         await until(lambda: "b" in a.peers and not a.peers["b"].outbound, what="a to accept b")
         inbound.close()
         await until(lambda: "b" in a.peers and a.peers["b"].outbound, 5.0, "a to dial b back")
@@ -204,14 +205,14 @@ def test_a_node_whose_first_dial_found_no_listener_takes_the_link_its_peer_diale
             s.bind(("127.0.0.1", 0))
             port_b = s.getsockname()[1]
         a = links("a")
-        a.info["addr"] = f"127.0.0.1:{await a.listen('127.0.0.1', 0)}"
+        a.info = MemberInfo(addr=f"127.0.0.1:{await a.listen('127.0.0.1', 0)}")
         b = links("b")
-        b.info["addr"] = f"127.0.0.1:{port_b}"
+        b.info = MemberInfo(addr=f"127.0.0.1:{port_b}")
         caplog.set_level("DEBUG", logger="ringd.cluster.links")
         a.dial("127.0.0.1", port_b)  # refused: nothing listens there yet
         await until(lambda: f"dial 127.0.0.1:{port_b} failed" in caplog.text, what="a's first dial to fail")
         await b.listen("127.0.0.1", port_b)
-        b.dial("127.0.0.1", int(a.info["addr"].rsplit(":", 1)[1]))
+        b.dial("127.0.0.1", int(a.info.addr.rsplit(":", 1)[1]))
         await until(lambda: a.waiting_on.get(("127.0.0.1", port_b)) == "b", what="a's dial loop waiting on b's link")
         assert not a.peers["b"].outbound and len(a._streams) == 1 and len(b._streams) == 1
         await a.close()

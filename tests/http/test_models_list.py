@@ -18,7 +18,8 @@ from ggufmake import write_gguf
 
 from ringd import ctl
 from ringd.cluster.placement import ModelCost
-from ringd.daemon import Daemon
+from ringd.cluster.memberinfo import MemberInfo
+from ringd.daemon import Node as RingNode
 from ringd.http.api import Api
 from ringd.metrics import Metrics
 from ringd.models.catalogue import Catalogue
@@ -32,19 +33,19 @@ class Config:
 
 
 class Members:
-    """The cluster as the daemon's fit_rule reads it: node1 is api_only (it holds no layers)."""
+    """The cluster as the node's fit_rule reads it: node1 is api_only (it holds no layers)."""
 
-    def __init__(self, peers: dict[str, dict]):
-        self.peers = peers
+    def __init__(self, infos: dict[str, MemberInfo]):
+        self.infos = infos
 
-    def info_of(self, node: str) -> dict:
-        return self.peers.get(node, {})
+    def member_infos(self) -> dict[str, MemberInfo]:
+        return self.infos
 
 
 class Node:
     """What the HTTP app asks of its node, for the model routes; fit_rule is the daemon's own."""
 
-    fit_rule, _budgets = Daemon.fit_rule, Daemon._budgets
+    fit_rule = RingNode.fit_rule
     name, started, tokenizer, secret, api_keys = "node0", 1_700_000_000, None, b"", frozenset()
     chat_template_kwargs, failover_wait_s, files, client_ssl, engine, leading, leader = {}, 1.0, None, None, None, True, "node0"
     drained: set = set()
@@ -52,8 +53,8 @@ class Node:
     def __init__(self, info, catalogue: Catalogue, budget: int):
         self.info, self.model_id, self.catalogue, self.budget = info, "tiny", catalogue, budget
         self.metrics = Metrics(self.name)
-        self.cfg, self._own = Config(), {"budget": budget, "api_only": False}
-        self.cluster = Members({"node1": {"budget": 10 * budget, "api_only": True}})
+        self.cfg = Config()
+        self.cluster = Members({"node0": MemberInfo(budget=budget), "node1": MemberInfo(budget=10 * budget, api_only=True)})
 
     def members(self) -> set[str]:
         return {"node0", "node1"}

@@ -12,22 +12,28 @@ import uvloop
 
 from ringd.node.holders import holder_of, probe
 from ringd.cluster.links import Links
+from ringd.cluster.memberinfo import MemberInfo
 from ringd.models.peers import Holder
 from wire import stream as wire_stream
 
 SECRET = b"x" * 32
 
 
+def holder(node, said, model=None):
+    """holder_of over an INFO as a peer sent it (a JSON object), parsed as a link parses it."""
+    return holder_of(node, MemberInfo.parse(said), model)
+
+
 def test_what_an_info_says_of_its_node():
     info = {"files": True, "model": "fp1", "http": "10.0.0.2:8100"}
-    assert holder_of("node2", info) == Holder("node2", "10.0.0.2:8100", "fp1")
-    assert holder_of("node2", info, "fp1") == Holder("node2", "10.0.0.2:8100", "fp1")
-    assert holder_of("node2", info, "fp2") is None  # another model
-    assert holder_of("node2", {**info, "https": True}) == Holder("node2", "10.0.0.2:8100", "fp1", https=True)  # its API is TLS
-    assert holder_of("node2", {**info, "files": False}) is None  # holds none whole
-    assert holder_of("node2", {**info, "http": "nowhere"}) is None
-    assert holder_of("node2", {"files": True, "model": "fp1"}) is None
-    assert holder_of("no de", info) is None
+    assert holder("node2", info) == Holder("node2", "10.0.0.2:8100", "fp1")
+    assert holder("node2", info, "fp1") == Holder("node2", "10.0.0.2:8100", "fp1")
+    assert holder("node2", info, "fp2") is None  # another model
+    assert holder("node2", {**info, "https": True}) == Holder("node2", "10.0.0.2:8100", "fp1", https=True)  # its API is TLS
+    assert holder("node2", {**info, "files": False}) is None  # holds none whole
+    assert holder("node2", {**info, "http": "nowhere"}) is None
+    assert holder("node2", {"files": True, "model": "fp1"}) is None
+    assert holder("no de", info) is None
 
 
 def test_a_probe_reads_holders_and_joins_nobody():
@@ -35,7 +41,7 @@ def test_a_probe_reads_holders_and_joins_nobody():
         changes = []  # (listener, its peer table) at every change, so a join that left again still shows
 
         def links(node, secret, info):
-            n = Links(node, "lab", secret, info, on_frame=lambda p, f: None)
+            n = Links(node, "lab", secret, MemberInfo.parse(info), on_frame=lambda p, f: None)
             n.on_change = lambda: changes.append((node, set(n.peers)))
             return n
 

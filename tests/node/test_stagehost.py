@@ -16,9 +16,42 @@ from ringd.stage.compute import ComputeThread
 from ringd.metrics import Metrics
 from ringd.ring.plan import Plan, Stage
 from ringd.cluster.reconcile import FAILED, LOADED
-from ringd.node.stagehost import StageHost
+from ringd.node.stagehost import StageHost, StageSource
 
 NODE = "node0"
+
+
+class Node:
+    """The node a stage host runs on (stagehost.StageOwner), with no ring: frames are kept or
+    handed to ``send``, and the model is the one given."""
+
+    def __init__(self, source: StageSource, send=None, departed=frozenset(), tokenizer=None):
+        self.source, self.sent, self._send, self._departed, self._tokenizer = source, [], send, departed, tokenizer
+
+    def send(self, node, frame):
+        self.sent.append(frame)
+        if self._send is not None:
+            self._send(node, frame)
+
+    def reported(self): ...
+
+    def departed(self, node):
+        return node in self._departed
+
+    def dial(self, host, port): ...
+
+    def holders(self, fingerprint):
+        return []
+
+    async def resolve(self, name):
+        return self.source
+
+    def tokenizer_of(self, info):
+        return self._tokenizer
+
+
+def stage_host(compute, model, info, **kw) -> StageHost:
+    return StageHost(NODE, "", Node(StageSource(str(model), info), **kw), compute, Metrics(NODE))
 
 
 def test_a_model_file_cut_short_after_start_fails_the_load_once_and_is_not_read_again(tiny_model, tmp_path, caplog, monkeypatch):
@@ -34,11 +67,11 @@ def test_a_model_file_cut_short_after_start_fails_the_load_once_and_is_not_read_
     loads = []
     real_load = shard.Shard.load.__func__
     monkeypatch.setattr(shard.Shard, "load", classmethod(lambda cls, *a: loads.append(a) or real_load(cls, *a)))
-    sent = []
 
     async def main():
         compute = ComputeThread()
-        host = StageHost(NODE, str(model), info, compute, lambda node, frame: sent.append(frame), lambda: None, Metrics(NODE))
+        host = stage_host(compute, model, info)
+        sent = host._owner.sent
         try:
             for term in (1, 2, 3):  # the leader's fresh plans, as it retries after a failure
                 plan = Plan(term, NODE, info.fingerprint, info.num_layers, (Stage(NODE, "127.0.0.1:1", 0, info.num_layers),))
@@ -64,7 +97,7 @@ def test_a_whole_model_loads(tiny_model):
 
     async def main():
         compute = ComputeThread()
-        host = StageHost(NODE, str(model), info, compute, lambda node, frame: None, lambda: None, Metrics(NODE))
+        host = stage_host(compute, model, info)
         try:
             plan = Plan(1, NODE, info.fingerprint, info.num_layers, (Stage(NODE, "127.0.0.1:1", 0, info.num_layers),))
             await host.load(host.take(NODE, plan.to_wire(), NODE))
@@ -93,7 +126,7 @@ def test_a_neighbour_that_said_leave_breaks_no_ring(tiny_model, caplog):
 
     async def main():
         compute = ComputeThread()
-        host = StageHost(NODE, str(model), info, compute, send, lambda: None, Metrics(NODE), departed=departed.__contains__)
+        host = stage_host(compute, model, info, send=send, departed=departed)
         try:
             stages = (Stage(NODE, "127.0.0.1:1", 0, 1), Stage("node1", "127.0.0.1:2", 1, info.num_layers))
             plan = Plan(1, NODE, info.fingerprint, info.num_layers, stages)

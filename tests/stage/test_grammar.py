@@ -29,7 +29,7 @@ from ringd.metrics import Metrics
 from ringd.ring.plan import Plan, Stage
 from ringd.cluster.reconcile import LOADED
 from ringd.ring.sampling import SamplingParams
-from ringd.node.stagehost import StageHost
+from ringd.node.stagehost import StageHost, StageSource
 from ringd.ring.steps import Open, Row
 
 # Random logits are sharp enough (std) that a few tokens dominate each step, as a model's
@@ -233,9 +233,18 @@ def test_a_grammar_on_a_stage_without_a_tokenizer_fails_that_request_only(model,
 def test_the_stage_host_gives_its_last_stage_the_tokenizer(model, tokenizer):
     info = model_info(str(model))
 
+    class Node:  # what the stage host asks of its node (stagehost.StageOwner), on a ring of one
+        def send(self, node, frame): ...
+        def reported(self): ...
+        def departed(self, node): return False
+        def dial(self, host, port): ...
+        def holders(self, fingerprint): return []
+        async def resolve(self, name): return StageSource(str(model), info)
+        def tokenizer_of(self, info): return tokenizer
+
     async def main():
         compute = ComputeThread()
-        host = StageHost("node0", str(model), info, compute, lambda node, frame: None, lambda: None, Metrics("node0"), tokenizer_source=lambda: tokenizer)
+        host = StageHost("node0", "", Node(), compute, Metrics("node0"))
         try:
             plan = Plan(1, "node0", info.fingerprint, info.num_layers, (Stage("node0", "127.0.0.1:1", 0, info.num_layers),))
             await host.load(host.take("node0", plan.to_wire(), "node0"))
