@@ -76,8 +76,9 @@ from ringd.http.fields import (
     template_kwargs,
     valid_text,
 )
-from ringd.http.framing import NAMED_SSE
-from ringd.http.request import MAX_TOOLS, CallArguments, CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage, given_fields
+from ringd.http.framing import NamedEvents
+from ringd.http.segments import Segments
+from ringd.http.request import MAX_TOOLS, CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage, given_fields
 from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
@@ -568,122 +569,59 @@ def message(
     }
 
 
-class Blocks:
-    """``Output`` events in, Anthropic's content blocks and the stream events that build them out.
+class Blocks(Segments):
+    """``Output`` events in, Anthropic's content blocks and the stream events that build them out
+    (``segments.py``: the machine; ``content`` holds the blocks). Thinking is a ``thinking``
+    block, answer text a ``text`` block, each call a ``tool_use`` block."""
 
-    Sans-I/O, as ``responses_api.OutputItems``: ``feed`` and ``finish`` return
-    stream events; ``content`` holds the blocks. A whole answer runs the same
-    builder and drops the events, so streamed and whole answers agree.
-
-    Thinking is a ``thinking`` block, answer text a ``text`` block, each call a
-    ``tool_use`` block, in the order the model writes them. Answer whitespace
-    before any text is held back: it opens no block if only calls follow.
-    """
+    TEXT, THINKING, CALL = "text", "thinking", "tool_use"
 
     def __init__(self, show_thinking: bool = True):
-        self.content: list[dict] = []
-        self._open: dict | None = None  # the text or thinking block being written
-        self._blank = ""
+        super().__init__()
+        self.content = self.segments
         self.show_thinking = show_thinking
-        self.cut = False
-
-    def feed(self, out: Output) -> list[dict]:
-        events = []
-        if out.reasoning:
-            events += self._write("thinking", out.reasoning if self.show_thinking else "")
-        if out.text:
-            writing = self._open is not None and self._open["type"] == "text"
-            if not writing and not (self._blank + out.text).strip():
-                self._blank += out.text
-            else:
-                text, self._blank = self._blank + out.text, ""
-                events += self._write("text", text)
-        for piece in out.pieces:
-            events += self._call(piece)
-        return events
+        self.cut = False  # a call max_tokens cut was stopped where it was cut
 
     def finish(self, streamed: bool) -> list[dict]:
-        """The events that end the content; ``content`` is then final.
-
-        A call max_tokens cut (``streamed``: whose start went out) is stopped where it was
-        cut, and ``cut`` says the answer ended so; a whole answer drops it and keeps the
-        calls it completed."""
+        """The events that end the content; ``content`` is then final (a call cut short: ``cut``)."""
+        self.cut = self._cut_call(streamed)
         events = []
-        if self._open is not None and self._open["type"] == "tool_use":
-            if streamed:
-                self.cut = True
-            else:
-                self.content.pop()
-                self._open = None
-        if self._blank and not any(b["type"] in ("text", "tool_use") for b in self.content):
-            events += self._write("text", self._blank)
-        return events + self._end()
+        if self._blank and not self._answered():
+            events += self._write(self.TEXT, self._blank)
+        return events + self._close()
 
-    def _write(self, kind: str, text: str) -> list[dict]:
-        events = []
-        if self._open is None or self._open["type"] != kind:
-            events += self._end()
-            block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "", "signature": ""}
-            self.content.append(block)
-            self._open = block
-            events.append(
-                {
-                    "type": "content_block_start",
-                    "index": len(self.content) - 1,
-                    "content_block": dict(block),
-                }
-            )
-        if not text:  # omitted thinking: the block, without its text
-            return events
+    def _begin(self, kind: str) -> list[dict]:
+        block = {"type": "text", "text": ""} if kind == self.TEXT else {"type": "thinking", "thinking": "", "signature": ""}
+        return [{"type": "content_block_start", "index": self._opened(block), "content_block": dict(block)}]
+
+    def _grow(self, kind: str, text: str) -> list[dict]:
+        if kind == self.THINKING and not self.show_thinking:
+            return []  # omitted thinking: the block, without its text
         self._open[kind] += text
-        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
-        return events + [
-            {
-                "type": "content_block_delta",
-                "index": len(self.content) - 1,
-                "delta": delta,
-            }
-        ]
+        delta = {"type": "text_delta", "text": text} if kind == self.TEXT else {"type": "thinking_delta", "thinking": text}
+        return [{"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}]
 
-    def _end(self) -> list[dict]:
+    def _close(self, status: str = "completed") -> list[dict]:
         if self._open is None:
             return []
         self._open = None
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
-    def _call(self, piece: CallPiece) -> list[dict]:
-        """A call as it is written: its tool_use block opens with its name, its input streams, it ends."""
-        if isinstance(piece, CallOpened):
-            self._blank = ""  # whitespace before a call is no answer
-            events = self._end()
-            block = {"type": "tool_use", "id": "toolu_" + piece.id.removeprefix("call_"), "name": piece.name, "input": {}}
-            self.content.append(block)
-            self._open = block
-            return events + [{"type": "content_block_start", "index": len(self.content) - 1, "content_block": dict(block)}]
-        if isinstance(piece, CallArguments):
-            return [
-                {
-                    "type": "content_block_delta",
-                    "index": len(self.content) - 1,
-                    "delta": {"type": "input_json_delta", "partial_json": piece.text},
-                }
-            ]
+    def _begin_call(self, piece: CallOpened) -> list[dict]:
+        block = {"type": "tool_use", "id": "toolu_" + piece.id.removeprefix("call_"), "name": piece.name, "input": {}}
+        return [{"type": "content_block_start", "index": self._opened(block), "content_block": dict(block)}]
+
+    def _arguments(self, text: str) -> list[dict]:
+        delta = {"type": "input_json_delta", "partial_json": text}
+        return [{"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}]
+
+    def _call_done(self, piece: CallPiece) -> list[dict]:
         self._open["input"] = json.loads(piece.call.arguments)
-        return self._end()
+        return self._close()
 
 
-class Messages:
+class Messages(NamedEvents):
     """``POST /v1/messages``."""
-
-    framing = NAMED_SSE
-    resumable = False  # a follower relays these events as they come; a new leader cannot continue them
-    keep_alive = False
-
-    def streams(self, body: dict) -> bool:
-        return body.get("stream") is True
-
-    def unloaded(self, body: dict) -> None:
-        return None
 
     def parse(self, body: dict, served: "Served") -> "MessageAnswer":
         return MessageAnswer(parse(body), served.model_id)

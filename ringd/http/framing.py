@@ -77,3 +77,18 @@ class Framing:
 OPENAI_SSE = Framing("text/event-stream", sse_data, b"data: [DONE]\n\n")
 NAMED_SSE = Framing("text/event-stream", sse)
 NDJSON = Framing("application/x-ndjson", ndjson)
+
+
+class NamedEvents:
+    """What Anthropic's Messages and OpenAI's Responses say alike to the endpoint driver: named
+    SSE events, streamed when the body says ``"stream": true``, never unloading a model."""
+
+    framing = NAMED_SSE
+    resumable = False  # a follower relays these events as they come; a new leader cannot continue them
+    keep_alive = False
+
+    def streams(self, body: dict) -> bool:
+        return body.get("stream") is True
+
+    def unloaded(self, body: dict) -> None:
+        return None

@@ -84,8 +84,9 @@ from ringd.http.fields import (
     template_kwargs,
     valid_text,
 )
-from ringd.http.framing import NAMED_SSE
-from ringd.http.request import MAX_TOOLS, CallArguments, CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage, given_fields
+from ringd.http.framing import NamedEvents
+from ringd.http.segments import Segments
+from ringd.http.request import MAX_TOOLS, CallOpened, Output, Request, ResponseFormat, Tool, Usage, given_fields
 from ringd.ring.sampling import SamplingParams, brief_repr
 
 if TYPE_CHECKING:
@@ -444,102 +445,68 @@ def response_object(
     }
 
 
-class OutputItems:
-    """``Output`` events in, Responses' output items and the stream events that build them out.
+class OutputItems(Segments):
+    """``Output`` events in, Responses' output items and the stream events that build them out
+    (``segments.py``: the machine; ``output`` holds the items; events go without their
+    ``sequence_number``, which the sender numbers). Thinking is a ``reasoning`` item, answer
+    text a ``message`` item, each tool call a ``function_call`` item."""
 
-    Sans-I/O: ``feed`` and ``finish`` return stream events (without their
-    ``sequence_number``, which the sender numbers); ``output`` holds the items.
-    A whole answer runs the same builder and drops the events, so a streamed
-    answer and a whole one agree by construction.
-
-    Thinking is a ``reasoning`` item, answer text a ``message`` item, each tool
-    call a ``function_call`` item, in the order the model writes them. Answer
-    whitespace before any text is held back: it opens no message if only calls
-    follow (a native call's template puts a newline before it).
-    """
+    TEXT, THINKING, CALL = "message", "reasoning", "function_call"
 
     def __init__(self, encrypted_reasoning: bool = False):
+        super().__init__()
+        self.output = self.segments
         self.encrypted_reasoning = encrypted_reasoning
-        self.output: list[dict] = []
-        self._open: dict | None = None  # the reasoning or message item being written
-        self._text: list[str] = []
-        self._blank = ""
+        self._text: list[str] = []  # the open item's text (or a call's arguments) so far
         self.status = "in_progress"  # then "completed", or "incomplete" when max_output_tokens cut it off
 
-    def feed(self, out: Output) -> list[dict]:
-        events = []
-        if out.reasoning:
-            events += self._write("reasoning", out.reasoning)
-        if out.text:
-            writing = self._open is not None and self._open["type"] == "message"
-            if not writing and not (self._blank + out.text).strip():
-                self._blank += out.text
-            else:
-                text, self._blank = self._blank + out.text, ""
-                events += self._write("message", text)
-        for piece in out.pieces:
-            events += self._call(piece)
-        return events
-
     def finish(self, finish_reason: str | None, streamed: bool) -> list[dict]:
-        """The events that end the answer; ``output`` and ``status`` are then final.
-
-        A call max_tokens cut (``streamed``: whose start went out) ends the stream as a cut
-        answer does, the call ``incomplete``; a whole answer drops it and keeps the calls it
-        completed."""
+        """The events that end the answer; ``output`` and ``status`` are then final (a call cut
+        short ends the stream as a cut answer does, the call ``incomplete``)."""
         events = []
-        if self._open is not None and self._open["type"] == "function_call":
-            if streamed:
-                finish_reason = "length"
-                events += self._end("incomplete")
-            else:
-                self.output.pop()
-                self._open = None
+        if self._cut_call(streamed):
+            finish_reason = "length"
+            events += self._close("incomplete")
         status = self.status = "incomplete" if finish_reason == "length" else "completed"
-        answered = any(item["type"] in ("message", "function_call") for item in self.output)
-        if not answered and (self._blank or status == "completed"):
+        if not self._answered() and (self._blank or status == "completed"):
             # Every answer has a message (an empty one if need be), unless it was cut off while thinking.
-            events += self._begin("message")
+            events += self._begin(self.TEXT)
             if self._blank:
-                events += self._write("message", self._blank)
-        events += self._end(status)
+                events += self._write(self.TEXT, self._blank)
+        events += self._close(status)
         return events
-
-    def _write(self, kind: str, text: str) -> list[dict]:
-        events = []
-        if self._open is None or self._open["type"] != kind:
-            events += self._end("completed")
-            events += self._begin(kind)
-        self._text.append(text)
-        delta = {"type": f"response.{'output_text' if kind == 'message' else 'reasoning_text'}.delta", **self._where(), "delta": text}
-        if kind == "message":
-            delta["logprobs"] = []
-        return events + [delta]
 
     def _where(self) -> dict:
         return {"item_id": self._open["id"], "output_index": len(self.output) - 1, "content_index": 0}
 
     def _begin(self, kind: str) -> list[dict]:
-        if kind == "message":
+        if kind == self.TEXT:
             item = {"id": new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
             part = {"type": "output_text", "text": "", "annotations": []}
         else:
             item = {"id": new_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
             part = {"type": "reasoning_text", "text": ""}
-        self.output.append(item)
-        self._open, self._text = item, []
+        self._text = []
+        index = self._opened(item)
         return [
-            {"type": "response.output_item.added", "output_index": len(self.output) - 1, "item": {**item, "content": []}},
+            {"type": "response.output_item.added", "output_index": index, "item": {**item, "content": []}},
             {"type": "response.content_part.added", **self._where(), "part": part},
         ]
 
-    def _end(self, status: str) -> list[dict]:
+    def _grow(self, kind: str, text: str) -> list[dict]:
+        self._text.append(text)
+        delta = {"type": f"response.{'output_text' if kind == self.TEXT else 'reasoning_text'}.delta", **self._where(), "delta": text}
+        if kind == self.TEXT:
+            delta["logprobs"] = []
+        return [delta]
+
+    def _close(self, status: str = "completed") -> list[dict]:
         item = self._open
         if item is None:
             return []
         text = "".join(self._text)
         self._open, self._text = None, []
-        if item["type"] == "function_call":
+        if item["type"] == self.CALL:
             where = {"item_id": item["id"], "output_index": len(self.output) - 1}
             item.update(status=status, arguments=text)
             return [
@@ -547,14 +514,14 @@ class OutputItems:
                 {"type": "response.output_item.done", "output_index": where["output_index"], "item": dict(item)},
             ]
         where = {"item_id": item["id"], "output_index": len(self.output) - 1, "content_index": 0}
-        if item["type"] == "message":
+        if item["type"] == self.TEXT:
             part = {"type": "output_text", "text": text, "annotations": []}
             done = {"type": "response.output_text.done", **where, "text": text, "logprobs": []}
         else:
             part = {"type": "reasoning_text", "text": text}
             done = {"type": "response.reasoning_text.done", **where, "text": text}
         item.update(status=status, content=[part])
-        if item["type"] == "reasoning" and self.encrypted_reasoning:
+        if item["type"] == self.THINKING and self.encrypted_reasoning:
             item["encrypted_content"] = ENCRYPTED_PREFIX + base64.b64encode(text.encode()).decode()
         return [
             done,
@@ -562,34 +529,18 @@ class OutputItems:
             {"type": "response.output_item.done", "output_index": where["output_index"], "item": {**item, "content": [dict(part)]}},
         ]
 
-    def _call(self, piece: CallPiece) -> list[dict]:
-        """A call as it is written: its item opens with its name, its arguments stream, it ends."""
-        if isinstance(piece, CallOpened):
-            self._blank = ""  # whitespace before a call is no answer
-            events = self._end("completed")
-            item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": piece.id, "name": piece.name, "arguments": ""}
-            self.output.append(item)
-            self._open, self._text = item, []
-            return events + [{"type": "response.output_item.added", "output_index": len(self.output) - 1, "item": dict(item)}]
-        if isinstance(piece, CallArguments):
-            self._text.append(piece.text)
-            where = {"item_id": self._open["id"], "output_index": len(self.output) - 1}
-            return [{"type": "response.function_call_arguments.delta", **where, "delta": piece.text}]
-        return self._end("completed")
+    def _begin_call(self, piece: CallOpened) -> list[dict]:
+        item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": piece.id, "name": piece.name, "arguments": ""}
+        self._text = []
+        return [{"type": "response.output_item.added", "output_index": self._opened(item), "item": dict(item)}]
+
+    def _arguments(self, text: str) -> list[dict]:
+        self._text.append(text)
+        return [{"type": "response.function_call_arguments.delta", "item_id": self._open["id"], "output_index": len(self.output) - 1, "delta": text}]
 
 
-class Responses:
+class Responses(NamedEvents):
     """``POST /v1/responses``."""
-
-    framing = NAMED_SSE
-    resumable = False  # a follower relays these events as they come; a new leader cannot continue them
-    keep_alive = False
-
-    def streams(self, body: dict) -> bool:
-        return body.get("stream") is True
-
-    def unloaded(self, body: dict) -> None:
-        return None
 
     def parse(self, body: dict, served: "Served") -> "ResponseAnswer":
         return ResponseAnswer(parse(body), served.model_id)
