@@ -76,6 +76,7 @@ from ringd.http.fields import (
 )
 from ringd.http.framing import NDJSON
 from ringd.http.request import Output, Request, ResponseFormat, ToolCall, given_fields
+from ringd.models.naming import tagged
 from ringd.models.catalogue import mlx_quant
 from ringd.models.checkpoint import text_config
 from ringd.models.ollama_params import (
@@ -153,7 +154,7 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
         raise bad(f"model must be a name of at most {MAX_MODEL_CHARS} characters; GET /api/tags lists it")
     valid_text(model, "model")
     # The answers name the model as the client did (Ollama's do); the engine knows one name.
-    served = model_id if model == ollama_name(model_id) else model
+    served = model_id if model == tagged(model_id) else model
     stream = _optional(body, "stream", bool, True)
     if chat:
         messages, prompt, raw = _messages(body.get("messages")), None, False
@@ -540,14 +541,9 @@ class GenerateAnswer:
         return body
 
 
-def ollama_name(model_id: str) -> str:
-    """The served model as Ollama names it: with its tag, ``latest`` where the name has none."""
-    return model_id if ":" in model_id.rsplit("/", 1)[-1] else f"{model_id}:latest"
-
-
 def check_model(name: Any, served: str) -> None:
     """``name`` is the served model (``NAME:latest`` too, as Ollama tags an untagged name), or a 404."""
-    if name not in (served, ollama_name(served)):
+    if name not in (served, tagged(served)):
         raise ApiError(404, f"model {brief_repr(name)} not found; this ring serves {served!r}")
 
 
@@ -578,7 +574,7 @@ class Models:
         self.intake.need_key(request)
         d = await self._description()
         rows, _ = await models_list.rows(self.d)
-        name = ollama_name(self.d.model_id)
+        name = tagged(self.d.model_id)
         model = {"name": name, "model": name, "modified_at": d["modified_at"], "size": d["size"], "digest": d["digest"], "details": d["details"]}
         model |= {k: v for k, v in models_list.ollama_model(rows[0]).items() if k not in model}
         return web.json_response({"models": [model, *map(models_list.ollama_model, rows[1:])]})
@@ -597,7 +593,7 @@ class Models:
             d = await self._description(info)
             # Apple silicon's memory is the GPU's: on a Mac the whole model is "in VRAM".
             vram = d["size"] if getattr(profile, "gpu_cores", None) else 0
-            name = ollama_name(row["model"] or self.d.model_id)
+            name = tagged(row["model"] or self.d.model_id)
             expires = row.get("expires_at")
             models.append({
                 "name": name, "model": name, "size": d["size"], "digest": d["digest"], "details": d["details"],

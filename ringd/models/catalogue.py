@@ -42,6 +42,7 @@ from pathlib import Path
 from ringd.models import hubref, ollama
 from ringd.models.checkpoint import ModelInfo, WeightBytes, check_supported, read_config, weight_bytes
 from ringd.models.errors import ModelError
+from ringd.models.naming import LATEST, gguf_stem, ollama_key
 from ringd.models.gguf import GgufFile
 from ringd.models.source import hf_snapshot
 
@@ -366,8 +367,8 @@ def match(entries: Sequence[Entry], name: str) -> Entry | None:
     if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
         return None
     found = _match(entries, name)
-    if found is None and name.endswith(":latest"):
-        found = _match(entries, name.removesuffix(":latest"))
+    if found is None and name.endswith(LATEST):
+        found = _match(entries, name.removesuffix(LATEST))
     return found
 
 
@@ -375,26 +376,13 @@ def _match(entries: Sequence[Entry], name: str) -> Entry | None:
     for e in entries:
         if e.name == name:
             return e
-    wanted = _ollama_key(name)
+    wanted = ollama_key(name)
     if wanted is not None:
         for e in entries:
-            if e.source == OLLAMA and _ollama_key(e.name) == wanted:
+            if e.source == OLLAMA and ollama_key(e.name) == wanted:
                 return e
-    stems = [e for e in entries if e.source == MODELS_DIR and _gguf_stem(e.name) == name]
+    stems = [e for e in entries if e.source == MODELS_DIR and gguf_stem(e.name) == name]
     return stems[0] if len(stems) == 1 else None
-
-
-def _ollama_key(name: str) -> ollama.OllamaName | None:
-    """The model an Ollama name means, its left-out parts filled in as Ollama fills them (None if it
-    is no Ollama name). Parts are compared as spelt, as the store's folders are (``ollama.py``)."""
-    try:
-        return ollama.parse_name(name.removeprefix(ollama.PREFIX))
-    except ModelError:
-        return None
-
-
-def _gguf_stem(name: str) -> str | None:
-    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else None
 
 
 def gguf_quant(g: GgufFile) -> str:

@@ -38,6 +38,7 @@ from ringd.leader.errors import EngineError
 from ringd.models.catalogue import Catalogue
 from ringd.models.checkpoint import ModelInfo, load_tokenizer
 from ringd.models.errors import ModelError
+from ringd.models.naming import same_model, tagged
 from ringd.models.source import model_info
 from ringd.cluster.memberinfo import MemberInfo
 from ringd.node.coordinator import Coordinator, NodeParts, ServedModel
@@ -195,7 +196,7 @@ class Pool:
         as its outstanding work until the caller's ``release()``. EngineError 404/400/503 says why
         it cannot serve."""
         inst = self.find(name) if name is not None else self.default
-        pending = self._loading.get(normal_name(name)) if name is not None else None
+        pending = self._loading.get(tagged(name)) if name is not None else None
         if inst is None or (pending is not None and not inst.coordinator.ready):
             inst = await self.load(name)  # or waits for the load under way
         if keep_alive is not False and not inst.pinned:
@@ -213,7 +214,7 @@ class Pool:
             raise EngineError(f"replicas must be from 1 to {MAX_REPLICAS}, got {replicas}", 400)
         if len(name) > MAX_INSTANCE_CHARS or REPLICA_MARK in name:
             raise EngineError(f"model {name[:80]!r} is not a model name (at most {MAX_INSTANCE_CHARS} characters, no {REPLICA_MARK!r})", 400)
-        key = normal_name(name)
+        key = tagged(name)
         pending = self._loading.get(key)
         if pending is None:
             # A task of its own: the client that asked first may go away; the others wait on it still.
@@ -350,7 +351,7 @@ class Pool:
         if inst is None:
             return None
         replicas = self.replicas_of(inst.model_id)
-        key = normal_name(inst.model_id)
+        key = tagged(inst.model_id)
         live = sorted((n for n, info in self._members().items() if not info.api_only), key=natural_key)
         if len(replicas) <= 1:
             self._groups.pop(key, None)
@@ -425,13 +426,3 @@ class Pool:
                 why = "over every Mac that may hold layers"
             rows.append(i.status(now) | {"placement": why})
         return rows
-
-
-def normal_name(name: str) -> str:
-    """Ollama's form of a name: ``smollm2`` is ``smollm2:latest`` (a tag after the last slash)."""
-    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
-
-
-def same_model(a: str, b: str) -> bool:
-    """Whether two names a request may use name the same model (``smollm2``, ``smollm2:latest``)."""
-    return normal_name(a) == normal_name(b)
