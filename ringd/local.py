@@ -132,9 +132,9 @@ def run_local(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    url = f"{'https' if context else 'http'}://{host}:{https[0].getsockname()[1]}"
     try:
         start_nodes(procs, rings, https, host, shared)
-        url = f"{'https' if context else 'http'}://{host}:{https[0].getsockname()[1]}"
         body = wait_ready(procs, url, context, stop)
         if body is None:
             return 130
