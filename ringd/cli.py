@@ -25,6 +25,33 @@ from ringd.names import DEFAULT_HTTP_PORT
 
 # How often a `ringd local` node checks that its launcher is still alive.
 PARENT_CHECK_S = 1.0
+# The config keys `ringd local` takes as flags and hands to every node it starts (run_local's
+# keywords): their names, help, defaults and checks are the config table's.
+LOCAL_KEYS = ("nodes", "model", "split", "model_id", "draft_model", "log_level", "tls", "replicas", "models_dir")
+# Where the launcher's meaning is not the daemon's: `ringd serve --nodes` is the ring size the
+# first plan waits for; `ringd local --nodes` also starts that many processes.
+LOCAL_HELP = {"nodes": "number of daemon processes, each a node of the ring"}
+
+
+def config_flag(parser: argparse.ArgumentParser, name: str, help: str | None = None, **overrides) -> None:
+    """``--NAME`` for the config key ``name``, with the table's help and default, and its value
+    parsed and checked as ``ringd serve`` would (a bad one is argparse's usage error, naming the flag)."""
+    key = next(k for k in config_mod.KEYS if k.name == name)
+
+    def checked(raw: str):
+        try:
+            value = key.kind(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not {'an integer' if key.kind is int else 'a number'}") from None
+        try:
+            return key.check(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    checked.__name__ = name  # argparse names the type in some messages
+    flag = "--" + name.replace("_", "-")
+    options = {"type": checked, "default": key.default, "help": help or key.help, "metavar": name.upper(), **overrides}
+    parser.add_argument(flag, dest=name, **options)
 
 
 def cache_dir() -> Path:
@@ -154,25 +181,20 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
 
     local = sub.add_parser("local", help="run a ring of N daemon processes on this machine")
-    local.add_argument("--nodes", type=int, required=True, help="number of daemon processes")
-    local.add_argument("--model", required=True, help="an mlx-lm model directory, a Hugging Face repo id, a .gguf file, OWNER/REPO:QUANT (a Hub GGUF repository's quant) or ollama:NAME[:TAG]")
+    for key in LOCAL_KEYS:
+        # Required for the launcher, which has no config file to fall back on.
+        config_flag(local, key, required=key in ("nodes", "model"), help=LOCAL_HELP.get(key))
+    # The launcher's own: the API of node0 (every other node's ports are the kernel's choice).
     local.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help=f"the API's port (0: a free one); default {DEFAULT_HTTP_PORT}")
     local.add_argument("--host", default="127.0.0.1", help="the API's address; default 127.0.0.1")
-    local.add_argument("--split", help="layers per node, e.g. 10,9,9 (default: even, low stages take the extra)")
-    local.add_argument("--model-id", help="model name the API serves")
-    local.add_argument("--draft-model", help="a small model with the same tokenizer, for speculative decoding")
-    local.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    local.add_argument("--tls", default="off", choices=["off", "auto"], help="auto: https, with certificates from the run's cluster CA (its file is printed)")
-    local.add_argument("--replicas", type=int, default=1, help="instances of the model, each a ring over its share of the nodes (e.g. 4 nodes, 2 replicas: two rings of two)")
-    local.add_argument("--models-dir", help="a folder of models the nodes load on demand when a request names one (its subdirectory or .gguf file, by its name there)")
 
     from ringd import demo as demo_mod
 
     demo = sub.add_parser("demo", help=f"`local` with {demo_mod.NODES} nodes serving {demo_mod.MODEL_ID}, fetched once")
     demo.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help=f"the API's port (0: a free one); default {DEFAULT_HTTP_PORT}")
     demo.add_argument("--nodes", type=int, default=demo_mod.NODES, help=f"number of nodes; default {demo_mod.NODES}")
-    demo.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    demo.add_argument("--tls", default="off", choices=["off", "auto"], help="auto: https, with certificates from the run's cluster CA (its file is printed)")
+    config_flag(demo, "log_level", default="warning")
+    config_flag(demo, "tls")
 
     convert = sub.add_parser("convert", help="write a GGUF file (or ollama:NAME) as an mlx-lm checkpoint directory")
     convert.add_argument("model", help="a .gguf file, OWNER/REPO:QUANT (a Hub GGUF repository's quant), or ollama:NAME[:TAG]")
@@ -197,15 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         logs.setup(cfg.name, cfg.log_level, cfg.log_format)
         _exit_stopped(_run(_serve(cfg, listeners.get("ring_fd"), listeners.get("http_fd"))))
 
-    from ringd.ring.plan import PlacementError, parse_split
-    from ringd.local import run_local
-
     if args.command == "local":
-        try:
-            split = parse_split(args.split) if args.split else None
-        except PlacementError as e:
-            parser.error(f"--split: {e}")
-        return run_local(args.nodes, args.model, args.port, split, args.host, args.model_id, args.log_level, args.draft_model, args.tls, args.models_dir, args.replicas)
+        from ringd.local import run_local
+
+        return run_local(port=args.port, host=args.host, **{key: getattr(args, key) for key in LOCAL_KEYS})
 
     return demo_mod.run(cache_dir(), args.port, args.nodes, args.log_level, args.tls)
 

@@ -17,6 +17,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from ringd import listeners
 from ringd.names import DEFAULT_HTTP_PORT
+from ringd.servecmd import Flag, serve_command
 
 # Loading a model and linking N processes takes seconds; a minute of no
 # progress means something is wrong, and the user should hear what.
@@ -40,6 +42,8 @@ STOP_GRACE_S = 5.0
 # for the nodes' download and load progress: a line a second per loading node is
 # as fast as a person reads, and the leader asks every node for each answer.
 PROGRESS_POLL_S = 1.0
+# Once ready, how often the launcher looks for nodes that exited, to say so.
+SUPERVISE_POLL_S = 0.5
 
 
 def _health(url: str, context: ssl.SSLContext | None = None) -> tuple[int, dict]:
@@ -83,6 +87,14 @@ def progress_lines(doc: dict, shown: dict[str, dict]) -> list[str]:
     return lines
 
 
+class LaunchError(Exception):
+    """What stops a launch, in words for the user; ``code`` is the launcher's exit status."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
 def run_local(
     nodes: int,
     model: str,
@@ -98,138 +110,44 @@ def run_local(
 ) -> int:
     """``tls``: "auto" serves https with certificates from the run's cluster CA, written to
     ringd-ca.pem in the run's folder for clients to trust."""
-    if nodes < 1:
-        print("ringd local: --nodes must be at least 1", file=sys.stderr)
-        return 2
-    from ringd.ring.plan import PlacementError, make_plan
-    from ringd.models.source import model_info
-    from ringd.models.errors import ModelError
-
-    # A Hub GGUF (OWNER/REPO:QUANT) is fetched here, whole, before any node starts: the lines its
-    # progress logs (models/progress.py) are printed as they come.
-    shown = logging.StreamHandler(sys.stdout)
-    shown.setFormatter(logging.Formatter("ringd local: %(message)s"))
-    progress_log = logging.getLogger("ringd.models.progress")
-    progress_log.addHandler(shown)
-    progress_log.setLevel(logging.INFO)
     try:
-        info = model_info(model)
-        # The leader makes this same plan; checking it here fails fast and plainly.
-        make_plan(0, "node0", info.fingerprint, info.num_layers, [(f"node{i}", "") for i in range(nodes)], split)
-    except (ModelError, PlacementError) as e:
+        check_plan(model, nodes, split)
+        rings, https = bind_listeners(nodes, host, port)
+    except LaunchError as e:
         print(f"ringd local: {e}", file=sys.stderr)
-        return 2
-    finally:
-        progress_log.removeHandler(shown)
-    # Every node's listeners, bound here and handed down (listeners.py): no port is free
-    # between its choice and its use. The API of node0 on --port, the rest where the kernel says.
-    rings: list = []
-    https: list = []
-    try:
-        for i in range(nodes):
-            rings.append(listeners.bind("127.0.0.1"))
-            https.append(listeners.bind(host, port if i == 0 else 0))
-    except OSError as e:
-        for s in rings + https:
-            s.close()
-        where = f"the API's port {host}:{port} (choose another with --port, or 0 for a free one)" if len(https) < len(rings) == 1 else f"node{len(https)}"
-        print(f"ringd local: cannot listen for {where}: {e.strerror}", file=sys.stderr)
-        return 1
+        return e.code
     workdir = Path(tempfile.mkdtemp(prefix="ringd-local-"))
-    secret_file = workdir / "secret"
-    secret_file.write_text(secrets.token_hex(32))
-    secret_file.chmod(0o600)
+    secret_file = write_secret(workdir)
     # A cluster of its own: two `ringd local` runs on one machine never mix.
     cluster = f"local-{secrets.token_hex(4)}"
-    context, ca_file = None, workdir / "ringd-ca.pem"
-    if tls == "auto":
-        from ringd.tls import cluster_ca_pem, trusting
-
-        pem = cluster_ca_pem(secret_file.read_bytes().strip(), cluster)
-        ca_file.write_bytes(pem)
-        context = trusting(pem)
-
-    ring_ports = [s.getsockname()[1] for s in rings]
-    http_ports = [s.getsockname()[1] for s in https]
-    env = dict(os.environ, RINGD_EXIT_WITH_PARENT=str(os.getpid()))
+    context, ca_file = trust(tls, secret_file, cluster, workdir)
+    # The same on every node: whichever leads plans with split, drafts, keeps the replicas and
+    # loads from models_dir. Every node is listed as a peer: nothing to find, nothing to tell the LAN.
+    shared: dict[str, Flag] = dict(
+        model=model, secret_file=secret_file, cluster=cluster, state_dir=workdir, nodes=nodes, log_level=log_level,
+        discovery=False, tls=tls, split=",".join(map(str, split)) if split else None, model_id=model_id,
+        draft_model=draft_model, models_dir=models_dir, replicas=replicas,
+    )  # fmt: skip
     procs: list[subprocess.Popen] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-
+    url = f"{'https' if context else 'http'}://{host}:{https[0].getsockname()[1]}"
     try:
-        for i in range(nodes):
-            cmd = [
-                sys.executable, "-m", "ringd", "serve",
-                "--name", f"node{i}",
-                "--host", "127.0.0.1", "--advertise", "127.0.0.1",
-                "--ring-port", str(ring_ports[i]), "--ring-fd", str(rings[i].fileno()),
-                "--http-host", host, "--http-port", str(http_ports[i]), "--http-fd", str(https[i].fileno()),
-                "--model", model, "--secret-file", str(secret_file),
-                "--cluster", cluster, "--state-dir", str(workdir), "--nodes", str(nodes),
-                "--log-level", log_level,
-                # Every node is listed as a peer; nothing to find, and nothing to tell the LAN.
-                "--discovery", "off", "--tls", tls,
-            ]  # fmt: skip
-            for j in range(nodes):
-                if j != i:
-                    cmd += ["--peer", f"127.0.0.1:{ring_ports[j]}"]
-            if split:
-                cmd += ["--split", ",".join(map(str, split))]
-            if model_id:
-                cmd += ["--model-id", model_id]
-            if draft_model:  # on every node: whichever leads drafts
-                cmd += ["--draft-model", draft_model]
-            if models_dir:  # on every node: whichever leads loads from it, each node its layers
-                cmd += ["--models-dir", models_dir]
-            if replicas != 1:  # on every node: whichever leads keeps them
-                cmd += ["--replicas", str(replicas)]
-            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, pass_fds=(rings[i].fileno(), https[i].fileno())))
-            # The node holds its listeners now: when it exits, they close (peers see it refuse).
-            rings[i].close()
-            https[i].close()
-
-        url = f"{'https' if context else 'http'}://{host}:{http_ports[0]}"
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        reason = ""
-        shown: dict[str, dict] = {}
-        polled_at = float("-inf")
-        while not stop.is_set():
-            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
-            if dead:
-                print(f"ringd local: node{dead[0]} exited with code {procs[dead[0]].returncode}", file=sys.stderr)
-                return 1
-            status, body = _health(url + "/health", context)
-            if status == 200:
-                break
-            reason = body.get("reason", reason)
-            if time.monotonic() - polled_at >= PROGRESS_POLL_S:
-                polled_at = time.monotonic()
-                for line in progress_lines(_cluster_status(url + "/cluster/status", context), shown):
-                    print(line, flush=True)
-            if time.monotonic() > deadline:
-                print(f"ringd local: the ring was not ready after {READY_TIMEOUT_S:.0f} s: {reason}", file=sys.stderr)
-                return 1
-            stop.wait(READY_POLL_S)
-        if stop.is_set():
+        start_nodes(procs, rings, https, host, shared)
+        body = wait_ready(procs, url, context, stop)
+        if body is None:
             return 130
         # One line, how to trust the API included: whoever waits for it (a script, a test) has it all.
-        trust = (
+        trusted = (
             f"; TLS on: clients trust the cluster CA in {ca_file} (while this runs), e.g. curl --cacert {ca_file} {url}/health, "
             f"or SSL_CERT_FILE={ca_file} for the openai, anthropic and ollama clients"
         ) if context is not None else ""  # fmt: skip
-        print(f"ringd: {nodes} node(s) ready; OpenAI API at {url}/v1 (model {body.get('model')}){trust}", flush=True)
-        # A node that dies now is the ring's business: it re-plans over the others.
-        reported: set[int] = set()
-        while not stop.wait(0.5):
-            for i, p in enumerate(procs):
-                if p.poll() is not None and i not in reported:
-                    reported.add(i)
-                    print(f"ringd local: node{i} exited with code {p.returncode}", file=sys.stderr, flush=True)
-            if len(reported) == len(procs):
-                print("ringd local: every node has exited", file=sys.stderr)
-                return 1
-        return 0
+        print(f"ringd: {nodes} node(s) ready; OpenAI API at {url}/v1 (model {body.get('model')}){trusted}", flush=True)
+        return supervise(procs, stop)
+    except LaunchError as e:
+        print(f"ringd local: {e}", file=sys.stderr)
+        return e.code
     finally:
         # Stopping: a signal has nothing more to do here. Ignored, not handled: at exit Python
         # puts its handlers back to the default, and a second Ctrl-C (or `uv run` passing the
@@ -238,14 +156,143 @@ def run_local(
             signal.signal(sig, signal.SIG_IGN)
         for s in rings + https:
             s.close()  # those no node took, if a start failed
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        end = time.monotonic() + STOP_GRACE_S
-        for p in procs:
-            try:
-                p.wait(max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_nodes(procs)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def check_plan(model: str, nodes: int, split: list[int] | None) -> None:
+    """Fail fast and plainly where the leader's plan would: too few nodes, a model that cannot be
+    read, a split that does not fit it. A Hub GGUF (OWNER/REPO:QUANT) is fetched here, whole,
+    before any node starts: the lines its progress logs (models/progress.py) are printed as they come."""
+    if nodes < 1:
+        raise LaunchError("--nodes must be at least 1", code=2)
+    from ringd.ring.plan import PlacementError, make_plan
+    from ringd.models.source import model_info
+    from ringd.models.errors import ModelError
+
+    shown = logging.StreamHandler(sys.stdout)
+    shown.setFormatter(logging.Formatter("ringd local: %(message)s"))
+    progress_log = logging.getLogger("ringd.models.progress")
+    progress_log.addHandler(shown)
+    progress_log.setLevel(logging.INFO)
+    try:
+        info = model_info(model)
+        make_plan(0, "node0", info.fingerprint, info.num_layers, [(f"node{i}", "") for i in range(nodes)], split)
+    except (ModelError, PlacementError) as e:
+        raise LaunchError(str(e), code=2) from None
+    finally:
+        progress_log.removeHandler(shown)
+
+
+def bind_listeners(nodes: int, host: str, port: int) -> tuple[list[socket.socket], list[socket.socket]]:
+    """Every node's ring and API listeners, bound here and handed down (listeners.py): no port is
+    free between its choice and its use. The API of node0 on ``port``, the rest where the kernel says."""
+    rings: list[socket.socket] = []
+    https: list[socket.socket] = []
+    try:
+        for i in range(nodes):
+            rings.append(listeners.bind("127.0.0.1"))
+            https.append(listeners.bind(host, port if i == 0 else 0))
+    except OSError as e:
+        for s in rings + https:
+            s.close()
+        where = f"the API's port {host}:{port} (choose another with --port, or 0 for a free one)" if len(https) < len(rings) == 1 else f"node{len(https)}"
+        raise LaunchError(f"cannot listen for {where}: {e.strerror}") from None
+    return rings, https
+
+
+def write_secret(workdir: Path) -> Path:
+    """The run's cluster secret, readable by its owner only, as ``ringd serve`` requires."""
+    secret_file = workdir / "secret"
+    secret_file.write_text(secrets.token_hex(32))
+    secret_file.chmod(0o600)
+    return secret_file
+
+
+def trust(tls: str, secret_file: Path, cluster: str, workdir: Path) -> tuple[ssl.SSLContext | None, Path]:
+    """With ``tls`` "auto": the cluster CA written to ringd-ca.pem for clients, and a context that
+    trusts it for the launcher's own polls. Otherwise no context (plain HTTP)."""
+    ca_file = workdir / "ringd-ca.pem"
+    if tls != "auto":
+        return None, ca_file
+    from ringd.tls import cluster_ca_pem, trusting
+
+    pem = cluster_ca_pem(secret_file.read_bytes().strip(), cluster)
+    ca_file.write_bytes(pem)
+    return trusting(pem), ca_file
+
+
+def start_nodes(
+    procs: list[subprocess.Popen], rings: list[socket.socket], https: list[socket.socket], host: str, shared: dict[str, Flag]
+) -> None:
+    """One ``ringd serve`` per pair of listeners, appended to ``procs`` as it starts (so that a
+    failed start still stops those already running). Each node inherits its listeners and dials
+    every other node's ring port; ``shared`` are the flags every node gets."""
+    env = dict(os.environ, RINGD_EXIT_WITH_PARENT=str(os.getpid()))
+    ring_ports = [s.getsockname()[1] for s in rings]
+    for i, (ring, http) in enumerate(zip(rings, https)):
+        cmd = serve_command(
+            name=f"node{i}", host="127.0.0.1", advertise="127.0.0.1",
+            ring_port=ring_ports[i], ring_fd=ring.fileno(),
+            http_host=host, http_port=http.getsockname()[1], http_fd=http.fileno(),
+            peer=[f"127.0.0.1:{p}" for j, p in enumerate(ring_ports) if j != i], **shared,
+        )  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, pass_fds=(ring.fileno(), http.fileno())))
+        # The node holds its listeners now: when it exits, they close (peers see it refuse).
+        ring.close()
+        http.close()
+
+
+def wait_ready(procs: list[subprocess.Popen], url: str, context: ssl.SSLContext | None, stop: threading.Event) -> dict | None:
+    """The leader's /health answer once the ring serves, printing the nodes' download and load
+    progress meanwhile; None if stopped first. A node that exits, or no ring after
+    READY_TIMEOUT_S, is a LaunchError that says which node or what the leader last said."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    reason = ""
+    shown: dict[str, dict] = {}
+    polled_at = float("-inf")
+    while not stop.is_set():
+        dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+        if dead:
+            raise LaunchError(f"node{dead[0]} exited with code {procs[dead[0]].returncode}")
+        status, body = _health(url + "/health", context)
+        if status == 200:
+            return body
+        reason = body.get("reason", reason)
+        if time.monotonic() - polled_at >= PROGRESS_POLL_S:
+            polled_at = time.monotonic()
+            for line in progress_lines(_cluster_status(url + "/cluster/status", context), shown):
+                print(line, flush=True)
+        if time.monotonic() > deadline:
+            raise LaunchError(f"the ring was not ready after {READY_TIMEOUT_S:.0f} s: {reason}")
+        stop.wait(READY_POLL_S)
+    return None
+
+
+def supervise(procs: list[subprocess.Popen], stop: threading.Event) -> int:
+    """Until stopped (0), or every node has exited (1). A node that dies is the ring's business
+    (it re-plans over the others): the launcher only says so."""
+    reported: set[int] = set()
+    while not stop.wait(SUPERVISE_POLL_S):
+        for i, p in enumerate(procs):
+            if p.poll() is not None and i not in reported:
+                reported.add(i)
+                print(f"ringd local: node{i} exited with code {p.returncode}", file=sys.stderr, flush=True)
+        if len(reported) == len(procs):
+            print("ringd local: every node has exited", file=sys.stderr)
+            return 1
+    return 0
+
+
+def stop_nodes(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every node still running, then SIGKILL to any not gone within STOP_GRACE_S."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        try:
+            p.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -4,7 +4,7 @@ The pure half of ``ringctl install | uninstall | logs``: where the service file
 and its log go, the launchd property list and the systemd unit that run
 ``ringd serve --config FILE``, the ``launchctl`` / ``systemctl`` argument lists
 that put them in place or take them out, and the checks a config file passes
-before any of that. Nothing here runs a command or writes a file; ``ctl.py``
+before any of that. Nothing here runs a command or writes a file; ``ctl/install.py``
 does, so every part is tested as a function.
 
 One ringd runs per machine, so the names are fixed: the launchd label

@@ -29,7 +29,8 @@ import pytest
 from conftest import REPO
 from conftest import serving_leader
 
-from ringd.ctl import print_status, top_view
+from ringd.ctl.render import print_status
+from ringd.ctl.top import top_view
 
 # Generous: a pane redraws every 0.5 s, but a node's restart loads its model and replans.
 PANE_TIMEOUT_S = 90.0

@@ -34,7 +34,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from ringd.models.tinyarchs import ARCHS, Base, config_for
+from ringd.models.tinyarchs import ARCHS, ArchSpec, Base, config_for
 
 # Bump when the bytes written for the same arguments change (cache folder names use it).
 GENERATOR_VERSION = 2
@@ -406,6 +406,45 @@ def write_tiny_model(
     dtype = dtype or spec.dtype
     if weight_scale is None:
         weight_scale = spec.weight_scale or DEFAULT_WEIGHT_SCALE
+    _check_sizes(
+        dtype=dtype, layers=layers, hidden_size=hidden_size, heads=heads, kv_heads=kv_heads, intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings, shard_bytes=shard_bytes, weight_scale=weight_scale, quantize_bits=quantize_bits,
+    )  # fmt: skip
+    tokenizer = Tokenizer.from_str(_tokenizer_json())
+    tokenizer_size = tokenizer.get_vocab_size()
+    if vocab_size is None:
+        vocab_size = -(-tokenizer_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    _check(
+        vocab_size >= tokenizer_size,
+        "vocab_size",
+        f"{vocab_size} is smaller than the tokenizer's {tokenizer_size} tokens",
+    )
+    base = Base(
+        layers=layers, hidden_size=hidden_size, heads=heads, kv_heads=kv_heads,
+        intermediate_size=intermediate_size or _default_intermediate_size(hidden_size), vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings, tie=spec.tied if tie_embeddings is None else tie_embeddings, dtype=dtype,
+        eos_token_id=tokenizer.token_to_id(IM_END), pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+    )  # fmt: skip
+    config = config_for(arch, base)
+    weights, config = _weights(config, spec, tokenizer, seed, weight_scale, DTYPES[dtype], quantize_bits)
+    out = Path(out_dir)
+    _write_weights(out, weights, shard_bytes)
+    _write_json(out / "config.json", config)
+    _write_json(
+        out / "generation_config.json",
+        {"eos_token_id": [base.eos_token_id, base.pad_token_id], "pad_token_id": base.pad_token_id, "do_sample": False},
+    )
+    tokenizer.save(str(out / "tokenizer.json"), pretty=True)
+    for file_name, obj in _tokenizer_files(tokenizer).items():
+        _write_json(out / file_name, obj)
+    return out
+
+
+def _check_sizes(
+    *, dtype: str, layers: int, hidden_size: int, heads: int, kv_heads: int, intermediate_size: int | None,
+    max_position_embeddings: int, shard_bytes: int | None, weight_scale: float, quantize_bits: int | None,
+) -> None:  # fmt: skip
+    """Every argument that mlx-lm would take but could not build (or that makes no model), named."""
     _check(dtype in DTYPES, "dtype", f"unknown {dtype!r}, expected one of {', '.join(DTYPES)}")
     for param, value in [
         ("layers", layers),
@@ -423,32 +462,16 @@ def write_tiny_model(
     _check(head_dim % 2 == 0, "heads", f"head_dim {hidden_size}/{heads} = {head_dim} is odd (RoPE)")
     _check(heads % kv_heads == 0, "kv_heads", f"heads={heads} not divisible by kv_heads={kv_heads}")
     _check(quantize_bits in (None, *QUANT_BITS), "quantize_bits", f"must be one of {QUANT_BITS}, got {quantize_bits}")
-    if intermediate_size is None:
-        intermediate_size = _default_intermediate_size(hidden_size)
 
-    tokenizer = Tokenizer.from_str(_tokenizer_json())
-    tokenizer_size = tokenizer.get_vocab_size()
-    if vocab_size is None:
-        vocab_size = -(-tokenizer_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    _check(
-        vocab_size >= tokenizer_size,
-        "vocab_size",
-        f"{vocab_size} is smaller than the tokenizer's {tokenizer_size} tokens",
-    )
-    if tie_embeddings is None:
-        tie_embeddings = spec.tied
-    eos_id = tokenizer.token_to_id(IM_END)
-    endoftext_id = tokenizer.token_to_id(ENDOFTEXT)
-    base = Base(
-        layers=layers, hidden_size=hidden_size, heads=heads, kv_heads=kv_heads, intermediate_size=intermediate_size,
-        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, tie=tie_embeddings, dtype=dtype,
-        eos_token_id=eos_id, pad_token_id=endoftext_id,
-    )  # fmt: skip
-    config = config_for(arch, base)
+
+def _weights(
+    config: dict, spec: ArchSpec, tokenizer: Tokenizer, seed: int, weight_scale: float, dtype: mx.Dtype, quantize_bits: int | None
+) -> tuple[dict[str, mx.array], dict]:
+    """The model's weights by checkpoint key, and its config (quantized, it says so)."""
     # mlx-lm's own class gives the parameter names and shapes: the checkpoint keys
     # of an MLX-format model, which its loader takes as they are.
     # (Imported here: mlx_lm pulls in transformers, ~2 s, which neither the
-    # argument checks above nor the tokenizer need.)
+    # argument checks nor the tokenizer need.)
     from mlx_lm.utils import _get_classes, quantize_model
 
     model_class, args_class = _get_classes(config)
@@ -461,16 +484,20 @@ def write_tiny_model(
         norm_center=spec.norm_center,
         norm_centers=dict(spec.norm_centers),
         special_ids=[tokenizer.token_to_id(t) for t in SPECIAL_TOKENS],
-        tokenizer_size=tokenizer_size,
-        dtype=DTYPES[dtype],
+        tokenizer_size=tokenizer.get_vocab_size(),
+        dtype=dtype,
     )
     model.load_weights(list(weights.items()), strict=True)  # names and shapes agree
     if quantize_bits is not None:
         model, config = quantize_model(model, config, QUANT_GROUP_SIZE, quantize_bits)
         weights = dict(tree_flatten(model.parameters()))
         mx.eval(weights)
+    return weights, config
 
-    out = Path(out_dir)
+
+def _write_weights(out: Path, weights: dict[str, mx.array], shard_bytes: int | None) -> None:
+    """The safetensors files (split at layer boundaries when ``shard_bytes`` is given) and their
+    index, replacing any a previous run left in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("model*.safetensors"):
         stale.unlink()
@@ -489,15 +516,6 @@ def write_tiny_model(
         "weight_map": dict(sorted(weight_map.items())),
     }
     _write_json(out / "model.safetensors.index.json", index)
-    _write_json(out / "config.json", config)
-    _write_json(
-        out / "generation_config.json",
-        {"eos_token_id": [eos_id, endoftext_id], "pad_token_id": endoftext_id, "do_sample": False},
-    )
-    tokenizer.save(str(out / "tokenizer.json"), pretty=True)
-    for file_name, obj in _tokenizer_files(tokenizer).items():
-        _write_json(out / file_name, obj)
-    return out
 
 
 def summary(model_dir: str | os.PathLike) -> str:
