@@ -21,8 +21,10 @@ import signal
 import time
 
 import pytest
-from conftest import Stream, block_event_loop, drop_ring_link
-from conftest import chat, serving_leader
+from kit.clients import Stream
+from kit.faults import block_event_loop, drop_ring_link
+from kit.clients import chat
+from kit.cluster import serving_leader
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +61,7 @@ def model(tiny_model):
 @pytest.fixture(scope="module")
 def shared(model, tmp_path_factory):
     """One cluster of three for the fault tests that follow: each leaves it healed, node0 leading."""
-    from conftest import Cluster
+    from kit.cluster import Cluster
 
     c = Cluster(model, 3, tmp_path_factory.mktemp("healing"))
     try:
