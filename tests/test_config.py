@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO
+from kit import REPO
 from ringd import config
+from ringd.servecmd import serve_command
 
 
 def parse(argv: list[str], environ: dict | None = None) -> config.Config:
@@ -242,10 +242,10 @@ def test_no_bad_api_key_appears_in_its_error(tmp_path, good, bad, before):
 def test_serve_stops_at_start_with_the_key_and_reason(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("ring_port: 99999\n")
-    r = subprocess.run([sys.executable, "-m", "ringd", "serve", "--config", str(f)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(serve_command(config=f), cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "ring_port" in r.stderr and "port number" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "ringd", "serve", "--secret-file", str(tmp_path / "nope"), "--model", "x/y"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(serve_command(secret_file=tmp_path / "nope", model="x/y"), cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "secret_file" in r.stderr
 
 

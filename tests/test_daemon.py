@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 
-from conftest import REPO
+from kit import REPO
+
+from ringd.servecmd import serve_command
 
 
-def serve(tmp_path, model, *extra: str, secret_mode: int = 0o600) -> subprocess.CompletedProcess:
+def serve(tmp_path, model, secret_mode: int = 0o600, **flags) -> subprocess.CompletedProcess:
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
     secret.chmod(secret_mode)
-    cmd = [
-        sys.executable, "-m", "ringd", "serve", "--name", "solo", "--cluster", "t", "--model", str(model),
-        "--secret-file", str(secret), "--state-dir", str(tmp_path / "state"), "--discovery", "off",
-        "--host", "127.0.0.1", "--http-host", "127.0.0.1", *extra,
-    ]  # fmt: skip
+    cmd = serve_command(
+        name="solo", cluster="t", model=model, secret_file=secret, state_dir=tmp_path / "state", discovery=False,
+        host="127.0.0.1", http_host="127.0.0.1", **flags,
+    )  # fmt: skip
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
@@ -29,13 +29,13 @@ def test_a_port_in_use_is_named(tiny_model, tmp_path):
         port = taken.getsockname()[1]
         for key in ("http-port", "ring-port"):
             other = "ring-port" if key == "http-port" else "http-port"
-            r = serve(tmp_path, model, f"--{key}", str(port), f"--{other}", "0")
+            r = serve(tmp_path, model, **{key.replace("-", "_"): port, other.replace("-", "_"): 0})
             assert r.returncode == 1, r.stderr
             assert f"{key.replace('-', '_')}: port {port} on 127.0.0.1 is in use" in r.stderr and f"--{key}" in r.stderr, r.stderr
 
 
 def test_a_secret_file_others_can_read_is_refused_with_the_fix(tiny_model, tmp_path):
-    r = serve(tmp_path, tiny_model(arch="llama", layers=2), "--http-port", "0", "--ring-port", "0", secret_mode=0o644)
+    r = serve(tmp_path, tiny_model(arch="llama", layers=2), http_port=0, ring_port=0, secret_mode=0o644)
     assert r.returncode == 1 and "chmod 600" in r.stderr and str(tmp_path / "secret") in r.stderr, r.stderr
 
 
@@ -47,7 +47,7 @@ def test_an_unsupported_architecture_is_refused_at_start_with_the_supported_list
     shutil.copytree(tiny_model(arch="llama", layers=2), model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "model_type": "olmo2"}))
-    r = serve(tmp_path, model, "--http-port", "0", "--ring-port", "0")
+    r = serve(tmp_path, model, http_port=0, ring_port=0)
     assert r.returncode == 1, r.stderr
     assert "model_type 'olmo2' (mlx_lm.models.olmo2) is not supported by the ring" in r.stderr
     assert "supported: deepseek_v2, deepseek_v3, gemma2, gemma3_text, glm4_moe, gpt_oss, llama" in r.stderr

@@ -19,8 +19,10 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, TEST_PREFILL_CHUNK, Cluster, Stream
-from conftest import serving_leader
+from kit import REPO, TEST_PREFILL_CHUNK
+from kit.cluster import Cluster
+from kit.clients import Stream
+from kit.cluster import serving_leader
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The link emulator (tests/linkshape.py): its model, and real TCP through it between namespaces."""
+"""The link emulator (tests/kit/linkshape.py): its model, and real TCP through it between namespaces."""
 
 import subprocess
 import sys
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from linkshape import PROFILES, LinkModel, Profile, profile
-from netns import NetnsHosts, netns_available
+from kit.linkshape import PROFILES, LinkModel, Profile, profile
+from kit.netns import NetnsHosts, netns_available
 
 profiles = st.sampled_from(sorted(PROFILES.values(), key=lambda p: p.name))
 

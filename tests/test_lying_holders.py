@@ -1,4 +1,4 @@
-"""A real `ringd serve --model-from-peers` against holders that lie (tests/liarholder.py).
+"""A real `ringd serve --model-from-peers` against holders that lie (tests/kit/liarholder.py).
 
 Whatever a holder says in the headers the fetcher acts on, or however it stops sending,
 the node logs why, drops the holder or asks again, and carries on: it never exits with a
@@ -13,15 +13,15 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
-from liarholder import LiarHolders
+from kit import REPO
+from kit.liarholder import LiarHolders
+from kit.ports import port
 
-from ports import port
+from ringd.servecmd import serve_command
 
 # Well above what each case takes now (a Retry-After of 2 s; a stall given up on after 10 s), well
 # below what it took before (60 s for one stalled request).
@@ -33,16 +33,13 @@ STALLED = r"(no byte for 10 s mid-piece|piece \d+ of \S+ not in within 10 s)"
 
 def fetcher(tmp_path: Path, cluster: str, ring_ports: list[int]) -> tuple[subprocess.Popen, Path]:
     secret = tmp_path / "secret"
-    secret.write_text("s" * 32)  # tests/fileholder.py's SECRET
+    secret.write_text("s" * 32)  # tests/kit/fileholder.py's SECRET
     secret.chmod(0o600)
-    cmd = [
-        sys.executable, "-m", "ringd", "serve", "--name", "fetcher", "--cluster", cluster, "--host", "127.0.0.1",
-        "--advertise", "127.0.0.1", "--http-host", "127.0.0.1", "--ring-port", str(port()), "--http-port", str(port()),
-        "--model-from-peers", "true", "--models-dir", str(tmp_path / "models"), "--secret-file", str(secret),
-        "--state-dir", str(tmp_path / "state"), "--discovery", "off",
-    ]  # fmt: skip
-    for p in ring_ports:
-        cmd += ["--peer", f"127.0.0.1:{p}"]
+    cmd = serve_command(
+        name="fetcher", cluster=cluster, host="127.0.0.1", advertise="127.0.0.1", http_host="127.0.0.1",
+        ring_port=port(), http_port=port(), model_from_peers=True, models_dir=tmp_path / "models", secret_file=secret,
+        state_dir=tmp_path / "state", discovery=False, peer=[f"127.0.0.1:{p}" for p in ring_ports],
+    )  # fmt: skip
     log = tmp_path / "fetcher.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, start_new_session=True)

@@ -22,9 +22,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, RING_START_TIMEOUT_S, Cluster, post
+from kit import REPO, RING_START_TIMEOUT_S
+from kit.cluster import Cluster
+from kit.clients import post
 
 from ringd.models.peers import PeerModel
+from ringd.servecmd import serve_command
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TOKENS = 24
@@ -34,12 +37,11 @@ LAYERS = 12
 class PeerCluster(Cluster):
     """node0 holds ``model``; the others fetch theirs into models/nodeI."""
 
-    def command(self, i: int, secret: Path | None = None, name: str | None = None) -> list[str]:
-        cmd = super().command(i, secret, name)
+    def flags(self, i: int, secret: Path | None = None, name: str | None = None) -> dict:
+        flags = super().flags(i, secret, name)
         if i == 0:
-            return cmd
-        at = cmd.index("--model")
-        return cmd[:at] + ["--model-from-peers", "true", "--models-dir", str(self.models_dir(i))] + cmd[at + 2 :]
+            return flags
+        return {**flags, "model": None, "model_from_peers": True, "models_dir": self.models_dir(i)}
 
     def models_dir(self, i: int) -> Path:
         return self.tmp / "models" / f"node{i}"
@@ -57,8 +59,8 @@ def answer(c: Cluster) -> str:
 
 @pytest.fixture(scope="module")
 def q4_1(tiny_model, tmp_path_factory) -> tuple[Path, Path]:
-    """A 12-layer llama as a Q4_1 GGUF (tests/ggufmake.py), and what `ringd convert` makes of it."""
-    from ggufmake import write_gguf
+    """A 12-layer llama as a Q4_1 GGUF (tests/kit/ggufmake.py), and what `ringd convert` makes of it."""
+    from kit.ggufmake import write_gguf
 
     # Rows of 320 and 640: whole Q4_1 blocks but no K-quant super-blocks (llama-quantize would
     # write the head as Q6_K), and tensors far above a disk block, so that what a fetcher holds
@@ -137,22 +139,21 @@ def test_two_nodes_with_nothing_fetch_their_layers_and_the_ring_answers_as_mlx_l
 
 def test_with_no_peer_holding_the_model_the_hub_as_before(tiny_model, tmp_path):
     """model_from_peers with a repo id and nobody to fetch from: the Hub (a local fake of it) serves."""
-    from fakehub import FakeHub
+    from kit.fakehub import FakeHub
 
-    from ports import port
+    from kit.ports import port
 
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
     secret.chmod(0o600)
     http = port()
     with FakeHub({"ringd-test/tiny": tiny_model(arch="llama", layers=4, dtype="float32")}) as hub:
-        cmd = [
-            sys.executable, "-m", "ringd", "serve", "--name", "node0", "--cluster", f"hub-{os.getpid()}", "--host", "127.0.0.1",
-            "--advertise", "127.0.0.1", "--http-host", "127.0.0.1", "--ring-port", str(port()), "--http-port", str(http),
-            "--model", "ringd-test/tiny", "--model-from-peers", "true", "--models-dir", str(tmp_path / "models"),
-            "--secret-file", str(secret), "--state-dir", str(tmp_path / "state"), "--discovery", "off", "--nodes", "1",
-            "--peer", f"127.0.0.1:{port()}",  # nobody there
-        ]  # fmt: skip
+        cmd = serve_command(
+            name="node0", cluster=f"hub-{os.getpid()}", host="127.0.0.1", advertise="127.0.0.1", http_host="127.0.0.1",
+            ring_port=port(), http_port=http, model="ringd-test/tiny", model_from_peers=True, models_dir=tmp_path / "models",
+            secret_file=secret, state_dir=tmp_path / "state", discovery=False, nodes=1,
+            peer=[f"127.0.0.1:{port()}"],  # nobody there
+        )  # fmt: skip
         log = tmp_path / "node0.log"
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **hub.env(tmp_path / "hf")}, stdout=out, stderr=out, start_new_session=True)
@@ -174,17 +175,16 @@ def test_with_no_peer_holding_the_model_the_hub_as_before(tiny_model, tmp_path):
 def test_a_node_waiting_for_a_holder_says_so_and_stops_on_a_signal(tmp_path):
     import signal
 
-    from ports import port
+    from kit.ports import port
 
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
     secret.chmod(0o600)
-    cmd = [
-        sys.executable, "-m", "ringd", "serve", "--name", "lonely", "--cluster", f"alone-{os.getpid()}", "--host", "127.0.0.1",
-        "--advertise", "127.0.0.1", "--http-host", "127.0.0.1", "--ring-port", str(port()), "--http-port", str(port()),
-        "--model-from-peers", "true", "--models-dir", str(tmp_path / "models"), "--secret-file", str(secret),
-        "--state-dir", str(tmp_path / "state"), "--discovery", "off", "--peer", f"127.0.0.1:{port()}",
-    ]  # fmt: skip
+    cmd = serve_command(
+        name="lonely", cluster=f"alone-{os.getpid()}", host="127.0.0.1", advertise="127.0.0.1", http_host="127.0.0.1",
+        ring_port=port(), http_port=port(), model_from_peers=True, models_dir=tmp_path / "models", secret_file=secret,
+        state_dir=tmp_path / "state", discovery=False, peer=[f"127.0.0.1:{port()}"],
+    )  # fmt: skip
     log = tmp_path / "lonely.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, start_new_session=True)

@@ -24,11 +24,6 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def ring(smollm2_gguf, ring_pool):
-    return ring_pool(smollm2_gguf, NODES, env={"RINGD_PREFILL_CHUNK_TOKENS": "512"}, model_id=MODEL_ID)
-
-
-@pytest.fixture(scope="module")
 def reference(smollm2_reference):
     return smollm2_reference
 
@@ -66,13 +61,13 @@ def streamed(ring, messages, max_tokens: int, **kwargs) -> tuple[list[str], str 
     return pieces, finish
 
 
-def test_three_nodes_answer_the_france_question_as_mlx_lm_does(ring, reference):
+def test_three_nodes_answer_the_france_question_as_mlx_lm_does(smollm2_ring, reference):
     want = generate(reference, FRANCE, 40)
     assert "Paris" in want
-    choice, usage = chat(ring, FRANCE, 40)
+    choice, usage = chat(smollm2_ring, FRANCE, 40)
     assert choice.message.content == want
     assert choice.finish_reason == "stop"  # it ended its turn, as mlx-lm did
-    pieces, finish = streamed(ring, FRANCE, 40)
+    pieces, finish = streamed(smollm2_ring, FRANCE, 40)
     assert "".join(pieces) == want and finish == "stop"
     # The real chat template: SmolLM2's default system prompt went in front.
     _, tokenizer = reference
@@ -80,13 +75,13 @@ def test_three_nodes_answer_the_france_question_as_mlx_lm_does(ring, reference):
     assert "You are a helpful AI assistant named SmolLM" in tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=False)
 
 
-def test_each_node_holds_its_share_of_the_file(ring, smollm2_gguf):
+def test_each_node_holds_its_share_of_the_file(smollm2_ring, smollm2_gguf):
     import json
     import urllib.request
 
     from ringd.models.gguf import GgufFile
 
-    with urllib.request.urlopen(ring.url + "/cluster/status", timeout=10) as r:
+    with urllib.request.urlopen(smollm2_ring.url + "/cluster/status", timeout=10) as r:
         nodes = [n for n in json.loads(r.read())["nodes"] if n.get("layers")]
     assert len(nodes) == NODES
     g = GgufFile.open(smollm2_gguf)
@@ -108,51 +103,51 @@ def test_each_node_holds_its_share_of_the_file(ring, smollm2_gguf):
     ["List three emoji that show happiness.", "Write the word café three times."],
     ids=["emoji", "accents"],
 )
-def test_characters_of_several_bytes_arrive_whole(ring, reference, question):
+def test_characters_of_several_bytes_arrive_whole(smollm2_ring, reference, question):
     messages = [{"role": "user", "content": question}]
     # 24 tokens: SmolLM2 writes its first emoji by the 20th, "Café" first.
     want = generate(reference, messages, 24)
     assert any(ord(c) > 0x7F for c in want), f"the reference has no multi-byte character to test: {want!r}"
-    pieces, _ = streamed(ring, messages, 24)
+    pieces, _ = streamed(smollm2_ring, messages, 24)
     assert "".join(pieces) == want
     # No piece carries half a character: nothing was sent that had to be taken back.
     assert not any("\ufffd" in p for p in pieces)
 
 
-def test_a_stop_string_ends_the_answer_before_it(ring, reference):
+def test_a_stop_string_ends_the_answer_before_it(smollm2_ring, reference):
     want = generate(reference, FRANCE, 40)
-    choice, _ = chat(ring, FRANCE, 40, stop=[" Paris"])
+    choice, _ = chat(smollm2_ring, FRANCE, 40, stop=[" Paris"])
     assert choice.message.content == want.split(" Paris")[0]
     assert choice.finish_reason == "stop"
     # A stop string that spans tokens, streamed: nothing of it reaches the client.
-    pieces, finish = streamed(ring, FRANCE, 40, stop=["of France"])
+    pieces, finish = streamed(smollm2_ring, FRANCE, 40, stop=["of France"])
     assert "".join(pieces) == want.split("of France")[0] and finish == "stop"
 
 
-def test_a_system_prompt_replaces_the_default(ring, reference):
+def test_a_system_prompt_replaces_the_default(smollm2_ring, reference):
     messages = [{"role": "system", "content": "You answer in one word."}, *FRANCE]
-    choice, usage = chat(ring, messages, 20)
+    choice, usage = chat(smollm2_ring, messages, 20)
     assert choice.message.content == generate(reference, messages, 20)
     _, tokenizer = reference
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert "named SmolLM" not in rendered and usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
 
 
-def test_the_next_turn_reuses_the_first_and_answers_as_a_cold_run(ring, reference):
-    first, _ = chat(ring, FRANCE, 40)
+def test_the_next_turn_reuses_the_first_and_answers_as_a_cold_run(smollm2_ring, reference):
+    first, _ = chat(smollm2_ring, FRANCE, 40)
     second = [*FRANCE, {"role": "assistant", "content": first.message.content}, {"role": "user", "content": "And of Italy?"}]
-    choice, usage = chat(ring, second, 40)
+    choice, usage = chat(smollm2_ring, second, 40)
     assert usage.prompt_tokens_details.cached_tokens >= 30  # the first turn's prompt, at least
     want = generate(reference, second, 40)
     assert choice.message.content == want and "Rome" in want
 
 
-def test_completions_take_plain_text(ring, reference):
+def test_completions_take_plain_text(smollm2_ring, reference):
     from mlx_lm import generate as mlx_generate
 
     model, tokenizer = reference
     want = mlx_generate(model, tokenizer, "The capital of France is", max_tokens=12)
-    r = ring.client().completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=12, temperature=0)
+    r = smollm2_ring.client().completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=12, temperature=0)
     assert r.choices[0].text == want
 
 
@@ -167,7 +162,7 @@ QUESTIONS = [
 ]
 
 
-def test_questions_asked_at_once_get_the_answers_each_gets_alone(ring, reference):
+def test_questions_asked_at_once_get_the_answers_each_gets_alone(smollm2_ring, reference):
     """Four streams decode together, in micro-batches whose rows each stage computes in one pass."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -178,10 +173,10 @@ def test_questions_asked_at_once_get_the_answers_each_gets_alone(ring, reference
     # this model costs ~0.15 s on MLX's CPU backend here (its quantized kernels), eight times over.
     want = [generate(reference, m, 16) for m in asks]
     with ThreadPoolExecutor(len(asks)) as pool:
-        got = list(pool.map(lambda m: "".join(streamed(ring, m, 16)[0]), asks))
+        got = list(pool.map(lambda m: "".join(streamed(smollm2_ring, m, 16)[0]), asks))
     for q, a, b in zip(QUESTIONS, got, want):
         assert a == b, f"{q!r}: the ring said {a!r}, mlx-lm alone {b!r}"
-    assert batched_passes(ring) > 0, "the first stage never computed rows together"
+    assert batched_passes(smollm2_ring) > 0, "the first stage never computed rows together"
 
 
 def batched_passes(ring) -> float:

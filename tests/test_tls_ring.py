@@ -16,9 +16,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import REPO, RING_START_TIMEOUT_S, Cluster
+from kit import REPO, RING_START_TIMEOUT_S
+from kit.cluster import Cluster
 
 from ringd import tlsca
+from ringd.servecmd import serve_command
 
 MESSAGES = [{"role": "user", "content": "Tell me about rings of machines."}]
 
@@ -115,9 +117,8 @@ class OwnCertCluster(Cluster):
 
     ca_of: dict[int, str] = {}
 
-    def command(self, i: int, secret=None, name=None) -> list[str]:
-        cmd = super().command(i, secret, name)
-        return cmd + (["--tls-ca", self.ca_of[i]] if i in self.ca_of else [])
+    def flags(self, i: int, secret=None, name=None) -> dict:
+        return {**super().flags(i, secret, name), "tls_ca": self.ca_of.get(i)}
 
 
 def test_nodes_serve_the_users_own_certificate_and_a_follower_trusts_the_leader_by_tls_ca(tiny_model, tmp_path):
@@ -162,7 +163,7 @@ def test_ringd_local_serves_https_on_its_handed_down_sockets_and_says_how_to_tru
     import os
     import signal
 
-    from conftest import wait_for_line
+    from kit.procs import wait_for_line
 
     cmd = [sys.executable, "-m", "ringd", "local", "--nodes", "1", "--model", str(tiny_model(arch="llama", layers=6)), "--port", "0", "--tls", "auto"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
@@ -187,11 +188,10 @@ def test_serve_with_a_key_that_is_not_the_certificates_stops_at_once_naming_both
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
     secret.chmod(0o600)
-    cmd = [
-        sys.executable, "-m", "ringd", "serve", "--model", str(tiny_model(arch="llama", layers=6)), "--secret-file", str(secret),
-        "--http-port", "0", "--ring-port", "0", "--discovery", "off", "--state-dir", str(tmp_path),
-        "--tls-cert", str(tmp_path / "node.pem"), "--tls-key", str(tmp_path / "other-key.pem"),
-    ]  # fmt: skip
+    cmd = serve_command(
+        model=tiny_model(arch="llama", layers=6), secret_file=secret, http_port=0, ring_port=0, discovery=False,
+        state_dir=tmp_path, tls_cert=tmp_path / "node.pem", tls_key=tmp_path / "other-key.pem",
+    )  # fmt: skip
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "tls_cert and tls_key do not match" in r.stderr and "other-key.pem" in r.stderr, r.stderr[-2000:]

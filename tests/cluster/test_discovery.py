@@ -6,7 +6,7 @@ Two networks, both of which only ever carry the test's own traffic:
   nothing reaches another interface. Linux's ``lo`` has no MULTICAST flag, yet
   python-zeroconf works on it because it sets IP_MULTICAST_IF per socket and the
   kernel loops the packets back; no flag and no route are needed.
-- three network namespaces on a bridge (``tests/netns.py``), one child process
+- three network namespaces on a bridge (``tests/kit/netns.py``), one child process
   per namespace, each a ``python -m ringd.cluster.discovery``, as on three machines.
 
 Every test uses a cluster name of its own, so adverts of other test runs on the
@@ -33,7 +33,7 @@ import pytest
 from zeroconf import ServiceInfo, Zeroconf
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from netns import NetnsHosts, netns_available
+from kit.netns import NetnsHosts, netns_available
 from ringd.cluster.discovery import (
     SERVICE_TYPE,
     TXT_KEYS,

@@ -12,7 +12,9 @@ import time
 import urllib.error
 import urllib.request
 
-from conftest import REPO, chat, health, serving_leader
+from kit import REPO
+from kit.clients import chat
+from kit.cluster import health, serving_leader
 
 from ringd.cluster.links import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S
 
@@ -158,7 +160,7 @@ def test_a_daemon_with_the_wrong_secret_is_never_admitted(tiny_model, cluster_fa
     bad_secret = tmp_path / "bad-secret"
     bad_secret.write_text("x" * 32)
     bad_secret.chmod(0o600)
-    from ports import port
+    from kit.ports import port
 
     c.ring_ports.append(port())
     c.http_ports.append(port())
@@ -220,7 +222,7 @@ sys.exit(1)
 
 
 def test_three_daemons_in_three_network_namespaces_discover_each_other_and_serve(tiny_model, tmp_path):
-    from netns import NetnsHosts, netns_available
+    from kit.netns import NetnsHosts, netns_available
 
     reason = netns_available()
     assert reason is None, f"cannot build test hosts: {reason}"
@@ -235,8 +237,8 @@ def test_three_daemons_in_three_network_namespaces_discover_each_other_and_serve
             # Nothing but a name, a cluster, a secret and a model: default ports
             # (each host has its own), addresses from the host's interfaces.
             net.serve(
-                i, logs[i], "--name", f"host{i}", "--cluster", cluster, "--secret-file", str(secret),
-                "--model", str(model), "--model-id", "tiny", "--state-dir", str(tmp_path / "state"),
+                i, logs[i], name=f"host{i}", cluster=cluster, secret_file=secret,
+                model=model, model_id="tiny", state_dir=tmp_path / "state",
             )  # fmt: skip
         api = f"http://{net.hosts[2].ip}:8100"  # a follower's API, reached from host 0
         done = subprocess.run(
@@ -255,7 +257,7 @@ def test_three_daemons_in_three_network_namespaces_discover_each_other_and_serve
 
 def test_one_static_peer_each_is_enough(tiny_model, tmp_path):
     """No multicast: node1 and node2 know only node0; gossip tells them of each other."""
-    from conftest import Cluster
+    from kit.cluster import Cluster
 
     class OnePeer(Cluster):
         def peers_of(self, i):
@@ -277,8 +279,8 @@ def test_a_relay_without_the_secret_between_two_nodes_gets_nothing_it_can_use(ti
     admitted; a link it tampers with (a frame injected, a frame replayed, a byte flipped) is
     closed at the first bad frame; the relay is never planned into the ring; and each time
     the cluster recovers and serves."""
-    from conftest import Cluster
-    from relay import Relay
+    from kit.cluster import Cluster
+    from kit.relay import Relay
 
     modes = ["hijack", "inject", "replay", "flip"]
 
@@ -293,11 +295,11 @@ def test_a_relay_without_the_secret_between_two_nodes_gets_nothing_it_can_use(ti
                 self.relay = Relay(self.ring_ports[0], modes)
             return f"127.0.0.1:{self.relay.port}"
 
-        def command(self, i, **kw):
-            cmd = super().command(i, **kw)
+        def flags(self, i, **kw):
+            flags = super().flags(i, **kw)
             if i == 1:  # an address node0 cannot dial (node1 listens on 127.0.0.1): every link goes through the relay
-                cmd[cmd.index("--advertise") + 1] = "127.0.0.2"
-            return cmd
+                flags["advertise"] = "127.0.0.2"
+            return flags
 
     c = Relayed(tiny_model(arch="llama", layers=4), 2, tmp_path)
     try:
@@ -334,8 +336,9 @@ def test_a_link_between_members_is_remade_while_a_hello_flood_holds_every_handsh
     dials it back when node1's link is cut; node1 dials node0 (a configured peer)."""
     import urllib.request
 
-    from conftest import Cluster, drop_ring_link
-    from flood import Flood
+    from kit.cluster import Cluster
+    from kit.faults import drop_ring_link
+    from kit.flood import Flood
 
     from wire.stream import MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_KNOWN, MAX_UNAUTHENTICATED_PER_HOST
 

@@ -355,11 +355,12 @@ def test_an_api_only_leader_holds_no_layers_and_serves_the_ring(tiny_model, tmp_
     import json
     import urllib.request
 
-    from conftest import Cluster, reference
+    from kit.cluster import Cluster
+    from kit.reference import reference
 
     class FrontDoor(Cluster):
-        def command(self, i, secret=None, name=None):
-            return super().command(i, secret, name) + (["--api-only", "true"] if i == 0 else [])
+        def flags(self, i, secret=None, name=None):
+            return {**super().flags(i, secret, name), "api_only": True if i == 0 else None}
 
     model = tiny_model(arch="llama", layers=6)
     c = FrontDoor(model, 3, tmp_path)

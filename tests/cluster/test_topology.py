@@ -7,7 +7,7 @@ import itertools
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from linkshape import Profile
+from kit.linkshape import Profile
 
 from ringd.cluster.linkcost import Measured
 from ringd.cluster.topology import (
@@ -227,7 +227,7 @@ BUSY_WIFI = Profile("busy-wifi", 12e-3, 2e-3, 0.005, 300e6, 1500)
 
 def test_five_daemons_on_shaped_links_cross_the_backhaul_twice_leave_the_wifi_mac_out_and_ringctl_plan_says_why(tiny_model, tmp_path):
     """Four Macs in two rooms (host0 and host2 in one, host1 and host3 in the other: name order
-    crosses the backhaul four times), a laptop on Wi-Fi in the first room (tests/linkshape.py). The
+    crosses the backhaul four times), a laptop on Wi-Fi in the first room (tests/kit/linkshape.py). The
     four wired Macs are all needed for the model, so once the leader has measured the links it
     orders them to cross the backhaul twice, the laptop holds no layers (it stays a member), and
     ringctl plan shows each hop's RTT and why the laptop is out. The first plan, before any link is
@@ -238,8 +238,8 @@ def test_five_daemons_on_shaped_links_cross_the_backhaul_twice_leave_the_wifi_ma
     import subprocess
     import sys
 
-    from conftest import REPO
-    from netns import NetnsHosts, netns_available
+    from kit import REPO
+    from kit.netns import NetnsHosts, netns_available
 
     from ringd.models.source import model_info
     from ringd.ring.kvcost import KV_STEP_TOKENS
@@ -261,9 +261,9 @@ def test_five_daemons_on_shaped_links_cross_the_backhaul_twice_leave_the_wifi_ma
         logs = [tmp_path / f"host{i}.log" for i in range(5)]
         for i in range(5):
             net.serve(
-                i, logs[i], "--name", f"host{i}", "--cluster", cluster, "--secret-file", str(secret),
-                "--model", str(model), "--model-id", "tiny", "--state-dir", str(tmp_path / "state"),
-                "--memory-budget-gb", f"{budget_gb:.9f}", "--kv-reserve-tokens", str(KV_STEP_TOKENS),
+                i, logs[i], name=f"host{i}", cluster=cluster, secret_file=secret,
+                model=model, model_id="tiny", state_dir=tmp_path / "state",
+                memory_budget_gb=f"{budget_gb:.9f}", kv_reserve_tokens=KV_STEP_TOKENS,
             )  # fmt: skip
         api = f"http://{net.hosts[0].ip}:8100"
         wait = [sys.executable, "-c", _NS_WAIT, api, "120", json.dumps(segment)]

@@ -40,18 +40,13 @@ def get_weather(city: str) -> str:
     return f"sunny in {city}"
 
 
-@pytest.fixture(scope="module")
-def ring(smollm2_gguf, ring_pool):
-    return ring_pool(smollm2_gguf, 3, env={"RINGD_PREFILL_CHUNK_TOKENS": "512"}, model_id=MODEL_ID)
-
-
 @pytest.mark.parametrize("api", ["chat_completions", "responses"])
-def test_the_agents_sdks_required_tool_is_called(ring, api):
+def test_the_agents_sdks_required_tool_is_called(smollm2_ring, api):
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # its traces go to OpenAI's servers
-    client = AsyncOpenAI(base_url=ring.base_url, api_key="not-needed", max_retries=0, timeout=120)
+    client = AsyncOpenAI(base_url=smollm2_ring.base_url, api_key="not-needed", max_retries=0, timeout=120)
     model = OpenAIChatCompletionsModel(MODEL_ID, client) if api == "chat_completions" else OpenAIResponsesModel(MODEL_ID, client)
     called = []
 
@@ -70,7 +65,7 @@ def test_the_agents_sdks_required_tool_is_called(ring, api):
     assert len(called) == 1 and called[0] and result.final_output == f"sunny in {called[0]}"
 
 
-def test_litellms_required_tool_choice_gets_the_call(ring, monkeypatch):
+def test_litellms_required_tool_choice_gets_the_call(smollm2_ring, monkeypatch):
     import json
 
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # else it fetches its price list from GitHub first
@@ -78,7 +73,7 @@ def test_litellms_required_tool_choice_gets_the_call(ring, monkeypatch):
 
     tool = {"type": "function", "function": {"name": "get_weather", "description": get_weather.__doc__, "parameters": WEATHER_PARAMETERS}}
     response = litellm.completion(
-        model="openai/" + MODEL_ID, api_base=ring.base_url, api_key="not-needed", messages=[{"role": "user", "content": QUESTION}],
+        model="openai/" + MODEL_ID, api_base=smollm2_ring.base_url, api_key="not-needed", messages=[{"role": "user", "content": QUESTION}],
         tools=[tool], tool_choice="required", temperature=0, max_tokens=MAX_TOKENS,
     )  # fmt: skip
     choice = response.choices[0]
@@ -86,35 +81,35 @@ def test_litellms_required_tool_choice_gets_the_call(ring, monkeypatch):
     assert json.loads(choice.message.tool_calls[0].function.arguments)["city"]
 
 
-def test_langchain_bind_tools_forced_gets_the_call(ring):
+def test_langchain_bind_tools_forced_gets_the_call(smollm2_ring):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=ring.base_url, api_key="not-needed", model=MODEL_ID, temperature=0, max_tokens=MAX_TOKENS, max_retries=0)
+    llm = ChatOpenAI(base_url=smollm2_ring.base_url, api_key="not-needed", model=MODEL_ID, temperature=0, max_tokens=MAX_TOKENS, max_retries=0)
     message = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(QUESTION)
     assert [c["name"] for c in message.tool_calls] == ["get_weather"] and message.tool_calls[0]["args"]["city"]
     assert not message.content and not message.invalid_tool_calls
 
 
-def test_instructor_tools_mode_gets_its_model(ring):
+def test_instructor_tools_mode_gets_its_model(smollm2_ring):
     import instructor
     from pydantic import create_model
 
     # Its tool is the response model: named and described as the others' tool, it is that tool
     # (the prompt LangChain's forced call had, cached on the ring).
     model = create_model("get_weather", __doc__=get_weather.__doc__, city=(str, ...))
-    client = instructor.from_openai(ring.client(), mode=instructor.Mode.TOOLS)
+    client = instructor.from_openai(smollm2_ring.client(), mode=instructor.Mode.TOOLS)
     got = client.chat.completions.create(
         model=MODEL_ID, response_model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=MAX_TOKENS, temperature=0, max_retries=0
     )
     assert isinstance(got, model) and got.city
 
 
-def test_pydantic_ais_default_output_type_comes_back(ring):
+def test_pydantic_ais_default_output_type_comes_back(smollm2_ring):
     from pydantic_ai import Agent, ToolOutput
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    model = OpenAIChatModel(MODEL_ID, provider=OpenAIProvider(base_url=ring.base_url, api_key="not-needed"))
+    model = OpenAIChatModel(MODEL_ID, provider=OpenAIProvider(base_url=smollm2_ring.base_url, api_key="not-needed"))
     # Its default output mode, a forced output tool (``final_result`` unless named), named and
     # described as the others' tool: the same prompt, cached on the ring.
     output = ToolOutput(Weather, name="get_weather", description=get_weather.__doc__)

@@ -6,7 +6,7 @@ SDK's own models and accumulate, with the SDK's own ``accumulate_event``, into
 the message ringd sends whole.
 
 Then a ring of three of the tiny llama that speaks through SmolLM2's tokenizer
-and template (``tiny_smollm2``, tests/tinysmol.py): greedy answers equal chat
+and template (``tiny_smollm2``, tests/kit/tinysmol.py): greedy answers equal chat
 completions' for the same conversation (plain, with a system prompt,
 multi-turn, streamed); stop sequences and max_tokens end it with their
 stop_reason; tools (generic, ``render.py``) give tool_use blocks whose input
@@ -36,7 +36,6 @@ from ringd.http.errors import ApiError
 from ringd.http.request import CallArguments, CallDone, CallOpened, Output, ToolCall, Usage, whole_call
 
 MODEL_ID = "tiny-smollm2"
-NODES = 3
 FRANCE = "What is the capital of France?"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"name": "get_weather", "description": "The current weather of a city", "input_schema": WEATHER_SCHEMA}
@@ -305,23 +304,13 @@ def test_blank_text_before_a_call_opens_no_block_and_omitted_thinking_is_empty()
 # --- a ring of the tiny SmolLM2 ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ring(tiny_smollm2, ring_pool):
-    return ring_pool(tiny_smollm2, NODES, env={"RINGD_PREFILL_CHUNK_TOKENS": "512"}, model_id=MODEL_ID)
-
-
 def anthropic_client(url: str) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=url, api_key="not-needed", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def client(ring):
-    return anthropic_client(ring.url)
-
-
-@pytest.fixture(scope="module")
-def oai(ring):
-    return ring.client()
+def client(tiny_smollm2_ring):
+    return anthropic_client(tiny_smollm2_ring.url)
 
 
 def create(client, content=FRANCE, max_tokens: int = 60, extra: dict | None = None, **kw) -> Message:
@@ -351,11 +340,11 @@ def chat(oai, messages: list[dict], max_tokens: int = 60, **kw) -> str:
     return oai.chat.completions.create(model=MODEL_ID, messages=messages, temperature=0, max_tokens=max_tokens, **kw).choices[0].message.content
 
 
-def test_the_greedy_answer_is_chat_completions(client, oai):
+def test_the_greedy_answer_is_chat_completions(client, tiny_smollm2_client):
     m = create(client)
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_") and m.model == MODEL_ID
     assert m.stop_reason == "end_turn" and m.stop_sequence is None and [b.type for b in m.content] == ["text"]
-    assert text_of(m) == chat(oai, [{"role": "user", "content": FRANCE}])
+    assert text_of(m) == chat(tiny_smollm2_client, [{"role": "user", "content": FRANCE}])
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens > 0 and m.usage.output_tokens > 0
 
 
@@ -371,10 +360,10 @@ def test_streamed_the_same_answer(client):
     assert delta.usage.output_tokens == whole.usage.output_tokens
 
 
-def test_a_system_prompt_and_turns_are_chat_completions(client, oai):
+def test_a_system_prompt_and_turns_are_chat_completions(client, tiny_smollm2_client):
     system = "You answer in one word."
     assert text_of(create(client, system=system, max_tokens=20)) == chat(
-        oai, [{"role": "system", "content": system}, {"role": "user", "content": FRANCE}], 20
+        tiny_smollm2_client, [{"role": "system", "content": system}, {"role": "user", "content": FRANCE}], 20
     )
     turns = [
         {"role": "user", "content": FRANCE},
@@ -382,7 +371,7 @@ def test_a_system_prompt_and_turns_are_chat_completions(client, oai):
         {"role": "user", "content": "And of Italy?"},
     ]
     blocks = [turns[0], {"role": "assistant", "content": [{"type": "text", "text": turns[1]["content"]}]}, turns[2]]
-    assert text_of(create(client, blocks)) == chat(oai, turns)
+    assert text_of(create(client, blocks)) == chat(tiny_smollm2_client, turns)
 
 
 def test_a_stop_sequence_ends_it_and_is_named(client):
@@ -401,9 +390,9 @@ def test_max_tokens_ends_it(client):
     assert final.stop_reason == "max_tokens" and text_of(final) == text_of(m)
 
 
-def test_a_final_assistant_message_is_continued(smollm2_gguf, ring_pool):
+def test_a_final_assistant_message_is_continued(smollm2_ring):
     """In words: the real SmolLM2, on the ring test_smollm2.py shares."""
-    real = anthropic_client(ring_pool(smollm2_gguf, NODES, env={"RINGD_PREFILL_CHUNK_TOKENS": "512"}, model_id="smollm2").url)
+    real = anthropic_client(smollm2_ring.url)
     prefix = "The capital of France is"
     m = create(real, [{"role": "user", "content": FRANCE}, {"role": "assistant", "content": prefix}], max_tokens=8, model="smollm2")
     text = text_of(m)
@@ -488,19 +477,19 @@ def test_bad_requests_are_anthropic_errors(client, kw, needle):
     assert set(err) == {"type", "error"}  # Anthropic's shape has no param: the message names the field
 
 
-def test_models_list_and_retrieve_are_anthropics_and_openais(client, oai):
+def test_models_list_and_retrieve_are_anthropics_and_openais(client, tiny_smollm2_client):
     model = client.models.list().data[0]  # the loaded model first; then what else the machine holds
     assert model.id == MODEL_ID and model.type == "model" and model.display_name == MODEL_ID and model.created_at.year >= 2026
-    assert [m.id for m in oai.models.list()][0] == MODEL_ID
+    assert [m.id for m in tiny_smollm2_client.models.list()][0] == MODEL_ID
     assert client.models.retrieve(MODEL_ID) == model
-    one = oai.models.retrieve(MODEL_ID)
+    one = tiny_smollm2_client.models.retrieve(MODEL_ID)
     assert one.id == MODEL_ID and one.object == "model" and one.owned_by == "ringd" and one.created > 0
     # Another id: a 404 in each client's own shape (the header Anthropic's SDK sends says whose).
     with pytest.raises(anthropic.NotFoundError) as e:
         client.models.retrieve("gpt-4o")
     assert set(e.value.body) == {"type", "error"} and e.value.body["error"]["type"] == "not_found_error", e.value.body
     with pytest.raises(openai.NotFoundError) as e:
-        oai.models.retrieve("org/gpt-4o")
+        tiny_smollm2_client.models.retrieve("org/gpt-4o")
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model" and "org/gpt-4o" in e.value.body["message"]
 
 
@@ -510,10 +499,10 @@ def test_an_unknown_model_is_an_anthropic_error(client):
     assert e.value.body["error"]["type"] == "not_found_error" and "nope" in e.value.body["error"]["message"]
 
 
-def test_a_follower_passes_requests_and_streams_to_the_leader(ring, client):
+def test_a_follower_passes_requests_and_streams_to_the_leader(tiny_smollm2_ring, client):
     import urllib.request
 
-    with urllib.request.urlopen(ring.url + "/cluster/status", timeout=10) as r:
+    with urllib.request.urlopen(tiny_smollm2_ring.url + "/cluster/status", timeout=10) as r:
         nodes = json.loads(r.read())["nodes"]
     follower = next(n["http"] for n in nodes if n["role"] == "follower")
     via = anthropic_client(f"http://{follower}")
@@ -532,30 +521,25 @@ THINK_WEATHER = "What is the weather in Paris?"
 THINK_TOOL = {"name": "get_weather", "description": "The current weather of a city", "input_schema": WEATHER_SCHEMA}
 
 
-@pytest.fixture(scope="module")
-def thinker(think_model, ring_pool):
-    return ring_pool(think_model, 2, model_id="think")
-
-
-def test_thinking_is_a_block_before_the_text(thinker):
-    client = anthropic_client(thinker.url)
+def test_thinking_is_a_block_before_the_text(think_ring):
+    client = anthropic_client(think_ring.url)
     m = create(client, model="think")
     assert [b.type for b in m.content] == ["thinking", "text"], m.content
     assert m.content[0].thinking.strip() and text_of(m).strip() == "Paris." and "<think>" not in text_of(m)
-    reasoning = thinker.client().chat.completions.create(model="think", messages=[{"role": "user", "content": FRANCE}], temperature=0, max_tokens=60)
+    reasoning = think_ring.client().chat.completions.create(model="think", messages=[{"role": "user", "content": FRANCE}], temperature=0, max_tokens=60)
     assert m.content[0].thinking == reasoning.choices[0].message.model_extra["reasoning_content"]
     final, events = streamed(client, model="think")
     assert "".join(e.delta.thinking for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta") == m.content[0].thinking
     assert text_of(final) == text_of(m)
 
 
-def test_thinking_disabled_gives_no_thinking_block(thinker):
-    m = create(anthropic_client(thinker.url), model="think", thinking={"type": "disabled"})
+def test_thinking_disabled_gives_no_thinking_block(think_ring):
+    m = create(anthropic_client(think_ring.url), model="think", thinking={"type": "disabled"})
     assert [b.type for b in m.content] == ["text"] and text_of(m).strip() == "Paris."
 
 
-def test_a_native_call_is_a_tool_use_then_the_result_gets_an_answer(thinker):
-    client = anthropic_client(thinker.url)
+def test_a_native_call_is_a_tool_use_then_the_result_gets_an_answer(think_ring):
+    client = anthropic_client(think_ring.url)
     m = create(client, THINK_WEATHER, model="think", tools=[THINK_TOOL])
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and [(u.name, u.input) for u in uses] == [("get_weather", {"city": "Paris"})], m.content

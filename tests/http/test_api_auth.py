@@ -21,8 +21,8 @@ import urllib.request
 
 import openai
 import pytest
-from conftest import REPO
-from conftest import serving_leader
+from kit import REPO
+from kit.cluster import serving_leader
 
 from ringd.auth import body_sha256, sign, sign_forward
 
@@ -54,15 +54,15 @@ def ringctl(c, i: int, *args: str, secret: bool = True, env_key: str | None = No
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    from conftest import Cluster
+    from kit.cluster import Cluster
 
     tmp = tmp_path_factory.mktemp("auth")
     keys = tmp / "api-keys"
     keys.write_text(f"# one key a line\n\n{KEY}\n")
     # ring_encryption on one node is enough: a link is encrypted if either end asks.
     class Encrypting(Cluster):
-        def command(self, i, **kw):
-            return super().command(i, **kw) + (["--ring-encryption", "on"] if i == 1 else [])
+        def flags(self, i, **kw):
+            return {**super().flags(i, **kw), "ring_encryption": True if i == 1 else None}
 
     c = Encrypting(tiny_model(arch="llama", layers=4), 2, tmp, extra=["--api-keys-file", str(keys)])
     try:

@@ -20,7 +20,6 @@ import pytest
 from ringd.http.embeddings import MAX_INPUTS, OllamaEmbed, OpenAIEmbeddings
 from ringd.http.errors import ApiError
 
-NODES = 3
 MODEL_ID = "tiny-smollm2"
 TEXTS = ["The ring passes hidden states from Mac to Mac.", "Paris is the capital of France.", "rings " * 40]
 
@@ -75,11 +74,6 @@ def test_ollama_names_and_inputs_as_ollama_takes_them():
 
 
 @pytest.fixture(scope="module")
-def ring(tiny_smollm2, ring_pool):
-    return ring_pool(tiny_smollm2, NODES, env={"RINGD_PREFILL_CHUNK_TOKENS": "512"}, model_id=MODEL_ID)
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_smollm2):
     """mlx-lm in one process: each text's mean-pooled final hidden states, as tokenized by the server."""
     from mlx_lm import load
@@ -99,8 +93,8 @@ def unit(v) -> np.ndarray:
     return v / np.linalg.norm(v)
 
 
-def test_openais_client_gets_mlx_lms_vectors_as_floats_and_base64(ring, reference):
-    client = ring.client()
+def test_openais_client_gets_mlx_lms_vectors_as_floats_and_base64(tiny_smollm2_ring, reference):
+    client = tiny_smollm2_ring.client()
     want = [reference(t) for t in TEXTS]
     got = client.embeddings.create(model=MODEL_ID, input=TEXTS)  # the SDK asks for base64 unless told
     assert [d.index for d in got.data] == [0, 1, 2] and got.model == MODEL_ID
@@ -116,8 +110,8 @@ def test_openais_client_gets_mlx_lms_vectors_as_floats_and_base64(ring, referenc
         client.embeddings.create(model="nope", input="hi")
 
 
-def test_ollamas_client_gets_them_normalized_and_the_older_route_as_they_are(ring, reference):
-    client = ollama.Client(host=ring.url, timeout=120)
+def test_ollamas_client_gets_them_normalized_and_the_older_route_as_they_are(tiny_smollm2_ring, reference):
+    client = ollama.Client(host=tiny_smollm2_ring.url, timeout=120)
     got = client.embed(model=MODEL_ID + ":latest", input=TEXTS[:2])
     assert got.model == MODEL_ID + ":latest" and got.prompt_eval_count == sum(reference(t)[1] for t in TEXTS[:2])
     for vector, text in zip(got.embeddings, TEXTS):

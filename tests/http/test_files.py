@@ -1,7 +1,7 @@
 """A holder's file routes (ringd/http/files.py) against fetchers that misbehave or ask for sealed bytes.
 
 The holder is ringd's own routes served by aiohttp on loopback under uvloop, as a daemon
-runs them (tests/fileholder.py); the fetchers are raw sockets, so that a test can stop
+runs them (tests/kit/fileholder.py); the fetchers are raw sockets, so that a test can stop
 reading, or look at the bytes on the wire. The model is the real SmolLM2 as a GGUF file
 (~100 MB: more than loopback's socket buffers hold, so a fetcher that stops reading stops
 the holder's sends).
@@ -14,7 +14,7 @@ import time
 
 import pytest
 import uvloop
-from fileholder import SECRET, holder
+from kit.fileholder import SECRET, holder
 
 from ringd.auth import FILES_NONCE_HEADER, sign_files
 from ringd.http import files

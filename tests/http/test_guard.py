@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
 import resource
 import socket
 import sys
@@ -61,6 +62,14 @@ def peak_rss_bytes(pid: int) -> int:
     return _status_bytes(pid, "VmHWM")
 
 
+def loop_cpu_s(pid: int) -> float:
+    """CPU seconds the process's main thread (its event loop) has run, user and system: the
+    kernel's count, which does not grow while the thread waits for a core (proc(5), stat)."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def test_the_connection_cap_refuses_the_one_too_many_and_says_so(caplog):
     async def main():
         app = web.Application()
@@ -108,8 +117,8 @@ def test_the_fd_limit_is_raised_toward_what_the_caps_need():
 
 @pytest.fixture(scope="module")
 def node(tiny_model, tmp_path_factory):
-    from conftest import Cluster
-    from conftest import serving_leader
+    from kit.cluster import Cluster
+    from kit.cluster import serving_leader
 
     # Three nodes: a leader that stalled would be replaced by another, which the tests would see,
     # and a follower forwards as the issue's hostile requests were sent.
@@ -147,19 +156,34 @@ def test_four_concurrent_15_mib_prompts_are_refused_cheaply_and_the_leader_keeps
 
 # --- one request cannot stall a node (issue 28) -----------------------------------------------
 
-# How soon every node's /health must answer while a hostile request is served: far under the 2 s
-# after which peers call a silent node dead (the issue's requests held a loop 1.5 to 11 s).
-HEALTH_WITHIN_S = 0.5
+# How much of its own CPU a node's event loop may spend while a hostile request is served: far
+# under the 2 s after which peers call a silent node dead (the issue's requests held a loop 1.5 to
+# 11 s). Its CPU time, not how soon /health answers: on two cores running three daemons a core
+# is often busy elsewhere for longer than that, which a wall clock counts and the loop's CPU does not.
+LOOP_CPU_WITHIN_S = 0.5
+
+
+def ring_state(h: dict) -> tuple:
+    """What every node's /health agrees on: the leader, the election's term, the plan's."""
+    return h["leader"], tuple(h["election_term"]), h["term"]
+
+
+def link_numbers(h: dict) -> tuple:
+    """A node's links to its peers, each with its number (a new one each time it is re-made)."""
+    return tuple(sorted((peer, link["number"]) for peer, link in h["links"].items()))
 
 
 class HealthWatch:
     """Every node's /health, asked again and again on a thread each while a hostile request is
-    served: the slowest answer, and every term and leader seen."""
+    served: every term and leader seen, each node's links (their numbers: a link re-made is a
+    peer declared dead), the answers that failed, and the slowest answer (a figure)."""
 
     def __init__(self, c):
         self.c = c
         self.slowest = [0.0] * c.n
         self.seen: set[tuple] = set()
+        self.links: list[set] = [set() for _ in range(c.n)]
+        self.failed: list[str] = []
         self.asked = [0] * c.n
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._watch, args=(i,), daemon=True) for i in range(c.n)]
@@ -172,10 +196,13 @@ class HealthWatch:
                     h = json.loads(r.read())
             except urllib.error.HTTPError as e:  # 503: not ready (a ring lost, an election): seen too
                 h = json.loads(e.read())
-            except OSError as e:  # no answer within the timeout: as slow as it gets
-                h = {"leader": repr(e), "election_term": (), "term": None}
+            except OSError as e:  # no answer within a generous deadline: the node is stuck
+                self.failed.append(f"node{i}: {e!r}")
+                self._stop.wait(0.02)
+                continue
             self.slowest[i] = max(self.slowest[i], time.monotonic() - t0)
-            self.seen.add((h["leader"], tuple(h["election_term"]), h["term"]))
+            self.seen.add(ring_state(h))
+            self.links[i].add(link_numbers(h))
             self.asked[i] += 1
             self._stop.wait(0.02)
 
@@ -187,6 +214,14 @@ class HealthWatch:
         while min(self.asked) == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         return self
+
+    def answer_again(self, timeout: float = 60) -> None:
+        """Return once every node has answered /health again: the watch has seen what came after."""
+        start = list(self.asked)
+        deadline = time.monotonic() + timeout
+        while any(a <= s for a, s in zip(self.asked, start)):
+            assert time.monotonic() < deadline, f"a node stopped answering /health: {self.asked} since {start}, {self.failed}"
+            time.sleep(0.01)
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
@@ -227,10 +262,13 @@ HOSTILE = ["a 15 MiB schema of tiny nodes, via a follower", "a gzip body of 1 Gi
 def test_no_hostile_request_stalls_any_node_or_moves_a_term(node, what):
     """Issue 28, item 1: each shape that held a loop past the 2 s dead-after, through a 3-node ring."""
     i, path, body, headers, expected = hostile(what)
-    before = {(h["leader"], tuple(h["election_term"]), h["term"]) for h in (json.loads(urllib.request.urlopen(node.url(j) + "/health", timeout=30).read()) for j in range(3))}
+    healths = [json.loads(urllib.request.urlopen(node.url(j) + "/health", timeout=30).read()) for j in range(3)]
+    before = {ring_state(h) for h in healths}
     assert len(before) == 1, before
+    links_before = [{link_numbers(h)} for h in healths]
     pid = node.procs[i].pid
     grew_from = reset_peak_rss(pid)
+    cpu_from = [loop_cpu_s(node.procs[j].pid) for j in range(3)]
     with HealthWatch(node) as watch:
         t0 = time.monotonic()
         req = urllib.request.Request(node.url(i) + path, data=body, headers=headers)
@@ -240,12 +278,18 @@ def test_no_hostile_request_stalls_any_node_or_moves_a_term(node, what):
         except urllib.error.HTTPError as e:
             status, answer = e.code, e.read()
         took = time.monotonic() - t0
+        loop_cpu = [round(loop_cpu_s(node.procs[j].pid) - cpu_from[j], 3) for j in range(3)]
+        watch.answer_again()
     grew = peak_rss_bytes(pid) - grew_from
-    print(f"\n{what}: {status} in {took:.2f} s, node{i} RSS +{grew / 2**20:.0f} MiB; slowest /health per node {[round(s, 3) for s in watch.slowest]} s")
+    print(f"\n{what}: {status} in {took:.2f} s, node{i} RSS +{grew / 2**20:.0f} MiB; event loops' CPU {loop_cpu} s; slowest /health per node {[round(s, 3) for s in watch.slowest]} s")
     assert status == expected, (what, status, answer[:300])
     assert b"Traceback" not in answer
-    assert max(watch.slowest) < HEALTH_WITHIN_S, (what, watch.slowest)
-    assert watch.seen == before, (what, watch.seen, before)  # no election, no new plan
+    # No loop was held: each spent little of its own CPU, answered /health throughout, and no peer
+    # declared it dead (no link re-made, no election, no new plan).
+    assert max(loop_cpu) < LOOP_CPU_WITHIN_S, (what, loop_cpu)
+    assert not watch.failed, (what, watch.failed)
+    assert watch.links == links_before, (what, watch.links, links_before)
+    assert watch.seen == before, (what, watch.seen, before)
     # Cheap in memory too: what the request holds is its own bytes, a few times at most.
     assert grew < 8 * len(body) + 64 * 2**20 if expected != 413 else grew < 256 * 2**20, (what, grew)
 

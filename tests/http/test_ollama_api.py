@@ -1,7 +1,7 @@
 """Ollama's API through the official ``ollama`` client, against the same ring as OpenAI's.
 
 A ring of three of the tiny llama that speaks through SmolLM2's tokenizer and
-template (``tiny_smollm2``, tests/tinysmol.py, the ring test_openai_api.py
+template (``tiny_smollm2``, tests/kit/tinysmol.py, the ring test_openai_api.py
 shares): Ollama's chat and generate give the greedy answer OpenAI's chat
 completions and completions give, plain and streamed (NDJSON); options map onto
 the same sampling (a seeded sample too); a tool's result, the generic way
@@ -31,7 +31,6 @@ from ringd.http.errors import ApiError
 from ringd.http.ollama_api import describe, error_body, parameter_size, parse
 
 MODEL_ID = "tiny-smollm2"
-NODES = 3
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather of a city", "parameters": WEATHER_SCHEMA}}
@@ -236,18 +235,8 @@ def test_any_json_body_is_a_request_or_a_4xx(chat, body):
 
 
 @pytest.fixture(scope="module")
-def ring(tiny_smollm2, ring_pool):
-    return ring_pool(tiny_smollm2, NODES, env={"RINGD_PREFILL_CHUNK_TOKENS": "512"}, model_id=MODEL_ID)
-
-
-@pytest.fixture(scope="module")
-def client(ring):
-    return ollama.Client(host=ring.url, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def openai_client(ring):
-    return ring.client()
+def client(tiny_smollm2_ring):
+    return ollama.Client(host=tiny_smollm2_ring.url, timeout=120)
 
 
 def openai_answer(openai_client, messages, **kw) -> str:
@@ -257,8 +246,8 @@ def openai_answer(openai_client, messages, **kw) -> str:
 GREEDY = {"temperature": 0}
 
 
-def test_chat_gives_openais_greedy_answer_plain_and_streamed(client, openai_client):
-    want = openai_answer(openai_client, FRANCE)
+def test_chat_gives_openais_greedy_answer_plain_and_streamed(client, tiny_smollm2_client):
+    want = openai_answer(tiny_smollm2_client, FRANCE)
     r = client.chat(model=MODEL_ID, messages=FRANCE, options=GREEDY)
     assert r.message.role == "assistant" and r.message.content == want and r.message.thinking is None
     assert r.done and r.done_reason == "stop" and r.model == MODEL_ID and r.created_at.endswith("Z")
@@ -276,19 +265,19 @@ def test_chat_gives_openais_greedy_answer_plain_and_streamed(client, openai_clie
     assert [c.model for c in client.chat(model=tagged, messages=FRANCE, options=GREEDY, stream=True)][-1] == tagged
 
 
-def test_generate_is_chat_with_one_user_message_and_raw_is_a_completion(client, openai_client):
+def test_generate_is_chat_with_one_user_message_and_raw_is_a_completion(client, tiny_smollm2_client):
     question = FRANCE[0]["content"]
     chat = client.chat(model=MODEL_ID, messages=FRANCE, options=GREEDY).message.content
     g = client.generate(model=MODEL_ID, prompt=question, options=GREEDY)
     assert g.response == chat and g.done_reason == "stop" and g.context is None
     assert "".join(c.response for c in client.generate(model=MODEL_ID, prompt=question, options=GREEDY, stream=True)) == chat
     raw = client.generate(model=MODEL_ID, prompt="The capital of France is", raw=True, options={**GREEDY, "num_predict": 12})
-    want = openai_client.completions.create(model=MODEL_ID, prompt="The capital of France is", temperature=0, max_tokens=12).choices[0].text
+    want = tiny_smollm2_client.completions.create(model=MODEL_ID, prompt="The capital of France is", temperature=0, max_tokens=12).choices[0].text
     assert raw.response == want and raw.eval_count == 12
 
 
-def test_the_server_streams_ndjson_unless_told_not_to(ring):
-    with httpx.stream("POST", ring.url + "/api/chat", json={"model": MODEL_ID, "messages": FRANCE, "options": {**GREEDY, "num_predict": 4}}, timeout=120) as r:
+def test_the_server_streams_ndjson_unless_told_not_to(tiny_smollm2_ring):
+    with httpx.stream("POST", tiny_smollm2_ring.url + "/api/chat", json={"model": MODEL_ID, "messages": FRANCE, "options": {**GREEDY, "num_predict": 4}}, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert len(lines) == 5 and lines[-1]["done"] is True and lines[-1]["eval_count"] == 4
@@ -302,19 +291,19 @@ def test_num_predict_ends_with_length(client):
     assert chunks[-1].done_reason == "length" and chunks[-1].eval_count == 5
 
 
-def test_stop_ends_the_answer_before_the_stop_string(client, openai_client):
-    whole = openai_answer(openai_client, FRANCE)
+def test_stop_ends_the_answer_before_the_stop_string(client, tiny_smollm2_client):
+    whole = openai_answer(tiny_smollm2_client, FRANCE)
     stop = whole[20:23]  # a piece of what it says when nothing stops it
-    want = openai_answer(openai_client, FRANCE, stop=[stop])
+    want = openai_answer(tiny_smollm2_client, FRANCE, stop=[stop])
     r = client.chat(model=MODEL_ID, messages=FRANCE, options={**GREEDY, "stop": [stop]})
     assert r.message.content == want == whole[: whole.index(stop)] and r.done_reason == "stop"
 
 
-def test_a_seed_gives_the_same_sample_as_openais(client, openai_client):
+def test_a_seed_gives_the_same_sample_as_openais(client, tiny_smollm2_client):
     opts = {"temperature": 0.8, "seed": 1234, "num_predict": 24}
     a = client.chat(model=MODEL_ID, messages=FRANCE, options=opts).message.content
     b = client.chat(model=MODEL_ID, messages=FRANCE, options=opts).message.content
-    want = openai_client.chat.completions.create(model=MODEL_ID, messages=FRANCE, temperature=0.8, seed=1234, max_tokens=24).choices[0].message.content
+    want = tiny_smollm2_client.chat.completions.create(model=MODEL_ID, messages=FRANCE, temperature=0.8, seed=1234, max_tokens=24).choices[0].message.content
     assert a == b == want
 
 
@@ -362,9 +351,9 @@ def test_the_load_call_loads_without_generating(client):
     assert client.chat(model=MODEL_ID, messages=[]).done_reason == "load"
 
 
-def test_the_model_is_listed_shown_and_loaded(smollm2_gguf, ring_pool):
+def test_the_model_is_listed_shown_and_loaded(smollm2_ring):
     """What Ollama's clients read of a GGUF file: the real SmolLM2's, on the ring test_smollm2.py shares."""
-    ring = ring_pool(smollm2_gguf, NODES, env={"RINGD_PREFILL_CHUNK_TOKENS": "512"}, model_id="smollm2")
+    ring = smollm2_ring
     client = ollama.Client(host=ring.url, timeout=120)
     MODEL_ID = "smollm2"  # noqa: N806: this ring's
     m = client.list().models[0]  # the loaded model first; then what else the machine holds
@@ -390,9 +379,9 @@ def follower_urls(ring) -> list[str]:
     return [f"http://{n['http']}" for n in status["nodes"] if n["node"] != status["leader"]]
 
 
-def test_a_follower_forwards_what_generates_and_answers_the_rest(ring, client):
+def test_a_follower_forwards_what_generates_and_answers_the_rest(tiny_smollm2_ring, client):
     want = client.chat(model=MODEL_ID, messages=FRANCE, options=GREEDY).message.content
-    url = follower_urls(ring)[0]
+    url = follower_urls(tiny_smollm2_ring)[0]
     via = ollama.Client(host=url, timeout=120)
     assert via.chat(model=MODEL_ID, messages=FRANCE, options=GREEDY).message.content == want
     chunks = list(via.chat(model=MODEL_ID, messages=FRANCE, options=GREEDY, stream=True))
@@ -416,8 +405,8 @@ def test_a_follower_forwards_what_generates_and_answers_the_rest(ring, client):
         (json.dumps([1, 2]).encode(), 400),
     ],
 )
-def test_bad_input_is_an_ollama_error(ring, body, status):
-    r = httpx.post(ring.url + "/api/chat", content=body, headers={"Content-Type": "application/json"}, timeout=60)
+def test_bad_input_is_an_ollama_error(tiny_smollm2_ring, body, status):
+    r = httpx.post(tiny_smollm2_ring.url + "/api/chat", content=body, headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == status and set(r.json()) == {"error"} and isinstance(r.json()["error"], str)
 
 
@@ -430,8 +419,8 @@ def test_the_client_raises_on_bad_options(client):
     assert e.value.status_code == 404
 
 
-def test_unknown_routes_answer_in_ollamas_shape(ring):
-    r = httpx.post(ring.url + "/api/create", json={"model": MODEL_ID, "from": "x"})
+def test_unknown_routes_answer_in_ollamas_shape(tiny_smollm2_ring):
+    r = httpx.post(tiny_smollm2_ring.url + "/api/create", json={"model": MODEL_ID, "from": "x"})
     assert r.status_code == 404 and set(r.json()) == {"error"}
 
 
@@ -439,9 +428,8 @@ def test_unknown_routes_answer_in_ollamas_shape(ring):
 
 
 @pytest.fixture(scope="module")
-def thinker(think_model, ring_pool):
-    ring = ring_pool(think_model, 2, model_id="think")
-    return ollama.Client(host=ring.url, timeout=120)
+def thinker(think_ring):
+    return ollama.Client(host=think_ring.url, timeout=120)
 
 
 def test_think_true_gives_thinking_apart_from_the_answer(thinker):

@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import Cluster, Stream, stream_text
-from conftest import serving_leader
+from kit.cluster import Cluster
+from kit.clients import Stream, stream_text
+from kit.cluster import serving_leader
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ SDK's own pydantic models and accumulate, in the SDK's own stream state, into
 the response ringd sends whole.
 
 Then a ring of three of the tiny llama that speaks through SmolLM2's tokenizer
-and template (``tiny_smollm2``, tests/tinysmol.py): greedy answers equal chat
+and template (``tiny_smollm2``, tests/kit/tinysmol.py): greedy answers equal chat
 completions' for the same conversation (plain, with
 instructions, as input items, streamed); max_output_tokens cuts an answer to
 "incomplete"; function tools go the generic way (``render.py``) and their
@@ -33,7 +33,6 @@ from ringd.http.request import CallArguments, CallDone, CallOpened, Output, Tool
 from ringd.http.responses_api import OutputItems, parse, response_object
 
 MODEL_ID = "tiny-smollm2"
-NODES = 3
 FRANCE = "What is the capital of France?"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather of a city", "parameters": WEATHER_SCHEMA}
@@ -262,16 +261,6 @@ def test_blank_text_before_a_call_opens_no_message_and_an_empty_answer_has_one()
 # --- a ring of the tiny SmolLM2 ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ring(tiny_smollm2, ring_pool):
-    return ring_pool(tiny_smollm2, NODES, env={"RINGD_PREFILL_CHUNK_TOKENS": "512"}, model_id=MODEL_ID)
-
-
-@pytest.fixture(scope="module")
-def client(ring):
-    return ring.client()
-
-
 def respond(client, **kw):
     kw.setdefault("model", MODEL_ID)
     kw.setdefault("temperature", 0)
@@ -299,52 +288,52 @@ def streamed(client, **kw) -> tuple[str, dict[str, str], Response, list]:
     return "".join(text), args, final, events
 
 
-def test_the_greedy_answer_is_chat_completions(client):
-    r = respond(client, input=FRANCE)
+def test_the_greedy_answer_is_chat_completions(tiny_smollm2_client):
+    r = respond(tiny_smollm2_client, input=FRANCE)
     assert r.status == "completed" and r.object == "response" and r.id.startswith("resp_") and r.store is False
-    assert r.output_text == chat(client, [{"role": "user", "content": FRANCE}])
+    assert r.output_text == chat(tiny_smollm2_client, [{"role": "user", "content": FRANCE}])
     [message] = r.output
     assert message.type == "message" and message.id.startswith("msg_") and message.content[0].annotations == []
     assert r.usage.input_tokens > 0 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
 
 
-def test_instructions_are_the_system_message(client):
-    r = respond(client, instructions="You answer in one word.", input=FRANCE, max_output_tokens=20)
-    assert r.output_text == chat(client, [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": FRANCE}], 20)
+def test_instructions_are_the_system_message(tiny_smollm2_client):
+    r = respond(tiny_smollm2_client, instructions="You answer in one word.", input=FRANCE, max_output_tokens=20)
+    assert r.output_text == chat(tiny_smollm2_client, [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": FRANCE}], 20)
     assert r.instructions == "You answer in one word."
 
 
-def test_input_items_carry_a_conversation(client):
+def test_input_items_carry_a_conversation(tiny_smollm2_client):
     turns = [
         {"role": "user", "content": FRANCE},
         {"role": "assistant", "content": "The capital of France is Paris."},
         {"role": "user", "content": "And of Italy?"},
     ]
     items = [turns[0], {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": turns[1]["content"]}]}, turns[2]]
-    assert respond(client, input=items).output_text == chat(client, turns)
+    assert respond(tiny_smollm2_client, input=items).output_text == chat(tiny_smollm2_client, turns)
 
 
-def test_streamed_the_same_answer(client):
-    whole = respond(client, input=FRANCE)
-    text, _, final, events = streamed(client, input=FRANCE)
+def test_streamed_the_same_answer(tiny_smollm2_client):
+    whole = respond(tiny_smollm2_client, input=FRANCE)
+    text, _, final, events = streamed(tiny_smollm2_client, input=FRANCE)
     assert text == whole.output_text == final.output_text and final.status == "completed"
     assert {"response.in_progress", "response.output_item.added", "response.content_part.added", "response.output_text.done",
             "response.content_part.done", "response.output_item.done"} <= {e.type for e in events}  # fmt: skip
-    with client.responses.stream(model=MODEL_ID, input=FRANCE, temperature=0, max_output_tokens=60) as s:
+    with tiny_smollm2_client.responses.stream(model=MODEL_ID, input=FRANCE, temperature=0, max_output_tokens=60) as s:
         assert s.get_final_response().output_text == whole.output_text
 
 
-def test_max_output_tokens_makes_it_incomplete(client):
-    r = respond(client, input=FRANCE, max_output_tokens=3)
+def test_max_output_tokens_makes_it_incomplete(tiny_smollm2_client):
+    r = respond(tiny_smollm2_client, input=FRANCE, max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens" and r.usage.output_tokens == 3
-    _, _, final, events = streamed(client, input=FRANCE, max_output_tokens=3)
+    _, _, final, events = streamed(tiny_smollm2_client, input=FRANCE, max_output_tokens=3)
     assert events[-1].type == "response.incomplete" and final.incomplete_details.reason == "max_output_tokens"
     assert final.output_text == r.output_text
 
 
 @pytest.mark.parametrize("choice", [{"type": "function", "name": "get_weather"}, "required"], ids=["named", "required"])
-def test_a_forced_call_is_a_function_call_item_that_validates(client, choice):
-    r = respond(client, input=ASK, tools=[WEATHER, TIME], tool_choice=choice)
+def test_a_forced_call_is_a_function_call_item_that_validates(tiny_smollm2_client, choice):
+    r = respond(tiny_smollm2_client, input=ASK, tools=[WEATHER, TIME], tool_choice=choice)
     calls = [o for o in r.output if o.type == "function_call"]
     assert calls and r.status == "completed" and r.output_text == ""
     for call in calls:
@@ -354,42 +343,42 @@ def test_a_forced_call_is_a_function_call_item_that_validates(client, choice):
     assert len(calls) == 1 and (choice == "required" or calls[0].name == "get_weather")
 
 
-def test_a_streamed_call_joins_to_the_same_arguments(client):
+def test_a_streamed_call_joins_to_the_same_arguments(tiny_smollm2_client):
     # One call: offered one tool and free to call it again, a small model may call it until max_output_tokens.
     kw = {"input": ASK, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
-    whole = [o for o in respond(client, **kw).output if o.type == "function_call"]
-    text, args, final, events = streamed(client, **kw)
+    whole = [o for o in respond(tiny_smollm2_client, **kw).output if o.type == "function_call"]
+    text, args, final, events = streamed(tiny_smollm2_client, **kw)
     calls = [o for o in final.output if o.type == "function_call"]
     assert text == "" and len(calls) == 1 and [args[c.id] for c in calls] == [c.arguments for c in calls]
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [(w.name, json.loads(w.arguments)) for w in whole]
     assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [c.arguments for c in calls]
 
 
-def test_a_function_call_output_gets_an_answer(client):
-    r = respond(client, input=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+def test_a_function_call_output_gets_an_answer(tiny_smollm2_client):
+    r = respond(tiny_smollm2_client, input=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     # The call's id is in the prompt (the generic format names each result's call), and a new one
     # is made at random each run: one fixed id keeps the answer the same run after run.
     call = next(o for o in r.output if o.type == "function_call").model_copy(update={"call_id": "call_weather"})
     history = [{"role": "user", "content": ASK}, call, {"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"}]
-    answer = respond(client, input=history, tools=[WEATHER], tool_choice="none")
+    answer = respond(tiny_smollm2_client, input=history, tools=[WEATHER], tool_choice="none")
     assert answer.output_text and not [o for o in answer.output if o.type == "function_call"]
     # The output reached the prompt: with another, the same request answers otherwise.
     other = [*history[:2], {**history[2], "output": "3 C and snowing"}]
-    assert respond(client, input=other, tools=[WEATHER], tool_choice="none").output_text != answer.output_text
+    assert respond(tiny_smollm2_client, input=other, tools=[WEATHER], tool_choice="none").output_text != answer.output_text
 
 
-def test_json_schema_answers_validate_plain_and_streamed(client):
-    r = respond(client, input=DESCRIBE, text=PERSON_FORMAT, max_output_tokens=120)
+def test_json_schema_answers_validate_plain_and_streamed(tiny_smollm2_client):
+    r = respond(tiny_smollm2_client, input=DESCRIBE, text=PERSON_FORMAT, max_output_tokens=120)
     assert r.status == "completed", r
     jsonschema.validate(json.loads(r.output_text), PERSON)
     assert r.text.format.type == "json_schema"
-    text, _, final, _ = streamed(client, input=DESCRIBE, text=PERSON_FORMAT, max_output_tokens=120)
+    text, _, final, _ = streamed(tiny_smollm2_client, input=DESCRIBE, text=PERSON_FORMAT, max_output_tokens=120)
     assert text == r.output_text == final.output_text
 
 
-def test_json_object_parses(client):
+def test_json_object_parses(tiny_smollm2_client):
     ask = "Give the capital of France as a JSON object with the key capital."
-    r = respond(client, input=ask, text={"format": {"type": "json_object"}})
+    r = respond(tiny_smollm2_client, input=ask, text={"format": {"type": "json_object"}})
     assert r.status == "completed" and isinstance(json.loads(r.output_text), dict)
 
 
@@ -405,22 +394,22 @@ def test_json_object_parses(client):
         ({"tools": [WEATHER], "text": {"format": {"type": "json_object"}}}, "text.format", "text.format"),
     ],
 )
-def test_bad_requests_are_openai_400s_naming_responses_fields(client, extra, param, needle):
+def test_bad_requests_are_openai_400s_naming_responses_fields(tiny_smollm2_client, extra, param, needle):
     kw = {"input": FRANCE, **extra}
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model=MODEL_ID, **{k: v for k, v in kw.items() if k != "input"}, input=kw["input"])
+        tiny_smollm2_client.responses.create(model=MODEL_ID, **{k: v for k, v in kw.items() if k != "input"}, input=kw["input"])
     err = e.value.body
     assert err["param"] == param and needle in err["message"], err
 
 
-def test_a_follower_passes_requests_and_streams_to_the_leader(ring, client):
+def test_a_follower_passes_requests_and_streams_to_the_leader(tiny_smollm2_ring, tiny_smollm2_client):
     import urllib.request
 
-    with urllib.request.urlopen(ring.url + "/cluster/status", timeout=10) as r:
+    with urllib.request.urlopen(tiny_smollm2_ring.url + "/cluster/status", timeout=10) as r:
         nodes = json.loads(r.read())["nodes"]
     follower = next(n["http"] for n in nodes if n["role"] == "follower")
     via = openai.OpenAI(base_url=f"http://{follower}/v1", api_key="not-needed", max_retries=0, timeout=120)
-    want = respond(client, input=FRANCE).output_text
+    want = respond(tiny_smollm2_client, input=FRANCE).output_text
     assert respond(via, input=FRANCE).output_text == want
     text, _, final, _ = streamed(via, input=FRANCE)
     assert text == final.output_text == want
@@ -429,33 +418,28 @@ def test_a_follower_passes_requests_and_streams_to_the_leader(ring, client):
     assert e.value.body["param"] == "previous_response_id"
 
 
-def test_an_unknown_model_is_a_404(client):
+def test_an_unknown_model_is_a_404(tiny_smollm2_client):
     with pytest.raises(openai.NotFoundError):
-        client.responses.create(model="nope", input=FRANCE)
+        tiny_smollm2_client.responses.create(model="nope", input=FRANCE)
 
 
 # --- reasoning: the tiny qwen3 that thinks ------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def thinker(think_model, ring_pool):
-    return ring_pool(think_model, 2, model_id="think").client()
-
-
-def test_reasoning_is_an_item_before_the_message(thinker):
-    r = respond(thinker, model="think", input=FRANCE)
+def test_reasoning_is_an_item_before_the_message(think_client):
+    r = respond(think_client, model="think", input=FRANCE)
     assert [o.type for o in r.output] == ["reasoning", "message"], r.output
     reasoning = r.output[0]
     assert reasoning.id.startswith("rs_") and reasoning.summary == [] and reasoning.content[0].text.strip()
     assert r.output_text.strip() == "Paris." and "<think>" not in r.output_text and r.usage.output_tokens_details.reasoning_tokens > 0
-    chat_message = thinker.chat.completions.create(model="think", messages=[{"role": "user", "content": FRANCE}], temperature=0, max_tokens=60).choices[0].message
+    chat_message = think_client.chat.completions.create(model="think", messages=[{"role": "user", "content": FRANCE}], temperature=0, max_tokens=60).choices[0].message
     assert reasoning.content[0].text == chat_message.model_extra["reasoning_content"] and r.output_text == chat_message.content
-    _, _, final, events = streamed(thinker, model="think", input=FRANCE)
+    _, _, final, events = streamed(think_client, model="think", input=FRANCE)
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
     assert final.output_text == r.output_text
 
 
 @pytest.mark.parametrize("effort", ["none", "minimal"])
-def test_an_effort_that_turns_thinking_off_gives_no_reasoning(thinker, effort):
-    r = respond(thinker, model="think", input=FRANCE, reasoning={"effort": effort})
+def test_an_effort_that_turns_thinking_off_gives_no_reasoning(think_client, effort):
+    r = respond(think_client, model="think", input=FRANCE, reasoning={"effort": effort})
     assert [o.type for o in r.output] == ["message"] and r.output_text.strip() == "Paris." and r.reasoning.effort == effort

@@ -23,11 +23,6 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def ring(smollm2_gguf, ring_pool):
-    return ring_pool(smollm2_gguf, 3, env={"RINGD_PREFILL_CHUNK_TOKENS": "512"}, model_id=MODEL_ID)
-
-
-@pytest.fixture(scope="module")
 def mlx_lm_answers(smollm2_reference):
     """mlx-lm's own greedy answers, in this process: the reference every API must give."""
     from mlx_lm import generate
@@ -75,9 +70,9 @@ def answers(ring, question: str, prompt: list[int]) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("question", QUESTIONS)
-def test_every_api_gives_mlx_lms_greedy_answer_plain_and_streamed(ring, mlx_lm_answers, question):
+def test_every_api_gives_mlx_lms_greedy_answer_plain_and_streamed(smollm2_ring, mlx_lm_answers, question):
     prompt, want = mlx_lm_answers[question]
-    got = answers(ring, question, prompt)
+    got = answers(smollm2_ring, question, prompt)
     assert want.strip() and {api: text for api, text in got.items() if text != want} == {}, want
 
 
@@ -92,14 +87,14 @@ WEATHER_QUESTION = "What is the weather in Paris right now?"
 CALL_TOKENS = 48
 
 
-def test_a_forced_call_with_parallel_calls_allowed_comes_back_once_in_every_api(ring):
+def test_a_forced_call_with_parallel_calls_allowed_comes_back_once_in_every_api(smollm2_ring):
     """Chat completions, Responses and Anthropic's Messages, each plain and streamed (Ollama's API has
     no tool_choice). The prompt is one (test_agents' too): after the first answer the ring's cached
     prefix serves it, and each answer costs ~42 decoded tokens."""
     import json
 
-    oai = ring.client()
-    ant = anthropic.Anthropic(base_url=ring.url, api_key="not-needed", max_retries=0, timeout=120)
+    oai = smollm2_ring.client()
+    ant = anthropic.Anthropic(base_url=smollm2_ring.url, api_key="not-needed", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": WEATHER_QUESTION}]
     got: dict[str, list[tuple[str, dict]]] = {}
 

@@ -1,6 +1,6 @@
 """ringd.leader.engine: the leader's requests through real stages, and each request's text.
 
-``Engine`` over three real StageRunners in this process (tests/stagering.py):
+``Engine`` over three real StageRunners in this process (tests/kit/stagering.py):
 requests that run at once, some of whose clients leave midway, get mlx-lm's
 tokens, go around in micro-batches, and leave nothing behind (no request on the
 leader, no session on any stage). ``_Text``: what a stop string does to the text,
@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
-from stagering import StageRing
-from stagering import teacher_forced_mismatches
+from kit.stagering import StageRing
+from kit.stagering import teacher_forced_mismatches
 
 from ringd.leader.engine import Engine, EngineSettings, _Text
 from ringd.leader.errors import EngineError

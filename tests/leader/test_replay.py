@@ -1,7 +1,7 @@
 """A stage dies while a request is in each state it can be in; every request's tokens come out as
 if nothing had happened.
 
-``Engine`` over real StageRunners in this process (tests/stagering.py), so the moment of the
+``Engine`` over real StageRunners in this process (tests/kit/stagering.py), so the moment of the
 death is chosen exactly: when the frame that shows the request in the state named goes to
 node1, node1 is gone (that frame and every later frame of the old ring are lost, as a process
 killed with SIGKILL loses them), the leader suspends its requests (what the coordinator does
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from stagering import StageRing
+from kit.stagering import StageRing
 
 from ringd.leader.admission import KvLedger, StageKv
 from ringd.leader.draft import Drafter

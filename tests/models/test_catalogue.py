@@ -2,7 +2,7 @@
 cache and models_dir, each read for its header once, with the scan's work bounded.
 
 The three places are laid out in tmp_path as Ollama, huggingface_hub and a user lay
-them out, holding tiny GGUFs written as llama.cpp writes them (tests/ggufmake.py) and
+them out, holding tiny GGUFs written as llama.cpp writes them (tests/kit/ggufmake.py) and
 a tiny mlx-lm directory.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from ggufmake import write_gguf
+from kit.ggufmake import write_gguf
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -1,8 +1,8 @@
-"""``--model OWNER/REPO:QUANT``: a GGUF repository's quant fetched from the Hub (tests/fakehub.py) alone,
+"""``--model OWNER/REPO:QUANT``: a GGUF repository's quant fetched from the Hub (tests/kit/fakehub.py) alone,
 with progress, into the Hugging Face cache, and served from there offline.
 
 The repository holds two quants of a tiny llama written as llama.cpp writes GGUFs
-(tests/ggufmake.py), a projector and a README beside them, and a split F16 in a
+(tests/kit/ggufmake.py), a projector and a README beside them, and a split F16 in a
 folder of its own. The client runs in processes of its own, as a node does:
 huggingface_hub reads HF_ENDPOINT, its cache folders and HF_HUB_OFFLINE when it is
 imported.
@@ -16,10 +16,10 @@ import signal
 import subprocess
 import sys
 
-from conftest import REPO as REPO_ROOT
-from conftest import wait_for_line
-from fakehub import FakeHub
-from ggufmake import write_gguf
+from kit import REPO as REPO_ROOT
+from kit.procs import wait_for_line
+from kit.fakehub import FakeHub
+from kit.ggufmake import write_gguf
 
 REPO = "ringd-test/Tiny-GGUF"
 

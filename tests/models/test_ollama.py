@@ -496,7 +496,7 @@ def test_every_api_says_which_defaulted_fields_its_client_set(api, body, given):
 
 
 def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_says_otherwise(store, smollm2_gguf):
-    """Stages of this process (tests/stagering.py), the real engine and serving.py, the requests parsed
+    """Stages of this process (tests/kit/stagering.py), the real engine and serving.py, the requests parsed
     by Ollama's and OpenAI's own translations: what the layers set reaches the ring."""
     import asyncio
     from types import SimpleNamespace

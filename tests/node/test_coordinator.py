@@ -10,8 +10,10 @@ hang, no broken chunking. How soon is a figure each test prints (the issue asked
 for 20 s and 30 s); the deadlines here are generous, so that a loaded two-core
 machine fails only what never heals.
 
-The stall times are what the issue names (10 s, 5 s); the chaos test shrinks
-heartbeats and stalls so that its twelve rounds fit the suite.
+A stalled node stays stopped until the others have shown they noticed (their
+status says so: the node declared dead, a ring served without it), not for a
+fixed time; the blocked event loop's 5 s is what the issue names; the chaos test
+shrinks heartbeats and stalls so that its twelve rounds fit the suite.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import signal
 import time
 
 import pytest
-from conftest import Stream, block_event_loop, drop_ring_link
-from conftest import chat, serving_leader
+from kit.clients import Stream
+from kit.faults import block_event_loop, drop_ring_link
+from kit.clients import chat
+from kit.cluster import serving_leader
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +36,9 @@ STREAM_TOKENS = 200  # still running when the fault lands, a few chunks in
 # takes is printed: 1-10 s here, against the issue's 20 s to serve and 30 s for streams to end.)
 SERVE_AGAIN_S = 120.0
 STREAMS_END_S = 120.0
+# How long a stopped node may take to be noticed: declared dead after 2 s of silence, a ring made
+# without it. A deadline, not a figure; what it took is printed.
+NOTICED_S = 60.0
 
 
 def serves_again(c, t0: float, via: int = 0) -> float:
@@ -43,6 +50,18 @@ def serves_again(c, t0: float, via: int = 0) -> float:
             return time.monotonic() - t0
         time.sleep(0.1)
     raise AssertionError(f"the cluster did not serve again within {SERVE_AGAIN_S:.0f} s\n{c.log_tails()}")
+
+
+def stall_until(c, i: int, noticed, what: str) -> float:
+    """Stop node i (SIGSTOP: a Mac asleep) until ``noticed()`` (the others' status shows it), then
+    continue it; the seconds it was stopped."""
+    t0 = time.monotonic()
+    c.signal(i, signal.SIGSTOP)
+    try:
+        c.wait(noticed, NOTICED_S, what)
+    finally:
+        c.signal(i, signal.SIGCONT)
+    return time.monotonic() - t0
 
 
 def check_streams(c, streams: list[Stream], t0: float) -> None:
@@ -59,7 +78,7 @@ def model(tiny_model):
 @pytest.fixture(scope="module")
 def shared(model, tmp_path_factory):
     """One cluster of three for the fault tests that follow: each leaves it healed, node0 leading."""
-    from conftest import Cluster
+    from kit.cluster import Cluster
 
     c = Cluster(model, 3, tmp_path_factory.mktemp("healing"))
     try:
@@ -83,32 +102,35 @@ def uninterrupted(shared):
     return s.text
 
 
-def test_the_leader_stalls_for_10_s_with_streams_open(c, uninterrupted):
+def test_the_leader_stalls_until_the_others_serve_without_it_with_streams_open(c, uninterrupted):
     direct, via_follower = Stream(c.url(0), MESSAGES, STREAM_TOKENS), Stream(c.url(2), MESSAGES, STREAM_TOKENS)
     direct.wait_started()
     via_follower.wait_started()
-    c.signal(0, signal.SIGSTOP)
-    time.sleep(10)  # the fault itself: ten seconds asleep
-    c.signal(0, signal.SIGCONT)
+    # Asleep until the followers have declared it dead and lead a ring of their own.
+    stalled = stall_until(c, 0, lambda: serving_leader(c, [1, 2]) not in (None, "node0"), "the followers to serve without node0")
     t0 = time.monotonic()
     took = serves_again(c, t0)
-    print(f"\nleader stalled 10 s: served again {took:.2f} s after SIGCONT")
+    print(f"\nleader stalled {stalled:.1f} s: served again {took:.2f} s after SIGCONT")
     check_streams(c, [direct, via_follower], t0)
     # Nothing was lost: the leader replayed its own, the follower carried its stream over.
     assert direct.text == uninterrupted and via_follower.text == uninterrupted
     assert c.wait(lambda: serving_leader(c, range(3)), what="one leader") == "node0"
 
 
-def test_a_follower_stalls_for_10_s_with_streams_open(c, uninterrupted):
+def test_a_follower_stalls_until_the_leader_serves_without_it_with_streams_open(c, uninterrupted):
     streams = [Stream(c.url(0), MESSAGES, STREAM_TOKENS), Stream(c.url(2), MESSAGES, STREAM_TOKENS)]
     for s in streams:
         s.wait_started()
-    c.signal(1, signal.SIGSTOP)
-    time.sleep(10)
-    c.signal(1, signal.SIGCONT)
+
+    def ring_without_node1() -> bool:
+        s = c.status(0)
+        return bool(s and s.get("ready") and s.get("plan") and "node1" not in [st[0] for st in s["plan"]["stages"]])
+
+    # Asleep until the leader has declared it dead and serves a ring without it.
+    stalled = stall_until(c, 1, ring_without_node1, "node0 to serve a ring without node1")
     t0 = time.monotonic()
     took = serves_again(c, t0, via=1)
-    print(f"\nfollower stalled 10 s: served again through it {took:.2f} s after SIGCONT")
+    print(f"\nfollower stalled {stalled:.1f} s: served again through it {took:.2f} s after SIGCONT")
     check_streams(c, streams, t0)
     assert all(s.text == uninterrupted for s in streams)
     c.wait(lambda: (c.status(0) or {}).get("ready") and [s[0] for s in c.status(0)["plan"]["stages"]] == ["node0", "node1", "node2"], 30, "node1 back in the ring")

@@ -1,6 +1,6 @@
 """The Macs as a pool: several models served at once, loaded on demand, unloaded when idle.
 
-Real `ringd serve` daemons (tests/conftest.Cluster), real models: two tiny ones and the
+Real `ringd serve` daemons (tests/kit/cluster.py), real models: two tiny ones and the
 real SmolLM2 (its GGUF, as a user's models folder holds it), named by their names in
 ``--models-dir``. Every answer is compared with single-process mlx-lm on that model alone.
 """
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import openai
 
-from conftest import RING_START_TIMEOUT_S, reference, tokenizer_of
+from kit import RING_START_TIMEOUT_S
+from kit.reference import reference, tokenizer_of
 
 MAX_TOKENS = 12
 LOAD_DEADLINE_S = 180  # a model loaded on demand, on a loaded two-core machine

@@ -2,7 +2,7 @@
 
 In-process: three real StageRunners of a real tiny mlx-lm model (float32, so
 batched and single arithmetic differ by rounding only) pass real frames as the
-links would (tests/stagering.py). A leader loop lets requests of different
+links would (tests/kit/stagering.py). A leader loop lets requests of different
 prompt lengths join and leave at different steps, sends their decode rows in
 micro-batches whose make-up and order change (the stages regroup their caches),
 and checks each request's tokens teacher-forced: every token is the argmax of
@@ -17,7 +17,7 @@ import random
 
 import pytest
 from mlx_lm.utils import load as mlx_load
-from stagering import TERM, StageRing, teacher_forced_mismatches
+from kit.stagering import TERM, StageRing, teacher_forced_mismatches
 
 from ringd.ring.sampling import SamplingParams
 from ringd.models.tinyarchs import ARCHS

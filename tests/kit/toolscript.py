@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-from pathlib import Path
+from kit import REPO
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+TOOLS = REPO / "tools"
 
 
 def load(name: str):

@@ -56,10 +56,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import gguf
-import kquants
 import numpy as np
 from gguf import MODEL_ARCH, MODEL_TENSOR, LlamaFileType
 from gguf import GGMLQuantizationType as Q
+
+from kit import kquants
 
 # qtype -> (general.file_type, the type of the 2-D weights). The first four are
 # convert_hf_to_gguf.py's --outtype (ALL_F32 .. MOSTLY_Q8_0); the Q4s are llama-quantize's.

@@ -20,7 +20,7 @@ mlx-lm itself recognizes it: its ``TokenizerWrapper`` finds the think markers an
 the ``json_tools`` parser from the template. The build checks the result with
 mlx-lm's own step-by-step greedy decoding and raises ``ThinkModelError`` if it
 says anything else. Same seed, same model; built once for this file's text and the
-libraries' versions, and kept (``tests/buildcache.py``).
+libraries' versions, and kept (``tests/kit/buildcache.py``).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class ThinkModelError(RuntimeError):
 
 
 def build(path: Path) -> None:
-    """Write the trained model into the folder ``path`` (tests/buildcache.py keeps it: a change to
+    """Write the trained model into the folder ``path`` (tests/kit/buildcache.py keeps it: a change to
     this file builds it anew); ThinkModelError if it does not say every completion."""
     import mlx.core as mx
     import mlx.nn as nn

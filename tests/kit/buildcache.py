@@ -21,7 +21,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parent.parent
+from kit import REPO
+
 LIBRARIES = ("mlx", "mlx-lm", "gguf", "transformers", "tokenizers")
 
 

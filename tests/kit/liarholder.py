@@ -3,7 +3,7 @@
 Each holder is a node of the cluster as a probe sees it (a ring port that completes the
 handshake with the cluster secret and answers with an INFO saying it serves files, where
 its HTTP API is, and which model), in front of ringd's own file routes for the model
-(tests/fileholder.py). An honest one's INFO points at its routes; a liar's at a proxy that
+(tests/kit/fileholder.py). An honest one's INFO points at its routes; a liar's at a proxy that
 passes each request on to them and lies as its script says:
 
     ("manifest" | "data", "503 VALUE")  answer that request with a 503 and Retry-After: VALUE
@@ -21,9 +21,10 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from fileholder import SECRET, holder
 
 from wire import stream as wire_stream
+
+from kit.fileholder import SECRET, holder
 
 
 class LiarHolders:

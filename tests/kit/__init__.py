@@ -1,0 +1,21 @@
+"""The tests' own library: what tests/conftest.py's fixtures and the tests build on.
+
+One concern a module: ``procs`` (child processes and their output), ``rings`` (a `ringd local`
+ring), ``cluster`` (`ringd serve` daemons one by one, and what their /health says), ``clients``
+(chat completions as a client sends and reads them), ``faults`` (a dropped link, a blocked event
+loop), ``reference`` (mlx-lm's own answers); then the builders of test models (``tinysmol``,
+``thinkmodel``, ``ggufmake``, ``kquants``, ``buildcache``), the stand-ins for other machines
+(``fakehub``, ``localindex``, ``fileholder``, ``liarholder``, ``relay``, ``flood``), the hosts and
+links of a network (``netns``, ``linkshape``), free ports (``ports``), stages in this process
+(``stagering``) and the tools/ scripts as modules (``toolscript``).
+
+Importable as ``kit`` because pytest puts tests/ on sys.path (tests/conftest.py lives there).
+"""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# Prefill chunk used by test rings and by the mlx-lm reference alike: small, so
+# ordinary prompts already span several chunks.
+TEST_PREFILL_CHUNK = 16
+RING_START_TIMEOUT_S = 120.0

@@ -1,0 +1,28 @@
+"""Child processes as the tests watch them: a line a process prints, how several at once exit."""
+
+from __future__ import annotations
+
+import select
+import subprocess
+import sys
+import time
+
+
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> str:
+    """The first line of proc's stdout containing needle; AssertionError with the output otherwise."""
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while time.monotonic() < deadline and proc.poll() is None:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            line = proc.stdout.readline()
+            seen += line
+            if needle in line:
+                return line
+    raise AssertionError(f"no {needle!r} within {timeout} s (exit code {proc.poll()}); output so far:\n{seen}")
+
+
+def exits_of(script: str, n: int, timeout: float = 60) -> list[tuple[int, str]]:
+    """Each exit code and output of ``n`` Python processes running ``script`` at once: how a test
+    of how a process ends catches a race that shows in some exits only."""
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(n)]
+    return [(p.returncode, out) for p in procs for out, _ in [p.communicate(timeout=timeout)]]

@@ -1,0 +1,58 @@
+"""A real `ringd local` ring: N daemons and their launcher, as OS processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kit import REPO, RING_START_TIMEOUT_S, TEST_PREFILL_CHUNK
+from kit.procs import wait_for_line
+
+
+class Ring:
+    """A `ringd local` process tree: N daemons and their launcher."""
+
+    def __init__(self, model: Path, nodes: int, split: list[int] | None = None, env: dict | None = None, model_id: str = "tiny"):
+        self.model, self.nodes, self.split, self.model_id = model, nodes, split, model_id
+        self.log = tempfile.NamedTemporaryFile(prefix="ringd-test-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "ringd", "local", "--nodes", str(nodes), "--model", str(model), "--port", "0", "--model-id", model_id]
+        if split:
+            cmd += ["--split", ",".join(map(str, split))]
+        full_env = {**os.environ, "RINGD_PREFILL_CHUNK_TOKENS": str(TEST_PREFILL_CHUNK), **(env or {})}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
+        self.url = self._wait_ready()
+
+    def _wait_ready(self) -> str:
+        try:
+            line = wait_for_line(self.proc, "OpenAI API at ", RING_START_TIMEOUT_S)
+        except AssertionError as e:
+            self.stop()
+            raise RuntimeError(f"ring of {self.nodes} did not start: {e}\n{self.logs()[-4000:]}") from None
+        return line.split("OpenAI API at ", 1)[1].split()[0].removesuffix("/v1")
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key="not-needed", max_retries=0, timeout=120, **kwargs)
+
+    def logs(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
