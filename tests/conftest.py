@@ -16,13 +16,9 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from kit import REPO, RING_START_TIMEOUT_S
-from kit.cluster import Cluster, serving_leader
-from kit.procs import exits_of, wait_for_line
-from kit.rings import Ring
-
-# Still imported from here by test_local.py, test_ctl.py and test_cli.py (until they import kit).
-__all__ = ["REPO", "Ring", "exits_of", "serving_leader", "wait_for_line"]
+from devkit import RING_START_TIMEOUT_S
+from devkit.cluster import Cluster
+from devkit.rings import Ring
 
 # Hypothesis's example counts: CI's are its defaults, what every property test was written
 # against; `HYPOTHESIS_PROFILE=dev uv run pytest` tries a tenth as many, for a quick loop
@@ -72,7 +68,7 @@ def model_cache() -> Path:
     """Where tiny models are written: shared by every test process and kept between runs
     (buildcache.py), under a folder named by the generator's sources and the libraries'
     versions; inside it each model's folder names its arguments (tinymodel.ensure_tiny_model)."""
-    from kit.buildcache import digest, root, sources
+    from devkit.buildcache import digest, root, sources
 
     return root() / f"tiny-{digest(sources('ringd/models/tinymodel.py', 'ringd/models/tinyarchs.py'))}"
 
@@ -187,7 +183,7 @@ def smollm2_gguf() -> Path:
 def smollm2_dir(smollm2_gguf) -> Path:
     """SmolLM2 as an mlx-lm directory: what `ringd convert` writes of the GGUF file, converted
     once for these GGUF readers (buildcache.py)."""
-    from kit.buildcache import built, sources
+    from devkit.buildcache import built, sources
 
     def convert(tmp: Path) -> None:
         out = tmp / "converted"
@@ -201,8 +197,8 @@ def smollm2_dir(smollm2_gguf) -> Path:
 def tiny_smollm2(smollm2_dir) -> Path:
     """A tiny llama with SmolLM2's tokenizer and chat template (tests/kit/tinysmol.py): for API
     translation, tool calls, structured output and sampling, where words prove nothing."""
-    from kit.buildcache import built, sources
-    from kit.tinysmol import build
+    from devkit.buildcache import built, sources
+    from devkit.tinysmol import build
 
     return built("tiny-smollm2", sources("tests/kit/tinysmol.py", "ringd/models/*.py"), lambda out: build(out, smollm2_dir))
 
@@ -245,7 +241,7 @@ def ringctl_known_nodes(tmp_path_factory, monkeypatch) -> Path:
 def think_model() -> Path:
     """The tiny qwen3 trained to think and call tools (tests/kit/thinkmodel.py): ~40-80 s to build here,
     once for its builder's sources (buildcache.py)."""
-    from kit.buildcache import built, sources
-    from kit.thinkmodel import build
+    from devkit.buildcache import built, sources
+    from devkit.thinkmodel import build
 
     return built("think-qwen3", sources("tests/kit/thinkmodel.py", "ringd/models/tinymodel.py", "ringd/models/tinyarchs.py"), build)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kit.toolscript import load
+from devkit.toolscript import load
 
 bench = load("bench")
 

@@ -2,7 +2,7 @@
 come from every process of it (CPU and context switches), not from the timing process alone."""
 
 import pytest
-from kit.toolscript import load
+from devkit.toolscript import load
 
 bench_hop = load("bench-hop")
 

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from kit.toolscript import TOOLS
+from devkit.toolscript import TOOLS
 
 
 def test_a_middle_stage_is_measured_against_its_layers_alone():

@@ -4,7 +4,7 @@ every mode (it timed out once a TOKEN's descriptor had to be bytes, and nothing 
 import asyncio
 
 import uvloop
-from kit.toolscript import load
+from devkit.toolscript import load
 
 bench_wire = load("bench-wire")
 

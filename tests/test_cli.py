@@ -3,7 +3,7 @@ end to end by test_local.py, test_demo.py and the ring tests)."""
 
 from __future__ import annotations
 
-from conftest import exits_of
+from devkit.procs import exits_of
 
 # A process that finalizes while a thread is in MLX aborts in about one exit of three here
 # (a race): several at once, and each must exit as asked.

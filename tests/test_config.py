@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kit import REPO
+from devkit import REPO
 from ringd import config
 from ringd.servecmd import serve_command
 

@@ -26,8 +26,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import REPO
-from conftest import serving_leader
+from devkit import REPO
+from devkit.cluster import serving_leader
 
 from ringd.ctl.render import print_status
 from ringd.ctl.top import top_view

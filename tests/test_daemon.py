@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 
-from kit import REPO
+from devkit import REPO
 
 from ringd.servecmd import serve_command
 

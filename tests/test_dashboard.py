@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kit.cluster import serving_leader
+from devkit.cluster import serving_leader
 from playwright.sync_api import expect, sync_playwright
 
 pytestmark = pytest.mark.slow

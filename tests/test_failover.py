@@ -17,8 +17,8 @@ import openai
 import psutil
 import pytest
 
-from kit.rings import Ring
-from kit.clients import stream_text
+from devkit.rings import Ring
+from devkit.clients import stream_text
 
 TOKENS = 400
 
@@ -86,8 +86,8 @@ def test_kill_9_of_a_stage_mid_stream_loses_nothing(tiny_model, victim, model_ar
 
 
 def test_survivors_too_small_get_a_503_naming_the_shortfall_on_every_node(tiny_model, tmp_path):
-    from kit.cluster import Cluster
-    from kit.cluster import serving_leader
+    from devkit.cluster import Cluster
+    from devkit.cluster import serving_leader
 
     model = tiny_model(arch="llama", layers=8, hidden_size=128, dtype="float32")
     from ringd.models.source import model_info

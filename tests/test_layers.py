@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kit.toolscript import load
+from devkit.toolscript import load
 
 
 def test_no_cycle_and_no_arrow_up():

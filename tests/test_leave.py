@@ -19,10 +19,10 @@ import sys
 import time
 
 import pytest
-from kit import REPO, TEST_PREFILL_CHUNK
-from kit.cluster import Cluster
-from kit.clients import Stream
-from kit.cluster import serving_leader
+from devkit import REPO, TEST_PREFILL_CHUNK
+from devkit.cluster import Cluster
+from devkit.clients import Stream
+from devkit.cluster import serving_leader
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kit.linkshape import PROFILES, LinkModel, Profile, profile
-from kit.netns import NetnsHosts, netns_available
+from devkit.linkshape import PROFILES, LinkModel, Profile, profile
+from devkit.netns import NetnsHosts, netns_available
 
 profiles = st.sampled_from(sorted(PROFILES.values(), key=lambda p: p.name))
 

@@ -12,7 +12,9 @@ import time
 import psutil
 import pytest
 
-from conftest import REPO, Ring, wait_for_line
+from devkit import REPO
+from devkit.procs import wait_for_line
+from devkit.rings import Ring
 
 
 def _children(pid: int) -> list[int]:
@@ -138,7 +140,7 @@ def test_progress_lines_name_each_loading_node_once_per_change():
 def test_local_shows_the_download_of_a_hub_model_while_the_ring_gets_ready(tiny_model, tmp_path):
     """`ringd local --model owner/name` from a Hub (tests/fakehub.py, throttled so the download
     takes a few seconds): the launcher prints the nodes' progress before the ring is ready."""
-    from fakehub import FakeHub
+    from devkit.fakehub import FakeHub
 
     src = tiny_model(arch="llama", layers=8, hidden_size=64, dtype="float32", shard_bytes=40_000)
     # The model's ~1.8 MiB of weight files in 64 KiB chunks 0.1 s apart: about 3 s of download,

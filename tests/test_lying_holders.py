@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from kit import REPO
-from kit.liarholder import LiarHolders
-from kit.ports import port
+from devkit import REPO
+from devkit.liarholder import LiarHolders
+from devkit.ports import port
 
 from ringd.servecmd import serve_command
 

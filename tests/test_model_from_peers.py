@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
-from kit import REPO, RING_START_TIMEOUT_S
-from kit.cluster import Cluster
-from kit.clients import post
+from devkit import REPO, RING_START_TIMEOUT_S
+from devkit.cluster import Cluster
+from devkit.clients import post
 
 from ringd.models.peers import PeerModel
 from ringd.servecmd import serve_command
@@ -60,7 +60,7 @@ def answer(c: Cluster) -> str:
 @pytest.fixture(scope="module")
 def q4_1(tiny_model, tmp_path_factory) -> tuple[Path, Path]:
     """A 12-layer llama as a Q4_1 GGUF (tests/kit/ggufmake.py), and what `ringd convert` makes of it."""
-    from kit.ggufmake import write_gguf
+    from devkit.ggufmake import write_gguf
 
     # Rows of 320 and 640: whole Q4_1 blocks but no K-quant super-blocks (llama-quantize would
     # write the head as Q6_K), and tensors far above a disk block, so that what a fetcher holds
@@ -139,9 +139,9 @@ def test_two_nodes_with_nothing_fetch_their_layers_and_the_ring_answers_as_mlx_l
 
 def test_with_no_peer_holding_the_model_the_hub_as_before(tiny_model, tmp_path):
     """model_from_peers with a repo id and nobody to fetch from: the Hub (a local fake of it) serves."""
-    from kit.fakehub import FakeHub
+    from devkit.fakehub import FakeHub
 
-    from kit.ports import port
+    from devkit.ports import port
 
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
@@ -175,7 +175,7 @@ def test_with_no_peer_holding_the_model_the_hub_as_before(tiny_model, tmp_path):
 def test_a_node_waiting_for_a_holder_says_so_and_stops_on_a_signal(tmp_path):
     import signal
 
-    from kit.ports import port
+    from devkit.ports import port
 
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)

@@ -18,8 +18,8 @@ import urllib.request
 
 import pytest
 
-from kit import TEST_PREFILL_CHUNK
-from kit.reference import reference, tokenizer_of
+from devkit import TEST_PREFILL_CHUNK
+from devkit.reference import reference, tokenizer_of
 
 MAX_TOKENS = 40
 LAYERS = 7
@@ -102,7 +102,7 @@ ARCH_RINGS = [
 
 @pytest.mark.parametrize(("arch", "bits", "nodes", "split"), ARCH_RINGS, ids=[f"{a}{'-q' + str(b) if b else ''}-{n}{'-' + ','.join(map(str, s)) if s else ''}" for a, b, n, s in ARCH_RINGS])
 def test_moe_mla_sliding_and_hybrid_rings_match_mlx_lm(tiny_model, arch, bits, nodes, split):
-    from kit.rings import Ring
+    from devkit.rings import Ring
 
     model = tiny_model(arch=arch, layers=6, quantize_bits=bits)
     ring = Ring(model, nodes, split)
@@ -335,7 +335,7 @@ def test_mlx_lm_kv_cache_options_match_mlx_lm(tiny_model, ring_pool, env, option
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from kit.reference import load_cached
+    from devkit.reference import load_cached
 
     # head_dim 32: the smallest that mlx's quantization groups fit.
     model = tiny_model(arch="llama", dtype="float32", layers=4, hidden_size=128, heads=4, kv_heads=2)
@@ -355,7 +355,7 @@ def test_speculative_decoding_through_three_nodes_gives_the_plain_greedy_text(ti
     """`--draft-model`: the leader proposes, the 3-node ring verifies. With the model as its own draft
     (it agrees nearly always) and with another random model (it rarely does), greedy text, plain and
     streamed, is mlx-lm's, and the last stage counts the proposals it kept and cut."""
-    from kit.rings import Ring
+    from devkit.rings import Ring
 
     model = tiny_model(arch="llama", dtype="float32", layers=LAYERS)
     drafter = model if draft == "itself" else tiny_model(arch="llama", dtype="float32", layers=2, seed=9)

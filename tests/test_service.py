@@ -29,10 +29,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kit import REPO, RING_START_TIMEOUT_S
+from devkit import REPO, RING_START_TIMEOUT_S
 
 from ringd import service
-from kit.ports import port
+from devkit.ports import port
 
 # Seconds for a ringctl command that only reads a config and writes a file (imports included).
 CTL_TIMEOUT_S = 60

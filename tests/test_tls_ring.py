@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from kit import REPO, RING_START_TIMEOUT_S
-from kit.cluster import Cluster
+from devkit import REPO, RING_START_TIMEOUT_S
+from devkit.cluster import Cluster
 
 from ringd import tlsca
 from ringd.servecmd import serve_command
@@ -163,7 +163,7 @@ def test_ringd_local_serves_https_on_its_handed_down_sockets_and_says_how_to_tru
     import os
     import signal
 
-    from kit.procs import wait_for_line
+    from devkit.procs import wait_for_line
 
     cmd = [sys.executable, "-m", "ringd", "local", "--nodes", "1", "--model", str(tiny_model(arch="llama", layers=6)), "--port", "0", "--tls", "auto"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)

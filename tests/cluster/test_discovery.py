@@ -33,7 +33,7 @@ import pytest
 from zeroconf import ServiceInfo, Zeroconf
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from kit.netns import NetnsHosts, netns_available
+from devkit.netns import NetnsHosts, netns_available
 from ringd.cluster.discovery import (
     SERVICE_TYPE,
     TXT_KEYS,

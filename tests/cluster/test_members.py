@@ -12,9 +12,9 @@ import time
 import urllib.error
 import urllib.request
 
-from kit import REPO
-from kit.clients import chat
-from kit.cluster import health, serving_leader
+from devkit import REPO
+from devkit.clients import chat
+from devkit.cluster import health, serving_leader
 
 from ringd.cluster.links import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S
 
@@ -160,7 +160,7 @@ def test_a_daemon_with_the_wrong_secret_is_never_admitted(tiny_model, cluster_fa
     bad_secret = tmp_path / "bad-secret"
     bad_secret.write_text("x" * 32)
     bad_secret.chmod(0o600)
-    from kit.ports import port
+    from devkit.ports import port
 
     c.ring_ports.append(port())
     c.http_ports.append(port())
@@ -222,7 +222,7 @@ sys.exit(1)
 
 
 def test_three_daemons_in_three_network_namespaces_discover_each_other_and_serve(tiny_model, tmp_path):
-    from kit.netns import NetnsHosts, netns_available
+    from devkit.netns import NetnsHosts, netns_available
 
     reason = netns_available()
     assert reason is None, f"cannot build test hosts: {reason}"
@@ -257,7 +257,7 @@ def test_three_daemons_in_three_network_namespaces_discover_each_other_and_serve
 
 def test_one_static_peer_each_is_enough(tiny_model, tmp_path):
     """No multicast: node1 and node2 know only node0; gossip tells them of each other."""
-    from kit.cluster import Cluster
+    from devkit.cluster import Cluster
 
     class OnePeer(Cluster):
         def peers_of(self, i):
@@ -279,8 +279,8 @@ def test_a_relay_without_the_secret_between_two_nodes_gets_nothing_it_can_use(ti
     admitted; a link it tampers with (a frame injected, a frame replayed, a byte flipped) is
     closed at the first bad frame; the relay is never planned into the ring; and each time
     the cluster recovers and serves."""
-    from kit.cluster import Cluster
-    from kit.relay import Relay
+    from devkit.cluster import Cluster
+    from devkit.relay import Relay
 
     modes = ["hijack", "inject", "replay", "flip"]
 
@@ -336,9 +336,9 @@ def test_a_link_between_members_is_remade_while_a_hello_flood_holds_every_handsh
     dials it back when node1's link is cut; node1 dials node0 (a configured peer)."""
     import urllib.request
 
-    from kit.cluster import Cluster
-    from kit.faults import drop_ring_link
-    from kit.flood import Flood
+    from devkit.cluster import Cluster
+    from devkit.faults import drop_ring_link
+    from devkit.flood import Flood
 
     from wire.stream import MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_KNOWN, MAX_UNAUTHENTICATED_PER_HOST
 

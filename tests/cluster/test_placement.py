@@ -355,8 +355,8 @@ def test_an_api_only_leader_holds_no_layers_and_serves_the_ring(tiny_model, tmp_
     import json
     import urllib.request
 
-    from kit.cluster import Cluster
-    from kit.reference import reference
+    from devkit.cluster import Cluster
+    from devkit.reference import reference
 
     class FrontDoor(Cluster):
         def flags(self, i, secret=None, name=None):

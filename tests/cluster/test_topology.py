@@ -7,7 +7,7 @@ import itertools
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kit.linkshape import Profile
+from devkit.linkshape import Profile
 
 from ringd.cluster.linkcost import Measured
 from ringd.cluster.topology import (
@@ -238,8 +238,8 @@ def test_five_daemons_on_shaped_links_cross_the_backhaul_twice_leave_the_wifi_ma
     import subprocess
     import sys
 
-    from kit import REPO
-    from kit.netns import NetnsHosts, netns_available
+    from devkit import REPO
+    from devkit.netns import NetnsHosts, netns_available
 
     from ringd.models.source import model_info
     from ringd.ring.kvcost import KV_STEP_TOKENS

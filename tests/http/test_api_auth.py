@@ -21,8 +21,8 @@ import urllib.request
 
 import openai
 import pytest
-from kit import REPO
-from kit.cluster import serving_leader
+from devkit import REPO
+from devkit.cluster import serving_leader
 
 from ringd.auth import body_sha256, sign, sign_forward
 
@@ -54,7 +54,7 @@ def ringctl(c, i: int, *args: str, secret: bool = True, env_key: str | None = No
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    from kit.cluster import Cluster
+    from devkit.cluster import Cluster
 
     tmp = tmp_path_factory.mktemp("auth")
     keys = tmp / "api-keys"

@@ -29,8 +29,8 @@ KEY = "fuzz-key-0123456789abcdefgh"
 
 @pytest.fixture(scope="module")
 def node(tiny_model, tmp_path_factory):
-    from kit.cluster import Cluster
-    from kit.cluster import serving_leader
+    from devkit.cluster import Cluster
+    from devkit.cluster import serving_leader
 
     tmp = tmp_path_factory.mktemp("fuzz")
     (tmp / "keys").write_text(KEY + "\n")

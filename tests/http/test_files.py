@@ -14,7 +14,7 @@ import time
 
 import pytest
 import uvloop
-from kit.fileholder import SECRET, holder
+from devkit.fileholder import SECRET, holder
 
 from ringd.auth import FILES_NONCE_HEADER, sign_files
 from ringd.http import files

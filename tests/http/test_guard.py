@@ -117,8 +117,8 @@ def test_the_fd_limit_is_raised_toward_what_the_caps_need():
 
 @pytest.fixture(scope="module")
 def node(tiny_model, tmp_path_factory):
-    from kit.cluster import Cluster
-    from kit.cluster import serving_leader
+    from devkit.cluster import Cluster
+    from devkit.cluster import serving_leader
 
     # Three nodes: a leader that stalled would be replaced by another, which the tests would see,
     # and a follower forwards as the hostile requests were sent.

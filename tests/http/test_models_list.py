@@ -14,7 +14,7 @@ import asyncio
 import json
 
 import aiohttp
-from kit.ggufmake import write_gguf
+from devkit.ggufmake import write_gguf
 
 from ringd import ctl
 from ringd.cluster.placement import ModelCost

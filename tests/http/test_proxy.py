@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import pytest
-from kit.cluster import Cluster
-from kit.clients import Stream, stream_text
-from kit.cluster import serving_leader
+from devkit.cluster import Cluster
+from devkit.clients import Stream, stream_text
+from devkit.cluster import serving_leader
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from kit.reference import reference
+from devkit.reference import reference
 
 from ringd.leader.admission import AdmissionError, KvLedger, StageKv
 from ringd.ring.kvcost import KV_STEP_TOKENS, KvCost, KvCostError, kv_tokens

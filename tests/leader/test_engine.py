@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
-from kit.stagering import StageRing
-from kit.stagering import teacher_forced_mismatches
+from devkit.stagering import StageRing
+from devkit.stagering import teacher_forced_mismatches
 
 from ringd.leader.engine import Engine, EngineSettings, _Text
 from ringd.leader.errors import EngineError

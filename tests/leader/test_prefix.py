@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kit.reference import reference, tokenizer_of
+from devkit.reference import reference, tokenizer_of
 
 from ringd.leader.prefix import MIN_REUSE_TOKENS, PrefixIndex, common_prefix
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kit.stagering import StageRing
+from devkit.stagering import StageRing
 
 from ringd.leader.admission import KvLedger, StageKv
 from ringd.leader.draft import Drafter

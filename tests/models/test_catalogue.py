@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from kit.ggufmake import write_gguf
+from devkit.ggufmake import write_gguf
 from hypothesis import given
 from hypothesis import strategies as st
 

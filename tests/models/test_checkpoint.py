@@ -88,7 +88,7 @@ def test_an_invalid_index_is_one_error_naming_it_where_a_stage_reads_it(tiny_mod
 def test_ringd_serve_stops_at_start_with_one_line_naming_the_broken_file(broken_model, how):
     """The issue's cases: a 47-line traceback before; one line now, and the node exits (a truncated
     file no longer starts a node that retries a failing load every 30 s)."""
-    from kit.cluster import Cluster
+    from devkit.cluster import Cluster
 
     path, file, words = broken_model(how)
     c = Cluster(path, 1, path.parent)

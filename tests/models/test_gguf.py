@@ -21,7 +21,7 @@ import pytest
 from ringd.models.errors import ModelError
 from ringd.models.gguf import GgufFile, is_gguf, read_tensor
 from ringd.models.source import model_info
-from kit.stagering import greedy, reference, ring
+from devkit.stagering import greedy, reference, ring
 
 
 def _write(path: Path, arrays: dict[str, np.ndarray], types: dict[str, str], arch: str = "llama") -> Path:
@@ -225,7 +225,7 @@ def _tiny_gguf(tiny_model, tmp_path_factory, arch: str, qtype: str, rope_scaling
     import json
     import shutil
 
-    from kit.ggufmake import write_gguf
+    from devkit.ggufmake import write_gguf
 
     source = tiny_model(arch=arch, layers=LAYERS, dtype="float32", **BLOCKS_FIT)
     if rope_scaling is not None:  # the same weights, another RoPE: a model of its own
@@ -313,7 +313,7 @@ def _k_source(tiny_model) -> Path:
 
 def _k_files(tiny_model, tmp_path_factory, types: dict[str, str]) -> tuple[Path, Path, Path]:
     """(the K-quant file, the same dequantized to F32 by gguf-py, out dir)."""
-    from kit.ggufmake import write_gguf
+    from devkit.ggufmake import write_gguf
 
     source = _k_source(tiny_model)
     out = tmp_path_factory.mktemp("kquant")
@@ -402,7 +402,7 @@ def test_smollm2_requantized_to_k_quants_answers_as_mlx_lm(smollm2_gguf, tmp_pat
 
     from mlx_lm import load
 
-    from kit.ggufmake import requantize
+    from devkit.ggufmake import requantize
     from ringd.stage.shard import Shard
 
     out = tmp_path_factory.mktemp(mix)
@@ -437,7 +437,7 @@ def test_smollm2_requantized_to_k_quants_answers_as_mlx_lm(smollm2_gguf, tmp_pat
 
 
 def test_what_mlx_cannot_compute_as_is_is_refused_at_start(tiny_model, tmp_path_factory):
-    from kit.ggufmake import write_gguf
+    from devkit.ggufmake import write_gguf
 
     source = tiny_model(arch="llama", layers=2, dtype="float32", intermediate_size=256)
     iquant = write_gguf(source, tmp_path_factory.mktemp("k") / "k.gguf", qtype="q8_0", types={"blk.0.ffn_down.weight": "iq2_xxs", "blk.1.ffn_down.weight": "iq2_xxs"})
@@ -523,7 +523,7 @@ def test_a_split_file_is_the_model_its_parts_hold_and_a_missing_part_is_named(ti
     served to peers (each node holds the parts), and a part missing is one line naming it."""
     from mlx.utils import tree_flatten
 
-    from kit.ggufmake import write_gguf
+    from devkit.ggufmake import write_gguf
     from ringd.models import manifest
 
     source = tiny_model(arch="llama", layers=2, dtype="float32")

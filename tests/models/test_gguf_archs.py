@@ -29,7 +29,7 @@ import pytest
 
 from ringd.models.errors import ModelError
 from ringd.models.gguf import GgufFile
-from kit.stagering import greedy, reference, ring
+from devkit.stagering import greedy, reference, ring
 
 PROMPT = "Tell me a short story about the river and the town."
 # Every row a whole number of 32-weight blocks, so every matrix takes the file's type.
@@ -125,7 +125,7 @@ def _written_as_llama_cpp_writes_it(name: str, path: Path, source: Path) -> None
 def test_a_family_computes_what_mlx_lm_computes(tiny_model, tmp_path_factory, name):
     from mlx_lm import load
 
-    from kit.ggufmake import write_gguf
+    from devkit.ggufmake import write_gguf
 
     family = FAMILIES[name]
     source = _source(tiny_model, tmp_path_factory, family)
@@ -182,7 +182,7 @@ REFUSED = {
 
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_what_a_family_cannot_serve_is_refused_in_one_line(tiny_model, tmp_path_factory, case):
-    from kit.ggufmake import write_gguf
+    from devkit.ggufmake import write_gguf
     from ringd.models.gguf import Tensor, _parse
     from ringd.models.gguf_archs import ARCHITECTURES
 
@@ -220,7 +220,7 @@ READ = {
 
 @pytest.mark.parametrize("case", list(READ))
 def test_a_familys_metadata_reads_as_llama_cpp_reads_it(tiny_model, tmp_path_factory, case):
-    from kit.ggufmake import write_gguf
+    from devkit.ggufmake import write_gguf
     from ringd.models.gguf import _parse
 
     name, change, want = READ[case]
@@ -235,7 +235,7 @@ def test_a_stage_fetched_from_peers_holds_what_it_would_read_from_the_whole_file
     """A node that fetches only its stage's bytes (``PeerModel.stage_ranges``, the manifest's
     ``always``, the header) loads the parameters it would load from the whole file: LongRoPE's
     factors, which the config is read from, and each expert of an early file, stored apart."""
-    from kit.ggufmake import write_gguf
+    from devkit.ggufmake import write_gguf
     from ringd.models import manifest as m
     from ringd.models.peers import PeerModel
     from ringd.models.source import model_info

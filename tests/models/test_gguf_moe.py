@@ -21,7 +21,7 @@ from test_gguf import PROMPT
 
 from ringd.models.errors import ModelError
 from ringd.models.source import model_info
-from kit.stagering import greedy, reference, ring
+from devkit.stagering import greedy, reference, ring
 
 # DeepSeek and GLM: a dense first layer, then two MoE layers (cuts at the dense/MoE boundary and
 # between MoE layers); gpt-oss: sliding, full, sliding; Qwen3-Next: linear, linear, full attention.
@@ -130,7 +130,7 @@ def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_pat
     the quantized (or F16) file at every cut against mlx-lm on ``ringd convert``'s conversion, bit for bit."""
     from mlx_lm import load
 
-    from kit.ggufmake import write_gguf
+    from devkit.ggufmake import write_gguf
     from ringd.models.gguf import GgufFile
     from ringd.stage.shard import Shard
 
@@ -168,7 +168,7 @@ def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_pat
 def test_what_deepseek2_files_hold_that_mlx_lm_cannot_take_is_refused_in_one_line(tiny_model, tmp_path_factory):
     """A quantized DeepSeek-V2 (softmax router: mlx-lm's deepseek_v2 wants kv_b_proj whole, which
     the file holds split, k_b transposed across its blocks), and a file from before llama.cpp split kv_b."""
-    from kit.ggufmake import write_gguf
+    from devkit.ggufmake import write_gguf
     from ringd.models.gguf import GgufFile, _parse
     from ringd.stage.shard import Shard
 
@@ -192,7 +192,7 @@ def test_what_qwen3next_files_hold_that_ringd_would_have_to_requantize_is_refuse
 
     from mlx.utils import tree_flatten
 
-    from kit.ggufmake import write_gguf
+    from devkit.ggufmake import write_gguf
     from ringd.models.gguf import GgufFile, _parse
 
     path = write_gguf(tiny_model(arch="qwen3_next", **SIZES), tmp_path_factory.mktemp("qwen3next") / "q8_0.gguf", qtype="q8_0")

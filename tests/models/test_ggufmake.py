@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from kit.ggufmake import permute, write_gguf
+from devkit.ggufmake import permute, write_gguf
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # Every row length a multiple of 32 (FFN 128, experts 128 // 4), so that every 2-D weight

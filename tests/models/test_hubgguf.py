@@ -16,10 +16,10 @@ import signal
 import subprocess
 import sys
 
-from kit import REPO as REPO_ROOT
-from kit.procs import wait_for_line
-from kit.fakehub import FakeHub
-from kit.ggufmake import write_gguf
+from devkit import REPO as REPO_ROOT
+from devkit.procs import wait_for_line
+from devkit.fakehub import FakeHub
+from devkit.ggufmake import write_gguf
 
 REPO = "ringd-test/Tiny-GGUF"
 

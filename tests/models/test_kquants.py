@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from kit.kquants import QUANTIZERS
+from devkit.kquants import QUANTIZERS
 
 # Largest error as a share of the largest |weight| of the 256-block: a step of a
 # 32-group's (16-group's) grid is its range over 15 (31, 63), and the 6-bit scales

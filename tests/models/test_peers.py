@@ -26,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 import uvloop
-from kit.fileholder import SECRET, TLS, HolderNode, holder
+from devkit.fileholder import SECRET, TLS, HolderNode, holder
 
 from ringd.auth import sign_files
 from ringd.metrics import Metrics
@@ -348,7 +348,7 @@ def fetcher_config(models: Path):
     import argparse
 
     from ringd import config
-    from kit.ports import port
+    from devkit.ports import port
 
     parser = argparse.ArgumentParser()
     config.add_flags(parser)
@@ -375,7 +375,7 @@ def test_a_fetch_that_fails_is_said_and_tried_again_and_the_node_carries_on(smol
     """The holder a probe found is gone when its manifest is asked for (its Mac went to sleep):
     the node says why and asks again, and fetches from the holder found next."""
     from ringd.node import holders
-    from kit.ports import port
+    from devkit.ports import port
 
     cfg = fetcher_config(tmp_path / "models")
     monkeypatch.setattr(holders, "PROBE_RETRY_S", 0.1)

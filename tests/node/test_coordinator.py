@@ -23,10 +23,10 @@ import signal
 import time
 
 import pytest
-from kit.clients import Stream
-from kit.faults import block_event_loop, drop_ring_link
-from kit.clients import chat
-from kit.cluster import serving_leader
+from devkit.clients import Stream
+from devkit.faults import block_event_loop, drop_ring_link
+from devkit.clients import chat
+from devkit.cluster import serving_leader
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def model(tiny_model):
 @pytest.fixture(scope="module")
 def shared(model, tmp_path_factory):
     """One cluster of three for the fault tests that follow: each leaves it healed, node0 leading."""
-    from kit.cluster import Cluster
+    from devkit.cluster import Cluster
 
     c = Cluster(model, 3, tmp_path_factory.mktemp("healing"))
     try:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import openai
 
-from kit import RING_START_TIMEOUT_S
-from kit.reference import reference, tokenizer_of
+from devkit import RING_START_TIMEOUT_S
+from devkit.reference import reference, tokenizer_of
 
 MAX_TOKENS = 12
 LOAD_DEADLINE_S = 180  # a model loaded on demand, on a loaded two-core machine

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from ringd.models.checkpoint import SUPPORTED_ARCHITECTURES, _model_module
 from ringd.models.errors import ModelError
 from ringd.stage.shard import Shard
-from kit.stagering import greedy, reference, ring
+from devkit.stagering import greedy, reference, ring
 from ringd.models.tinyarchs import ARCHS
 
 LAYERS = 6

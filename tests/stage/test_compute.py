@@ -131,7 +131,7 @@ started.wait()
 
 def test_an_interpreter_exiting_mid_job_lets_it_finish_and_exits_cleanly():
     """The job under way finishes; the thread then parks rather than ends as the interpreter finalizes."""
-    from kit.procs import exits_of
+    from devkit.procs import exits_of
 
     for code, out in exits_of(AT_EXIT, EXITS):
         assert code == 0 and "job done" in out, out

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llguidance import LLTokenizer
-from kit.stagering import StageRing
+from devkit.stagering import StageRing
 
 from ringd.stage import grammar
 from ringd.models.checkpoint import load_tokenizer

@@ -17,7 +17,7 @@ import random
 
 import pytest
 from mlx_lm.utils import load as mlx_load
-from kit.stagering import TERM, StageRing, teacher_forced_mismatches
+from devkit.stagering import TERM, StageRing, teacher_forced_mismatches
 
 from ringd.ring.sampling import SamplingParams
 from ringd.models.tinyarchs import ARCHS

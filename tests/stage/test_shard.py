@@ -289,7 +289,7 @@ def test_a_hub_stage_downloads_only_its_files_with_progress_and_once(tiny_model,
     import sys
     from pathlib import Path
 
-    from kit.fakehub import FakeHub
+    from devkit.fakehub import FakeHub
 
     src = tiny_model(arch="llama", layers=8, hidden_size=64, dtype="float32", shard_bytes=40_000)
     start, end = 3, 6

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ringd.servecmd import serve_command
 
-from kit import REPO, TEST_PREFILL_CHUNK
-from kit.ports import ports
+from devkit import REPO, TEST_PREFILL_CHUNK
+from devkit.ports import ports
 
 
 class Cluster:

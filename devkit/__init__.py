@@ -1,4 +1,4 @@
-"""The tests' own library: what tests/conftest.py's fixtures and the tests build on.
+"""The dev kit: what tests/conftest.py's fixtures, the tests and the benches in tools/ build on.
 
 One concern a module: ``procs`` (child processes and their output), ``rings`` (a `ringd local`
 ring), ``cluster`` (`ringd serve` daemons one by one, and what their /health says), ``clients``
@@ -9,12 +9,13 @@ loop), ``reference`` (mlx-lm's own answers); then the builders of test models (`
 links of a network (``netns``, ``linkshape``), free ports (``ports``), stages in this process
 (``stagering``) and the tools/ scripts as modules (``toolscript``).
 
-Importable as ``kit`` because pytest puts tests/ on sys.path (tests/conftest.py lives there).
+Importable as ``devkit`` wherever the checkout is installed (``uv sync`` installs it editable, with
+the checkout on sys.path); not part of the wheel (pyproject packages ringd and wire only).
 """
 
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 # Prefill chunk used by test rings and by the mlx-lm reference alike: small, so
 # ordinary prompts already span several chunks.
 TEST_PREFILL_CHUNK = 16

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-from kit import REPO
+from devkit import REPO
 
 TOOLS = REPO / "tools"
 

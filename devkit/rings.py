@@ -9,8 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kit import REPO, RING_START_TIMEOUT_S, TEST_PREFILL_CHUNK
-from kit.procs import wait_for_line
+from devkit import REPO, RING_START_TIMEOUT_S, TEST_PREFILL_CHUNK
+from devkit.procs import wait_for_line
 
 
 class Ring:

@@ -60,7 +60,7 @@ import numpy as np
 from gguf import MODEL_ARCH, MODEL_TENSOR, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 
-from kit import kquants
+from devkit import kquants
 
 # qtype -> (general.file_type, the type of the 2-D weights). The first four are
 # convert_hf_to_gguf.py's --outtype (ALL_F32 .. MOSTLY_Q8_0); the Q4s are llama-quantize's.

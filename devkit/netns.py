@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ringd.servecmd import serve_command
 
-from kit import REPO, linkshape
+from devkit import REPO, linkshape
 
 # Every `ip` command is local configuration; one that takes longer is stuck.
 IP_COMMAND_TIMEOUT_S = 10.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kit import TEST_PREFILL_CHUNK
+from devkit import TEST_PREFILL_CHUNK
 
 _references: dict = {}
 

@@ -21,7 +21,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
-from kit import REPO
+from devkit import REPO
 
 LIBRARIES = ("mlx", "mlx-lm", "gguf", "transformers", "tokenizers")
 

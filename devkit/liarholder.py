@@ -24,7 +24,7 @@ from aiohttp import web
 
 from wire import stream as wire_stream
 
-from kit.fileholder import SECRET, holder
+from devkit.fileholder import SECRET, holder
 
 
 class LiarHolders:
