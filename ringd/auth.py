@@ -31,7 +31,7 @@ sends the header itself is refused:
                                 method LF path LF leader LF follower LF timestamp
                                 LF nonce LF SHA-256(body) in hex)
 
-A node fetching its layers from a peer that holds the model (``models/peers.py``)
+A node fetching its layers from a peer that holds the model (``models/peers/``)
 proves the secret the same way, under a key of its own, for every file it asks for
 (``files.py``); the holder signs the manifest it answers with, whose chunk hashes
 then vouch for every byte of the files:

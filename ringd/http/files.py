@@ -58,7 +58,7 @@ SEND_CHUNK_BYTES = 4 * 1024 * 1024
 # How long one chunk written to a fetcher may take to leave: a fetcher that does not read for
 # this long loses its stream. SEND_CHUNK_BYTES in SEND_STALL_S is a floor of ~270 KiB/s per
 # stream, a hundredth of what a LAN carries; a fetcher that stalls gives up at its own deadline
-# (models/peers.py), well before.
+# (models/peers/client.py: STALL_S), well before.
 SEND_STALL_S = 15.0
 # Retry-After while the manifest is being built (reading and hashing every byte of the model).
 MANIFEST_RETRY_S = 2

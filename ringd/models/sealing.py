@@ -2,7 +2,7 @@
 
 A holder whose network ``ring_encryption`` calls untrusted does not send a model's
 bytes in the clear (``http/files.py``), and a fetcher with ``ring_encryption``
-asks for them sealed (``models/peers.py``, header SEALED_HEADER). The bytes of one
+asks for them sealed (``models/peers/``, header SEALED_HEADER). The bytes of one
 answer are cut into chunks of SEAL_CHUNK_BYTES (the last one shorter), each sent
 as AES-256-GCM ciphertext and its 16-byte tag:
 

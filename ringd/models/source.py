@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # this many .gguf files is not one, and the cache lookup gives up on it rather than walk it.
 MAX_CACHED_GGUFS = 4096
 
-# In the directory of a model fetched from peers (models/peers.py): whose model it is, its
+# In the directory of a model fetched from peers (models/peers/): whose model it is, its
 # fingerprint (its files are sparse, holes where other stages' tensors are: no fingerprint can
 # be read from them) and the manifest its bytes were checked against.
 PEER_RECORD = "ringd-peer.json"

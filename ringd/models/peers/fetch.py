@@ -1,72 +1,42 @@
-"""Weights that travel between peers: a node with no model fetches the bytes its stage needs.
+"""A model fetched from peers (``PeerModel``) and one fetch of its pieces (``_Fetch``).
 
-With ``model_from_peers``, a node that has no model of its own asks the peers that
-hold one (``http/files.py``) for it: first the signed manifest (models/manifest.py),
-the config and tokenizer files and every weights file's header, into a directory
-under ``models_dir`` named by the model; then, for each plan that gives the node
-layers, the bytes of those layers' tensors (and the embeddings or head where its
-place in the ring needs them, ``checkpoint.stage_keeps``), before the stage loads.
-
-The files are laid out as the holder's, at the same offsets, sparse: what the node
-has not fetched is a hole that takes no disk. So the directory is an mlx-lm
-checkpoint (or GGUF file) the stage loads as it loads any other, reading only its
-own tensors, and the next plan's layers are added to it. ``ringd-peer.json`` says
-whose model it is (its fingerprint, which cannot be read from files with holes). Once the
-config and headers are in, the fingerprint is made again, as the holder made it, from them
-and the slices of the weights its digest reads (asked of a holder where this node has no
-piece there): a manifest that is not the model it names is refused before a byte of it loads.
-
-Every piece (a tensor, or part of a long one: models/manifest.py) is checked against
-the manifest's BLAKE3 before it is written; a piece that does not match
-is refused, its holder named in the log and asked for nothing more, and the piece
-fetched from another holder (the fetch fails, naming the holder, when none is
-left). Each file has a journal of the pieces written and checked, appended after
-each: a fetch stopped by kill -9 starts again where it was, and a piece not in its
-journal is never taken for fetched, whatever the file holds there. Several holders serve at once, a few streams each; the hashing and
-writing run off the event loop.
-
-A holder is trusted for nothing it says beyond what is checked: every header acted on
-is parsed defensively (Retry-After bounded, ``retry_after``), every step of a request
-has a deadline (connecting, the answer's head, each read of the body, each piece at a
-floor rate), and a holder that stalls is dropped from the fetch at once, one that fails
-MAX_HOLDER_FAILURES requests in a row after them, each with the reason in the log and
-its pieces asked of the others; with nobody left the fetch ends in a FetchError that
-names each. With ``ring_encryption`` the bytes are asked for sealed (models/sealing.py)
-and opened, off the event loop, before a piece is checked.
+``PeerModel`` is the directory under ``models_dir``: the signed manifest it was fetched by,
+the config and tokenizer files and every weights file's header (``bootstrap``), then, per
+plan, the bytes of the node's layers (``ensure``); its fingerprint made again from what
+came before a byte of it loads (``check_fingerprint``). ``_Fetch`` hands runs of pieces to
+a few streams over several holders at once, each piece checked and written off the event
+loop (peers/journal.py), and answers each holder's failure (peers/client.py): a stall
+drops it at once, a failed request rests it, MAX_HOLDER_FAILURES in a row drop it, a bad
+piece refuses it; with nobody left the fetch ends in a FetchError that names each.
 """
 
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import json
 import logging
-import math
 import os
 import re
-import socket
 import ssl as ssl_lib
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from blake3 import blake3
 
-from ringd.auth import FILES_BODY_SIGNATURE_HEADER, FILES_NONCE_HEADER, AuthError, check_files_body, sign_files
+from ringd.auth import FILES_NONCE_HEADER, sign_files
 from ringd.models.checkpoint import stage_keeps
-from ringd.models.errors import ModelError
 from ringd.models.fingerprint import digest_samples, identify
 from ringd.models.gguf import GgufFile
-from ringd.models.manifest import FILES_PREFIX, MAX_MANIFEST_BYTES, Manifest, ManifestError, merge_ranges, pieces_of, safetensors_ranges, safetensors_stage_ranges
+from ringd.models.manifest import FILES_PREFIX, Manifest, ManifestError, merge_ranges, pieces_of, safetensors_ranges, safetensors_stage_ranges
+from ringd.models.peers.client import HOLDER_RETRY_S, MAX_RETRY_AFTER_S, BadHolder, BadPiece, FetchError, Holder, HolderBusy, HolderFailed, Stalled, client_session, fetch_manifest, holder_tls, piece_deadline, reason, retry_after
+from ringd.models.peers.journal import JOURNALS, Journal, check_and_write, open_sparse, pread, reserve
+from ringd.models.peers.ranges import RangeReader
 from ringd.models.progress import FETCH, LoadProgress
-from ringd.models.sealing import SCHEME, SEAL_CHUNK_BYTES, SEALED_HEADER, Opener, sealed_length
+from ringd.models.sealing import SCHEME, SEALED_HEADER, Opener
 from ringd.models.source import PEER_RECORD, read_record
 
 log = logging.getLogger(__name__)
 
-# Beside the files: each one's journal of pieces written and checked.
-JOURNALS = ".ringd-pieces"
 # Range requests at once, over all holders, and per holder: a few streams fill a LAN link
 # and let the hashing of one piece overlap the arrival of the next; more only split the link.
 FETCH_STREAMS = 4
@@ -77,29 +47,6 @@ STREAMS_PER_FILE = 1
 # Pieces one Range request asks for at most: a long run is split, so that holders take turns
 # on one file and a failed stream leaves little to ask again.
 MAX_RUN_PIECES = 64
-# Most a read of a holder's socket takes at once.
-RECV_BYTES = 4 * 1024 * 1024
-# An answer's status line and headers: a few hundred bytes from a holder; more is not one.
-MAX_RESPONSE_HEAD_BYTES = 16 * 1024
-# Deadlines. Connecting to a holder on the LAN (its address looked up too); the answer's status
-# and headers, which a holder sends before its first byte of a file (a 503 at once when busy).
-CONNECT_TIMEOUT_S = 5.0
-HEAD_TIMEOUT_S = 10.0
-# Silence within a body: a holder that sends no byte for this long has stalled (a LAN holder
-# sends megabytes a second; its disk pausing takes well under a second) and is dropped.
-STALL_S = 10.0
-# The slowest a piece may arrive, on top of STALL_S: a holder that trickles a byte now and then
-# is a staller too. A LAN stream carries tens of MiB/s; a tenth of a slow Wi-Fi's share is this.
-MIN_PIECE_BYTES_PER_S = 1024 * 1024
-# A holder hashes every byte of its model for the first manifest it is asked for: minutes
-# for hundreds of GB. How long a fetcher waits for it, asking again every Retry-After.
-MANIFEST_WAIT_S = 1800.0
-# A holder that failed a request (not a bad piece: the link, a restart) is asked again after this.
-HOLDER_RETRY_S = 2.0
-# Retry-After, in seconds, is the holder's word: a value that is not a number of seconds or an
-# HTTP date (RFC 9110 10.2.3) counts as HOLDER_RETRY_S, and any is taken as at most this (a
-# holder serving others frees a stream within seconds; one building its manifest is asked again).
-MAX_RETRY_AFTER_S = 30.0
 # Failed requests in a row to one holder after which it is dropped from the fetch (a restart
 # takes one or two; a holder that errs on every request is not asked the whole fetch long).
 MAX_HOLDER_FAILURES = 3
@@ -107,65 +54,10 @@ MAX_HOLDER_FAILURES = 3
 MAX_FAILED_REQUESTS = 20
 
 
-class FetchError(ModelError):
-    """The model's bytes could not be had from any peer; the message says why and from whom."""
-
-
-def retry_after(value: str | None, now: float | None = None) -> float:
-    """Seconds to wait by a Retry-After header, whatever a holder put there: delay-seconds or an
-    HTTP date (RFC 9110 10.2.3), clamped to [0, MAX_RETRY_AFTER_S]; anything else (none, "soon",
-    "nan", "1e308", a date that does not parse) is HOLDER_RETRY_S. Never raises."""
-    if value is None:
-        return HOLDER_RETRY_S
-    value = value.strip()
-    if re.fullmatch(r"[0-9]{1,12}(\.[0-9]{1,6})?", value):  # delay-seconds (a fraction allowed)
-        seconds = float(value)
-    else:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-            seconds = when.timestamp() - (time.time() if now is None else now)
-        except (TypeError, ValueError, IndexError, OverflowError):
-            return HOLDER_RETRY_S
-    if not math.isfinite(seconds):
-        return HOLDER_RETRY_S
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
-
-
-@dataclass(frozen=True)
-class Holder:
-    node: str
-    http: str  # host:port of its HTTP API
-    model: str  # the fingerprint of the model it serves
-    https: bool = False  # its API speaks TLS (the INFO it sent says so): fetched with the node's client context
-
-
 def model_dir_name(manifest: Manifest) -> str:
     """The directory a fetched model gets under models_dir: its label and fingerprint."""
     label = re.sub(r"[^A-Za-z0-9_.-]+", "-", manifest.label).strip("-.")[:80] or "model"
     return f"{label}-{manifest.fingerprint.replace(':', '-')}"
-
-
-class Journal:
-    """Which pieces of one file are written and checked: one index a line, appended after each."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.done: set[int] = set()
-        try:
-            for line in path.read_text().splitlines():
-                if line.isdigit():  # a line cut short by a kill is not a piece
-                    self.done.add(int(line))
-        except OSError:
-            pass
-
-    def add(self, index: int) -> None:
-        """Record a piece (its bytes are written already): one small append, whole or not at all."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, f"{index}\n".encode())
-        finally:
-            os.close(fd)
-        self.done.add(index)
 
 
 class _Run:
@@ -224,8 +116,8 @@ class PeerModel:
         every weights file's header fetched: enough to know the model and plan it; layers follow."""
         if not holders:
             raise FetchError("model_from_peers: no peer holding a model was found; start a node with the model (model: PATH or repo id), or give this node one")
-        async with _client(ssl) as http:
-            manifest = await _manifest(http, holders, secret, node, fingerprint, ssl)
+        async with client_session(ssl) as http:
+            manifest = await fetch_manifest(http, holders, secret, node, fingerprint, ssl)
         holders = [h for h in holders if h.model == manifest.fingerprint]
         model = await asyncio.to_thread(cls._lay_out, models_dir / model_dir_name(manifest), manifest, secret, node, metrics, sealed, ssl)
         ranges = {f.name: [(0, f.head)] for f in manifest.files if f.head}
@@ -251,7 +143,7 @@ class PeerModel:
             model = cls(root, manifest, secret, node, metrics, sealed=sealed, ssl=ssl)
             model._record(checked=False)
         for f in manifest.files:
-            os.close(_open_sparse(root / f.name, f.size))
+            os.close(open_sparse(root / f.name, f.size))
         return model
 
     def _record(self, checked: bool) -> None:
@@ -285,9 +177,9 @@ class PeerModel:
                 try:
                     slices = {k: await self._fetch_slice(holder, *k) for k in needed}
                 except Exception as e:  # whatever a holder answers: said, and the next asked
-                    made.append(f"{holder.node}: {_reason(e)}")
+                    made.append(f"{holder.node}: {reason(e)}")
                     continue
-                now, digest = await asyncio.to_thread(identify, self.path, lambda name, a, b: slices.get((name, a, b)) or _pread(self.root / name, a, b))
+                now, digest = await asyncio.to_thread(identify, self.path, lambda name, a, b: slices.get((name, a, b)) or pread(self.root / name, a, b))
                 if (now, digest) == (m.fingerprint, m.digest):
                     made = []
                     break
@@ -319,14 +211,14 @@ class PeerModel:
                 await r.fill(buf, f"{name} bytes {a}-{b - 1}", piece_deadline(b - a))
                 return bytes(buf)
 
-    def _range(self, holder: Holder, path: str, a: int, b: int) -> "_RangeReader":
+    def _range(self, holder: Holder, path: str, a: int, b: int) -> "RangeReader":
         """A signed GET of bytes [a, b) of ``path`` from ``holder``, sealed if this node asks so."""
         headers = {**sign_files(self.secret, "GET", path, self.node, holder.node, time.time()), "Range": f"bytes={a}-{b - 1}"}
         opener = None
         if self.sealed:
             headers[SEALED_HEADER] = SCHEME
             opener = Opener(self.secret, headers[FILES_NONCE_HEADER], path, a, b - a)
-        return _RangeReader(holder, path, headers, b - a, opener, _tls(holder, self.ssl))
+        return RangeReader(holder, path, headers, b - a, opener, holder_tls(holder, self.ssl))
 
     # --- what a stage needs ------------------------------------------------------------------
 
@@ -388,9 +280,9 @@ class PeerModel:
         fds = {}
         try:
             for name in todo:
-                fds[name] = _open_sparse(self.root / name, self.manifest.file(name).size)
-                await asyncio.to_thread(_reserve, fds[name], [self.manifest.file(name).span(i) for i in todo[name]])
-            async with _client(self.ssl) as http:
+                fds[name] = open_sparse(self.root / name, self.manifest.file(name).size)
+                await asyncio.to_thread(reserve, fds[name], [self.manifest.file(name).span(i) for i in todo[name]])
+            async with client_session(self.ssl) as http:
                 await _Fetch(self, http, fds, good, progress, holders).run(todo)
         finally:
             for fd in fds.values():
@@ -407,109 +299,6 @@ class PeerModel:
         if not holders:
             return f"no peer holds model {self.fingerprint} to fetch it from"
         return f"no holder of model {self.fingerprint} is left to fetch from: {bad}"
-
-
-def _open_sparse(path: Path, size: int) -> int:
-    """The file, created at its full size with nothing written (a hole) if new."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    if os.fstat(fd).st_size != size:
-        os.ftruncate(fd, size)
-    return fd
-
-
-def _reserve(fd: int, spans: list[tuple[int, int]]) -> None:
-    """Allocate the disk the pieces will take, before they come (where the system can): a write
-    into allocated blocks is several times as fast as one that allocates them, and the rest of
-    the file stays a hole."""
-    if not hasattr(os, "posix_fallocate"):  # macOS: APFS allocates as it goes
-        return
-    for a, b in merge_ranges(spans):
-        try:
-            os.posix_fallocate(fd, a, b - a)
-        except OSError:  # a file system that cannot: the writes allocate
-            return
-
-
-def _client(ssl: ssl_lib.SSLContext | None = None) -> aiohttp.ClientSession:
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=STALL_S)
-    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(ssl=ssl if ssl is not None else True))
-
-
-def _url(holder: Holder, path: str, ssl: ssl_lib.SSLContext | None = None) -> str:
-    return f"{'https' if _tls(holder, ssl) is not None else 'http'}://{holder.http}{path}"
-
-
-def _tls(holder: Holder, ssl: ssl_lib.SSLContext | None) -> ssl_lib.SSLContext | None:
-    """The context to reach ``holder`` with: the node's, where the holder's API speaks TLS; a
-    holder with TLS and a node with no context is a failed request that says so."""
-    if not holder.https:
-        return None
-    if ssl is None:
-        raise FetchError(f"{holder.node} serves its API over https, and this fetch has no TLS context to check it with")
-    return ssl
-
-
-def piece_deadline(nbytes: int) -> float:
-    """Seconds ``nbytes`` of a body may take: STALL_S, and the bytes at MIN_PIECE_BYTES_PER_S."""
-    return STALL_S + nbytes / MIN_PIECE_BYTES_PER_S
-
-
-def _reason(e: BaseException) -> str:
-    """What failed, for a log line: the message, and the exception's type where it says more."""
-    if isinstance(e, (_HolderFailed, _BadHolder, _BadPiece, FetchError)) and str(e):
-        return str(e)
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-
-
-async def _read_at_most(r: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The whole body, or its first ``limit + 1`` bytes if it is longer: ``StreamReader.read(n)``
-    gives what has arrived (up to n), so one call may end a body split over TCP segments early."""
-    body = bytearray()
-    while len(body) <= limit and (chunk := await r.content.read(limit + 1 - len(body))):
-        body += chunk
-    return bytes(body)
-
-
-async def _manifest(http: aiohttp.ClientSession, holders: list[Holder], secret: bytes, node: str, fingerprint: str | None, ssl: ssl_lib.SSLContext | None = None) -> Manifest:
-    """The signed manifest of the first holder that answers (waiting while it builds it)."""
-    errors = []
-    deadline = time.monotonic() + MANIFEST_WAIT_S
-    pending = list(holders)
-    while pending:
-        holder = pending.pop(0)
-        fp = fingerprint or "any"
-        path = f"{FILES_PREFIX}/{fp}/manifest"
-        try:
-            headers = sign_files(secret, "GET", path, node, holder.node, time.time())
-            async with asyncio.timeout(CONNECT_TIMEOUT_S + HEAD_TIMEOUT_S + piece_deadline(MAX_MANIFEST_BYTES)), http.get(_url(holder, path, ssl), headers=headers) as r:
-                body = await _read_at_most(r, MAX_MANIFEST_BYTES)
-                if r.status == 503 and time.monotonic() < deadline:
-                    await asyncio.sleep(retry_after(r.headers.get("Retry-After")))
-                    pending.insert(0, holder)  # building: ask it again
-                    continue
-                if r.status != 200:
-                    errors.append(f"{holder.node}: HTTP {r.status} {body[:200].decode(errors='replace')}")
-                    continue
-                if len(body) > MAX_MANIFEST_BYTES:
-                    errors.append(f"{holder.node}: a manifest over {MAX_MANIFEST_BYTES} bytes")
-                    continue
-                check_files_body(secret, headers[FILES_NONCE_HEADER], body, r.headers.get(FILES_BODY_SIGNATURE_HEADER))
-                manifest = Manifest.from_wire(json.loads(body))
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            errors.append(f"{holder.node}: {_reason(e)}")
-            continue
-        except (AuthError, ManifestError, ValueError) as e:
-            errors.append(f"{holder.node}: {e}")
-            continue
-        except Exception as e:  # whatever else a holder's answer makes of the parsing: said, and the next asked
-            errors.append(f"{holder.node}: {_reason(e)}")
-            continue
-        if fingerprint is not None and manifest.fingerprint != fingerprint:
-            errors.append(f"{holder.node}: its manifest is of model {manifest.fingerprint}, not {fingerprint}")
-            continue
-        return manifest
-    raise FetchError("no holder answered with the model's manifest: " + "; ".join(errors))
 
 
 class _Fetch:
@@ -579,7 +368,7 @@ class _Fetch:
                 await self._vouch(holder)
             async with m._range(holder, path, start, end) as r:
                 if r.status == 503:  # busy: serving others, or building its manifest
-                    raise _HolderBusy(retry_after(r.headers.get("retry-after")))
+                    raise HolderBusy(retry_after(r.headers.get("retry-after")))
                 await r.check(206, f"{run.file} bytes {start}-{end - 1}")
                 # One buffer for the stream's pieces (each is written before the next arrives): no
                 # fresh pages to fault in per piece.
@@ -589,22 +378,22 @@ class _Fetch:
                     done += 1
             self.failures = 0
             self.failed[holder.node] = 0
-        except _BadPiece as e:
+        except BadPiece as e:
             log.error("%s served a piece that does not match its manifest (%s); it is asked for nothing more", holder.node, e)
             self._refuse(holder, f"it served {e}, which does not match the manifest")
             self._requeue(run, done)
-        except _BadHolder as e:
+        except BadHolder as e:
             log.error("%s: %s; it is asked for nothing more", holder.node, e)
             self._refuse(holder, str(e))
             self._requeue(run, done)
-        except _HolderBusy as e:
+        except HolderBusy as e:
             self.resting[holder.node] = time.monotonic() + max(e.retry_after, 0.1)
             self._requeue(run, done)
-        except _Stalled as e:
+        except Stalled as e:
             # Its socket is open and silent: asking it again costs the same wait, so it is dropped.
-            self._drop(holder, run, done, _reason(e))
+            self._drop(holder, run, done, reason(e))
         except Exception as e:  # the link, a restart, or an answer that parses as nothing: whatever a holder sends
-            why = _reason(e)
+            why = reason(e)
             self.failures += 1
             self.failed[holder.node] = self.failed.get(holder.node, 0) + 1
             if self.failures >= MAX_FAILED_REQUESTS:
@@ -635,11 +424,11 @@ class _Fetch:
         """Ask a holder for its manifest before its bytes: it must be ours, piece for piece (and the
         asking starts its building, if it never built it)."""
         try:
-            theirs = await _manifest(self.http, [holder], self.m.secret, self.m.node, self.m.fingerprint, self.m.ssl)
+            theirs = await fetch_manifest(self.http, [holder], self.m.secret, self.m.node, self.m.fingerprint, self.m.ssl)
         except FetchError as e:
-            raise _HolderFailed(str(e)) from None
+            raise HolderFailed(str(e)) from None
         if theirs != self.m.manifest:
-            raise _BadHolder(f"its manifest of model {self.m.fingerprint} differs from the one this node fetches by")
+            raise BadHolder(f"its manifest of model {self.m.fingerprint} differs from the one this node fetches by")
         self.m.vouched.add(holder.node)
 
     def _requeue(self, run: _Run, done: int) -> None:
@@ -647,193 +436,19 @@ class _Fetch:
         if rest:
             self.queue.append(_Run(run.file, rest))
 
-    async def _piece(self, file: str, index: int, r: "_RangeReader", into: memoryview) -> None:
+    async def _piece(self, file: str, index: int, r: "RangeReader", into: memoryview) -> None:
         """Receive one piece into ``into``; then, off the loop and in one go, hash it (BLAKE3 on
         every core) and, if it is the manifest's, write and record it."""
         m, f = self.m, self.m.manifest.file(file)
         a, b = f.span(index)
         buf = into[: b - a]
         await r.fill(buf, f"piece {index} of {file}", piece_deadline(b - a))
-        ok = await asyncio.to_thread(_check_and_write, self.fds[file], m.journals[file], index, a, buf, f.hashes[index])
+        ok = await asyncio.to_thread(check_and_write, self.fds[file], m.journals[file], index, a, buf, f.hashes[index])
         if m.metrics is not None:
             m.metrics.files_fetched(ok, b - a)
         if not ok:
-            raise _BadPiece(f"piece {index} of {file}")
+            raise BadPiece(f"piece {index} of {file}")
         self.progress.advance(file, b - a)
-
-
-class _RangeReader:
-    """One GET of a byte range, HTTP/1.1, whose body lands straight in the caller's buffers: a
-    fetch reads gigabytes, and a stream of small ``bytes`` through a general client costs more
-    time than the bytes themselves. Every wait has a deadline: CONNECT_TIMEOUT_S to connect,
-    HEAD_TIMEOUT_S for the answer's head, STALL_S for each read of the body (``_Stalled``).
-
-    With an ``opener`` the body is sealed (models/sealing.py): read a chunk at a time, opened off
-    the loop. With ``ssl`` the connection speaks TLS (through asyncio's streams: a copy more)."""
-
-    def __init__(self, holder: Holder, path: str, headers: dict[str, str], count: int, opener: Opener | None = None, ssl: ssl_lib.SSLContext | None = None):
-        self.holder, self.path, self.headers, self.count = holder, path, headers, count
-        self.opener, self.ssl = opener, ssl
-        self.status, self.length = 0, 0
-        self.sock: socket.socket | None = None
-        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None  # with ssl
-        self._early = b""  # body bytes that came with the headers
-        self._plain = memoryview(b"")  # opened bytes not yet given out (sealed)
-        self._chunk = 0  # the next sealed chunk's index
-
-    async def __aenter__(self) -> "_RangeReader":
-        try:
-            return await self._open()
-        except BaseException:
-            self.close()
-            raise
-
-    async def _open(self) -> "_RangeReader":
-        loop = asyncio.get_running_loop()
-        host, port = self.holder.http.rsplit(":", 1)
-        request = "\r\n".join([f"GET {self.path} HTTP/1.1", f"Host: {self.holder.http}", "Connection: close", *(f"{k}: {v}" for k, v in self.headers.items())])
-        try:
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                if self.ssl is not None:
-                    self._streams = await asyncio.open_connection(host.strip("[]"), int(port), ssl=self.ssl)
-                else:
-                    infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-                    family, kind, proto, _, addr = infos[0]
-                    self.sock = socket.socket(family, kind, proto)
-                    self.sock.setblocking(False)
-                    await loop.sock_connect(self.sock, addr)
-        except TimeoutError:
-            raise _HolderFailed(f"connecting to {self.holder.http} took over {CONNECT_TIMEOUT_S:.0f} s") from None
-        head = b""
-        try:
-            async with asyncio.timeout(HEAD_TIMEOUT_S):
-                await self._send((request + "\r\n\r\n").encode())
-                while b"\r\n\r\n" not in head:
-                    if len(head) > MAX_RESPONSE_HEAD_BYTES:
-                        raise _HolderFailed(f"an answer whose headers run past {MAX_RESPONSE_HEAD_BYTES} bytes")
-                    data = bytearray(16384)
-                    n = await self._recv_into(memoryview(data))
-                    if not n:
-                        raise _HolderFailed("the holder closed the connection before answering")
-                    head += data[:n]
-        except TimeoutError:
-            raise _Stalled(f"no answer's head within {HEAD_TIMEOUT_S:.0f} s") from None
-        head, self._early = head.split(b"\r\n\r\n", 1)
-        status, *fields = head.decode("latin-1").split("\r\n")
-        try:
-            self.status = int(status.split()[1])
-        except (IndexError, ValueError):
-            raise _HolderFailed(f"a status line that does not parse: {status[:80]!r}") from None
-        self.headers = {k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in fields)}
-        length = self.headers.get("content-length", "")
-        self.length = int(length) if length.isdigit() and len(length) < 20 else -1
-        return self
-
-    async def check(self, status: int, what: str) -> None:
-        """_HolderFailed unless the answer is ``status`` with the body this request asked for."""
-        if self.status != status:
-            raise _HolderFailed(f"HTTP {self.status} for {what}: {await self.text()}")
-        sealed = self.headers.get(SEALED_HEADER.lower())
-        if (sealed == SCHEME) != (self.opener is not None):
-            raise _HolderFailed(f"an answer for {what} {'not sealed' if self.opener is not None else f'sealed ({sealed!r:.40})'}, asked for {'sealed' if self.opener else 'in the clear'}")
-        want = sealed_length(self.count) if self.opener is not None else self.count
-        if self.length != want:
-            raise _HolderFailed(f"a Content-Length of {self.length} for {what}, not the {want} bytes asked for")
-
-    async def __aexit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-        if self._streams is not None:
-            self._streams[1].close()
-
-    async def _send(self, data: bytes) -> None:
-        if self._streams is not None:
-            self._streams[1].write(data)
-            await self._streams[1].drain()
-        else:
-            await asyncio.get_running_loop().sock_sendall(self.sock, data)
-
-    async def _recv_into(self, buf: memoryview) -> int:
-        if self._streams is not None:
-            data = await self._streams[0].read(len(buf))
-            buf[: len(data)] = data
-            return len(data)
-        return await asyncio.get_running_loop().sock_recv_into(self.sock, buf)
-
-    async def fill(self, buf: memoryview, what: str, deadline_s: float) -> None:
-        """Body bytes into all of ``buf`` within ``deadline_s``; _HolderFailed naming ``what`` if the
-        body ends first, _Stalled if it does not come in time."""
-        got = 0
-        try:
-            async with asyncio.timeout(deadline_s):
-                while got < len(buf):
-                    n = await self.read_into(buf[got:])
-                    if not n:
-                        raise _HolderFailed(f"the stream ended in {what}, after {got} of {len(buf)} bytes")
-                    got += n
-        except TimeoutError:
-            raise _Stalled(f"{what} not in within {deadline_s:.0f} s ({got} of {len(buf)} bytes; the floor is {MIN_PIECE_BYTES_PER_S // 1024} KiB/s)") from None
-
-    async def read_into(self, buf: memoryview) -> int:
-        """Body bytes into ``buf`` (as many as came, at most its size, opened if sealed); 0 at the end."""
-        if self.opener is None:
-            return await self._raw_into(buf)
-        if not self._plain:
-            if self._chunk * SEAL_CHUNK_BYTES >= self.count:
-                return 0
-            sealed = memoryview(bytearray(self.opener.chunk_bytes(self._chunk)))
-            got = 0
-            while got < len(sealed):
-                n = await self._raw_into(sealed[got:])
-                if not n:
-                    return 0  # cut short: the caller says where
-                got += n
-            self._plain = memoryview(await asyncio.to_thread(self.opener.open, self._chunk, sealed))
-            self._chunk += 1
-        n = min(len(self._plain), len(buf))
-        buf[:n] = self._plain[:n]
-        self._plain = self._plain[n:]
-        return n
-
-    async def _raw_into(self, buf: memoryview) -> int:
-        """Bytes of the body as they come on the wire; _Stalled after STALL_S without one."""
-        if self._early:
-            n = min(len(self._early), len(buf))
-            buf[:n] = self._early[:n]
-            self._early = self._early[n:]
-            return n
-        try:
-            async with asyncio.timeout(STALL_S):
-                return await self._recv_into(buf[:RECV_BYTES])
-        except TimeoutError:
-            raise _Stalled(f"no byte for {STALL_S:.0f} s mid-piece") from None
-
-    async def text(self) -> str:
-        """The start of an error answer's body, for a message (within STALL_S; it may be sealed garbage)."""
-        buf = memoryview(bytearray(300))
-        try:
-            n = await self._raw_into(buf)
-        except (_Stalled, OSError):
-            return ""
-        return bytes(buf[:n]).decode(errors="replace")
-
-
-def _check_and_write(fd: int, journal: Journal, index: int, offset: int, piece: memoryview, expected: str) -> bool:
-    """Check a piece against its hash; if it holds, write it where it goes, then record it. One
-    thread hop per piece: BLAKE3 on every core takes a 16 MiB piece in a few milliseconds."""
-    if blake3(piece, max_threads=blake3.AUTO).hexdigest() != expected:
-        return False
-    os.pwrite(fd, piece, offset)
-    journal.add(index)
-    return True
-
-
-def _pread(path: Path, a: int, b: int) -> bytes:
-    with open(path, "rb") as f:
-        return os.pread(f.fileno(), b - a, a)
 
 
 def _consecutive(pieces: list[int]) -> list[list[int]]:
@@ -845,25 +460,3 @@ def _consecutive(pieces: list[int]) -> list[list[int]]:
         else:
             runs.append([i])
     return runs
-
-
-class _BadPiece(Exception):
-    pass
-
-
-class _BadHolder(Exception):
-    pass
-
-
-class _HolderBusy(Exception):
-    def __init__(self, retry_after: float):
-        super().__init__(f"busy; retry after {retry_after} s")
-        self.retry_after = retry_after
-
-
-class _HolderFailed(Exception):
-    pass
-
-
-class _Stalled(_HolderFailed):
-    """A holder whose socket is open and silent (or too slow): dropped from the fetch at once."""
