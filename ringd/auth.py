@@ -62,6 +62,8 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from wire import labels
+
 # Clocks of a LAN's Macs agree within seconds (NTP); a signed request whose
 # timestamp is further than this from the node's clock, behind or ahead, is
 # refused.
@@ -112,14 +114,14 @@ class _Scheme:
 
 
 _CONTROL = _Scheme(
-    b"ringd-control-v1", b"ringd control-route key v1", NODE_HEADER, TIMESTAMP_HEADER, NONCE_HEADER, SIGNATURE_HEADER, None,
+    labels.CONTROL_SIGNED, labels.CONTROL_KEY, NODE_HEADER, TIMESTAMP_HEADER, NONCE_HEADER, SIGNATURE_HEADER, None,
     "the request's signature",
     "this route changes the cluster and needs a request signed with the cluster secret (missing {}); "
     "use `ringctl --secret-file FILE ...`",
     "the request was signed for node {!r:.80}, not for {}",
 )  # fmt: skip
 _FORWARD = _Scheme(
-    b"ringd-forward-v1", b"ringd forwarding key v1", FORWARDED_TO_HEADER, FORWARD_TIMESTAMP_HEADER, FORWARD_NONCE_HEADER,
+    labels.FORWARD_SIGNED, labels.FORWARD_KEY, FORWARDED_TO_HEADER, FORWARD_TIMESTAMP_HEADER, FORWARD_NONCE_HEADER,
     FORWARD_SIGNATURE_HEADER, FORWARDED_BY_HEADER,
     "the forwarding proof",
     f"{FORWARDED_BY_HEADER} is for ringd followers forwarding to their leader, which prove the cluster secret "
@@ -129,13 +131,12 @@ _FORWARD = _Scheme(
 
 
 _FILES = _Scheme(
-    b"ringd-files-v1", b"ringd weight-files key v1", FILES_HOLDER_HEADER, FILES_TIMESTAMP_HEADER, FILES_NONCE_HEADER,
+    labels.FILES_SIGNED, labels.FILES_KEY, FILES_HOLDER_HEADER, FILES_TIMESTAMP_HEADER, FILES_NONCE_HEADER,
     FILES_SIGNATURE_HEADER, FILES_FETCHER_HEADER,
     "the request's proof of the cluster secret",
     "a model's files are served to members of the cluster only, which prove its secret (missing {})",
     "the request was signed for node {!r:.80}, but this is {}",
 )  # fmt: skip
-_FILES_BODY_LABEL = b"ringd-files-body-v1"
 
 
 class AuthError(Exception):
@@ -191,7 +192,7 @@ def sign_files(secret: bytes, method: str, path: str, fetcher: str, holder: str,
 
 def files_body_signature(secret: bytes, request_nonce: str, digest: str) -> str:
     """What a holder signs its answer with (``digest``: body_sha256 of it), bound to the request."""
-    return hmac.new(_key(_FILES, secret), b"\n".join([_FILES_BODY_LABEL, request_nonce.encode(), digest.encode()]), hashlib.sha256).hexdigest()
+    return hmac.new(_key(_FILES, secret), b"\n".join([labels.FILES_BODY_SIGNED, request_nonce.encode(), digest.encode()]), hashlib.sha256).hexdigest()
 
 
 def check_files_body(secret: bytes, request_nonce: str, body: bytes, signature: str | None) -> None:

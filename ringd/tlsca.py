@@ -28,9 +28,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-# Names the derivation: another use of the secret (ring handshake keys) never
-# yields this key, and a new scheme gets a new label rather than a clash.
-_KDF_SALT = b"ringd cluster CA key v1"
+from wire import labels
+
 # P-256's group order: the derived scalar is reduced into [1, n-1].
 _P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 # 16 bytes past the order's 32 make the reduction's bias negligible (FIPS 186-5 A.2.1).
@@ -64,7 +63,7 @@ class ClusterCA:
 
 def derive_ca(secret: bytes, cluster: str) -> ClusterCA:
     """The CA of ``cluster`` with cluster secret ``secret``: the same for everyone who holds both."""
-    okm = HKDF(algorithm=hashes.SHA256(), length=_KDF_BYTES, salt=_KDF_SALT, info=cluster.encode()).derive(secret)
+    okm = HKDF(algorithm=hashes.SHA256(), length=_KDF_BYTES, salt=labels.CLUSTER_CA_KEY, info=cluster.encode()).derive(secret)
     key = ec.derive_private_key(int.from_bytes(okm, "big") % (_P256_ORDER - 1) + 1, ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "ringd"), x509.NameAttribute(NameOID.COMMON_NAME, ca_subject(cluster))])
     public = key.public_key()

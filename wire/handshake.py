@@ -4,7 +4,7 @@ Sans-I/O: frames in, frames out, no sockets or clocks (the stream layer bounds
 the whole exchange by HANDSHAKE_TIMEOUT_S).
 
     both sides, at once:  HELLO {"node", "cluster", "version", "nonce", "encrypt"}
-    on the peer's HELLO:  PROOF {"mac": HMAC-SHA256(secret, LABEL + role + transcript)}
+    on the peer's HELLO:  PROOF {"mac": HMAC-SHA256(secret, labels.HANDSHAKE_PROOF + role + transcript)}
     on the peer's PROOF:  derive the session keys (wire.seal), then
                           INFO {"info": {...}}, the first sealed frame
     on the peer's INFO:   done, if it opened as the peer's first sealed frame
@@ -44,6 +44,7 @@ import json
 import re
 import secrets
 
+from wire import labels
 from wire.frames import (
     DEFAULT_LIMITS,
     HANDSHAKE_LIMITS,
@@ -65,7 +66,6 @@ NONCE_BYTES = 32  # 256 bits: never repeats, so no transcript is ever replayed
 MAX_NODE_ID_CHARS = 64
 _NODE_ID_RULE = f"a printable str of 1 to {MAX_NODE_ID_CHARS} characters"
 
-_LABEL = b"ringd-handshake-v2|"
 _HELLO_KEYS = {"node", "cluster", "version", "nonce", "encrypt"}
 _NONCE_HEX = re.compile(f"[0-9a-f]{{{2 * NONCE_BYTES}}}")
 _MAC_HEX = re.compile(f"[0-9a-f]{{{2 * hashlib.sha256().digest_size}}}")
@@ -340,4 +340,4 @@ class Handshake:
 
     def _mac(self, by_initiator: bool) -> bytes:
         role = b"initiator" if by_initiator else b"responder"
-        return hmac.new(self._secret, _LABEL + role + self._transcript, hashlib.sha256).digest()
+        return hmac.new(self._secret, labels.HANDSHAKE_PROOF + role + self._transcript, hashlib.sha256).digest()

@@ -46,11 +46,9 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from wire import labels
 from wire.frames import FrameError, IntegrityError
 
-# Versioned so that keys of a later protocol never equal this one's (v3: the MAC is keyed
-# BLAKE3, protocol 5; v2 keyed HMAC-SHA256).
-SESSION_LABEL = b"ringd-session-v3|"
 KEY_BYTES = 32  # BLAKE3's key size (keyed mode takes exactly 32 bytes), or AES-256 key
 MAC_BYTES = 32  # BLAKE3's default output; truncating buys nothing at these frame sizes
 TAG_BYTES = 16  # AES-GCM's full tag
@@ -187,7 +185,7 @@ def derive_session(secret: bytes, transcript: bytes, *, initiator: bool, encrypt
 
     def key(direction: bytes) -> bytes:
         hkdf = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=salt,
-                    info=SESSION_LABEL + mode + direction)  # fmt: skip
+                    info=labels.SESSION_KEYS + mode + direction)  # fmt: skip
         return hkdf.derive(secret)
 
     to_responder, to_initiator = key(b"initiator->responder"), key(b"responder->initiator")

@@ -7,7 +7,7 @@ answer are cut into chunks of SEAL_CHUNK_BYTES (the last one shorter), each sent
 as AES-256-GCM ciphertext and its 16-byte tag:
 
     key    = HKDF-SHA256(cluster secret, salt = the request's nonce,
-                         info = SEAL_LABEL | path | start | count)
+                         info = labels.FILES_SEAL_KEY | path | start | count)
     chunk i: nonce = i (12 bytes, little-endian), associated data = i | last?
 
 The request's nonce is fresh and never accepted twice (``auth.FilesAuth``), so
@@ -31,12 +31,12 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from wire import labels
+
 # The request header by which a fetcher asks for sealed bytes, and the answer's, which says
 # they are: its value names the scheme, so a later one is never opened as this one.
 SEALED_HEADER = "X-Ringd-Files-Sealed"
 SCHEME = "aes-256-gcm-v1"
-# Versioned, so that keys of a later scheme never equal these.
-SEAL_LABEL = b"ringd-files-seal-v1"
 # Plaintext bytes a chunk: a thread hop and 16 bytes of tag per MiB, and no more than this
 # held per stream beyond the piece buffer.
 SEAL_CHUNK_BYTES = 1024 * 1024
@@ -49,7 +49,7 @@ class SealError(Exception):
 
 
 def _key(secret: bytes, nonce: str, path: str, start: int, count: int) -> AESGCM:
-    info = b"|".join([SEAL_LABEL, path.encode(), str(start).encode(), str(count).encode()])
+    info = b"|".join([labels.FILES_SEAL_KEY, path.encode(), str(start).encode(), str(count).encode()])
     key = HKDF(algorithm=hashes.SHA256(), length=32, salt=nonce.encode(), info=info).derive(secret)
     return AESGCM(key)
 

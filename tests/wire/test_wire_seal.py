@@ -326,11 +326,11 @@ def test_integrity_trailer_is_keyed_blake3_of_seq_header_descriptor_and_payload(
     """Protocol 5's MAC, computed here apart from wire.seal: keyed BLAKE3 under the session's key."""
     from blake3 import blake3
 
-    from wire.seal import SESSION_LABEL
+    from wire.labels import SESSION_KEYS
 
     ours, _ = sessions(False)
     frames_ = [Frame(MsgType.CONTROL, 3, {"a": 1}, b"payload" * 9), Frame(MsgType.PING)]
-    key = _direction_key(SESSION_LABEL, b"blake3-keyed|")
+    key = _direction_key(SESSION_KEYS, b"blake3-keyed|")
     for seq, (frame, data) in enumerate(zip(frames_, sealed(ours, frames_))):
         body, trailer = data[:-MAC_BYTES], data[-MAC_BYTES:]
         assert trailer == blake3(seq.to_bytes(8, "little") + body, key=key).digest()
