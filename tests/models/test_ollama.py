@@ -506,7 +506,7 @@ def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_sa
     from ringd.http.serving import Serving
     from ringd.leader.engine import Engine, EngineSettings
     from ringd.metrics import Metrics
-    from tests.stagering import StageRing
+    from devkit.stagering import StageRing
 
     digest = "0123456789abcdef" * 4
     (store / "blobs").mkdir()
@@ -534,7 +534,7 @@ def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_sa
 
         engine.generate = recorded
         node = SimpleNamespace(
-            info=info, tokenizer=tokenizer, model_id="smollm2", engine=engine, readiness=lambda: (True, ""),
+            info=info, tokenizer=tokenizer, model_id="smollm2", engine=engine, leading=True, readiness=lambda: (True, ""),
             failover_wait_s=0.0, metrics=Metrics("node0"), chat_template_kwargs={},
         )  # fmt: skip
         serving = Serving(node)
