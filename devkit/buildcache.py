@@ -27,7 +27,7 @@ LIBRARIES = ("mlx", "mlx-lm", "gguf", "transformers", "tokenizers")
 
 
 def root() -> Path:
-    from ringd.cli import cache_dir
+    from ringd.app.cli import cache_dir
 
     return cache_dir() / "test-models"
 

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ringd.servecmd import serve_command
+from ringd.base.servecmd import serve_command
 
 from devkit import REPO, TEST_PREFILL_CHUNK
 from devkit.ports import ports

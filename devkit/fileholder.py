@@ -11,10 +11,10 @@ from aiohttp import web
 
 from ringd.http.api import error_answers
 from ringd.http.files import FileServer, Holding
-from ringd.metrics import Metrics
+from ringd.base.metrics import Metrics
 from ringd.models.peers import Holder
 from ringd.models.source import model_info
-from ringd.tls import TlsSettings, server_context
+from ringd.security.tls import TlsSettings, server_context
 
 SECRET = b"s" * 32
 CLUSTER = "ringd"

@@ -1,6 +1,6 @@
 """GGUF files written from tiny mlx-lm model directories the way llama.cpp's own tools write them.
 
-``ringd.models.gguf`` reads GGUF files. Testing it on files it wrote itself would only prove
+``ringd.models.gguf.reader`` reads GGUF files. Testing it on files it wrote itself would only prove
 that it agrees with itself, and there is one real GGUF here (SmolLM2, a llama). So this
 writes GGUFs of other architectures from the tiny models of ``ringd.models.tinymodel``, step
 by step as llama.cpp does, with llama.cpp's own Python package (gguf-py) and without

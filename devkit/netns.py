@@ -37,7 +37,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ringd.servecmd import serve_command
+from ringd.base.servecmd import serve_command
 
 from devkit import REPO, linkshape
 

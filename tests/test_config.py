@@ -1,4 +1,4 @@
-"""ringd.config: file < environment < flags, and errors that name the key, the source and the reason."""
+"""ringd.node.config: file < environment < flags, and errors that name the key, the source and the reason."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from devkit import REPO
-from ringd import config
-from ringd.servecmd import serve_command
+from ringd.node import config
+from ringd.base.servecmd import serve_command
 
 
 def parse(argv: list[str], environ: dict | None = None) -> config.Config:

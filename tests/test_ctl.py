@@ -29,8 +29,8 @@ import pytest
 from devkit import REPO
 from devkit.cluster import serving_leader
 
-from ringd.ctl.render import print_status
-from ringd.ctl.top import top_view
+from ringd.app.ctl.render import print_status
+from ringd.app.ctl.top import top_view
 
 # Generous: a pane redraws every 0.5 s, but a node's restart loads its model and replans.
 PANE_TIMEOUT_S = 90.0
@@ -94,10 +94,10 @@ def test_top_redraws_what_changes_keeps_trying_and_quits_on_ctrl_c(tiny_model, c
     c.wait(lambda: serving_leader(c, range(2)) == "node0", what="node0 to lead a ring of two")
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[0]}", "--secret-file", str(c.secret), *args]
+        cmd = [sys.executable, "-m", "ringd.app.ctl", "--node", f"127.0.0.1:{c.http_ports[0]}", "--secret-file", str(c.secret), *args]
         return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30)
 
-    top = [sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[0]}", "--secret-file", str(c.secret), "top", "--interval", "0.5"]
+    top = [sys.executable, "-m", "ringd.app.ctl", "--node", f"127.0.0.1:{c.http_ports[0]}", "--secret-file", str(c.secret), "top", "--interval", "0.5"]
     pane = Pane(tmp_path, top)
     try:
         text = pane.wait(lambda t: "ready" in row(t, "node0") and "ready" in row(t, "node1"), "both nodes in the table", c.log_tails)
@@ -128,7 +128,7 @@ def test_top_redraws_what_changes_keeps_trying_and_quits_on_ctrl_c(tiny_model, c
 
 
 def test_top_refuses_a_pipe():
-    r = subprocess.run([sys.executable, "-m", "ringd.ctl", "top"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "ringd.app.ctl", "top"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "ringctl status --json" in r.stderr
 
 
@@ -249,7 +249,7 @@ def fake_node():
 
 def ringctl_at(node: str, secret, *args: str) -> subprocess.CompletedProcess:
     """ringctl as a user runs it (the pin file: RINGD_KNOWN_NODES, a file of the test's own)."""
-    cmd = [sys.executable, "-m", "ringd.ctl", "--node", node, "--secret-file", str(secret), *args]
+    cmd = [sys.executable, "-m", "ringd.app.ctl", "--node", node, "--secret-file", str(secret), *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 

@@ -7,7 +7,7 @@ import subprocess
 
 from devkit import REPO
 
-from ringd.servecmd import serve_command
+from ringd.base.servecmd import serve_command
 
 
 def serve(tmp_path, model, secret_mode: int = 0o600, **flags) -> subprocess.CompletedProcess:

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from ringd import device
-from ringd.device import (
+from ringd.base import device
+from ringd.base.device import (
     GIB,
     SPEED_CACHE_FILE,
     DeviceProfile,

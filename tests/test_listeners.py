@@ -1,4 +1,4 @@
-"""ringd/listeners.py: sockets bound by a launcher, handed down to a daemon by descriptor."""
+"""ringd/base/listeners.py: sockets bound by a launcher, handed down to a daemon by descriptor."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from ringd.listeners import ListenerError, adopt, bind
+from ringd.base.listeners import ListenerError, adopt, bind
 
 
 def test_a_bound_listener_is_adopted_by_its_descriptor_and_accepts():

@@ -119,7 +119,7 @@ def test_local_flag_errors(tiny_model, argv, needle):
 
 
 def test_progress_lines_name_each_loading_node_once_per_change():
-    from ringd.local import progress_lines
+    from ringd.app.local import progress_lines
 
     p = {"phase": "download", "file": "model-00002-of-00004.safetensors", "files_done": 1, "files_total": 4,
          "bytes": 3 * 2**20, "total_bytes": 12 * 2**20, "rate_bytes_s": 2**20, "layers": [2, 4]}  # fmt: skip

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringd import logs
+from ringd.base import logs
 
 REQUEST_ID = "trace-7f3a:checkout/42"
 

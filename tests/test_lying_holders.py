@@ -21,7 +21,7 @@ from devkit import REPO
 from devkit.liarholder import LiarHolders
 from devkit.ports import port
 
-from ringd.servecmd import serve_command
+from ringd.base.servecmd import serve_command
 
 # Well above what each case takes now (a Retry-After of 2 s; a stall given up on after 10 s), well
 # below what it took before (60 s for one stalled request).

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ringd.metrics import LIVE_WINDOW_S, Gauges, Live, Metrics
+from ringd.base.metrics import LIVE_WINDOW_S, Gauges, Live, Metrics
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

@@ -8,7 +8,7 @@ and the ring answers as single-process mlx-lm does; each fetcher's directory hol
 its stage's tensors, config and tokenizer, not the model. A drain gives node1 the
 layers node2 had: it fetches them, and the answers stay the same. The ring of the mlx-lm
 directory has ``ring_encryption`` on: its links are encrypted, and so are the weights its
-fetchers ask for (sealed: models/sealing.py). The model is a tiny
+fetchers ask for (sealed: models/peers/sealing.py). The model is a tiny
 random llama (the answers are compared token for token, not read): the real SmolLM2
 costs ~0.3 s of CPU a token here, and its fetch is ``ringd demo``'s (tests/test_demo.py).
 """
@@ -27,7 +27,7 @@ from devkit.cluster import Cluster
 from devkit.clients import post
 
 from ringd.models.peers import PeerModel
-from ringd.servecmd import serve_command
+from ringd.base.servecmd import serve_command
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TOKENS = 24
@@ -123,7 +123,7 @@ def test_two_nodes_with_nothing_fetch_their_layers_and_the_ring_answers_as_mlx_l
             return
         # A drain gives node1 layers it has not got: it fetches them, and the ring answers the same.
         r = subprocess.run(
-            [sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[0]}", "--secret-file", str(c.secret), "drain", "node2"],
+            [sys.executable, "-m", "ringd.app.ctl", "--node", f"127.0.0.1:{c.http_ports[0]}", "--secret-file", str(c.secret), "drain", "node2"],
             cwd=REPO, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert r.returncode == 0, r.stderr

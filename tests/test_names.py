@@ -1,4 +1,4 @@
-"""ringd.names: one rule for names and addresses, wherever they come from."""
+"""ringd.base.names: one rule for names and addresses, wherever they come from."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringd.names import check_host, check_name, check_port, natural_key, parse_hostport
+from ringd.base.names import check_host, check_name, check_port, natural_key, parse_hostport
 
 
 def test_node_names_sort_as_people_count():

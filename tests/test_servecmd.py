@@ -2,8 +2,8 @@
 
 import argparse
 
-from ringd import config
-from ringd.servecmd import serve_command
+from ringd.node import config
+from ringd.base.servecmd import serve_command
 
 
 def _parsed(cmd: list[str]) -> config.Config:

@@ -1,7 +1,7 @@
 """`ringctl install | uninstall | logs`: ringd serve as a launchd job (macOS) or a systemd unit (Linux).
 
 The macOS branch runs here on Linux because ``RINGD_SERVICE_PLATFORM=macos``
-(``ringd/service.py``) picks the service manager instead of the machine's own,
+(``ringd/app/service.py``) picks the service manager instead of the machine's own,
 and ``HOME`` points at the test's folder, so the LaunchAgent goes to
 ``tmp/home/Library/LaunchAgents``. The job launchd would run is run for real: its
 ProgramArguments, with its EnvironmentVariables only, in its WorkingDirectory,
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 from devkit import REPO, RING_START_TIMEOUT_S
 
-from ringd import service
+from ringd.app import service
 from devkit.ports import port
 
 # Seconds for a ringctl command that only reads a config and writes a file (imports included).
@@ -45,7 +45,7 @@ def ctl_env(home: Path, platform: str, **extra: str) -> dict[str, str]:
 
 
 def ringctl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ringd.ctl", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=CTL_TIMEOUT_S)
+    return subprocess.run([sys.executable, "-m", "ringd.app.ctl", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=CTL_TIMEOUT_S)
 
 
 def write_config(folder: Path, model: str, **keys) -> Path:
@@ -299,7 +299,7 @@ def test_logs_prints_the_log_and_follows_it(tmp_path):
     assert r.returncode == 0 and r.stdout == "line 99\nline 100\n", r.stderr
     assert ringctl(env, "logs").stdout.splitlines()[0] == "line 51"  # 50 by default
 
-    follow = subprocess.Popen([sys.executable, "-m", "ringd.ctl", "logs", "-f"], cwd=REPO, env=env, stdout=subprocess.PIPE)
+    follow = subprocess.Popen([sys.executable, "-m", "ringd.app.ctl", "logs", "-f"], cwd=REPO, env=env, stdout=subprocess.PIPE)
     try:
         seen = read_until(follow, b"line 100\n", b"")
         with open(log, "a") as f:

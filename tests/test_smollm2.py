@@ -79,7 +79,7 @@ def test_each_node_holds_its_share_of_the_file(smollm2_ring, smollm2_gguf):
     import json
     import urllib.request
 
-    from ringd.models.gguf import GgufFile
+    from ringd.models.gguf.reader import GgufFile
 
     with urllib.request.urlopen(smollm2_ring.url + "/cluster/status", timeout=10) as r:
         nodes = [n for n in json.loads(r.read())["nodes"] if n.get("layers")]

@@ -1,4 +1,4 @@
-"""ringd.tasks: a loop that raises is logged with its traceback and started again; none dies silently."""
+"""ringd.base.tasks: a loop that raises is logged with its traceback and started again; none dies silently."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from ringd.tasks import Supervisor
+from ringd.base.tasks import Supervisor
 
 
 async def until(predicate, timeout: float = 10.0) -> None:
@@ -32,7 +32,7 @@ def test_a_failing_loop_is_logged_and_restarted(caplog):
         assert s.restarts == {"heartbeats": 2}
         await s.stop()
 
-    with caplog.at_level(logging.ERROR, logger="ringd.tasks"):
+    with caplog.at_level(logging.ERROR, logger="ringd.base.tasks"):
         asyncio.run(main())
     failures = [r for r in caplog.records if "task heartbeats failed; restarting it" in r.getMessage()]
     assert len(failures) == 2 and all(r.exc_info for r in failures)  # with the traceback
@@ -63,7 +63,7 @@ def test_a_loop_that_returns_is_restarted_unless_it_may(caplog):
         assert dials == [1] and s.restarts == {"reconcile": 1}
         await s.stop()
 
-    with caplog.at_level(logging.ERROR, logger="ringd.tasks"):
+    with caplog.at_level(logging.ERROR, logger="ringd.base.tasks"):
         asyncio.run(main())
     assert "task reconcile returned, but it should run as long as the node does" in caplog.text
 
@@ -88,7 +88,7 @@ def test_once_logs_an_exception_and_stop_cancels_everything(caplog):
         await s.stop()
         assert t2.cancelled()
 
-    with caplog.at_level(logging.ERROR, logger="ringd.tasks"):
+    with caplog.at_level(logging.ERROR, logger="ringd.base.tasks"):
         asyncio.run(main())
     assert "task load plan 3 failed" in caplog.text and "load failed" in caplog.text
 

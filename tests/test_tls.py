@@ -12,7 +12,8 @@ from cryptography import x509
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 from hypothesis import given, settings, strategies as st
 
-from ringd import tls, tlsca
+from ringd.security import tls
+from ringd.security import tlsca
 
 NOW = datetime.datetime(2026, 6, 1, tzinfo=datetime.timezone.utc)
 secrets = st.binary(min_size=16, max_size=64)
@@ -104,7 +105,7 @@ def test_users_files_that_cannot_be_used_are_named(tmp_path):
 
 
 def test_config_keys_choose_the_mode_and_refuse_what_contradicts(tmp_path):
-    from ringd.config import ConfigError, load
+    from ringd.node.config import ConfigError, load
     import argparse
 
     def cfg(**kw):

@@ -19,8 +19,8 @@ import pytest
 from devkit import REPO, RING_START_TIMEOUT_S
 from devkit.cluster import Cluster
 
-from ringd import tlsca
-from ringd.servecmd import serve_command
+from ringd.security import tlsca
+from ringd.base.servecmd import serve_command
 
 MESSAGES = [{"role": "user", "content": "Tell me about rings of machines."}]
 
@@ -42,7 +42,7 @@ class TlsCluster(Cluster):
 
 
 def _ringctl(c: Cluster, *args: str, node: int = 0) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[node]}", "--secret-file", str(c.secret), "--cluster", c.cluster, *args]
+    cmd = [sys.executable, "-m", "ringd.app.ctl", "--node", f"127.0.0.1:{c.http_ports[node]}", "--secret-file", str(c.secret), "--cluster", c.cluster, *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 

@@ -17,7 +17,7 @@ import wire/.
 HANDSHAKE_PROOF = b"ringd-handshake-v2|"  # HMAC(secret, this + role + transcript): a side's PROOF
 SESSION_KEYS = b"ringd-session-v3|"  # HKDF info prefix: a connection's two direction keys (+ mode + direction)
 
-# Signed HTTP requests (ringd/auth.py): each scheme's key is HMAC(secret, its key label),
+# Signed HTTP requests (ringd/security/auth.py): each scheme's key is HMAC(secret, its key label),
 # and the message it signs starts with its own first line.
 CONTROL_KEY = b"ringd control-route key v1"  # the key that signs ringctl's control requests
 CONTROL_SIGNED = b"ringd-control-v1"  # first line of a signed control request
@@ -27,8 +27,8 @@ FILES_KEY = b"ringd weight-files key v1"  # the key that signs a fetch of a mode
 FILES_SIGNED = b"ringd-files-v1"  # first line of a signed file request
 FILES_BODY_SIGNED = b"ringd-files-body-v1"  # first line of a holder's signature over its answer
 
-# A model's files sealed for one fetcher (ringd/models/sealing.py).
+# A model's files sealed for one fetcher (ringd/models/peers/sealing.py).
 FILES_SEAL_KEY = b"ringd-files-seal-v1"  # HKDF info prefix: one answer's AES-256-GCM key (+ path, start, count)
 
-# The cluster CA (ringd/tlsca.py).
+# The cluster CA (ringd/security/tlsca.py).
 CLUSTER_CA_KEY = b"ringd cluster CA key v1"  # HKDF salt: the CA's P-256 private key (info: the cluster's name)

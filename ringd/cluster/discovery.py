@@ -48,7 +48,7 @@ import ifaddr
 from zeroconf import InterfaceChoice, IPVersion, NonUniqueNameException, ServiceInfo, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
-from ringd.names import DEFAULT_HTTP_PORT, DEFAULT_RING_PORT, check_name
+from ringd.base.names import DEFAULT_HTTP_PORT, DEFAULT_RING_PORT, check_name
 from wire.frames import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from functools import total_ordering
 from typing import Mapping
 
-from ringd.names import check_name, natural_key
+from ringd.base.names import check_name, natural_key
 
 # Term numbers and pin epochs travel in JSON descriptors; beyond 2**53 - 1 some
 # JSON readers no longer hold an integer exactly.

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ringd.cluster.memberinfo import MemberInfo
-from ringd.names import parse_hostport
-from ringd.tasks import Supervisor
+from ringd.base.names import parse_hostport
+from ringd.base.tasks import Supervisor
 from wire import stream as wire_stream
 from wire.frames import Frame, MsgType
 from wire.slots import canonical_host

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ringd.device import DeviceProfile
+from ringd.base.device import DeviceProfile
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,8 +36,8 @@ from ringd.cluster.memberinfo import MemberInfo
 from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, MAX_INSTANCES, MAX_LINK_REPORTS, Heartbeat, MessageError, clip, parse_control
 from ringd.ring.plan import MAX_ADDR_CHARS
 from ringd.cluster.reconcile import Report
-from ringd.names import natural_key, parse_hostport
-from ringd.tasks import Supervisor
+from ringd.base.names import natural_key, parse_hostport
+from ringd.base.tasks import Supervisor
 from wire.frames import Frame, MsgType
 from wire.slots import canonical_host
 

@@ -22,7 +22,7 @@ from ringd.cluster.election import Announce, ElectionError, Term
 from ringd.cluster.linkcost import Clock, Measured
 from ringd.ring.plan import MAX_ADDR_CHARS
 from ringd.cluster.reconcile import Report, ReportError
-from ringd.names import check_name, parse_hostport
+from ringd.base.names import check_name, parse_hostport
 
 # Peers one heartbeat may tell of: far above any real cluster (a dozen Macs),
 # low enough that a confused peer cannot make us dial thousands.

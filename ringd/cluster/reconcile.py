@@ -42,7 +42,7 @@ from typing import Mapping
 from ringd.cluster.election import ElectionError, Term
 from ringd.ring.kvcost import KvCost, KvCostError
 from ringd.ring.plan import MAX_INSTANCE_CHARS
-from ringd.names import natural_key
+from ringd.base.names import natural_key
 
 # Each member's report rides its heartbeats (every heartbeat_interval_s): this many
 # beats to hear that a member took a plan. A member that still reports another plan

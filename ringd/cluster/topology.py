@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from ringd.cluster.linkcost import Measured
-from ringd.names import natural_key
+from ringd.base.names import natural_key
 
 # A Mac is "slow" when its detour (what going through it adds to a token's trip
 # over going straight from one neighbour to the other) is over this many typical

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Callable
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from ringd import logs
-from ringd.auth import AuthError, ControlAuth, is_signed, sign
+from ringd.base import logs
+from ringd.security.auth import AuthError, ControlAuth, is_signed, sign
 from ringd.http import anthropic_api, embeddings, models_list, ollama_api, openai_api, responses_api
 from ringd.http.endpoint import Endpoint
 from ringd.http.errors import ApiError
@@ -51,9 +51,9 @@ from ringd.http.intake import REQUEST_ID_KEY, Intake
 from ringd.http.proxy import REQUEST_ID_HEADER, Proxy
 from ringd.http.serving import Serving
 from ringd.http.tlslisten import TlsListener, bind
-from ringd.names import check_name
+from ringd.base.names import check_name
 from ringd.ring.sampling import brief_repr
-from ringd.tasks import Supervisor
+from ringd.base.tasks import Supervisor
 
 if TYPE_CHECKING:
     from ringd.http.node import ApiNode

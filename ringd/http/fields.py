@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from ringd.http.errors import ApiError
 from ringd.http.request import MAX_TOOLS, Tool
-from ringd.ring.keepalive import KeepAliveError, parse_keep_alive
+from ringd.models.ollama.keepalive import KeepAliveError, parse_keep_alive
 from ringd.ring.sampling import SamplingError, SamplingParams, brief_repr
 from ringd.stage.patterns import too_costly
 

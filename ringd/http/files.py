@@ -3,7 +3,7 @@
 A node that holds its model whole (a directory or GGUF file of its own, not one
 fetched from peers) answers, on its HTTP port:
 
-    GET /cluster/files/{fingerprint}/manifest     the manifest (models/manifest.py), signed
+    GET /cluster/files/{fingerprint}/manifest     the manifest (models/peers/manifest.py), signed
                                                   ("any" for a fingerprint: the model it holds)
     GET /cluster/files/{fingerprint}/data/{name}  bytes of one file, a Range at a time
 
@@ -16,7 +16,7 @@ files costs the event loop next to nothing, and the ring's frames go first.
 
 Files travel authenticated and verified (each piece against the signed manifest).
 Where the fetcher asks (``SEALED_HEADER``: its ``ring_encryption`` is on) they are
-also encrypted, sealed in AES-GCM chunks for that one request (models/sealing.py),
+also encrypted, sealed in AES-GCM chunks for that one request (models/peers/sealing.py),
 read and sealed off the event loop (no sendfile for sealed bytes); a holder whose own
 ``ring_encryption`` is on serves nothing in the clear (403: the fetcher is told to
 turn its own on).
@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
-from ringd.auth import FILES_NONCE_HEADER, FilesAuth, body_sha256, files_body_signature
+from ringd.security.auth import FILES_NONCE_HEADER, FilesAuth, body_sha256, files_body_signature
 from ringd.http.errors import ApiError
-from ringd.models import manifest as manifests
-from ringd.models.manifest import FILES_PREFIX
-from ringd.models.sealing import SCHEME, SEAL_CHUNK_BYTES, SEALED_HEADER, Sealer, sealed_length
+from ringd.models.peers import manifest as manifests
+from ringd.models.peers.manifest import FILES_PREFIX
+from ringd.models.peers.sealing import SCHEME, SEAL_CHUNK_BYTES, SEALED_HEADER, Sealer, sealed_length
 
 if TYPE_CHECKING:
-    from ringd.metrics import Metrics
+    from ringd.base.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 from aiohttp import web
 
-from ringd.auth import AuthError, ForwardAuth, body_sha256, check_api_key
+from ringd.security.auth import AuthError, ForwardAuth, body_sha256, check_api_key
 from ringd.http.errors import ApiError
 from ringd.http.fields import parse_json
 from ringd.http.bodies import BodyBudget, coding_of, inflate, read_body

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ringd.models.catalogue import Entry, Facts, Listing, gguf_quant, mlx_quant
 from ringd.models.errors import ModelError
-from ringd.models.gguf import GgufFile
+from ringd.models.gguf.reader import GgufFile
 
 if TYPE_CHECKING:
     from ringd.http.node import ApiNode

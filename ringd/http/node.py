@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ringd.models.catalogue import Catalogue
     from ringd.http.files import Holding
     from ringd.leader.engine import Engine
-    from ringd.metrics import Metrics
+    from ringd.base.metrics import Metrics
     from ringd.models.checkpoint import ModelInfo
 
 

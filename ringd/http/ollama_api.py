@@ -25,7 +25,7 @@ Ollama's request, mapped:
   (temperature 0.8, top_k 40, top_p 0.9). Sampling ringd
   does not do (mirostat, typical_p) is refused; Ollama's other options (load
   time settings, num_keep, repeat_last_n, tfs_z, penalize_newline) are
-  type-checked as Ollama checks them (``models/ollama_params.py``, which a
+  type-checked as Ollama checks them (``models/ollama/params.py``, which a
   model's params layer is checked with too) and have no effect: a ring loads its
   model its own way. Unknown options are ignored, as Ollama ignores them.
 - ``format``: "json" is any JSON object, a schema is that schema.
@@ -79,7 +79,7 @@ from ringd.http.request import Output, Request, ResponseFormat, ToolCall, given_
 from ringd.models.naming import tagged
 from ringd.models.catalogue import mlx_quant
 from ringd.models.checkpoint import text_config
-from ringd.models.ollama_params import (
+from ringd.models.ollama.params import (
     OPTION_TYPES,
     SAMPLED_OPTIONS,
     UNSUPPORTED_OPTIONS,
@@ -90,7 +90,7 @@ from ringd.models.ollama_params import (
     sampling_of,
 )
 from ringd.ring.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr
-from ringd.ring.keepalive import KeepAliveError, parse_keep_alive
+from ringd.models.ollama.keepalive import KeepAliveError, parse_keep_alive
 
 if TYPE_CHECKING:
     from ringd.http.intake import Intake
@@ -700,7 +700,7 @@ def ringd_version() -> str:
 
 def describe(info: "ModelInfo") -> dict:
     """The model as Ollama describes one: size, digest, details, model_info. Reads a GGUF's
-    header (cached by ``gguf.py``) for its quantization and parameter count; a checkpoint
+    header (cached by ``gguf/reader.py``) for its quantization and parameter count; a checkpoint
     directory's count is worked out from its config."""
     config = text_config(info.config)
     w = info.weights
@@ -708,7 +708,7 @@ def describe(info: "ModelInfo") -> dict:
     params, quant = None, mlx_quant(config)
     if info.is_gguf:
         try:
-            from ringd.models.gguf import CONFIG_TENSORS, GgufFile
+            from ringd.models.gguf.reader import CONFIG_TENSORS, GgufFile
 
             g = GgufFile.open(info.path)
             tensors = [t for t in g.tensors.values() if t.name not in CONFIG_TENSORS]

@@ -37,8 +37,8 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
-from ringd import logs
-from ringd.auth import FORWARDED_BY_HEADER, body_sha256, sign_forward
+from ringd.base import logs
+from ringd.security.auth import FORWARDED_BY_HEADER, body_sha256, sign_forward
 from ringd.http.errors import ApiError
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import socket
 import ssl
 
 from ringd.http.guard import HTTP_IDLE_TIMEOUT_S, ConnectionCap
-from ringd.listeners import BACKLOG
+from ringd.base.listeners import BACKLOG
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ringd.leader.errors import RETRY_AFTER_S, EngineError
-from ringd.logs import about
+from ringd.base.logs import about
 from ringd.ring.kvcost import KvCost
 
 log = logging.getLogger(__name__)

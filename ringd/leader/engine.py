@@ -58,8 +58,8 @@ from ringd.leader.draft import Drafter, Proposal
 from ringd.leader.errors import RETRY_AFTER_S, EngineError
 from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES, MIN_REUSE_TOKENS, PrefixIndex, common_prefix
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, Deliver, Draft, Fail, Release, Scheduler, Send
-from ringd.logs import about
-from ringd.metrics import Metrics
+from ringd.base.logs import about
+from ringd.base.metrics import Metrics
 from ringd.ring.sampling import SamplingParams
 from ringd.ring.steps import KvOptions
 from wire.frames import Frame, FrameError, MsgType

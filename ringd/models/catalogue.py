@@ -12,7 +12,7 @@ its ``info`` is what placement needs to say whether the cluster's memory holds i
 
 The work is bounded whatever the disk holds: a scan looks at no more than
 ``MAX_SCAN_ENTRIES`` directory entries and lists at most ``MAX_MODELS`` models (the
-listing says when it stopped short); a GGUF is read for its header only (``gguf.py``),
+listing says when it stopped short); a GGUF is read for its header only (``gguf/reader.py``),
 an mlx-lm directory for its config and safetensors headers, and what was read is kept by
 (path, size, mtime) so the next scan reads only what changed. One scan runs at a time and
 its listing is kept ``SCAN_TTL_S``, shared by ``listing()`` (async, off the event loop) and
@@ -39,11 +39,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ringd.models import hubref, ollama
+from ringd.models.remote import hubref
+from ringd.models.ollama import store as ollama
 from ringd.models.checkpoint import ModelInfo, WeightBytes, check_supported, read_config, weight_bytes
 from ringd.models.errors import ModelError
 from ringd.models.naming import LATEST, gguf_stem, ollama_key
-from ringd.models.gguf import GgufFile
+from ringd.models.gguf.reader import GgufFile
 from ringd.models.source import hf_snapshot
 
 # Directory entries one scan looks at, over all three places: a models_dir of 10k files or a store

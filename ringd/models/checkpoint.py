@@ -10,7 +10,7 @@ fetched stage by stage) and which weights it keeps, and the tokenizer.
 It ignores where the model comes from (``source.py`` finds the directory, the Hub
 snapshot, the GGUF file or the Ollama blob a user names, and makes its
 ``ModelInfo``), what identifies it (``fingerprint.py``), GGUF's own format
-(``gguf.py``), and running a stage (``shard.py``).
+(``gguf/reader.py``), and running a stage (``shard.py``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from pathlib import Path
 
 from mlx_lm.utils import load_config
 
-from ringd.device import default_cache_dir
+from ringd.base.device import default_cache_dir
 from ringd.models.defaults import ModelDefaults
 from ringd.models.errors import ModelError, ModelFileError
-from ringd.models.gguf import GgufFile
+from ringd.models.gguf.reader import GgufFile
 
 # The mlx-lm architectures (module names) a ring runs, bit for bit as one process does:
 # decided by tests/stage/test_archs.py, which splits a tiny model of each at every cut and

@@ -2,7 +2,7 @@
 
 An Ollama model carries sampling defaults, stop words, a length and a context
 (its params layer) and a system prompt (its system layer) next to its weights;
-``ollama.py`` reads them and ``ollama_params.py`` parses them into a
+``ollama/store.py`` reads them and ``ollama/params.py`` parses them into a
 ``ModelDefaults``. Whatever API a request came by, the request's own value wins;
 a field neither sets keeps ringd's default (``ring.sampling.SamplingParams``'s,
 no stop words, until the context ends). ``http/request.py``'s

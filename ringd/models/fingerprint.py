@@ -4,12 +4,12 @@ Two nodes serve one model in one ring only if their fingerprints agree, so a
 fine-tune and its base model (same config, other weights) never share one. The
 weights' digest is a Hugging Face snapshot's commit, or a checkpoint directory's
 weight files (names, sizes, safetensors headers and slices of the data:
-``samples.py``), or a GGUF file's (``gguf.py`` digests it). A model fetched from
+``samples.py``), or a GGUF file's (``gguf/reader.py`` digests it). A model fetched from
 peers checks itself against its fingerprint with the same functions, the slices
 read from where its bytes are (``peers.py``).
 
 It ignores what the weights compute and where the model comes from
-(``source.py``); reading the files is ``checkpoint.py``'s and ``gguf.py``'s.
+(``source.py``); reading the files is ``checkpoint.py``'s and ``gguf/reader.py``'s.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from ringd.models.checkpoint import read_config, safetensors_header_bytes
-from ringd.models.gguf import GgufFile
+from ringd.models.gguf.reader import GgufFile
 from ringd.models.samples import SampleReader, sample_spans
 
 # Weight digests read this many slices of this many bytes from each weight file.

@@ -10,7 +10,7 @@ Names come from any HTTP client: they are only compared, never made into a path.
 
 from __future__ import annotations
 
-from ringd.models import ollama
+from ringd.models.ollama import store
 from ringd.models.errors import ModelError
 
 # What Ollama's clients put after an untagged name.
@@ -27,11 +27,11 @@ def same_model(a: str, b: str) -> bool:
     return tagged(a) == tagged(b)
 
 
-def ollama_key(name: str) -> ollama.OllamaName | None:
+def ollama_key(name: str) -> store.OllamaName | None:
     """The model an Ollama name means, its left-out parts filled in as Ollama fills them (None if it
-    is no Ollama name). Parts are compared as spelt, as the store's folders are (``ollama.py``)."""
+    is no Ollama name). Parts are compared as spelt, as the store's folders are (``ollama/store.py``)."""
     try:
-        return ollama.parse_name(name.removeprefix(ollama.PREFIX))
+        return store.parse_name(name.removeprefix(store.PREFIX))
     except ModelError:
         return None
 

@@ -3,11 +3,11 @@
 A fine-tune changes nearly every weight, so slices spread over a file's data tell
 two models apart as the whole file would, and reading a few hundred KiB keeps a
 digest instant on a model of hundreds of GB. One rule for both digests, a
-checkpoint directory's (``fingerprint.py``) and a GGUF file's (``gguf.py``), each
+checkpoint directory's (``fingerprint.py``) and a GGUF file's (``gguf/reader.py``), each
 with its own count and size; a model fetched from peers reads the same slices
 through a ``SampleReader`` where its files are not whole.
 
-Below both on purpose: ``fingerprint.py`` opens GGUF files, so the rule ``gguf.py``
+Below both on purpose: ``fingerprint.py`` opens GGUF files, so the rule ``gguf/reader.py``
 digests with cannot live there. It ignores what is hashed and how.
 """
 

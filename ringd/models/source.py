@@ -1,7 +1,7 @@
 """Where a model comes from: what a user names as a model, found and described.
 
 A model is named by an mlx-lm directory, a Hugging Face repo id, a GGUF file,
-``ollama:NAME[:TAG]``, a GGUF in the local Ollama store (``ollama.py`` finds it, with
+``ollama:NAME[:TAG]``, a GGUF in the local Ollama store (``ollama/store.py`` finds it, with
 the request defaults and chat template its other layers make), or
 ``OWNER/REPO:QUANT`` (``hf.co/OWNER/REPO[:QUANT]``), the file of that quant in a GGUF
 repository on the Hub (``hubref.py`` picks it; the Hugging Face cache is looked in
@@ -10,7 +10,7 @@ first, so a model once fetched starts offline); a model fetched from peers
 ``model_info`` turns any of these into a ``ModelInfo``: it finds
 the files (a repo id is fetched into the Hugging Face cache, only the files asked
 for, so a stage can fetch its own layers' files, with progress), has them read
-(``checkpoint.py`` a directory, ``gguf.py`` a GGUF file), fingerprints them
+(``checkpoint.py`` a directory, ``gguf/reader.py`` a GGUF file), fingerprints them
 (``fingerprint.py``; a model fetched from peers by its record, as its sparse files
 make none), and says what the API calls the model.
 
@@ -25,12 +25,13 @@ import json
 import logging
 from pathlib import Path
 
-from ringd.models import hubref, ollama
+from ringd.models.remote import hubref
+from ringd.models.ollama import store
 from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, ModelInfo, WeightBytes, check_supported, read_config, weight_bytes
 from ringd.models.errors import ModelError
 from ringd.models.fingerprint import model_fingerprint, weights_digest
-from ringd.models.gguf import GgufFile, is_gguf
-from ringd.models.gguf_vocab import adds_bos
+from ringd.models.gguf.reader import GgufFile, is_gguf
+from ringd.models.gguf.vocab import adds_bos
 from ringd.models.progress import DOWNLOAD, LoadCancelled, LoadProgress
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,8 @@ PEER_RECORD = "ringd-peer.json"
 
 def model_info(path_or_repo: str) -> ModelInfo:
     """Read a model's config and check that it can be split into a ring."""
-    if ollama.is_ollama_ref(path_or_repo):
-        return _ollama_info(ollama.find(path_or_repo))
+    if store.is_ollama_ref(path_or_repo):
+        return _ollama_info(store.find(path_or_repo))
     gguf_file, label = gguf_source(path_or_repo)
     if gguf_file is not None:
         return _gguf_info(gguf_file, label)
@@ -71,10 +72,10 @@ def model_info(path_or_repo: str) -> ModelInfo:
     )
 
 
-def _ollama_info(model: ollama.OllamaModel) -> ModelInfo:
+def _ollama_info(model: store.OllamaModel) -> ModelInfo:
     """An Ollama model: its GGUF, with the defaults its params and system layers make and, for a
     GGUF without a chat template, its Go template's translation (ModelError where there is none)."""
-    info = _gguf_info(model.blob, model.ref.removeprefix(ollama.PREFIX))
+    info = _gguf_info(model.blob, model.ref.removeprefix(store.PREFIX))
     defaults, warnings = model.defaults()
     for warning in warnings:
         log.warning("%s", warning)
@@ -108,8 +109,8 @@ def gguf_source(model: str, progress: LoadProgress | None = None) -> tuple[Path 
     A Hub GGUF repository's file is fetched when the cache lacks it, reported to ``progress``
     (by default, to the log).
     """
-    if ollama.is_ollama_ref(model):
-        return ollama.resolve(model), model.removeprefix(ollama.PREFIX)
+    if store.is_ollama_ref(model):
+        return store.resolve(model), model.removeprefix(store.PREFIX)
     path = Path(model).expanduser()
     ref = None if path.exists() else hubref.parse(model)
     if ref is not None:
@@ -152,7 +153,7 @@ def hub_gguf(ref: hubref.HubRef, progress: LoadProgress | None = None) -> tuple[
         raise ModelError(f"{ref}: not in the Hugging Face cache {constants.HF_HUB_CACHE}, and HF_HUB_OFFLINE is set; unset it to fetch it")
     if first is None:
         first = _fetch_gguf(ref, progress)
-    split = hubref.split_info(first.name)  # a split's first part: gguf.py finds the others beside it
+    split = hubref.split_info(first.name)  # a split's first part: gguf/reader.py finds the others beside it
     quant = (split.quant if split is not None else "") or ref.quant
     return first, f"{ref.repo}:{quant}" if quant else ref.repo
 

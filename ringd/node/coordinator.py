@@ -29,18 +29,18 @@ from ringd.cluster.placement import ModelCost, NodeSpec, fit_note, plan_for
 from ringd.cluster.reconcile import Member, Reconciler
 from ringd.cluster.topology import Layout, choose, link_matrix
 from ringd.node.stages import Stages, Unload
-from ringd.config import Config
+from ringd.node.config import Config
 from ringd.leader.admission import KvLedger, StageKv
 from ringd.ring.kvcost import KvCost
 from ringd.leader.draft import Drafter
 from ringd.leader.engine import Engine
 from ringd.leader.errors import EngineError
-from ringd.logs import about
-from ringd.metrics import Metrics
+from ringd.base.logs import about
+from ringd.base.metrics import Metrics
 from ringd.models.checkpoint import ModelInfo
 from ringd.ring.plan import PlacementError, Plan
-from ringd.names import natural_key
-from ringd.tasks import Supervisor
+from ringd.base.names import natural_key
+from ringd.base.tasks import Supervisor
 from wire.frames import Frame, MsgType
 
 log = logging.getLogger(__name__)

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Iterable
 from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_order
 from ringd.cluster.memberinfo import MemberInfo
 from ringd.models.peers import FetchError, Holder, PeerModel
-from ringd.names import check_name, parse_hostport
+from ringd.base.names import check_name, parse_hostport
 from wire import stream as wire_stream
 
 if TYPE_CHECKING:
     from ssl import SSLContext
 
-    from ringd.config import Config
-    from ringd.metrics import Metrics
+    from ringd.node.config import Config
+    from ringd.base.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -42,9 +42,9 @@ from ringd.models.naming import same_model, tagged
 from ringd.models.source import model_info
 from ringd.cluster.memberinfo import MemberInfo
 from ringd.node.coordinator import Coordinator, NodeParts, ServedModel
-from ringd.ring.keepalive import format_keep_alive
+from ringd.models.ollama.keepalive import format_keep_alive
 from ringd.ring.plan import MAX_INSTANCE_CHARS
-from ringd.names import natural_key
+from ringd.base.names import natural_key
 from ringd.ring.steps import term_of
 from wire.frames import Frame
 

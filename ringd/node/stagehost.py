@@ -24,12 +24,12 @@ from typing import Any, Callable, Protocol
 from ringd.cluster.election import Term
 from ringd.ring.plan import PlacementError, Plan
 from ringd.cluster.reconcile import BROKEN, LOADED, LOADING, OUTSIDE, Report, failure_report, plan_refusal
-from ringd.metrics import Metrics
+from ringd.base.metrics import Metrics
 from ringd.models.checkpoint import ModelInfo
 from ringd.models.errors import ModelError, ModelFileError
 from ringd.models.peers import Holder, PeerModel
 from ringd.models.progress import LoadProgress
-from ringd.names import parse_hostport
+from ringd.base.names import parse_hostport
 from ringd.stage.compute import ComputeThread
 from ringd.stage.runner import StageRunner
 from ringd.stage.shard import Shard

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringd.names import check_name
+from ringd.base.names import check_name
 
 # Bounds on a plan from the network (checked before anything is built from it):
 # far above any real model or cluster, low enough that a bad plan is cheap to refuse.

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ringd.logs import RequestIdError, check_request_id
+from ringd.base.logs import RequestIdError, check_request_id
 from wire.frames import MAX_REQUEST_ID, Frame, FrameError, MsgType
 from wire.tensors import CODE_DTYPES, DTYPE_CODES, tensor_from_bits
 

@@ -43,8 +43,8 @@ import numpy as np
 from mlx_lm.generate import maybe_quantize_kv_cache
 
 from ringd.ring.plan import Plan
-from ringd.logs import about
-from ringd.metrics import Metrics
+from ringd.base.logs import about
+from ringd.base.metrics import Metrics
 from ringd.stage.compute import ComputeThread
 from ringd.stage.pooling import Pooling
 from ringd.ring.sampling import SamplingError, SamplingParams

@@ -6,7 +6,7 @@ the last (with tied embeddings the last stage also holds ``embed_tokens``, for
 ``as_linear``). Loading goes through mlx-lm's own loader lazily and then
 materializes only the parameters this stage keeps, so a node's memory is its
 share of the model, not the whole of it. A GGUF file is read the same way through
-``gguf.py``: the model built from the file's config, then only the stage's tensors
+``gguf/reader.py``: the model built from the file's config, then only the stage's tensors
 read out of the file.
 
 The forward pass is mlx-lm's own ``Model.__call__`` with the layer list cut
@@ -41,7 +41,7 @@ from ringd.models.checkpoint import (
     weight_map,
 )
 from ringd.models.errors import ModelError
-from ringd.models.gguf import GgufFile
+from ringd.models.gguf.reader import GgufFile
 from ringd.models.progress import LOAD, LoadProgress
 from ringd.models.source import model_info, resolve_model_path
 from ringd.stage.sessions import mergeable_kind

@@ -24,7 +24,7 @@ from ringd.cluster.election import (
     Term,
     rank,
 )
-from ringd.names import natural_key
+from ringd.base.names import natural_key
 
 # Enough deliveries for any settle of <= 7 nodes; running past it means the rules never go quiet.
 MAX_DELIVERIES_TO_QUIESCENCE = 20_000

@@ -18,7 +18,7 @@ from ringd.cluster.memberinfo import MemberInfo
 from ringd.cluster.members import Cluster, ClusterSettings
 from ringd.cluster.messages import Heartbeat, MessageError
 from ringd.cluster.reconcile import Report
-from ringd.tasks import Supervisor
+from ringd.base.tasks import Supervisor
 
 pytestmark = pytest.mark.timeout(60, method="thread")
 

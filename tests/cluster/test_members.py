@@ -41,7 +41,7 @@ def metric(c, i: int, name: str, **labels: str) -> float:
 
 def ringctl(c, i: int, *args: str) -> str:
     r = subprocess.run(
-        [sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[i]}", "--secret-file", str(c.secret), *args],
+        [sys.executable, "-m", "ringd.app.ctl", "--node", f"127.0.0.1:{c.http_ports[i]}", "--secret-file", str(c.secret), *args],
         cwd=REPO, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringd.cluster.election import Election, Term, rank
-from ringd.names import natural_key
+from ringd.base.names import natural_key
 from ringd.cluster.reconcile import (
     BROKEN,
     FAILED,

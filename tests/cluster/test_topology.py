@@ -18,7 +18,7 @@ from ringd.cluster.topology import (
     link_matrix,
     ring_cost,
 )
-from ringd.names import natural_key
+from ringd.base.names import natural_key
 
 WIRED_US, WIFI_US = 150, 4000  # RTTs: a wired mini's links, a Wi-Fi laptop's
 
@@ -285,7 +285,7 @@ def test_five_daemons_on_shaped_links_cross_the_backhaul_twice_leave_the_wifi_ma
             if segment[a] != segment[b]:
                 assert rtt_us >= 2 * (BACKHAUL.latency_s - BACKHAUL.jitter_s) * 1e6, layout
         plan = subprocess.run(
-            net.exec_prefix(0) + [sys.executable, "-m", "ringd.ctl", "--node", f"{net.hosts[0].ip}:8100", "--secret-file", str(secret), "plan"],
+            net.exec_prefix(0) + [sys.executable, "-m", "ringd.app.ctl", "--node", f"{net.hosts[0].ip}:8100", "--secret-file", str(secret), "plan"],
             cwd=REPO, capture_output=True, text=True, timeout=30,
         )  # fmt: skip
         assert plan.returncode == 0, plan.stderr

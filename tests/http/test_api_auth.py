@@ -24,7 +24,7 @@ import pytest
 from devkit import REPO
 from devkit.cluster import serving_leader
 
-from ringd.auth import body_sha256, sign, sign_forward
+from ringd.security.auth import body_sha256, sign, sign_forward
 
 KEY = "ringd-test-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -40,7 +40,7 @@ def call(url: str, method: str = "GET", body: bytes | None = None, headers: dict
 
 
 def ringctl(c, i: int, *args: str, secret: bool = True, env_key: str | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[i]}"]
+    cmd = [sys.executable, "-m", "ringd.app.ctl", "--node", f"127.0.0.1:{c.http_ports[i]}"]
     # Without the secret: no flag, and a home where the default secret file is not.
     env = {k: v for k, v in os.environ.items() if k not in ("RINGD_SECRET_FILE", "RINGD_API_KEY")}
     if secret:

@@ -16,10 +16,10 @@ import pytest
 import uvloop
 from devkit.fileholder import SECRET, holder
 
-from ringd.auth import FILES_NONCE_HEADER, sign_files
+from ringd.security.auth import FILES_NONCE_HEADER, sign_files
 from ringd.http import files
-from ringd.models.manifest import FILES_PREFIX
-from ringd.models.sealing import SCHEME, SEAL_CHUNK_BYTES, SEALED_HEADER, Opener, SealError, sealed_length
+from ringd.models.peers.manifest import FILES_PREFIX
+from ringd.models.peers.sealing import SCHEME, SEAL_CHUNK_BYTES, SEALED_HEADER, Opener, SealError, sealed_length
 
 
 async def ask(http: str, path: str, node: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], asyncio.StreamReader, asyncio.StreamWriter]:

@@ -16,12 +16,12 @@ import json
 import aiohttp
 from devkit.ggufmake import write_gguf
 
-from ringd import ctl
+from ringd.app import ctl
 from ringd.cluster.placement import ModelCost
 from ringd.cluster.memberinfo import MemberInfo
-from ringd.daemon import Node as RingNode
+from ringd.app.daemon import Node as RingNode
 from ringd.http.api import Api
-from ringd.metrics import Metrics
+from ringd.base.metrics import Metrics
 from ringd.models.catalogue import Catalogue
 from ringd.models.source import model_info
 

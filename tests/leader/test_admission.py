@@ -103,7 +103,7 @@ def test_a_model_no_single_node_can_hold_is_served_by_the_ring_within_every_budg
         assert node["kv_capacity"] == BUDGET_BYTES - {0: 274_944, 1: 184_832, 2: 275_072}[node["stage"]]
     assert all(node["speed"] and node["speed"] > 0 for node in status["nodes"])
     plan = subprocess.run(
-        [sys.executable, "-m", "ringd.ctl", "--node", f"127.0.0.1:{c.http_ports[0]}", "plan"],
+        [sys.executable, "-m", "ringd.app.ctl", "--node", f"127.0.0.1:{c.http_ports[0]}", "plan"],
         capture_output=True, text=True, timeout=30, check=True,
     ).stdout  # fmt: skip
     assert plan.count("budget 0.4 MiB") == 3 and "KV 0.0 of 0.1 MiB" in plan and "GFLOP/s" in plan, plan

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from ringd.models import catalogue
 from ringd.models.catalogue import HUGGING_FACE, MODELS_DIR, OLLAMA, Catalogue
-from ringd.models.ollama import MODEL_MEDIA_TYPE
+from ringd.models.ollama.store import MODEL_MEDIA_TYPE
 
 
 def _ollama_pull(store: Path, name: str, gguf: Path) -> None:
@@ -189,7 +189,7 @@ def test_a_name_finds_the_model_it_means_by_each_rule_and_nothing_else(shelf):
         assert found(name) == "ollama:smollm2:latest", name
     assert found("smollm2:q8") == "ollama:smollm2:q8" and found("someone/tiny:q8") == "ollama:someone/tiny:q8"
     assert found("hf.co/someone/Tiny-GGUF:Q8_0") == "ollama:hf.co/someone/Tiny-GGUF:Q8_0"
-    # As spelt: the store's folders are (ollama.py); a tag or namespace left out means latest and library only.
+    # As spelt: the store's folders are (ollama/store.py); a tag or namespace left out means latest and library only.
     assert found("SmolLM2") is None and found("smollm2:Q8") is None and found("someone/tiny") is None and found("tiny:q8") is None
     # A models_dir GGUF without .gguf; not a Hugging Face or Ollama name, nor a directory.
     assert found("vendor/m") == "vendor/m.gguf" and found("odd") == "odd.gguf"

@@ -1,4 +1,4 @@
-"""ringd.models.gguf: a GGUF file read as mlx-lm would read the same model converted, one stage's tensors at a time.
+"""ringd.models.gguf.reader: a GGUF file read as mlx-lm would read the same model converted, one stage's tensors at a time.
 
 The tensors a stage gets must be what MLX's own GGUF loader (``mx.load``) makes of
 the file, bit for bit; the config must be the model's; a stage must read its own
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ringd.models.errors import ModelError
-from ringd.models.gguf import GgufFile, is_gguf, read_tensor
+from ringd.models.gguf.reader import GgufFile, is_gguf, read_tensor
 from ringd.models.source import model_info
 from devkit.stagering import greedy, reference, ring
 
@@ -61,7 +61,7 @@ def _same_as_mlx_load(path: Path, names=None) -> int:
 
 def _tensors(path: Path) -> dict:
     """The tensor table alone (these test files are not models GgufFile.open would take)."""
-    from ringd.models.gguf import _parse
+    from ringd.models.gguf.reader import _parse
 
     return _parse(path, path.stat().st_size)[1]
 
@@ -166,7 +166,7 @@ def test_a_stage_holds_its_share_and_reads_no_other_tensor(smollm2_gguf):
 
 
 def test_the_fingerprint_covers_the_file(smollm2_gguf, tmp_path):
-    from ringd.models import gguf as gguf_mod
+    from ringd.models.gguf import reader as gguf_mod
 
     data = smollm2_gguf.read_bytes()
     copy = tmp_path / "copy.gguf"
@@ -448,7 +448,7 @@ def test_what_mlx_cannot_compute_as_is_is_refused_at_start(tiny_model, tmp_path_
     assert "IQ2_XXS (2 tensors, e.g. blk.0.ffn_down.weight) cannot be served" in message
     assert "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, Q6_K, Q2_K" in message
     mamba = write_gguf(source, tmp_path_factory.mktemp("arch") / "mamba.gguf", arch="mamba")
-    from ringd.models.gguf_archs import ARCHITECTURES
+    from ringd.models.gguf.archs import ARCHITECTURES
 
     served = ", ".join(sorted(ARCHITECTURES))
     with pytest.raises(ModelError, match=re.escape(f"GGUF architecture 'mamba' has no mapping to mlx-lm in ringd; GGUF files of {served} are served directly")) as e:
@@ -476,7 +476,7 @@ def test_convert_refuses_to_write_over_a_directory(tmp_path, smollm2_gguf):
 )
 def test_metadata_that_lies_is_refused_with_the_key(smollm2_gguf, key, value, message, tmp_path):
     """A file's metadata is input like any other: a value that makes no sense names its key."""
-    from ringd.models.gguf import _parse
+    from ringd.models.gguf.reader import _parse
 
     meta, tensors, data_offset = _parse(smollm2_gguf, smollm2_gguf.stat().st_size)
     meta = dict(meta)
@@ -507,7 +507,7 @@ def test_a_convert_stopped_half_way_leaves_nothing_that_looks_like_a_checkpoint(
 def test_an_embedding_models_pooling_is_what_its_file_declares(smollm2_gguf):
     """llama.cpp's ``{arch}.pooling_type`` (e5-mistral's GGUF files are llama with 3, last): how
     an embedding pools; a generative model's file declares none, and embeddings take the mean."""
-    from ringd.models.gguf import _parse
+    from ringd.models.gguf.reader import _parse
 
     meta, tensors, data_offset = _parse(smollm2_gguf, smollm2_gguf.stat().st_size)
     assert "pooling" not in GgufFile(smollm2_gguf, meta, tensors, data_offset).config
@@ -524,7 +524,7 @@ def test_a_split_file_is_the_model_its_parts_hold_and_a_missing_part_is_named(ti
     from mlx.utils import tree_flatten
 
     from devkit.ggufmake import write_gguf
-    from ringd.models import manifest
+    from ringd.models.peers import manifest
 
     source = tiny_model(arch="llama", layers=2, dtype="float32")
     whole = write_gguf(source, tmp_path / "whole.gguf", qtype="q8_0")

@@ -1,4 +1,4 @@
-"""ringd.models.gguf_archs: every GGUF family ringd maps, each proven on a tiny model written as llama.cpp writes it.
+"""ringd.models.gguf.archs: every GGUF family ringd maps, each proven on a tiny model written as llama.cpp writes it.
 
 For each family, a tiny mlx-lm model of the architecture (``tinyarchs.py``) is written to
 GGUF by ``ggufmake`` as llama.cpp's converter class for it writes it (Gemma's norms plus one,
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from ringd.models.errors import ModelError
-from ringd.models.gguf import GgufFile
+from ringd.models.gguf.reader import GgufFile
 from devkit.stagering import greedy, reference, ring
 
 PROMPT = "Tell me a short story about the river and the town."
@@ -183,8 +183,8 @@ REFUSED = {
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_what_a_family_cannot_serve_is_refused_in_one_line(tiny_model, tmp_path_factory, case):
     from devkit.ggufmake import write_gguf
-    from ringd.models.gguf import Tensor, _parse
-    from ringd.models.gguf_archs import ARCHITECTURES
+    from ringd.models.gguf.reader import Tensor, _parse
+    from ringd.models.gguf.archs import ARCHITECTURES
 
     name, change, message = REFUSED[case]
     family = FAMILIES[name]
@@ -221,7 +221,7 @@ READ = {
 @pytest.mark.parametrize("case", list(READ))
 def test_a_familys_metadata_reads_as_llama_cpp_reads_it(tiny_model, tmp_path_factory, case):
     from devkit.ggufmake import write_gguf
-    from ringd.models.gguf import _parse
+    from ringd.models.gguf.reader import _parse
 
     name, change, want = READ[case]
     path = write_gguf(_source(tiny_model, tmp_path_factory, FAMILIES[name]), tmp_path_factory.mktemp(case) / "f.gguf")
@@ -236,7 +236,7 @@ def test_a_stage_fetched_from_peers_holds_what_it_would_read_from_the_whole_file
     ``always``, the header) loads the parameters it would load from the whole file: LongRoPE's
     factors, which the config is read from, and each expert of an early file, stored apart."""
     from devkit.ggufmake import write_gguf
-    from ringd.models import manifest as m
+    from ringd.models.peers import manifest as m
     from ringd.models.peers import PeerModel
     from ringd.models.source import model_info
     from ringd.stage.shard import Shard

@@ -1,4 +1,4 @@
-"""ringd.models.gguf_blocks: every GGUF block type as MLX's quantized arrays, against gguf-py.
+"""ringd.models.gguf.blocks: every GGUF block type as MLX's quantized arrays, against gguf-py.
 
 gguf-py's ``gguf.quants.dequantize`` is the reference llama.cpp's authors publish. For
 any block of a type (any bytes, with finite float16 scales), ``mx.dequantize`` of what
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringd.models.gguf_blocks import FORMS, GROUP_SIZE, to_mlx
+from ringd.models.gguf.blocks import FORMS, GROUP_SIZE, to_mlx
 
 # Where each type's float16 fields (d, dmin or m) sit in its block (block_q*_* in
 # ggml-common.h); every other byte of a block may hold anything.

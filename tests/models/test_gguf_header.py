@@ -1,4 +1,4 @@
-"""ringd.models.gguf_header: a GGUF header read as llama.cpp's own reader (gguf-py) reads it, and no damage gets past it.
+"""ringd.models.gguf.header: a GGUF header read as llama.cpp's own reader (gguf-py) reads it, and no damage gets past it.
 
 gguf-py is the reference: the same metadata and tensor table from the real SmolLM2
 file and from a file holding every value type. Then the parser is fed what a damaged
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringd.models.gguf_header import HeaderError, parse_header
+from ringd.models.gguf.header import HeaderError, parse_header
 
 
 def reference(path):

@@ -131,7 +131,7 @@ def test_a_family_computes_what_mlx_lm_computes_at_every_cut(tiny_model, tmp_pat
     from mlx_lm import load
 
     from devkit.ggufmake import write_gguf
-    from ringd.models.gguf import GgufFile
+    from ringd.models.gguf.reader import GgufFile
     from ringd.stage.shard import Shard
 
     arch, sizes, changes, qtype, types = FAMILIES[family]
@@ -169,7 +169,7 @@ def test_what_deepseek2_files_hold_that_mlx_lm_cannot_take_is_refused_in_one_lin
     """A quantized DeepSeek-V2 (softmax router: mlx-lm's deepseek_v2 wants kv_b_proj whole, which
     the file holds split, k_b transposed across its blocks), and a file from before llama.cpp split kv_b."""
     from devkit.ggufmake import write_gguf
-    from ringd.models.gguf import GgufFile, _parse
+    from ringd.models.gguf.reader import GgufFile, _parse
     from ringd.stage.shard import Shard
 
     v2 = write_gguf(tiny_model(arch="deepseek_v2", **SIZES, kv_heads=4), tmp_path_factory.mktemp("v2") / "v2.gguf", qtype="q8_0")
@@ -193,7 +193,7 @@ def test_what_qwen3next_files_hold_that_ringd_would_have_to_requantize_is_refuse
     from mlx.utils import tree_flatten
 
     from devkit.ggufmake import write_gguf
-    from ringd.models.gguf import GgufFile, _parse
+    from ringd.models.gguf.reader import GgufFile, _parse
 
     path = write_gguf(tiny_model(arch="qwen3_next", **SIZES), tmp_path_factory.mktemp("qwen3next") / "q8_0.gguf", qtype="q8_0")
     meta, tensors, data_offset = _parse(path, path.stat().st_size)

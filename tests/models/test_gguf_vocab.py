@@ -1,4 +1,4 @@
-"""ringd.models.gguf_vocab: a GGUF file's tokenizer, rebuilt as Hugging Face files and loaded by mlx-lm.
+"""ringd.models.gguf.vocab: a GGUF file's tokenizer, rebuilt as Hugging Face files and loaded by mlx-lm.
 
 Real parts only: the real SmolLM2-135M-Instruct GGUF (its vocabulary, merges and chat
 template), SentencePiece BPE models trained here by the sentencepiece library (which
@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
 from ringd.models.errors import ModelError
-from ringd.models.gguf_vocab import PRE_TOKENIZERS, tokenizer_files
+from ringd.models.gguf.vocab import PRE_TOKENIZERS, tokenizer_files
 from ringd.models.tinymodel import CORPUS, build_tokenizer
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -1,4 +1,4 @@
-"""ringd.models.hubref: ``OWNER/REPO:QUANT`` names, and the file of a quant picked from a repository's list.
+"""ringd.models.remote.hubref: ``OWNER/REPO:QUANT`` names, and the file of a quant picked from a repository's list.
 
 Repositories are lists of names as GGUF repositories on the Hub hold them (bartowski's,
 unsloth's, a llama.cpp split); Hypothesis builds repositories of random quants, splits
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringd.models import hubref
+from ringd.models.remote import hubref
 from ringd.models.errors import ModelError
-from ringd.models.hubref import HubRef, parse, pick, quants, split_info
+from ringd.models.remote.hubref import HubRef, parse, pick, quants, split_info
 
 BARTOWSKI = [
     ".gitattributes",

@@ -1,4 +1,4 @@
-"""ringd.models.manifest: what a holder lists, what a fetcher believes of it, and what a stage needs.
+"""ringd.models.peers.manifest: what a holder lists, what a fetcher believes of it, and what a stage needs.
 
 The wire form is fuzzed (a fetcher parses what a peer sends: only ManifestError may
 come out, and no file name may reach outside the model's directory); the chunk and
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringd.models import manifest as m
+from ringd.models.peers import manifest as m
 from ringd.models.source import model_info
 from ringd.models.tinyarchs import ARCHS
 from ringd.stage.shard import Shard

@@ -1,4 +1,4 @@
-"""ringd.models.ollama: ``ollama:NAME[:TAG]`` found as its GGUF blob in an Ollama store, with
+"""ringd.models.ollama.store: ``ollama:NAME[:TAG]`` found as its GGUF blob in an Ollama store, with
 the params, system and template layers beside it applied as Ollama applies them.
 
 The stores are built in tmp_path as Ollama lays them out (``manifests/<host>/
@@ -22,16 +22,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringd.models import gotemplates, ollama
+from ringd.models.ollama import gotemplates
+from ringd.models.ollama import store as ollama
 from ringd.models.checkpoint import load_tokenizer
-from ringd.models.gguf import GgufFile
-from ringd.models.gguf_vocab import adds_bos
+from ringd.models.gguf.reader import GgufFile
+from ringd.models.gguf.vocab import adds_bos
 from ringd.models.source import model_info
 from ringd.http.request import Request, with_model_defaults
 from ringd.models.defaults import SAMPLED, ModelDefaults
 from ringd.models.errors import ModelError
-from ringd.models.ollama import MAX_MANIFEST_BYTES, MODEL_MEDIA_TYPE, is_ollama_ref, parse_name, resolve
-from ringd.models.ollama_params import OPTION_TYPES, UNSUPPORTED_OPTIONS, layer_options, params_defaults
+from ringd.models.ollama.store import MAX_MANIFEST_BYTES, MODEL_MEDIA_TYPE, is_ollama_ref, parse_name, resolve
+from ringd.models.ollama.params import OPTION_TYPES, UNSUPPORTED_OPTIONS, layer_options, params_defaults
 from ringd.ring.sampling import SamplingParams
 
 FAKE_GGUF = b"GGUF" + (3).to_bytes(4, "little") + bytes(56)
@@ -505,7 +506,7 @@ def test_the_real_smollm2_served_in_process_takes_its_layers_unless_a_request_sa
     from ringd.http.errors import ApiError
     from ringd.http.serving import Serving
     from ringd.leader.engine import Engine, EngineSettings
-    from ringd.metrics import Metrics
+    from ringd.base.metrics import Metrics
     from devkit.stagering import StageRing
 
     digest = "0123456789abcdef" * 4

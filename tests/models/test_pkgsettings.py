@@ -1,4 +1,4 @@
-"""ringd.models.pkgsettings: the package indexes this machine's uv and pip settings name, in uv's and pip's order.
+"""ringd.models.remote.pkgsettings: the package indexes this machine's uv and pip settings name, in uv's and pip's order.
 
 Every test gives the settings (environment and config files) explicitly, so the
 machine's own stay out of it.
@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from ringd.models.pkgsettings import PYPI, index_urls, pip_config_files, uv_config_files
+from ringd.models.remote.pkgsettings import PYPI, index_urls, pip_config_files, uv_config_files
 
 
 

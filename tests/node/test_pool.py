@@ -200,7 +200,7 @@ def ringctl(cluster, *args: str, ok: bool = True) -> str:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "ringd.ctl", "--node", cluster.url(0).removeprefix("http://"), "--secret-file", str(cluster.secret), *args]
+    cmd = [sys.executable, "-m", "ringd.app.ctl", "--node", cluster.url(0).removeprefix("http://"), "--secret-file", str(cluster.secret), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=LOAD_DEADLINE_S)
     assert (r.returncode == 0) == ok, (r.stdout, r.stderr)
     return r.stdout if ok else r.stderr

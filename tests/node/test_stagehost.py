@@ -13,7 +13,7 @@ import shutil
 
 from ringd.models.source import model_info
 from ringd.stage.compute import ComputeThread
-from ringd.metrics import Metrics
+from ringd.base.metrics import Metrics
 from ringd.ring.plan import Plan, Stage
 from ringd.cluster.reconcile import FAILED, LOADED
 from ringd.node.stagehost import StageHost, StageSource

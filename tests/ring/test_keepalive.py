@@ -1,4 +1,4 @@
-"""ringd.ring.keepalive: Ollama's keep_alive, checked against Ollama's and Go's own tables.
+"""ringd.models.ollama.keepalive: Ollama's keep_alive, checked against Ollama's and Go's own tables.
 
 The tables are copied from Ollama's api/types_test.go (TestKeepAliveParsingFromJSON) and
 docs/faq.mdx, and from Go's src/time/time_test.go (parseDurationTests,
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringd.ring.keepalive import (
+from ringd.models.ollama.keepalive import (
     FOREVER,
     MAX_DURATION_CHARS,
     MAX_KEEP_ALIVE_S,

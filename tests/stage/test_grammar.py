@@ -25,7 +25,7 @@ from ringd.models.source import model_info
 from ringd.stage.compute import ComputeThread
 from ringd.ring.sampling import MAX_GRAMMAR_BYTES, wire_bytes
 from ringd.stage.grammar import Constraint, GrammarError
-from ringd.metrics import Metrics
+from ringd.base.metrics import Metrics
 from ringd.ring.plan import Plan, Stage
 from ringd.cluster.reconcile import LOADED
 from ringd.ring.sampling import SamplingParams

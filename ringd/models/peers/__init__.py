@@ -1,7 +1,7 @@
 """Weights that travel between peers: a node with no model fetches the bytes its stage needs.
 
 With ``model_from_peers``, a node that has no model of its own asks the peers that
-hold one (``http/files.py``) for it: first the signed manifest (models/manifest.py),
+hold one (``http/files.py``) for it: first the signed manifest (models/peers/manifest.py),
 the config and tokenizer files and every weights file's header, into a directory
 under ``models_dir`` named by the model; then, for each plan that gives the node
 layers, the bytes of those layers' tensors (and the embeddings or head where its
@@ -16,7 +16,7 @@ config and headers are in, the fingerprint is made again, as the holder made it,
 and the slices of the weights its digest reads (asked of a holder where this node has no
 piece there): a manifest that is not the model it names is refused before a byte of it loads.
 
-Every piece (a tensor, or part of a long one: models/manifest.py) is checked against
+Every piece (a tensor, or part of a long one: models/peers/manifest.py) is checked against
 the manifest's BLAKE3 before it is written; a piece that does not match
 is refused, its holder named in the log and asked for nothing more, and the piece
 fetched from another holder (the fetch fails, naming the holder, when none is
@@ -31,7 +31,7 @@ has a deadline (connecting, the answer's head, each read of the body, each piece
 floor rate), and a holder that stalls is dropped from the fetch at once, one that fails
 MAX_HOLDER_FAILURES requests in a row after them, each with the reason in the log and
 its pieces asked of the others; with nobody left the fetch ends in a FetchError that
-names each. With ``ring_encryption`` the bytes are asked for sealed (models/sealing.py)
+names each. With ``ring_encryption`` the bytes are asked for sealed (models/peers/sealing.py)
 and opened, off the event loop, before a piece is checked.
 
 The package, by concern: ``fetch`` (PeerModel, and one fetch's streams over the holders),

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from ringd.auth import FILES_BODY_SIGNATURE_HEADER, FILES_NONCE_HEADER, AuthError, check_files_body, sign_files
+from ringd.security.auth import FILES_BODY_SIGNATURE_HEADER, FILES_NONCE_HEADER, AuthError, check_files_body, sign_files
 from ringd.models.errors import ModelError
-from ringd.models.manifest import FILES_PREFIX, MAX_MANIFEST_BYTES, Manifest, ManifestError
+from ringd.models.peers.manifest import FILES_PREFIX, MAX_MANIFEST_BYTES, Manifest, ManifestError
 
 # Deadlines. Connecting to a holder on the LAN (its address looked up too); the answer's status
 # and headers, which a holder sends before its first byte of a file (a 503 at once when busy).

@@ -23,16 +23,16 @@ from pathlib import Path
 
 import aiohttp
 
-from ringd.auth import FILES_NONCE_HEADER, sign_files
+from ringd.security.auth import FILES_NONCE_HEADER, sign_files
 from ringd.models.checkpoint import stage_keeps
 from ringd.models.fingerprint import digest_samples, identify
-from ringd.models.gguf import GgufFile
-from ringd.models.manifest import FILES_PREFIX, Manifest, ManifestError, merge_ranges, pieces_of, safetensors_ranges, safetensors_stage_ranges
+from ringd.models.gguf.reader import GgufFile
+from ringd.models.peers.manifest import FILES_PREFIX, Manifest, ManifestError, merge_ranges, pieces_of, safetensors_ranges, safetensors_stage_ranges
 from ringd.models.peers.client import HOLDER_RETRY_S, MAX_RETRY_AFTER_S, BadHolder, BadPiece, FetchError, Holder, HolderBusy, HolderFailed, Stalled, client_session, fetch_manifest, holder_tls, piece_deadline, reason, retry_after
 from ringd.models.peers.journal import JOURNALS, Journal, check_and_write, open_sparse, pread, reserve
 from ringd.models.peers.ranges import RangeReader
 from ringd.models.progress import FETCH, LoadProgress
-from ringd.models.sealing import SCHEME, SEALED_HEADER, Opener
+from ringd.models.peers.sealing import SCHEME, SEALED_HEADER, Opener
 from ringd.models.source import PEER_RECORD, read_record
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class PeerModel:
 
     def __init__(self, root: Path, manifest: Manifest, secret: bytes, node: str, metrics=None, checked: bool = False, sealed: bool = False, ssl: ssl_lib.SSLContext | None = None):
         self.root = root
-        self.sealed = sealed  # ring_encryption: its bytes are asked for sealed (models/sealing.py)
+        self.sealed = sealed  # ring_encryption: its bytes are asked for sealed (models/peers/sealing.py)
         self.ssl = ssl  # a TLS context for holders' HTTP APIs; None: plain HTTP
         self.checked = checked  # found to be the model its fingerprint names (check_fingerprint)
         self.manifest = manifest

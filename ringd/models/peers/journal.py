@@ -14,7 +14,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from ringd.models.manifest import merge_ranges
+from ringd.models.peers.manifest import merge_ranges
 
 # Beside the files: each one's journal of pieces written and checked.
 JOURNALS = ".ringd-pieces"

@@ -7,7 +7,7 @@ import socket
 import ssl as ssl_lib
 
 from ringd.models.peers.client import CONNECT_TIMEOUT_S, HEAD_TIMEOUT_S, MIN_PIECE_BYTES_PER_S, STALL_S, Holder, HolderFailed, Stalled
-from ringd.models.sealing import SCHEME, SEAL_CHUNK_BYTES, SEALED_HEADER, Opener, sealed_length
+from ringd.models.peers.sealing import SCHEME, SEAL_CHUNK_BYTES, SEALED_HEADER, Opener, sealed_length
 
 # Most a read of a holder's socket takes at once.
 RECV_BYTES = 4 * 1024 * 1024
@@ -24,7 +24,7 @@ class RangeReader:
     nearly twice as much), so the bytes stay on the socket's own reads. Every wait has a deadline: CONNECT_TIMEOUT_S to connect,
     HEAD_TIMEOUT_S for the answer's head, STALL_S for each read of the body (``Stalled``).
 
-    With an ``opener`` the body is sealed (models/sealing.py): read a chunk at a time, opened off
+    With an ``opener`` the body is sealed (models/peers/sealing.py): read a chunk at a time, opened off
     the loop. With ``ssl`` the connection speaks TLS (through asyncio's streams: a copy more)."""
 
     def __init__(self, holder: Holder, path: str, headers: dict[str, str], count: int, opener: Opener | None = None, ssl: ssl_lib.SSLContext | None = None):

@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ringd import config as config_mod
+from ringd.node import config as config_mod
 
 LABEL = "org.ringd.serve"  # launchd job label; also the plist's file name
 UNIT = "ringd.service"  # systemd unit name

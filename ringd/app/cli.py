@@ -3,7 +3,7 @@
 ``serve`` runs one daemon until SIGINT/SIGTERM. ``local`` runs a ring of
 daemon processes on this machine (``local.py``). ``demo`` is ``local`` with
 three nodes and a small real model fetched once into a cache folder (``demo.py``).
-``convert`` writes a GGUF file as an mlx-lm checkpoint directory (``gguf.py``).
+``convert`` writes a GGUF file as an mlx-lm checkpoint directory (``gguf/reader.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from ringd import config as config_mod
-from ringd import logs
-from ringd.names import DEFAULT_HTTP_PORT
+from ringd.node import config as config_mod
+from ringd.base import logs
+from ringd.base.names import DEFAULT_HTTP_PORT
 
 # How often a `ringd local` node checks that its launcher is still alive.
 PARENT_CHECK_S = 1.0
@@ -59,7 +59,7 @@ def cache_dir() -> Path:
 
 
 async def _serve(cfg: config_mod.Config, ring_sock: socket.socket | None = None, http_sock: socket.socket | None = None) -> int:
-    from ringd.daemon import Node, build
+    from ringd.app.daemon import Node, build
     from ringd.models.errors import ModelError
 
     loop = asyncio.get_running_loop()
@@ -113,7 +113,7 @@ async def _serve(cfg: config_mod.Config, ring_sock: socket.socket | None = None,
 
 def _convert(model: str, out_dir: Path) -> int:
     from ringd.models.errors import ModelError
-    from ringd.models.gguf import GgufFile
+    from ringd.models.gguf.reader import GgufFile
     from ringd.models.source import gguf_source
 
     try:
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     local.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help=f"the API's port (0: a free one); default {DEFAULT_HTTP_PORT}")
     local.add_argument("--host", default="127.0.0.1", help="the API's address; default 127.0.0.1")
 
-    from ringd import demo as demo_mod
+    from ringd.app import demo as demo_mod
 
     demo = sub.add_parser("demo", help=f"`local` with {demo_mod.NODES} nodes serving {demo_mod.MODEL_ID}, fetched once")
     demo.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help=f"the API's port (0: a free one); default {DEFAULT_HTTP_PORT}")
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         except config_mod.ConfigError as e:
             print(f"ringd serve: config error: {e}", file=sys.stderr)
             return 2
-        from ringd.listeners import ListenerError, adopt
+        from ringd.base.listeners import ListenerError, adopt
 
         try:
             listeners = {key: adopt(fd, f"--{key.replace('_', '-')}") for key, fd in (("ring_fd", args.ring_fd), ("http_fd", args.http_fd)) if fd is not None}
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         _exit_stopped(_run(_serve(cfg, listeners.get("ring_fd"), listeners.get("http_fd"))))
 
     if args.command == "local":
-        from ringd.local import run_local
+        from ringd.app.local import run_local
 
         return run_local(port=args.port, host=args.host, **{key: getattr(args, key) for key in LOCAL_KEYS})
 

@@ -3,7 +3,7 @@
 Ollama keeps each pulled model as a manifest (JSON, one file per name and tag) that
 names content-addressed blobs; the blob of the layer whose media type is
 ``application/vnd.ollama.image.model`` is the model's GGUF file, which ringd reads
-in place (``gguf.py``): nothing is copied or converted, and Ollama need not be running.
+in place (``gguf/reader.py``): nothing is copied or converted, and Ollama need not be running.
 
 Names are parsed as Ollama parses them (``types/model/name.go``):
 ``[host/][namespace/]model[:tag]``, with ``registry.ollama.ai``, ``library`` and
@@ -16,7 +16,7 @@ case-insensitive disk any case finds them).
 
 The layers beside the weights are read as Ollama reads them (``server/images.go``:
 ``GetModel``), each bounded before it is read: the params layer(s) (JSON options,
-merged in order: ``ollama_params.py`` makes them the defaults of every API's
+merged in order: ``ollama/params.py`` makes them the defaults of every API's
 requests), the system layer (the system message of a chat without one; the last
 one wins) and the template layer (a Go template, also under its older name
 ``image.prompt``; the last one wins), which ``chat_template`` turns into a Jinja
@@ -41,10 +41,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ringd.models import gotemplates
+from ringd.models.ollama import gotemplates
 from ringd.models.defaults import ModelDefaults
 from ringd.models.errors import ModelError
-from ringd.models.ollama_params import MAX_PARAMS_BYTES, layer_options, params_defaults
+from ringd.models.ollama.params import MAX_PARAMS_BYTES, layer_options, params_defaults
 
 PREFIX = "ollama:"
 
@@ -167,7 +167,7 @@ class OllamaModel:
 
     def defaults(self) -> tuple[ModelDefaults, list[str]]:
         """The defaults of requests its params and system layers make, and a warning for each
-        option ignored; ModelError for a params layer ringd cannot apply (``ollama_params.py``)."""
+        option ignored; ModelError for a params layer ringd cannot apply (``ollama/params.py``)."""
         if self.options is None:
             defaults, warnings = ModelDefaults(source=self.ref), []
         else:

@@ -17,7 +17,7 @@ qwen3moe, phi3, gemma2, gemma3. A family with no entry, or a file of one that ml
 cannot compute as llama.cpp does (a YaRN Phi-3, Ministral 3's attention temperature,
 Gemma 3 with a final soft-cap, experts with gate and up fused), is refused at start
 in one line that says why and names what is served. What this ignores: the bytes of
-tensors (``gguf.py``, ``gguf_blocks.py``), the tokenizer (``gguf_vocab.py``).
+tensors (``gguf/reader.py``, ``gguf/blocks.py``), the tokenizer (``gguf/vocab.py``).
 """
 
 from __future__ import annotations
@@ -505,7 +505,7 @@ def _gpt_oss(g: Facts) -> dict:
 def _llama(g: Facts) -> dict:
     """A llama file with experts is a Mixtral (LlamaModel writes Mixtral as llama): llama.cpp's llama
     computes every layer as a mixture of ``expert_count`` experts (ffn_*_exps stacked, or one tensor
-    an expert in early files, which ``gguf.py`` stacks as llama.cpp's loader does; ffn_gate_inp the
+    an expert in early files, which ``gguf/reader.py`` stacks as llama.cpp's loader does; ffn_gate_inp the
     router), the chosen experts' softmax weights normalized (build_moe_ffn with norm_w), which is
     mlx-lm's mixtral."""
     key = g.key

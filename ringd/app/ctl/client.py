@@ -12,12 +12,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ringd.auth import sign
-from ringd.config import DEFAULT_SECRET_FILE, KEYS, ConfigError, read_secret_file
-from ringd.ctl.errors import CtlError
-from ringd.ctl.pins import DEFAULT_KNOWN_NODES, KnownNodes
-from ringd.names import check_name
-from ringd.tls import TlsError, cluster_ca_pem, trusting
+from ringd.security.auth import sign
+from ringd.node.config import DEFAULT_SECRET_FILE, KEYS, ConfigError, read_secret_file
+from ringd.app.ctl.errors import CtlError
+from ringd.app.ctl.pins import DEFAULT_KNOWN_NODES, KnownNodes
+from ringd.base.names import check_name
+from ringd.security.tls import TlsError, cluster_ca_pem, trusting
 
 # A node answers status from memory; seconds of silence mean it is down or stuck.
 HTTP_TIMEOUT_S = 5.0

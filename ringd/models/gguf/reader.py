@@ -7,7 +7,7 @@ parameter names (through gguf-py's own ``TensorNameMap``), and each tensor becom
 the MLX array(s) mlx-lm's model code computes with:
 
 - F32, F16 and BF16 tensors as they are;
-- quantized blocks as MLX's quantized arrays, groups of 32 (``gguf_blocks.py``):
+- quantized blocks as MLX's quantized arrays, groups of 32 (``gguf/blocks.py``):
   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and MXFP4 packed as they are, Q3_K,
   IQ4_NL and IQ4_XS widened to 8 bits, all exactly gguf-py's dequantized values
   (Q4_0, Q4_1 and Q8_0 bit for bit what ``mx.load`` makes of the same file,
@@ -17,7 +17,7 @@ the MLX array(s) mlx-lm's model code computes with:
   computes as is with ``rope_traditional: true``;
 - a family's tensors that mlx-lm names its own way (DeepSeek-V3's ``embed_q`` for
   llama.cpp's ``attn_k_b``, gpt-oss's sinks, Mixtral's and MiniMax's stacked
-  ``w1``/``w2``/``w3``) are found through ``Arch.renames`` (``gguf_archs.py``), each tensor
+  ``w1``/``w2``/``w3``) are found through ``Arch.renames`` (``gguf/archs.py``), each tensor
   still read as it is;
 - a parameter llama.cpp's converter stores otherwise (Qwen3-Next's in_proj_qkvz split in
   two, its A_log as -exp(A_log)) is made from the file's tensors as ``Arch.derived`` says:
@@ -34,7 +34,7 @@ A stage reads only its own tensors: the file is parsed once for its metadata and
 tensor table, and each tensor a stage keeps is memory-mapped at its offset, turned
 into MLX arrays and unmapped, so a node's memory is its share of the model.
 
-The tokenizer comes from the file's metadata (``gguf_vocab.py``); ``write_sidecar``
+The tokenizer comes from the file's metadata (``gguf/vocab.py``); ``write_sidecar``
 puts it, with the config, in a directory mlx-lm's ``load_tokenizer`` reads, and
 ``convert`` writes a whole mlx-lm checkpoint directory that mlx-lm's own ``load``
 reads (``ringd convert``). What ignores: the network, the ring, placement.
@@ -58,10 +58,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ringd.models import gguf_archs
+from ringd.models.gguf import archs
 from ringd.models.errors import ModelError
-from ringd.models.gguf_archs import Facts, architecture
-from ringd.models.gguf_blocks import FORMS, GROUP_SIZE, Form, to_mlx
+from ringd.models.gguf.archs import Facts, architecture
+from ringd.models.gguf.blocks import FORMS, GROUP_SIZE, Form, to_mlx
 from ringd.models.samples import SampleReader, sample_spans
 
 GGUF_MAGIC = b"GGUF"
@@ -143,7 +143,7 @@ class GgufFile:
         self.parts = parts or ((path, data_offset),)
         self.arch = architecture(path, meta)
         _check_types(path, tensors)
-        self.config = gguf_archs.config(Facts(path, meta, tensors, lambda name: read_tensor(tensors[name].file, tensors[name])[""]))
+        self.config = archs.config(Facts(path, meta, tensors, lambda name: read_tensor(tensors[name].file, tensors[name])[""]))
         from gguf import MODEL_ARCH, get_tensor_name_map
 
         blocks = self.config["num_hidden_layers"]
@@ -232,7 +232,7 @@ class GgufFile:
         name = self._gguf_name(module_path)
         return self.tensors.get(f"{name}.weight") if name is not None else None
 
-    def _derived(self, parameter: str) -> gguf_archs.Derived | None:
+    def _derived(self, parameter: str) -> archs.Derived | None:
         """How the parameter is made of several tensors, or of one transformed, where the family says so."""
         if self.arch.derived is None or (d := self.arch.derived(parameter, self.config)) is None:
             return None
@@ -354,7 +354,7 @@ class GgufFile:
 
     def write_sidecar(self, directory: Path) -> None:
         """config.json and the tokenizer's files, as an mlx-lm checkpoint directory holds them."""
-        from ringd.models.gguf_vocab import tokenizer_files
+        from ringd.models.gguf.vocab import tokenizer_files
 
         directory.mkdir(parents=True, exist_ok=True)
         files = {"config.json": self.mlx_config(), **tokenizer_files(self.meta)}
@@ -493,13 +493,13 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 
 def _parse(path: Path, size: int) -> tuple[dict[str, Any], dict[str, Tensor], int]:
-    """Metadata and tensor table (``gguf_header.py``), from a map of the file: only the header's
+    """Metadata and tensor table (``gguf/header.py``), from a map of the file: only the header's
     pages are read."""
     import mmap
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from ringd.models.gguf_header import HeaderError, parse_header
+    from ringd.models.gguf.header import HeaderError, parse_header
 
     header, why = None, ""
     try:

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from ringd.ctl.errors import CtlError
+from ringd.app.ctl.errors import CtlError
 
 # Where ringctl pins the name of each node it has signed for (HOST:PORT -> name), beside
 # ringd's own state.

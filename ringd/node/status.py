@@ -19,9 +19,9 @@ from ringd.cluster.links import LinkError
 from ringd.cluster.members import Cluster
 from ringd.cluster.reconcile import follower_readiness
 from ringd.node.stagehost import StageHost
-from ringd.metrics import Gauges, Metrics
-from ringd.names import natural_key
-from ringd.tasks import Supervisor
+from ringd.base.metrics import Gauges, Metrics
+from ringd.base.names import natural_key
+from ringd.base.tasks import Supervisor
 from wire.frames import Frame, MsgType
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ and ``capabilities.memory_gb`` in the config stands in where it cannot be read.
 The parsers are pure functions of a command's output so they can be tested on
 any OS; the functions that run commands are thin wrappers around them.
 
-Check what ringd sees on a machine with ``python -m ringd.device``.
+Check what ringd sees on a machine with ``python -m ringd.base.device``.
 """
 
 from __future__ import annotations
@@ -530,13 +530,13 @@ def _cache_lock(path: Path):
 
 
 def default_cache_dir() -> Path:
-    # The same folder `ringd demo` uses (ringd.cli.cache_dir), repeated here so
+    # The same folder `ringd demo` uses (ringd.app.cli.cache_dir), repeated here so
     # this small tool does not import the daemon's network stack.
     return Path(os.environ.get("RINGD_CACHE", Path.home() / ".cache" / "ringd"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ringd.device", description="Print the device profile ringd sees on this machine, as JSON.")
+    parser = argparse.ArgumentParser(prog="python -m ringd.base.device", description="Print the device profile ringd sees on this machine, as JSON.")
     parser.add_argument("--no-cache", action="store_true", help=f"measure the speed again instead of reading {default_cache_dir() / SPEED_CACHE_FILE}")
     parser.add_argument("--memory-gb", type=float, help="pretend the machine has this many GiB (as capabilities.memory_gb)")
     parser.add_argument("--gpu-cores", type=int, help="override the GPU core count (as capabilities.gpu_cores)")
@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = read_profile(caps)
         profile = replace(profile, speed=probe_speed(None if args.no_cache else default_cache_dir()))
     except (ValueError, RuntimeError) as e:
-        print(f"ringd.device: {e}", file=sys.stderr)
+        print(f"ringd.base.device: {e}", file=sys.stderr)
         return 2
     print(json.dumps(profile.to_wire(), indent=2))
     return 0

@@ -46,7 +46,7 @@ from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urldefrag, urljoin, urlsplit, urlunsplit
 
 from ringd.models.errors import ModelError
-from ringd.models.pkgsettings import PYPI, index_urls
+from ringd.models.remote.pkgsettings import PYPI, index_urls
 
 log = logging.getLogger(__name__)
 

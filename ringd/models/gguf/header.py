@@ -14,7 +14,7 @@ node. Here each string is decoded once, from the buffer, in one pass.
 Every length the file declares is checked against what is left of the buffer before
 anything is read or allocated, so a damaged or hostile header fails with
 ``HeaderError`` (saying what and at which byte), never with a huge allocation or a
-read past the end. It ignores what the header means (``gguf.py``) and the tensor data.
+read past the end. It ignores what the header means (``gguf/reader.py``) and the tensor data.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ringd import listeners
-from ringd.names import DEFAULT_HTTP_PORT
-from ringd.servecmd import Flag, serve_command
+from ringd.base import listeners
+from ringd.base.names import DEFAULT_HTTP_PORT
+from ringd.base.servecmd import Flag, serve_command
 
 # Loading a model and linking N processes takes seconds; a minute of no
 # progress means something is wrong, and the user should hear what.
@@ -215,7 +215,7 @@ def trust(tls: str, secret_file: Path, cluster: str, workdir: Path) -> tuple[ssl
     ca_file = workdir / "ringd-ca.pem"
     if tls != "auto":
         return None, ca_file
-    from ringd.tls import cluster_ca_pem, trusting
+    from ringd.security.tls import cluster_ca_pem, trusting
 
     pem = cluster_ca_pem(secret_file.read_bytes().strip(), cluster)
     ca_file.write_bytes(pem)

@@ -34,7 +34,7 @@ from blake3 import blake3
 from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, stage_keeps
 from ringd.models.errors import ModelError
 from ringd.models.fingerprint import identify
-from ringd.models.gguf import CONFIG_TENSORS, GgufFile
+from ringd.models.gguf.reader import CONFIG_TENSORS, GgufFile
 
 # A piece is what a fetcher checks, writes and records at once, and what a fetch stopped
 # by kill -9 may have to fetch again per file: a tensor, or MAX_PIECE_BYTES of a longer one

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from ringd.ctl.client import Credentials, fetch
-from ringd.ctl.errors import CtlError
-from ringd.ctl.render import drained_nodes, health_of, layer_range, mib, progress_grid, stats_line
+from ringd.app.ctl.client import Credentials, fetch
+from ringd.app.ctl.errors import CtlError
+from ringd.app.ctl.render import drained_nodes, health_of, layer_range, mib, progress_grid, stats_line
 
 # `top` redraws once a second by default: live enough for a person watching.
 TOP_INTERVAL_S = 1.0

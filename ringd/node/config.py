@@ -29,24 +29,24 @@ import yaml
 
 from ringd.cluster.links import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S
 from ringd.cluster.members import ClusterSettings
-from ringd.device import default_cache_dir
+from ringd.base.device import default_cache_dir
 from ringd.leader.engine import EngineSettings
 from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S
 from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, MAX_NUM_DRAFT
-from ringd.logs import LOG_FORMATS
-from ringd.names import check_host as _host
-from ringd.names import DEFAULT_HTTP_PORT, DEFAULT_RING_PORT, check_name, parse_hostport
-from ringd.names import check_port as _port
+from ringd.base.logs import LOG_FORMATS
+from ringd.base.names import check_host as _host
+from ringd.base.names import DEFAULT_HTTP_PORT, DEFAULT_RING_PORT, check_name, parse_hostport
+from ringd.base.names import check_port as _port
 from ringd.ring.steps import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES, MAX_ROWS, KvOptions
-from ringd.ring.keepalive import DEFAULT_KEEP_ALIVE_S, KeepAliveError, parse_keep_alive
+from ringd.models.ollama.keepalive import DEFAULT_KEEP_ALIVE_S, KeepAliveError, parse_keep_alive
 from ringd.cluster.sharing import MAX_REPLICAS
-from ringd.tls import TlsSettings
+from ringd.security.tls import TlsSettings
 
 # Where `ringd serve` and `ringctl` look for the cluster secret unless told
 # otherwise (the README has users put it there).
 DEFAULT_SECRET_FILE = "~/.config/ringd/secret"
-# models_dir when it is not set: a folder in ringd's cache (ringd.device.default_cache_dir).
+# models_dir when it is not set: a folder in ringd's cache (ringd.base.device.default_cache_dir).
 DEFAULT_MODELS_DIR = "from-peers"
 # The secret authenticates every ring connection; shorter ones are guessable.
 MIN_SECRET_BYTES = 16
@@ -167,7 +167,7 @@ def _placement_weights(v: Any) -> dict[str, float]:
 
 
 def _capabilities(v: Any) -> dict:
-    from ringd.device import check_capabilities
+    from ringd.base.device import check_capabilities
 
     return check_capabilities(_mapping(v))
 

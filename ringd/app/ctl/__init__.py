@@ -43,6 +43,6 @@ The package, by concern: ``client`` (one request to one node: trust, credentials
 print), ``top``, ``install`` (the service commands), ``commands`` (the command line).
 """
 
-from ringd.ctl.commands import main
+from ringd.app.ctl.commands import main
 
 __all__ = ["main"]

@@ -36,30 +36,30 @@ from ringd.cluster.members import Cluster, DrainError
 from ringd.cluster.messages import MessageError, parse_loaded
 from ringd.cluster.placement import ModelCost, NodeSpec, shortfall
 from ringd.cluster.reconcile import Report
-from ringd.config import Config, ConfigError
-from ringd.device import DeviceProfile, default_cache_dir, probe_speed, read_profile
+from ringd.node.config import Config, ConfigError
+from ringd.base.device import DeviceProfile, default_cache_dir, probe_speed, read_profile
 from ringd.http.api import Api
 from ringd.http.files import Holding
 from ringd.leader.draft import Drafter
 from ringd.leader.errors import EngineError
-from ringd.listeners import bind
-from ringd.metrics import Metrics
+from ringd.base.listeners import bind
+from ringd.base.metrics import Metrics
 from ringd.models.catalogue import Catalogue
 from ringd.models.checkpoint import ModelInfo, load_tokenizer, weights_complete
 from ringd.models.errors import ModelError
-from ringd.models.ollama import PREFIX as OLLAMA_PREFIX
+from ringd.models.ollama.store import PREFIX as OLLAMA_PREFIX
 from ringd.models.peers import Holder
 from ringd.models.source import model_info
-from ringd.names import check_name, parse_hostport
+from ringd.base.names import check_name, parse_hostport
 from ringd.node.coordinator import Coordinator, NodeParts, ServedModel
 from ringd.node.holders import holder_of, model_from_peers
 from ringd.node.pool import Pool
 from ringd.node.stagehost import StageHost, StageSource
 from ringd.node.stages import Stages
 from ringd.stage.compute import ComputeThread
-from ringd.status import Status
-from ringd.tasks import Supervisor
-from ringd.tls import TlsError, TlsSettings, client_context, server_context, trust_hint
+from ringd.node.status import Status
+from ringd.base.tasks import Supervisor
+from ringd.security.tls import TlsError, TlsSettings, client_context, server_context, trust_hint
 from wire.frames import Frame, MsgType
 
 log = logging.getLogger(__name__)

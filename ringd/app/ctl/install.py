@@ -1,5 +1,5 @@
 """``ringctl install``, ``uninstall``, ``logs``: ``ringd serve`` as a service of this machine.
-``ringd/service.py`` builds the launchd job or systemd unit; this runs launchctl or systemctl
+``ringd/app/service.py`` builds the launchd job or systemd unit; this runs launchctl or systemctl
 with it, writes its file and says what was done, or why not and what to do."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ringd import service
-from ringd.ctl.errors import CtlError
+from ringd.app import service
+from ringd.app.ctl.errors import CtlError
 
 # `logs` without -f: the last lines, about a screenful.
 LOG_LINES = 50

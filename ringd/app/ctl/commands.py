@@ -8,17 +8,17 @@ import json
 import os
 import sys
 
-from ringd import service
+from ringd.app import service
 from ringd.cluster.sharing import MAX_REPLICAS
-from ringd.config import DEFAULT_SECRET_FILE
-from ringd.ctl.client import DEFAULT_CLUSTER, Credentials, Trust, fetch
-from ringd.ctl.errors import CtlError
-from ringd.ctl.install import LOG_LINES, install, logs, uninstall
-from ringd.ctl.pins import DEFAULT_KNOWN_NODES, KnownNodes
-from ringd.ctl.render import instances_of, print_instances, print_models, print_plan, print_status
-from ringd.ctl.top import MIN_TOP_INTERVAL_S, TOP_INTERVAL_S, top
-from ringd.names import DEFAULT_HTTP_PORT, check_name
-from ringd.tls import cluster_ca_pem
+from ringd.node.config import DEFAULT_SECRET_FILE
+from ringd.app.ctl.client import DEFAULT_CLUSTER, Credentials, Trust, fetch
+from ringd.app.ctl.errors import CtlError
+from ringd.app.ctl.install import LOG_LINES, install, logs, uninstall
+from ringd.app.ctl.pins import DEFAULT_KNOWN_NODES, KnownNodes
+from ringd.app.ctl.render import instances_of, print_instances, print_models, print_plan, print_status
+from ringd.app.ctl.top import MIN_TOP_INTERVAL_S, TOP_INTERVAL_S, top
+from ringd.base.names import DEFAULT_HTTP_PORT, check_name
+from ringd.security.tls import cluster_ca_pem
 
 DEFAULT_NODE = f"127.0.0.1:{DEFAULT_HTTP_PORT}"
 # `ringctl load` waits while the leader places the model and the nodes read their layers: a

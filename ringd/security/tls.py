@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ringd import tlsca
+from ringd.security import tlsca
 
 MODES = ("off", "auto", "cert")
 

