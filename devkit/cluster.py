@@ -10,6 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ringd.ring.statusdoc import ClusterStatus, NodeStatus
 from ringd.base.servecmd import serve_command
 
 from devkit import REPO, TEST_PREFILL_CHUNK
@@ -104,8 +105,8 @@ class Cluster:
 
     def leader_ready(self, via: int) -> str | None:
         """The leader's name once the node `via` reports a ready ring."""
-        s = self.status(via)
-        return s["leader"] if s and s.get("ready") and s.get("leader") else None
+        s = ClusterStatus.parse(self.status(via))
+        return s.leader if s.ready else None
 
     def stop(self) -> None:
         for p in self.procs.values():
@@ -125,9 +126,9 @@ def health(c, i: int) -> dict | None:
 
 def serving_leader(c, nodes) -> str | None:
     """The leader, once every node in `nodes` agrees on it and it answers /health with 200."""
-    leaders = {(health(c, i) or {}).get("leader") for i in nodes}
+    leaders = {NodeStatus.parse(health(c, i)).leader for i in nodes}
     if len(leaders) != 1 or None in leaders:
         return None
     leader = leaders.pop()
-    h = health(c, int(leader.removeprefix("node")))
-    return leader if h and h["role"] == "leader" and h["ready"] else None
+    h = NodeStatus.parse(health(c, int(leader.removeprefix("node"))))
+    return leader if h.leading and h.ready else None

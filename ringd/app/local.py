@@ -28,6 +28,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ringd.ring.statusdoc import ClusterStatus
 from ringd.base import listeners
 from ringd.base.names import DEFAULT_HTTP_PORT
 from ringd.base.servecmd import Flag, serve_command
@@ -70,11 +71,9 @@ def progress_lines(doc: dict, shown: dict[str, dict]) -> list[str]:
     from ringd.models.progress import describe
 
     lines = []
-    for n in doc.get("nodes") or []:
-        if not isinstance(n, dict):
-            continue
-        node, p = str(n.get("node", "?")), n.get("progress")
-        if not isinstance(p, dict):
+    for n in ClusterStatus.parse(doc).nodes:
+        node, p = n.node, n.progress
+        if p is None:
             shown.pop(node, None)
             continue
         if shown.get(node) != p:

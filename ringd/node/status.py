@@ -21,6 +21,7 @@ from ringd.cluster.reconcile import follower_readiness
 from ringd.node.stagehost import StageHost
 from ringd.base.metrics import Gauges, Metrics
 from ringd.base.names import natural_key
+from ringd.ring.statusdoc import ClusterStatus, NodeStatus
 from ringd.base.tasks import Supervisor
 from wire.frames import Frame, MsgType
 
@@ -69,34 +70,29 @@ class Status:
         facts = self._facts()
         stage = self.stage.status()
         layers = stage["layers"]
-        return {
-            "node": self.node,
-            "role": "leader" if coordinator is not None else "follower",
-            "leader": cluster.leader,
-            "election_term": cluster.election.term.to_wire(),
-            "pin": cluster.election.pin.node,
-            "ready": ready,
-            "reason": reason,
-            "term": plan.term if plan else 0,
+        return NodeStatus(
+            node=self.node,
+            role="leader" if coordinator is not None else "follower",
+            leader=cluster.leader,
+            election_term=cluster.election.term.to_wire(),
+            pin=cluster.election.pin.node,
+            ready=ready,
+            reason=reason,
+            term=plan.term if plan else 0,
             **facts,
-            "budget": self.budget,
-            "task_restarts": dict(self.supervisor.restarts),
+            budget=self.budget,
+            task_restarts=dict(self.supervisor.restarts),
             **stage,
-            "kv_capacity": None if layers is None else self._kv_capacity(*layers),
-            # Why cached prefixes are off or limited for this model (leader), else "".
-            "prefix_reuse": coordinator.engine.prefix_note if coordinator else "",
-            "queued_requests": coordinator.engine.queued if coordinator else 0,
-            "active_requests": coordinator.engine.active if coordinator else 0,
-            "peers": sorted(cluster.peers, key=natural_key),
-            # Each link: its number (a new one each time it is re-made) and whether it is encrypted.
-            "links": {p: {"number": peer.number, "encrypted": peer.stream.encrypted} for p, peer in sorted(cluster.peers.items())},
-            "drained": sorted(cluster.drained, key=natural_key),
-            # The leader's live figures (tokens/s, time to first token), for the dashboard and `ringctl top`.
-            "stats": self._stats(coordinator.engine) if coordinator else None,
-            # The leader's ring as its links shape it: order, each hop's measured RTT and bandwidth,
-            # the Macs left out and why (`ringctl plan`).
-            "layout": coordinator.layout.to_wire() if coordinator is not None and coordinator.layout is not None else None,
-        }
+            kv_capacity=None if layers is None else self._kv_capacity(*layers),
+            prefix_reuse=coordinator.engine.prefix_note if coordinator else "",
+            queued_requests=coordinator.engine.queued if coordinator else 0,
+            active_requests=coordinator.engine.active if coordinator else 0,
+            peers=sorted(cluster.peers, key=natural_key),
+            links={p: {"number": peer.number, "encrypted": peer.stream.encrypted} for p, peer in sorted(cluster.peers.items())},
+            drained=sorted(cluster.drained, key=natural_key),
+            stats=self._stats(coordinator.engine) if coordinator else None,
+            layout=coordinator.layout.to_wire() if coordinator is not None and coordinator.layout is not None else None,
+        ).to_wire()
 
     def _stats(self, engine) -> dict:
         sched = engine.scheduler
@@ -134,14 +130,8 @@ class Status:
         nodes += sorted({self.node, *self.cluster.peers} - set(nodes), key=natural_key)
         statuses = await asyncio.gather(*(self._status_of(n) for n in nodes))
         ready, reason = self.readiness()
-        return {
-            "node": self.node,
-            "leader": self.cluster.leader,
-            "ready": ready,
-            "reason": reason,
-            "plan": plan.to_wire() if plan else None,
-            "nodes": statuses,
-        }
+        # Each node's document as it sent it: a newer peer's fields pass through to the dashboard.
+        return {**ClusterStatus(self.node, self.cluster.leader, ready, reason, plan.to_wire() if plan else None).to_wire(), "nodes": statuses}
 
     async def _status_of(self, node: str) -> dict:
         if node == self.node:
@@ -154,7 +144,7 @@ class Status:
             async with asyncio.timeout(STATUS_TIMEOUT_S):
                 return await waiter
         except (LinkError, TimeoutError) as e:
-            return {"node": node, "ready": False, "error": f"no answer: {e or 'timed out'}"}
+            return NodeStatus(node, error=f"no answer: {e or 'timed out'}").to_wire()
         finally:
             self._waiters.pop(sid, None)
 
@@ -169,4 +159,4 @@ class Status:
             if isinstance(status, dict) and status.get("node") == peer:
                 waiter.set_result(status)
             else:
-                waiter.set_result({"node": peer, "ready": False, "error": "answered with a malformed status"})
+                waiter.set_result(NodeStatus(peer, error="answered with a malformed status").to_wire())

@@ -15,6 +15,7 @@ from ringd.app.ctl.client import DEFAULT_CLUSTER, Credentials, Trust, fetch
 from ringd.app.ctl.errors import CtlError
 from ringd.app.ctl.install import LOG_LINES, install, logs, uninstall
 from ringd.app.ctl.pins import DEFAULT_KNOWN_NODES, KnownNodes
+from ringd.ring.statusdoc import ClusterStatus
 from ringd.app.ctl.render import instances_of, print_instances, print_models, print_plan, print_status
 from ringd.app.ctl.top import MIN_TOP_INTERVAL_S, TOP_INTERVAL_S, top
 from ringd.base.names import DEFAULT_HTTP_PORT, check_name
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             answer = fetch(args.node, "/cluster/leader", {"node": target}, creds, sign_with_secret=True)
             print(f"pinned {target}" if target else "unpinned: the election decides", f"(pin epoch {answer['pin'][0]})")
         elif args.command == "ps":
-            print_instances(instances_of(fetch(args.node, "/cluster/status", creds=creds)))
+            print_instances(instances_of(ClusterStatus.parse(fetch(args.node, "/cluster/status", creds=creds))))
         elif args.command == "load":
             body = {"model": args.model, "replicas": args.replicas}
             if args.keep_alive is not None:

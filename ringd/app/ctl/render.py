@@ -5,6 +5,7 @@ functions of a document: no requests here."""
 from __future__ import annotations
 
 from ringd.models import progress
+from ringd.ring.statusdoc import ClusterStatus, NodeStatus
 
 
 def number(v) -> float | None:
@@ -49,54 +50,58 @@ def print_models(doc: dict) -> None:
         console.print("(the list stopped short: more models are on disk than one listing reads)", markup=False)
 
 
-def layer_range(n: dict) -> str:
-    layers = n.get("layers")
-    return f"[{layers[0]}, {layers[1]})" if isinstance(layers, list) and len(layers) == 2 else "-"
+def layer_range(n: NodeStatus) -> str:
+    return f"[{n.layers[0]}, {n.layers[1]})" if n.layers is not None and len(n.layers) == 2 else "-"
 
 
-def drained_nodes(doc: dict) -> set[str]:
+def drained_nodes(doc: ClusterStatus) -> set[str]:
     # Every node keeps the leader's drain list; the union still holds when the leader is silent.
-    out: set[str] = set()
-    for n in doc.get("nodes", []):
-        if isinstance(n.get("drained"), list):
-            out.update(x for x in n["drained"] if isinstance(x, str))
-    return out
+    return {x for n in doc.nodes for x in n.drained if isinstance(x, str)}
 
 
-def health_of(n: dict, drained: set[str]) -> str:
+def health_of(n: NodeStatus, drained: set[str]) -> str:
     # A drained node may well be ready (it forwards the API), but it holds no layers: say that.
-    if n.get("node") in drained:
+    if n.node in drained:
         return "drained"
-    return "ready" if n.get("ready") else n.get("error") or "not ready"
+    return "ready" if n.ready else n.error or "not ready"
 
 
-def print_status(doc: dict) -> None:
+def speed(n: NodeStatus) -> str:
+    return "-" if n.speed is None else f"{n.speed:.1f}"
+
+
+def count(v: int | None) -> str:
+    return "-" if v is None else str(v)
+
+
+def print_status(raw: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    doc = ClusterStatus.parse(raw)
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)  # piped or captured: keep whole rows instead of rich's 80 columns
-    title = f"ring term {doc['plan']['term']}" if doc.get("plan") else "no plan yet"
-    table = Table(title=f"{title} — leader {doc.get('leader') or '?'}")
+    title = f"ring term {doc.plan.get('term')}" if doc.plan else "no plan yet"
+    table = Table(title=f"{title} — leader {doc.leader or '?'}")
     numeric = ("stage", "budget MiB", "params MiB", "KV MiB", "speed", "sessions", "term")
     columns = ("node", "address", "role", "stage", "layers", "budget MiB", "params MiB", "KV MiB", "speed", "sessions", "term", "health")
     for col in columns:
         table.add_column(col, justify="right" if col in numeric else "left", no_wrap=col in ("node", "address"))
     drained = drained_nodes(doc)
-    for n in doc.get("nodes", []):
+    for n in doc.nodes:
         table.add_row(
-            n.get("node", "?"),
-            n.get("addr", "-"),
-            n.get("role", "-"),
-            "-" if n.get("stage") is None else str(n["stage"]),
+            n.node,
+            n.addr or "-",
+            n.role or "-",
+            count(n.stage),
             layer_range(n),
-            mib(n.get("budget")),
-            mib(n.get("parameter_bytes")),
-            f"{mib(n.get('kv_bytes'))} / {mib(n.get('kv_capacity'))}",
-            "-" if number(n.get("speed")) is None else f"{n['speed']:.1f}",
-            str(n.get("sessions", "-")),
-            str(n.get("term") or "-"),
+            mib(n.budget),
+            mib(n.parameter_bytes),
+            f"{mib(n.kv_bytes)} / {mib(n.kv_capacity)}",
+            speed(n),
+            count(n.sessions),
+            str(n.term or "-"),
             health_of(n, drained),
         )
     console.print(table)
@@ -111,26 +116,25 @@ def print_status(doc: dict) -> None:
     rows = instances_of(doc)
     if len(rows) > 1:
         console.print("models:", *instance_lines(rows), sep="\n", markup=False, highlight=False)
-    if not doc.get("ready"):
-        console.print(f"[bold red]not serving:[/] {doc.get('reason') or 'unknown'}")
+    if not doc.ready:
+        console.print(f"[bold red]not serving:[/] {doc.reason or 'unknown'}")
 
 
-def print_plan(doc: dict) -> None:
-    plan = doc.get("plan")
+def print_plan(raw: dict) -> None:
+    doc = ClusterStatus.parse(raw)
+    plan = doc.plan
     if not plan:
-        print(f"no plan yet: {doc.get('reason') or 'waiting'}")
+        print(f"no plan yet: {doc.reason or 'waiting'}")
         return
-    nodes = {n.get("node"): n for n in doc.get("nodes", [])}
     print(f"plan {plan['term']} by {plan['leader']}, model {plan['model']}, {plan['num_layers']} layers")
     for i, (node, addr, start, end) in enumerate(plan["stages"]):
-        n = nodes.get(node, {})
-        speed = "-" if n.get("speed") is None else f"{n['speed']:.1f} GFLOP/s"
+        n = doc.status_of(node) or NodeStatus(node)
         print(
             f"  stage {i}: {node:<16} {addr:<22} layers [{start}, {end})  ({end - start})  "
-            f"budget {mib(n.get('budget'))} MiB, weights {mib(n.get('parameter_bytes'))} MiB, "
-            f"KV {mib(n.get('kv_bytes'))} of {mib(n.get('kv_capacity'))} MiB, speed {speed}"
+            f"budget {mib(n.budget)} MiB, weights {mib(n.parameter_bytes)} MiB, "
+            f"KV {mib(n.kv_bytes)} of {mib(n.kv_capacity)} MiB, speed {speed(n)}{' GFLOP/s' if n.speed is not None else ''}"
         )
-    for line in layout_lines(next((n.get("layout") for n in nodes.values() if n.get("role") == "leader" and n.get("layout")), None)):
+    for line in layout_lines(next((n.layout for n in doc.nodes if n.leading and n.layout), None)):
         print(line)
 
 
@@ -155,12 +159,9 @@ def layout_lines(layout: dict | None) -> list[str]:
     return lines
 
 
-def instances_of(doc: dict) -> list[dict]:
+def instances_of(doc: ClusterStatus) -> list[dict]:
     """The leader's instances, from a cluster status document."""
-    for n in doc.get("nodes", []):
-        if n.get("role") == "leader" and isinstance(n.get("instances"), list):
-            return n["instances"]
-    return []
+    return next((n.instances for n in doc.nodes if n.leading), [])
 
 
 def instance_lines(rows: list[dict]) -> list[str]:
@@ -196,24 +197,24 @@ _STATS = (
 )
 
 
-def stats_line(doc: dict) -> str | None:
-    leader = next((n for n in doc.get("nodes", []) if n.get("node") == doc.get("leader")), None)
-    stats = leader.get("stats") if leader else None
+def stats_line(doc: ClusterStatus) -> str | None:
+    leader = doc.status_of(doc.leader)
+    stats = leader.stats if leader else None
     if not isinstance(stats, dict):
         return None
     parts = [f"{label} {fmt.format(number(stats[key]))}" for key, label, fmt in _STATS if number(stats.get(key)) is not None]
     return " · ".join(parts) or None
 
 
-def progress_grid(doc: dict):
+def progress_grid(doc: ClusterStatus):
     """One line per node that is downloading or loading its layers, or None."""
     from rich.progress_bar import ProgressBar
     from rich.table import Table
 
     grid = Table.grid(padding=(0, 1))
-    for n in doc.get("nodes", []):
-        p = n.get("progress")
-        if not isinstance(p, dict):
+    for n in doc.nodes:
+        p = n.progress
+        if p is None:
             continue
         done, total, rate = number(p.get("bytes")), number(p.get("total_bytes")), number(p.get("rate_bytes_s"))
         figures = [f"{done / total:.0%}" if done is not None and total else "", f"{mib(done)} / {mib(total)} MiB"]
@@ -223,5 +224,5 @@ def progress_grid(doc: dict):
             figures.append(p["file"])
         # No total yet: rich draws an indeterminate bar.
         bar = ProgressBar(total=total if total else None, completed=done or 0, width=24)
-        grid.add_row(str(n.get("node", "?")), progress.verb(p.get("phase")), bar, "  ".join(f for f in figures if f))
+        grid.add_row(n.node, progress.verb(p.get("phase")), bar, "  ".join(f for f in figures if f))
     return grid if grid.row_count else None

@@ -6,7 +6,8 @@ import time
 
 from ringd.app.ctl.client import Credentials, fetch
 from ringd.app.ctl.errors import CtlError
-from ringd.app.ctl.render import drained_nodes, health_of, layer_range, mib, progress_grid, stats_line
+from ringd.app.ctl.render import count, drained_nodes, health_of, layer_range, mib, progress_grid, stats_line
+from ringd.ring.statusdoc import ClusterStatus
 
 # `top` redraws once a second by default: live enough for a person watching.
 TOP_INTERVAL_S = 1.0
@@ -27,15 +28,15 @@ def top_view(node: str, doc: dict | None, error: str | None, seen_at: float | No
 
     parts: list = []
     header = Text()
+    doc = ClusterStatus.parse(doc) if doc is not None else None
     if doc is not None:
-        header.append(f"leader {doc.get('leader') or '?'}", style="bold")
+        header.append(f"leader {doc.leader or '?'}", style="bold")
         header.append(" · ")
-        if doc.get("ready"):
+        if doc.ready:
             header.append("ready", style="bold green")
         else:
-            header.append(f"not ready: {doc.get('reason') or 'unknown'}", style="bold red")
-        plan = doc.get("plan")
-        header.append(f" · term {plan.get('term')}" if isinstance(plan, dict) else " · no plan yet")
+            header.append(f"not ready: {doc.reason or 'unknown'}", style="bold red")
+        header.append(f" · term {doc.plan.get('term')}" if doc.plan is not None else " · no plan yet")
     header.append(f"    {node} · {_clock(time.time())} · poll {polls}, every {interval:g} s", style="dim")
     parts.append(header)
     if error is not None:
@@ -51,20 +52,20 @@ def top_view(node: str, doc: dict | None, error: str | None, seen_at: float | No
     for col in columns:
         table.add_column(col, justify="right" if col in numeric else "left", no_wrap=col != "health")
     drained = drained_nodes(doc)
-    for n in doc.get("nodes", []):
+    for n in doc.nodes:
         health = health_of(n, drained)
         table.add_row(
-            str(n.get("node", "?")),
-            str(n.get("role", "-")),
-            "-" if n.get("stage") is None else str(n["stage"]),
+            n.node,
+            n.role or "-",
+            count(n.stage),
             layer_range(n),
-            mib(n.get("parameter_bytes")),
-            f"{mib(n.get('kv_bytes'))} / {mib(n.get('kv_capacity'))}",
-            mib(n.get("budget")),
-            str(n.get("sessions", "-")),
-            str(n.get("active_requests", "-")),
-            str(n.get("queued_requests", "-")),
-            str(n.get("term") or "-"),
+            mib(n.parameter_bytes),
+            f"{mib(n.kv_bytes)} / {mib(n.kv_capacity)}",
+            mib(n.budget),
+            count(n.sessions),
+            count(n.active_requests),
+            count(n.queued_requests),
+            str(n.term or "-"),
             Text(health, style="green" if health == "ready" else "yellow" if health == "drained" else "red"),
         )
     parts.append(table)
