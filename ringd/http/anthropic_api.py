@@ -58,27 +58,13 @@ from typing import TYPE_CHECKING, Any
 
 from ringd.http.errors import ApiError
 from ringd.http.fields import (
-    MAX_MESSAGES,
-    MAX_STOP_CHARS,
-    MAX_STOP_SEQUENCES,
-    asks_nothing,
-    bad,
-    chosen_tool,
-    check_schema,
-    check_tool_name,
-    declared_tool,
-    is_bool,
-    is_int,
-    model_name,
-    optional,
-    sampling_fields,
-    sampling_params,
-    template_kwargs,
-    valid_text,
+    MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, asks_nothing, bad, check_schema, check_tool_name, chosen_tool,
+    declared_tool, is_bool, is_int, model_name, optional, sampling_fields, sampling_params, template_kwargs,
+    tool_list, valid_text,
 )
 from ringd.http.framing import NamedEvents
 from ringd.http.segments import Segments
-from ringd.http.request import MAX_TOOLS, CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage, given_fields
+from ringd.http.request import CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage, given_fields
 from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
@@ -376,14 +362,8 @@ def _assistant(blocks: list, where: str, out: list[dict], names: dict[str, str],
 
 
 def _tools(v: Any) -> list[Tool]:
-    if v is None or v == []:
-        return []
-    if not isinstance(v, list):
-        raise bad("tools must be a list", "tools")
-    if len(v) > MAX_TOOLS:
-        raise bad(f"at most {MAX_TOOLS} tools are accepted", "tools")
     out, seen = [], set()
-    for i, t in enumerate(v):
+    for i, t in enumerate(tool_list(v)):
         where = f"tools[{i}]"
         if not isinstance(t, dict):
             raise bad(f"{where} must be an object {{name, description, input_schema}}", where)

@@ -298,14 +298,20 @@ def template_kwargs(v: Any, where: str = "chat_template_kwargs") -> dict:
     return v
 
 
-def function_tools(v: Any) -> list[Tool]:
-    """OpenAI's function tools (``{"type": "function", "function": {name, description, parameters,
-    strict}}``), as chat completions and Ollama take them."""
+def tool_list(v: Any) -> list:
+    """A request's ``tools``, any API's: a list of at most MAX_TOOLS (none given: an empty one)."""
     if v is None or v == []:
         return []
     tools = listed(v, "tools")
     if len(tools) > MAX_TOOLS:
         raise bad(f"at most {MAX_TOOLS} tools are accepted", "tools")
+    return tools
+
+
+def function_tools(v: Any) -> list[Tool]:
+    """OpenAI's function tools (``{"type": "function", "function": {name, description, parameters,
+    strict}}``), as chat completions and Ollama take them."""
+    tools = tool_list(v)
     out, seen = [], set()
     for i, t in enumerate(tools):
         where = f"tools[{i}]"

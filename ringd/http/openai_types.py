@@ -22,23 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringd.http.fields import (
-    MAX_MESSAGES,
-    MAX_STOP_CHARS,
-    MAX_STOP_SEQUENCES,
-    asks_nothing,
-    bad,
-    chosen_tool,
-    check_schema,
-    function_tools,
-    is_bool,
-    is_int,
-    is_object,
-    listed,
-    model_name,
-    optional,
-    sampling_fields,
-    sampling_params,
-    template_kwargs,
+    MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, asks_nothing, bad, chosen_tool, check_schema, function_tools,
+    is_bool, is_int, is_object, listed, model_name, optional, sampling_fields, sampling_params, template_kwargs,
     valid_text,
 )
 from ringd.http.request import Request, ResponseFormat, Tool, given_fields

@@ -68,25 +68,12 @@ from typing import TYPE_CHECKING, Any
 
 from ringd.http.errors import ApiError
 from ringd.http.fields import (
-    MAX_MESSAGES,
-    asks_nothing,
-    bad,
-    chosen_tool,
-    check_schema,
-    declared_tool,
-    is_bool,
-    is_int,
-    is_object,
-    model_name,
-    optional,
-    sampling_fields,
-    sampling_params,
-    template_kwargs,
-    valid_text,
+    MAX_MESSAGES, asks_nothing, bad, check_schema, chosen_tool, declared_tool, is_bool, is_int, is_object,
+    model_name, optional, sampling_fields, sampling_params, template_kwargs, tool_list, valid_text,
 )
 from ringd.http.framing import NamedEvents
 from ringd.http.segments import Segments
-from ringd.http.request import MAX_TOOLS, CallOpened, Output, Request, ResponseFormat, Tool, Usage, given_fields
+from ringd.http.request import CallOpened, Output, Request, ResponseFormat, Tool, Usage, given_fields
 from ringd.ring.sampling import SamplingParams, brief_repr
 
 if TYPE_CHECKING:
@@ -313,14 +300,8 @@ def _reasoning_text(item: dict, where: str) -> str:
 
 
 def _tools(v: Any) -> list[Tool]:
-    if v is None or v == []:
-        return []
-    if not isinstance(v, list):
-        raise bad("tools must be a list", "tools")
-    if len(v) > MAX_TOOLS:
-        raise bad(f"at most {MAX_TOOLS} tools are accepted", "tools")
     out, seen = [], set()
-    for i, t in enumerate(v):
+    for i, t in enumerate(tool_list(v)):
         where = f"tools[{i}]"
         kind = t.get("type") if isinstance(t, dict) else None
         if kind != "function":
