@@ -7,7 +7,8 @@ loop), ``reference`` (mlx-lm's own answers); then the builders of test models (`
 ``thinkmodel``, ``ggufmake``, ``kquants``, ``buildcache``), the stand-ins for other machines
 (``fakehub``, ``localindex``, ``fileholder``, ``liarholder``, ``relay``, ``flood``), the hosts and
 links of a network (``netns``, ``linkshape``), free ports (``ports``), stages in this process
-(``stagering``) and the tools/ scripts as modules (``toolscript``).
+(``stagering``), the tools/ scripts as modules (``toolscript``), and tools/bench's modes
+(``bench``, a package).
 
 Importable as ``devkit`` wherever the checkout is installed (``uv sync`` installs it editable, with
 the checkout on sys.path); not part of the wheel (pyproject packages ringd and wire only).

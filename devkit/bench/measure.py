@@ -1,0 +1,96 @@
+"""What the bench reads off the machine: CPU seconds and context switches from /proc (by session,
+process and thread), this process's own CPU time, --pin-cores' pinning, and a least-squares slope.
+
+Linux only (/proc, sched_setaffinity); it knows nothing of rings or models beyond their pids.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def session_pids(session: int) -> list[int]:
+    """The processes of session ``session`` (a ring started by ``start_ring``), by pid."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            # Fields after the command's closing parenthesis: the session is the 4th.
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3]) == session:
+                pids.append(int(pid))
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # gone meanwhile
+    return sorted(pids)
+
+
+def cpu_seconds(session: int) -> tuple[float, float]:
+    """CPU seconds used so far by the processes of session ``session`` (a ring started by
+    ``start_ring``): by their main threads (the event loops), and by all their other threads."""
+    tick = os.sysconf("SC_CLK_TCK")
+    loops = rest = 0.0
+    for pid in session_pids(session):
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                # utime and stime: the 12th and 13th fields after the command's closing parenthesis.
+                t = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+                seconds = (int(t[11]) + int(t[12])) / tick
+                if int(tid) == pid:
+                    loops += seconds
+                else:
+                    rest += seconds
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # gone meanwhile
+    return loops, rest
+
+
+def switches(pids: list[int]) -> int:
+    """Context switches so far (voluntary and not) of every thread of ``pids``: each is a thread
+    that waited and was woken, the handoffs a token's trip pays (MLX's CPU stream thread
+    included, in a ring and in one process alike)."""
+    total = 0
+    for pid in pids:
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+                    if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                        total += int(line.split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # gone meanwhile
+    return total
+
+
+# --pin-cores K: this process (mlx-lm, the client) and ``ringd local`` itself (which only
+# waits) on cores [0, K), a ring's i-th node on [K(i+1), K(i+2)): each node on its own
+# cores, as each Mac has its own.
+PIN_CORES: int | None = None
+
+
+def pin_ring(session: int) -> None:
+    """Each node of the ring whose ``ringd local`` is ``session`` on its own cores (by start order)."""
+    if not PIN_CORES:
+        return
+    nodes = [pid for pid in session_pids(session) if pid != session]
+    for i, pid in [(-1, session), *enumerate(nodes)]:
+        block = set(range(PIN_CORES * (i + 1), PIN_CORES * (i + 2)))
+        for tid in os.listdir(f"/proc/{pid}/task"):  # every thread: affinity is per thread
+            try:
+                os.sched_setaffinity(int(tid), block)
+            except ProcessLookupError:
+                pass
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds this process has used, all its threads (MLX's included)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def processes_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user+system, every thread) used so far by the sessions these processes lead."""
+    return sum(sum(cpu_seconds(pid)) for pid in pids)
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs."""
+    mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx_) ** 2 for x in xs)
