@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from devkit import REPO
-from devkit.bench.rings import ring_decode
+from devkit.bench.rings import cluster_status, ring_decode
 from devkit.bench.theory import hops_per_token
 
 # Every host has ports of its own: the daemons take ringd's defaults, the echo its own.
@@ -176,8 +176,7 @@ def start_link_ring(net, model_path: str, workdir: Path) -> tuple[list[subproces
 
 
 def plan_term(url: str) -> int:
-    with urllib.request.urlopen(url + "/cluster/status", timeout=10) as r:
-        return json.loads(r.read())["plan"]["term"]
+    return cluster_status(url).plan["term"]
 
 
 def settle(url: str, prompt: list[int], no_eos: list[int]) -> None:
@@ -193,6 +192,5 @@ def settle(url: str, prompt: list[int], no_eos: list[int]) -> None:
 
 def ring_hops(url: str) -> int:
     """Links a decode step crosses on the ring at ``url``, from its plan."""
-    with urllib.request.urlopen(url + "/cluster/status", timeout=10) as r:
-        plan = json.loads(r.read())["plan"]
+    plan = cluster_status(url).plan
     return hops_per_token(plan["leader"], [s[0] for s in plan["stages"]])

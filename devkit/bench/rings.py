@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from devkit import REPO
+from ringd.ring.statusdoc import ClusterStatus
 from devkit.bench.measure import pin_ring
 from devkit.bench.settings import PROMPT, SAMPLING
 
@@ -38,13 +39,17 @@ def urlopen(req, timeout: float):
     return urllib.request.urlopen(req, timeout=timeout, context=context)
 
 
+def cluster_status(url: str) -> ClusterStatus:
+    """The ring's /cluster/status, as the node at ``url`` answers it."""
+    with urlopen(url + "/cluster/status", timeout=10) as r:
+        return ClusterStatus.parse(json.loads(r.read()))
+
+
 def node_metrics(url: str) -> list[str]:
     """Each node's /metrics text, in the ring's order (its /cluster/status)."""
-    with urlopen(url + "/cluster/status", timeout=10) as r:
-        nodes = json.loads(r.read())["nodes"]
     texts = []
-    for node in nodes:
-        with urlopen(f"{url.split('://')[0]}://{node['http']}/metrics", timeout=10) as r:
+    for node in cluster_status(url).nodes:
+        with urlopen(f"{url.split('://')[0]}://{node.http}/metrics", timeout=10) as r:
             texts.append(r.read().decode())
     return texts
 
@@ -90,9 +95,8 @@ def start_ring(
                     # This ring's own CA, for each of its nodes' URLs (the ring is ready: all are listed).
                     ca = line.split("clients trust the cluster CA in ", 1)[1].split()[0]
                     CONTEXTS[url] = ssl.create_default_context(cafile=ca)
-                    with urlopen(url + "/cluster/status", timeout=10) as r:
-                        for node in json.loads(r.read())["nodes"]:
-                            CONTEXTS[f"https://{node['http']}"] = CONTEXTS[url]
+                    for node in cluster_status(url).nodes:
+                        CONTEXTS[f"https://{node.http}"] = CONTEXTS[url]
                 pin_ring(proc.pid)
                 return proc, url
     stop_ring(proc)
@@ -152,10 +156,9 @@ def stream_prompts(tok, n: int, run: int) -> list[list[int]]:
 
 def follower_url(url: str) -> str:
     """The URL of a node of the ring at ``url`` that does not lead it."""
-    with urlopen(url + "/cluster/status", timeout=10) as r:
-        doc = json.loads(r.read())
-    node = next(n for n in doc["nodes"] if n["node"] != doc["leader"])
-    return f"{url.split('://')[0]}://{node['http']}"
+    doc = cluster_status(url)
+    node = next(n for n in doc.nodes if n.node != doc.leader)
+    return f"{url.split('://')[0]}://{node.http}"
 
 
 @dataclass
