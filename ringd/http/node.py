@@ -1,4 +1,4 @@
-"""What the HTTP face needs of its node (``daemon.Daemon`` provides it), as a Protocol.
+"""What the HTTP face needs of its node (``app.daemon.Node`` provides it), as a Protocol.
 
 Every part of http/ that asks the node something (the driver, the serving
 engine, each API's translation, the control and status routes) types it with
@@ -51,8 +51,6 @@ class ApiNode(Protocol):
     client_ssl: ssl.SSLContext | None  # whom this node trusts when it calls a peer's https API (tls.client_context)
     catalogue: "Catalogue | None"  # the models on this machine that the model list shows (models/catalogue.py)
 
-    @property
-    def engine(self) -> "Engine | None": ...
     @property
     def leading(self) -> bool: ...
     @property
