@@ -183,7 +183,7 @@ class Node:
             self.budget, self.supervisor, metrics,
         )  # fmt: skip
         metrics.read_gauges_from(self.status.gauges)
-        self.discovery: Discovery | None = None  # once it advertises (``_discover``)
+        self.discovery = self._discovery() if cfg.discovery else None  # None: off, or nothing to advertise
         self.pool: Pool | None = None  # while leading: the instances it serves
         self.stopping = False
 
@@ -196,9 +196,8 @@ class Node:
         await self.cluster.links.listen(cfg.host, cfg.ring_port, r.ring_sock)
         for peer in cfg.peers:
             self.cluster.links.dial(*parse_hostport(peer), persistent=True)
-        if cfg.discovery:
-            ring_port, http_port = r.ring_sock.getsockname()[1], r.http_sock.getsockname()[1]
-            self.supervisor.once("discovery", self._discover(r.addresses, ring_port, http_port))
+        if self.discovery is not None:
+            self.supervisor.once("discovery", self._discover(self.discovery))
         # The model list's first scan, now rather than on the first client's request.
         self.supervisor.once("model list", self.catalogue.listing())
         self.supervisor.forever("session expiry", self._expire_loop)
@@ -231,20 +230,29 @@ class Node:
 
     # --- discovery --------------------------------------------------------------------
 
-    async def _discover(self, addresses: list[str], ring_port: int, http_port: int) -> None:
-        ipv4 = [a for a in addresses if ":" not in a]
+    def _discovery(self) -> Discovery | None:
+        """This node's Bonjour advert and browser, not yet started; None if it cannot advertise."""
+        r = self.r
+        ipv4 = [a for a in r.addresses if ":" not in a]
         if not ipv4:
-            log.warning("discovery off: no IPv4 address to advertise (%s); dialing static peers only", addresses)
-            return
+            log.warning("discovery off: no IPv4 address to advertise (%s); dialing static peers only", r.addresses)
+            return None
         try:
-            self.discovery = Discovery(
-                node=self.name, cluster=self.cfg.cluster, ring_port=ring_port, http_port=http_port,
-                addresses=ipv4, on_peer=self._on_advert, interfaces=self.cfg.mdns_interfaces,
+            return Discovery(
+                node=self.name, cluster=self.cfg.cluster, ring_port=r.ring_sock.getsockname()[1],
+                http_port=r.http_sock.getsockname()[1], addresses=ipv4, on_peer=self._on_advert,
+                interfaces=self.cfg.mdns_interfaces,
             )  # fmt: skip
-            await self.discovery.start()
+        except ValueError as e:
+            log.warning("discovery off: %s; dialing static peers only", e)
+            return None
+
+    async def _discover(self, discovery: Discovery) -> None:
+        try:
+            await discovery.start()
         except (DiscoveryError, ValueError) as e:
             log.warning("discovery off: %s; dialing static peers only", e)
-            self.discovery = None
+            await discovery.stop()
 
     def _on_advert(self, advert: Advert) -> None:
         if advert.node in self.cluster.peers:
