@@ -100,11 +100,10 @@ async def build(cfg: Config, ring_sock: socket.socket | None = None, http_sock: 
     # peers is counted in the other.
     compute, metrics = ComputeThread(), Metrics(cfg.name)
     try:
-        resolved = await _resolve(cfg, compute, metrics, ring_sock, http_sock)
+        return Node(await _resolve(cfg, compute, metrics, ring_sock, http_sock), compute, metrics)
     except BaseException:
         await compute.stop()
         raise
-    return Node(resolved, compute, metrics)
 
 
 async def _resolve(cfg: Config, compute: ComputeThread, metrics: Metrics, ring_sock: socket.socket | None, http_sock: socket.socket | None) -> Resolved:
