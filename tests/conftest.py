@@ -21,7 +21,7 @@ from devkit.cluster import Cluster
 from devkit.rings import Ring
 
 # Hypothesis's example counts: CI's are its defaults, what every property test was written
-# against; `HYPOTHESIS_PROFILE=dev uv run pytest` tries a tenth as many, for a quick loop
+# against; `HYPOTHESIS_PROFILE=dev uv run --group test pytest` tries a tenth as many, for a quick loop
 # while developing (a property that fails there fails in CI too, not the other way round).
 settings.register_profile("ci", settings.get_profile("default"))
 settings.register_profile("dev", max_examples=10)
