@@ -40,6 +40,7 @@ from pathlib import Path
 from ringd.base.servecmd import serve_command
 
 from devkit import REPO, linkshape
+from devkit.procs import stop_group
 
 # Every `ip` command is local configuration; one that takes longer is stuck.
 IP_COMMAND_TIMEOUT_S = 10.0
@@ -221,15 +222,7 @@ def _profile(link) -> linkshape.Profile:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)  # the session popen started: the child and its children
-            proc.wait(PROCESS_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(PROCESS_STOP_TIMEOUT_S)
-        except ProcessLookupError:
-            pass
+    stop_group(proc, PROCESS_STOP_TIMEOUT_S)  # the session popen started: the child and its children
     for stream in (proc.stdin, proc.stdout, proc.stderr):
         if stream is not None:
             stream.close()

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from devkit import REPO, RING_START_TIMEOUT_S, TEST_PREFILL_CHUNK
-from devkit.procs import wait_for_line
+from devkit.procs import stop_group, wait_for_line
+
+# How long a ring's launcher gets to stop its nodes on SIGTERM before the group is killed.
+RING_STOP_GRACE_S = 15.0
 
 
 class Ring:
@@ -47,12 +49,6 @@ class Ring:
         return Path(self.log.name).read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, RING_STOP_GRACE_S)
         if self.proc.stdout:
             self.proc.stdout.close()

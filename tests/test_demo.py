@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import time
 from devkit import REPO
 
 from devkit.localindex import LocalIndex
+from devkit.procs import stop_group
 
 START_TIMEOUT_S = 180.0
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -63,13 +63,7 @@ class Demo:
         return "".join(self.lines)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, 30)
 
 
 def ask(url: str, model: str, prefix: list[str] | None = None) -> str:
