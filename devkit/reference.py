@@ -39,3 +39,59 @@ def load_cached(path: str):
 
 def tokenizer_of(model_path: Path):
     return load_cached(str(model_path))[1]
+
+
+# mlx.launch runs a program: this one loads the model with mlx-lm's sharded_load over the global
+# group (tensor parallelism) and, on rank 0, prints each prompt's greedy tokens, alone
+# (generate_step) and all together (BatchGenerator), as JSON.
+_TENSOR_PARALLEL_SCRIPT = """\
+import json, sys
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.utils import sharded_load
+
+path, prompts, max_tokens, chunk = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+group = mx.distributed.init(backend="ring", strict=True)
+model, _ = sharded_load(path, tensor_group=group)
+plain = [[t for t, _ in generate_step(mx.array(p), model, max_tokens=max_tokens, prefill_step_size=chunk)] for p in prompts]
+gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=len(prompts), prefill_batch_size=len(prompts), prefill_step_size=chunk)
+uids = gen.insert(prompts, [max_tokens] * len(prompts))
+batched = {u: [] for u in uids}
+while responses := gen.next_generated():
+    for r in responses:
+        batched[r.uid].append(r.token)
+gen.close()
+if group.rank() == 0:
+    print("RESULT " + json.dumps({"plain": plain, "batched": [batched[u] for u in uids]}), flush=True)
+"""
+# Tries of one mlx.launch run: its ring backend on loopback loses a peer now and then.
+MLX_LAUNCH_TRIES = 3
+MLX_LAUNCH_TIMEOUT_S = 300
+
+
+def mlx_tensor_parallel(model_path: Path, prompts: list[list[int]], max_tokens: int, ranks: int = 2) -> dict[str, list[list[int]]]:
+    """mlx-lm's own tensor parallelism: ``ranks`` processes of ``mlx.launch --backend ring`` on
+    loopback, each ``sharded_load(..., tensor_group=...)``; greedy tokens of each prompt alone
+    ("plain") and all in one BatchGenerator ("batched")."""
+    import json
+    import random
+    import subprocess
+    import sys
+    import tempfile
+
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "mlx-lm-tensor-parallel"
+        script.write_text(f"#!{sys.executable}\n{_TENSOR_PARALLEL_SCRIPT}")
+        script.chmod(0o755)
+        for _ in range(MLX_LAUNCH_TRIES):
+            cmd = [
+                str(launcher), "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1",
+                "--starting-port", str(random.randrange(20000, 60000)), str(script),
+                str(model_path), json.dumps(prompts), str(max_tokens), str(TEST_PREFILL_CHUNK),
+            ]  # fmt: skip
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=MLX_LAUNCH_TIMEOUT_S)
+            for line in r.stdout.splitlines():
+                if line.startswith("RESULT "):
+                    return json.loads(line.removeprefix("RESULT "))
+    raise RuntimeError(f"mlx-lm's tensor parallelism over {ranks} ranks failed {MLX_LAUNCH_TRIES} times; the last:\n{r.stdout[-1000:]}\n{r.stderr[-2000:]}")

@@ -18,12 +18,16 @@ RING_STOP_GRACE_S = 15.0
 class Ring:
     """A `ringd local` process tree: N daemons and their launcher."""
 
-    def __init__(self, model: Path, nodes: int, split: list[int] | None = None, env: dict | None = None, model_id: str = "tiny"):
+    def __init__(
+        self, model: Path, nodes: int, split: list[int] | None = None, env: dict | None = None, model_id: str = "tiny", tensor_parallel: int = 1
+    ):
         self.model, self.nodes, self.split, self.model_id = model, nodes, split, model_id
         self.log = tempfile.NamedTemporaryFile(prefix="ringd-test-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "ringd", "local", "--nodes", str(nodes), "--model", str(model), "--port", "0", "--model-id", model_id]
         if split:
             cmd += ["--split", ",".join(map(str, split))]
+        if tensor_parallel > 1:
+            cmd += ["--tensor-parallel", str(tensor_parallel)]
         full_env = {**os.environ, "RINGD_PREFILL_CHUNK_TOKENS": str(TEST_PREFILL_CHUNK), **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
         self.url = self._wait_ready()

@@ -37,7 +37,8 @@ MAGIC = b"RNGD"
 # 5: the integrity MAC is keyed BLAKE3, not HMAC-SHA256 (wire.seal).
 # 6: a sampled proposal's draft distribution travels as its most likely tokens' ids and
 #    probabilities, not a whole vocabulary of them (FORWARD's payload).
-PROTOCOL_VERSION = 6
+# 7: REDUCE, a tensor-parallel group member's partial sum (binary descriptor).
+PROTOCOL_VERSION = 7
 
 HEADER = struct.Struct("<4sBBHQII")
 HEADER_BYTES = HEADER.size
@@ -74,13 +75,14 @@ class MsgType(enum.IntEnum):
     INFO = 14  # handshake, first sealed frame: the node's info, once the peer proved the secret
     LEAVE = 15  # a node is stopping: take it out of the ring now, do not wait for its heartbeats to stop
     UNLOAD = 16  # leader -> node: drop the layers of one of the leader's instances
+    REDUCE = 17  # tensor-parallel group member -> the others: its partial sum of one all-reduce
 
 
 # Types whose descriptor is bytes in a fixed binary layout of the layer above's
 # (ringd.steps), not JSON: a frame of these goes every step of every request,
 # and encoding and parsing JSON was a good part of a hop. The type decides, not
 # a flag, so a descriptor is never read in the wrong layout.
-RAW_TYPES = frozenset({MsgType.FORWARD, MsgType.TOKEN})
+RAW_TYPES = frozenset({MsgType.FORWARD, MsgType.TOKEN, MsgType.REDUCE})
 
 
 class FrameError(Exception):

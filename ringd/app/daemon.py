@@ -270,6 +270,8 @@ class Node:
         t = frame.type
         if t in (MsgType.FORWARD, MsgType.RELEASE):
             self.stages.route(frame).on_frame(peer, frame)
+        elif t == MsgType.REDUCE:
+            self.stages.route(frame).on_reduce(peer, frame)
         elif t in (MsgType.TOKEN, MsgType.ERROR):
             if self.pool is not None:
                 self.pool.on_frame(peer, frame)

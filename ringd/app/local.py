@@ -99,6 +99,7 @@ def run_local(
     model: str,
     port: int = DEFAULT_HTTP_PORT,
     split: list[int] | None = None,
+    tensor_parallel: int = 1,
     host: str = "127.0.0.1",
     model_id: str | None = None,
     log_level: str = "info",
@@ -110,7 +111,7 @@ def run_local(
     """``tls``: "auto" serves https with certificates from the run's cluster CA, written to
     ringd-ca.pem in the run's folder for clients to trust."""
     try:
-        check_plan(model, nodes, split)
+        check_plan(model, nodes, split, tensor_parallel)
         rings, https = bind_listeners(nodes, host, port)
     except LaunchError as e:
         print(f"ringd local: {e}", file=sys.stderr)
@@ -124,7 +125,7 @@ def run_local(
     # loads from models_dir. Every node is listed as a peer: nothing to find, nothing to tell the LAN.
     shared: dict[str, Flag] = dict(
         model=model, secret_file=secret_file, cluster=cluster, state_dir=workdir, nodes=nodes, log_level=log_level,
-        discovery=False, tls=tls, split=",".join(map(str, split)) if split else None, model_id=model_id,
+        discovery=False, tls=tls, split=",".join(map(str, split)) if split else None, tensor_parallel=tensor_parallel, model_id=model_id,
         draft_model=draft_model, models_dir=models_dir, replicas=replicas,
     )  # fmt: skip
     procs: list[subprocess.Popen] = []
@@ -159,12 +160,15 @@ def run_local(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def check_plan(model: str, nodes: int, split: list[int] | None) -> None:
+def check_plan(model: str, nodes: int, split: list[int] | None, tensor_parallel: int = 1) -> None:
     """Fail fast and plainly where the leader's plan would: too few nodes, a model that cannot be
-    read, a split that does not fit it. A Hub GGUF (OWNER/REPO:QUANT) is fetched here, whole,
+    read, a split that does not fit it, groups the nodes do not make or the model cannot split
+    into. A Hub GGUF (OWNER/REPO:QUANT) is fetched here, whole,
     before any node starts: the lines its progress logs (models/progress.py) are printed as they come."""
     if nodes < 1:
         raise LaunchError("--nodes must be at least 1", code=2)
+    if nodes % tensor_parallel:
+        raise LaunchError(f"--nodes {nodes} does not make whole groups of --tensor-parallel {tensor_parallel}", code=2)
     from ringd.ring.plan import PlacementError, make_plan
     from ringd.models.source import model_info
     from ringd.models.errors import ModelError
@@ -176,7 +180,13 @@ def check_plan(model: str, nodes: int, split: list[int] | None) -> None:
     progress_log.setLevel(logging.INFO)
     try:
         info = model_info(model)
-        make_plan(0, "node0", info.fingerprint, info.num_layers, [(f"node{i}", "") for i in range(nodes)], split)
+        make_plan(0, "node0", info.fingerprint, info.num_layers, [(f"node{i}", "") for i in range(nodes // tensor_parallel)], split)
+        if tensor_parallel > 1:
+            from ringd.stage.shard import tensor_parallel_refusal
+
+            refusal = tensor_parallel_refusal(info, tensor_parallel)
+            if refusal is not None:
+                raise LaunchError(f"--tensor-parallel {tensor_parallel}: {refusal}", code=2)
     except (ModelError, PlacementError) as e:
         raise LaunchError(str(e), code=2) from None
     finally:

@@ -122,6 +122,13 @@ class ModelCost:
         """What a stage holding layers [start, end) needs within its budget: weights plus KV reserve."""
         return self.stage_bytes(start, end) + self.kv_per_layer * (end - start)
 
+    def per_member(self, size: int) -> "ModelCost":
+        """What each member of a tensor-parallel group of ``size`` holds: a 1/size slice of every
+        layer and of its KV cache (mlx-lm's shard() splits heads and MLP columns; the layers'
+        norms, a small part, are kept whole and counted as sliced), and the embeddings, final
+        norm and head whole (shard() leaves them alone)."""
+        return ModelCost(tuple(-(-b // size) for b in self.layers), self.embed, self.norm, self.head, -(-self.kv_per_layer // size))
+
 
 class _Needs:
     """ModelCost.stage_need in O(1) by prefix sums: the searches below ask it O(nodes * layers**2) times."""
@@ -461,6 +468,28 @@ def _holds(nodes: tuple[NodeSpec, ...], cost: ModelCost) -> str | None:
     if have < least:
         return f"it needs at least {_size(least)} (weights + KV reserve) and the budgets of the {len(active)} node(s) holding layers add up to {_size(have)}: short by {_size(least - have)}"
     return f"the budgets of the {len(active)} node(s) holding layers add up to {_size(have)}, but no split of its layers fits every node's budget"
+
+
+def tensor_groups(nodes: list[NodeSpec], size: int) -> tuple[list[NodeSpec], dict[str, tuple[tuple[str, str], ...]], list[tuple[str, str]]]:
+    """Groups of ``size`` consecutive holders in ring order, each placed as one node: the group's
+    first, with the smallest budget among its members (each holds the same slice) and ``size``
+    times its slowest member's speed (each computes 1/size of every layer). Returns the nodes as
+    placement sees them (API-only ones as they were), each group's other members by its first,
+    and the holders left over (fewer than ``size``) with why."""
+    holders = [n for n in nodes if not n.api_only]
+    whole = len(holders) - len(holders) % size
+    out, groups = [n for n in nodes if n.api_only], {}
+    for i in range(0, whole, size):
+        members = holders[i : i + size]
+        budgets = [m.budget for m in members]
+        budget = None if all(b is None for b in budgets) else min(b for b in budgets if b is not None)
+        first = members[0]
+        out.append(NodeSpec(first.node, first.addr, budget, size * min(m.speed for m in members), first.proportion))
+        groups[first.node] = tuple((m.node, m.addr) for m in members[1:])
+    left = [(n.node, f"{n.node} holds no layers: {len(holders)} nodes do not make whole tensor-parallel groups of {size}") for n in holders[whole:]]
+    if not groups:
+        raise PlacementError(f"tensor_parallel {size} needs at least {size} nodes that hold layers; there are {len(holders)}")
+    return out, groups, left
 
 
 def plan_for(

@@ -38,6 +38,7 @@ from ringd.base.logs import LOG_FORMATS
 from ringd.base.names import check_host as _host
 from ringd.base.names import DEFAULT_HTTP_PORT, DEFAULT_RING_PORT, check_name, parse_hostport
 from ringd.base.names import check_port as _port
+from ringd.ring.plan import MAX_GROUP
 from ringd.ring.steps import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES, MAX_ROWS, KvOptions
 from ringd.models.ollama.keepalive import DEFAULT_KEEP_ALIVE_S, KeepAliveError, parse_keep_alive
 from ringd.cluster.sharing import MAX_REPLICAS
@@ -272,6 +273,7 @@ KEYS: list[Key] = [
     Key("state_dir", _str, "~/.local/state/ringd", "where the node keeps its election state (a manual leader pin survives restarts)"),
     Key("nodes", _optional(_positive_int), None, "ring size the first plan waits for (default: peers + 1, or with discovery whoever is found within a few seconds)", int),
     Key("split", _split, None, "layers per stage in ring order, e.g. 10,9,9 (default: even)"),
+    Key("tensor_parallel", _int_between(1, MAX_GROUP), 1, f"Macs that split every layer of a stage between them (1 to {MAX_GROUP}): consecutive nodes of the ring form groups of this many, each a stage; a stream gets faster as Macs are added where the links are fast (docs/tensor-parallel.md)", int),
     Key("prefill_chunk_tokens", _positive_int, DEFAULT_PREFILL_CHUNK, "prompt tokens per prefill frame", int),
     Key("interleaved_chunk_tokens", _positive_int, DEFAULT_INTERLEAVED_CHUNK, "prompt tokens per prefill frame while other requests decode (their pause is about one such chunk)", int),
     Key("micro_batches", _non_negative_int, 0, "micro-batches around the ring at once (0: one per stage, which keeps every stage busy)", int),
@@ -333,6 +335,7 @@ class Config:
     state_dir: str
     nodes: int | None
     split: list[int] | None
+    tensor_parallel: int
     prefill_chunk_tokens: int
     interleaved_chunk_tokens: int
     micro_batches: int
@@ -589,9 +592,11 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
             "tls: auto and tls_cert/tls_key both choose the API's certificate (auto issues one from the cluster CA, "
             "tls_cert is your own); keep one of them"
         )
-    if cfg.split is not None and len(cfg.split) != cfg.expected_nodes:
+    stages = cfg.expected_nodes // cfg.tensor_parallel
+    if cfg.split is not None and len(cfg.split) != stages:
         raise ConfigError(
-            f"split: {cfg.split} has {len(cfg.split)} entries for a ring of {cfg.expected_nodes} nodes "
-            "(the ring size is `nodes`, or the number of peers + 1 when `nodes` is not set)"
+            f"split: {cfg.split} has {len(cfg.split)} entries for a ring of {stages} stages "
+            "(the ring size is `nodes`, or the number of peers + 1 when `nodes` is not set, "
+            "over tensor_parallel, the nodes of a stage)"
         )
     return cfg

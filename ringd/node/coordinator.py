@@ -25,7 +25,7 @@ from ringd.cluster.election import Term
 from ringd.cluster.linkcost import RTT_SAMPLES
 from ringd.cluster.links import LinkError
 from ringd.cluster.members import Cluster
-from ringd.cluster.placement import ModelCost, NodeSpec, fit_note, plan_for
+from ringd.cluster.placement import ModelCost, NodeSpec, fit_note, plan_for, tensor_groups
 from ringd.cluster.reconcile import Member, Reconciler
 from ringd.cluster.topology import Layout, choose, link_matrix
 from ringd.node.stages import Stages, Unload
@@ -38,7 +38,8 @@ from ringd.leader.errors import EngineError
 from ringd.base.logs import about
 from ringd.base.metrics import Metrics
 from ringd.models.checkpoint import ModelInfo
-from ringd.ring.plan import PlacementError, Plan
+from ringd.ring.plan import PlacementError, Plan, with_groups
+from ringd.stage.shard import tensor_parallel_refusal
 from ringd.base.names import natural_key
 from ringd.base.tasks import Supervisor
 from wire.frames import Frame, MsgType
@@ -166,7 +167,7 @@ class Coordinator:
         self._seen = peers
         plan = self.plan
         if plan is not None and self.ready and not self.cluster.settling:
-            gone = [s.node for s in plan.stages if s.node != self.node and s.node not in self.cluster.peers]
+            gone = [n for n in plan.nodes if n != self.node and n not in self.cluster.peers]
             if gone and all(g in self.cluster.left for g in gone):
                 # They said LEAVE (a Mac shutting down, an update): expected, not a fault.
                 self._down(f"{', '.join(gone)} left; re-planning over the rest", level=logging.INFO)
@@ -305,7 +306,8 @@ class Coordinator:
 
     def _split(self, over: tuple[str, ...]) -> list[int] | None:
         """The configured split, where it applies to this ring (it fixes the ring: no layout by links)."""
-        return self.cfg.split if self.cfg.split is not None and len(self.cfg.split) == len(over) and not self.instance else None
+        stages = len(over) // self.cfg.tensor_parallel
+        return self.cfg.split if self.cfg.split is not None and len(self.cfg.split) == stages and not self.instance else None
 
     def _layout(self, specs: list[NodeSpec]) -> Layout:
         """The ring over ``specs`` that the links favour as measured while the ring was idle,
@@ -349,8 +351,7 @@ class Coordinator:
             specs = [by_node[n] for n in layout.ring] + [dataclasses.replace(by_node[n], api_only=True) for n, _ in layout.left_out]
         term = self.cluster.claim_plan_term()
         try:
-            plan = plan_for(term.number, self.node, self.info.fingerprint, specs, self._model_cost(), self.cfg.placement, split)
-            plan = dataclasses.replace(plan, instance=self.instance, source=self.source)
+            plan = self._place(term.number, specs, split)
         except PlacementError as e:
             reason = f"cannot place {self.label}: {e}"
             log.error(reason)
@@ -360,7 +361,7 @@ class Coordinator:
             self.engine.fail_all(reason)
             return
         self._first = False
-        self.reconciler.planned(now, term, tuple(s.node for s in plan.stages), over, members)
+        self.reconciler.planned(now, term, plan.nodes, over, members)
         self.plan, self.layout = plan, layout
         for node, reason in layout.left_out if layout else ():
             log.info("%s", reason, extra=about(term=plan.term))
@@ -370,12 +371,28 @@ class Coordinator:
         self.reason = f"loading plan term {plan.term}"
         self.engine.suspend_all(self.reason)
         log.info(
-            "plan term %d%s (%s): %s", plan.term, f" of {self.instance}" if self.instance else "", why, ", ".join(f"{s.node}[{s.start},{s.end})" for s in plan.stages),
-            extra=about(term=plan.term, why=why, split=plan.split, nodes=[s.node for s in plan.stages]),
+            "plan term %d%s (%s): %s", plan.term, f" of {self.instance}" if self.instance else "", why, ", ".join(f"{'+'.join(s.members)}[{s.start},{s.end})" for s in plan.stages),
+            extra=about(term=plan.term, why=why, split=plan.split, nodes=list(plan.nodes)),
         )  # fmt: skip
         # Every member hears it, this node included: those left out drop their layers.
         for node in members:
             self._send_plan(node, plan)
+
+    def _place(self, term: int, specs: list[NodeSpec], split: list[int] | None) -> Plan:
+        """The plan over ``specs`` (ring order): with tensor_parallel, consecutive holders in groups,
+        each group placed as one node holding a slice of its layers on every member."""
+        cost, size = self._model_cost(), self.cfg.tensor_parallel
+        if size == 1:
+            plan = plan_for(term, self.node, self.info.fingerprint, specs, cost, self.cfg.placement, split)
+            return dataclasses.replace(plan, instance=self.instance, source=self.source)
+        refusal = tensor_parallel_refusal(self.info, size)
+        if refusal is not None:
+            raise PlacementError(f"tensor_parallel {size}: {refusal}")
+        grouped, groups, left = tensor_groups(specs, size)
+        for _, why in left:
+            log.info("%s", why)
+        plan = plan_for(term, self.node, self.info.fingerprint, grouped, cost.per_member(size), self.cfg.placement, split)
+        return dataclasses.replace(with_groups(plan, groups), instance=self.instance, source=self.source)
 
     def _send_plan(self, node: str, plan: Plan) -> None:
         try:

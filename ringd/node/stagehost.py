@@ -11,6 +11,13 @@ against it, so a LOADED lost with a broken link is not a wedge.
 FORWARD and RELEASE frames go to the ``StageRunner``, but only from the node
 that precedes this stage in the plan (the leader, for stage 0): a frame of
 another ring, however it got here, never touches this ring's caches.
+
+A stage that is a tensor-parallel group (``Stage.group``) is hosted by each member:
+each loads its slice of the layers (``Shard.load`` with a ``TensorGroup``), the
+group's first member relays every FORWARD and RELEASE to the others before it runs
+it, so all apply the same frames in the same order, and only the first passes the
+output on. The members' partial sums (REDUCE) go to the group; a member gone, stalled
+or out of step breaks the stage, as a lost link does.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from ringd.cluster.election import Term
-from ringd.ring.plan import PlacementError, Plan
+from ringd.ring.plan import MAX_GROUP, PlacementError, Plan
 from ringd.cluster.reconcile import BROKEN, LOADED, LOADING, OUTSIDE, Report, failure_report, plan_refusal
 from ringd.base.metrics import Metrics
 from ringd.models.checkpoint import ModelInfo
@@ -33,6 +40,7 @@ from ringd.base.names import parse_hostport
 from ringd.stage.compute import ComputeThread
 from ringd.stage.runner import StageRunner
 from ringd.stage.shard import Shard
+from ringd.stage.tensorgroup import AHEAD, SERVE_DEADLINE_S, TensorGroup
 from ringd.ring.steps import Failure, term_of
 from wire.frames import Frame, MsgType
 
@@ -43,6 +51,9 @@ log = logging.getLogger(__name__)
 # second; this covers a dial loop in its backoff (DIAL_BACKOFF_MAX_S, 3 s)
 # and a handshake (HANDSHAKE_TIMEOUT_S, 5 s).
 SUCCESSOR_LINK_TIMEOUT_S = 10.0
+# Partial sums a group member keeps for a plan it has not reached yet: its fellow members may
+# each be an all-reduce or two into it (tensorgroup.AHEAD), in a group of up to MAX_GROUP.
+MAX_EARLY_PARTIALS = AHEAD * MAX_GROUP
 
 
 def plan_term(plan: Plan) -> Term:
@@ -99,6 +110,7 @@ class StageHost:
         self.plan: Plan | None = None  # the plan taken last
         self.shard: Shard | None = None
         self.stage: StageRunner | None = None
+        self.group: TensorGroup | None = None  # the tensor-parallel group the shard is a slice for
         self.report = Report()
         self.progress: LoadProgress | None = None  # the load under way, for status(); None when not loading
         # Why a file of the model cannot be read, once a load found it (truncated, corrupt): the
@@ -108,6 +120,7 @@ class StageHost:
         self._ring_links: dict[str, int] = {}  # ring neighbour -> the number of our link to it, once seen
         self._links: dict[str, int] = {}  # linked peers -> link numbers, as of the last check_links
         self._links_changed = asyncio.Event()
+        self._early: list[tuple[str, Frame]] = []  # partial sums of a plan not reached yet (on_reduce)
 
     @property
     def loading(self) -> bool:
@@ -182,9 +195,11 @@ class StageHost:
         if self.stage is not None:
             self.stage.close()
             self.stage = None
+        if self.group is not None:  # whatever the last plan's compute waits for is given up
+            self.group.abort(f"plan term {plan.term} replaces term {self.group.term}")
         i = plan.index_of(self.node)
         if self.instance and i is None:
-            self.shard = None
+            self.shard = self.group = None
             return
         # The configured model's is resolved once; another instance's again when a plan names
         # another model (its stage is kept while the leader's instance of that name lives).
@@ -198,11 +213,21 @@ class StageHost:
                 f"({source.model}); every node needs the same model"
             )
         if i is None:
-            self.shard = None
+            self.shard = self.group = None
             return
         want = plan.stages[i]
-        if self.shard is None or (self.shard.start, self.shard.end) != (want.start, want.end):
+        members = want.members
+        if len(members) > 1:
+            await self._link_to([(n, a) for n, a in ((want.node, want.addr), *want.group) if n != self.node], plan)
+        same_group = (self.group.members if self.group else (self.node,)) == members
+        if same_group and self.group is not None and self.shard is not None:
+            await self.compute.run(self.group.reset, plan.term)  # after the last plan's queued work
+            self._give_early(self.group)
+        if self.shard is None or (self.shard.start, self.shard.end) != (want.start, want.end) or not same_group:
             self.shard = None  # free the old layers before loading new ones
+            self.group = self._group(plan.term, members) if len(members) > 1 else None
+            if self.group is not None:
+                self._give_early(self.group)
             if self.unreadable is not None:
                 raise ModelFileError(self.unreadable)
             t0 = time.monotonic()
@@ -211,7 +236,7 @@ class StageHost:
                 if source.peer_model is not None:
                     holders = self._owner.holders(plan.model)
                     await source.peer_model.ensure(want.start, want.end, source.info.num_layers, holders, progress)
-                self.shard = await self.compute.run(Shard.load, source.model, want.start, want.end, progress)
+                self.shard = await self.compute.run(Shard.load, source.model, want.start, want.end, progress, self.group)
             except asyncio.CancelledError:
                 # The node is stopping: the compute thread gives the load up at its next step
                 # (a download's next chunk) instead of finishing many GB nobody will use.
@@ -223,22 +248,46 @@ class StageHost:
                 "loaded layers [%d, %d) in %.1f s: %.1f MiB of parameters",
                 want.start, want.end, time.monotonic() - t0, self.shard.parameter_bytes / 2**20,
             )  # fmt: skip
-        self.stage = StageRunner(self.node, plan, self.shard, self.compute, self._pass_on, self.metrics, self._grammar_tokenizer())
+        if self.group is not None:
+            self.group.deadline_s = SERVE_DEADLINE_S
+        # A group's other members compute as its first does, but only the first passes frames on.
+        first = want.node == self.node
+        self.stage = StageRunner(self.node, plan, self.shard, self.compute, self._pass_on if first else self._drop, self.metrics, self._grammar_tokenizer())
         successor = plan.successor(self.node)
-        if successor is not None and successor.node not in self._links:
+        if successor is not None and first:
+            await self._link_to([(successor.node, successor.addr)], plan, "the next stage")
+
+    async def _link_to(self, nodes: list[tuple[str, str]], plan: Plan, what: str = "a member of this stage's group") -> None:
+        """Links to ``nodes`` (node, addr), dialed where there are none, within SUCCESSOR_LINK_TIMEOUT_S."""
+        for node, addr in nodes:
+            if node in self._links:
+                continue
             try:
-                self._owner.dial(*parse_hostport(successor.addr))
+                self._owner.dial(*parse_hostport(addr))
             except ValueError:
-                raise ModelError(f"plan term {plan.term} gives {successor.node} an address we cannot dial: {successor.addr!r}") from None
-            try:
-                async with asyncio.timeout(SUCCESSOR_LINK_TIMEOUT_S):
-                    while successor.node not in self._links:
-                        self._links_changed.clear()
-                        await self._links_changed.wait()
-            except TimeoutError:
-                raise ConnectionError(
-                    f"no link to the next stage {successor.node} at {successor.addr} within {SUCCESSOR_LINK_TIMEOUT_S:.0f} s"
-                ) from None
+                raise ModelError(f"plan term {plan.term} gives {node} an address we cannot dial: {addr!r}") from None
+        try:
+            async with asyncio.timeout(SUCCESSOR_LINK_TIMEOUT_S):
+                while missing := [(n, a) for n, a in nodes if n not in self._links]:
+                    self._links_changed.clear()
+                    await self._links_changed.wait()
+        except TimeoutError:
+            n, a = missing[0]
+            raise ConnectionError(f"no link to {what} {n} at {a} within {SUCCESSOR_LINK_TIMEOUT_S:.0f} s") from None
+
+    def _group(self, term: int, members: tuple[str, ...]) -> TensorGroup:
+        """This node's place in a tensor-parallel group; when it breaks, the stage is broken."""
+        loop = asyncio.get_running_loop()
+        group = TensorGroup(term, members, members.index(self.node), self._owner.send, loop)
+        group.on_break = lambda why: loop.call_soon_threadsafe(self._group_broke, group, why)
+        return group
+
+    def _group_broke(self, group: TensorGroup, why: str) -> None:
+        if group is self.group and self.plan is not None and group.term == self.plan.term:
+            self._broken(f"its tensor-parallel group broke: {why}")
+
+    def _drop(self, node: str, frame: Frame) -> None:
+        """A group member's output: its first member sends the same."""
 
     def _grammar_tokenizer(self) -> Callable[[], Any]:
         """llguidance's tokenizer, built by the first request with a grammar (on the compute
@@ -258,6 +307,8 @@ class StageHost:
         self.stopping = True
         if self.stage is not None:
             self.stage.close()
+        if self.group is not None:
+            self.group.abort("this node stops")
 
     def _pass_on(self, node: str, frame: Frame) -> None:
         """The stage's output, to the next stage or the leader. A frame that cannot go breaks the ring."""
@@ -279,13 +330,17 @@ class StageHost:
         plan, stage = self.plan, self.stage
         if stage is None or plan is None or self.report.state != LOADED:
             return
-        for n in {stage.predecessor, stage.next_node} - {None, self.node}:
+        group = self.group.members if self.group is not None else ()
+        for n in {stage.predecessor, stage.next_node, *group} - {None, self.node}:
             if n in links and n not in self._ring_links:
                 self._ring_links[n] = links[n]
             elif n in self._ring_links and links.get(n) != self._ring_links[n]:
                 if n not in links and self._owner.departed(n):
                     continue  # it left: the leader re-plans without it
-                self._broken(f"the link to {n} {'was re-made' if n in links else 'dropped'}")
+                why = f"the link to {n} {'was re-made' if n in links else 'dropped'}"
+                if self.group is not None and n in group:
+                    self.group.abort(why)  # an all-reduce waiting for it gives up now
+                self._broken(why)
                 return
 
     def _broken(self, why: str) -> None:
@@ -300,7 +355,9 @@ class StageHost:
         """Drop the stage (the node is stopping, or the leader that gave it is gone for good)."""
         if self.stage is not None:
             self.stage.close()
-        self.stage, self.shard, self.plan = None, None, None
+        if self.group is not None:
+            self.group.abort("the stage is dropped")
+        self.stage, self.shard, self.plan, self.group = None, None, None, None
         self._set(Report())
 
     def on_frame(self, peer: str, frame: Frame) -> None:
@@ -316,7 +373,37 @@ class StageHost:
                 frame.request_id, frame.type.name, peer, stage.plan.term, stage.predecessor,
             )  # fmt: skip
             return
+        if self.group is not None and self.node == self.group.members[0]:
+            for member in self.group.members[1:]:  # the group's first relays: all apply the same frames in order
+                try:
+                    self._owner.send(member, frame)
+                except ConnectionError as e:
+                    self.group.abort(f"cannot relay a frame to {member}: {e}")
         stage.handle(frame)
+
+    def on_reduce(self, peer: str, frame: Frame) -> None:
+        """A partial sum from a member of this stage's tensor-parallel group. One of a plan this
+        node has not reached yet (a member that loaded first and tests its layers) waits for it."""
+        group, term = self.group, term_of(frame)
+        if group is not None and term is not None and term <= group.term:
+            group.arrive(peer, frame)
+            return
+        if term is None or self.plan is None or term < self.plan.term:
+            return
+        if len(self._early) >= MAX_EARLY_PARTIALS:
+            log.warning("dropping an early partial sum from %s: %d wait already", peer, len(self._early))
+            return
+        self._early.append((peer, frame))
+
+    def _give_early(self, group: TensorGroup) -> None:
+        """The partials that came before ``group`` reached its plan, to it; older ones go."""
+        early, self._early = self._early, []
+        for peer, frame in early:
+            term = term_of(frame)
+            if term == group.term:
+                group.arrive(peer, frame)
+            elif term > group.term:
+                self._early.append((peer, frame))
 
     def status(self) -> dict:
         stage = self.stage

@@ -4,11 +4,15 @@ The leader makes a plan (``cluster/placement.py`` decides the split) and sends
 ``Plan.to_wire()`` to every member; a stage loads what its range asks, and
 frames of another term are not its ring's. Every field from the network is
 checked against a named limit here. A plain value: no MLX, no I/O.
+
+A stage may be a tensor-parallel group: ``Stage.node`` is where frames enter and
+leave it, and ``Stage.group`` names the other Macs that hold a slice of each of
+its layers (``stage/tensorgroup.py``). The ring around a group is unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ringd.base.names import check_name
 
@@ -16,6 +20,9 @@ from ringd.base.names import check_name
 # far above any real model or cluster, low enough that a bad plan is cheap to refuse.
 MAX_LAYERS = 10_000  # the deepest mlx-lm models have about 100
 MAX_STAGES = 256  # a ring of a dozen Macs, with room to spare
+# Macs in one tensor-parallel group: mlx-lm's shard() splits heads evenly, and models have
+# 8 to 128 of them; past a few Macs the all-reduces cost more than the slices save.
+MAX_GROUP = 16
 MAX_TERM = 2**53 - 1  # terms travel in JSON; beyond this not every reader holds them exactly
 MAX_FINGERPRINT_CHARS = 256
 MAX_ADDR_CHARS = 64  # "[ipv6]:port"
@@ -34,10 +41,18 @@ class Stage:
     addr: str  # host:port of the node's ring listener, so stages can dial their successor
     start: int
     end: int
+    # A tensor-parallel group's other members (node, addr), in rank order after ``node`` (rank 0):
+    # each holds a 1/k slice of every layer in [start, end). Empty: the stage is one Mac.
+    group: tuple[tuple[str, str], ...] = ()
 
     @property
     def layers(self) -> int:
         return self.end - self.start
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The stage's Macs in rank order: ``node`` first (frames enter and leave there)."""
+        return (self.node, *(n for n, _ in self.group))
 
 
 @dataclass(frozen=True)
@@ -66,13 +81,19 @@ class Plan:
             expected = s.end
         if expected != self.num_layers:
             raise PlacementError(f"the stages cover {expected} of {self.num_layers} layers")
-        nodes = [s.node for s in self.stages]
+        nodes = self.nodes
         if len(set(nodes)) != len(nodes):
-            raise PlacementError(f"a node appears twice in the ring: {nodes}")
+            raise PlacementError(f"a node appears twice in the ring: {list(nodes)}")
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every Mac that holds layers: each stage's members, in ring order."""
+        return tuple(n for s in self.stages for n in s.members)
 
     def index_of(self, node: str) -> int | None:
+        """The stage ``node`` holds layers of (as a group's member too), or None."""
         for i, s in enumerate(self.stages):
-            if s.node == node:
+            if node in s.members:
                 return i
         return None
 
@@ -93,7 +114,7 @@ class Plan:
             "leader": self.leader,
             "model": self.model,
             "num_layers": self.num_layers,
-            "stages": [[s.node, s.addr, s.start, s.end] for s in self.stages],
+            "stages": [[s.node, s.addr, s.start, s.end] + ([[list(m) for m in s.group]] if s.group else []) for s in self.stages],
         }
         if self.instance or self.source:
             d.update(instance=self.instance, source=self.source)
@@ -126,14 +147,28 @@ class Plan:
         if not isinstance(stages, list) or not 1 <= len(stages) <= MAX_STAGES:
             raise PlacementError(f"plan stages must be a list of 1 to {MAX_STAGES} stages")
         num_layers = count("num_layers", d["num_layers"], MAX_LAYERS)
+        def address(what: str, v: object) -> str:
+            if not isinstance(v, str) or len(v) > MAX_ADDR_CHARS:
+                raise PlacementError(f"plan {what}: the address must be a string of at most {MAX_ADDR_CHARS} characters")
+            return v
+
         parsed = []
         for i, stage in enumerate(stages):
-            if not isinstance(stage, list) or len(stage) != 4:
-                raise PlacementError(f"plan stage {i} must be [node, address, start, end], got {stage!r:.100}")
-            node, addr, start, end = stage
-            if not isinstance(addr, str) or len(addr) > MAX_ADDR_CHARS:
-                raise PlacementError(f"plan stage {i}: the address must be a string of at most {MAX_ADDR_CHARS} characters")
-            parsed.append(Stage(name(f"stage {i} node", node), addr, count(f"stage {i} start", start, num_layers), count(f"stage {i} end", end, num_layers)))
+            if not isinstance(stage, list) or len(stage) not in (4, 5):
+                raise PlacementError(f"plan stage {i} must be [node, address, start, end] or with [[node, address], ...] of its group, got {stage!r:.100}")
+            node, addr, start, end = stage[:4]
+            members = stage[4] if len(stage) == 5 else []
+            if not isinstance(members, list) or not 1 <= len(members) + 1 <= MAX_GROUP or (len(stage) == 5 and not members):
+                raise PlacementError(f"plan stage {i}: a group is a list of 1 to {MAX_GROUP - 1} [node, address] beside its first node")
+            group = []
+            for j, m in enumerate(members):
+                if not isinstance(m, list) or len(m) != 2:
+                    raise PlacementError(f"plan stage {i} group member {j} must be [node, address], got {m!r:.100}")
+                group.append((name(f"stage {i} group member {j}", m[0]), address(f"stage {i} group member {j}", m[1])))
+            parsed.append(Stage(
+                name(f"stage {i} node", node), address(f"stage {i}", addr), count(f"stage {i} start", start, num_layers),
+                count(f"stage {i} end", end, num_layers), tuple(group),
+            ))  # fmt: skip
         return cls(count("term", d["term"], MAX_TERM), name("leader", d["leader"]), model, num_layers, tuple(parsed), instance, source)
 
 
@@ -182,3 +217,10 @@ def make_plan(
         stages.append(Stage(node, addr, start, start + n))
         start += n
     return Plan(term, leader, model, num_layers, tuple(stages), instance, source)
+
+
+def with_groups(plan: Plan, groups: dict[str, tuple[tuple[str, str], ...]]) -> Plan:
+    """``plan`` with each stage whose node heads a tensor-parallel group given the group's other
+    members (node, addr), in rank order."""
+    stages = tuple(replace(s, group=tuple(groups.get(s.node, ()))) for s in plan.stages)
+    return replace(plan, stages=stages)

@@ -182,6 +182,7 @@ _SAMPLED = struct.Struct("<QQIdHB")  # rid, offset, token, logprob, proposals ac
 _TOP = struct.Struct("<Id")  # token, logprob
 _FAILED = struct.Struct("<QH")  # rid, the reason's bytes (then as many, UTF-8)
 _EMBEDDED = struct.Struct("<QQ")  # rid, offset (its vector: the payload's row of the same place)
+_PARTIAL = struct.Struct("<QBQ")  # term, dtype code, elements (the payload holds as many, in that dtype)
 
 
 def _write_failed(out: list, failed: tuple[tuple[int, str], ...]) -> None:
@@ -593,6 +594,33 @@ class Failure:
         if d["status"] not in (500, 503):
             raise FrameError(f"ERROR status must be 500 or 503, got {d['status']!r:.40}")
         return cls(frame.request_id, term, _reason(d["node"], "ERROR node")[:64], _reason(d["message"], "ERROR message"), d["status"])
+
+
+@dataclass(frozen=True)
+class Partial:
+    """One member's share of one all-reduce of a tensor-parallel group (REDUCE, its number in the
+    group's sequence of all-reduces as the frame's id): the members' partials, summed in rank
+    order, are the layer's output on every member. The payload is the flat tensor's bytes."""
+
+    term: int
+    seq: int
+    code: int  # dtype (wire.tensors.DTYPE_CODES)
+    count: int  # elements
+
+    def frame(self, payload) -> Frame:
+        return Frame(MsgType.REDUCE, self.seq, _PARTIAL.pack(self.term, self.code, self.count), payload)
+
+    @classmethod
+    def parse(cls, frame: Frame) -> "Partial":
+        d = frame.descriptor
+        if not isinstance(d, (bytes, bytearray)) or len(d) != _PARTIAL.size:
+            raise FrameError(f"REDUCE descriptor must be {_PARTIAL.size} bytes")
+        term, code, count = _PARTIAL.unpack(d)
+        return cls(term, frame.request_id, code, count)
+
+    def tensor(self, payload) -> mx.array:
+        """The partial as a flat array: dtype and length checked against the payload first."""
+        return tensor_from_bits(self.code, (self.count,), payload)
 
 
 def parse_release(d: object) -> tuple[int, str]:

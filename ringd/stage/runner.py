@@ -51,6 +51,7 @@ from ringd.ring.sampling import SamplingError, SamplingParams
 from ringd.stage.sampling import RequestSampler, draw_greedy
 from ringd.stage.sessions import SessionError, Sessions
 from ringd.stage.shard import Shard
+from ringd.stage.tensorgroup import GroupError
 from ringd.ring.steps import Embedded, Failure, Forward, KvOptions, Row, Sampled, Tokens, draft_distribution, parse_release, term_of
 from wire.frames import Frame, FrameError, MsgType
 from wire.tensors import tensor_to_buffer, wire_bits
@@ -107,8 +108,10 @@ class StageRunner:
         i = plan.index_of(node)
         self._steps = 0  # frames computed, for CLEAR_CACHE_EVERY_STEPS
         self._parsed: Forward | None = None  # the micro-batch being computed, once it parsed
-        # The only node this stage takes FORWARD and RELEASE frames from.
-        self.predecessor = plan.leader if i == 0 else plan.stages[i - 1].node
+        # The only node this stage takes FORWARD and RELEASE frames from: the one before it in the
+        # ring, or for a tensor-parallel group's other members, the group's first (it relays them).
+        first = plan.stages[i].node
+        self.predecessor = first if node != first else plan.leader if i == 0 else plan.stages[i - 1].node
         self._loop = asyncio.get_running_loop()
 
     def handle(self, frame: Frame) -> None:
@@ -143,6 +146,10 @@ class StageRunner:
                 self._tidy_memory(prefill)
         except (FrameError, BatchError) as e:
             out = self._fail_batch(frame, str(e), getattr(e, "batch", None))
+        except GroupError:
+            # The tensor-parallel group broke (its stage host says so): nothing is answered, and
+            # the leader replays the micro-batch's requests on its next plan.
+            out = []
         except Exception as e:  # MLX errors (memory, shapes) fail the micro-batch, not the node
             log.exception("batch=%x: stage computation failed", frame.request_id)
             out = self._fail_batch(frame, f"{type(e).__name__}: {e}", self._parsed)
@@ -235,6 +242,8 @@ class StageRunner:
                 self.metrics.batch_rows.observe(1)
             except (FrameError, SessionError, SamplingError) as e:
                 failed.append(self._fail_row(row, str(e)))
+            except GroupError:
+                raise  # the stage's, not the request's
             except Exception as e:  # MLX errors (memory, shapes) fail the request, not the node
                 log.exception("req=%x: stage computation failed", row.rid, extra=self.describe(row.rid, row))
                 failed.append(self._fail_row(row, f"{type(e).__name__}: {e}"))

@@ -200,11 +200,13 @@ class Shard:
         return self.end == self.info.num_layers
 
     @classmethod
-    def load(cls, path_or_repo: str, start: int, end: int, progress: LoadProgress | None = None) -> "Shard":
+    def load(cls, path_or_repo: str, start: int, end: int, progress: LoadProgress | None = None, group: Any = None) -> "Shard":
         """Layers [start, end) of a model directory, Hugging Face repo id or GGUF file, read into memory.
 
         ``progress`` hears how it goes: the download of this stage's weight files when a Hub
-        model lacks them, then the reading of its parameters, file by file.
+        model lacks them, then the reading of its parameters, file by file. ``group``: a
+        tensor-parallel group (``tensorgroup.TensorGroup``) this node is a member of; the
+        model's own ``shard()`` cuts every layer to this member's slice before anything is read.
         """
         progress = progress if progress is not None else LoadProgress(start, end)
         info = model_info(path_or_repo)
@@ -214,7 +216,7 @@ class Shard:
             )
         _wire_memory()
         if info.is_gguf:
-            return cls._load_gguf(info, start, end, progress)
+            return cls._load_gguf(info, start, end, progress, group)
         path = info.path
         files = weight_files_for(path, start, end)
         if _weights_absent(path, files):
@@ -230,6 +232,7 @@ class Shard:
         # Lazy: mx.load maps the files and reads a tensor only when it is evaluated,
         # so the layers other stages hold are never read into memory.
         model, _ = load_model(path, lazy=True, strict=False)
+        _cut_for(model, info, group)
         protos = _protos(model, info)
         kept = _stage_parameters(model, info, start, end)
         check_weights_present(path, files, kept, start, end)
@@ -240,9 +243,10 @@ class Shard:
         return shard
 
     @classmethod
-    def _load_gguf(cls, info: ModelInfo, start: int, end: int, progress: LoadProgress) -> "Shard":
+    def _load_gguf(cls, info: ModelInfo, start: int, end: int, progress: LoadProgress, group: Any = None) -> "Shard":
         """Layers [start, end) of a GGUF file: the model built from its config, and only the stage's
-        tensors read from the file (each memory-mapped, converted, unmapped)."""
+        tensors read from the file (each memory-mapped, converted, unmapped); a group member's
+        slices of them are cut after reading (a GGUF tensor is read whole)."""
         source = GgufFile.open(info.path)
         model = source.build_model()
         protos = _protos(model, info)
@@ -253,6 +257,10 @@ class Shard:
         progress.start_file(file)
         kept = source.read(names, on_tensor=lambda t: progress.advance(file, t.mlx_bytes))
         model.load_weights(kept, strict=False)
+        if group is not None:
+            _cut_for(model, info, group)
+            kept = _stage_parameters(model, info, start, end)
+            mx.eval([v for _, v in kept])
         progress.finish_file(file)
         progress.end()
         shard = cls(info, start, end, model, protos, kept)
@@ -377,6 +385,39 @@ def _wire_memory() -> None:
     so a stage's weights are not paged out. (There is nothing to wire on the CPU backend.)"""
     if mx.metal.is_available():
         maybe_set_recommended_wired_limit()
+
+
+def tensor_parallel_refusal(info: ModelInfo, size: int) -> str | None:
+    """Why the model cannot be split across tensor-parallel groups of ``size``, or None: mlx-lm's
+    own ``Model.shard`` does the cutting, not every architecture has one, and it gives each
+    member whole attention heads."""
+    from mlx_lm.utils import _get_classes
+
+    try:
+        model_class, _ = _get_classes({"model_type": info.model_type})
+    except ValueError as e:
+        return str(e)
+    if not hasattr(model_class, "shard"):
+        return f"mlx-lm has no tensor parallelism for {info.model_type} (its Model has no shard()); serve it with tensor_parallel: 1"
+    config = info.config.get("text_config", info.config)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = config.get(key)
+        if isinstance(heads, int) and heads % size:
+            return f"its {heads} {'attention' if key == 'num_attention_heads' else 'key/value'} heads do not split into groups of {size}"
+    return None
+
+
+def _cut_for(model: nn.Module, info: ModelInfo, group: Any) -> None:
+    """Cut every layer of ``model`` (lazily: nothing is read) to this member's slice, by mlx-lm's
+    own ``shard()``; nothing when the node is not a group's member."""
+    if group is None:
+        return
+    if not hasattr(model, "shard"):
+        raise ModelError(f"mlx-lm has no tensor parallelism for {info.model_type} (its Model has no shard()); serve it with tensor_parallel: 1")
+    try:
+        model.shard(group)
+    except ValueError as e:  # dimensions the group's size does not divide
+        raise ModelError(f"{info.model_type} cannot be split {group.size()} ways: {e}") from None
 
 
 def _protos(model: nn.Module, info: ModelInfo) -> list:
