@@ -112,7 +112,7 @@ class Instance:
             "ready": c.ready, "reason": c.reason, "loaded_at": self.loaded_at, "expires_at": expires,
             "keep_alive": format_keep_alive(None if self.pinned else self.keep_alive),
             "active": self.engine.active, "queued": self.engine.queued, "served": self.served,
-            "term": plan.term if plan else None, "stages": [[s.node, s.start, s.end] for s in plan.stages] if plan else [],
+            "term": plan.term if plan else None, "stages": [["+".join(s.members), s.start, s.end] for s in plan.stages] if plan else [],
             "layers": c.info.num_layers, "weights": c.info.weights.stage(0, c.info.num_layers),
         }  # fmt: skip
 
@@ -303,8 +303,10 @@ class Pool:
             if inst.name in skip or plan is None:
                 continue
             for s in plan.stages:
-                if s.node == node:
+                if node in s.members:
                     cost = self._cost(inst.info)
+                    if len(s.members) > 1:  # a tensor-parallel group's member holds a slice
+                        cost = cost.per_member(len(s.members))
                     out[inst.name] = Held(cost.stage_bytes(s.start, s.end), cost.kv_per_layer * (s.end - s.start))
         return out
 

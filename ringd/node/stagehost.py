@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from ringd.cluster.election import Term
-from ringd.ring.plan import MAX_GROUP, PlacementError, Plan
+from ringd.ring.plan import PlacementError, Plan
 from ringd.cluster.reconcile import BROKEN, LOADED, LOADING, OUTSIDE, Report, failure_report, plan_refusal
 from ringd.base.metrics import Metrics
 from ringd.models.checkpoint import ModelInfo
@@ -40,7 +40,7 @@ from ringd.base.names import parse_hostport
 from ringd.stage.compute import ComputeThread
 from ringd.stage.runner import StageRunner
 from ringd.stage.shard import Shard
-from ringd.stage.tensorgroup import AHEAD, SERVE_DEADLINE_S, TensorGroup
+from ringd.stage.tensorgroup import TensorGroup
 from ringd.ring.steps import Failure, term_of
 from wire.frames import Frame, MsgType
 
@@ -51,9 +51,6 @@ log = logging.getLogger(__name__)
 # second; this covers a dial loop in its backoff (DIAL_BACKOFF_MAX_S, 3 s)
 # and a handshake (HANDSHAKE_TIMEOUT_S, 5 s).
 SUCCESSOR_LINK_TIMEOUT_S = 10.0
-# Partial sums a group member keeps for a plan it has not reached yet: its fellow members may
-# each be an all-reduce or two into it (tensorgroup.AHEAD), in a group of up to MAX_GROUP.
-MAX_EARLY_PARTIALS = AHEAD * MAX_GROUP
 
 
 def plan_term(plan: Plan) -> Term:
@@ -120,7 +117,6 @@ class StageHost:
         self._ring_links: dict[str, int] = {}  # ring neighbour -> the number of our link to it, once seen
         self._links: dict[str, int] = {}  # linked peers -> link numbers, as of the last check_links
         self._links_changed = asyncio.Event()
-        self._early: list[tuple[str, Frame]] = []  # partial sums of a plan not reached yet (on_reduce)
 
     @property
     def loading(self) -> bool:
@@ -222,12 +218,9 @@ class StageHost:
         same_group = (self.group.members if self.group else (self.node,)) == members
         if same_group and self.group is not None and self.shard is not None:
             await self.compute.run(self.group.reset, plan.term)  # after the last plan's queued work
-            self._give_early(self.group)
         if self.shard is None or (self.shard.start, self.shard.end) != (want.start, want.end) or not same_group:
             self.shard = None  # free the old layers before loading new ones
             self.group = self._group(plan.term, members) if len(members) > 1 else None
-            if self.group is not None:
-                self._give_early(self.group)
             if self.unreadable is not None:
                 raise ModelFileError(self.unreadable)
             t0 = time.monotonic()
@@ -248,8 +241,6 @@ class StageHost:
                 "loaded layers [%d, %d) in %.1f s: %.1f MiB of parameters",
                 want.start, want.end, time.monotonic() - t0, self.shard.parameter_bytes / 2**20,
             )  # fmt: skip
-        if self.group is not None:
-            self.group.deadline_s = SERVE_DEADLINE_S
         # A group's other members compute as its first does, but only the first passes frames on.
         first = want.node == self.node
         self.stage = StageRunner(self.node, plan, self.shard, self.compute, self._pass_on if first else self._drop, self.metrics, self._grammar_tokenizer())
@@ -382,28 +373,9 @@ class StageHost:
         stage.handle(frame)
 
     def on_reduce(self, peer: str, frame: Frame) -> None:
-        """A partial sum from a member of this stage's tensor-parallel group. One of a plan this
-        node has not reached yet (a member that loaded first and tests its layers) waits for it."""
-        group, term = self.group, term_of(frame)
-        if group is not None and term is not None and term <= group.term:
-            group.arrive(peer, frame)
-            return
-        if term is None or self.plan is None or term < self.plan.term:
-            return
-        if len(self._early) >= MAX_EARLY_PARTIALS:
-            log.warning("dropping an early partial sum from %s: %d wait already", peer, len(self._early))
-            return
-        self._early.append((peer, frame))
-
-    def _give_early(self, group: TensorGroup) -> None:
-        """The partials that came before ``group`` reached its plan, to it; older ones go."""
-        early, self._early = self._early, []
-        for peer, frame in early:
-            term = term_of(frame)
-            if term == group.term:
-                group.arrive(peer, frame)
-            elif term > group.term:
-                self._early.append((peer, frame))
+        """A partial sum from a member of this stage's tensor-parallel group."""
+        if self.group is not None:
+            self.group.arrive(peer, frame)
 
     def status(self) -> dict:
         stage = self.stage

@@ -126,7 +126,7 @@ class Status:
         # joining, or outside a plan that could not be made).
         coordinator = self._coordinator()
         plan = coordinator.plan if coordinator is not None else self.stage.plan
-        nodes = [s.node for s in plan.stages] if plan else []
+        nodes = list(plan.nodes) if plan else []
         nodes += sorted({self.node, *self.cluster.peers} - set(nodes), key=natural_key)
         statuses = await asyncio.gather(*(self._status_of(n) for n in nodes))
         ready, reason = self.readiness()

@@ -19,6 +19,7 @@ architecture, so a ring computes bit for bit what a single process computes
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import re
@@ -238,8 +239,7 @@ class Shard:
         check_weights_present(path, files, kept, start, end)
         shard = cls(info, start, end, model, protos, kept)
         _materialize(path, kept, progress)
-        shard.kv_cost = shard._measure_kv_cost()
-        shard.batchable = shard._batches_right()
+        shard._test(group)
         return shard
 
     @classmethod
@@ -264,9 +264,16 @@ class Shard:
         progress.finish_file(file)
         progress.end()
         shard = cls(info, start, end, model, protos, kept)
-        shard.kv_cost = shard._measure_kv_cost()
-        shard.batchable = shard._batches_right()
+        shard._test(group)
         return shard
+
+    def _test(self, group: Any) -> None:
+        """Measure what a request's caches cost here and whether rows batch: on a tensor-parallel
+        group's member, each on its own slice, with no all-reduce (``TensorGroup.alone``): the
+        caches' sizes and the batch's masks are the slice's, whatever the others hold."""
+        with group.alone() if group is not None else contextlib.nullcontext():
+            self.kv_cost = self._measure_kv_cost()
+            self.batchable = self._batches_right()
 
     def _measure_kv_cost(self) -> KvCost:
         """What a request's caches cost here, read off the stage's own caches after one position."""

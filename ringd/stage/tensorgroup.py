@@ -11,6 +11,11 @@ code cuts the layers with it, and ``mx.distributed.all_sum`` (with ``all_gather`
 fronted by a dispatcher that hands a call naming a TensorGroup to it and any other
 group to MLX unchanged.
 
+No all-reduce runs before every member has loaded the plan (the leader sends requests
+only then): what a stage tests at load (its KV cost, whether it batches) runs ``alone``,
+each member on its own slice, since a member that kept its layers from the last plan
+tests nothing.
+
 One all-reduce: the member's partial is evaluated, sent to every other member as a
 REDUCE frame over the link the cluster already has (authenticated, sealed), and the
 others' partials are added to it in rank order, so every member ends with the same
@@ -28,6 +33,7 @@ become arrays on the compute thread, never on the loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -41,17 +47,13 @@ from wire.tensors import DTYPE_CODES, tensor_to_buffer, wire_bits
 
 log = logging.getLogger(__name__)
 
-# How long a member waits for the others' partials of one all-reduce while serving. A
-# member's partial comes as soon as it has computed its slice of the layer up to there: a
-# prompt chunk of one layer on a slow Mac takes well under a second. A member that died
-# is noticed sooner, by its link (``abort``); this bounds one that stalls with its link up.
-SERVE_DEADLINE_S = 30.0
-# While the group loads, its members test their layers (KV cost, batching) in step, once
-# each has read its slice: they wait for the slowest reader of many GB.
-LOAD_DEADLINE_S = 600.0
+# How long a member waits for the others' partials of one all-reduce. A member's partial
+# comes as soon as it has computed its slice of the layer up to there: a prompt chunk of
+# one layer on a slow Mac takes well under a second. A member that died is noticed sooner,
+# by its link (``abort``); this bounds one that stalls with its link up.
+DEADLINE_S = 30.0
 # Partials a member may hold from the others ahead of its own all-reduce: a member can be
-# one all-reduce ahead (it finished the last one with ours), and at a new plan a member that
-# loaded first one more; more is a peer out of step, not a slow one.
+# one all-reduce ahead (it finished the last one with ours); more is a peer out of step.
 AHEAD = 2
 
 
@@ -94,7 +96,8 @@ class TensorGroup:
         self.members, self._rank = members, rank
         self._ranks = {node: i for i, node in enumerate(members)}
         self._send, self._loop = send, loop
-        self.deadline_s = LOAD_DEADLINE_S
+        self.deadline_s = DEADLINE_S
+        self._alone = False
         self._cond = threading.Condition()
         self.term = term
         self._seq = 0  # the all-reduce under way or next, numbered from 0 in each term
@@ -124,9 +127,12 @@ class TensorGroup:
             self.abort(f"{peer} sent a malformed partial sum: {e}")
             return
         with self._cond:
-            if p.term < self.term:
-                return  # of a plan this group has left: its all-reduces were given up
-            if p.term == self.term and not self._seq <= p.seq < self._seq + AHEAD or p.term > self.term and p.seq >= AHEAD:
+            if p.term != self.term:
+                # Of a plan this group has left (its all-reduces were given up), or of one this
+                # member has not loaded, for which no member is sent a frame yet.
+                log.debug("ignoring partial sum %d of plan term %d from %s: this group runs term %d", p.seq, p.term, peer, self.term)
+                return
+            if not self._seq <= p.seq < self._seq + AHEAD:
                 self._break(f"{peer} sent partial sum {p.seq} of plan term {p.term}, out of step with this member's {self._seq} of term {self.term}")
                 return
             self._inbox[(p.term, p.seq, rank)] = (p, frame.payload)
@@ -154,7 +160,19 @@ class TensorGroup:
             self.term, self._seq, self.broken = term, 0, None
             self._inbox = {k: v for k, v in self._inbox.items() if k[0] >= term}
 
+    @contextlib.contextmanager
+    def alone(self):
+        """Within: no all-reduce leaves this member (each returns this member's own part, the
+        others' taken as zero), for what a stage tests at load on its own slice."""
+        self._alone = True
+        try:
+            yield
+        finally:
+            self._alone = False
+
     def all_sum(self, x: mx.array) -> mx.array:
+        if self._alone:
+            return x
         parts = self._exchange(x)
         total = parts[0]
         for p in parts[1:]:
@@ -162,7 +180,8 @@ class TensorGroup:
         return total
 
     def all_gather(self, x: mx.array) -> mx.array:
-        return mx.concatenate(self._exchange(x), axis=0)
+        parts = [x] * self.size() if self._alone else self._exchange(x)
+        return mx.concatenate(parts, axis=0)
 
     def _exchange(self, x: mx.array) -> list[mx.array]:
         """Every member's ``x``, in rank order (this member's own as it is)."""

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringd.cluster.placement import GIB, STRATEGIES, ModelCost, NodeSpec, apportion, place, plan_for, shortfall
-from ringd.ring.plan import PlacementError, Plan, even_split, make_plan, parse_split
+from ringd.cluster.placement import GIB, STRATEGIES, ModelCost, NodeSpec, apportion, place, plan_for, shortfall, tensor_groups
+from ringd.ring.plan import PlacementError, Plan, even_split, make_plan, parse_split, with_groups
 
 
 def test_worked_examples():
@@ -376,3 +376,52 @@ def test_an_api_only_leader_holds_no_layers_and_serves_the_ring(tiny_model, tmp_
         assert tokens == reference(model, prompt, 30)[0]
     finally:
         c.stop()
+
+
+# --- tensor-parallel groups -------------------------------------------------------
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.integers(2, 4), st.data())
+def test_grouped_plans_round_trip_and_name_every_member_once(split, size, data):
+    heads = [(f"node{i * size}", f"127.0.0.1:{5000 + i}") for i in range(len(split))]
+    groups = {h: tuple((f"node{i * size + j}", f"127.0.0.1:{6000 + i * size + j}") for j in range(1, size)) for i, (h, _) in enumerate(heads)}
+    plan = with_groups(make_plan(1, "node0", "fp", sum(split), heads, split), groups)
+    assert Plan.from_wire(plan.to_wire()) == plan
+    assert plan.nodes == tuple(f"node{i}" for i in range(len(split) * size))
+    member = data.draw(st.sampled_from(plan.nodes))
+    i = plan.index_of(member)
+    assert member in plan.stages[i].members and plan.stages[i].members[0] == heads[i][0]
+
+
+def test_a_plan_naming_a_node_in_two_groups_or_a_malformed_group_is_refused():
+    plan = make_plan(1, "a", "fp", 4, [("a", "h:1"), ("c", "h:3")], [2, 2])
+    doc = with_groups(plan, {"a": (("b", "h:2"),), "c": (("d", "h:4"),)}).to_wire()
+    assert Plan.from_wire(doc).nodes == ("a", "b", "c", "d")
+    doc["stages"][1][4] = [["b", "h:2"]]
+    with pytest.raises(PlacementError, match="twice"):
+        Plan.from_wire(doc)
+    for bad in ([], [["b"]], [["b", 5]], "b", [["b", "h:2"]] * 16):
+        doc["stages"][1][4] = bad
+        with pytest.raises(PlacementError):
+            Plan.from_wire(doc)
+
+
+def test_groups_form_from_consecutive_holders_each_placed_as_one_node():
+    nodes = [NodeSpec("a", "h:1", 4 * GIB, 1.0), NodeSpec("b", "h:2", 2 * GIB, 0.5), NodeSpec("x", "h:9", None, api_only=True),
+             NodeSpec("c", "h:3", None, 1.0), NodeSpec("d", "h:4", 8 * GIB, 1.0), NodeSpec("e", "h:5", 8 * GIB, 1.0)]  # fmt: skip
+    placed, groups, left = tensor_groups(nodes, 2)
+    assert groups == {"a": (("b", "h:2"),), "c": (("d", "h:4"),)}
+    assert [(n.node, n.budget, n.speed, n.api_only) for n in placed] == [("x", None, 1.0, True), ("a", 2 * GIB, 1.0, False), ("c", 8 * GIB, 2.0, False)]
+    assert [n for n, _ in left] == ["e"] and "tensor-parallel groups of 2" in left[0][1]
+    with pytest.raises(PlacementError, match="at least 3 nodes"):
+        tensor_groups(nodes[:2], 3)
+
+
+@given(st.lists(st.integers(1, 10**9), min_size=1, max_size=6), st.integers(0, 10**9), st.integers(0, 10**6), st.integers(1, 8))
+def test_a_member_holds_a_slice_of_each_layer_and_the_ends_whole(layers, embed, kv, size):
+    cost = ModelCost(tuple(layers), embed, 7, 0, kv)
+    member = cost.per_member(size)
+    n = len(layers)
+    assert member.stage_need(0, n) >= cost.stage_need(0, n) / size
+    assert member.stage_need(0, n) - (embed + 7 + 0) <= (cost.stage_need(0, n) - embed - 7) / size + 2 * n
+    assert member.stage_bytes(0, n) >= embed + 7

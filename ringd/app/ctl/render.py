@@ -127,13 +127,18 @@ def print_plan(raw: dict) -> None:
         print(f"no plan yet: {doc.reason or 'waiting'}")
         return
     print(f"plan {plan['term']} by {plan['leader']}, model {plan['model']}, {plan['num_layers']} layers")
-    for i, (node, addr, start, end) in enumerate(plan["stages"]):
-        n = doc.status_of(node) or NodeStatus(node)
-        print(
-            f"  stage {i}: {node:<16} {addr:<22} layers [{start}, {end})  ({end - start})  "
-            f"budget {mib(n.budget)} MiB, weights {mib(n.parameter_bytes)} MiB, "
-            f"KV {mib(n.kv_bytes)} of {mib(n.kv_capacity)} MiB, speed {speed(n)}{' GFLOP/s' if n.speed is not None else ''}"
-        )
+    for i, (node, addr, start, end, *group) in enumerate(plan["stages"]):
+        members = [(node, addr)] + [tuple(m) for m in (group[0] if group else [])]
+        if len(members) > 1:
+            print(f"  stage {i}: a tensor-parallel group of {len(members)}, each member a 1/{len(members)} slice of every layer in [{start}, {end})")
+        for rank, (member, where) in enumerate(members):
+            n = doc.status_of(member) or NodeStatus(member)
+            label = f"stage {i}:" if len(members) == 1 else f"  rank {rank}:"
+            print(
+                f"  {label} {member:<16} {where:<22} layers [{start}, {end})  ({end - start})  "
+                f"budget {mib(n.budget)} MiB, weights {mib(n.parameter_bytes)} MiB, "
+                f"KV {mib(n.kv_bytes)} of {mib(n.kv_capacity)} MiB, speed {speed(n)}{' GFLOP/s' if n.speed is not None else ''}"
+            )
     for line in layout_lines(next((n.layout for n in doc.nodes if n.leading and n.layout), None)):
         print(line)
 

@@ -1,0 +1,131 @@
+"""Tensor-parallel groups end to end: real `ringd local` rings whose stages are groups of daemon
+processes, against mlx-lm's own tensor parallelism (``sharded_load(..., tensor_group=...)`` over
+``mlx.launch --backend ring``), and a group member killed or stopped mid-stream.
+
+The all-reduce's mechanics are proven in-process (tests/stage/test_tensorgroup.py); these prove
+the same through processes and TCP.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from devkit.clients import stream_text
+from devkit.reference import mlx_tensor_parallel
+from devkit.rings import Ring
+from tests.test_failover import cluster, node_pid
+
+MAX_TOKENS = 16
+# Prompts of different lengths: batched, their caches are left-padded differently.
+PROMPTS = [[1, 5, 9, 33, 2, 7, 44, 12, 19, 3], [4, 8, 15, 16, 23, 42, 11, 3, 9], [7, 7, 3, 99, 100, 101], [50, 2, 60, 3, 70]]
+ARCHS = [("llama", "bfloat16"), ("qwen3", "bfloat16"), ("qwen3_moe", "float32")]
+
+
+def greedy(ring: Ring, prompt: list[int]) -> list[int]:
+    r = ring.client().completions.create(
+        model=ring.model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    return [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
+
+
+@pytest.mark.parametrize(("arch", "dtype"), ARCHS, ids=[a for a, _ in ARCHS])
+def test_groups_answer_as_mlx_lm_tensor_parallelism(tiny_model, arch, dtype):
+    """`--nodes 2 --tensor-parallel 2` (one group) and `--nodes 4 --tensor-parallel 2` (two stages
+    of two) give mlx-lm's own tensor parallelism's greedy tokens over 2 ranks, one request at a
+    time and four at once (micro-batches of several rows)."""
+    model = tiny_model(arch=arch, layers=4, dtype=dtype)
+    ref = mlx_tensor_parallel(model, PROMPTS, MAX_TOKENS, ranks=2)
+    assert ref["plain"] == ref["batched"], "mlx-lm's own batched and plain answers differ: the test would prove nothing"
+    # An equality test proves nothing if the model repeats one token.
+    assert len({t for tokens in ref["plain"] for t in tokens}) >= 20, f"reference output too uniform: {ref['plain']}"
+    for nodes in (2, 4):
+        ring = Ring(model, nodes, tensor_parallel=2)
+        try:
+            stages = cluster(ring)["plan"]["stages"]
+            assert len(stages) == nodes // 2, stages
+            plain = [greedy(ring, p) for p in PROMPTS]
+            with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+                together = list(pool.map(lambda p: greedy(ring, p), PROMPTS))
+        finally:
+            ring.stop()
+        assert plain == ref["plain"], f"{nodes} nodes in groups of 2, one at a time:\nring {plain}\nref  {ref['plain']}"
+        assert together == ref["batched"], f"{nodes} nodes in groups of 2, all at once:\nring {together}\nref  {ref['batched']}"
+
+
+STREAMS = 4
+
+
+def _stages(ring: Ring) -> list[str]:
+    """The first node of each stage of the ring serving now ([] while it is not ready)."""
+    status = cluster(ring)
+    return [s[0] for s in status["plan"]["stages"]] if status.get("ready") else []
+
+
+def test_kill_9_of_a_group_member_mid_stream_loses_nothing(tiny_model):
+    """Four streams through a ring of two groups of two; one member of the second group dies:
+    the plan re-forms (one group of the survivors), every stream is replayed and ends whole,
+    as it would have without the fault."""
+    model = tiny_model(arch="llama", layers=4, dtype="float32")
+    asks = [[{"role": "user", "content": f"Tell me everything about ring number {i}."}] for i in range(STREAMS)]
+    ring = Ring(model, nodes=4, tensor_parallel=2)
+
+    def all_at_once(kill=None) -> list:
+        with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+            return list(pool.map(lambda i: stream_text(ring.base_url, asks[i], 120, kill if i == 0 else None, model=ring.model_id), range(STREAMS)))
+
+    try:
+        whole = all_at_once()
+        assert all(finish == "length" for _, finish in whole), whole
+        pid = node_pid(ring, "node3")
+        killed = threading.Event()
+
+        def kill_at(i):
+            if i == 20 and not killed.is_set():
+                os.kill(pid, signal.SIGKILL)
+                killed.set()
+
+        again = all_at_once(kill_at)
+        assert killed.is_set()
+        for i, (before, after) in enumerate(zip(whole, again)):
+            assert after == before, f"stream {i} after the member's death differs from its uninterrupted run"
+        plan = cluster(ring)["plan"]
+        assert [s[0] for s in plan["stages"]] == ["node0"], plan
+    finally:
+        ring.stop()
+
+
+def test_sigstop_of_a_group_member_for_5_s_heals(tiny_model):
+    """A member of the leader's own group stops for 5 s (a Mac asleep) while four streams run:
+    they end whole, the ring heals with the member back in its group, and serves."""
+    model = tiny_model(arch="llama", layers=4, dtype="float32")
+    asks = [[{"role": "user", "content": f"Tell me everything about ring number {i}."}] for i in range(STREAMS)]
+    ring = Ring(model, nodes=4, tensor_parallel=2)
+    try:
+        pid = node_pid(ring, "node1")
+        stopped = threading.Event()
+
+        def stop_at(i):
+            if i == 20 and not stopped.is_set():
+                os.kill(pid, signal.SIGSTOP)
+                stopped.set()
+                threading.Timer(5.0, os.kill, (pid, signal.SIGCONT)).start()
+
+        with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+            results = list(pool.map(lambda i: stream_text(ring.base_url, asks[i], 120, stop_at if i == 0 else None, model=ring.model_id), range(STREAMS)))
+        assert stopped.is_set()
+        assert all(finish == "length" and text for text, finish in results), results
+        deadline = time.monotonic() + 60
+        while not (healed := _stages(ring) == ["node0", "node2"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert healed, f"the ring did not heal with node1 back in 60 s: {cluster(ring)}"
+        assert stream_text(ring.base_url, asks[0], 20, model=ring.model_id)[1] == "length"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        ring.stop()
