@@ -129,3 +129,31 @@ def test_sigstop_of_a_group_member_for_5_s_heals(tiny_model):
     finally:
         os.kill(pid, signal.SIGCONT)
         ring.stop()
+
+
+def test_a_model_that_fits_only_four_ways_is_served_by_a_group_of_four(tiny_model):
+    """Budgets under what one Mac, or a pair, needs for the model: a group of four serves it, each
+    member holding a quarter of every layer (and the embeddings and head whole, as shard() leaves them)."""
+    from ringd.cluster.placement import ModelCost
+    from ringd.models.source import model_info
+
+    model = tiny_model(arch="llama", layers=4, hidden_size=256, heads=8, kv_heads=4, dtype="float32")
+    info = model_info(str(model))
+    cost = ModelCost.of(info, kv_reserve_tokens=1)
+    layers = info.num_layers
+    whole, pair, four = (cost.per_member(k).stage_need(0, layers) for k in (1, 2, 4))
+    budget = (four + pair) / 2  # a quarter of every layer fits; half of them does not
+    ring = Ring(model, 4, tensor_parallel=4, env={"RINGD_MEMORY_BUDGET_GB": f"{budget / 2**30:.12f}", "RINGD_KV_RESERVE_TOKENS": "1"})
+    try:
+        status = cluster(ring)
+        [stage] = status["plan"]["stages"]
+        assert stage[0] == "node0" and [m[0] for m in stage[4]] == ["node1", "node2", "node3"], stage
+        held = {n["node"]: n["parameter_bytes"] for n in status["nodes"]}
+        ends = info.weights.embed + info.weights.norm + (info.weights.head or 0)
+        for node, nbytes in held.items():
+            assert nbytes <= budget < pair, f"{node} holds {nbytes} bytes"
+            assert abs((nbytes - ends) - sum(info.weights.layers) / 4) <= 0.02 * sum(info.weights.layers) / 4, f"{node} holds {nbytes - ends} bytes of layers"
+        assert greedy(ring, PROMPTS[0])
+    finally:
+        ring.stop()
+    assert whole > budget

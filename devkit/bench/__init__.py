@@ -81,6 +81,13 @@ prompt length and tokens. It takes the architectures whose mlx-lm code can pipel
 (``--arch deepseek_v3``, ``qwen2``, ``qwen3_moe``, ...), and shows what a user who
 splits a model with mlx-lm alone gets on the same machine.
 
+``--tensor-parallel K``: one stream on a ring of K nodes that split every layer (each node on a
+core of its own) instead, against mlx-lm in one process on one core, a 1-node ring, and mlx-lm's
+own tensor parallelism over K ranks (``mlx.launch --backend ring``, ``sharded_load(...,
+tensor_group=...)``, each rank on its own core); then each all-reduce's wall and CPU time, ringd's
+and MLX's ring backend's, and the compute per layer above which a group pays. A compute-bound
+model shows what a group is for: ``--layers 4 --hidden-size 2048 --heads 16 --kv-heads 4``.
+
 ``--tls``: the cost of TLS on a streamed token instead. For each ring size, a ring
 with ``--tls auto`` beside a plain one, asked in turn through a follower (so every
 token crosses two TLS connections: the leader's stream to the follower, the
@@ -129,3 +136,4 @@ profiles runs a ring over such links: the emulator's own cost to a ring, a contr
 #   concurrency  --concurrency;  replicas  --replicas;  embeddings  --embeddings
 #   prefill      --prefill-pause;  serving  --rate;  tlscost  --tls
 #   links        --link, over linkhosts (namespace hosts, emulated links) and theory (its bounds)
+#   tensor       --tensor-parallel: groups against one process and mlx-lm's own, the all-reduce

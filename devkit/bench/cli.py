@@ -21,6 +21,7 @@ from devkit.bench.replicas import replicas_against_one, wait_for_replicas
 from devkit.bench.rings import Started, follower_url, ring_concurrent, ring_decode, start_ring, stream_prompts
 from devkit.bench.serving import rate
 from devkit.bench.settings import PROMPT, SAMPLED_SEED, SAMPLING
+from devkit.bench.tensor import tensor_parallel
 from devkit.bench.tlscost import tls_cost
 
 
@@ -51,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=int, default=1, help="with --concurrency: each ring of N also as N/R-node replicas (ringd local --replicas R), against the one ring of N")
     parser.add_argument("--pin-cores", type=int, metavar="K", help="each process of a ring on its own K cores, and this one (mlx-lm, the client) on the first K: a machine with room measured as separate Macs (Linux)")
     parser.add_argument("--link", metavar="PROFILE[,PROFILE...]", help="run each ring's nodes on network namespace hosts joined by links of these profiles (thunderbolt, 10gbe, 1gbe, wifi; needs root): one stream and --concurrency streams against compute plus the links in theory")
+    parser.add_argument("--tensor-parallel", type=int, metavar="K", help="measure one stream on K nodes that split every layer (ringd local --tensor-parallel K) instead, against mlx-lm in one process and mlx-lm's own tensor parallelism over K ranks, each process on a core of its own; then the all-reduce's cost")
     parser.add_argument("--baseline", metavar="CHECKOUT", help="also measure rings running the code of this checkout of ringd (a git worktree of another commit), asked in turn with this code's")
     return parser
 
@@ -161,6 +163,9 @@ def main() -> int:
     tok = load_tokenizer(Path(reference_path))
     prompt = list(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True))
     no_eos = sorted(tok.eos_token_ids)
+    if args.tensor_parallel:  # --link: the all-reduce over each profile's links too
+        tensor_parallel(args, load(reference_path)[0], model_path, prompt, no_eos)
+        return 0
     if args.link:
         return links(args, model_path, reference_path, tok, prompt, no_eos)
 

@@ -72,11 +72,12 @@ def decode_and_compute(url: str, prompt: list[int], tokens: int, no_eos: list[in
 
 
 def start_ring(
-    model_path: str, nodes: int, draft: str | None = None, repo: Path = REPO, tls: bool = False, replicas: int = 1
+    model_path: str, nodes: int, draft: str | None = None, repo: Path = REPO, tls: bool = False, replicas: int = 1, tensor_parallel: int = 1
 ) -> tuple[subprocess.Popen, str]:
     """A ``ringd local`` ring of ``nodes``, its code from ``repo`` (``python -m`` looks in its
     working directory first: a checkout of other code runs that code, with this environment);
-    with ``replicas``, that many instances of the model, each a ring over its share of the nodes."""
+    with ``replicas``, that many instances of the model, each a ring over its share of the nodes;
+    with ``tensor_parallel``, its stages groups of that many nodes."""
     cmd = [sys.executable, "-m", "ringd", "local", "--nodes", str(nodes), "--model", model_path, "--port", "0", "--model-id", "bench", "--log-level", "warning"]
     if draft:
         cmd += ["--draft-model", draft]
@@ -84,6 +85,8 @@ def start_ring(
         cmd += ["--tls", "auto"]
     if replicas != 1:
         cmd += ["--replicas", str(replicas)]
+    if tensor_parallel != 1:
+        cmd += ["--tensor-parallel", str(tensor_parallel)]
     proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:

@@ -47,6 +47,9 @@ REQUEST_DURATION_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 
 STAGE_COMPUTE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Handing a frame to the transport (encode, seal, queue): microseconds, milliseconds for big prefill frames.
 LINK_SEND_BUCKETS_S = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1)
+# A tensor-parallel group's all-reduce, as a member waits for the others' partials: tens of
+# microseconds over Thunderbolt, milliseconds over Wi-Fi or when a member computes slower.
+ALL_REDUCE_BUCKETS_S = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05, 0.25)
 # A grammar's mask, per sampled token, as the last stage waits for it: tens of microseconds
 # when computed while MLX ran the step, milliseconds for a large vocabulary or a hard grammar.
 # Rows a stage computes in one pass of its layers: 1 alone, up to steps.MAX_ROWS batched.
@@ -200,6 +203,10 @@ class Metrics:
         self.batch_rows = Histogram(
             "ringd_stage_batch_rows", "Rows this node's stage computes in one pass of its layers: 1 for a row alone, more when decode rows are batched",
             n, registry=r, buckets=BATCH_ROWS_BUCKETS,
+        ).labels(node)  # fmt: skip
+        self.all_reduce = Histogram(
+            "ringd_all_reduce_seconds", "One all-reduce of this node's tensor-parallel group: from sending its partial sum to holding every member's",
+            n, registry=r, buckets=ALL_REDUCE_BUCKETS_S,
         ).labels(node)  # fmt: skip
         self.link_send = Histogram("ringd_link_send_seconds", "Handing one frame to a link's transport: encoding, sealing, queueing", n, registry=r, buckets=LINK_SEND_BUCKETS_S).labels(node)
         self._requests = Counter("ringd_requests", "HTTP requests answered by this node, by endpoint and status", ["node", "endpoint", "status"], registry=r)

@@ -192,7 +192,7 @@ class StageHost:
             self.stage.close()
             self.stage = None
         if self.group is not None:  # whatever the last plan's compute waits for is given up
-            self.group.abort(f"plan term {plan.term} replaces term {self.group.term}")
+            self.group.abort(f"plan term {plan.term} replaces term {self.group.term}", logging.DEBUG)
         i = plan.index_of(self.node)
         if self.instance and i is None:
             self.shard = self.group = None
@@ -271,6 +271,7 @@ class StageHost:
         loop = asyncio.get_running_loop()
         group = TensorGroup(term, members, members.index(self.node), self._owner.send, loop)
         group.on_break = lambda why: loop.call_soon_threadsafe(self._group_broke, group, why)
+        group.timed = self.metrics.all_reduce.observe
         return group
 
     def _group_broke(self, group: TensorGroup, why: str) -> None:
@@ -299,7 +300,7 @@ class StageHost:
         if self.stage is not None:
             self.stage.close()
         if self.group is not None:
-            self.group.abort("this node stops")
+            self.group.abort("this node stops", logging.DEBUG)
 
     def _pass_on(self, node: str, frame: Frame) -> None:
         """The stage's output, to the next stage or the leader. A frame that cannot go breaks the ring."""
@@ -347,7 +348,7 @@ class StageHost:
         if self.stage is not None:
             self.stage.close()
         if self.group is not None:
-            self.group.abort("the stage is dropped")
+            self.group.abort("the stage is dropped", logging.DEBUG)
         self.stage, self.shard, self.plan, self.group = None, None, None, None
         self._set(Report())
 

@@ -238,7 +238,8 @@ class Shard:
         kept = _stage_parameters(model, info, start, end)
         check_weights_present(path, files, kept, start, end)
         shard = cls(info, start, end, model, protos, kept)
-        _materialize(path, kept, progress)
+        # A member's slice is read as its whole tensors, then cut: groups of as many whole bytes.
+        _materialize(path, kept, progress, LOAD_GROUP_BYTES // (group.size() if group is not None else 1))
         shard._test(group)
         return shard
 
@@ -443,9 +444,9 @@ def _weights_absent(path: Path, files: list[str] | None) -> bool:
     return not all((path / f).exists() for f in files)
 
 
-def _materialize(path: Path, kept: list[tuple[str, mx.array]], progress: LoadProgress) -> None:
+def _materialize(path: Path, kept: list[tuple[str, mx.array]], progress: LoadProgress, group_bytes: int = LOAD_GROUP_BYTES) -> None:
     """Read the stage's parameters into memory, file by file, in groups of about
-    LOAD_GROUP_BYTES, telling ``progress`` each group's bytes (one ``mx.eval`` of them all
+    ``group_bytes``, telling ``progress`` each group's bytes (one ``mx.eval`` of them all
     reads the same values; in groups, the reading can be counted)."""
     by_file = _by_source_file(path, kept)
     progress.begin(LOAD, {file: sum(v.nbytes for v in arrays) for file, arrays in by_file.items()})
@@ -455,7 +456,7 @@ def _materialize(path: Path, kept: list[tuple[str, mx.array]], progress: LoadPro
         for v in arrays:
             group.append(v)
             size += v.nbytes
-            if size >= LOAD_GROUP_BYTES:
+            if size >= group_bytes:
                 mx.eval(group)
                 progress.advance(file, size)
                 group, size = [], 0

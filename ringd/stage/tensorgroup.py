@@ -104,7 +104,7 @@ class TensorGroup:
         self._inbox: dict[tuple[int, int, int], Partial | memoryview] = {}  # (term, seq, rank) -> (partial, payload)
         self.broken: str | None = None
         self.on_break: Callable[[str], None] | None = None  # told why, once, from whichever thread broke it
-        self.wait_s = 0.0  # time spent waiting for the others, for the stage's figures
+        self.timed: Callable[[float], None] | None = None  # told each all-reduce's wait, in seconds (metrics)
 
     # mx.distributed.Group's interface, as mlx-lm's shard() uses it
     def rank(self) -> int:
@@ -138,15 +138,15 @@ class TensorGroup:
             self._inbox[(p.term, p.seq, rank)] = (p, frame.payload)
             self._cond.notify_all()
 
-    def abort(self, why: str) -> None:
+    def abort(self, why: str, level: int = logging.WARNING) -> None:
         """Give up: the all-reduce under way (and every later one until ``reset``) raises GroupError."""
         with self._cond:
-            self._break(why)
+            self._break(why, level)
 
-    def _break(self, why: str) -> None:
+    def _break(self, why: str, level: int = logging.WARNING) -> None:
         if self.broken is None:
             self.broken = why
-            log.warning("tensor-parallel group %s broken: %s", list(self.members), why)
+            log.log(level, "tensor-parallel group %s broken: %s", list(self.members), why)
             if self.on_break is not None:
                 self.on_break(why)
         self._cond.notify_all()
@@ -205,7 +205,8 @@ class TensorGroup:
                 raise GroupError(self.broken)
             got = {r: self._inbox.pop((term, seq, r)) for (_, _, r) in wanted}
             self._seq += 1
-        self.wait_s += time.perf_counter() - started
+        if self.timed is not None:
+            self.timed(time.perf_counter() - started)
         parts = []
         for r in range(len(self.members)):
             if r == self._rank:
