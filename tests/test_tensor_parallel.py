@@ -157,3 +157,83 @@ def test_a_model_that_fits_only_four_ways_is_served_by_a_group_of_four(tiny_mode
     finally:
         ring.stop()
     assert whole > budget
+
+
+# --- tensor_parallel auto over shaped links: two rooms of two Macs ---------------------------
+
+# Run inside host 0's namespace: wait until the leader serves a plan of two groups of two, then
+# ask ringctl plan and chat through the ring.
+_NS_WAIT = r"""
+import json, subprocess, sys, time, urllib.request
+url, within, secret = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}).encode()
+deadline, last, failed = time.monotonic() + within, None, None
+while time.monotonic() < deadline:
+    try:
+        with urllib.request.urlopen(url + "/cluster/status", timeout=5) as r:
+            status = json.loads(r.read())
+        stages = status["plan"]["stages"] if status.get("plan") else []
+        last = {"reason": status.get("reason"), "stages": stages}
+        groups = [sorted([s[0]] + [m[0] for m in (s[4] if len(s) > 4 else [])]) for s in stages]
+        if status["ready"] and sorted(groups) == [["host0", "host1"], ["host2", "host3"]]:
+            plan = subprocess.run([sys.executable, "-m", "ringd.app.ctl", "--node", url.removeprefix("http://"), "--secret-file", secret, "plan"],
+                                  capture_output=True, text=True, timeout=30)
+            req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                chat = json.loads(r.read())
+            print(json.dumps({"status": status, "plan": plan.stdout + plan.stderr, "chat": chat}))
+            sys.exit(0)
+    except Exception as e:
+        failed = repr(e)
+    time.sleep(0.5)
+print(json.dumps({"error": last, "failed": failed}))
+sys.exit(1)
+"""
+
+
+def test_auto_groups_the_macs_of_each_room_and_pipelines_between_rooms(tiny_model, tmp_path):
+    """Four daemons on network-namespace hosts, two rooms of two joined inside by Thunderbolt and
+    between by a slow link (devkit/linkshape.py). With tensor_parallel auto the first plan has no
+    groups (no link is measured yet); once the leader has measured the links, each room's Macs
+    form a group and the pipeline crosses between the rooms, and ringctl plan says why."""
+    import json
+    import subprocess
+    import sys
+
+    from devkit import REPO
+    from devkit.linkshape import Profile
+    from devkit.netns import NetnsHosts, netns_available
+
+    reason = netns_available()
+    assert reason is None, f"cannot build test hosts: {reason}"
+    # A layer of ~46 M bfloat16 parameters: ~49 ms by this VM's probed 1.85 GFLOP/s. A pair pays
+    # above four all-reduces, 5-21 ms over Thunderbolt as this VM reads it (a round trip of 2 ms
+    # idle, 10 ms loaded): a token of ~150-180 ms in pairs against ~240 ms without, past the 20%
+    # margin either way; four Macs in one group would all-reduce across the 20 ms link between
+    # the rooms eight times a token (~210 ms).
+    model = tiny_model(arch="llama", layers=4, hidden_size=2048, heads=16, kv_heads=4, dtype="bfloat16")
+    secret = tmp_path / "secret"
+    secret.write_text("t" * 32)
+    secret.chmod(0o600)
+    slow = Profile("between-rooms", 20e-3, 0.5e-3, 0.0, 1e9, 1500)
+    with NetnsHosts(4, links=["thunderbolt"] * 4, segments=[0, 0, 1, 1], uplink=slow) as net:
+        logs = [tmp_path / f"host{i}.log" for i in range(4)]
+        for i in range(4):
+            net.serve(
+                i, logs[i], name=f"host{i}", cluster="rooms-tp", secret_file=secret, model=model, model_id="tiny",
+                state_dir=tmp_path / "state", tensor_parallel="auto", kv_reserve_tokens=16,
+            )  # fmt: skip
+        wait = [sys.executable, "-c", _NS_WAIT, f"http://{net.hosts[0].ip}:8100", "180", str(secret)]
+        done = subprocess.run(net.exec_prefix(0) + wait, capture_output=True, text=True, timeout=210, cwd=REPO)
+
+        def tails() -> str:
+            return "\n".join(f"--- host{i}\n{p.read_text()[-3000:]}" for i, p in enumerate(logs))
+
+        assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{tails()}"
+        result = json.loads(done.stdout)
+        print(result["plan"])
+        assert result["chat"]["choices"][0]["message"]["content"] is not None
+        assert "tensor_parallel auto: groups of 2 (" in result["plan"] and "pays above" in result["plan"], result["plan"]
+        assert "a tensor-parallel group of 2" in result["plan"], result["plan"]
+        log = "\n".join(p.read_text() for p in logs)
+        assert "tensor_parallel auto: no groups: links not measured yet" in log, "the first plan, before any link was measured, should have had no groups"

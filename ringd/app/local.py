@@ -99,7 +99,7 @@ def run_local(
     model: str,
     port: int = DEFAULT_HTTP_PORT,
     split: list[int] | None = None,
-    tensor_parallel: int = 1,
+    tensor_parallel: int | str = 1,
     host: str = "127.0.0.1",
     model_id: str | None = None,
     log_level: str = "info",
@@ -160,13 +160,15 @@ def run_local(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def check_plan(model: str, nodes: int, split: list[int] | None, tensor_parallel: int = 1) -> None:
+def check_plan(model: str, nodes: int, split: list[int] | None, tensor_parallel: int | str = 1) -> None:
     """Fail fast and plainly where the leader's plan would: too few nodes, a model that cannot be
     read, a split that does not fit it, groups the nodes do not make or the model cannot split
     into. A Hub GGUF (OWNER/REPO:QUANT) is fetched here, whole,
     before any node starts: the lines its progress logs (models/progress.py) are printed as they come."""
     if nodes < 1:
         raise LaunchError("--nodes must be at least 1", code=2)
+    if tensor_parallel == "auto":  # the leader chooses, by what it measures
+        tensor_parallel = 1
     if nodes % tensor_parallel:
         raise LaunchError(f"--nodes {nodes} does not make whole groups of --tensor-parallel {tensor_parallel}", code=2)
     from ringd.ring.plan import PlacementError, make_plan

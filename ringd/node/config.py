@@ -119,6 +119,17 @@ def _split(v: Any) -> list[int] | None:
     return v
 
 
+def _tensor_parallel(v: Any) -> int | str:
+    if v == "auto":
+        return v
+    if isinstance(v, str) and v.isascii() and v.isdigit():
+        v = int(v)  # a flag or an environment variable
+    try:
+        return _int_between(1, MAX_GROUP)(v)
+    except ValueError:
+        raise ValueError(f"must be auto or an integer from 1 to {MAX_GROUP}") from None
+
+
 _TRUE = ("true", "yes", "on", "1")
 _FALSE = ("false", "no", "off", "0")
 
@@ -273,7 +284,7 @@ KEYS: list[Key] = [
     Key("state_dir", _str, "~/.local/state/ringd", "where the node keeps its election state (a manual leader pin survives restarts)"),
     Key("nodes", _optional(_positive_int), None, "ring size the first plan waits for (default: peers + 1, or with discovery whoever is found within a few seconds)", int),
     Key("split", _split, None, "layers per stage in ring order, e.g. 10,9,9 (default: even)"),
-    Key("tensor_parallel", _int_between(1, MAX_GROUP), 1, f"Macs that split every layer of a stage between them (1 to {MAX_GROUP}): consecutive nodes of the ring form groups of this many, each a stage; a stream gets faster as Macs are added where the links are fast (docs/tensor-parallel.md)", int),
+    Key("tensor_parallel", _tensor_parallel, 1, f"Macs that split every layer of a stage between them (1 to {MAX_GROUP}, or auto): consecutive nodes of the ring form groups of this many, each a stage; a stream gets faster as Macs are added where the links are fast; auto: groups where the measured links and compute say they pay (docs/tensor-parallel.md)"),
     Key("prefill_chunk_tokens", _positive_int, DEFAULT_PREFILL_CHUNK, "prompt tokens per prefill frame", int),
     Key("interleaved_chunk_tokens", _positive_int, DEFAULT_INTERLEAVED_CHUNK, "prompt tokens per prefill frame while other requests decode (their pause is about one such chunk)", int),
     Key("micro_batches", _non_negative_int, 0, "micro-batches around the ring at once (0: one per stage, which keeps every stage busy)", int),
@@ -335,7 +346,7 @@ class Config:
     state_dir: str
     nodes: int | None
     split: list[int] | None
-    tensor_parallel: int
+    tensor_parallel: int | str  # "auto": the leader chooses (cluster/groups.py)
     prefill_chunk_tokens: int
     interleaved_chunk_tokens: int
     micro_batches: int
@@ -592,7 +603,9 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
             "tls: auto and tls_cert/tls_key both choose the API's certificate (auto issues one from the cluster CA, "
             "tls_cert is your own); keep one of them"
         )
-    stages = cfg.expected_nodes // cfg.tensor_parallel
+    if cfg.split is not None and cfg.tensor_parallel == "auto":
+        raise ConfigError("split fixes the ring's stages and tensor_parallel: auto chooses them; set one of the two")
+    stages = cfg.expected_nodes // (1 if cfg.tensor_parallel == "auto" else cfg.tensor_parallel)
     if cfg.split is not None and len(cfg.split) != stages:
         raise ConfigError(
             f"split: {cfg.split} has {len(cfg.split)} entries for a ring of {stages} stages "

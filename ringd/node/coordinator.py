@@ -22,6 +22,7 @@ import time
 from typing import Any, Protocol
 
 from ringd.cluster.election import Term
+from ringd.cluster.groups import Grouping, choose_groups
 from ringd.cluster.linkcost import RTT_SAMPLES
 from ringd.cluster.links import LinkError
 from ringd.cluster.members import Cluster
@@ -127,6 +128,7 @@ class Coordinator:
         # The ring's order and the Macs left out by their links, with the figures and why
         # (topology.py); None where a configured split fixes the ring, or before the first plan.
         self.layout: Layout | None = None
+        self.grouping: Grouping | None = None  # tensor_parallel auto: the groups chosen, and why
         self._link_replanned = -LINK_REPLAN_INTERVAL_S
         # The links as measured over the last window in which the ring was loaded and idle, and
         # since when it has been: a node computing reads its beats late (on a CPU shared with its
@@ -306,6 +308,8 @@ class Coordinator:
 
     def _split(self, over: tuple[str, ...]) -> list[int] | None:
         """The configured split, where it applies to this ring (it fixes the ring: no layout by links)."""
+        if self.cfg.tensor_parallel == "auto":
+            return None  # the config refuses both at once
         stages = len(over) // self.cfg.tensor_parallel
         return self.cfg.split if self.cfg.split is not None and len(self.cfg.split) == stages and not self.instance else None
 
@@ -330,11 +334,15 @@ class Coordinator:
         if self.layout is None or over is None or self._split(over) is not None:
             return None
         new = self._layout(self._node_specs(over))
-        if (new.ring, new.out) == (self.layout.ring, self.layout.out):
+        same = (new.ring, new.out) == (self.layout.ring, self.layout.out)
+        regroup = self._regroup(self.layout.ring) if same and self.cfg.tensor_parallel == "auto" else None
+        if same and regroup is None:
             self.layout = new
             return None
         if now - self._link_replanned < LINK_REPLAN_INTERVAL_S:
             return None
+        if regroup is not None:
+            return regroup
         gone = [why for n, why in new.left_out if n not in self.layout.out]
         back = sorted(self.layout.out - new.out, key=natural_key)
         parts = gone + ([f"{', '.join(back)} back in: its links are no longer slow"] if back else [])
@@ -349,6 +357,11 @@ class Coordinator:
             layout = self._layout(specs)
             by_node = {s.node: s for s in specs}
             specs = [by_node[n] for n in layout.ring] + [dataclasses.replace(by_node[n], api_only=True) for n, _ in layout.left_out]
+            if self.cfg.tensor_parallel == "auto":
+                self.grouping = self._groups(layout.ring)
+                log.info("tensor_parallel auto: %s", self.grouping.why)
+                order = [m for g in self.grouping.groups for m in g]
+                specs = [by_node[n] for n in order] + [s for s in specs if s.node not in order]
         term = self.cluster.claim_plan_term()
         try:
             plan = self._place(term.number, specs, split)
@@ -378,10 +391,37 @@ class Coordinator:
         for node in members:
             self._send_plan(node, plan)
 
+    def _groups(self, ring: tuple[str, ...], current: Grouping | None = None) -> Grouping:
+        """tensor_parallel auto: the groups the measured links and each Mac's speed favour."""
+        layer_us = {}
+        for node in ring:
+            profile = self.cluster.info_of(node).profile
+            speed = profile.speed if profile is not None and profile.speed else None
+            layer_us[node] = self._layer_flops() / (speed * 1e3) if speed else float("inf")
+        allowed = max((k for k in range(1, len(ring) + 1) if tensor_parallel_refusal(self.info, k) is None), default=1) if len(ring) > 1 else 1
+        return choose_groups(ring, self._quiet_links, layer_us, self.info.num_layers, self.info.hidden_size * HOP_ITEM_BYTES, allowed, current)
+
+    def _layer_flops(self) -> float:
+        """A layer's decode, in operations: about two per parameter (a parameter's bytes by the
+        checkpoint's dtype; a quantized one's are fewer, and its estimate lower)."""
+        w = self.info.weights
+        dtype = str(self.info.config.get("torch_dtype", "bfloat16"))
+        return 2 * (sum(w.layers) / max(1, len(w.layers))) / (4 if "32" in dtype else 2)
+
+    def _regroup(self, ring: tuple[str, ...]) -> str | None:
+        """Why the running groups should change for what the links and compute now say, or None."""
+        new = self._groups(ring, self.grouping)
+        if self.grouping is not None and new.groups == self.grouping.groups:
+            self.grouping = new  # the figures ringctl plan shows
+            return None
+        return f"tensor_parallel auto: {new.why}"
+
     def _place(self, term: int, specs: list[NodeSpec], split: list[int] | None) -> Plan:
         """The plan over ``specs`` (ring order): with tensor_parallel, consecutive holders in groups,
         each group placed as one node holding a slice of its layers on every member."""
         cost, size = self._model_cost(), self.cfg.tensor_parallel
+        if size == "auto":
+            size = self.grouping.size if self.grouping is not None else 1
         if size == 1:
             plan = plan_for(term, self.node, self.info.fingerprint, specs, cost, self.cfg.placement, split)
             return dataclasses.replace(plan, instance=self.instance, source=self.source)

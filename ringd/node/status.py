@@ -91,8 +91,18 @@ class Status:
             links={p: {"number": peer.number, "encrypted": peer.stream.encrypted} for p, peer in sorted(cluster.peers.items())},
             drained=sorted(cluster.drained, key=natural_key),
             stats=self._stats(coordinator.engine) if coordinator else None,
-            layout=coordinator.layout.to_wire() if coordinator is not None and coordinator.layout is not None else None,
+            layout=self._layout(coordinator),
         ).to_wire()
+
+    @staticmethod
+    def _layout(coordinator) -> dict | None:
+        """The ring as its links shape it, and with tensor_parallel auto the groups chosen and why."""
+        if coordinator is None or coordinator.layout is None:
+            return None
+        doc = coordinator.layout.to_wire()
+        if coordinator.grouping is not None:
+            doc["groups"] = coordinator.grouping.why
+        return doc
 
     def _stats(self, engine) -> dict:
         sched = engine.scheduler

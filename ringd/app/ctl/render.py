@@ -161,6 +161,8 @@ def layout_lines(layout: dict | None) -> list[str]:
         lines.append(f"links ({layout.get('cost_us', 0) / 1000:.2f} ms a token around the ring):")
         lines += [f"  {hop(h)}" for h in layout["hops"]]
     lines += [str(o.get("why")) for o in layout.get("left_out") or []]
+    if layout.get("groups"):  # tensor_parallel auto
+        lines.append(f"tensor_parallel auto: {layout['groups']}")
     return lines
 
 
