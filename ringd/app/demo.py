@@ -51,7 +51,7 @@ def run(cache_dir: Path, port: int, nodes: int, log_level: str, tls: str = "off"
     print(f'ringd demo: try  curl -s {where}/v1/chat/completions -H "Content-Type: application/json" '
           f"-d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{question}\"}}], \"max_tokens\": 40, \"temperature\": 0}}'",
           flush=True)  # fmt: skip
-    return run_local(nodes, str(path), port, None, "127.0.0.1", model_id, log_level, tls=tls)
+    return run_local(nodes, str(path), port, model_id=model_id, log_level=log_level, tls=tls)
 
 
 class _Progress:

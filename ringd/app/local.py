@@ -99,7 +99,6 @@ def run_local(
     model: str,
     port: int = DEFAULT_HTTP_PORT,
     split: list[int] | None = None,
-    tensor_parallel: int | str = 1,
     host: str = "127.0.0.1",
     model_id: str | None = None,
     log_level: str = "info",
@@ -107,6 +106,7 @@ def run_local(
     tls: str = "off",
     models_dir: str | None = None,
     replicas: int = 1,
+    tensor_parallel: int | str = 1,
 ) -> int:
     """``tls``: "auto" serves https with certificates from the run's cluster CA, written to
     ringd-ca.pem in the run's folder for clients to trust."""
