@@ -74,24 +74,14 @@ def mlx_tensor_parallel(model_path: Path, prompts: list[list[int]], max_tokens: 
     loopback, each ``sharded_load(..., tensor_group=...)``; greedy tokens of each prompt alone
     ("plain") and all in one BatchGenerator ("batched")."""
     import json
-    import random
-    import subprocess
-    import sys
-    import tempfile
 
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "mlx-lm-tensor-parallel"
-        script.write_text(f"#!{sys.executable}\n{_TENSOR_PARALLEL_SCRIPT}")
-        script.chmod(0o755)
-        for _ in range(MLX_LAUNCH_TRIES):
-            cmd = [
-                str(launcher), "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1",
-                "--starting-port", str(random.randrange(20000, 60000)), str(script),
-                str(model_path), json.dumps(prompts), str(max_tokens), str(TEST_PREFILL_CHUNK),
-            ]  # fmt: skip
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=MLX_LAUNCH_TIMEOUT_S)
-            for line in r.stdout.splitlines():
-                if line.startswith("RESULT "):
-                    return json.loads(line.removeprefix("RESULT "))
-    raise RuntimeError(f"mlx-lm's tensor parallelism over {ranks} ranks failed {MLX_LAUNCH_TRIES} times; the last:\n{r.stdout[-1000:]}\n{r.stderr[-2000:]}")
+    from devkit.mlxlaunch import run_ranks
+
+    def result(stdout: str) -> dict | None:
+        return next((json.loads(line.removeprefix("RESULT ")) for line in stdout.splitlines() if line.startswith("RESULT ")), None)
+
+    args = [str(model_path), json.dumps(prompts), str(max_tokens), str(TEST_PREFILL_CHUNK)]
+    found, stderr = run_ranks(_TENSOR_PARALLEL_SCRIPT, args, ranks, result, MLX_LAUNCH_TRIES, MLX_LAUNCH_TIMEOUT_S)
+    if found is None:
+        raise RuntimeError(f"mlx-lm's tensor parallelism over {ranks} ranks failed {MLX_LAUNCH_TRIES} times; the last:\n{stderr[-2000:]}")
+    return found

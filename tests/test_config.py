@@ -58,6 +58,10 @@ def test_precedence_file_env_flag(tmp_path):
         ("a: [unclosed\n", "not valid YAML"),
         ("discovery: maybe\n", "discovery (config file"),
         ("prefer_interfaces: bridge0\nmdns_interfaces: [3]\n", "mdns_interfaces"),
+        ("tensor_parallel: 0\n", "must be auto or an integer from 1 to 16"),
+        ("tensor_parallel: twice\n", "must be auto or an integer from 1 to 16"),
+        ("tensor_parallel: auto\nsplit: [3, 3]\npeers: ['10.0.0.2:1']\n", "tensor_parallel: auto chooses them; set one of the two"),
+        ("tensor_parallel: 2\nsplit: [2, 2, 2]\npeers: ['10.0.0.2:1', '10.0.0.3:1', '10.0.0.4:1']\n", "has 3 entries for a ring of 2 stages"),
     ],
 )
 def test_bad_files_name_the_key(tmp_path, yaml_text, needle):
@@ -76,6 +80,15 @@ def test_discovery_keys_from_file_env_and_flags(tmp_path):
     cfg = parse(["--discovery", "on", "--mdns-interfaces", "en0, bridge*"], {"RINGD_DISCOVERY": "off"})
     assert cfg.discovery is True and cfg.mdns_interfaces == ["en0", "bridge*"]
     assert parse([]).discovery is True  # on unless turned off
+
+
+def test_tensor_parallel_from_file_env_and_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("tensor_parallel: 2\n")
+    assert parse(["--config", str(f)]).tensor_parallel == 2
+    assert parse([], {"RINGD_TENSOR_PARALLEL": "auto"}).tensor_parallel == "auto"
+    assert parse(["--tensor-parallel", "4"]).tensor_parallel == 4
+    assert parse([]).tensor_parallel == 1
 
 
 def test_bad_env_and_flags_name_their_source():

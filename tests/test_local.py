@@ -157,3 +157,20 @@ def test_local_shows_the_download_of_a_hub_model_while_the_ring_gets_ready(tiny_
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(30)
+
+
+@pytest.mark.parametrize(
+    ("model_args", "nodes", "size", "needle"),
+    [
+        (dict(arch="llama", layers=4, heads=4, kv_heads=1), 2, 2, "its 1 key/value heads do not split into groups of 2"),
+        (dict(arch="phi3", layers=4), 2, 2, "mlx-lm has no tensor parallelism for phi3 (its Model has no shard())"),
+        (dict(arch="llama", layers=4), 3, 2, "--nodes 3 does not make whole groups of --tensor-parallel 2"),
+    ],
+    ids=["heads", "no-shard", "nodes"],
+)
+def test_local_refuses_groups_the_model_or_the_nodes_cannot_make(tiny_model, model_args, nodes, size, needle):
+    from ringd.app.local import LaunchError, check_plan
+
+    with pytest.raises(LaunchError) as e:
+        check_plan(str(tiny_model(**model_args)), nodes, None, size)
+    assert needle in str(e.value) and e.value.code == 2

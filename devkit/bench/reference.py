@@ -130,31 +130,23 @@ def mlx_pipeline(model_path: str, ranks: int, prompt_tokens: int, tokens: int) -
     trial after its warm-up); its generation tokens/s, as rank 0 reports it. None if every try
     failed (on loopback its ring backend often loses a peer mid-generation: "[ring] connection
     to a peer was lost"; the failures are counted in the table)."""
-    import random
     import re
-    import tempfile
 
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    with tempfile.TemporaryDirectory() as tmp:
-        # mlx.launch runs a program, not a module: a two-line one in this interpreter.
-        script = Path(tmp) / "mlx-lm-benchmark"
-        script.write_text(f"#!{sys.executable}\nfrom mlx_lm.benchmark import main\nmain()\n")
-        script.chmod(0o755)
-        for attempt in range(MLX_PIPELINE_TRIES):
-            port = random.randrange(20000, 60000)
-            cmd = [
-                str(launcher), "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1", "--starting-port", str(port),
-                str(script), "--model", model_path, "--pipeline", "--prompt-tokens", str(prompt_tokens),
-                "--generation-tokens", str(tokens), "--num-trials", "1",
-            ]  # fmt: skip
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            # Its ranks often fail as the others exit after the last trial; rank 0 has printed by then.
-            found = re.search(r"^Averages: .*generation_tps=([\d.]+)", r.stdout, re.M)
-            if found:
-                return float(found.group(1))
+    from devkit.mlxlaunch import run_ranks
+
+    def tps(stdout: str) -> float | None:
+        # Its ranks often fail as the others exit after the last trial; rank 0 has printed by then.
+        found = re.search(r"^Averages: .*generation_tps=([\d.]+)", stdout, re.M)
+        if found is None:
             MLX_PIPELINE_FAILURES[ranks] = MLX_PIPELINE_FAILURES.get(ranks, 0) + 1
-        print(f"bench: mlx-lm's pipeline over {ranks} ranks failed {MLX_PIPELINE_TRIES} times in a row; the last:\n{r.stderr[-1500:]}", file=sys.stderr)
-        return None
+        return float(found.group(1)) if found else None
+
+    program = "from mlx_lm.benchmark import main\nmain()\n"
+    args = ["--model", model_path, "--pipeline", "--prompt-tokens", str(prompt_tokens), "--generation-tokens", str(tokens), "--num-trials", "1"]
+    found, stderr = run_ranks(program, args, ranks, tps, MLX_PIPELINE_TRIES, 600)
+    if found is None:
+        print(f"bench: mlx-lm's pipeline over {ranks} ranks failed {MLX_PIPELINE_TRIES} times in a row; the last:\n{stderr[-1500:]}", file=sys.stderr)
+    return found
 
 
 def converted(model: str) -> str | None:

@@ -21,18 +21,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from statistics import median
 
 from devkit.bench.allreduce import pair
 from devkit.bench.measure import own_cpu_seconds, processes_cpu_s, session_pids
 from devkit.bench.reference import single_process
 from devkit.bench.rings import node_metrics, ring_decode, start_ring, stop_ring
+from devkit.mlxlaunch import run_ranks
 
 MLX_LM = "mlx-lm, 1 process"
 ONE_NODE = "ringd local, 1 node"
@@ -88,22 +85,16 @@ def pin_nodes(session: int, cores: list[int]) -> None:
 def mlx_tensor_parallel(model_path: str, ranks: int, prompt: list[int], tokens: int) -> list[dict] | None:
     """One run of mlx-lm's own tensor parallelism over ``ranks`` pinned ranks: each rank's figures,
     or None if every try lost a peer."""
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "mlx-lm-tensor-parallel-bench"
-        script.write_text(f"#!{sys.executable}\n{_MLX_TP_SCRIPT}")
-        script.chmod(0o755)
-        for _ in range(MLX_TP_TRIES):
-            cmd = [
-                str(launcher), "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1", "--starting-port", str(random.randrange(20000, 60000)),
-                str(script), model_path, json.dumps(prompt), str(tokens), str(ALL_SUM_CALLS), ",".join(map(str, range(ranks))),
-            ]  # fmt: skip
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            found = [json.loads(m) for m in re.findall(r"^RANK (\{.*\})$", r.stdout, re.M)]
-            if len(found) == ranks:
-                return sorted(found, key=lambda d: d["rank"])
-        print(f"bench: mlx-lm's tensor parallelism over {ranks} ranks failed {MLX_TP_TRIES} times; the last:\n{r.stderr[-1500:]}", file=sys.stderr)
-        return None
+
+    def figures(stdout: str) -> list[dict] | None:
+        found = [json.loads(m) for m in re.findall(r"^RANK (\{.*\})$", stdout, re.M)]
+        return sorted(found, key=lambda d: d["rank"]) if len(found) == ranks else None
+
+    args = [model_path, json.dumps(prompt), str(tokens), str(ALL_SUM_CALLS), ",".join(map(str, range(ranks)))]
+    found, stderr = run_ranks(_MLX_TP_SCRIPT, args, ranks, figures, MLX_TP_TRIES, 900)
+    if found is None:
+        print(f"bench: mlx-lm's tensor parallelism over {ranks} ranks failed {MLX_TP_TRIES} times; the last:\n{stderr[-1500:]}", file=sys.stderr)
+    return found
 
 
 def all_reduce_seconds(url: str) -> tuple[float, int]:

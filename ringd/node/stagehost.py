@@ -323,7 +323,9 @@ class StageHost:
         if stage is None or plan is None or self.report.state != LOADED:
             return
         group = self.group.members if self.group is not None else ()
-        for n in {stage.predecessor, stage.next_node, *group} - {None, self.node}:
+        # A group's other members send nothing on: their ring neighbours are the group's first and the rest.
+        onward = stage.next_node if not group or group[0] == self.node else None
+        for n in {stage.predecessor, onward, *group} - {None, self.node}:
             if n in links and n not in self._ring_links:
                 self._ring_links[n] = links[n]
             elif n in self._ring_links and links.get(n) != self._ring_links[n]:
