@@ -21,7 +21,7 @@ state's bytes over its measured bandwidth, and ALL_REDUCE_OVERHEAD_US.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Collection, Mapping
 
 from ringd.cluster.linkcost import Measured
 
@@ -76,17 +76,18 @@ def choose_groups(
     layer_us: Mapping[str, float],
     layers: int,
     hidden_bytes: int,
-    allowed: int = MAX_AUTO_GROUP,
+    allowed: Collection[int] = range(1, MAX_AUTO_GROUP + 1),
     current: Grouping | None = None,
 ) -> Grouping:
     """The groups that make one stream fastest over ``ring`` (ring order), by the estimate in the
-    module's docstring. ``layer_us``: a layer's compute on each Mac, in microseconds. ``current``:
-    the running grouping, kept unless another saves GROUPS_MARGIN of its estimated cost."""
+    module's docstring. ``layer_us``: a layer's compute on each Mac, in microseconds. ``allowed``:
+    the group sizes the model can be split into (its heads divide). ``current``: the running
+    grouping, kept unless another saves GROUPS_MARGIN of its estimated cost."""
     n = len(ring)
     hop = lambda a, b: _one_way(links, a, b, hidden_bytes)  # noqa: E731
     options = []
     # Sizes that divide the ring into stages of a layer or more each (k = n: one stage).
-    for k in [k for k in range(1, min(n, allowed) + 1) if n % k == 0 and n // k <= layers] or [n]:
+    for k in [k for k in range(1, min(n, MAX_AUTO_GROUP) + 1) if (k == 1 or k in allowed) and n % k == 0 and n // k <= layers] or [n]:
         offsets = [tuple(tuple(ring[(r + i + j) % n] for j in range(k)) for i in range(0, n, k)) for r in range(k)]
         options.append(min((_cost(g, links, layer_us, layers, hidden_bytes, hop) for g in offsets), key=lambda o: o.token_us))
     alone = options[0]  # the fewest Macs a group: no groups where the ring has a layer for each Mac

@@ -22,7 +22,7 @@ import time
 from typing import Any, Protocol
 
 from ringd.cluster.election import Term
-from ringd.cluster.groups import Grouping, choose_groups
+from ringd.cluster.groups import MAX_AUTO_GROUP, Grouping, choose_groups
 from ringd.cluster.linkcost import RTT_SAMPLES
 from ringd.cluster.links import LinkError
 from ringd.cluster.members import Cluster
@@ -398,7 +398,7 @@ class Coordinator:
             profile = self.cluster.info_of(node).profile
             speed = profile.speed if profile is not None and profile.speed else None
             layer_us[node] = self._layer_flops() / (speed * 1e3) if speed else float("inf")
-        allowed = max((k for k in range(1, len(ring) + 1) if tensor_parallel_refusal(self.info, k) is None), default=1) if len(ring) > 1 else 1
+        allowed = [k for k in range(2, min(len(ring), MAX_AUTO_GROUP) + 1) if tensor_parallel_refusal(self.info, k) is None]
         return choose_groups(ring, self._quiet_links, layer_us, self.info.num_layers, self.info.hidden_size * HOP_ITEM_BYTES, allowed, current)
 
     def _layer_flops(self) -> float:
