@@ -371,3 +371,21 @@ def test_dashboard_draws_progress_encryption_silent_and_drained_nodes(browser, t
     expect(page.locator('#models .instance[data-pending="true"]')).to_have_count(0)
     keep_screenshot(page, tmp_path, "dashboard-states.png")
     assert errors == []
+
+
+def test_a_tensor_parallel_group_is_one_stage_of_cards_named_together(tiny_model, browser):
+    """A ring of two groups of two: each group drawn as its first member on the ring, every member
+    a card of its stage's layers, and the caption naming each group."""
+    from devkit.rings import Ring
+
+    ring = Ring(tiny_model(arch="llama", layers=4), 4, tensor_parallel=2)
+    try:
+        page = open_page(browser, ring.url + "/dashboard")
+        expect(page.locator("#ring-caption")).to_have_text("node0+node1 → node2+node3 → node0+node1")
+        expect(page.locator("#ring .ring-node")).to_have_count(2)
+        for name, layers in (("node0", "[0, 2)"), ("node1", "[0, 2)"), ("node2", "[2, 4)"), ("node3", "[2, 4)")):
+            card = page.locator(f'#nodes [data-node="{name}"][data-in-ring="true"]')
+            expect(card.locator(".layers")).to_have_text(layers)
+        assert page.script_errors == [], page.script_errors
+    finally:
+        ring.stop()

@@ -138,8 +138,10 @@
   function absorb(doc) {
     const entries = Array.isArray(doc.nodes) ? doc.nodes.filter((n) => n && typeof n.node === "string") : [];
     const plan = doc.plan && Array.isArray(doc.plan.stages) ? doc.plan : null;
-    const stages = plan ? plan.stages.filter(Array.isArray).map(([node, addr, start, end]) => ({ node, addr, start, end })) : [];
-    const inRing = new Set(stages.map((st) => st.node));
+    // A tensor-parallel group's stage is drawn as its first member; the caption names them all.
+    const members = (node, group) => [node, ...(Array.isArray(group) ? group.filter(Array.isArray).map((m) => String(m[0])) : [])];
+    const stages = plan ? plan.stages.filter(Array.isArray).map(([node, addr, start, end, group]) => ({ node, addr, start, end, members: members(node, group) })) : [];
+    const inRing = new Set(stages.flatMap((st) => st.members));
     view.doc = doc;
     view.entries = new Map(entries.map((n) => [n.node, n]));
     view.stages = stages;
@@ -311,7 +313,8 @@
       });
     }
     svg.replaceChildren(...parts);
-    setText("ring-caption", n ? view.stages.map((st) => st.node).join(" → ") + (n > 1 ? ` → ${view.stages[0].node}` : "") : "");
+    const label = (st) => st.members.join("+");
+    setText("ring-caption", n ? view.stages.map(label).join(" → ") + (n > 1 ? ` → ${label(view.stages[0])}` : "") : "");
   }
 
   // What of a node the ring drawing shows (so it is redrawn only when that changes).
@@ -425,7 +428,7 @@
 
   function drawCards() {
     const wanted = [
-      ...view.stages.map((st, i) => [st.node, [st.start, st.end], i, true]),
+      ...view.stages.flatMap((st, i) => st.members.map((name) => [name, [st.start, st.end], i, true])),
       ...view.outside.map((name) => [name, null, null, false]),
     ];
     const container = $("nodes");
