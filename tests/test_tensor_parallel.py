@@ -101,6 +101,29 @@ def test_kill_9_of_a_group_member_mid_stream_loses_nothing(tiny_model):
         ring.stop()
 
 
+def test_the_last_member_standing_serves_alone(tiny_model):
+    """A ring that is one group of two loses a member mid-stream: fewer Macs than a group, so the
+    survivor serves the whole model alone, and the stream carries on as it would have."""
+    model = tiny_model(arch="llama", layers=4, dtype="float32")
+    ask = [{"role": "user", "content": "Tell me everything about rings."}]
+    ring = Ring(model, nodes=2, tensor_parallel=2)
+    try:
+        whole = stream_text(ring.base_url, ask, 80, model=ring.model_id)
+        pid = node_pid(ring, "node1")
+        killed = threading.Event()
+
+        def kill_at(i):
+            if i == 20 and not killed.is_set():
+                os.kill(pid, signal.SIGKILL)
+                killed.set()
+
+        assert stream_text(ring.base_url, ask, 80, kill_at, model=ring.model_id) == whole
+        assert killed.is_set()
+        assert cluster(ring)["plan"]["stages"] == [["node0", cluster(ring)["plan"]["stages"][0][1], 0, 4]]
+    finally:
+        ring.stop()
+
+
 def test_sigstop_of_a_group_member_for_5_s_heals(tiny_model):
     """A member of the leader's own group stops for 5 s (a Mac asleep) while four streams run:
     they end whole, the ring heals with the member back in its group, and serves."""

@@ -422,7 +422,13 @@ class Coordinator:
         cost, size = self._model_cost(), self.cfg.tensor_parallel
         if size == "auto":
             size = self.grouping.size if self.grouping is not None else 1
-        if size == 1:
+        holders = sum(not s.api_only for s in specs)
+        if 1 < holders < size:
+            # Fewer Macs than a group (the rest died, or the pool gave this instance fewer): serve
+            # from each alone, as a ring without groups, rather than not at all.
+            log.info("tensor_parallel %d: only %d node(s) may hold %s's layers; no groups", size, holders, self.label)
+            size = 1
+        if size == 1 or holders == 1:
             plan = plan_for(term, self.node, self.info.fingerprint, specs, cost, self.cfg.placement, split)
             return dataclasses.replace(plan, instance=self.instance, source=self.source)
         refusal = tensor_parallel_refusal(self.info, size)
