@@ -144,6 +144,9 @@ class TensorGroup:
             self._break(why, level)
 
     def _break(self, why: str, level: int = logging.WARNING) -> None:
+        # What waited for an all-reduce that will not happen goes now: mlx-lm keeps a group it saw
+        # (sum_gradients' cache) long after its plan, and a prompt chunk's partial is megabytes.
+        self._inbox.clear()
         if self.broken is None:
             self.broken = why
             log.log(level, "tensor-parallel group %s broken: %s", list(self.members), why)
