@@ -37,7 +37,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -101,7 +101,7 @@ class TensorGroup:
         self._cond = threading.Condition()
         self.term = term
         self._seq = 0  # the all-reduce under way or next, numbered from 0 in each term
-        self._inbox: dict[tuple[int, int, int], Partial | memoryview] = {}  # (term, seq, rank) -> (partial, payload)
+        self._inbox: dict[tuple[int, int, int], tuple[Partial, Any]] = {}  # (term, seq, rank) -> (partial, payload)
         self.broken: str | None = None
         self.on_break: Callable[[str], None] | None = None  # told why, once, from whichever thread broke it
         self.timed: Callable[[float], None] | None = None  # told each all-reduce's wait, in seconds (metrics)
@@ -165,8 +165,8 @@ class TensorGroup:
 
     @contextlib.contextmanager
     def alone(self):
-        """Within: no all-reduce leaves this member (each returns this member's own part, the
-        others' taken as zero), for what a stage tests at load on its own slice."""
+        """Within: no all-reduce leaves this member (a sum is this member's own part, a gather
+        repeats it: the shapes are what they will be), for what a stage tests at load on its slice."""
         self._alone = True
         try:
             yield
