@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import threading
 import time
 
 
@@ -90,3 +92,20 @@ def block_event_loop(pid: int, seconds: float) -> None:
         time.sleep(seconds)
     finally:
         ptrace(_PTRACE_DETACH)
+
+
+class SignalAt:
+    """An ``on_chunk`` for ``devkit.clients.stream_text``: ``sig`` to ``pid`` once, as the
+    ``chunk``-th chunk of the stream arrives (``fired`` is set then); with ``resume_after_s``, a
+    SIGCONT that long after (a SIGSTOP's: a Mac that sleeps and wakes)."""
+
+    def __init__(self, pid: int, sig: int, chunk: int, resume_after_s: float | None = None):
+        self.pid, self.sig, self.chunk, self.resume_after_s = pid, sig, chunk, resume_after_s
+        self.fired = threading.Event()
+
+    def __call__(self, i: int) -> None:
+        if i == self.chunk and not self.fired.is_set():
+            os.kill(self.pid, self.sig)
+            self.fired.set()
+            if self.resume_after_s is not None:
+                threading.Timer(self.resume_after_s, os.kill, (self.pid, signal.SIGCONT)).start()

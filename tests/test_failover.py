@@ -6,7 +6,6 @@ Real `ringd local` rings, real kill -9 of a node process, the real openai client
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -19,6 +18,7 @@ import pytest
 
 from devkit.rings import Ring
 from devkit.clients import stream_text
+from devkit.faults import SignalAt
 
 TOKENS = 400
 
@@ -64,17 +64,10 @@ def test_kill_9_of_a_stage_mid_stream_loses_nothing(tiny_model, victim, model_ar
             assert finish == "stop" and len(json.loads(whole)) == 80, whole
         else:
             assert finish == "length"
-        pid = node_pid(ring, victim)
-        killed = threading.Event()
-
-        def kill_at(i):
-            if i == 30 and not killed.is_set():
-                os.kill(pid, signal.SIGKILL)
-                killed.set()
-
+        kill_at = SignalAt(node_pid(ring, victim), signal.SIGKILL, 30)
         t0 = time.monotonic()
         again, finish = stream_text(ring.base_url, messages, TOKENS, kill_at, model=ring.model_id, **extra)
-        assert killed.is_set()
+        assert kill_at.fired.is_set()
         assert finish == ("stop" if schema else "length")
         assert again == whole, "the stream after failover differs from the uninterrupted run"
         status = cluster(ring)
@@ -153,16 +146,9 @@ def test_kill_9_of_a_middle_stage_with_8_batched_streams_in_flight_loses_nothing
     try:
         whole = all_at_once()
         assert all(r is not None and r[1] == "length" for r in whole), whole
-        pid = node_pid(ring, "node1")
-        killed = threading.Event()
-
-        def kill_at(i):
-            if i == 20 and not killed.is_set():
-                os.kill(pid, signal.SIGKILL)
-                killed.set()
-
+        kill_at = SignalAt(node_pid(ring, "node1"), signal.SIGKILL, 20)
         again = all_at_once(kill_at)
-        assert killed.is_set()
+        assert kill_at.fired.is_set()
         for i, (before, after) in enumerate(zip(whole, again)):
             assert after == before, f"stream {i} after failover differs from its uninterrupted run"
         assert [s[0] for s in cluster(ring)["plan"]["stages"]] == ["node0", "node2"]

@@ -11,12 +11,12 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 from devkit.clients import stream_text
+from devkit.faults import SignalAt
 from devkit.reference import mlx_tensor_parallel
 from devkit.rings import Ring
 from tests.test_failover import cluster, node_pid
@@ -83,16 +83,9 @@ def test_kill_9_of_a_group_member_mid_stream_loses_nothing(tiny_model):
     try:
         whole = all_at_once()
         assert all(finish == "length" for _, finish in whole), whole
-        pid = node_pid(ring, "node3")
-        killed = threading.Event()
-
-        def kill_at(i):
-            if i == 20 and not killed.is_set():
-                os.kill(pid, signal.SIGKILL)
-                killed.set()
-
+        kill_at = SignalAt(node_pid(ring, "node3"), signal.SIGKILL, 20)
         again = all_at_once(kill_at)
-        assert killed.is_set()
+        assert kill_at.fired.is_set()
         for i, (before, after) in enumerate(zip(whole, again)):
             assert after == before, f"stream {i} after the member's death differs from its uninterrupted run"
         plan = cluster(ring)["plan"]
@@ -109,16 +102,9 @@ def test_the_last_member_standing_serves_alone(tiny_model):
     ring = Ring(model, nodes=2, tensor_parallel=2)
     try:
         whole = stream_text(ring.base_url, ask, 80, model=ring.model_id)
-        pid = node_pid(ring, "node1")
-        killed = threading.Event()
-
-        def kill_at(i):
-            if i == 20 and not killed.is_set():
-                os.kill(pid, signal.SIGKILL)
-                killed.set()
-
+        kill_at = SignalAt(node_pid(ring, "node1"), signal.SIGKILL, 20)
         assert stream_text(ring.base_url, ask, 80, kill_at, model=ring.model_id) == whole
-        assert killed.is_set()
+        assert kill_at.fired.is_set()
         assert cluster(ring)["plan"]["stages"] == [["node0", cluster(ring)["plan"]["stages"][0][1], 0, 4]]
     finally:
         ring.stop()
@@ -132,17 +118,10 @@ def test_sigstop_of_a_group_member_for_5_s_heals(tiny_model):
     ring = Ring(model, nodes=4, tensor_parallel=2)
     try:
         pid = node_pid(ring, "node1")
-        stopped = threading.Event()
-
-        def stop_at(i):
-            if i == 20 and not stopped.is_set():
-                os.kill(pid, signal.SIGSTOP)
-                stopped.set()
-                threading.Timer(5.0, os.kill, (pid, signal.SIGCONT)).start()
-
+        stop_at = SignalAt(pid, signal.SIGSTOP, 20, resume_after_s=5.0)
         with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
             results = list(pool.map(lambda i: stream_text(ring.base_url, asks[i], 120, stop_at if i == 0 else None, model=ring.model_id), range(STREAMS)))
-        assert stopped.is_set()
+        assert stop_at.fired.is_set()
         assert all(finish == "length" and text for text, finish in results), results
         deadline = time.monotonic() + 60
         while not (healed := _stages(ring) == ["node0", "node2"]) and time.monotonic() < deadline:

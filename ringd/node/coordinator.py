@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Protocol
@@ -398,8 +399,14 @@ class Coordinator:
             profile = self.cluster.info_of(node).profile
             speed = profile.speed if profile is not None and profile.speed else None
             layer_us[node] = self._layer_flops() / (speed * 1e3) if speed else float("inf")
-        allowed = [k for k in range(2, min(len(ring), MAX_AUTO_GROUP) + 1) if tensor_parallel_refusal(self.info, k) is None]
+        allowed = [k for k in self._group_sizes if k <= len(ring)]
         return choose_groups(ring, self._quiet_links, layer_us, self.info.num_layers, self.info.hidden_size * HOP_ITEM_BYTES, allowed, current)
+
+    @functools.cached_property
+    def _group_sizes(self) -> list[int]:
+        """The group sizes this instance's model splits into (its heads divide): the same for the
+        instance's life, and _groups asks every quiet heartbeat."""
+        return [k for k in range(2, MAX_AUTO_GROUP + 1) if tensor_parallel_refusal(self.info, k) is None]
 
     def _layer_flops(self) -> float:
         """A layer's decode, in operations: about two per parameter (a parameter's bytes by the
