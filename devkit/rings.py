@@ -19,7 +19,8 @@ class Ring:
     """A `ringd local` process tree: N daemons and their launcher."""
 
     def __init__(
-        self, model: Path, nodes: int, split: list[int] | None = None, env: dict | None = None, model_id: str = "tiny", tensor_parallel: int = 1
+        self, model: Path, nodes: int, split: list[int] | None = None, env: dict | None = None, model_id: str = "tiny", tensor_parallel: int = 1,
+        tensor_engine: str | None = None,
     ):
         self.model, self.nodes, self.split, self.model_id = model, nodes, split, model_id
         self.log = tempfile.NamedTemporaryFile(prefix="ringd-test-", suffix=".log", delete=False)
@@ -28,6 +29,8 @@ class Ring:
             cmd += ["--split", ",".join(map(str, split))]
         if tensor_parallel > 1:
             cmd += ["--tensor-parallel", str(tensor_parallel)]
+        if tensor_engine is not None:
+            cmd += ["--tensor-engine", tensor_engine]
         full_env = {**os.environ, "RINGD_PREFILL_CHUNK_TOKENS": str(TEST_PREFILL_CHUNK), **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
         self.url = self._wait_ready()

@@ -305,3 +305,17 @@ def test_ringctl_pins_the_name_it_first_signed_for_and_refuses_another(fake_node
     ringctl_known_nodes.write_text("[not a pin file")
     r = ringctl_at(fake.addr, secret, "drain", "node2")
     assert r.returncode == 1 and f"cannot use {ringctl_known_nodes}" in r.stderr and "delete it" in r.stderr, r
+
+
+def test_plan_lists_a_group_its_ranks_and_what_its_all_reduces_run_on(capsys):
+    from ringd.app.ctl.render import print_plan
+
+    doc = {
+        "leader": "mini1", "ready": True,
+        "plan": {"term": 4, "leader": "mini1", "model": "abc", "num_layers": 8, "stages": [["mini1", "10.0.0.1:7100", 0, 8, [["mini2", "10.0.0.2:7100"]]]]},
+        "nodes": [{"node": "mini1", "role": "leader", "engine": "jaccl"}, {"node": "mini2", "role": "follower", "engine": "jaccl"}],
+    }  # fmt: skip
+    print_plan(doc)
+    out = capsys.readouterr().out
+    assert "stage 0: a tensor-parallel group of 2, each member a 1/2 slice of every layer in [0, 8), all-reduces on jaccl" in out, out
+    assert re.search(r"rank 0: mini1 .*\n.*rank 1: mini2 ", out), out

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
 from devkit.clients import stream_text
@@ -60,6 +61,40 @@ def test_groups_answer_as_mlx_lm_tensor_parallelism(tiny_model, arch, dtype):
 
 
 STREAMS = 4
+
+
+def test_groups_on_mlx_s_own_collective_answer_alike_and_survive_their_process(tiny_model):
+    """`tensor_engine: mlx-ring`: each member runs its slice in a group process on MLX's own
+    collective (the path jaccl takes on Macs with RDMA, here with MLX's TCP ring backend, as RDMA
+    cannot exist on Linux). Two stages of two give mlx-lm's tensor parallelism's tokens, plain and
+    batched; a group process killed mid-stream breaks its stage like a dead Mac: the ring re-forms
+    the group and every stream ends whole."""
+    model = tiny_model(arch="llama", layers=4, dtype="bfloat16")
+    ref = mlx_tensor_parallel(model, PROMPTS, MAX_TOKENS, ranks=2)
+    asks = [[{"role": "user", "content": f"Tell me everything about ring number {i}."}] for i in range(STREAMS)]
+    ring = Ring(model, 4, tensor_parallel=2, tensor_engine="mlx-ring")
+    try:
+        status = cluster(ring)
+        assert {n["node"]: n["engine"] for n in status["nodes"]} == dict.fromkeys(["node0", "node1", "node2", "node3"], "mlx-ring"), status["nodes"]
+        plain = [greedy(ring, p) for p in PROMPTS]
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(lambda p: greedy(ring, p), PROMPTS))
+        assert plain == ref["plain"], f"one at a time:\nring {plain}\nref  {ref['plain']}"
+        assert together == ref["batched"], f"all at once:\nring {together}\nref  {ref['batched']}"
+
+        def all_at_once(kill=None) -> list:
+            with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+                return list(pool.map(lambda i: stream_text(ring.base_url, asks[i], 60, kill if i == 0 else None, model=ring.model_id), range(STREAMS)))
+
+        whole = all_at_once()
+        [worker] = [c.pid for c in psutil.Process(node_pid(ring, "node3")).children() if "ringd.stage.groupworker" in c.cmdline()]
+        kill_at = SignalAt(worker, signal.SIGKILL, 20)
+        again = all_at_once(kill_at)
+        assert kill_at.fired.is_set()
+        assert again == whole, "streams after a group process's death differ from their uninterrupted runs"
+        assert "its group process ended" in ring.logs()
+    finally:
+        ring.stop()
 
 
 def _stages(ring: Ring) -> list[str]:

@@ -72,7 +72,8 @@ def decode_and_compute(url: str, prompt: list[int], tokens: int, no_eos: list[in
 
 
 def start_ring(
-    model_path: str, nodes: int, draft: str | None = None, repo: Path = REPO, tls: bool = False, replicas: int = 1, tensor_parallel: int = 1
+    model_path: str, nodes: int, draft: str | None = None, repo: Path = REPO, tls: bool = False, replicas: int = 1, tensor_parallel: int = 1,
+    tensor_engine: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """A ``ringd local`` ring of ``nodes``, its code from ``repo`` (``python -m`` looks in its
     working directory first: a checkout of other code runs that code, with this environment);
@@ -87,6 +88,8 @@ def start_ring(
         cmd += ["--replicas", str(replicas)]
     if tensor_parallel != 1:
         cmd += ["--tensor-parallel", str(tensor_parallel)]
+    if tensor_engine is not None:
+        cmd += ["--tensor-engine", tensor_engine]
     proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:

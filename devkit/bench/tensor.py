@@ -72,9 +72,17 @@ ALL_REDUCE_CALLS = 2000  # per figure of ringd's on loopback (a quarter over an 
 
 
 def pin_nodes(session: int, cores: list[int]) -> None:
-    """Node i of the ring whose ``ringd local`` is ``session`` on ``cores[i]`` (by start order), every thread."""
-    nodes = [pid for pid in session_pids(session) if pid != session]
-    for pid, core in zip(nodes, cores):
+    """Node i of the ring whose ``ringd local`` is ``session`` on ``cores[i]`` (by start order), every
+    thread, and a node's group process (``--tensor-engine mlx-ring``) on its node's core."""
+    import psutil
+
+    pids = [pid for pid in session_pids(session) if pid != session]
+    nodes = [pid for pid in pids if psutil.Process(pid).ppid() == session]
+    where = dict(zip(nodes, cores))
+    for pid in pids:
+        core = where.get(pid, where.get(psutil.Process(pid).ppid()))
+        if core is None:
+            continue
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
                 os.sched_setaffinity(int(tid), {core})
@@ -114,22 +122,26 @@ def tensor_parallel(args, model, model_path: str, prompt: list[int], no_eos: lis
         raise SystemExit(f"bench: --tensor-parallel {k} puts each node on a core of its own; this process may use {len(os.sched_getaffinity(0))}")
     tp_ring = f"ringd local, {k} nodes, --tensor-parallel {k}"
     mlx_tp = f"mlx-lm tensor parallel, {k} ranks"
-    runs: dict[str, list[float]] = {MLX_LM: [], ONE_NODE: [], tp_ring: [], mlx_tp: []}
+    # The same group on MLX's TCP ring backend, in group processes (the path jaccl takes on Macs).
+    mlx_ring = f"ringd local, {k} nodes, --tensor-engine mlx-ring"
+    runs: dict[str, list[float]] = {MLX_LM: [], ONE_NODE: [], tp_ring: [], mlx_ring: [], mlx_tp: []}
     cpu: dict[str, list[float]] = {name: [] for name in runs}
     reduce_ms, mlx_sum = [], []
     os.sched_setaffinity(0, {0})
     one = start_ring(model_path, 1)
     group = start_ring(model_path, k, tensor_parallel=k)
+    on_mlx = start_ring(model_path, k, tensor_parallel=k, tensor_engine="mlx-ring")
     pin_nodes(one[0].pid, [0])
     pin_nodes(group[0].pid, list(range(k)))
+    pin_nodes(on_mlx[0].pid, list(range(k)))
     try:
-        for _, url in (one, group):
+        for _, url in (one, group, on_mlx):
             ring_decode(url, prompt, 8, no_eos)  # warm-up: first-use allocations on every node
         for r in range(args.repeats):
             before = own_cpu_seconds()
             runs[MLX_LM].append(single_process(model, prompt, args.tokens))
             cpu[MLX_LM].append(1000 * (own_cpu_seconds() - before) / args.tokens)
-            for name, (proc, url) in ((ONE_NODE, one), (tp_ring, group)):
+            for name, (proc, url) in ((ONE_NODE, one), (tp_ring, group), (mlx_ring, on_mlx)):
                 before, reduced = processes_cpu_s([proc.pid]), all_reduce_seconds(url)
                 runs[name].append(ring_decode(url, prompt, args.tokens, no_eos))
                 cpu[name].append(1000 * (processes_cpu_s([proc.pid]) - before) / args.tokens)
@@ -145,6 +157,7 @@ def tensor_parallel(args, model, model_path: str, prompt: list[int], no_eos: lis
     finally:
         stop_ring(one[0])
         stop_ring(group[0])
+        stop_ring(on_mlx[0])
     hidden = model.args.hidden_size
     alone = {"loopback": [pair(hidden, ALL_REDUCE_CALLS) for _ in range(args.repeats)]}
     for name in args.link.split(",") if args.link else ():
@@ -164,6 +177,7 @@ def report(args, model, runs, cpu, reduce_ms, mlx_sum, tp_ring: str, mlx_tp: str
             print(f"{name:<44}{median(values):>9.2f}{min(values):>9.2f}{max(values):>9.2f}{median(values) / base:>9.3f}{median(cpu[name]):>14.1f}")
     if runs[mlx_tp]:
         print(f"{tp_ring} against {mlx_tp}: {median(runs[tp_ring]) / median(runs[mlx_tp]):.3f}x")
+    print(f"the group on ringd's collective against MLX's ring backend (group processes): {median(runs[tp_ring]) / median(runs[mlx_ring]):.3f}x")
     print(f"in the ring: {median(reduce_ms) * 1000:.0f} us a member waits per all-reduce (ringd_all_reduce_seconds; {2 * layers} a token)")
     print()
     print(f"one all-reduce of one token's hidden state ({model.args.hidden_size} float32), back to back, median (min-max) of {args.repeats}")

@@ -54,6 +54,7 @@ from ringd.base.names import check_name, parse_hostport
 from ringd.node.coordinator import Coordinator, NodeParts, ServedModel
 from ringd.node.holders import holder_of, model_from_peers
 from ringd.node.pool import Pool
+from ringd.stage.groupengine import GroupSettings
 from ringd.node.stagehost import StageHost, StageSource
 from ringd.node.stages import Stages
 from ringd.stage.compute import ComputeThread
@@ -174,7 +175,8 @@ class Node:
             priority=cfg.priority, api_only=cfg.api_only, files=r.files is not None, profile=r.profile,
         )  # fmt: skip
         self.api = Api(self)
-        self.stages = Stages(lambda instance: StageHost(self.name, instance, self, compute, metrics))
+        settings = GroupSettings(cfg.tensor_engine, cfg.rdma_devices)
+        self.stages = Stages(lambda instance: StageHost(self.name, instance, self, compute, metrics, settings))
         self.stage = self.stages.default  # the configured model's stage
         self.cluster = Cluster(cfg.cluster_settings(), r.secret, own, self.supervisor, self)
         self.status = Status(

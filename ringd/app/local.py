@@ -107,6 +107,7 @@ def run_local(
     models_dir: str | None = None,
     replicas: int = 1,
     tensor_parallel: int | str = 1,
+    tensor_engine: str = "auto",
 ) -> int:
     """``tls``: "auto" serves https with certificates from the run's cluster CA, written to
     ringd-ca.pem in the run's folder for clients to trust."""
@@ -125,7 +126,7 @@ def run_local(
     # loads from models_dir. Every node is listed as a peer: nothing to find, nothing to tell the LAN.
     shared: dict[str, Flag] = dict(
         model=model, secret_file=secret_file, cluster=cluster, state_dir=workdir, nodes=nodes, log_level=log_level,
-        discovery=False, tls=tls, split=",".join(map(str, split)) if split else None, tensor_parallel=tensor_parallel, model_id=model_id,
+        discovery=False, tls=tls, split=",".join(map(str, split)) if split else None, tensor_parallel=tensor_parallel, tensor_engine=tensor_engine, model_id=model_id,
         draft_model=draft_model, models_dir=models_dir, replicas=replicas,
     )  # fmt: skip
     procs: list[subprocess.Popen] = []

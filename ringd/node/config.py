@@ -39,6 +39,7 @@ from ringd.base.names import check_host as _host
 from ringd.base.names import DEFAULT_HTTP_PORT, DEFAULT_RING_PORT, check_name, parse_hostport
 from ringd.base.names import check_port as _port
 from ringd.ring.plan import MAX_GROUP
+from ringd.stage.groupengine import DEVICE_NAME, ENGINES
 from ringd.ring.steps import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES, MAX_ROWS, KvOptions
 from ringd.models.ollama.keepalive import DEFAULT_KEEP_ALIVE_S, KeepAliveError, parse_keep_alive
 from ringd.cluster.sharing import MAX_REPLICAS
@@ -128,6 +129,22 @@ def _tensor_parallel(v: Any) -> int | str:
         return _int_between(1, MAX_GROUP)(v)
     except ValueError:
         raise ValueError(f"must be auto or an integer from 1 to {MAX_GROUP}") from None
+
+
+def _rdma_devices(v: Any) -> dict[str, str]:
+    """Per peer, this Mac's RDMA device (``ibv_devices``) whose Thunderbolt cable reaches it."""
+    if isinstance(v, str):
+        pairs = [p.strip().partition("=") for p in v.split(",") if p.strip()]
+        if any(not sep for _, sep, _ in pairs):
+            raise ValueError("must be peer=device pairs like mini2=rdma_en3,mini3=rdma_en4")
+        v = {k.strip(): d.strip() for k, _, d in pairs}
+    if not isinstance(v, dict):
+        raise ValueError("must be a mapping of peer node to RDMA device, e.g. mini2: rdma_en3")
+    for node, device in v.items():
+        check_name(node)
+        if not isinstance(device, str) or not DEVICE_NAME.fullmatch(device):
+            raise ValueError(f"the device toward {node!r} must be a device name like rdma_en3 (ibv_devices lists them), got {device!r}")
+    return dict(v)
 
 
 _TRUE = ("true", "yes", "on", "1")
@@ -285,6 +302,8 @@ KEYS: list[Key] = [
     Key("nodes", _optional(_positive_int), None, "ring size the first plan waits for (default: peers + 1, or with discovery whoever is found within a few seconds)", int),
     Key("split", _split, None, "layers per stage in ring order, e.g. 10,9,9 (default: even)"),
     Key("tensor_parallel", _tensor_parallel, 1, f"Macs that split every layer of a stage between them (1 to {MAX_GROUP}, or auto): consecutive nodes of the ring form groups of this many, each a stage; a stream gets faster as Macs are added where the links are fast; auto: groups where the measured links and compute say they pay (docs/tensor-parallel.md)"),
+    Key("tensor_engine", _choice(*ENGINES), "auto", "what a tensor-parallel group's all-reduces run on (its first member's setting counts): auto (MLX's jaccl RDMA where every member has it and rdma_devices names each peer, else ringd), ringd (the ring's own sealed links), jaccl (RDMA or refuse), mlx-ring (MLX's TCP ring backend, for comparison)"),
+    Key("rdma_devices", _rdma_devices, {}, "for jaccl: per peer node, this Mac's RDMA device on the Thunderbolt 5 cable to it (ibv_devices lists them), e.g. mini2=rdma_en3,mini3=rdma_en4"),
     Key("prefill_chunk_tokens", _positive_int, DEFAULT_PREFILL_CHUNK, "prompt tokens per prefill frame", int),
     Key("interleaved_chunk_tokens", _positive_int, DEFAULT_INTERLEAVED_CHUNK, "prompt tokens per prefill frame while other requests decode (their pause is about one such chunk)", int),
     Key("micro_batches", _non_negative_int, 0, "micro-batches around the ring at once (0: one per stage, which keeps every stage busy)", int),
@@ -347,6 +366,8 @@ class Config:
     nodes: int | None
     split: list[int] | None
     tensor_parallel: int | str  # "auto": the leader chooses (cluster/groups.py)
+    tensor_engine: str  # stage/groupengine.py
+    rdma_devices: dict[str, str]
     prefill_chunk_tokens: int
     interleaved_chunk_tokens: int
     micro_batches: int

@@ -18,6 +18,12 @@ group's first member relays every FORWARD and RELEASE to the others before it ru
 it, so all apply the same frames in the same order, and only the first passes the
 output on. The members' partial sums (REDUCE) go to the group; a member gone, stalled
 or out of step breaks the stage, as a lost link does.
+
+As a group forms (each plan), its members tell each other what they offer over it
+(``groupengine``): where every member has RDMA, the group runs MLX's jaccl instead, in a
+process of its own on each member (``groupproc``); this host then feeds that process
+the frames and passes on what it sends, and kills it when the plan changes or the group
+breaks.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from ringd.cluster.election import Term
-from ringd.ring.plan import PlacementError, Plan
+from ringd.ring.plan import MAX_GROUP, PlacementError, Plan
 from ringd.cluster.reconcile import BROKEN, LOADED, LOADING, OUTSIDE, Report, failure_report, plan_refusal
 from ringd.base.metrics import Metrics
 from ringd.models.checkpoint import ModelInfo
@@ -38,11 +44,13 @@ from ringd.models.peers import Holder, PeerModel
 from ringd.models.progress import LoadProgress
 from ringd.base.names import parse_hostport
 from ringd.stage.compute import ComputeThread
+from ringd.stage.groupengine import MLX_BACKEND, Choice, EngineError, GroupSettings, Offer, choose
+from ringd.stage.groupproc import GroupProcess, GroupProcessError, RemoteShard
 from ringd.stage.runner import StageRunner
 from ringd.stage.shard import Shard
-from ringd.stage.tensorgroup import TensorGroup
-from ringd.ring.steps import Failure, term_of
-from wire.frames import Frame, MsgType
+from ringd.stage.tensorgroup import AHEAD, GroupError, TensorGroup
+from ringd.ring.steps import Failure, Partial, term_of
+from wire.frames import Frame, FrameError, MsgType
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,13 @@ log = logging.getLogger(__name__)
 # second; this covers a dial loop in its backoff (DIAL_BACKOFF_MAX_S, 3 s)
 # and a handshake (HANDSHAKE_TIMEOUT_S, 5 s).
 SUCCESSOR_LINK_TIMEOUT_S = 10.0
+# How long a forming group's members wait for each other's offers: a member still loading the
+# last plan's layers (minutes, for a large model read from a slow disk) answers once it is done.
+# A member that died is noticed sooner, by its link.
+OFFERS_TIMEOUT_S = 600.0
+# Partial sums held for a plan whose group has not formed here yet: a member may be AHEAD
+# all-reduces ahead of this one (its offers), from each other member of the largest group.
+MAX_EARLY_PARTIALS = AHEAD * MAX_GROUP
 
 
 def plan_term(plan: Plan) -> Term:
@@ -93,8 +108,9 @@ class StageOwner(Protocol):
 
 
 class StageHost:
-    def __init__(self, node: str, instance: str, owner: StageOwner, compute: ComputeThread, metrics: Metrics):
+    def __init__(self, node: str, instance: str, owner: StageOwner, compute: ComputeThread, metrics: Metrics, settings: GroupSettings = GroupSettings()):
         self.node = node
+        self.settings = settings  # what this node offers a tensor-parallel group
         # Which of the leader's instances this stage is of ("": the configured model's). Its model
         # is found by the name its plan gives (``owner.resolve``) at its first load, and checked
         # against the plan's fingerprint.
@@ -105,9 +121,11 @@ class StageHost:
         self.stopping = False
         self.compute = compute
         self.plan: Plan | None = None  # the plan taken last
-        self.shard: Shard | None = None
-        self.stage: StageRunner | None = None
+        self.shard: Shard | RemoteShard | None = None
+        self.stage: StageRunner | GroupProcess | None = None
         self.group: TensorGroup | None = None  # the tensor-parallel group the shard is a slice for
+        self.engine: Choice | None = None  # what the group runs on, as its members chose
+        self.process: GroupProcess | None = None  # the group's process here, where it runs an MLX backend
         self.report = Report()
         self.progress: LoadProgress | None = None  # the load under way, for status(); None when not loading
         # Why a file of the model cannot be read, once a load found it (truncated, corrupt): the
@@ -117,6 +135,7 @@ class StageHost:
         self._ring_links: dict[str, int] = {}  # ring neighbour -> the number of our link to it, once seen
         self._links: dict[str, int] = {}  # linked peers -> link numbers, as of the last check_links
         self._links_changed = asyncio.Event()
+        self._early: list[tuple[int, str, Frame]] = []  # (term, peer, REDUCE) before their group formed here
 
     @property
     def loading(self) -> bool:
@@ -141,6 +160,8 @@ class StageHost:
             return None
         self.plan = plan
         self._ring_links = {}
+        if self.process is not None:  # MLX's group cannot take a new plan: the next load starts another
+            self.process.kill()
         if plan.index_of(self.node) is None:
             self._set(Report(term, OUTSIDE))
         else:
@@ -193,6 +214,8 @@ class StageHost:
             self.stage = None
         if self.group is not None:  # whatever the last plan's compute waits for is given up
             self.group.abort(f"plan term {plan.term} replaces term {self.group.term}", logging.DEBUG)
+        if self.process is not None:
+            await self._end_process()
         i = plan.index_of(self.node)
         if self.instance and i is None:
             self.shard = self.group = None
@@ -213,40 +236,110 @@ class StageHost:
             return
         want = plan.stages[i]
         members = want.members
+        same_group = (self.group.members if self.group else (self.node,)) == members
         if len(members) > 1:
             await self._link_to([(n, a) for n, a in ((want.node, want.addr), *want.group) if n != self.node], plan)
-        same_group = (self.group.members if self.group else (self.node,)) == members
-        if same_group and self.group is not None and self.shard is not None:
-            await self.compute.run(self.group.reset, plan.term)  # after the last plan's queued work
-        if self.shard is None or (self.shard.start, self.shard.end) != (want.start, want.end) or not same_group:
-            self.shard = None  # free the old layers before loading new ones
-            self.group = self._group(plan.term, members) if len(members) > 1 else None
-            if self.unreadable is not None:
-                raise ModelFileError(self.unreadable)
-            t0 = time.monotonic()
-            progress = self.progress = LoadProgress(want.start, want.end)
-            try:
-                if source.peer_model is not None:
-                    holders = self._owner.holders(plan.model)
-                    await source.peer_model.ensure(want.start, want.end, source.info.num_layers, holders, progress)
-                self.shard = await self.compute.run(Shard.load, source.model, want.start, want.end, progress, self.group)
-            except asyncio.CancelledError:
-                # The node is stopping: the compute thread gives the load up at its next step
-                # (a download's next chunk) instead of finishing many GB nobody will use.
-                progress.cancel()
-                raise
-            finally:
-                self.progress = None
-            log.info(
-                "loaded layers [%d, %d) in %.1f s: %.1f MiB of parameters",
-                want.start, want.end, time.monotonic() - t0, self.shard.parameter_bytes / 2**20,
-            )  # fmt: skip
-        # A group's other members compute as its first does, but only the first passes frames on.
+            if same_group and self.group is not None:
+                await self.compute.run(self.group.reset, plan.term)  # after the last plan's queued work
+            else:
+                self.group = self._group(plan.term, members)
+            early, self._early = [e for e in self._early if e[0] == plan.term], []
+            for _, peer, frame in early:
+                self.group.arrive(peer, frame)
+            self.engine = await self._choose_engine(plan, want)
+        else:
+            self.group = self.engine = None
         first = want.node == self.node
-        self.stage = StageRunner(self.node, plan, self.shard, self.compute, self._pass_on if first else self._drop, self.metrics, self._grammar_tokenizer())
+        if self.engine is not None and self.engine.in_process:
+            await self._load_process(plan, want, source, first)
+        else:
+            await self._load_here(plan, want, source, same_group and not isinstance(self.shard, RemoteShard))
+            # A group's other members compute as its first does, but only the first passes frames on.
+            self.stage = StageRunner(self.node, plan, self.shard, self.compute, self._pass_on if first else self._drop, self.metrics, self._grammar_tokenizer())
         successor = plan.successor(self.node)
         if successor is not None and first:
             await self._link_to([(successor.node, successor.addr)], plan, "the next stage")
+
+    async def _load_here(self, plan: Plan, want, source: StageSource, keep: bool) -> None:
+        """This node's layers (its slice, in a group on the ringd engine) loaded in the daemon;
+        the layers already loaded are kept when the range and group are the same (``keep``)."""
+        if keep and self.shard is not None and (self.shard.start, self.shard.end) == (want.start, want.end):
+            return
+        self.shard = None  # free the old layers before loading new ones
+        if self.unreadable is not None:
+            raise ModelFileError(self.unreadable)
+        t0 = time.monotonic()
+        progress = self.progress = LoadProgress(want.start, want.end)
+        try:
+            if source.peer_model is not None:
+                holders = self._owner.holders(plan.model)
+                await source.peer_model.ensure(want.start, want.end, source.info.num_layers, holders, progress)
+            self.shard = await self.compute.run(Shard.load, source.model, want.start, want.end, progress, self.group)
+        except asyncio.CancelledError:
+            # The node is stopping: the compute thread gives the load up at its next step
+            # (a download's next chunk) instead of finishing many GB nobody will use.
+            progress.cancel()
+            raise
+        finally:
+            self.progress = None
+        log.info(
+            "loaded layers [%d, %d) in %.1f s: %.1f MiB of parameters",
+            want.start, want.end, time.monotonic() - t0, self.shard.parameter_bytes / 2**20,
+        )  # fmt: skip
+
+    async def _choose_engine(self, plan: Plan, want) -> Choice:
+        """The group's engine: every member's offer, gathered over the ringd engine (as the
+        group's first all-gather of this plan), read the same way by each (``groupengine``)."""
+        group = self.group
+        host = parse_hostport(want.addr if want.node == self.node else dict(want.group)[self.node])[0]
+        mine = Offer(self.node, self.settings.wanted, _jaccl_available(), self.settings.rdma, f"{host}:{_free_port(host)}")
+        try:
+            raws = await self.compute.run(group.gather_bytes, mine.to_bytes(), OFFERS_TIMEOUT_S)
+            choice = choose([Offer.from_bytes(raw, node) for raw, node in zip(raws, group.members)])
+        except (GroupError, EngineError) as e:
+            raise ModelError(f"tensor-parallel group {'+'.join(group.members)}: {e}") from None
+        log.log(logging.INFO if choice.in_process else logging.DEBUG, "tensor-parallel group %s runs on %s: %s", "+".join(group.members), choice.engine, choice.why)
+        return choice
+
+    async def _load_process(self, plan: Plan, want, source: StageSource, first: bool) -> None:
+        """This node's slice loaded and run by a group process of MLX's backend (``groupproc``)."""
+        self.shard = None  # the daemon holds no layers of this stage; the process does
+        if self.unreadable is not None:
+            raise ModelFileError(self.unreadable)
+        if source.peer_model is not None:
+            await source.peer_model.ensure(want.start, want.end, source.info.num_layers, self._owner.holders(plan.model), LoadProgress(want.start, want.end))
+        rank, engine = self.group.rank(), self.engine
+        env, files = _backend_env(engine, rank)
+        env |= {"RINGD_GROUP_NODE": self.node, "RINGD_LOG_LEVEL": logging.getLevelName(logging.getLogger().level).lower()}
+        spec = {"node": self.node, "plan": plan.to_wire(), "model": source.model, "start": want.start, "end": want.end, "backend": MLX_BACKEND[engine.engine]}
+        t0 = time.monotonic()
+        try:
+            process = self.process = await GroupProcess.start(plan, self.node, spec, env)
+            process.on_send = self._pass_on if first else self._drop
+            process.on_exit = lambda why: self._process_ended(process, why)
+            self.shard = await process.loaded()
+        except GroupProcessError as e:
+            await self._end_process()
+            raise (ModelFileError if e.file_fault else ModelError)(f"the group process ({engine.engine}): {e}") from None
+        finally:
+            for f in files:
+                f.unlink(missing_ok=True)
+        self.stage = process
+        log.info(
+            "group process %d (%s, rank %d of %d) loaded layers [%d, %d) in %.1f s: %.1f MiB of parameters",
+            process.pid, engine.engine, rank, self.group.size(), want.start, want.end, time.monotonic() - t0, self.shard.parameter_bytes / 2**20,
+        )  # fmt: skip
+
+    async def _end_process(self) -> None:
+        process, self.process = self.process, None
+        if self.stage is process:
+            self.stage = None
+        if process is not None:
+            await process.stop()
+
+    def _process_ended(self, process: GroupProcess, why: str) -> None:
+        if process is self.process and self.stage is process:
+            self._broken(f"its group process ended: {why}")
 
     async def _link_to(self, nodes: list[tuple[str, str]], plan: Plan, what: str = "a member of this stage's group") -> None:
         """Links to ``nodes`` (node, addr), dialed where there are none, within SUCCESSOR_LINK_TIMEOUT_S."""
@@ -301,6 +394,8 @@ class StageHost:
             self.stage.close()
         if self.group is not None:
             self.group.abort("this node stops", logging.DEBUG)
+        if self.process is not None:
+            self.process.kill()
 
     def _pass_on(self, node: str, frame: Frame) -> None:
         """The stage's output, to the next stage or the leader. A frame that cannot go breaks the ring."""
@@ -334,6 +429,8 @@ class StageHost:
                 why = f"the link to {n} {'was re-made' if n in links else 'dropped'}"
                 if self.group is not None and n in group:
                     self.group.abort(why)  # an all-reduce waiting for it gives up now
+                    if self.process is not None:  # and MLX's, which waits for nothing else
+                        self.process.kill()
                 self._broken(why)
                 return
 
@@ -351,7 +448,9 @@ class StageHost:
             self.stage.close()
         if self.group is not None:
             self.group.abort("the stage is dropped", logging.DEBUG)
-        self.stage, self.shard, self.plan, self.group = None, None, None, None
+        if self.process is not None:
+            self.process.kill()
+        self.stage, self.shard, self.plan, self.group, self.process = None, None, None, None, None
         self._set(Report())
 
     def on_frame(self, peer: str, frame: Frame) -> None:
@@ -376,15 +475,31 @@ class StageHost:
         stage.handle(frame)
 
     def on_reduce(self, peer: str, frame: Frame) -> None:
-        """A partial sum from a member of this stage's tensor-parallel group."""
-        if self.group is not None:
-            self.group.arrive(peer, frame)
+        """A partial sum from a member of this stage's tensor-parallel group. One of a plan whose
+        group is not formed here yet (another member took the plan first and sent its offer) is
+        held until it is (``_early``), for the newest such plan only."""
+        group = self.group
+        try:
+            term = Partial.parse(frame).term
+        except FrameError:
+            term = None  # the group says what is wrong with it
+        if group is not None and (term is None or term == group.term):
+            group.arrive(peer, frame)
+        elif term is not None and (self.plan is None or term >= self.plan.term):
+            if self._early and self._early[0][0] < term:
+                self._early.clear()
+            if (not self._early or self._early[0][0] == term) and len(self._early) < MAX_EARLY_PARTIALS:
+                self._early.append((term, peer, frame))
+        elif group is not None:
+            group.arrive(peer, frame)  # of an older plan: the group ignores it
 
     def status(self) -> dict:
         stage = self.stage
         return {
             "stage": self.plan.index_of(self.node) if self.plan else None,
-            "layers": [stage.shard.start, stage.shard.end] if stage else None,
+            # A tensor-parallel group's collective (groupengine): ringd, or an MLX backend in a group process.
+            "engine": self.engine.engine if self.engine else None,
+            "layers": [self.shard.start, self.shard.end] if stage and self.shard else None,
             "sessions": len(stage.sessions) if stage else 0,
             "kv_bytes": stage.sessions.kv_bytes if stage else 0,
             "parameter_bytes": self.shard.parameter_bytes if self.shard else 0,
@@ -396,3 +511,39 @@ class StageHost:
             "progress": self.progress.to_wire() if self.progress is not None else None,
         }
 
+
+
+def _jaccl_available() -> bool:
+    """MLX's own check: an RDMA library and device on this Mac (never on Linux)."""
+    import mlx.core as mx
+
+    return mx.distributed.is_available("jaccl")
+
+
+def _free_port(host: str) -> int:
+    """A port free on ``host`` now, for the group process to listen on (MLX's backends bind it)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _backend_env(choice: Choice, rank: int) -> tuple[dict[str, str], list]:
+    """The environment MLX's backend reads in the group process, and the files it names (the
+    caller removes them once the process has joined)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    def file(content) -> Path:
+        fd, name = tempfile.mkstemp(prefix="ringd-group-", suffix=".json")
+        with open(fd, "w") as f:
+            json.dump(content, f)
+        return Path(name)
+
+    if choice.engine == "jaccl":
+        devices = file([list(row) for row in choice.devices])
+        return {"MLX_RANK": str(rank), "MLX_IBV_DEVICES": str(devices), "MLX_JACCL_COORDINATOR": choice.addrs[0]}, [devices]
+    hosts = file([[addr] for addr in choice.addrs])
+    return {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}, [hosts]

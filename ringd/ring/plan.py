@@ -104,6 +104,16 @@ class Plan:
             return None
         return self.stages[i + 1]
 
+    def predecessor(self, node: str) -> str | None:
+        """The one node ``node``'s stage takes FORWARD and RELEASE frames from: the one before it
+        in the ring (the leader, for stage 0), or for a tensor-parallel group's other members, the
+        group's first (it relays them). None when ``node`` holds no stage."""
+        i = self.index_of(node)
+        if i is None:
+            return None
+        first = self.stages[i].node
+        return first if node != first else self.leader if i == 0 else self.stages[i - 1].node
+
     @property
     def split(self) -> list[int]:
         return [s.layers for s in self.stages]

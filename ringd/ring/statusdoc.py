@@ -41,6 +41,7 @@ class NodeStatus:
     # Its stage of the configured model.
     stage: int | None = None  # index in the plan; None: outside it
     layers: list[int] | None = None  # [start, end)
+    engine: str | None = None  # a tensor-parallel group's collective (stage/groupengine.py)
     sessions: int | None = None
     kv_bytes: int | None = None
     parameter_bytes: int | None = None

@@ -105,13 +105,9 @@ class StageRunner:
         successor = plan.successor(node)
         self.next_node = successor.node if successor else None
         self.leader = plan.leader
-        i = plan.index_of(node)
         self._steps = 0  # frames computed, for CLEAR_CACHE_EVERY_STEPS
         self._parsed: Forward | None = None  # the micro-batch being computed, once it parsed
-        # The only node this stage takes FORWARD and RELEASE frames from: the one before it in the
-        # ring, or for a tensor-parallel group's other members, the group's first (it relays them).
-        first = plan.stages[i].node
-        self.predecessor = first if node != first else plan.leader if i == 0 else plan.stages[i - 1].node
+        self.predecessor = plan.predecessor(node)
         self._loop = asyncio.get_running_loop()
 
     def handle(self, frame: Frame) -> None:

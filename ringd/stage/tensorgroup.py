@@ -66,14 +66,65 @@ _mlx_all_sum = mx.distributed.all_sum
 _mlx_all_gather = mx.distributed.all_gather
 
 
+class Collective:
+    """What mlx-lm's ``shard()`` and its sharded layers see in place of ``mx.distributed.Group``:
+    ``rank``/``size`` to cut with, ``all_sum``/``all_gather`` the dispatcher hands calls to, and
+    ``alone`` for what a stage tests on its slice at load."""
+
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def all_sum(self, x: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def all_gather(self, x: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def alone(self):
+        """Within: no all-reduce leaves this member (a sum is this member's own part, a gather
+        repeats it: the shapes are what they will be), for what a stage tests at load on its slice."""
+        self._alone = True
+        try:
+            yield
+        finally:
+            self._alone = False
+
+    _alone = False
+
+
+class MlxGroup(Collective):
+    """An MLX group (``mx.distributed.init``: jaccl's RDMA or the TCP ring) as a ``Collective``,
+    in a group process (``groupworker.py``), where MLX's own collective does the all-reduce."""
+
+    def __init__(self, group: mx.distributed.Group):
+        _front_mlx()
+        self.group = group
+
+    def rank(self) -> int:
+        return self.group.rank()
+
+    def size(self) -> int:
+        return self.group.size()
+
+    def all_sum(self, x: mx.array) -> mx.array:
+        return x if self._alone else _mlx_all_sum(x, group=self.group)
+
+    def all_gather(self, x: mx.array) -> mx.array:
+        return mx.concatenate([x] * self.size(), axis=0) if self._alone else _mlx_all_gather(x, group=self.group)
+
+
 def _all_sum(x, *args, group=None, **kwargs):
-    if isinstance(group, TensorGroup):
+    if isinstance(group, Collective):
         return group.all_sum(x)
     return _mlx_all_sum(x, *args, group=group, **kwargs)
 
 
 def _all_gather(x, *args, group=None, **kwargs):
-    if isinstance(group, TensorGroup):
+    if isinstance(group, Collective):
         return group.all_gather(x)
     return _mlx_all_gather(x, *args, group=group, **kwargs)
 
@@ -85,7 +136,7 @@ def _front_mlx() -> None:
         mx.distributed.all_gather = _all_gather
 
 
-class TensorGroup:
+class TensorGroup(Collective):
     """This member's view of one group: ``rank`` of ``members`` (node names, rank order), the
     plan ``term`` it runs, and ``send(node, frame)`` (called on ``loop``) to reach the others."""
 
@@ -127,10 +178,20 @@ class TensorGroup:
             self.abort(f"{peer} sent a malformed partial sum: {e}")
             return
         with self._cond:
-            if p.term != self.term:
-                # Of a plan this group has left (its all-reduces were given up), or of one this
-                # member has not loaded, for which no member is sent a frame yet.
+            if p.term < self.term:  # of a plan this group has left: its all-reduces were given up
                 log.debug("ignoring partial sum %d of plan term %d from %s: this group runs term %d", p.seq, p.term, peer, self.term)
+                return
+            if p.term > self.term:
+                # A plan another member took first: its offers (stagehost) come before this
+                # member's reset. Kept for the newest such plan only, AHEAD deep, so a member
+                # sending far-off terms holds nothing more.
+                if p.seq >= AHEAD:
+                    self._break(f"{peer} sent partial sum {p.seq} of plan term {p.term}, which this member has not begun")
+                    return
+                self._inbox = {k: v for k, v in self._inbox.items() if k[0] <= self.term or k[0] >= p.term}
+                if any(k[0] > p.term for k in self._inbox):
+                    return
+                self._inbox[(p.term, p.seq, rank)] = (p, frame.payload)
                 return
             if not self._seq <= p.seq < self._seq + AHEAD:
                 self._break(f"{peer} sent partial sum {p.seq} of plan term {p.term}, out of step with this member's {self._seq} of term {self.term}")
@@ -146,7 +207,7 @@ class TensorGroup:
     def _break(self, why: str, level: int = logging.WARNING) -> None:
         # What waited for an all-reduce that will not happen goes now: mlx-lm keeps a group it saw
         # (sum_gradients' cache) long after its plan, and a prompt chunk's partial is megabytes.
-        self._inbox.clear()
+        self._inbox = {k: v for k, v in self._inbox.items() if k[0] > self.term}  # a later plan's are its own
         if self.broken is None:
             self.broken = why
             log.log(level, "tensor-parallel group %s broken: %s", list(self.members), why)
@@ -163,16 +224,6 @@ class TensorGroup:
             self.term, self._seq, self.broken = term, 0, None
             self._inbox = {k: v for k, v in self._inbox.items() if k[0] >= term}
 
-    @contextlib.contextmanager
-    def alone(self):
-        """Within: no all-reduce leaves this member (a sum is this member's own part, a gather
-        repeats it: the shapes are what they will be), for what a stage tests at load on its slice."""
-        self._alone = True
-        try:
-            yield
-        finally:
-            self._alone = False
-
     def all_sum(self, x: mx.array) -> mx.array:
         if self._alone:
             return x
@@ -186,8 +237,15 @@ class TensorGroup:
         parts = [x] * self.size() if self._alone else self._exchange(x)
         return mx.concatenate(parts, axis=0)
 
-    def _exchange(self, x: mx.array) -> list[mx.array]:
+    def gather_bytes(self, raw: bytes, deadline_s: float) -> list[bytes]:
+        """Every member's ``raw`` (all of one length), in rank order, waiting up to ``deadline_s``
+        for the others: what members tell each other as a group forms (``groupengine.Offer``)."""
+        parts = self._exchange(mx.array(memoryview(raw), dtype=mx.uint8), deadline_s, timed=False)
+        return [bytes(memoryview(p)) for p in parts]
+
+    def _exchange(self, x: mx.array, deadline_s: float | None = None, timed: bool = True) -> list[mx.array]:
         """Every member's ``x``, in rank order (this member's own as it is)."""
+        deadline_s = self.deadline_s if deadline_s is None else deadline_s
         if self.broken is not None:
             raise GroupError(self.broken)
         bits = wire_bits(x)
@@ -199,16 +257,16 @@ class TensorGroup:
         wanted = [(term, seq, r) for r in range(len(self.members)) if r != self._rank]
         started = time.perf_counter()
         with self._cond:
-            ok = self._cond.wait_for(lambda: self.broken is not None or all(k in self._inbox for k in wanted), self.deadline_s)
+            ok = self._cond.wait_for(lambda: self.broken is not None or all(k in self._inbox for k in wanted), deadline_s)
             if self.broken is not None:
                 raise GroupError(self.broken)
             if not ok:
                 late = [self.members[r] for (_, _, r) in wanted if (term, seq, r) not in self._inbox]
-                self._break(f"no partial sum {seq} from {', '.join(late)} within {self.deadline_s:.0f} s")
+                self._break(f"no partial sum {seq} from {', '.join(late)} within {deadline_s:.0f} s")
                 raise GroupError(self.broken)
             got = {r: self._inbox.pop((term, seq, r)) for (_, _, r) in wanted}
             self._seq += 1
-        if self.timed is not None:
+        if self.timed is not None and timed:
             self.timed(time.perf_counter() - started)
         parts = []
         for r in range(len(self.members)):

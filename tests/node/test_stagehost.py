@@ -148,3 +148,50 @@ def test_a_neighbour_that_said_leave_breaks_no_ring(tiny_model, caplog):
         asyncio.run(main())
     warnings = [r.getMessage() for r in caplog.records if r.name == "ringd.node.stagehost" and r.levelno >= logging.WARNING]
     assert all("req=7" not in w for w in warnings) and any("broken here" in w for w in warnings), warnings
+
+
+def test_a_group_forms_whichever_member_takes_its_plan_first(tiny_model, monkeypatch):
+    """Two members of one tensor-parallel group, in one process: the leader's plan reaches node0
+    well before node1, so node0's offer (its first partial of the plan) arrives where node1 has
+    no group yet. node1 holds it until its group forms, and both load, on the ringd engine (no
+    RDMA here): without the hold, node1 waited for an offer it had dropped."""
+    from ringd.node import stagehost
+    from ringd.stage.groupengine import RINGD
+    from wire.frames import MsgType
+
+    monkeypatch.setattr(stagehost, "OFFERS_TIMEOUT_S", 10.0)
+    model = tiny_model(arch="llama", layers=2)
+    info = model_info(str(model))
+    plan = Plan(3, NODE, info.fingerprint, info.num_layers, (Stage(NODE, "127.0.0.1:1", 0, 2, (("node1", "127.0.0.1:2"),)),))
+
+    async def main():
+        hosts: dict[str, StageHost] = {}
+        offered: set[str] = set()
+
+        def sender(me):
+            def send(node, frame):
+                if frame.type == MsgType.REDUCE:
+                    offered.add(me)
+                    hosts[node].on_reduce(me, frame)
+
+            return send
+
+        computes = [ComputeThread(), ComputeThread()]
+        for name, compute in zip((NODE, "node1"), computes):
+            hosts[name] = StageHost(name, "", Node(StageSource(str(model), info), send=sender(name)), compute, Metrics(name))
+        hosts[NODE].check_links({"node1": 1})
+        hosts["node1"].check_links({NODE: 1})
+        try:
+            first = asyncio.create_task(hosts[NODE].load(hosts[NODE].take(NODE, plan.to_wire(), NODE)))
+            while NODE not in offered:  # node0's offer has come, before node1 took the plan
+                await asyncio.sleep(0.01)
+            await hosts["node1"].load(hosts["node1"].take(NODE, plan.to_wire(), NODE))
+            await first
+            for host in hosts.values():
+                assert host.report.state == LOADED and host.engine.engine == RINGD, host.report
+                assert host.shard.start == 0 and host.status()["engine"] == RINGD
+        finally:
+            for compute in computes:
+                await compute.stop()
+
+    asyncio.run(main())

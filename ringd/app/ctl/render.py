@@ -130,7 +130,9 @@ def print_plan(raw: dict) -> None:
     for i, (node, addr, start, end, *group) in enumerate(plan["stages"]):
         members = [(node, addr)] + [tuple(m) for m in (group[0] if group else [])]
         if len(members) > 1:
-            print(f"  stage {i}: a tensor-parallel group of {len(members)}, each member a 1/{len(members)} slice of every layer in [{start}, {end})")
+            first = doc.status_of(node)
+            on = f", all-reduces on {first.engine}" if first is not None and first.engine else ""
+            print(f"  stage {i}: a tensor-parallel group of {len(members)}, each member a 1/{len(members)} slice of every layer in [{start}, {end}){on}")
         for rank, (member, where) in enumerate(members):
             n = doc.status_of(member) or NodeStatus(member)
             label = f"stage {i}:" if len(members) == 1 else f"  rank {rank}:"
