@@ -163,10 +163,11 @@ def tensor_parallel(args, model, model_path: str, prompt: list[int], no_eos: lis
     for name in args.link.split(",") if args.link else ():
         with NetnsHosts(2, links=[name, name]) as net:
             alone[name] = [pair(hidden, ALL_REDUCE_CALLS // 4, net=net) for _ in range(args.repeats)]
-    report(args, model, runs, cpu, reduce_ms, mlx_sum, tp_ring, mlx_tp, alone)
+    report(args, model, runs, cpu, reduce_ms, mlx_sum, (tp_ring, mlx_ring, mlx_tp), alone)
 
 
-def report(args, model, runs, cpu, reduce_ms, mlx_sum, tp_ring: str, mlx_tp: str, alone: dict) -> None:
+def report(args, model, runs, cpu, reduce_ms, mlx_sum, names: tuple[str, str, str], alone: dict) -> None:
+    tp_ring, mlx_ring, mlx_tp = names
     k, layers = args.tensor_parallel, len(model.layers)
     base = median(runs[MLX_LM])
     print()
