@@ -44,8 +44,8 @@ from ringd.models.peers import Holder, PeerModel
 from ringd.models.progress import LoadProgress
 from ringd.base.names import parse_hostport
 from ringd.stage.compute import ComputeThread
-from ringd.stage.groupengine import MLX_BACKEND, Choice, EngineError, GroupSettings, Offer, choose
-from ringd.stage.groupproc import GroupProcess, GroupProcessError, RemoteShard
+from ringd.stage.groupengine import MLX_BACKEND, RINGD, Choice, EngineError, GroupSettings, Offer, choose
+from ringd.stage.groupproc import GroupProcess, GroupProcessError, RemoteShard, backend_env, free_port, jaccl_available
 from ringd.stage.runner import StageRunner
 from ringd.stage.shard import Shard
 from ringd.stage.tensorgroup import AHEAD, GroupError, TensorGroup
@@ -218,7 +218,7 @@ class StageHost:
             await self._end_process()
         i = plan.index_of(self.node)
         if self.instance and i is None:
-            self.shard = self.group = None
+            self.shard = self.group = self.engine = None
             return
         # The configured model's is resolved once; another instance's again when a plan names
         # another model (its stage is kept while the leader's instance of that name lives).
@@ -232,7 +232,7 @@ class StageHost:
                 f"({source.model}); every node needs the same model"
             )
         if i is None:
-            self.shard = self.group = None
+            self.shard = self.group = self.engine = None
             return
         want = plan.stages[i]
         members = want.members
@@ -292,7 +292,12 @@ class StageHost:
         group's first all-gather of this plan), read the same way by each (``groupengine``)."""
         group = self.group
         host = parse_hostport(want.addr if want.node == self.node else dict(want.group)[self.node])[0]
-        mine = Offer(self.node, self.settings.wanted, _jaccl_available(), self.settings.rdma, f"{host}:{_free_port(host)}")
+        try:
+            addr = f"{host}:{free_port(host)}" if self.settings.wanted != RINGD else ""
+        except OSError as e:  # an advertised address this Mac cannot listen on: no group process here
+            log.warning("tensor-parallel group %s: no port for a group process on %s: %s", "+".join(group.members), host, e)
+            addr = ""
+        mine = Offer(self.node, self.settings.wanted, jaccl_available(), self.settings.rdma, addr)
         try:
             raws = await self.compute.run(group.gather_bytes, mine.to_bytes(), OFFERS_TIMEOUT_S)
             choice = choose([Offer.from_bytes(raw, node) for raw, node in zip(raws, group.members)])
@@ -309,7 +314,7 @@ class StageHost:
         if source.peer_model is not None:
             await source.peer_model.ensure(want.start, want.end, source.info.num_layers, self._owner.holders(plan.model), LoadProgress(want.start, want.end))
         rank, engine = self.group.rank(), self.engine
-        env, files = _backend_env(engine, rank)
+        env, files = backend_env(engine, rank)
         env |= {"RINGD_GROUP_NODE": self.node, "RINGD_LOG_LEVEL": logging.getLevelName(logging.getLogger().level).lower()}
         spec = {"node": self.node, "plan": plan.to_wire(), "model": source.model, "start": want.start, "end": want.end, "backend": MLX_BACKEND[engine.engine]}
         t0 = time.monotonic()
@@ -510,40 +515,3 @@ class StageHost:
             # While this node downloads or reads its layers: how far (progress.py), else None.
             "progress": self.progress.to_wire() if self.progress is not None else None,
         }
-
-
-
-def _jaccl_available() -> bool:
-    """MLX's own check: an RDMA library and device on this Mac (never on Linux)."""
-    import mlx.core as mx
-
-    return mx.distributed.is_available("jaccl")
-
-
-def _free_port(host: str) -> int:
-    """A port free on ``host`` now, for the group process to listen on (MLX's backends bind it)."""
-    import socket
-
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _backend_env(choice: Choice, rank: int) -> tuple[dict[str, str], list]:
-    """The environment MLX's backend reads in the group process, and the files it names (the
-    caller removes them once the process has joined)."""
-    import json
-    import tempfile
-    from pathlib import Path
-
-    def file(content) -> Path:
-        fd, name = tempfile.mkstemp(prefix="ringd-group-", suffix=".json")
-        with open(fd, "w") as f:
-            json.dump(content, f)
-        return Path(name)
-
-    if choice.engine == "jaccl":
-        devices = file([list(row) for row in choice.devices])
-        return {"MLX_RANK": str(rank), "MLX_IBV_DEVICES": str(devices), "MLX_JACCL_COORDINATOR": choice.addrs[0]}, [devices]
-    hosts = file([[addr] for addr in choice.addrs])
-    return {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}, [hosts]

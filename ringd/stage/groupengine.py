@@ -105,9 +105,16 @@ def choose(offers: list[Offer]) -> Choice:
     ``auto`` takes jaccl only where every member has it and every pair a device; ``jaccl``
     asked for and impossible is an error that says what is missing."""
     wanted, addrs = offers[0].wanted, tuple(o.addr for o in offers)
-    if wanted in (RINGD, MLX_RING):
+    if wanted == RINGD:
+        return Choice(wanted, f"tensor_engine: {wanted}", addrs=addrs)
+    unaddressed = [o.node for o in offers if not o.addr]
+    if wanted == MLX_RING:
+        if unaddressed:
+            raise EngineError(f"tensor_engine is mlx-ring, but {', '.join(unaddressed)} has no address a group process can listen on")
         return Choice(wanted, f"tensor_engine: {wanted}", addrs=addrs)
     missing = _jaccl_missing(offers)
+    if missing is None and not offers[0].addr:
+        missing = f"{offers[0].node} has no address jaccl's coordinator can listen on"
     if missing is None:
         devices = tuple(tuple(None if a is b else a.rdma[b.node] for b in offers) for a in offers)
         return Choice(JACCL, "RDMA on every member (MLX's jaccl backend)", devices, addrs)

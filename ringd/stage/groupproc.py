@@ -28,9 +28,12 @@ import os
 import socket
 import struct
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any, Callable
 
 from ringd.ring.kvcost import KvCost
+from ringd.stage.groupengine import JACCL, Choice
 from ringd.ring.plan import Plan
 from wire.frames import DEFAULT_LIMITS, Frame, FrameDecoder, encode_frame
 
@@ -100,6 +103,39 @@ def parse_frame(payload: bytes, with_dest: bool = False) -> tuple[str | None, Fr
     if len(frames) != 1:
         raise GroupProcessError(f"a frame message held {len(frames)} frames")
     return dest, frames[0]
+
+
+def jaccl_available() -> bool:
+    """MLX's own check: an RDMA library and device on this Mac (never on Linux)."""
+    import mlx.core as mx
+
+    return mx.distributed.is_available("jaccl")
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now, for a group process to listen on (MLX's backends bind it);
+    OSError where ``host`` is not this machine's."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def backend_env(choice: Choice, rank: int) -> tuple[dict[str, str], list[Path]]:
+    """The environment MLX's backend reads in the group process of ``rank``, and the files it
+    names (the caller removes them once the process has joined): jaccl's device file and its
+    coordinator, or the ring backend's host file."""
+
+    def file(content) -> Path:
+        fd, name = tempfile.mkstemp(prefix="ringd-group-", suffix=".json")
+        with open(fd, "w") as f:
+            json.dump(content, f)
+        return Path(name)
+
+    if choice.engine == JACCL:
+        devices = file([list(row) for row in choice.devices])
+        return {"MLX_RANK": str(rank), "MLX_IBV_DEVICES": str(devices), "MLX_JACCL_COORDINATOR": choice.addrs[0]}, [devices]
+    hosts = file([[addr] for addr in choice.addrs])
+    return {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}, [hosts]
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringd.node.stagehost import _backend_env, _jaccl_available
+from ringd.stage.groupproc import backend_env, jaccl_available
 from ringd.stage.groupengine import ENGINES, JACCL, MLX_RING, OFFER_BYTES, RINGD, EngineError, Offer, choose
 
 
@@ -29,7 +29,7 @@ def test_rdma_on_every_member_runs_jaccl_with_its_device_file(tmp_path):
     choice = choose(rdma_pair())
     assert choice.engine == JACCL and choice.in_process
     assert choice.devices == ((None, "rdma_en3"), ("rdma_en5", None))
-    env, files = _backend_env(choice, 1)
+    env, files = backend_env(choice, 1)
     # What MLX's jaccl reads (mlx/distributed/jaccl: rank, devices[rank][peer], rank 0's listener).
     assert env["MLX_RANK"] == "1" and env["MLX_JACCL_COORDINATOR"] == "10.0.0.1:5001"
     assert json.loads(open(env["MLX_IBV_DEVICES"]).read()) == [[None, "rdma_en3"], ["rdma_en5", None]]
@@ -45,6 +45,11 @@ def test_without_rdma_auto_runs_ringd_and_says_which_mac_lacks_what():
     assert c.engine == RINGD and "mini2 names no RDMA device toward mini1" in c.why
     with pytest.raises(EngineError, match="tensor_engine is jaccl, but mini2 has no RDMA"):
         choose([Offer("mini1", JACCL, True, {"mini2": "rdma_en3"}), Offer("mini2", "auto", False)])
+    # A first member with no address its process could listen on (an advertised name not its own).
+    c = choose([Offer("mini1", "auto", True, {"mini2": "rdma_en3"}), b])
+    assert c.engine == RINGD and "mini1 has no address" in c.why
+    with pytest.raises(EngineError, match="mini1 has no address a group process can listen on"):
+        choose([Offer("mini1", MLX_RING), b])
 
 
 def test_the_first_members_setting_is_the_groups():
@@ -52,15 +57,15 @@ def test_the_first_members_setting_is_the_groups():
     for wanted in (RINGD, MLX_RING):
         offers = [Offer(a.node, wanted, a.jaccl, a.rdma, a.addr), Offer(b.node, "jaccl", b.jaccl, b.rdma, b.addr)]
         assert choose(offers).engine == wanted
-    env, files = _backend_env(choose([Offer(a.node, MLX_RING, addr=a.addr), Offer(b.node, addr=b.addr)]), 0)
+    env, files = backend_env(choose([Offer(a.node, MLX_RING, addr=a.addr), Offer(b.node, addr=b.addr)]), 0)
     assert json.loads(open(env["MLX_HOSTFILE"]).read()) == [["10.0.0.1:5001"], ["10.0.0.2:5002"]] and env["MLX_RANK"] == "0"
     for f in files:
         f.unlink()
 
 
 def test_this_macs_offer_is_mlx_s_own_check():
-    assert _jaccl_available() is mx.distributed.is_available("jaccl")
-    assert _jaccl_available() is False, "Linux has no RDMA: a group here never chooses jaccl by itself"
+    assert jaccl_available() is mx.distributed.is_available("jaccl")
+    assert jaccl_available() is False, "Linux has no RDMA: a group here never chooses jaccl by itself"
 
 
 offers = st.builds(
