@@ -105,6 +105,12 @@ def test_groups_on_mlx_s_own_collective_answer_alike_and_survive_their_process(t
         ring.stop()
 
 
+def _stages(ring: Ring) -> list[str]:
+    """The first node of each stage of the ring serving now ([] while it is not ready)."""
+    status = cluster(ring)
+    return [s[0] for s in status["plan"]["stages"]] if status.get("ready") else []
+
+
 def test_kill_9_of_a_group_member_mid_stream_loses_nothing(tiny_model):
     """Four streams through a ring of two groups of two; one member of the second group dies:
     the plan re-forms (one group of the survivors), every stream is replayed and ends whole,
