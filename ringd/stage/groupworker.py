@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from ringd.stage.groupproc import STATS_INTERVAL_S, GroupProcessError, Kind, message, parse_frame, read_message
+from ringd.stage.groupproc import STATS_INTERVAL_S, GroupProcessError, Kind, frame_message, message, parse_frame, read_message
 
 log = logging.getLogger("ringd.groupworker")
 
@@ -83,8 +83,6 @@ async def serve(sock: socket.socket) -> None:
     log.info("joined MLX's %s group as rank %d of %d; layers [%d, %d)", spec["backend"], group.rank(), group.size(), shard.start, shard.end)
 
     def send(dest: str, frame) -> None:
-        from ringd.stage.groupproc import frame_message
-
         if not writer.is_closing():
             writer.writelines(frame_message(Kind.SEND, frame, dest))
 
