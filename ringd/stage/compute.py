@@ -10,6 +10,18 @@ Every decode frame crosses into this thread and back, so the handoff is a bare
 of ~15 us here, against ~40 us through a ThreadPoolExecutor, which builds a
 Future and takes a lock and a semaphore per job. A job whose result nobody awaits
 (``submit``) and that raises is logged: nothing fails silently.
+
+MLX's CPU backend runs an evaluation on a thread of its own (the stream's), one queued task
+an operation, and that thread sleeps each time it has caught up. Left to Linux's defaults,
+each task the compute thread queues wakes it and, on a busy core, preempts the compute
+thread mid-way through queuing: a decode step crossed between the two once an operation,
+twenty to thirty times a stage, where its design needs once (issue 45; docs/benchmarks.md,
+"A hop without wake-ups"). Both are therefore batch threads (``SCHED_BATCH``: woken, they
+never preempt the thread that woke them): MLX's runs a step once it has been queued and the
+compute thread waits for it, and the compute thread runs a frame once the event loop that
+handed it over has gone back to waiting. Each is named (``ringd-compute``, ``ringd-mlx``) so
+that /proc, ``top -H`` and the bench tell them apart. On macOS there is no such policy, and
+with Metal a step runs on the GPU's queue rather than on a stream thread.
 """
 
 from __future__ import annotations
@@ -18,7 +30,10 @@ import asyncio
 import atexit
 import concurrent.futures
 import logging
+import os
 import queue
+import re
+import sys
 import threading
 import weakref
 from typing import Any, Callable
@@ -33,6 +48,10 @@ STOP_TIMEOUT_S = 10.0
 _STOP = object()  # the last item of the queue: the thread ends there
 _PARK = object()  # the last item at the interpreter's exit: the thread blocks there for good
 _running: weakref.WeakSet[ComputeThread] = weakref.WeakSet()
+# The names /proc shows (whatever a compute thread's Python name): what the bench counts by.
+COMPUTE_THREAD_NAME, MLX_THREAD_NAME = "ringd-compute", "ringd-mlx"
+# Two compute threads starting at once must not take each other's MLX thread for their own.
+_starting = threading.Lock()
 
 
 class ComputeThread:
@@ -43,6 +62,9 @@ class ComputeThread:
         # A daemon, so a node that never called ``stop`` still exits; ``_at_exit`` lets its job
         # finish first, as the executor's own exit hook did.
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        # The thread ids of this thread and of MLX's stream thread that serves it, once known
+        # (Linux; None elsewhere): what the bench and a reader of /proc count per thread.
+        self.thread_ids: tuple[int, int | None] | None = None
         self._thread.start()
         _running.add(self)
 
@@ -85,6 +107,10 @@ class ComputeThread:
         self._jobs.put((last, (), None))
 
     def _work(self) -> None:
+        try:
+            self.thread_ids = _as_batch_threads()
+        except Exception:  # a scheduling hint: a node computes without it
+            log.warning("could not make the compute thread and MLX's a batch pair", exc_info=True)
         while True:
             fn, args, future = self._jobs.get()
             if fn is _STOP:
@@ -108,6 +134,67 @@ class ComputeThread:
             else:
                 if future is not None:
                     future.set_result(result)
+
+
+def _as_batch_threads() -> tuple[int, int | None] | None:
+    """On this (new) thread, before any other MLX work: start MLX's CPU stream thread for this
+    thread's default stream (MLX gives each thread its own, and its thread with the stream's
+    first task), then name both threads and make them batch threads. This thread's id and
+    MLX's (None if it could not be told from threads started meanwhile); None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import mlx.core as mx
+
+    def step() -> None:
+        mx.eval(mx.add(mx.array(0), mx.array(1), stream=mx.cpu))
+
+    own = threading.get_native_id()
+    with _starting:
+        before = set(os.listdir("/proc/self/task"))
+        step()
+        born = set(os.listdir("/proc/self/task")) - before - {str(t.native_id) for t in threading.enumerate()}
+        # MLX's thread is among those born (this thread's stream is new); another native thread
+        # may have started meanwhile (the event loop's resolver pool, say): MLX's is the one
+        # that woke for each of a few evaluations of this thread's.
+        mlx_thread = int(born.pop()) if len(born) == 1 else _woken_by(step, [int(t) for t in born])
+    for tid, label in [(own, COMPUTE_THREAD_NAME), (mlx_thread, MLX_THREAD_NAME)]:
+        if tid is not None:
+            _name_thread(tid, label)
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+    if mlx_thread is None:
+        log.debug("MLX's stream thread not told apart from %d threads started with it", len(born))
+    return own, mlx_thread
+
+
+# Evaluations that tell MLX's stream thread apart: it sleeps after each, once at least.
+PROBES = 8
+
+
+def _woken_by(step: Callable[[], None], tids: list[int]) -> int | None:
+    """The one thread of ``tids`` that slept as often as ``step`` ran, or None."""
+
+    def waits() -> dict[int, int]:
+        found = {}
+        for tid in tids:
+            try:
+                status = open(f"/proc/self/task/{tid}/status").read()
+            except FileNotFoundError:
+                continue  # ended: not MLX's
+            found[tid] = int(re.search(r"^voluntary_ctxt_switches:\s*(\d+)", status, re.M)[1])
+        return found
+
+    before = waits()
+    for _ in range(PROBES):
+        step()
+    after = waits()
+    woken = [tid for tid in after if tid in before and after[tid] - before[tid] >= PROBES]
+    return woken[0] if len(woken) == 1 else None
+
+
+def _name_thread(tid: int, name: str) -> None:
+    """The name /proc and ``top -H`` show for thread ``tid`` of this process (at most 15 bytes)."""
+    with open(f"/proc/self/task/{tid}/comm", "w") as f:
+        f.write(name)
 
 
 def _synchronize() -> None:

@@ -3,18 +3,23 @@
 Jobs run in the order they were queued, on one thread that is not the event
 loop's; an awaited job gives its result or raises its exception; a job nobody
 awaits that raises is logged and the thread goes on; stopping drops what is
-queued (its awaiters are cancelled) and lets the job under way finish.
+queued (its awaiters are cancelled) and lets the job under way finish. On Linux the
+compute thread and MLX's stream thread that runs its evaluations are named and are batch
+threads (issue 45: woken, they do not preempt the thread that woke them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import threading
 
 import pytest
 
-from ringd.stage.compute import ComputeThread
+from ringd.stage import compute as compute_module
+from ringd.stage.compute import COMPUTE_THREAD_NAME, MLX_THREAD_NAME, ComputeThread
 
 
 def test_jobs_run_in_order_on_one_thread_and_give_their_results():
@@ -112,7 +117,8 @@ def test_stop_gives_up_on_a_job_that_does_not_end(caplog):
 EXITS = 6
 AT_EXIT = """
 import threading, mlx.core as mx
-from ringd.stage.compute import ComputeThread
+from ringd.stage import compute as compute_module
+from ringd.stage.compute import COMPUTE_THREAD_NAME, MLX_THREAD_NAME, ComputeThread
 
 started = threading.Event()
 
@@ -135,3 +141,67 @@ def test_an_interpreter_exiting_mid_job_lets_it_finish_and_exits_cleanly():
 
     for code, out in exits_of(AT_EXIT, EXITS):
         assert code == 0 and "job done" in out, out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names and SCHED_BATCH are Linux's")
+def test_the_compute_thread_and_mlx_s_thread_for_it_are_named_batch_threads():
+    import mlx.core as mx
+
+    def seen(tid: int) -> tuple[str, bool]:
+        return open(f"/proc/self/task/{tid}/comm").read().strip(), os.sched_getscheduler(tid) == os.SCHED_BATCH
+
+    async def main():
+        compute = ComputeThread()
+        try:
+            await compute.run(lambda: mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64))))
+            own, mlx_thread = compute.thread_ids
+            assert own == await compute.run(threading.get_native_id)
+            assert mlx_thread is not None and mlx_thread != own
+            # MLX's is the thread that sleeps after each of the compute thread's evaluations.
+            assert compute_module._woken_by(lambda: None, [mlx_thread]) is None
+            step = lambda: mx.eval(mx.add(mx.array(0), mx.array(1)))  # noqa: E731
+            assert await compute.run(compute_module._woken_by, step, [mlx_thread]) == mlx_thread
+            return seen(own), seen(mlx_thread)
+        finally:
+            await compute.stop()
+
+    assert asyncio.run(main()) == ((COMPUTE_THREAD_NAME, True), (MLX_THREAD_NAME, True))
+    assert not seen(threading.get_native_id())[1]  # the caller's own thread is left as it was
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_mlx_s_thread_is_told_apart_from_another_started_at_the_same_time():
+    """Two threads born while a compute thread starts: the one MLX runs its evaluations on is
+    the one that sleeps after each of them, not the other (here another thread's MLX thread)."""
+    import mlx.core as mx
+
+    def step():
+        mx.eval(mx.add(mx.array(0), mx.array(1), stream=mx.cpu))
+
+    def native() -> set[int]:
+        return {int(t) for t in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()}
+
+    started, done, result = threading.Event(), threading.Event(), {}
+
+    def other():  # a thread with a stream of its own: its MLX thread starts, then idles
+        step()
+        started.set()
+        done.wait()
+
+    def probe():
+        before = native()
+        neighbour = threading.Thread(target=other)
+        neighbour.start()
+        assert started.wait(30)
+        theirs = native() - before
+        step()  # this thread's own MLX thread starts now
+        ours = native() - before - theirs
+        result.update(theirs=theirs, ours=ours, found=compute_module._woken_by(step, sorted(theirs | ours)))
+        done.set()
+        neighbour.join()
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    prober.join(60)
+    assert len(result["theirs"]) == 1 and len(result["ours"]) == 1
+    assert {result["found"]} == result["ours"]
