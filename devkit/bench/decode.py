@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from devkit.bench.draft import draft_counts, single_process_speculative
-from devkit.bench.measure import cpu_seconds, own_cpu_seconds, session_pids, slope, switches
+from devkit.bench.measure import LOOP, OTHER, by_thread, cpu_seconds, own_cpu_seconds, session_pids, slope, switches
 from devkit.bench.reference import MLX_PIPELINE_FAILURES, in_pieces, mlx_pipeline, single_process, with_index
 from devkit.bench.rings import Started, decode_and_compute, ring_decode
 
@@ -21,6 +21,9 @@ NUM_DRAFT_TOKENS = 3
 # Issue 31's target for what a ring's extra stage costs in CPU per token: MLX's own extra
 # evaluation (~0.15 ms in one process on the tiny model) plus at most 0.15 ms of the ring's work.
 CPU_PER_STAGE_TARGET_MS = 0.30
+# Issue 45's: the thread switches one extra stage adds to a token's trip (every thread of every
+# ring process, prefill included): a frame in, the evaluation, a frame out, and a little slack.
+SWITCHES_PER_STAGE_TARGET = 8
 
 
 @dataclass
@@ -35,7 +38,8 @@ class Figures:
     cpu: dict[str, list[float]] = field(default_factory=dict)
     # CPU ms per token of mlx-lm in this process, each token's layers evaluated in as many pieces as a ring has stages.
     pieces: dict[int, list[float]] = field(default_factory=dict)
-    split: dict[str, list[list[float]]] = field(default_factory=dict)  # the same, as [event loops, every other thread]
+    # A ring's CPU ms and context switches per token by thread (measure.by_thread's parts), each run.
+    split: dict[str, list[dict[str, tuple[float, float]]]] = field(default_factory=dict)
     wakes: dict[str, list[float]] = field(default_factory=dict)  # context switches per token, every thread (prefill included)
     kept: dict[str, list[float]] = field(default_factory=dict)  # proposals kept, proposals made (tokens, for mlx-lm)
 
@@ -100,12 +104,16 @@ def mlx_lm_run(args, fig: Figures, model, draft_model, sizes: list[int], prompt:
 def rings_run(args, fig: Figures, started: Started, n: int, prompt: list[int], no_eos: list[int]) -> None:
     """One run of every ring of ``n`` nodes: this code's and the baseline's, with the draft, with the schema."""
     for key, name, ring in [(n, f"ringd local, {n} node(s)", started.rings[n]), *([(("baseline", n), f"baseline, {n} node(s)", started.baselines[n])] if n in started.baselines else [])]:
-        before, woken = cpu_seconds(ring[0].pid), switches(session_pids(ring[0].pid))
+        before = by_thread(session_pids(ring[0].pid))
         tps, ms = decode_and_compute(ring[1], prompt, args.tokens, no_eos)
-        used = [1000 * (a - b) / args.tokens for a, b in zip(cpu_seconds(ring[0].pid), before)]
-        fig.wakes.setdefault(name, []).append((switches(session_pids(ring[0].pid)) - woken) / args.tokens)
-        fig.cpu.setdefault(name, []).append(sum(used))
-        fig.split.setdefault(name, []).append(used)
+        after = by_thread(session_pids(ring[0].pid))
+        parts = {
+            part: (1000 * (cpu - before.get(part, (0.0, 0))[0]) / args.tokens, (woken - before.get(part, (0.0, 0))[1]) / args.tokens)
+            for part, (cpu, woken) in after.items()
+        }  # fmt: skip
+        fig.wakes.setdefault(name, []).append(sum(w for _, w in parts.values()))
+        fig.cpu.setdefault(name, []).append(sum(c for c, _ in parts.values()))
+        fig.split.setdefault(name, []).append(parts)
         fig.runs[name].append(tps)
         fig.computed.setdefault(key, []).append(ms)
     for name, ring in [(f"ringd local, {n} node(s), draft", started.drafted.get(n)), (f"baseline, {n} node(s), draft", started.drafted_baselines.get(n))]:
@@ -139,7 +147,7 @@ def report(args, fig: Figures, sizes: list[int], prompt: list[int], baselines: d
         # operations: how many (and so the CPU above) moves with what else the cores do.
         print("context switches per token, every thread (prefill included), median: " + ", ".join(f"{k} {median(v):.1f}" for k, v in fig.wakes.items()))
     if fig.pieces:
-        cpu_per_stage(sizes, fig.cpu, fig.pieces, baselines, fig.split)
+        cpu_per_stage(sizes, fig.cpu, fig.pieces, baselines, fig.split, fig.wakes)
     for n in sizes if args.json_schema else ():
         plain, masked = median(runs[f"ringd local, {n} node(s)"]), median(runs[f"ringd local, {n} node(s), json_schema"])
         print(f"json_schema on {n} node(s): {1000 / masked - 1000 / plain:+.2f} ms per token ({masked / plain:.3f} of the speed without)")
@@ -189,7 +197,9 @@ def pipeline_lines(piped: list[int], runs: dict[str, list[float]]) -> None:
         print(f"{n} nodes: ringd {1000 / ring:.2f} ms per token, mlx-lm's pipeline {1000 / pipe:.2f}: ringd is {ring / pipe:.2f}x its speed{note}")
 
 
-def cpu_per_stage(sizes: list[int], cpu: dict[str, list[float]], pieces: dict[int, list[float]], baselines: dict, split: dict[str, list[list[float]]]) -> None:
+def cpu_per_stage(
+    sizes: list[int], cpu: dict[str, list[float]], pieces: dict[int, list[float]], baselines: dict, split: dict[str, list[dict]], wakes: dict[str, list[float]]
+) -> None:
     """The CPU table: ms per generated token (user+system) of every process of each ring, this
     code's and the baseline's, beside mlx-lm in one process evaluating each token's layers in as
     many pieces; and, over two sizes or more, the slope: what one extra stage costs."""
@@ -214,12 +224,23 @@ def cpu_per_stage(sizes: list[int], cpu: dict[str, list[float]], pieces: dict[in
         f"so the ring's own work per extra stage is {ring - per['in-process']:.2f} ms"
         + (f" (the baseline's: {per['baseline']:.2f} per stage, {per['baseline'] - per['in-process']:.2f} its own)" if "baseline" in per else "")
     )  # fmt: skip
-    # Where it goes: the processes' main threads (event loops: frames in and out, sealing, links,
-    # HTTP and the leader's schedule) apart from their other threads (compute threads, MLX's).
+    woken = [median(wakes[columns["this code"].format(n)]) for n in sizes]
+    hops = slope(sizes, woken)
+    print(
+        "context switches per token: " + ", ".join(f"{n} node(s) {w:.1f}" for n, w in zip(sizes, woken))
+        + f"; each extra stage {hops:+.1f} (target <= {SWITCHES_PER_STAGE_TARGET}: {'met' if hops <= SWITCHES_PER_STAGE_TARGET else 'not met'})"
+    )  # fmt: skip
+    # Where it goes, by thread: the processes' main threads (event loops: frames in and out,
+    # sealing, links, HTTP and the leader's schedule), the compute threads, MLX's stream threads.
     for name, f in columns.items():
-        loops = [median(u[0] for u in split[f.format(n)]) for n in sizes]
-        rest = [median(u[1] for u in split[f.format(n)]) for n in sizes]
-        print(
-            f"{name}: event loops " + ", ".join(f"{n} node(s) {v:.2f}" for n, v in zip(sizes, loops)) + f" (per extra stage {slope(sizes, loops):+.2f}); "
-            "compute and MLX threads " + ", ".join(f"{n} node(s) {v:.2f}" for n, v in zip(sizes, rest)) + f" (per extra stage {slope(sizes, rest):+.2f})"
-        )  # fmt: skip
+        runs = {n: split[f.format(n)] for n in sizes}
+        parts = sorted({part for n in sizes for run in runs[n] for part in run}, key=lambda p: (p != LOOP, p == OTHER, p))
+        line = []
+        for part in parts:
+            cpu = [median(run.get(part, (0.0, 0.0))[0] for run in runs[n]) for n in sizes]
+            hop = [median(run.get(part, (0.0, 0.0))[1] for run in runs[n]) for n in sizes]
+            line.append(
+                f"{part} " + ", ".join(f"{c:.2f} ms {w:.1f} sw" for c, w in zip(cpu, hop))
+                + f" ({slope(sizes, cpu):+.2f} ms {slope(sizes, hop):+.1f} sw per extra stage)"
+            )  # fmt: skip
+        print(f"{name}, per token by thread at " + ", ".join(f"{n}" for n in sizes) + " node(s): " + "; ".join(line))

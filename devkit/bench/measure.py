@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ringd.stage.compute import COMPUTE_THREAD_NAME, MLX_THREAD_NAME
+
 
 def session_pids(session: int) -> list[int]:
     """The processes of session ``session`` (a ring started by ``start_ring``), by pid."""
@@ -47,16 +49,39 @@ def switches(pids: list[int]) -> int:
     """Context switches so far (voluntary and not) of every thread of ``pids``: each is a thread
     that waited and was woken, the handoffs a token's trip pays (MLX's CPU stream thread
     included, in a ring and in one process alike)."""
-    total = 0
+    return sum(n for _, n in by_thread(pids).values())
+
+
+# A thread's part in a ring process: its main thread runs the event loop; compute.py names the
+# compute thread and MLX's stream thread that serves it; any other thread (a loader, a resolver,
+# the threads mlx-lm's process starts) is "other".
+LOOP, OTHER = "event loop", "other"
+NAMED = (COMPUTE_THREAD_NAME, MLX_THREAD_NAME)
+
+
+def by_thread(pids: list[int]) -> dict[str, tuple[float, int]]:
+    """CPU seconds and context switches (voluntary and not) so far of every thread of ``pids``,
+    summed by the thread's part (``LOOP``, a name in ``NAMED``, ``OTHER``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parts: dict[str, tuple[float, int]] = {}
     for pid in pids:
         try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
-                    if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
-                        total += int(line.split()[1])
+            tids = os.listdir(f"/proc/{pid}/task")
         except (FileNotFoundError, ProcessLookupError):
             continue  # gone meanwhile
-    return total
+        for tid in tids:
+            try:
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+                # utime and stime: the 12th and 13th fields after the command's closing parenthesis.
+                t = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # ended meanwhile
+            name = status.split("\n", 1)[0].removeprefix("Name:").strip()
+            part = LOOP if int(tid) == pid else name if name in NAMED else OTHER
+            n = sum(int(line.split()[1]) for line in status.splitlines() if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")))
+            cpu, woken = parts.get(part, (0.0, 0))
+            parts[part] = (cpu + (int(t[11]) + int(t[12])) / tick, woken + n)
+    return parts
 
 
 # --pin-cores K: this process (mlx-lm, the client) and ``ringd local`` itself (which only
