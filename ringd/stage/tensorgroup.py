@@ -178,20 +178,11 @@ class TensorGroup(Collective):
             self.abort(f"{peer} sent a malformed partial sum: {e}")
             return
         with self._cond:
-            if p.term < self.term:  # of a plan this group has left: its all-reduces were given up
+            if p.term != self.term:
+                # Of a plan this group has left (its all-reduces were given up), or of one it has
+                # not begun: the stage host holds those until its group runs that plan
+                # (stagehost.py, ``_early``), so a member that took the plan first is heard.
                 log.debug("ignoring partial sum %d of plan term %d from %s: this group runs term %d", p.seq, p.term, peer, self.term)
-                return
-            if p.term > self.term:
-                # A plan another member took first: its offers (stagehost) come before this
-                # member's reset. Kept for the newest such plan only, AHEAD deep, so a member
-                # sending far-off terms holds nothing more.
-                if p.seq >= AHEAD:
-                    self._break(f"{peer} sent partial sum {p.seq} of plan term {p.term}, which this member has not begun")
-                    return
-                self._inbox = {k: v for k, v in self._inbox.items() if k[0] <= self.term or k[0] >= p.term}
-                if any(k[0] > p.term for k in self._inbox):
-                    return
-                self._inbox[(p.term, p.seq, rank)] = (p, frame.payload)
                 return
             if not self._seq <= p.seq < self._seq + AHEAD:
                 self._break(f"{peer} sent partial sum {p.seq} of plan term {p.term}, out of step with this member's {self._seq} of term {self.term}")
@@ -207,7 +198,7 @@ class TensorGroup(Collective):
     def _break(self, why: str, level: int = logging.WARNING) -> None:
         # What waited for an all-reduce that will not happen goes now: mlx-lm keeps a group it saw
         # (sum_gradients' cache) long after its plan, and a prompt chunk's partial is megabytes.
-        self._inbox = {k: v for k, v in self._inbox.items() if k[0] > self.term}  # a later plan's are its own
+        self._inbox.clear()
         if self.broken is None:
             self.broken = why
             log.log(level, "tensor-parallel group %s broken: %s", list(self.members), why)
@@ -222,7 +213,7 @@ class TensorGroup(Collective):
         sequence starts again and what the old plan left is dropped."""
         with self._cond:
             self.term, self._seq, self.broken = term, 0, None
-            self._inbox = {k: v for k, v in self._inbox.items() if k[0] >= term}
+            self._inbox.clear()
 
     def all_sum(self, x: mx.array) -> mx.array:
         if self._alone:
