@@ -21,7 +21,7 @@ NUM_DRAFT_TOKENS = 3
 # Issue 31's target for what a ring's extra stage costs in CPU per token: MLX's own extra
 # evaluation (~0.15 ms in one process on the tiny model) plus at most 0.15 ms of the ring's work.
 CPU_PER_STAGE_TARGET_MS = 0.30
-# Issue 45's: the thread switches one extra stage adds to a token's trip (every thread of every
+# The thread switches one extra stage may add to a token's trip (every thread of every
 # ring process, prefill included): a frame in, the evaluation, a frame out, and a little slack.
 SWITCHES_PER_STAGE_TARGET = 8
 

@@ -15,8 +15,8 @@ MLX's CPU backend runs an evaluation on a thread of its own (the stream's), one 
 an operation, and that thread sleeps each time it has caught up. Left to Linux's defaults,
 each task the compute thread queues wakes it and, on a busy core, preempts the compute
 thread mid-way through queuing: a decode step crossed between the two once an operation,
-twenty to thirty times a stage, where its design needs once (issue 45; docs/benchmarks.md,
-"A hop without wake-ups"). Both are therefore batch threads (``SCHED_BATCH``: woken, they
+twenty to thirty times a stage, where its design needs once (docs/benchmarks.md,
+"Thread switches per token"). Both are therefore batch threads (``SCHED_BATCH``: woken, they
 never preempt the thread that woke them): MLX's runs a step once it has been queued and the
 compute thread waits for it, and the compute thread runs a frame once the event loop that
 handed it over has gone back to waiting. Each is named (``ringd-compute``, ``ringd-mlx``) so
