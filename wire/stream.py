@@ -7,6 +7,11 @@ joined to their header (unless the link is encrypted: then as ciphertext). (The
 selector loop of Python 3.11 still joins what it is given in writelines;
 uvloop and Python 3.12+ write the buffers as they are.)
 
+A frame may also be written from another thread (``write_now``: a stage's compute thread
+sends its output as it is computed, with no hop through the event loop): straight to the
+socket when nothing is waiting to go before it, else behind what is, which the loop flushes.
+Either way frames leave in the order they were sealed, whichever thread wrote them.
+
 FrameStream is what the daemon holds: send/recv with deadlines (or ``serve``:
 every frame handed to a callback as it is decoded, with no task to wake per
 frame, which the ring's hop uses), the peer's authenticated identity and info. `connect` and `serve` hand one out only once
@@ -29,7 +34,9 @@ import asyncio
 import collections
 import functools
 import logging
+import os
 import socket
+import threading
 from collections.abc import Awaitable, Callable
 
 from wire.frames import (
@@ -215,6 +222,16 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._can_write.set()
         self._error: Exception | None = None  # why the connection ended; first reason wins
         self._lost = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        # Writes from any thread: a frame's seal and its bytes reaching the socket happen under
+        # this lock, in one order. ``_fd`` duplicates the socket's descriptor once the handshake
+        # is done (a thread writes to it; it is closed with the connection, under the lock, so a
+        # thread never writes to a descriptor the loop has closed and the kernel reused);
+        # ``_behind`` holds what a thread could not write at once, in order, until the loop
+        # flushes it to the transport, and every write meanwhile goes behind it.
+        self._write_lock = threading.Lock()
+        self._fd: int | None = None
+        self._behind: collections.deque[list] = collections.deque()
 
     @property
     def address(self) -> str:
@@ -287,10 +304,50 @@ class FrameProtocol(asyncio.BufferedProtocol):
     # -- used by FrameStream
 
     def write(self, frame: Frame):
-        if self._error is not None:
-            raise ConnectionError(str(self._error)) from self._error
-        # Sealing takes the frame's sequence number: encode and hand over in one go.
-        self._transport.writelines(encode_frame(frame, DEFAULT_LIMITS, self._sealer))
+        """On the event loop."""
+        with self._write_lock:
+            if self._error is not None:
+                raise ConnectionError(str(self._error)) from self._error
+            # Sealing takes the frame's sequence number: encode and hand over in one go.
+            data = encode_frame(frame, DEFAULT_LIMITS, self._sealer)
+            if self._behind:
+                self._behind.append(data)
+            else:
+                self._transport.writelines(data)
+
+    def write_now(self, frame: Frame):
+        """From any thread: ``frame`` to the socket now if nothing waits to go before it and
+        the socket takes it whole; else (or what it did not take) behind what waits, for the
+        loop to flush. ConnectionError if the connection has ended."""
+        with self._write_lock:
+            if self._error is not None:
+                raise ConnectionError(str(self._error)) from self._error
+            data = encode_frame(frame, DEFAULT_LIMITS, self._sealer)
+            if not self._behind and self._fd is not None and not self._transport.get_write_buffer_size():
+                try:
+                    sent = os.writev(self._fd, data)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as e:  # the peer is gone; the loop hears it on its side too
+                    raise ConnectionError(f"writing to {self.address} failed: {e}") from e
+                size = sum(memoryview(part).nbytes for part in data)
+                if sent == size:
+                    return
+                data = [b"".join(data)[sent:]]  # the socket's buffer is full: rare, so copied
+            self._behind.append(data)
+            if len(self._behind) == 1:
+                try:
+                    self._loop.call_soon_threadsafe(self._flush)
+                except RuntimeError as e:  # the loop has closed: so has the connection
+                    raise ConnectionError(f"writing to {self.address}: {e}") from e
+
+    def _flush(self):
+        """On the event loop: what threads left waiting, to the transport, in order."""
+        with self._write_lock:
+            while self._behind:
+                data = self._behind.popleft()
+                if self._error is None:
+                    self._transport.writelines(data)
 
     async def drain(self):
         await self._can_write.wait()
@@ -383,6 +440,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if handshake.done:
             self._handshake_deadline.cancel()
             self._leave_gate()
+            with self._write_lock:
+                if self._error is None:
+                    self._fd = os.dup(self._transport.get_extra_info("socket").fileno())
             if not self.authenticated.done():  # connect() may have been cancelled
                 self.authenticated.set_result(None)
 
@@ -404,8 +464,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def _end(self, error: Exception):
         """Record why the connection ended and wake everyone waiting on it."""
-        if self._error is None:
-            self._error = error
+        with self._write_lock:
+            if self._error is None:
+                self._error = error
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            self._behind.clear()
         if self._handshake_deadline is not None:
             self._handshake_deadline.cancel()
         self._leave_gate()
@@ -458,6 +523,12 @@ class FrameStream:
         so a stage never waits on a slow peer while holding the event loop.
         """
         self._protocol.write(frame)
+
+    def write_now(self, frame: Frame):
+        """``write`` from any thread (a stage's compute thread): to the socket at once when
+        nothing waits before it, else in order behind what does. Frames leave in the order of
+        the calls, whichever threads made them; ConnectionError once the link has ended."""
+        self._protocol.write_now(frame)
 
     async def send(self, frame: Frame, timeout: float = SEND_TIMEOUT_S):
         """Write `frame` and wait until the transport can take more.

@@ -267,6 +267,9 @@ class Node:
     def send(self, node: str, frame: Frame) -> None:
         self.cluster.send(node, frame)
 
+    def send_now(self, node: str, frame: Frame) -> bool:
+        return self.cluster.send_now(node, frame)
+
     def on_frame(self, peer: str, frame: Frame) -> None:
         """A frame from ``peer`` (heartbeats and election notes are the cluster's own)."""
         t = frame.type

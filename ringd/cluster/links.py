@@ -192,6 +192,14 @@ class Links:
             raise LinkError(f"no link to node {node!r}")
         peer.stream.write(frame)
 
+    def send_now(self, node: str, frame: Frame) -> None:
+        """``send`` from any thread (a stage's compute thread): the frame leaves at once, with no
+        hop through the event loop, in order with the link's other frames."""
+        peer = self.peers.get(node)  # a dict read: safe off the loop
+        if peer is None or peer.stream.closed:
+            raise LinkError(f"no link to node {node!r}")
+        peer.stream.write_now(frame)
+
     def addr_of(self, node: str) -> str | None:
         peer = self.peers.get(node)
         return peer.info.addr if peer else None

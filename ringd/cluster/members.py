@@ -197,6 +197,16 @@ class Cluster:
             self.links.send(node, frame)
             self._owner.sent(time.perf_counter() - started)
 
+    def send_now(self, node: str, frame: Frame) -> bool:
+        """``send`` from any thread, over ``node``'s link; False for this node itself (a frame
+        to it is handled on the event loop: ``send`` there)."""
+        if node == self.node:
+            return False
+        started = time.perf_counter()
+        self.links.send_now(node, frame)
+        self._owner.sent(time.perf_counter() - started)
+        return True
+
     # --- pin and drain ------------------------------------------------------------------
 
     def set_pin(self, node: str | None) -> None:

@@ -88,6 +88,10 @@ class StageOwner(Protocol):
     def send(self, node: str, frame: Frame) -> None:
         """To ``node`` (this one too) over its link; raises ConnectionError if there is none."""
 
+    def send_now(self, node: str, frame: Frame) -> bool:
+        """From any thread: to ``node`` over its link at once; False for this node itself
+        (``send``, on the event loop); raises ConnectionError if there is no link."""
+
     def reported(self) -> None:
         """A stage's report changed: the leader reconciles against it."""
 
@@ -255,7 +259,10 @@ class StageHost:
         else:
             await self._load_here(plan, want, source, same_group and not isinstance(self.shard, RemoteShard))
             # A group's other members compute as its first does, but only the first passes frames on.
-            self.stage = StageRunner(self.node, plan, self.shard, self.compute, self._pass_on if first else self._drop, self.metrics, self._grammar_tokenizer())
+            self.stage = StageRunner(
+                self.node, plan, self.shard, self.compute, self._pass_on if first else self._drop, self.metrics, self._grammar_tokenizer(),
+                self._pass_on_now if first else None,
+            )  # fmt: skip
         successor = plan.successor(self.node)
         if successor is not None and first:
             await self._link_to([(successor.node, successor.addr)], plan, "the next stage")
@@ -413,6 +420,17 @@ class StageHost:
                 return
             log.warning("%s=%x: cannot pass %s on to %s: %s", "req" if frame.type == MsgType.RELEASE else "batch", frame.request_id, frame.type.name, node, e)
             self._broken(f"could not pass a frame on to {node}")
+
+    def _pass_on_now(self, node: str, frame: Frame) -> bool:
+        """From the compute thread: the stage's output over ``node``'s link at once, with no hop
+        through the event loop. False where it must take that hop: to this node itself, or over
+        a link that failed (``_pass_on`` tries it there, and says what happened)."""
+        if self.stopping:
+            return False
+        try:
+            return self._owner.send_now(node, frame)
+        except ConnectionError:
+            return False
 
     def check_links(self, links: dict[str, int]) -> None:
         """Links changed (node -> link number): a loaded stage whose link to a ring neighbour

@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 CLEAR_CACHE_EVERY_STEPS = 256
 
 Send = Callable[[str, Frame], None]
+# From the compute thread: a frame to its node at once, over its link (True), or False where
+# it must go through the event loop (``Send`` there).
+SendNow = Callable[[str, Frame], bool]
 
 
 class BatchError(Exception):
@@ -93,6 +96,7 @@ class StageRunner:
         send: Send,
         metrics: Metrics,
         grammar_tokenizer: Callable[[], LLTokenizer] | None = None,
+        send_now: SendNow | None = None,
     ):
         self.node = node
         self.grammar_tokenizer = grammar_tokenizer
@@ -101,6 +105,9 @@ class StageRunner:
         self.shard = shard
         self.compute = compute
         self.send = send
+        # A frame sent from the compute thread as it is computed skips two wake-ups a hop: the
+        # event loop's, to pass it on, and the compute thread's hand-off back to it.
+        self.send_now = send_now
         self.sessions = Sessions()
         successor = plan.successor(node)
         self.next_node = successor.node if successor else None
@@ -149,7 +156,10 @@ class StageRunner:
         except Exception as e:  # MLX errors (memory, shapes) fail the micro-batch, not the node
             log.exception("batch=%x: stage computation failed", frame.request_id)
             out = self._fail_batch(frame, f"{type(e).__name__}: {e}", self._parsed)
-        if out:
+        if self.send_now is not None:
+            while out and self.send_now(*out[0]):
+                out = out[1:]
+        if out:  # in order: once one frame takes the loop's way, the rest follow it
             self._loop.call_soon_threadsafe(self._deliver, out)
 
     def _release(self, frame: Frame) -> list:

@@ -33,6 +33,9 @@ class Node:
         if self._send is not None:
             self._send(node, frame)
 
+    def send_now(self, node, frame):
+        return False  # every frame takes the event loop's way: ``send`` above, on the loop
+
     def reported(self): ...
 
     def departed(self, node):

@@ -1,6 +1,7 @@
 """Ring links over real TCP on loopback, with asyncio's loop and with uvloop."""
 
 import asyncio
+import threading
 import contextlib
 import dataclasses
 import logging
@@ -246,6 +247,48 @@ def test_many_frames_arrive_in_order_through_backpressure(monkeypatch):
                 await theirs.recv(5)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["integrity", "encryption"])
+def test_frames_written_from_a_thread_and_the_loop_arrive_sealed_and_in_each_writers_order(run, encrypt, monkeypatch):
+    """A stage's compute thread writes its frames with ``write_now`` while the event loop writes
+    its own on the same link: each writer's frames arrive in its order, every seal checks out
+    (one out of order would drop the link), through a peer that stops reading for a while so
+    the thread's writes must wait behind what the socket did not take."""
+    flushes = []
+    flush = wire.stream.FrameProtocol._flush
+    monkeypatch.setattr(wire.stream.FrameProtocol, "_flush", lambda self: (flushes.append(len(self._behind)), flush(self)))
+    count, payload = 300, bytes(range(256)) * 256  # 64 KiB a frame: the kernel's buffers fill
+
+    async def main():
+        async with server(encrypt=encrypt) as (port, accepted):
+            stream = await dial(port, encrypt=encrypt)
+            theirs = await accepted.get()
+            theirs._protocol._transport.pause_reading()  # the peer stops reading
+
+            def thread_writes():
+                for i in range(count):
+                    stream.write_now(Frame(MsgType.CONTROL, i, {"w": "thread"}, payload))
+
+            writer = threading.Thread(target=thread_writes)
+            writer.start()
+            for i in range(count):  # the loop's frames on the same link meanwhile
+                stream.write(Frame(MsgType.CONTROL, i, {"w": "loop"}))
+                await asyncio.sleep(0)
+            await asyncio.to_thread(writer.join, 30)
+            theirs._protocol._transport.resume_reading()
+            seen = {"thread": [], "loop": []}
+            for _ in range(2 * count):
+                frame = await theirs.recv(10)
+                seen[frame.descriptor["w"]].append(frame.request_id)
+                assert frame.descriptor["w"] == "loop" or frame.payload == payload
+            assert seen == {"thread": list(range(count)), "loop": list(range(count))}
+            assert flushes, "the socket took everything at once: the test did not fill it"
+            stream.close()
+            with pytest.raises(ConnectionError):
+                stream.write_now(Frame(MsgType.CONTROL, 0, {"w": "thread"}))
+
+    run(main())
 
 
 def test_wrong_secret_is_refused_on_both_sides(caplog):
