@@ -105,8 +105,8 @@ class StageRunner:
         self.shard = shard
         self.compute = compute
         self.send = send
-        # A frame sent from the compute thread as it is computed skips two wake-ups a hop: the
-        # event loop's, to pass it on, and the compute thread's hand-off back to it.
+        # A frame sent from the compute thread as it is computed skips the hand-off back to the
+        # event loop (a wake-up of it each hop) and the loop's routing of it.
         self.send_now = send_now
         self.sessions = Sessions()
         successor = plan.successor(node)
