@@ -36,6 +36,7 @@ import re
 import sys
 import threading
 import weakref
+from pathlib import Path
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ def _woken_by(step: Callable[[], None], tids: list[int]) -> int | None:
         found = {}
         for tid in tids:
             try:
-                status = open(f"/proc/self/task/{tid}/status").read()
+                status = Path(f"/proc/self/task/{tid}/status").read_text()
             except FileNotFoundError:
                 continue  # ended: not MLX's
             found[tid] = int(re.search(r"^voluntary_ctxt_switches:\s*(\d+)", status, re.M)[1])
