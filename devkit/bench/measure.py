@@ -28,21 +28,9 @@ def session_pids(session: int) -> list[int]:
 def cpu_seconds(session: int) -> tuple[float, float]:
     """CPU seconds used so far by the processes of session ``session`` (a ring started by
     ``start_ring``): by their main threads (the event loops), and by all their other threads."""
-    tick = os.sysconf("SC_CLK_TCK")
-    loops = rest = 0.0
-    for pid in session_pids(session):
-        try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                # utime and stime: the 12th and 13th fields after the command's closing parenthesis.
-                t = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-                seconds = (int(t[11]) + int(t[12])) / tick
-                if int(tid) == pid:
-                    loops += seconds
-                else:
-                    rest += seconds
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # gone meanwhile
-    return loops, rest
+    parts = by_thread(session_pids(session))
+    loops = parts.get(LOOP, (0.0, 0))[0]
+    return loops, sum(cpu for cpu, _ in parts.values()) - loops
 
 
 def switches(pids: list[int]) -> int:

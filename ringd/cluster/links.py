@@ -187,18 +187,19 @@ class Links:
 
     def send(self, node: str, frame: Frame) -> None:
         """Queue ``frame`` on the link to ``node`` without waiting; order is kept per link."""
-        peer = self.peers.get(node)
-        if peer is None or peer.stream.closed:
-            raise LinkError(f"no link to node {node!r}")
-        peer.stream.write(frame)
+        self._stream_to(node).write(frame)
 
     def send_now(self, node: str, frame: Frame) -> None:
         """``send`` from any thread (a stage's compute thread): the frame leaves at once, with no
         hop through the event loop, in order with the link's other frames."""
-        peer = self.peers.get(node)  # a dict read: safe off the loop
+        self._stream_to(node).write_now(frame)
+
+    def _stream_to(self, node: str) -> "wire_stream.FrameStream":
+        """The live link to ``node`` (a dict read: safe off the event loop too), else LinkError."""
+        peer = self.peers.get(node)
         if peer is None or peer.stream.closed:
             raise LinkError(f"no link to node {node!r}")
-        peer.stream.write_now(frame)
+        return peer.stream
 
     def addr_of(self, node: str) -> str | None:
         peer = self.peers.get(node)
