@@ -12,6 +12,11 @@ sends its output as it is computed, with no hop through the event loop): straigh
 socket when nothing is waiting to go before it, else behind what is, which the loop flushes.
 Either way frames leave in the order they were sealed, whichever thread wrote them.
 
+A link's reading may be lent to another thread too (``lend``: a stage's compute thread reads the
+frames its predecessor sends, computes and sends on, with no wake-up of the event loop per hop).
+The borrower offers each frame it decodes to ``take``; from the first it does not take, the
+frames and the reading go back to the loop, which handles them in order, as if it had read them.
+
 FrameStream is what the daemon holds: send/recv with deadlines (or ``serve``:
 every frame handed to a callback as it is decoded, with no task to wake per
 frame, which the ring's hop uses), the peer's authenticated identity and info. `connect` and `serve` hand one out only once
@@ -74,6 +79,9 @@ SEND_TIMEOUT_S = 30.0
 # socket, so TCP backpressure slows the sender instead of this process holding
 # an unbounded backlog (each frame is within the decoder's limits).
 RECV_QUEUE_FRAMES = 64
+# What a borrowing thread reads at once when the frame part it is in needs less: a decode step's
+# frame whole, with its next header, in one read (a part this size or more is read in place).
+LENT_READ_BYTES = 64 * 1024
 # Connections from strangers (addresses not known as members') `serve` holds in
 # the handshake at once; more are closed at once. They bound a flood's hold to
 # the cap times a ~1 KiB decoder for up to HANDSHAKE_TIMEOUT_S. Per address
@@ -232,6 +240,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._write_lock = threading.Lock()
         self._fd: int | None = None
         self._behind: collections.deque[list] = collections.deque()
+        # The reading, while another thread has it (``lend``): the loop reads nothing meanwhile.
+        self._lent: Lent | None = None
 
     @property
     def address(self) -> str:
@@ -277,14 +287,17 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 else:
                     self._handshake_step(frame)
         except FrameError as e:  # HandshakeError and IntegrityError included
-            if not self.handshake.done:
-                error = HandshakeError(f"handshake with {self.address} failed: {e}")
-            elif isinstance(e, IntegrityError):
-                error = IntegrityError(f"{self.address} sent a frame that failed its check: {e}")
-            else:
-                error = FrameError(f"{self.address} sent a malformed frame: {e}")
-            error.__cause__ = e
-            self.fail(error)
+            self._reading_failed(e)
+
+    def _reading_failed(self, e: FrameError):
+        if not self.handshake.done:
+            error = HandshakeError(f"handshake with {self.address} failed: {e}")
+        elif isinstance(e, IntegrityError):
+            error = IntegrityError(f"{self.address} sent a frame that failed its check: {e}")
+        else:
+            error = FrameError(f"{self.address} sent a malformed frame: {e}")
+        error.__cause__ = e
+        self.fail(error)
 
     def eof_received(self) -> bool:
         return False  # the peer is done sending; close our side too
@@ -348,6 +361,33 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 data = self._behind.popleft()
                 if self._error is None:
                     self._transport.writelines(data)
+
+    def lend(self, take: Callable[[Frame], bool], returned: Callable[[], None], wake: Callable[[], None]) -> "Lent | None":
+        """On the event loop: the reading of this connection, lent to another thread (``Lent``),
+        or None where it cannot be (ended, lent already, not serving a handler). The loop reads
+        nothing until it comes back; then it delivers what the borrower did not take, goes on
+        reading, and calls ``returned``. ``wake``: what makes the borrower look at it again (the
+        loop asks for the reading back: the connection ends)."""
+        if self._error is not None or self._lent is not None or self._handler is None or self._fd is None:
+            return None
+        self._transport.pause_reading()
+        self._lent = Lent(self, take, returned, wake)
+        return self._lent
+
+    def _given_back(self, lent: "Lent", frames: list[Frame], error: Exception | None):
+        """On the event loop: ``lent`` came back with ``frames`` its borrower did not take (in
+        order) and why its reading stopped, if it failed (None: taken back, or asked for)."""
+        self._lent = None
+        for frame in frames:
+            self._deliver(frame)
+        if isinstance(error, FrameError):
+            self._reading_failed(error)
+        elif error is not None:
+            self._end(error)
+            self._transport.abort()
+        elif self._error is None:
+            self._transport.resume_reading()
+        lent.returned()
 
     async def drain(self):
         await self._can_write.wait()
@@ -471,6 +511,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 os.close(self._fd)
                 self._fd = None
             self._behind.clear()
+        if self._lent is not None:
+            self._lent.ask_back()
         if self._handshake_deadline is not None:
             self._handshake_deadline.cancel()
         self._leave_gate()
@@ -478,6 +520,90 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.authenticated.set_exception(self._error)
         self._frame_arrived.set()
         self._can_write.set()
+
+
+class Lent:
+    """A link's reading, lent by the event loop to another thread (``FrameProtocol.lend``).
+
+    The borrower calls ``read`` whenever ``fileno`` may be readable (and once ``asked_back``):
+    it reads what has arrived, decodes it with the link's own decoder, and offers each frame to
+    ``take`` on its own thread. The first frame not taken goes back to the loop with the rest
+    and the reading itself; so does the reading when the loop asks for it (the connection
+    ended), and when the peer closed or sent a frame that fails, for the loop to end the link
+    as it would have. ``read`` says False once the reading has gone back.
+    """
+
+    def __init__(self, protocol: FrameProtocol, take: Callable[[Frame], bool], returned: Callable[[], None], wake: Callable[[], None]):
+        self._protocol = protocol
+        self._take = take
+        self.returned = returned
+        self._wake = wake
+        self.asked_back = False
+        # Set by the borrower while it waits on the socket: the only time what arrives is read
+        # at once. Otherwise (it computes) frames wait in the kernel, and the link's silence
+        # says nothing of the peer (``FrameStream.reading_held``).
+        self.waiting = False
+        self._chunk = bytearray(LENT_READ_BYTES)
+
+    def fileno(self) -> int | None:
+        return self._protocol._fd
+
+    def ask_back(self):
+        """On the event loop: the borrower gives the reading back at its next look."""
+        self.asked_back = True
+        self._wake()
+
+    def read(self) -> bool:
+        """On the borrowing thread: read, decode and offer what has arrived. False once the reading
+        went back to the loop (the borrower forgets this then)."""
+        protocol, decoder = self._protocol, self._protocol._decoder
+        with protocol._write_lock:  # the loop closes the descriptor under it: never read a reused one
+            fd = protocol._fd
+            if self.asked_back or fd is None:
+                return self._give_back([], None)
+            try:
+                view = decoder.get_buffer()
+                into = view if len(view) >= LENT_READ_BYTES else self._chunk
+                n = os.readv(fd, [into])
+            except BlockingIOError:
+                return True  # woken for nothing: another time
+            except OSError as e:
+                return self._give_back([], ConnectionError(f"{protocol.address} closed the connection: {e}"))
+        if n == 0:
+            return self._give_back([], ConnectionError(f"{protocol.address} closed the connection"))
+        frames: list[Frame] = []
+        error = None
+        try:
+            if into is view:
+                frames += decoder.buffer_updated(n)
+            else:  # into the decoder's parts as it asks for them, as the loop's reads would
+                data = memoryview(self._chunk)[:n]
+                while data:
+                    part = decoder.get_buffer()
+                    k = min(len(part), len(data))
+                    part[:k] = data[:k]
+                    data = data[k:]
+                    frames += decoder.buffer_updated(k)
+        except FrameError as e:  # the frames before it count, as on the loop
+            error = e
+        for i, frame in enumerate(frames):
+            if self.asked_back:
+                return self._give_back(frames[i:], error)
+            try:
+                taken = self._take(frame)
+            except Exception:  # the borrower's bug must not stop this connection's reading
+                log.exception("handling a %s frame from %s failed", frame.type.name, protocol.address)
+                taken = True
+            if not taken:
+                return self._give_back(frames[i:], error)
+        return self._give_back([], error) if error is not None else True
+
+    def _give_back(self, frames: list[Frame], error: Exception | None) -> bool:
+        try:
+            self._protocol._loop.call_soon_threadsafe(self._protocol._given_back, self, frames, error)
+        except RuntimeError:  # the loop has closed, and the connection with it
+            pass
+        return False
 
 
 class FrameStream:
@@ -523,6 +649,19 @@ class FrameStream:
         so a stage never waits on a slow peer while holding the event loop.
         """
         self._protocol.write(frame)
+
+    @property
+    def reading_held(self) -> bool:
+        """Whether the link's reading is lent to a thread that is not waiting on it (it computes):
+        what the peer sends meanwhile waits unread, so no silence counts against the peer."""
+        lent = self._protocol._lent
+        return lent is not None and not lent.waiting
+
+    def lend(self, take: Callable[[Frame], bool], returned: Callable[[], None], wake: Callable[[], None]) -> Lent | None:
+        """The link's reading, for another thread to do (``Lent``); None where it cannot be lent.
+        Only while ``serve`` hands frames to its handler: what the borrower does not take, the
+        handler gets, in order."""
+        return self._protocol.lend(take, returned, wake)
 
     def write_now(self, frame: Frame):
         """``write`` from any thread (a stage's compute thread): to the socket at once when

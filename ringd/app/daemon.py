@@ -62,6 +62,7 @@ from ringd.node.status import Status
 from ringd.base.tasks import Supervisor
 from ringd.security.tls import TlsError, TlsSettings, client_context, server_context, trust_hint
 from wire.frames import Frame, MsgType
+from wire.stream import Lent
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +270,16 @@ class Node:
 
     def send_now(self, node: str, frame: Frame) -> bool:
         return self.cluster.send_now(node, frame)
+
+    def grouped(self) -> bool:
+        return any(host.grouped for host in self.stages.all())
+
+    def lend(self, node: str, take: Callable[[Frame], bool], returned: Callable[[], None]) -> Lent | None:
+        """The reading of ``node``'s link, lent to the compute thread (``StageOwner.lend``)."""
+        lent = self.cluster.lend(node, take, returned, self.compute.nudge)
+        if lent is not None:
+            self.compute.watch(lent)
+        return lent
 
     def on_frame(self, peer: str, frame: Frame) -> None:
         """A frame from ``peer`` (heartbeats and election notes are the cluster's own)."""

@@ -194,6 +194,20 @@ class Links:
         hop through the event loop, in order with the link's other frames."""
         self._stream_to(node).write_now(frame)
 
+    def lend(self, node: str, take: Callable[[Frame], bool], returned: Callable[[], None], wake: Callable[[], None]) -> "wire_stream.Lent | None":
+        """The reading of the link from ``node``, lent to another thread (wire.stream's ``Lent``):
+        what it takes counts as heard from ``node``, as what the loop reads does. None if there
+        is no live link to ``node``, or its reading is lent already."""
+        peer = self.peers.get(node)
+        if peer is None or peer.stream.closed:
+            return None
+
+        def heard(frame: Frame) -> bool:
+            peer.last_heard = time.monotonic()
+            return take(frame)
+
+        return peer.stream.lend(heard, returned, wake)
+
     def _stream_to(self, node: str) -> "wire_stream.FrameStream":
         """The live link to ``node`` (a dict read: safe off the event loop too), else LinkError."""
         peer = self.peers.get(node)
@@ -236,6 +250,8 @@ class Links:
             now = time.monotonic()
             beat = Frame(MsgType.PING, 0, self.heartbeat(), bytes(self.probe()))
             for peer in list(self.peers.values()):
+                if peer.stream.reading_held:  # its heartbeats wait for a busy compute thread to read them
+                    peer.last_heard = now
                 silent = now - peer.last_heard
                 if silent > self.dead_after_s:
                     log.warning("%s silent for %.1f s (dead_after_s %.1f): declaring it dead", peer.node, silent, self.dead_after_s)

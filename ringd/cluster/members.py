@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from ringd.cluster.election import Election, ElectionError, Pin, Term
 from ringd.cluster.linkcost import LinkMeter, Measured
@@ -40,6 +40,7 @@ from ringd.base.names import natural_key, parse_hostport
 from ringd.base.tasks import Supervisor
 from wire.frames import Frame, MsgType
 from wire.slots import canonical_host
+from wire.stream import Lent
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,14 @@ class Cluster:
         self.links.send_now(node, frame)
         self._owner.sent(time.perf_counter() - started)
         return True
+
+    def lend(self, node: str, take: Callable[[Frame], bool], returned: Callable[[], None], wake: Callable[[], None]) -> Lent | None:
+        """The reading of ``node``'s link, lent to another thread (``Links.lend``); None for this
+        node itself, or where it cannot be. Nothing it takes reaches ``_on_frame``: only a stage's
+        FORWARD and RELEASE frames are for a borrower to take, and it takes none as this node leaves."""
+        if node == self.node or self.leaving:
+            return None
+        return self.links.lend(node, take, returned, wake)
 
     # --- pin and drain ------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from ringd.models.errors import ModelError, ModelFileError
 from ringd.models.peers import Holder, PeerModel
 from ringd.models.progress import LoadProgress
 from ringd.base.names import parse_hostport
-from ringd.stage.compute import ComputeThread
+from ringd.stage.compute import ComputeThread, Reading
 from ringd.stage.groupengine import MLX_BACKEND, RINGD, Choice, EngineError, GroupSettings, Offer, choose
 from ringd.stage.groupproc import GroupProcess, GroupProcessError, RemoteShard, backend_env, free_port, jaccl_available
 from ringd.stage.runner import StageRunner
@@ -91,6 +91,17 @@ class StageOwner(Protocol):
     def send_now(self, node: str, frame: Frame) -> bool:
         """From any thread: to ``node`` over its link at once; False for this node itself
         (``send``, on the event loop); raises ConnectionError if there is no link."""
+
+    def lend(self, node: str, take: Callable[[Frame], bool], returned: Callable[[], None]) -> Reading | None:
+        """The reading of ``node``'s link, lent to the compute thread: each frame it reads goes to
+        ``take`` there; from the first it does not take, the link goes back to the event loop
+        (its frames to ``on_frame``, in order) and ``returned`` is called there. None if it
+        cannot be lent (no link, lent already, this node itself)."""
+
+    def grouped(self) -> bool:
+        """Whether a stage on this node is, or is loading to be, a tensor-parallel group's: its
+        collectives wait on the compute thread for partial sums the event loop reads, so no
+        link may be lent to that thread meanwhile."""
 
     def reported(self) -> None:
         """A stage's report changed: the leader reconciles against it."""
@@ -140,10 +151,19 @@ class StageHost:
         self._links: dict[str, int] = {}  # linked peers -> link numbers, as of the last check_links
         self._links_changed = asyncio.Event()
         self._early: list[tuple[int, str, Frame]] = []  # (term, peer, REDUCE) before their group formed here
+        # The link from the node before this stage, while the compute thread reads it (``_read_here``).
+        self._reading: Reading | None = None
+        self._reading_from: str | None = None
 
     @property
     def loading(self) -> bool:
         return self.report.state == LOADING
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the plan taken last makes this node a member of a tensor-parallel group."""
+        i = self.plan.index_of(self.node) if self.plan is not None else None
+        return i is not None and len(self.plan.stages[i].members) > 1
 
     def take(self, sender: str, d: dict, leader: str | None) -> Plan | None:
         """A PLAN frame: the plan to load (then call ``load``), or None if it is not for us to take."""
@@ -402,6 +422,8 @@ class StageHost:
         """The node is stopping: its stage takes no more steps, and what it can no longer pass on
         breaks no ring (the leader plans without this node)."""
         self.stopping = True
+        if self._reading is not None:
+            self._reading.ask_back()
         if self.stage is not None:
             self.stage.close()
         if self.group is not None:
@@ -432,11 +454,54 @@ class StageHost:
         except ConnectionError:
             return False
 
+    def _read_here(self) -> None:
+        """On the event loop: a loaded stage's link from the node before it is read on the compute
+        thread, which computes each FORWARD and RELEASE of the stage's plan as it reads it and
+        sends the output on (``_take_now``): a hop wakes no event loop. Anything else it reads
+        (a heartbeat, a plan, a frame of another plan) goes back to the loop with the link, in
+        order, and the link is lent again after. Not while any stage on this node is a
+        tensor-parallel group's (its first member relays each frame on the loop, and a
+        collective waits on the compute thread for what the loop reads)."""
+        stage = self.stage
+        ok = isinstance(stage, StageRunner) and self.group is None and self.report.state == LOADED and not self.stopping
+        want = stage.predecessor if ok and not self._owner.grouped() else None
+        if self._reading is not None:
+            if self._reading_from != want:
+                self._reading.ask_back()  # another predecessor now: lent again once back
+            return
+        if want is not None and want != self.node:
+            self._reading = self._owner.lend(want, self._take_now, self._read_back)
+            self._reading_from = want if self._reading is not None else None
+
+    def _read_back(self) -> None:
+        """On the event loop: the compute thread gave the link back (the loop has handled what it
+        did not take)."""
+        self._reading = self._reading_from = None
+        self._read_here()
+
+    def _take_now(self, frame: Frame) -> bool:
+        """On the compute thread: a frame the lent link brought, computed here at once if the loop
+        would have handed it to this stage (``on_frame``); False leaves it to the loop."""
+        stage = self.stage
+        if (
+            frame.type not in (MsgType.FORWARD, MsgType.RELEASE)
+            or not isinstance(stage, StageRunner)
+            or self.stopping
+            or self.group is not None
+            or self.report.state != LOADED
+            or stage.predecessor != self._reading_from
+            or term_of(frame) != stage.plan.term
+        ):
+            return False
+        stage.apply(frame)
+        return True
+
     def check_links(self, links: dict[str, int]) -> None:
         """Links changed (node -> link number): a loaded stage whose link to a ring neighbour
         dropped or was re-made may have lost frames, and says so (``reconcile.BROKEN``)."""
         self._links = dict(links)
         self._links_changed.set()
+        self._read_here()
         plan, stage = self.plan, self.stage
         if stage is None or plan is None or self.report.state != LOADED:
             return

@@ -5,10 +5,10 @@ event loop never blocks on MLX and frames of one request are computed in the
 order they arrived. One thread, not a pool: the stage's work on different
 requests shares its caches and MLX's allocator, and order is the contract.
 
-Every decode frame crosses into this thread and back, so the handoff is a bare
-``queue.SimpleQueue`` (C; a job is a tuple): a loop-to-thread-to-loop round trip
-of ~15 us here, against ~40 us through a ThreadPoolExecutor, which builds a
-Future and takes a lock and a semaphore per job. A job whose result nobody awaits
+What the event loop hands this thread goes through a bare ``queue.SimpleQueue``
+(C; a job is a tuple): a loop-to-thread-to-loop round trip of ~15 us here, against
+~40 us through a ThreadPoolExecutor, which builds a Future and takes a lock and a
+semaphore per job. A job whose result nobody awaits
 (``submit``) and that raises is logged: nothing fails silently.
 
 MLX's CPU backend runs an evaluation on a thread of its own (the stream's), one queued task
@@ -22,6 +22,11 @@ compute thread waits for it, and the compute thread runs a frame once the event 
 handed it over has gone back to waiting. Each is named (``ringd-compute``, ``ringd-mlx``) so
 that /proc, ``top -H`` and the bench tell them apart. On macOS there is no such policy, and
 with Metal a step runs on the GPU's queue rather than on a stream thread.
+
+The thread may also read links it was lent (``watch``: a stage's link from the node before it,
+wire.stream's ``Lent``): between jobs it waits on those sockets as well as on its queue, and
+a decode frame is read, computed and sent on from here, with no event loop woken on the way.
+While it watches any, a job queued wakes it through a pipe (``nudge``) rather than the queue.
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ import logging
 import os
 import queue
 import re
+import select
 import sys
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,18 @@ class ComputeThread:
     def __init__(self, name: str = "ringd-compute"):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = False
+        # Links lent to this thread (``watch``), and how a job queued wakes it while it polls them:
+        # a byte down the pipe, once per wait (``_polling``, ``_nudged``: under ``_nudge_lock``).
+        self._watched: set[Reading] = set()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._nudge_lock = threading.Lock()
+        self._polling = False
+        self._nudged = False
+        # Closed with the object, when no thread can nudge it any more (a descriptor closed
+        # earlier could be reused by the time a late nudge wrote to it); at exit, by the OS.
+        weakref.finalize(self, _close, self._wake_r, self._wake_w).atexit = False
         self._parked = threading.Event()
         # A daemon, so a node that never called ``stop`` still exits; ``_at_exit`` lets its job
         # finish first, as the executor's own exit hook did.
@@ -72,6 +90,25 @@ class ComputeThread:
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue ``fn``; nobody waits for it (an exception it raises is logged)."""
         self._jobs.put((fn, args, None))
+        self.nudge()
+
+    def watch(self, reading: Reading) -> None:
+        """Read ``reading`` on this thread from now on (after the jobs queued before), whenever
+        its socket is readable, until its ``read`` says it has gone back."""
+        self.submit(self._watched.add, reading)
+
+    def nudge(self) -> None:
+        """From any thread: a thread waiting on its watched sockets looks at its queue (and at
+        them) again. A job queued before this is seen: the thread checks the queue after
+        saying it polls, under the same lock."""
+        if self._polling:
+            with self._nudge_lock:
+                if self._polling and not self._nudged:
+                    self._nudged = True
+                    try:
+                        os.write(self._wake_w, b"\0")
+                    except OSError:  # closed: the thread has ended
+                        pass
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn`` after everything queued before it and await its result."""
@@ -79,6 +116,7 @@ class ComputeThread:
         if self._stopping:
             raise RuntimeError("the compute thread is stopping")
         self._jobs.put((fn, args, future))
+        self.nudge()
         return await asyncio.wrap_future(future)
 
     async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
@@ -106,6 +144,52 @@ class ComputeThread:
             if future is not None:
                 future.cancel()
         self._jobs.put((last, (), None))
+        self.nudge()
+
+    def _next(self) -> tuple:
+        """The next job; while links are watched, the sockets read meanwhile, as they get data."""
+        while self._watched:
+            for reading in [r for r in self._watched if r.asked_back]:
+                reading.read()  # back to the loop before any job: the job may wait on what it reads
+                self._watched.discard(reading)
+            try:
+                return self._jobs.get_nowait()
+            except queue.Empty:
+                pass
+            with self._nudge_lock:
+                self._polling = True
+            if not self._jobs.empty():  # queued before ``_polling`` was seen: no byte coming for it
+                with self._nudge_lock:
+                    self._polling = False
+                continue
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            due = []  # a reading with no socket left, or asked back: read at once, which gives it back
+            for reading in self._watched:
+                fd = reading.fileno()
+                if fd is None or reading.asked_back:
+                    due.append(reading)
+                else:
+                    poller.register(fd, select.POLLIN)
+            for reading in self._watched:
+                reading.waiting = True
+            ready = {fd for fd, _ in poller.poll(0 if due else None)}
+            for reading in self._watched:
+                reading.waiting = False
+            with self._nudge_lock:
+                self._polling = False
+                if self._nudged:
+                    self._nudged = False
+                    try:
+                        while os.read(self._wake_r, 256):
+                            pass
+                    except BlockingIOError:
+                        pass
+            for reading in list(self._watched):
+                if reading in due or reading.fileno() in ready:
+                    if not reading.read():
+                        self._watched.discard(reading)
+        return self._jobs.get()
 
     def _work(self) -> None:
         try:
@@ -113,8 +197,11 @@ class ComputeThread:
         except Exception:  # a scheduling hint: a node computes without it
             log.warning("could not make the compute thread and MLX's a batch pair", exc_info=True)
         while True:
-            fn, args, future = self._jobs.get()
+            fn, args, future = self._next()
             if fn is _STOP:
+                for reading in self._watched:  # back to the loop, which ends its links as the node stops
+                    reading.ask_back()
+                    reading.read()
                 return
             if fn is _PARK:
                 self._parked.set()
@@ -135,6 +222,22 @@ class ComputeThread:
             else:
                 if future is not None:
                     future.set_result(result)
+
+
+class Reading(Protocol):
+    """A socket this thread reads when it is readable (wire.stream's ``Lent``)."""
+
+    asked_back: bool
+    waiting: bool  # set while this thread waits on it (and reads what comes at once)
+
+    def ask_back(self) -> None:
+        """Its next ``read`` gives it back (and says False)."""
+
+    def fileno(self) -> int | None:
+        """The socket's descriptor; None once it has none (it is read at once then)."""
+
+    def read(self) -> bool:
+        """Read and handle what has arrived; False once this thread is to forget it."""
 
 
 def _as_batch_threads() -> tuple[int, int | None] | None:
@@ -196,6 +299,11 @@ def _name_thread(tid: int, name: str) -> None:
     """The name /proc and ``top -H`` show for thread ``tid`` of this process (at most 15 bytes)."""
     with open(f"/proc/self/task/{tid}/comm", "w") as f:
         f.write(name)
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _synchronize() -> None:

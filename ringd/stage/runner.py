@@ -119,7 +119,7 @@ class StageRunner:
 
     def handle(self, frame: Frame) -> None:
         """Called on the event loop, in arrival order, for FORWARD and RELEASE frames."""
-        self.compute.submit(self._apply, frame)
+        self.compute.submit(self.apply, frame)
 
     def expire_idle(self) -> None:
         self.compute.submit(self._expire)
@@ -137,7 +137,8 @@ class StageRunner:
             name = row.open.request_id
         return about(name, self.plan.term, rid=f"{rid:x}", **fields)
 
-    def _apply(self, frame: Frame) -> None:
+    def apply(self, frame: Frame) -> None:
+        """On the compute thread: ``frame`` computed (or its session released) and the output sent on."""
         self._parsed = None
         try:
             if frame.type == MsgType.RELEASE:

@@ -52,6 +52,32 @@ def test_two_nodes_dialing_each_other_keep_the_link_dialed_by_the_smaller_id():
     uvloop.run(main())
 
 
+def test_a_link_read_by_a_busy_compute_thread_is_not_dead_for_its_silence_until_the_thread_waits_on_it():
+    """A stage's link lent to its compute thread is read only while that thread waits on it: a
+    long computation leaves the peer's heartbeats unread in the kernel, which is no silence of
+    the peer's. Once the thread waits on the link and still nothing comes, the peer is dead."""
+
+    async def main():
+        a = links("a", heartbeat_interval_s=0.05, dead_after_s=0.3)
+        pa = await a.listen("127.0.0.1", 0)
+        mute = await wire_stream.connect("127.0.0.1", pa, secret=SECRET, node_id="mute", cluster="lab")
+        await until(lambda: "mute" in a.peers, what="linked")
+        await until(lambda: a.peers["mute"].stream._protocol._handler is not None, what="served")
+        lent = a.lend("mute", lambda frame: True, lambda: None, lambda: None)
+        assert lent is not None and not lent.waiting  # lent, and its borrower computes
+        rounds = a.heartbeat_rounds
+        # Three times dead_after_s in heartbeat rounds, counted by a's own loop: mute stays.
+        await until(lambda: a.heartbeat_rounds >= rounds + 3 * 6, what="eighteen heartbeat rounds")
+        assert "mute" in a.peers
+        lent.waiting = True  # the borrower waits on the link now, and nothing comes
+        await until(lambda: "mute" not in a.peers, 3.0, "a to declare the mute peer dead")
+        await asyncio.wait_for(mute.wait_closed(), 2.0)
+        assert lent.asked_back  # the link ended: its reading is asked back
+        await a.close()
+
+    uvloop.run(main())
+
+
 def test_a_peer_vanishing_while_both_its_links_are_up_is_forgotten_and_the_loop_keeps_running():
     # Regression: b's dial loop (its dialed link lost the tie) used to wait for
     # the winning link with `await stream.wait_closed()`. When both sockets

@@ -1,4 +1,5 @@
-"""ringd.node.stagehost: what a node does with the plans it is given when its model's files cannot be read.
+"""ringd.node.stagehost: what a node does with the plans it is given: when its model's files
+cannot be read, when a neighbour leaves, when a group forms, and which link its compute thread reads.
 
 In-process: a real StageHost with a real compute thread loads a real tiny
 model through ``Shard.load``; only the ring is absent (its frames are kept in
@@ -35,6 +36,12 @@ class Node:
 
     def send_now(self, node, frame):
         return False  # every frame takes the event loop's way: ``send`` above, on the loop
+
+    def lend(self, node, take, returned):
+        return None  # no links to lend: frames come through ``on_frame``, on the loop
+
+    def grouped(self):
+        return False
 
     def reported(self): ...
 
@@ -196,5 +203,85 @@ def test_a_group_forms_whichever_member_takes_its_plan_first(tiny_model, monkeyp
         finally:
             for compute in computes:
                 await compute.stop()
+
+    asyncio.run(main())
+
+
+class Lending(Node):
+    """A node whose links can be lent: each lend is kept, with the reading it gave."""
+
+    def __init__(self, source):
+        super().__init__(source)
+        self.lent: list[tuple[str, object, object, "Reading"]] = []
+        self.group_here = False  # another instance's stage on this node is a tensor-parallel group's
+
+    def grouped(self):
+        return self.group_here
+
+    def lend(self, node, take, returned):
+        reading = Reading()
+        self.lent.append((node, take, returned, reading))
+        return reading
+
+
+class Reading:
+    def __init__(self):
+        self.asked_back = False
+
+    def ask_back(self):
+        self.asked_back = True
+
+
+def test_the_link_from_the_stage_before_is_read_on_the_compute_thread_for_this_plan_s_frames_only(tiny_model):
+    """A loaded stage has its predecessor's link lent to the compute thread, which computes there
+    the FORWARD and RELEASE frames of the stage's plan and leaves everything else (a heartbeat, a
+    frame of another plan) to the event loop. A new plan asks the link back; loaded, the stage
+    borrows the link from its new predecessor. No link is lent while a stage on the node is a
+    tensor-parallel group's."""
+    from ringd.ring.steps import Forward, release
+    from wire.frames import Frame, MsgType
+
+    model = tiny_model(arch="llama", layers=2)
+    info = model_info(str(model))
+
+    async def main():
+        compute = ComputeThread()
+        owner = Lending(StageSource(str(model), info))
+        host = StageHost(NODE, "", owner, compute, Metrics(NODE))
+        try:
+            for term, before in ((1, "node8"), (2, "node9")):
+                stages = (Stage(before, "127.0.0.1:1", 0, 1), Stage(NODE, "127.0.0.1:2", 1, info.num_layers))
+                plan = Plan(term, "node8", info.fingerprint, info.num_layers, stages)
+                taken = host.take("node8", plan.to_wire(), "node8")
+                host.check_links({"node8": 1, "node9": 2})
+                if term == 2:
+                    assert owner.lent[-1][3].asked_back  # the last plan's link, asked back for the new one
+                    owner.lent[-1][2]()  # given back (the loop calls it)
+                    assert len(owner.lent) == 1  # nothing lent while the plan loads
+                await host.load(taken)
+                host.check_links({"node8": 1, "node9": 2})
+                assert host.report.state == LOADED, host.report
+                node, take, _, _ = owner.lent[-1]
+                assert node == before and len(owner.lent) == term
+                ran = await compute.run(lambda: [
+                    take(release(5, term)),
+                    take(release(5, term + 7)),
+                    take(Forward(3, term + 7, ()).frame()),
+                    take(Frame(MsgType.PING, 0, {})),
+                ])  # fmt: skip
+                assert ran == [True, False, False, False]
+            owner.group_here = True  # another stage here forms a group: its collectives wait on the compute thread
+            host.check_links({"node8": 1, "node9": 2})
+            assert owner.lent[-1][3].asked_back
+            owner.lent[-1][2]()
+            host.check_links({"node8": 1, "node9": 2})
+            assert len(owner.lent) == 2  # not lent again while it lasts
+            owner.group_here = False
+            host.check_links({"node8": 1, "node9": 2})
+            assert len(owner.lent) == 3
+        finally:
+            await compute.stop()
+        host.stop()
+        assert owner.lent[-1][3].asked_back
 
     asyncio.run(main())

@@ -5,7 +5,8 @@ loop's; an awaited job gives its result or raises its exception; a job nobody
 awaits that raises is logged and the thread goes on; stopping drops what is
 queued (its awaiters are cancelled) and lets the job under way finish. On Linux the
 compute thread and MLX's stream thread that runs its evaluations are named and are batch
-threads (issue 45: woken, they do not preempt the thread that woke them).
+threads (woken, they do not preempt the thread that woke them). A reading it is lent is read
+on it whenever its socket has data, between jobs that still run in order, until it goes back.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import sys
 import threading
+import time
 
 import pytest
 
@@ -205,3 +208,100 @@ def test_mlx_s_thread_is_told_apart_from_another_started_at_the_same_time():
     prober.join(60)
     assert len(result["theirs"]) == 1 and len(result["ours"]) == 1
     assert {result["found"]} == result["ours"]
+
+
+class SocketReading:
+    """A reading as wire.stream's ``Lent`` is one: the bytes of one end of a socket pair, read
+    on the compute thread; a b"!" gives it back."""
+
+    def __init__(self):
+        self.ours, self.theirs = socket.socketpair()
+        self.ours.setblocking(False)
+        self.asked_back = False
+        self.waiting = False
+        self.got: list[tuple[bytes, int]] = []
+        self.reads = 0
+
+    def fileno(self):
+        return self.ours.fileno()
+
+    def ask_back(self):
+        self.asked_back = True
+
+    def read(self) -> bool:
+        self.reads += 1
+        if self.asked_back:
+            return False
+        try:
+            data = self.ours.recv(64)
+        except BlockingIOError:
+            return True
+        self.got.append((data, threading.get_ident()))
+        return b"!" not in data
+
+
+async def until(condition, what: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        await asyncio.sleep(0.01)
+
+
+def test_a_watched_reading_is_read_on_the_compute_thread_between_jobs_until_it_goes_back():
+    """Jobs queued before ``watch`` run first; then the socket is read on the compute thread as
+    bytes arrive, while jobs queued meanwhile still run (a job wakes a thread waiting on
+    sockets); a reading is told whether the thread waits on it; one that says it went back is
+    read no more; stopping asks back the rest."""
+
+    async def main():
+        compute = ComputeThread()
+        seen, first, second = [], SocketReading(), SocketReading()
+        try:
+            compute.submit(lambda: seen.append("before"))
+            first.theirs.send(b"early")  # there before it is watched: read once it is
+            compute.watch(first)
+            compute.watch(second)
+            await until(lambda: first.got, "read of the early bytes")
+            assert seen == ["before"]
+            thread = await compute.run(threading.get_ident)
+            assert thread != threading.get_ident() and {t for _, t in first.got} == {thread}
+            for i in range(20):  # bytes and jobs, alternating: the thread waits on both
+                first.theirs.send(b"%d;" % i)
+                assert await compute.run(lambda i=i: seen.append(i) or i) == i
+            await until(lambda: b"".join(d for d, _ in first.got).endswith(b"19;"), "the last bytes")
+            assert b"".join(d for d, _ in first.got) == b"early" + b"".join(b"%d;" % i for i in range(20))
+            assert seen == ["before", *range(20)]
+            assert not await compute.run(lambda: first.waiting)  # running a job, it waits on no socket
+            await until(lambda: first.waiting and second.waiting, "the thread waiting on both sockets")
+            first.theirs.send(b"!")  # gives it back
+            await until(lambda: first.got[-1][0] == b"!", "the last read")
+            reads = first.reads
+            first.theirs.send(b"unread")
+            second.theirs.send(b"x")
+            await until(lambda: second.got, "a read of the other reading")
+            await compute.run(lambda: None)
+            assert first.reads == reads  # forgotten: its socket is readable, but never read again
+        finally:
+            await compute.stop()
+        assert second.asked_back  # the node stops: given back
+
+    asyncio.run(main())
+
+
+def test_a_reading_asked_back_goes_back_before_the_next_job_runs():
+    """A job may wait for frames the event loop reads (a tensor-parallel collective): a reading
+    asked back before that job was queued is given back before it runs, not after."""
+
+    async def main():
+        compute = ComputeThread()
+        reading = SocketReading()
+        try:
+            compute.watch(reading)
+            await until(lambda: reading.waiting, "the thread waiting on the socket")
+            reading.ask_back()  # the loop's ask, then its job: the thread wakes for the job
+            return await compute.run(lambda: (reading.reads, reading in compute._watched))
+        finally:
+            await compute.stop()
+
+    reads, watched = asyncio.run(main())
+    assert reads == 1 and not watched  # given back (its read said so) before the job ran

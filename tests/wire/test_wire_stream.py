@@ -888,3 +888,109 @@ def test_serve_hands_every_frame_to_the_handler_in_order_and_says_why_the_link_e
     [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]  # the handler's bug, once
     assert record.name == "wire.stream" and re.fullmatch(r"handling a CONTROL frame from 127\.0\.0\.1:\d+ failed", record.getMessage()), record.getMessage()
     assert record.exc_info[0] is RuntimeError and str(record.exc_info[1]) == "a handler's bug"
+
+
+class Borrower:
+    """A thread that reads a lent link as a stage's compute thread does: ``read`` whenever the
+    socket is readable or the loop asked for the reading back, until it has gone back."""
+
+    def __init__(self, stream: FrameStream, take, loop: asyncio.AbstractEventLoop):
+        self.taken: list[int] = []
+        self.woken = threading.Event()
+        self.returned = asyncio.Event()
+        self.take = take
+        self.lent = stream.lend(self._take, lambda: self.returned.set(), self.woken.set)
+        assert self.lent is not None
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _take(self, frame: Frame) -> bool:
+        assert threading.current_thread() is self.thread
+        if not self.take(frame):
+            return False
+        self.taken.append(frame.request_id)
+        return True
+
+    def _read(self):
+        import select
+
+        while True:
+            fd = self.lent.fileno()
+            if fd is not None and not self.lent.asked_back:
+                poller = select.poll()
+                poller.register(fd, select.POLLIN)
+                poller.poll(20)
+            if not self.lent.read():
+                return
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["integrity", "encryption"])
+def test_a_lent_reading_takes_frames_on_a_thread_and_gives_the_rest_back_to_the_loop_in_order(run, encrypt):
+    """A stage's compute thread reads its link itself: it takes the frames it wants, on its own
+    thread; the first it does not take goes back to the loop's handler with every frame after it,
+    in order, and the loop reads on; lent again, the thread takes the next ones. Nothing is lost
+    or reordered, a frame of 64 KiB (read in place) as well as small ones."""
+
+    async def main():
+        async with server(encrypt=encrypt) as (port, accepted):
+            stream = await dial(port, encrypt=encrypt)
+            theirs = await accepted.get()
+            handled = []
+            serving = asyncio.create_task(theirs.serve(lambda frame: handled.append(frame.request_id)))
+            await until(lambda: theirs._protocol._handler is not None, what="serving")
+            data = lambda frame: frame.descriptor.get("k") == "data"  # noqa: E731
+            borrower = Borrower(theirs, data, asyncio.get_running_loop())
+            assert theirs.lend(data, lambda: None, lambda: None) is None  # lent once at a time
+            big = bytes(range(256)) * 256
+            for i in range(200):
+                stream.write(Frame(MsgType.CONTROL, i, {"k": "data"}, big if i % 50 == 7 else b""))
+            stream.write(Frame(MsgType.CONTROL, 200, {"k": "control"}))
+            for i in range(201, 210):
+                stream.write(Frame(MsgType.CONTROL, i, {"k": "data"}))
+            await asyncio.wait_for(borrower.returned.wait(), 10)
+            await until(lambda: len(handled) == 10, what="the frames given back handled")
+            assert borrower.taken == list(range(200)) and handled == list(range(200, 210))
+            again = Borrower(theirs, data, asyncio.get_running_loop())
+            for i in range(210, 220):
+                stream.write(Frame(MsgType.CONTROL, i, {"k": "data"}))
+            await until(lambda: len(again.taken) == 10, what="the frames read by the thread lent it again")
+            assert again.taken == list(range(210, 220)) and handled == list(range(200, 210))
+            stream.close()  # the peer closes while the thread reads: the loop ends the link
+            await asyncio.wait_for(again.returned.wait(), 10)
+            with pytest.raises(ConnectionError, match="closed the connection"):
+                await asyncio.wait_for(serving, 10)
+            again.thread.join(10)
+            assert not again.thread.is_alive()
+
+    run(main())
+
+
+def test_a_lent_reading_comes_back_when_the_loop_ends_the_link_or_the_peer_sends_garbage(run):
+    """The loop closing a link whose reading is lent asks for it back (wakes the thread), and gets
+    it; bytes that are no frame, read by the thread, end the link as they would on the loop."""
+
+    async def main():
+        async with server() as (port, accepted):
+            for ending in ("closed here", "garbage"):
+                stream = await dial(port)
+                theirs = await accepted.get()
+                serving = asyncio.create_task(theirs.serve(lambda frame: None))
+                await until(lambda: theirs._protocol._handler is not None, what="serving")
+                borrower = Borrower(theirs, lambda frame: True, asyncio.get_running_loop())
+                await stream.send(Frame(MsgType.CONTROL, 1, {}))
+                await until(lambda: borrower.taken == [1], what="a frame taken on the thread")
+                if ending == "closed here":
+                    theirs.close()
+                    assert borrower.woken.is_set()
+                    match = "closed by this node"
+                else:
+                    stream._protocol._transport.write(b"not a frame at all, but long enough" * 4)
+                    match = "failed its check"
+                await asyncio.wait_for(borrower.returned.wait(), 10)
+                with pytest.raises(ConnectionError, match=match):
+                    await asyncio.wait_for(serving, 10)
+                borrower.thread.join(10)
+                assert not borrower.thread.is_alive()
+                stream.close()
+
+    run(main())
