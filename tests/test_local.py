@@ -174,3 +174,27 @@ def test_local_refuses_groups_the_model_or_the_nodes_cannot_make(tiny_model, mod
     with pytest.raises(LaunchError) as e:
         check_plan(str(tiny_model(**model_args)), nodes, None, size)
     assert needle in str(e.value) and e.value.code == 2
+
+
+def test_signals_one_after_another_stop_the_launcher_s_wait_and_never_hang_it():
+    """The launcher's stop is set from a signal handler, which runs on the thread that waits for
+    it: a burst of signals while it waits (a second Ctrl-C, SIGTERM after SIGINT) ends the wait,
+    however they land. A threading.Event could deadlock here: its ``set`` takes the lock its
+    ``wait`` holds as it wakes."""
+    import threading
+
+    from ringd.app.local import Stop
+
+    stop = Stop()
+    old = signal.signal(signal.SIGUSR1, lambda *_: stop.set())
+    try:
+        assert not stop.wait(0.01)
+        sender = threading.Thread(target=lambda: [os.kill(os.getpid(), signal.SIGUSR1) for _ in range(200)])
+        sender.start()
+        deadline = time.monotonic() + 30
+        while not stop.wait(0.001):
+            assert time.monotonic() < deadline, "the signals' stop was never seen"
+        sender.join(30)
+        assert stop.is_set() and stop.wait(0)
+    finally:
+        signal.signal(signal.SIGUSR1, old)

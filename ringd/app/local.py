@@ -22,7 +22,6 @@ import ssl
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -130,7 +129,7 @@ def run_local(
         draft_model=draft_model, models_dir=models_dir, replicas=replicas,
     )  # fmt: skip
     procs: list[subprocess.Popen] = []
-    stop = threading.Event()
+    stop = Stop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     url = f"{'https' if context else 'http'}://{host}:{https[0].getsockname()[1]}"
@@ -255,7 +254,33 @@ def start_nodes(
         http.close()
 
 
-def wait_ready(procs: list[subprocess.Popen], url: str, context: ssl.SSLContext | None, stop: threading.Event) -> dict | None:
+class Stop:
+    """Set by a signal handler, waited for by the launcher's loops. Not a threading.Event: its
+    ``set`` takes the lock its ``wait`` holds for a moment on waking, and a handler runs on the
+    thread that waits, between any two bytecodes: a signal landing in that moment (a second
+    Ctrl-C, SIGTERM after SIGINT) would wait on its own thread's lock for ever."""
+
+    # How long a wait sleeps before looking again: how late a stop may be seen.
+    STEP_S = 0.05
+
+    def __init__(self):
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        """Whether set, within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self._set and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(self.STEP_S, left))
+        return self._set
+
+
+def wait_ready(procs: list[subprocess.Popen], url: str, context: ssl.SSLContext | None, stop: Stop) -> dict | None:
     """The leader's /health answer once the ring serves, printing the nodes' download and load
     progress meanwhile; None if stopped first. A node that exits, or no ring after
     READY_TIMEOUT_S, is a LaunchError that says which node or what the leader last said."""
@@ -281,7 +306,7 @@ def wait_ready(procs: list[subprocess.Popen], url: str, context: ssl.SSLContext 
     return None
 
 
-def supervise(procs: list[subprocess.Popen], stop: threading.Event) -> int:
+def supervise(procs: list[subprocess.Popen], stop: Stop) -> int:
     """Until stopped (0), or every node has exited (1). A node that dies is the ring's business
     (it re-plans over the others): the launcher only says so."""
     reported: set[int] = set()
