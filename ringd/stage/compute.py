@@ -270,12 +270,14 @@ def _as_batch_threads() -> tuple[int, int | None] | None:
     return own, mlx_thread
 
 
-# Evaluations that tell MLX's stream thread apart: it sleeps after each, once at least.
-PROBES = 8
+# Evaluations that tell MLX's stream thread apart: it sleeps after nearly each (not each: on a
+# busy machine the next step may be queued before it has gone to sleep), another thread hardly.
+PROBES = 32
 
 
 def _woken_by(step: Callable[[], None], tids: list[int]) -> int | None:
-    """The one thread of ``tids`` that slept as often as ``step`` ran, or None."""
+    """The one thread of ``tids`` that slept after at least half of ``PROBES`` runs of ``step``,
+    while every other slept less than a quarter as often; else None."""
 
     def waits() -> dict[int, int]:
         found = {}
@@ -291,8 +293,11 @@ def _woken_by(step: Callable[[], None], tids: list[int]) -> int | None:
     for _ in range(PROBES):
         step()
     after = waits()
-    woken = [tid for tid in after if tid in before and after[tid] - before[tid] >= PROBES]
-    return woken[0] if len(woken) == 1 else None
+    slept = {tid: after[tid] - before[tid] for tid in after if tid in before}
+    woken = [tid for tid, n in slept.items() if n >= PROBES // 2]
+    if len(woken) != 1 or any(n >= PROBES // 4 for tid, n in slept.items() if tid != woken[0]):
+        return None
+    return woken[0]
 
 
 def _name_thread(tid: int, name: str) -> None:
