@@ -359,7 +359,8 @@ class Api:
         return web.json_response({"instances": self.d.instances()})
 
     async def unload(self, request: web.Request) -> web.Response:
-        """`ringctl unload MODEL`: every instance of it goes now (never the configured model)."""
+        """`ringctl unload MODEL`: every instance of it goes, now if idle, else once its requests
+        end (never the configured model)."""
         raw, body = await self._control_body(request)
         model = body.get("model")
         if not isinstance(model, str) or not model or len(model) > MAX_MODEL_CHARS:

@@ -159,6 +159,7 @@ class Coordinator:
         self._task.cancel()
         self.engine.fail_all(reason)
         self.reconciler.reset()
+        self._ticked.set()  # whoever waits for this ring to serve hears why it never will
 
     def changed(self) -> None:
         """Something the ring depends on may have changed: reconcile soon."""

@@ -100,8 +100,10 @@ class Instance:
     def release(self) -> None:
         self.routed = max(0, self.routed - 1)
 
-    def usage(self) -> Usage:
-        return Usage(self.name, self.pinned, self.outstanding, self.last_used, self.keep_alive)
+    def usage(self, loading: bool = False) -> Usage:
+        """As eviction and keep_alive see it; ``loading``: its load is under way, which is work
+        (the requests that asked for it wait on it), so it is neither evicted nor expired then."""
+        return Usage(self.name, self.pinned, max(self.outstanding, int(loading)), self.last_used, self.keep_alive)
 
     def status(self, now: float) -> dict:
         c = self.coordinator
@@ -128,6 +130,9 @@ class Pool:
         self.catalogue = catalogue
         self.instances: dict[str, Instance] = {}
         self._loading: dict[str, asyncio.Future] = {}  # name -> its load under way
+        # name -> requests waiting for its load: work on it from their first wait until each
+        # counts as routed (a load that ends is not idle before its waiters are served).
+        self._waiting: dict[str, int] = {}
         # Each model with replicas: which nodes each replica places its ring over (sticky).
         self._groups: dict[str, list[frozenset[str]]] = {}
         # Each model loaded on demand alone: the nodes it is placed over, and why.
@@ -220,6 +225,7 @@ class Pool:
             # A task of its own: the client that asked first may go away; the others wait on it still.
             pending = self._loading[key] = asyncio.ensure_future(self._load(name, replicas, keep_alive))
             pending.add_done_callback(lambda done: self._loaded(key, done))
+        self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
             return await asyncio.shield(pending)
         except asyncio.CancelledError:
@@ -230,6 +236,11 @@ class Pool:
             raise
         except Exception as e:  # a bug, not a reason: said in one line to the client, whole in the log
             raise EngineError(f"could not load {name}: {type(e).__name__}: {e}", 503) from None
+        finally:
+            if self._waiting[key] == 1:
+                del self._waiting[key]
+            else:
+                self._waiting[key] -= 1
 
     def _loaded(self, key: str, done: asyncio.Future) -> None:
         if self._loading.get(key) is done:
@@ -330,7 +341,7 @@ class Pool:
             nodes = [NodeSpec(n, "", room_left(i.budget, self.held(n, removed).values()), api_only=i.api_only) for n, i in sorted(members.items())]
             return shortfall(nodes, cost)
 
-        order = eviction_order(i.usage() for i in self.instances.values())
+        order = eviction_order(self._usages())
         gone = victims(order, lambda removed: short(removed) is None)
         if gone is None:
             why = short(frozenset(order))
@@ -400,18 +411,34 @@ class Pool:
         return True
 
     def unload_model(self, model: str, reason: str) -> list[str]:
-        """Every instance of ``model`` (its replicas too)."""
-        names = [i.name for i in self.instances.values() if i.name and same_model(i.model_id, model)]
-        return [n for n in names if self.unload(n, reason)]
+        """Every instance of ``model`` (its replicas too), as Ollama's keep_alive 0 does: an idle
+        one now, one serving requests or loading for them once they are done (its keep_alive 0:
+        the next keep_alive tick after its last request). The names that go."""
+        going = []
+        for usage in self._usages():
+            inst = self.instances[usage.name]
+            if not inst.name or inst.pinned or not same_model(inst.model_id, model):
+                continue
+            if usage.active:
+                inst.keep_alive = 0.0
+                log.info("unloading %s once its %s done: %s", inst.name, "load and requests are" if usage.active > inst.outstanding else "requests are", reason)
+                going.append(inst.name)
+            elif self.unload(inst.name, reason):
+                going.append(inst.name)
+        return going
+
+    def _usages(self) -> list[Usage]:
+        return [i.usage(loading=(key := tagged(i.model_id)) in self._loading or key in self._waiting) for i in self.instances.values()]
 
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(KEEP_ALIVE_TICK_S)
             now = time.monotonic()
-            for inst in self.instances.values():
-                if inst.outstanding:
-                    inst.last_used = now  # busy: its idle time starts when its last request ends
-            for name in expired((i.usage() for i in self.instances.values()), now):
+            usages = self._usages()
+            for usage in usages:
+                if usage.active:
+                    self.instances[usage.name].last_used = now  # busy: its idle time starts when its last request ends
+            for name in expired(self._usages(), now):
                 inst = self.instances[name]
                 self.unload(name, f"idle for its keep_alive ({format_keep_alive(inst.keep_alive)})")
 

@@ -154,6 +154,7 @@ class StageHost:
         # The link from the node before this stage, while the compute thread reads it (``_read_here``).
         self._reading: Reading | None = None
         self._reading_from: str | None = None
+        self._loads: set[asyncio.Task] = set()  # ``load`` calls under way or waiting: stop() ends them
 
     @property
     def loading(self) -> bool:
@@ -193,7 +194,17 @@ class StageHost:
         return plan
 
     async def load(self, plan: Plan) -> None:
-        """Bring this node's stage to ``plan`` and answer the leader; plans are loaded in the order taken."""
+        """Bring this node's stage to ``plan`` and answer the leader; plans are loaded in the order
+        taken. Given up (cancelled) if the stage is stopped meanwhile: the leader unloaded it, or
+        the node stops; layers it read are let go, not kept by a stage nobody holds."""
+        task = asyncio.current_task()
+        self._loads.add(task)
+        try:
+            await self._load_in_turn(plan)
+        finally:
+            self._loads.discard(task)
+
+    async def _load_in_turn(self, plan: Plan) -> None:
         async with self._lock:
             if self.plan is not plan:
                 return  # overtaken by a later plan while waiting
@@ -422,6 +433,8 @@ class StageHost:
         """The node is stopping: its stage takes no more steps, and what it can no longer pass on
         breaks no ring (the leader plans without this node)."""
         self.stopping = True
+        for task in self._loads:
+            task.cancel()
         if self._reading is not None:
             self._reading.ask_back()
         if self.stage is not None:

@@ -17,6 +17,7 @@ import openai
 
 from devkit import RING_START_TIMEOUT_S
 from devkit.reference import reference, tokenizer_of
+from ringd.ring.statusdoc import ClusterStatus
 
 MAX_TOKENS = 12
 LOAD_DEADLINE_S = 180  # a model loaded on demand, on a loaded two-core machine
@@ -325,3 +326,56 @@ def test_two_replicas_on_four_nodes_share_the_streams_and_a_kill_9_loses_nothing
     assert sorted(served.values()) == [streams // 2] * 2, f"the replicas' shares of the burst: {served}"
     print(f"requests per replica: {served}; tiny#2 now on {after['tiny#2']['stages']}")
     assert victim not in {s[0] for r in after.values() for s in r["stages"]}
+
+
+def stages_held(cluster, n: int, instance: str) -> list[int]:
+    """The nodes (of node0..n-1) that hold a stage of ``instance``, each by its own status."""
+    held = []
+    for i in range(n):
+        own = next(s for s in ClusterStatus.parse(cluster.status(i)).nodes if s.node == f"node{i}")
+        if any(st.get("instance") == instance for st in own.instance_stages):
+            held.append(i)
+    return held
+
+
+def test_an_unload_while_a_model_loads_or_streams_lets_its_requests_end_whole_then_frees_every_mac(tiny_model, cluster_factory, tmp_path, ringctl_known_nodes):
+    """keep_alive 0 (or ringctl unload) is Ollama's: the model goes once the requests it has are
+    done. Landing while the model loads for a request, it left the name stuck for good: that
+    request and every later one naming it waited with no answer, and the Macs kept the layers
+    that finished loading after it. Landing mid-stream, it cut the stream with an error. Now
+    the requests end whole, as mlx-lm's, the model then goes from every Mac, and the next
+    request naming it loads it again."""
+    a, b = tiny_model(arch="llama", layers=6), tiny_model(arch="qwen3", layers=4)
+    folder = models_dir(tmp_path, b=b)
+    cluster = cluster_factory(a, 2, ["--models-dir", str(folder), "--memory-budget-gb", "4"])
+    cluster.wait(lambda: cluster.leader_ready(0), RING_START_TIMEOUT_S, "the ring to serve")
+    url = cluster.url(0)
+    prompt = [4, 8, 15, 16, 23, 42]
+    want, _ = reference(b, prompt, 64)
+
+    for how in ("keep_alive 0 while it loads", "ringctl unload mid-stream"):
+        got: dict = {}
+        midway = threading.Event()
+
+        def stream():
+            try:
+                got["tokens"] = streamed(url, "b", prompt, 64, midway.set, after=8)
+            except Exception as e:  # said below, with what it was
+                got["error"] = e
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        if how.startswith("keep_alive"):
+            loading = cluster.wait(lambda: [m for m in ps(url) if m["ringd"]["instance"] == "b" and not m["ringd"]["ready"]] or ("tokens" in got or "error" in got), 60, "b to be loading")
+            assert isinstance(loading, list), f"b loaded before the test saw it loading: {got}"
+            status, body = ollama(url, "b", keep_alive=0)
+            assert status == 200 and body["done_reason"] == "unload", body
+        else:
+            assert midway.wait(LOAD_DEADLINE_S), f"b's stream did not start: {got}"
+            assert ringctl(cluster, "unload", "b").strip() == "unloaded: b"
+        streamer.join(LOAD_DEADLINE_S)
+        assert got.get("tokens") == want, f"{how}: the request did not end whole: {got}"
+        cluster.wait(lambda: "b" not in loaded(url), 60, f"b to go once its request ended ({how})")
+        cluster.wait(lambda: not stages_held(cluster, 2, "b"), 60, f"every Mac to drop b's layers ({how})")
+    status, body = ollama(url, "b", "Hello")  # named again: loaded again
+    assert status == 200 and body["done"], body

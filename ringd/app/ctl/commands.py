@@ -119,7 +119,7 @@ def _add_cluster_commands(sub) -> None:
     load.add_argument("model", metavar="MODEL")
     load.add_argument("--replicas", type=_replicas, default=1, help="keep this many instances of it, each a ring of its own (default 1)")
     load.add_argument("--keep-alive", metavar="DURATION", help="how long it stays loaded once idle (5m, 1h, -1: forever; default: the leader's keep_alive)")
-    unload = sub.add_parser("unload", help="unload MODEL (every instance of it) now")
+    unload = sub.add_parser("unload", help="unload MODEL (every instance of it): now if idle, else once its requests end")
     unload.add_argument("model", metavar="MODEL")
     drain = sub.add_parser("drain", help="keep NODE out of the ring")
     drain.add_argument("target", metavar="NODE")
