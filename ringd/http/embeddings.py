@@ -32,10 +32,11 @@ from ringd.http.fields import valid_text
 from ringd.http.ollama_api import check_model as check_ollama_model
 from ringd.http.serving import max_chars_per_token
 from ringd.leader.errors import EngineError
+from ringd.models.naming import same_model
 from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
-    from ringd.http.node import ApiNode, Served
+    from ringd.http.node import Served
     from ringd.http.serving import Serving
 
 # Inputs in one request: OpenAI's own limit. Each is a prompt through the ring.
@@ -67,28 +68,18 @@ class Embedded:
 
 
 class Embedder:
-    def __init__(self, node: "ApiNode", serving: "Serving"):
-        self.d = node
+    def __init__(self, serving: "Serving"):
         self.serving = serving
         self._tokenizing = asyncio.Semaphore(MAX_CONCURRENT_TOKENIZE)
-        self._chars_per_token: int | None = None
+        self._chars_per_token: dict[int, int] = {}  # by tokenizer (id): the longest token's characters
 
-    async def embed(self, req: EmbedRequest, request_id: str | None) -> Embedded:
+    async def embed(self, req: EmbedRequest, request_id: str | None, served: "Served") -> Embedded:
+        """``req``'s vectors from the model ``served`` (the pool's instance the request named)."""
         started = time.monotonic_ns()
-        try:
-            served = await self.d.served(None)  # embeddings: of the configured model (the route checked the name)
-        except EngineError as e:
-            raise ApiError(e.status, str(e), retry_after=e.retry_after) from None
-        try:
-            return await self._embed(req, request_id, served, started)
-        finally:
-            served.release()
-
-    async def _embed(self, req: EmbedRequest, request_id: str | None, served: "Served", started: int) -> Embedded:
         engine = await self.serving.ready(served)
         async with self._tokenizing:
-            prompts = await asyncio.get_running_loop().run_in_executor(None, self._tokens, req)
-        pool = self.d.info.pooling
+            prompts = await asyncio.get_running_loop().run_in_executor(None, self._tokens, req, served)
+        pool = served.info.pooling
         gate = asyncio.Semaphore(INPUTS_IN_FLIGHT)
 
         async def one(prompt: list[int]) -> np.ndarray:
@@ -110,19 +101,20 @@ class Embedder:
             vectors = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
         return Embedded(list(vectors), sum(map(len, prompts)), time.monotonic_ns() - started)
 
-    def _tokens(self, req: EmbedRequest) -> list[list[int]]:
+    def _tokens(self, req: EmbedRequest, served: "Served") -> list[list[int]]:
         """On an executor thread: each input's token ids, checked against the context (cut to it, with ``truncate``)."""
-        info, tokenizer = self.d.info, self.d.tokenizer
+        info, tokenizer = served.info, served.tokenizer
         fits = info.context_length - 1  # the ring books one position past the input for its answer
-        if self._chars_per_token is None:
-            self._chars_per_token = max_chars_per_token(tokenizer)
+        chars_per_token = self._chars_per_token.get(id(tokenizer))
+        if chars_per_token is None:
+            chars_per_token = self._chars_per_token[id(tokenizer)] = max_chars_per_token(tokenizer)
         out = []
         for i, item in enumerate(req.inputs):
             where = f"{req.where}[{i}]" if len(req.inputs) > 1 else req.where
             if isinstance(item, str):
-                if not req.truncate and len(item) > fits * self._chars_per_token:
+                if not req.truncate and len(item) > fits * chars_per_token:
                     raise ApiError(400, f"{where} is {len(item)} characters, which cannot fit the model's context of {info.context_length} tokens", where, "context_length_exceeded")
-                tokens = tokenizer.encode(item[: (fits + 1) * self._chars_per_token])
+                tokens = tokenizer.encode(item[: (fits + 1) * chars_per_token])
             else:  # token ids, checked against the vocabulary when parsed
                 tokens = list(item)
             if not tokens:
@@ -138,8 +130,9 @@ class Embedder:
 class Translation(Protocol):
     """One API's side of an embedding route."""
 
-    def parse(self, body: dict) -> EmbedRequest:
-        """The body as the one embedding request, or a 400 (404: a model not served here)."""
+    def parse(self, body: dict, served: "Served") -> EmbedRequest:
+        """The body as the one embedding request of the model ``served`` (the instance the pool
+        found by its name), or a 400 (404: a name that is not that model's)."""
 
     def answer(self, req: EmbedRequest, done: Embedded) -> Any:
         """The answer's body (a dict, or its JSON already as bytes); run off the event loop."""
@@ -178,22 +171,19 @@ class OpenAIEmbeddings:
     """``POST /v1/embeddings``: ``input`` a string, a list of them, or token ids; ``encoding_format``
     float or base64 (little-endian float32, what OpenAI's SDKs ask for by default)."""
 
-    def __init__(self, node: "ApiNode"):
-        self.d = node
-
-    def parse(self, body: dict) -> EmbedRequest:
+    def parse(self, body: dict, served: "Served") -> EmbedRequest:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "model is required", "model")
-        if model != self.d.model_id:
-            raise ApiError(404, f"model {brief_repr(model)} is not served here; this ring serves {self.d.model_id!r}", "model", "model_not_found")
+        if not same_model(model, served.model_id):
+            raise ApiError(404, f"model {brief_repr(model)} is not served here", "model", "model_not_found")
         fmt = body.get("encoding_format", "float")
         if fmt not in ENCODINGS:
             raise ApiError(400, f"encoding_format must be one of {', '.join(ENCODINGS)}; got {brief_repr(fmt)}", "encoding_format")
-        _dimensions(body, self.d.info.hidden_size)
+        _dimensions(body, served.info.hidden_size)
         if "user" in body and not isinstance(body["user"], str):
             raise ApiError(400, "user must be a string", "user")
-        return EmbedRequest(_inputs(body.get("input"), "input", self.d.info.vocab_size, ids=True), "input", encoding=fmt)
+        return EmbedRequest(_inputs(body.get("input"), "input", served.info.vocab_size, ids=True), "input", encoding=fmt, model=served.model_id)
 
     def answer(self, req: EmbedRequest, done: Embedded) -> bytes:
         b64 = req.encoding == "base64"
@@ -202,7 +192,7 @@ class OpenAIEmbeddings:
             for i, v in enumerate(done.vectors)
         ]
         usage = {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens}
-        return json.dumps({"object": "list", "data": data, "model": self.d.model_id, "usage": usage}).encode()
+        return json.dumps({"object": "list", "data": data, "model": req.model, "usage": usage}).encode()
 
 
 class OllamaEmbed:
@@ -210,15 +200,16 @@ class OllamaEmbed:
     an input to the context) and its older ``POST /api/embeddings`` (``legacy``: ``prompt``, one
     string, not normalized; an empty prompt gives an empty vector, as Ollama's does)."""
 
-    def __init__(self, node: "ApiNode", legacy: bool = False):
-        self.d = node
+    keep_alive = True  # Ollama's embed calls set their model's keep_alive, as its generate calls do
+
+    def __init__(self, legacy: bool = False):
         self.legacy = legacy
 
-    def parse(self, body: dict) -> EmbedRequest:
+    def parse(self, body: dict, served: "Served") -> EmbedRequest:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "model is required")
-        check_ollama_model(model, self.d.model_id)
+        check_ollama_model(model, served.model_id)
         if self.legacy:
             prompt = body.get("prompt", "")
             if not isinstance(prompt, str):
@@ -229,8 +220,8 @@ class OllamaEmbed:
             truncate = body.get("truncate", True)
             if not isinstance(truncate, bool):
                 raise ApiError(400, "truncate must be true or false")
-            _dimensions(body, self.d.info.hidden_size)
-        return EmbedRequest(_inputs(body.get("input"), "input", self.d.info.vocab_size, ids=False), "input", truncate=truncate, model=model)
+            _dimensions(body, served.info.hidden_size)
+        return EmbedRequest(_inputs(body.get("input"), "input", served.info.vocab_size, ids=False), "input", truncate=truncate, model=model)
 
     def answer(self, req: EmbedRequest, done: Embedded) -> bytes:
         if self.legacy:

@@ -118,7 +118,7 @@ class Endpoint:
         self.intake = intake
         self.serving = serving
         self.proxy = proxy
-        self.embedder = embeddings.Embedder(node, serving)
+        self.embedder = embeddings.Embedder(serving)
 
     def generating(self, api: Translation) -> Handler:
         """The aiohttp handler of a route that generates through ``api``."""
@@ -177,11 +177,15 @@ class Endpoint:
         if not self.d.leading:
             return await self.proxy.forward(request, raw, False, resumable=False)
         loop = asyncio.get_running_loop()
-        # Up to MAX_INPUTS inputs of token ids each checked: not on the loop.
-        req = await self.intake.off_loop(api.parse, body)
-        done = await self.embedder.embed(req, request_id(request))
-        # Thousands of vectors are megabytes of JSON: written off the loop.
-        answer = await loop.run_in_executor(None, api.answer, req, done)
+        served = await self.served(body, api)  # the pool's model of that name, loaded if need be
+        try:
+            # Up to MAX_INPUTS inputs of token ids each checked: not on the loop.
+            req = await self.intake.off_loop(api.parse, body, served)
+            done = await self.embedder.embed(req, request_id(request), served)
+            # Thousands of vectors are megabytes of JSON: written off the loop.
+            answer = await loop.run_in_executor(None, api.answer, req, done)
+        finally:
+            served.release()
         return web.Response(body=answer, content_type="application/json")
 
     async def generate(self, request: web.Request, api: Translation) -> web.StreamResponse:

@@ -23,7 +23,7 @@ from ringd.http.errors import ApiError
 MODEL_ID = "tiny-smollm2"
 TEXTS = ["The ring passes hidden states from Mac to Mac.", "Paris is the capital of France.", "rings " * 40]
 
-# What a parser reads of its node (http/node.py's ApiNode): the served model's name and sizes.
+# What a parser reads of the model a request named (http/node.py's Served): its name and sizes.
 NODE = SimpleNamespace(model_id="m", info=SimpleNamespace(hidden_size=64, vocab_size=100))
 
 
@@ -45,29 +45,29 @@ NODE = SimpleNamespace(model_id="m", info=SimpleNamespace(hidden_size=64, vocab_
 )
 def test_openai_refuses_what_it_cannot_embed_by_field(body, status, param):
     with pytest.raises(ApiError) as e:
-        OpenAIEmbeddings(NODE).parse(body)
+        OpenAIEmbeddings().parse(body, NODE)
     assert (e.value.status, e.value.param) == (status, param), e.value.message
 
 
 def test_openai_takes_strings_and_token_ids_and_its_own_width():
-    api = OpenAIEmbeddings(NODE)
-    assert api.parse({"model": "m", "input": "hi"}).inputs == ["hi"]
-    assert api.parse({"model": "m", "input": [5, 6]}).inputs == [[5, 6]]
-    req = api.parse({"model": "m", "input": [[5], [6, 7]], "dimensions": 64, "encoding_format": "base64"})
+    api = OpenAIEmbeddings()
+    assert api.parse({"model": "m", "input": "hi"}, NODE).inputs == ["hi"]
+    assert api.parse({"model": "m", "input": [5, 6]}, NODE).inputs == [[5, 6]]
+    req = api.parse({"model": "m", "input": [[5], [6, 7]], "dimensions": 64, "encoding_format": "base64"}, NODE)
     assert req.inputs == [[5], [6, 7]] and req.encoding == "base64" and req.normalize
 
 
 def test_ollama_names_and_inputs_as_ollama_takes_them():
-    embed, legacy = OllamaEmbed(NODE), OllamaEmbed(NODE, legacy=True)
-    req = embed.parse({"model": "m:latest", "input": ["a", "b"]})
+    embed, legacy = OllamaEmbed(), OllamaEmbed(legacy=True)
+    req = embed.parse({"model": "m:latest", "input": ["a", "b"]}, NODE)
     assert req.inputs == ["a", "b"] and req.truncate and req.normalize and req.model == "m:latest"
-    assert not embed.parse({"model": "m", "input": "a", "truncate": False}).truncate
-    old = legacy.parse({"model": "m", "prompt": "a"})
+    assert not embed.parse({"model": "m", "input": "a", "truncate": False}, NODE).truncate
+    old = legacy.parse({"model": "m", "prompt": "a"}, NODE)
     assert old.inputs == ["a"] and not old.normalize
-    assert legacy.parse({"model": "m", "prompt": ""}).inputs == []  # Ollama answers an empty embedding
+    assert legacy.parse({"model": "m", "prompt": ""}, NODE).inputs == []  # Ollama answers an empty embedding
     for body in ({"model": "n", "input": "a"}, {"model": "m", "input": [1]}, {"model": "m", "input": "a", "truncate": "no"}):
         with pytest.raises(ApiError):
-            embed.parse(body)
+            embed.parse(body, NODE)
 
 
 # --- a ring of the tiny SmolLM2 ----------------------------------------------------------

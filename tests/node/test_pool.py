@@ -344,7 +344,7 @@ def test_an_unload_while_a_model_loads_or_streams_lets_its_requests_end_whole_th
     request and every later one naming it waited with no answer, and the Macs kept the layers
     that finished loading after it. Landing mid-stream, it cut the stream with an error. Now
     the requests end whole, as mlx-lm's, the model then goes from every Mac, and the next
-    request naming it loads it again."""
+    request naming it loads it again, for embeddings as well as chat."""
     a, b = tiny_model(arch="llama", layers=6), tiny_model(arch="qwen3", layers=4)
     folder = models_dir(tmp_path, b=b)
     cluster = cluster_factory(a, 2, ["--models-dir", str(folder), "--memory-budget-gb", "4"])
@@ -379,3 +379,19 @@ def test_an_unload_while_a_model_loads_or_streams_lets_its_requests_end_whole_th
         cluster.wait(lambda: not stages_held(cluster, 2, "b"), 60, f"every Mac to drop b's layers ({how})")
     status, body = ollama(url, "b", "Hello")  # named again: loaded again
     assert status == 200 and body["done"], body
+
+    # Embeddings follow the pool too (they answered 404 "this ring serves 'tiny'" for b): b's own
+    # vectors, mlx-lm's mean of its final hidden states, on each route.
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+
+    model, _ = load(str(b))
+    mean = np.array(model.model(mx.array(prompt)[None])[0].astype(mx.float32).mean(axis=0))
+    status, body = post(url + "/v1/embeddings", {"model": "b", "input": prompt, "encoding_format": "float"})
+    assert status == 200 and body["model"] == "b", body
+    assert np.allclose(body["data"][0]["embedding"], mean / np.linalg.norm(mean), atol=1e-4)
+    status, body = post(url + "/api/embed", {"model": "b:latest", "input": ["Hello", "rings"]})
+    assert status == 200 and len(body["embeddings"]) == 2 and len(body["embeddings"][0]) == mean.size, body
+    status, body = post(url + "/api/embeddings", {"model": "b", "prompt": "Hello"})
+    assert status == 200 and len(body["embedding"]) == mean.size, body
