@@ -253,11 +253,16 @@ class Pool:
         if replicas > max(holders, 1):
             raise EngineError(f"{replicas} replicas need {replicas} Macs that hold layers, and the cluster has {holders}", 400)
         existing = self.replicas_of(name)
+        if not existing:
+            model, info, tokenizer = await self._read(name)
+            # Another name of a model loaded already (``smollm2`` and ``smollm2.gguf``, one file; the
+            # configured model's file by its name in the list): that instance, not a second copy.
+            existing = self.replicas_of(next((i.model_id for i in self.instances.values() if i.info.fingerprint == info.fingerprint), name))
+            if not existing:
+                existing, pinned = [], False
         if existing:
             model, info, tokenizer, pinned = existing[0].model, existing[0].info, existing[0].tokenizer, existing[0].pinned
             name = existing[0].model_id
-        else:
-            (model, info, tokenizer), pinned = await self._read(name), False
         first: Instance | None = existing[0] if existing else None
         for k in range(len(existing), replicas):
             label = name if k == 0 else f"{name}{REPLICA_MARK}{k + 1}"

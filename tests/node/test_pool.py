@@ -344,9 +344,10 @@ def test_an_unload_while_a_model_loads_or_streams_lets_its_requests_end_whole_th
     request and every later one naming it waited with no answer, and the Macs kept the layers
     that finished loading after it. Landing mid-stream, it cut the stream with an error. Now
     the requests end whole, as mlx-lm's, the model then goes from every Mac, and the next
-    request naming it loads it again, for embeddings as well as chat."""
+    request naming it loads it again, for embeddings as well as chat. Another name of the same
+    weights is served by the same instance."""
     a, b = tiny_model(arch="llama", layers=6), tiny_model(arch="qwen3", layers=4)
-    folder = models_dir(tmp_path, b=b)
+    folder = models_dir(tmp_path, b=b, **{"b-too": b})
     cluster = cluster_factory(a, 2, ["--models-dir", str(folder), "--memory-budget-gb", "4"])
     cluster.wait(lambda: cluster.leader_ready(0), RING_START_TIMEOUT_S, "the ring to serve")
     url = cluster.url(0)
@@ -395,3 +396,8 @@ def test_an_unload_while_a_model_loads_or_streams_lets_its_requests_end_whole_th
     assert status == 200 and len(body["embeddings"]) == 2 and len(body["embeddings"][0]) == mean.size, body
     status, body = post(url + "/api/embeddings", {"model": "b", "prompt": "Hello"})
     assert status == 200 and len(body["embedding"]) == mean.size, body
+
+    # The same weights under another name in the list: served by the instance there is, not a second copy.
+    status, body = ollama(url, "b-too", "Hello")
+    assert status == 200 and body["done"], body
+    assert loaded(url) == {"tiny:latest", "b"}
