@@ -160,6 +160,8 @@ def _inputs(v: Any, where: str, vocab_size: int, ids: bool) -> list[str | list[i
 
 def _dimensions(body: dict, width: int) -> None:
     dims = body.get("dimensions")
+    if dims is not None and (type(dims) is not int or dims < 1):
+        raise ApiError(400, f"dimensions must be a whole number of dimensions, at least 1; got {brief_repr(dims)}", "dimensions")
     if dims is not None and dims != width:
         raise ApiError(
             400, f"dimensions {brief_repr(dims)}: this model's embeddings have {width} dimensions and cannot be shortened; leave dimensions out",
@@ -177,7 +179,8 @@ class OpenAIEmbeddings:
             raise ApiError(400, "model is required", "model")
         if not same_model(model, served.model_id):
             raise ApiError(404, f"model {brief_repr(model)} is not served here", "model", "model_not_found")
-        fmt = body.get("encoding_format", "float")
+        fmt = body.get("encoding_format")
+        fmt = "float" if fmt is None else fmt  # null is left out, as for dimensions
         if fmt not in ENCODINGS:
             raise ApiError(400, f"encoding_format must be one of {', '.join(ENCODINGS)}; got {brief_repr(fmt)}", "encoding_format")
         _dimensions(body, served.info.hidden_size)

@@ -40,6 +40,8 @@ NODE = SimpleNamespace(model_id="m", info=SimpleNamespace(hidden_size=64, vocab_
         ({"model": "m", "input": ["x"] * (MAX_INPUTS + 1)}, 400, "input"),
         ({"model": "m", "input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
         ({"model": "m", "input": "hi", "dimensions": 32}, 400, "dimensions"),
+        ({"model": "m", "input": "hi", "dimensions": "64"}, 400, "dimensions"),
+        ({"model": "m", "input": "hi", "dimensions": True}, 400, "dimensions"),
         ({"model": "m", "input": "hi", "user": 7}, 400, "user"),
     ],
 )
@@ -55,6 +57,11 @@ def test_openai_takes_strings_and_token_ids_and_its_own_width():
     assert api.parse({"model": "m", "input": [5, 6]}, NODE).inputs == [[5, 6]]
     req = api.parse({"model": "m", "input": [[5], [6, 7]], "dimensions": 64, "encoding_format": "base64"}, NODE)
     assert req.inputs == [[5], [6, 7]] and req.encoding == "base64" and req.normalize
+    # null is as good as left out, for either field (OpenAI's SDKs send both as null when not set).
+    assert api.parse({"model": "m", "input": "hi", "dimensions": None, "encoding_format": None}, NODE).encoding == "float"
+    with pytest.raises(ApiError, match="whole number") as e:
+        api.parse({"model": "m", "input": "hi", "dimensions": "64"}, NODE)
+    assert "cannot be shortened" not in e.value.message
 
 
 def test_ollama_names_and_inputs_as_ollama_takes_them():
