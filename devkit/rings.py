@@ -20,7 +20,7 @@ class Ring:
 
     def __init__(
         self, model: Path, nodes: int, split: list[int] | None = None, env: dict | None = None, model_id: str = "tiny", tensor_parallel: int = 1,
-        tensor_engine: str | None = None,
+        tensor_engine: str | None = None, extra: list[str] | None = None,
     ):
         self.model, self.nodes, self.split, self.model_id = model, nodes, split, model_id
         self.log = tempfile.NamedTemporaryFile(prefix="ringd-test-", suffix=".log", delete=False)
@@ -31,6 +31,7 @@ class Ring:
             cmd += ["--tensor-parallel", str(tensor_parallel)]
         if tensor_engine is not None:
             cmd += ["--tensor-engine", tensor_engine]
+        cmd += extra or []
         full_env = {**os.environ, "RINGD_PREFILL_CHUNK_TOKENS": str(TEST_PREFILL_CHUNK), **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
         self.url = self._wait_ready()
@@ -41,6 +42,7 @@ class Ring:
         except AssertionError as e:
             self.stop()
             raise RuntimeError(f"ring of {self.nodes} did not start: {e}\n{self.logs()[-4000:]}") from None
+        self.ready_line = line
         return line.split("OpenAI API at ", 1)[1].split()[0].removesuffix("/v1")
 
     @property

@@ -71,10 +71,18 @@ def _listening(pid: int) -> set[int]:
 
 
 def test_sigterm_stops_every_node(tiny_model):
-    ring = Ring(tiny_model(arch="llama", layers=4), nodes=3)
+    """And before: the ready line says how ringctl reaches the run (its own secret file: the
+    user's ~/.config/ringd/secret is not it), and --keep-alive reaches every node."""
+    ring = Ring(tiny_model(arch="llama", layers=4), nodes=3, extra=["--keep-alive", "10m"])
     try:
         nodes = _children(ring.proc.pid)
         assert len(nodes) == 3
+        ctl = ring.ready_line.split("ringctl reaches it as: ringctl ", 1)[1].split()
+        shown = subprocess.run([sys.executable, "-m", "ringd.app.ctl", *ctl], capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert shown.returncode == 0 and "tiny" in shown.stdout, (shown.stdout, shown.stderr)
+        for pid in nodes:
+            argv = open(f"/proc/{pid}/cmdline").read().split("\0")
+            assert argv[argv.index("--keep-alive") + 1] == "600s", argv
         # The launcher bound every listener (port 0) and handed it down: each node holds its two,
         # the API's among them, and the launcher none (a node that dies closes its ports).
         held = [_listening(pid) for pid in nodes]

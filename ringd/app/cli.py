@@ -27,7 +27,7 @@ from ringd.base.names import DEFAULT_HTTP_PORT
 PARENT_CHECK_S = 1.0
 # The config keys `ringd local` takes as flags and hands to every node it starts (run_local's
 # keywords): their names, help, defaults and checks are the config table's.
-LOCAL_KEYS = ("nodes", "model", "split", "tensor_parallel", "tensor_engine", "model_id", "draft_model", "log_level", "tls", "replicas", "models_dir")
+LOCAL_KEYS = ("nodes", "model", "split", "tensor_parallel", "tensor_engine", "model_id", "draft_model", "log_level", "tls", "replicas", "models_dir", "keep_alive")
 # Where the launcher's meaning is not the daemon's: `ringd serve --nodes` is the ring size the
 # first plan waits for; `ringd local --nodes` also starts that many processes.
 LOCAL_HELP = {"nodes": "number of daemon processes, each a node of the ring"}

@@ -31,6 +31,7 @@ from ringd.ring.statusdoc import ClusterStatus
 from ringd.base import listeners
 from ringd.base.names import DEFAULT_HTTP_PORT
 from ringd.base.servecmd import Flag, serve_command
+from ringd.models.ollama.keepalive import DEFAULT_KEEP_ALIVE_S
 
 # Loading a model and linking N processes takes seconds; a minute of no
 # progress means something is wrong, and the user should hear what.
@@ -107,6 +108,7 @@ def run_local(
     replicas: int = 1,
     tensor_parallel: int | str = 1,
     tensor_engine: str = "auto",
+    keep_alive: float | None = DEFAULT_KEEP_ALIVE_S,
 ) -> int:
     """``tls``: "auto" serves https with certificates from the run's cluster CA, written to
     ringd-ca.pem in the run's folder for clients to trust."""
@@ -127,12 +129,14 @@ def run_local(
         model=model, secret_file=secret_file, cluster=cluster, state_dir=workdir, nodes=nodes, log_level=log_level,
         discovery=False, tls=tls, split=",".join(map(str, split)) if split else None, tensor_parallel=tensor_parallel, tensor_engine=tensor_engine, model_id=model_id,
         draft_model=draft_model, models_dir=models_dir, replicas=replicas,
+        keep_alive="-1" if keep_alive is None else f"{keep_alive:g}s",
     )  # fmt: skip
     procs: list[subprocess.Popen] = []
     stop = Stop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    url = f"{'https' if context else 'http'}://{host}:{https[0].getsockname()[1]}"
+    api = f"{host}:{https[0].getsockname()[1]}"  # read now: the sockets go to the nodes, and close here
+    url = f"{'https' if context else 'http'}://{api}"
     try:
         start_nodes(procs, rings, https, host, shared)
         body = wait_ready(procs, url, context, stop)
@@ -143,7 +147,9 @@ def run_local(
             f"; TLS on: clients trust the cluster CA in {ca_file} (while this runs), e.g. curl --cacert {ca_file} {url}/health, "
             f"or SSL_CERT_FILE={ca_file} for the openai, anthropic and ollama clients"
         ) if context is not None else ""  # fmt: skip
-        print(f"ringd: {nodes} node(s) ready; OpenAI API at {url}/v1 (model {body.get('model')}){trusted}", flush=True)
+        # ringctl reaches the ring with the run's own secret: the user's ~/.config/ringd/secret is not it.
+        ctl = f"; ringctl reaches it as: ringctl --node {api} --secret-file {secret_file} ps"
+        print(f"ringd: {nodes} node(s) ready; OpenAI API at {url}/v1 (model {body.get('model')}){trusted}{ctl}", flush=True)
         return supervise(procs, stop)
     except LaunchError as e:
         print(f"ringd local: {e}", file=sys.stderr)
