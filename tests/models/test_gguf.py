@@ -202,6 +202,12 @@ def test_a_damaged_or_foreign_file_is_refused_in_one_line(smollm2_gguf, tmp_path
         model_info(str(text))
     with pytest.raises(ModelError, match="no such GGUF file"):
         model_info(str(tmp_path / "absent.gguf"))
+    for junk in (b"", b"PK\x03\x04 a zip named .gguf"):  # read as the model list reads each file
+        empty = tmp_path / "junk.gguf"
+        empty.write_bytes(junk)
+        with pytest.raises(ModelError, match="not a GGUF file") as e:
+            GgufFile.open(empty)
+        assert "cut short" not in str(e.value)  # no GGUF at all, not a download to fetch again
     header = tmp_path / "header.gguf"
     header.write_bytes(b"GGUF" + b"\xff" * 60)
     with pytest.raises(ModelError, match="not a readable GGUF file"):

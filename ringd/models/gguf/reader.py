@@ -501,9 +501,10 @@ def _parse(path: Path, size: int) -> tuple[dict[str, Any], dict[str, Tensor], in
 
     from ringd.models.gguf.header import HeaderError, parse_header
 
-    header, why = None, ""
+    header, why, magic = None, "", b""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            magic = mapped[:4]
             try:
                 header = parse_header(mapped)
             except HeaderError as e:
@@ -511,6 +512,9 @@ def _parse(path: Path, size: int) -> tuple[dict[str, Any], dict[str, Tensor], in
                 why = str(e)
     except (OSError, ValueError) as e:  # ValueError: mmap of an empty file
         why = str(e)
+    if header is None and magic != GGUF_MAGIC:
+        # Not a GGUF file at all (empty, another format, a file named .gguf by mistake), not a broken one.
+        raise ModelError(f"{path}: not a GGUF file: it starts {magic!r}, not {GGUF_MAGIC!r} ({why})")
     if header is None:
         raise ModelError(
             f"{path}: not a readable GGUF file ({why}); a file cut short (a download still running "
