@@ -44,6 +44,7 @@ from ringd.http.endpoint import Endpoint
 from ringd.http.errors import ApiError
 from ringd.http.fields import MAX_MODEL_CHARS, keep_alive_field
 from ringd.leader.errors import EngineError
+from ringd.models.naming import same_model
 from ringd.http.files import FileServer
 from ringd.http.bodies import MAX_BODY_BYTES
 from ringd.http.guard import AIOHTTP_LOG, HTTP_IDLE_TIMEOUT_S, ConnectionCap, listen, raise_fd_limit, undecodable_header
@@ -419,9 +420,10 @@ class Api:
     async def models(self, request: web.Request) -> web.Response:
         """Every model the node could serve (``models_list.py``), the loaded one first."""
         self.intake.need_key(request)
-        rows, _ = await models_list.rows(self.d)
+        rows, truncated = await models_list.rows(self.d)
         data = [models_list.openai_model(rows[0], self.d.started), *map(models_list.openai_model, rows[1:])]
-        return web.json_response({"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]})
+        # has_more: the model list stopped short (MAX_MODELS, or the scan's bound): more files are on disk.
+        return web.json_response({"object": "list", "data": data, "has_more": truncated, "first_id": data[0]["id"], "last_id": data[-1]["id"]})
 
     async def model(self, request: web.Request) -> web.Response:
         self.intake.need_key(request)
@@ -429,8 +431,9 @@ class Api:
         rows, _ = await models_list.rows(self.d)
         if asked == self.d.model_id:
             return web.json_response(models_list.openai_model(rows[0], self.d.started))
-        # Any other model of the list (loaded or not: a request naming it loads it), by its name there.
-        row = next((r for r in rows[1:] if r["name"] == asked), None)
+        # Any other model of the list (loaded or not: a request naming it loads it), by its name there
+        # (Ollama's NAME:latest too).
+        row = next((r for r in rows[1:] if same_model(r["name"], asked)), None)
         if row is None:
             raise ApiError(404, f"model {brief_repr(asked)} is not in the model list (GET /v1/models lists it)", "model", "model_not_found")
         return web.json_response(models_list.openai_model(row))

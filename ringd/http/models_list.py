@@ -36,14 +36,23 @@ async def rows(node: "ApiNode") -> tuple[list[dict], bool]:
     """The list's rows (the loaded model first), and whether the catalogue stopped short."""
     listing = await node.catalogue.listing() if node.catalogue is not None else Listing()
     rule = node.fit_rule()  # on the loop: it reads the members' budgets
-    # The leader's instances loaded from the list, by their names there (a follower knows none).
-    instances = {row["source"] for row in node.instances() if row.get("source")}
+    # The leader's instances loaded from the list, by their names there (a follower knows none),
+    # with what they are, for those a listing cut short left out.
+    instances = {}
+    for row in node.instances():
+        served = node.find(row["instance"]) if row.get("source") else None
+        if served is not None:
+            instances[row["source"]] = served.info
     return await asyncio.to_thread(_rows, listing, node.info, node.model_id, rule, instances), listing.truncated
 
 
 def _rows(
-    listing: Listing, served: "ModelInfo", model_id: str, fit: Callable[["ModelInfo"], str | None], instances: set[str] = frozenset()
+    listing: Listing, served: "ModelInfo", model_id: str, fit: Callable[["ModelInfo"], str | None], instances: dict[str, "ModelInfo"] | None = None
 ) -> list[dict]:
+    """The loaded model first, then the other loaded ones (listed or not: a listing cut short may
+    not hold them), then the models that can be served, then the files that cannot (each with its
+    error): a models folder full of junk does not push a model out of sight."""
+    instances = instances or {}
     real = os.path.realpath(served.path)
     loaded, others = None, []
     for entry in listing.entries:
@@ -53,6 +62,9 @@ def _rows(
             others.append(_row(entry, fit) | ({"loaded": True} if entry.name in instances else {}))
     if loaded is None:
         loaded = _row(_served_entry(served, model_id), fit) | {"loaded": True, "started_as": str(served.path)}
+    listed = {row["name"] for row in others}
+    others += [_row(_served_entry(info, name), fit) | {"loaded": True} for name, info in instances.items() if name not in listed]
+    others.sort(key=lambda row: (not row["loaded"], bool(row["error"])))  # stable: the listing's order within each
     return [loaded, *others]
 
 

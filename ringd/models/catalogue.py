@@ -44,7 +44,7 @@ from ringd.models.ollama import store as ollama
 from ringd.models.checkpoint import ModelInfo, WeightBytes, check_supported, read_config, weight_bytes
 from ringd.models.errors import ModelError
 from ringd.models.naming import LATEST, gguf_stem, ollama_key
-from ringd.models.gguf.reader import GgufFile
+from ringd.models.gguf.reader import GgufFile, is_gguf
 from ringd.models.source import hf_snapshot
 
 # Directory entries one scan looks at, over all three places: a models_dir of 10k files or a store
@@ -300,6 +300,8 @@ class Catalogue:
             stats = [p.stat() for p in parts]
         except OSError:
             return
+        if not is_gguf(first):
+            return  # no GGUF at all (empty, another format named .gguf): no model to list, nor room to take
         key = ("gguf", str(first), *((s.st_size, s.st_mtime_ns) for s in stats))
         facts = self._facts.get(key)
         if facts is None:

@@ -102,12 +102,13 @@ def test_every_model_is_listed_with_its_facts_and_fit(tiny_model, tmp_path, monk
 
     openai = answers["/v1/models"]["data"]
     # The loaded model by the name it is served as; the others as the catalogue names them (models_dir's relative to it).
-    assert [m["id"] for m in openai] == ["tiny", "Tiny-F32.gguf", "odd.gguf", "tiny-mlx"]
+    # (What cannot be served after what can: odd.gguf, an architecture ringd does not know, last.)
+    assert [m["id"] for m in openai] == ["tiny", "Tiny-F32.gguf", "tiny-mlx", "odd.gguf"]
     first = openai[0]
     assert first["loaded"] is True and first["created"] == node.started and first["object"] == "model"
     assert (first["format"], first["quant"], first["architecture"], first["layers"], first["size"]) == ("gguf", "Q8_0", "llama", 2, q8.stat().st_size)
     assert first["fits"] is True and first["fit"] == ""
-    big, odd, mlx = openai[1:]
+    big, mlx, odd = openai[1:]
     assert big["loaded"] is False and big["quant"] == "F32" and big["fits"] is False and "short by" in big["fit"]
     assert odd["fits"] is None and "nosucharch" in odd["error"]
     assert (mlx["format"], mlx["architecture"], mlx["source"]) == ("mlx", "llama", "models_dir")
@@ -120,7 +121,7 @@ def test_every_model_is_listed_with_its_facts_and_fit(tiny_model, tmp_path, monk
 
     rows = answers["/cluster/models"]["models"]
     assert rows[0]["started_as"] == "Tiny-Q8_0.gguf" and rows[0]["path"] == str(q8) and not answers["/cluster/models"]["truncated"]
-    assert [r["path"] for r in rows[1:]] == [str(f32), str(models / "odd.gguf"), str(models / "tiny-mlx")]  # whole paths here
+    assert [r["path"] for r in rows[1:]] == [str(f32), str(models / "tiny-mlx"), str(models / "odd.gguf")]  # whole paths here
 
     out = capsys.readouterr().out
     assert code == 0, out
@@ -132,3 +133,22 @@ def test_every_model_is_listed_with_its_facts_and_fit(tiny_model, tmp_path, monk
     assert any(line.startswith("odd.gguf: ") and "nosucharch" in line for line in table)
     assert any(line.startswith("Tiny-F32.gguf: ") and "short by" in line for line in table)
     assert json.dumps(rows)  # the raw list (ringctl models --json) is JSON as it came
+
+
+def test_loaded_models_are_listed_first_even_past_a_listing_cut_short_and_unservable_files_last(tiny_model, tmp_path):
+    """A listing that stopped at its bound (MAX_MODELS) may not hold a model the leader loaded from
+    it: that model is listed still, marked loaded, after the configured one; the models that can
+    be served come before the files that cannot (each with its error)."""
+    from pathlib import Path
+
+    from ringd.http.models_list import _rows
+    from ringd.models.catalogue import MODELS_DIR, Entry, Facts, Listing
+
+    base, other, loaded = (model_info(str(tiny_model(arch=a, layers=2))) for a in ("llama", "qwen3", "qwen2"))
+    bad = [Entry(f"a-{i}.gguf", MODELS_DIR, Path(f"/m/a-{i}.gguf"), 64, 0.0, Facts("gguf", "", "", 0, None, "not a readable GGUF file")) for i in range(3)]
+    good = Entry("other", MODELS_DIR, other.path, 1, 0.0, Facts("mlx", "", "qwen3", 2, other))
+    listing = Listing([*bad, good], truncated=True)
+    rows = _rows(listing, base, "base", lambda info: None, {"on-demand": loaded})
+    assert [r["name"] for r in rows] == ["base", "on-demand", "other", "a-0.gguf", "a-1.gguf", "a-2.gguf"]
+    assert [r["loaded"] for r in rows] == [True, True, False, False, False, False]
+    assert rows[1]["layers"] == 2 and rows[1]["architecture"] == "qwen2" and not rows[1]["error"]

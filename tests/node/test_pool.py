@@ -345,9 +345,12 @@ def test_an_unload_while_a_model_loads_or_streams_lets_its_requests_end_whole_th
     that finished loading after it. Landing mid-stream, it cut the stream with an error. Now
     the requests end whole, as mlx-lm's, the model then goes from every Mac, and the next
     request naming it loads it again, for embeddings as well as chat. Another name of the same
-    weights is served by the same instance."""
+    weights is served by the same instance; files in the models folder that are no GGUF at all
+    crowd nothing out of the model list."""
     a, b = tiny_model(arch="llama", layers=6), tiny_model(arch="qwen3", layers=4)
     folder = models_dir(tmp_path, b=b, **{"b-too": b})
+    for i in range(600):  # no GGUF at all, named before the models: they once filled the list's 500 rows
+        (folder / f"a-junk-{i:03d}.gguf").write_bytes(b"" if i % 2 else b"PK\x03\x04 not a model")
     cluster = cluster_factory(a, 2, ["--models-dir", str(folder), "--memory-budget-gb", "4"])
     cluster.wait(lambda: cluster.leader_ready(0), RING_START_TIMEOUT_S, "the ring to serve")
     url = cluster.url(0)
@@ -380,6 +383,13 @@ def test_an_unload_while_a_model_loads_or_streams_lets_its_requests_end_whole_th
         cluster.wait(lambda: not stages_held(cluster, 2, "b"), 60, f"every Mac to drop b's layers ({how})")
     status, body = ollama(url, "b", "Hello")  # named again: loaded again
     assert status == 200 and body["done"], body
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+        listed = json.loads(r.read())
+    names = [m["id"] for m in listed["data"]]
+    assert names[:2] == ["tiny", "b"] and "b-too" in names and not listed["has_more"], listed  # the loaded first
+    assert not any(n.startswith("a-junk") for n in names), names
+    with urllib.request.urlopen(url + "/v1/models/b:latest", timeout=30) as r:
+        assert json.loads(r.read())["id"] == "b"
 
     # Embeddings follow the pool too (they answered 404 "this ring serves 'tiny'" for b): b's own
     # vectors, mlx-lm's mean of its final hidden states, on each route.
