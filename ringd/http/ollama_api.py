@@ -76,9 +76,9 @@ from ringd.http.fields import (
 )
 from ringd.http.framing import NDJSON
 from ringd.http.request import Output, Request, ResponseFormat, ToolCall, given_fields
-from ringd.models.naming import tagged
+from ringd.models.naming import same_model, tagged
 from ringd.models.catalogue import mlx_quant
-from ringd.models.checkpoint import text_config
+from ringd.models.checkpoint import load_tokenizer, text_config
 from ringd.models.ollama.params import (
     OPTION_TYPES,
     SAMPLED_OPTIONS,
@@ -613,18 +613,26 @@ class Models:
         if not isinstance(name, str) or not name:
             raise bad("model is required")
         served = self.d.loaded(name)
-        if served is None:
-            check_model(name, self.d.model_id)  # the configured model's name, or a 404 that names it
-        info = served.info if served is not None else self.d.info
+        if served is not None:
+            info, tokenizer, shown = served.info, served.tokenizer, served.model_id
+        elif same_model(name, self.d.model_id):
+            info, tokenizer, shown = self.d.info, self.d.tokenizer, self.d.model_id
+        else:  # a model of the list, not loaded: described from its files, as a request would load it
+            found = await self.d.catalogue.lookup(name) if self.d.catalogue is not None else None
+            if found is None:
+                check_model(name, self.d.model_id)  # a 404 that names what is served
+            if found.facts.info is None:
+                raise ApiError(400, f"{name!r} is in the model list, but ringd cannot serve it: {found.facts.error}")
+            info, shown = found.facts.info, found.name
+            tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, info)
         d = await self._description(info)
-        tokenizer = served.tokenizer if served is not None else self.d.tokenizer
         template = getattr(tokenizer, "chat_template", None)
         capabilities = ["completion", "tools"]  # ringd calls tools with any model (render.py)
         if getattr(tokenizer, "has_thinking", False):
             capabilities.append("thinking")
         params = parameters(info)
         system = info.defaults.system
-        modelfile = f"# Modelfile of the model ringd serves as {served.model_id if served else self.d.model_id}\nFROM {info.name}\n"
+        modelfile = f"# Modelfile of the model ringd serves as {shown}\nFROM {info.name}\n"
         modelfile += "".join(f"PARAMETER {name} {value}\n" for name, value in params)
         if system:
             modelfile += f'SYSTEM """{system}"""\n'
@@ -650,22 +658,24 @@ class Models:
         name = body.get("model", body.get("name"))  # "name": Ollama's older field
         if not isinstance(name, str) or not name or len(name) > MAX_MODEL_CHARS:
             raise bad("model is required")
-        found = None
-        if self.d.catalogue is not None:
-            found = await self.d.catalogue.lookup(name)
-        if found is None:
-            raise ApiError(
-                404,
-                f"ringd does not download models from Ollama's registry, and {name!r} is not in this node's model list "
-                f"(the Ollama store, the Hugging Face cache, models_dir): `ollama pull {name}` on every node, or copy it "
-                "into models_dir on every node; then name it in a request (GET /api/tags lists what is there)",
-            )
-        if found.facts.info is None:
-            raise ApiError(400, f"{name!r} is in the model list, but ringd cannot serve it: {found.facts.error}")
         done = {"status": "success"}
+        if same_model(name, self.d.model_id) or self.d.loaded(name) is not None:
+            status = f"{name} is served already"  # by the name /api/tags gives it: nothing to fetch
+        else:
+            found = await self.d.catalogue.lookup(name) if self.d.catalogue is not None else None
+            if found is None:
+                raise ApiError(
+                    404,
+                    f"ringd does not download models from Ollama's registry, and {name!r} is not in this node's model list "
+                    f"(the Ollama store, the Hugging Face cache, models_dir): `ollama pull {name}` on every node, or copy it "
+                    "into models_dir on every node; then name it in a request (GET /api/tags lists what is there)",
+                )  # fmt: skip
+            if found.facts.info is None:
+                raise ApiError(400, f"{name!r} is in the model list, but ringd cannot serve it: {found.facts.error}")
+            status = f"{name} is in the model list as {found.name}"
         if body.get("stream") is False:
             return web.json_response(done)
-        return web.Response(body=NDJSON.frame({"status": f"{name} is in the model list as {found.name}"}) + NDJSON.frame(done), content_type=NDJSON.content_type)
+        return web.Response(body=NDJSON.frame({"status": status}) + NDJSON.frame(done), content_type=NDJSON.content_type)
 
     async def version(self, request: web.Request) -> web.Response:
         self.intake.need_key(request)

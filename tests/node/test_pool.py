@@ -346,7 +346,7 @@ def test_an_unload_while_a_model_loads_or_streams_lets_its_requests_end_whole_th
     the requests end whole, as mlx-lm's, the model then goes from every Mac, and the next
     request naming it loads it again, for embeddings as well as chat. Another name of the same
     weights is served by the same instance; files in the models folder that are no GGUF at all
-    crowd nothing out of the model list."""
+    crowd nothing out of the model list; Ollama's show and pull know every model of the list."""
     a, b = tiny_model(arch="llama", layers=6), tiny_model(arch="qwen3", layers=4)
     folder = models_dir(tmp_path, b=b, **{"b-too": b})
     for i in range(600):  # no GGUF at all, named before the models: they once filled the list's 500 rows
@@ -390,6 +390,12 @@ def test_an_unload_while_a_model_loads_or_streams_lets_its_requests_end_whole_th
     assert not any(n.startswith("a-junk") for n in names), names
     with urllib.request.urlopen(url + "/v1/models/b:latest", timeout=30) as r:
         assert json.loads(r.read())["id"] == "b"
+    # Ollama's show and pull of what the list holds: a listed model not loaded is described from its
+    # files; the served model, by the name /api/tags gives it, needs no pull.
+    status, body = post(url + "/api/show", {"model": "b-too"})
+    assert status == 200 and body["details"]["family"] == "qwen3" and "b-too" in body["modelfile"], body
+    status, body = post(url + "/api/pull", {"model": "tiny:latest", "stream": False})
+    assert (status, body) == (200, {"status": "success"}), body
 
     # Embeddings follow the pool too (they answered 404 "this ring serves 'tiny'" for b): b's own
     # vectors, mlx-lm's mean of its final hidden states, on each route.
