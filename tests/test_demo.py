@@ -56,7 +56,7 @@ class Demo:
                 raise AssertionError(f"the demo did not start (exit code {self.proc.poll()}):\n{self.output}")
             time.sleep(0.1)
         self.url = ready[0].split("OpenAI API at ", 1)[1].split()[0]
-        self.model = ready[0].rsplit("(model ", 1)[1].strip().rstrip(")")
+        self.model = ready[0].split("(model ", 1)[1].split(")", 1)[0]
 
     @property
     def output(self) -> str:
