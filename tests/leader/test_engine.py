@@ -534,19 +534,36 @@ def test_the_next_turn_finds_the_prefix_of_an_answer_its_client_stopped_reading(
     waits for it to be kept, and starts from its caches: not without the wait (LEAVING_WAIT_S 0)."""
     import ringd.leader.engine as engine_module
 
+    HELD_S = 1.0  # within LEAVING_WAIT_S: the wait sees it come back
+    assert HELD_S < engine_module.LEAVING_WAIT_S
+
     path = tiny_model(arch="llama", layers=2, dtype="float32")
     tokenizer = load_tokenizer(model_info(str(path)))
     prompt = tokenizer.encode("An agent asks about " + "rings " * 12, add_special_tokens=False)
 
     async def main():
         ring = StageRing(path, [1], tokenizer)
-        engine = ring.lead(Engine("node0", tokenizer, None))
+        # The answer to the row on the ring when the first request ends comes back HELD_S late: the
+        # next turn, which starts at once, surely starts while it is away (not so by chance).
+        before, closed = set(), []
+
+        def hold(node, frame) -> bool:
+            if frame.type == MsgType.FORWARD and node == ring.first and not closed:
+                before.add(frame.request_id)
+            if closed and frame.type == MsgType.TOKEN and frame.request_id in before:
+                loop.call_later(HELD_S, engine.on_frame, ring.stages[-1].node, frame)
+                return True
+            return False
+
+        loop = asyncio.get_running_loop()
+        engine = ring.lead(Engine("node0", tokenizer, None), hold)
         try:
             answer = []
             async with contextlib.aclosing(engine.generate(prompt, SamplingParams(temperature=0), 12, ignore_eos=True)) as events:
                 async for event in events:
                     answer.append(event.token)
                     if len(answer) == 3:
+                        closed.append(True)
                         break  # closed as the server closes it; the next row is on the ring already
             turn = prompt + answer + tokenizer.encode(" and then?", add_special_tokens=False)
             async for event in engine.generate(turn, SamplingParams(temperature=0), 1):
