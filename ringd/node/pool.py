@@ -443,7 +443,8 @@ class Pool:
             for usage in usages:
                 if usage.active:
                     self.instances[usage.name].last_used = now  # busy: its idle time starts when its last request ends
-            for name in expired(self._usages(), now):
+            # An instance busy now is never expired: the snapshot's last_used of the rest is current.
+            for name in expired(usages, now):
                 inst = self.instances[name]
                 self.unload(name, f"idle for its keep_alive ({format_keep_alive(inst.keep_alive)})")
 
