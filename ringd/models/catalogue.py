@@ -11,8 +11,8 @@ cannot (an architecture or tensor type ringd refuses, a partial download);
 its ``info`` is what placement needs to say whether the cluster's memory holds it.
 
 The work is bounded whatever the disk holds: a scan looks at no more than
-``MAX_SCAN_ENTRIES`` directory entries and lists at most ``MAX_MODELS`` models (the
-listing says when it stopped short); a GGUF is read for its header only (``gguf/reader.py``),
+``MAX_SCAN_ENTRIES`` directory entries and lists at most ``MAX_MODELS`` models that serve and
+``MAX_UNSERVABLE`` that do not (the listing says when it stopped short or left some out); a GGUF is read for its header only (``gguf/reader.py``),
 an mlx-lm directory for its config and safetensors headers, and what was read is kept by
 (path, size, mtime) so the next scan reads only what changed. One scan runs at a time and
 its listing is kept ``SCAN_TTL_S``, shared by ``listing()`` (async, off the event loop) and
@@ -52,11 +52,17 @@ from ringd.models.source import hf_snapshot
 MAX_SCAN_ENTRIES = 20_000
 # Models one listing holds: more than anyone reads in a model picker, and each costs a header read.
 MAX_MODELS = 500
+# Of them, files that cannot be served (a broken download, an architecture ringd refuses): enough
+# to say what is wrong with them, too few for a folder of broken files to crowd out the models
+# that serve (they count apart from MAX_MODELS; past this many, the rest are left out).
+MAX_UNSERVABLE = 50
 # How deep models_dir is searched: DIR/model.gguf, DIR/vendor/model.gguf, DIR/vendor/family/model.gguf.
 MAX_DEPTH = 3
 # A listing is reused this long: clients poll /v1/models, and disks change on a human scale.
 SCAN_TTL_S = 10.0
-# What was read of a file is kept for at most this many files (a models_dir past it is truncated anyway).
+# What was read of files is kept for this many at most; past it, only what the last scan read is
+# kept (files gone or changed since are forgotten), so a folder of broken files is not read again
+# each scan.
 MAX_CACHED_FACTS = 2 * MAX_MODELS
 # A name longer than a path (PATH_MAX) names nothing listed: every listed name is shorter (a models_dir
 # name is at most MAX_DEPTH + 1 file names of 255 bytes, an Ollama name 600 characters), so a longer
@@ -109,6 +115,16 @@ class Listing:
     entries: list[Entry] = field(default_factory=list)
     truncated: bool = False  # a bound was reached: more models may be on disk than are listed
     visited: int = 0  # directory entries looked at
+    servable: int = 0  # entries whose facts have an info (the rest say why not)
+
+    def add(self, entry: Entry) -> None:
+        """``entry`` listed, unless it cannot be served and MAX_UNSERVABLE such are listed already."""
+        if entry.facts.info is not None:
+            self.servable += 1
+        elif len(self.entries) - self.servable >= MAX_UNSERVABLE:
+            self.truncated = True
+            return
+        self.entries.append(entry)
 
 
 class Catalogue:
@@ -122,6 +138,7 @@ class Catalogue:
         self.ollama_store = ollama_store
         self.headers_read = 0  # files read for their facts (the rest came from the cache): for tests
         self._facts: dict[tuple, Facts] = {}
+        self._seen: set[tuple] = set()  # the keys of _facts the scan under way read
         self._listing: Listing | None = None
         self._listed_at = -SCAN_TTL_S
         # One scan at a time, whichever thread asks (the loop's worker for listing(), a loader's for
@@ -159,12 +176,13 @@ class Catalogue:
         """Look in the three places now (blocking: run it off the loop)."""
         with self._scan_lock:
             out = Listing()
+            self._seen: set[tuple] = set()
             for place in (self._scan_ollama, self._scan_hf, self._scan_models_dir):
                 if not self._room(out):
                     break
                 place(out)
             if len(self._facts) > MAX_CACHED_FACTS:
-                self._facts.clear()
+                self._facts = {key: self._facts[key] for key in self._seen}
             return out
 
     def find(self, name: str) -> Entry | None:
@@ -247,7 +265,7 @@ class Catalogue:
     # --- bounded walking ---------------------------------------------------------------
 
     def _room(self, out: Listing) -> bool:
-        if len(out.entries) >= MAX_MODELS or out.visited >= MAX_SCAN_ENTRIES:
+        if out.servable >= MAX_MODELS or out.visited >= MAX_SCAN_ENTRIES:
             out.truncated = True
             return False
         return True
@@ -303,10 +321,11 @@ class Catalogue:
         if not is_gguf(first):
             return  # no GGUF at all (empty, another format named .gguf): no model to list, nor room to take
         key = ("gguf", str(first), *((s.st_size, s.st_mtime_ns) for s in stats))
+        self._seen.add(key)
         facts = self._facts.get(key)
         if facts is None:
             facts = self._facts[key] = self._read_gguf(first)
-        out.entries.append(Entry(name, source, first, sum(s.st_size for s in stats), max(s.st_mtime for s in stats), facts))
+        out.add(Entry(name, source, first, sum(s.st_size for s in stats), max(s.st_mtime for s in stats), facts))
 
     def _add_dir(self, out: Listing, name: str, source: str, path: Path) -> None:
         if not self._room(out):
@@ -317,10 +336,11 @@ class Catalogue:
         except OSError:
             return
         key = ("mlx", str(path), *((s.st_size, s.st_mtime_ns) for s in stats))
+        self._seen.add(key)
         facts = self._facts.get(key)
         if facts is None:
             facts = self._facts[key] = self._read_dir(path)
-        out.entries.append(Entry(name, source, path, sum(s.st_size for s in stats[1:]), max(s.st_mtime for s in stats), facts))
+        out.add(Entry(name, source, path, sum(s.st_size for s in stats[1:]), max(s.st_mtime for s in stats), facts))
 
     def _read_gguf(self, path: Path) -> Facts:
         self.headers_read += 1

@@ -124,6 +124,25 @@ def test_the_three_places_listed_once_read_and_bounded(tiny_model, tmp_path, mon
     short = Catalogue(models, hf_cache=cache, ollama_store=store).scan()
     assert short.truncated and short.visited == 100
 
+    # Files that cannot be served (GGUF headers cut short) before a model that serves, in sort
+    # order: at most MAX_UNSERVABLE are listed, and they take no room from the models that serve.
+    monkeypatch.setattr(catalogue, "MAX_MODELS", 3)
+    monkeypatch.setattr(catalogue, "MAX_CACHED_FACTS", 10)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for i in range(60):
+        (broken / f"a-broken-{i:02d}.gguf").write_bytes(b"GGUF")
+    (broken / "z-tiny.gguf").symlink_to(q4)
+    c = Catalogue(broken, hf_cache=tmp_path / "no-cache", ollama_store=tmp_path / "no-store")
+    listing = c.scan()
+    names = [e.name for e in listing.entries]
+    assert "z-tiny.gguf" in names and len(names) == catalogue.MAX_UNSERVABLE + 1 and listing.truncated
+    assert catalogue.match(listing.entries, "z-tiny").facts.info is not None
+    read = c.headers_read  # 61: past MAX_CACHED_FACTS, the cache keeps what this scan read
+    c.scan()
+    assert c.headers_read == read == 61
+    monkeypatch.setattr(catalogue, "MAX_MODELS", 500)
+
     # listing(): the scan runs off the event loop, once for callers that ask at the same time.
     threads = []
     scan = Catalogue.scan
