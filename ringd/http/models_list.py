@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import Counter
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Callable
 
 from ringd.models.catalogue import Entry, Facts, Listing, gguf_quant, mlx_quant
 from ringd.models.errors import ModelError
 from ringd.models.gguf.reader import GgufFile
+from ringd.models.naming import ollama_spelling
 
 if TYPE_CHECKING:
     from ringd.http.node import ApiNode
@@ -112,8 +114,16 @@ def openai_model(row: dict, started: int | None = None) -> dict:
     }  # fmt: skip
 
 
-def ollama_model(row: dict) -> dict:
-    """A row as Ollama's /api/tags lists a model (without a digest: nothing is hashed to list it)."""
+def ollama_models(rows: list[dict]) -> list[dict]:
+    """The rows as Ollama's /api/tags lists models (without a digest: nothing is hashed to list
+    them), each named as Ollama's clients spell names (``naming.ollama_spelling``), unless two
+    rows would then share a name: those keep the list's own (which ``match`` finds first, exactly)."""
+    spelled = [ollama_spelling(row["name"]) for row in rows]
+    twice = {name for name, n in Counter(spelled).items() if n > 1}
+    return [_ollama_model(row, row["name"] if name in twice else name) for row, name in zip(rows, spelled)]
+
+
+def _ollama_model(row: dict, name: str) -> dict:
     arch = row["architecture"]
     details = {"parent_model": "", "format": row["format"], "family": arch, "families": [arch] if arch else [], "parameter_size": "", "quantization_level": row["quant"]}
-    return {"name": row["name"], "model": row["name"], "modified_at": iso(row["modified"]), "size": row["size"], "digest": "", "details": details, **{k: row[k] for k in _FACTS}}
+    return {"name": name, "model": name, "modified_at": iso(row["modified"]), "size": row["size"], "digest": "", "details": details, **{k: row[k] for k in _FACTS}}

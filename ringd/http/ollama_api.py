@@ -76,7 +76,7 @@ from ringd.http.fields import (
 )
 from ringd.http.framing import NDJSON
 from ringd.http.request import Output, Request, ResponseFormat, ToolCall, given_fields
-from ringd.models.naming import same_model, tagged
+from ringd.models.naming import ollama_spelling, same_model, tagged
 from ringd.models.catalogue import mlx_quant
 from ringd.models.checkpoint import load_tokenizer, text_config
 from ringd.models.ollama.params import (
@@ -542,8 +542,9 @@ class GenerateAnswer:
 
 
 def check_model(name: Any, served: str) -> None:
-    """``name`` is the served model (``NAME:latest`` too, as Ollama tags an untagged name), or a 404."""
-    if name not in (served, tagged(served)):
+    """``name`` is the served model (``NAME:latest`` too, as Ollama tags an untagged name, and as
+    /api/tags spells it), or a 404."""
+    if name not in (served, tagged(served), ollama_spelling(served)):
         raise ApiError(404, f"model {brief_repr(name)} not found; this ring serves {served!r}")
 
 
@@ -574,10 +575,10 @@ class Models:
         self.intake.need_key(request)
         d = await self._description()
         rows, _ = await models_list.rows(self.d)
-        name = tagged(self.d.model_id)
-        model = {"name": name, "model": name, "modified_at": d["modified_at"], "size": d["size"], "digest": d["digest"], "details": d["details"]}
-        model |= {k: v for k, v in models_list.ollama_model(rows[0]).items() if k not in model}
-        return web.json_response({"models": [model, *map(models_list.ollama_model, rows[1:])]})
+        models = models_list.ollama_models(rows)
+        first = models[0]  # the served model, as it was read
+        first |= {"modified_at": d["modified_at"], "size": d["size"], "digest": d["digest"], "details": d["details"]}
+        return web.json_response({"models": models})
 
     async def ps(self, request: web.Request) -> web.Response:
         """The models loaded now: the leader's instances (a follower asks its leader), each with
@@ -593,7 +594,7 @@ class Models:
             d = await self._description(info)
             # Apple silicon's memory is the GPU's: on a Mac the whole model is "in VRAM".
             vram = d["size"] if getattr(profile, "gpu_cores", None) else 0
-            name = tagged(row["model"] or self.d.model_id)
+            name = ollama_spelling(row["model"] or self.d.model_id)
             expires = row.get("expires_at")
             models.append({
                 "name": name, "model": name, "size": d["size"], "digest": d["digest"], "details": d["details"],

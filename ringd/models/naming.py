@@ -22,6 +22,13 @@ def tagged(name: str) -> str:
     return name if ":" in name.rsplit("/", 1)[-1] else name + LATEST
 
 
+def ollama_spelling(name: str) -> str:
+    """A listed name as Ollama's clients spell names: tagged, a model of Ollama's store without
+    ringd's ``ollama:`` (``ollama:smollm2:135m`` is ``smollm2:135m``, ``tiny-a`` is ``tiny-a:latest``).
+    ``match`` finds the model by it again."""
+    return tagged(name.removeprefix(store.PREFIX))
+
+
 def same_model(a: str, b: str) -> bool:
     """Whether two names a request may use name the same model (``smollm2``, ``smollm2:latest``)."""
     return tagged(a) == tagged(b)

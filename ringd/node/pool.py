@@ -350,7 +350,7 @@ class Pool:
         gone = victims(order, lambda removed: short(removed) is None)
         if gone is None:
             why = short(frozenset(order))
-            busy = [i.name or "the configured model" for i in self.instances.values() if i.name not in order]
+            busy = [i.name or f"{i.model_id} (the configured model)" for i in self.instances.values() if i.name not in order]
             raise EngineError(
                 f"model {name} does not fit the cluster's memory beside {', '.join(busy) or 'nothing'}: {why}", 503
             )  # fmt: skip

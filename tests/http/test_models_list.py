@@ -22,7 +22,7 @@ from ringd.cluster.memberinfo import MemberInfo
 from ringd.app.daemon import Node as RingNode
 from ringd.http.api import Api
 from ringd.base.metrics import Metrics
-from ringd.models.catalogue import Catalogue
+from ringd.models.catalogue import Catalogue, match
 from ringd.models.source import model_info
 
 KV_RESERVE_TOKENS = 16
@@ -116,7 +116,10 @@ def test_every_model_is_listed_with_its_facts_and_fit(tiny_model, tmp_path, monk
 
     tags = answers["/api/tags"]["models"]
     assert tags[0]["name"] == "tiny:latest" and tags[0]["digest"] == loaded.fingerprint and tags[0]["loaded"] is True
-    assert [t["name"] for t in tags[1:]] == [m["id"] for m in openai[1:]]
+    # Named as Ollama's clients spell names (tagged), each finding its model again.
+    assert [t["name"] for t in tags[1:]] == [f"{m['id']}:latest" for m in openai[1:]]
+    entries = node.catalogue.current().entries
+    assert [match(entries, t["name"]).name for t in tags[1:]] == [m["id"] for m in openai[1:]]
     assert tags[1]["details"]["quantization_level"] == "F32" and tags[1]["details"]["family"] == "llama" and tags[1]["fits"] is False
 
     rows = answers["/cluster/models"]["models"]
@@ -152,3 +155,14 @@ def test_loaded_models_are_listed_first_even_past_a_listing_cut_short_and_unserv
     assert [r["name"] for r in rows] == ["base", "on-demand", "other", "a-0.gguf", "a-1.gguf", "a-2.gguf"]
     assert [r["loaded"] for r in rows] == [True, True, False, False, False, False]
     assert rows[1]["layers"] == 2 and rows[1]["architecture"] == "qwen2" and not rows[1]["error"]
+
+
+def test_api_tags_spells_every_name_as_ollama_does_unless_two_would_share_one():
+    from ringd.http.models_list import ollama_models
+
+    row = {"architecture": "llama", "format": "gguf", "quant": "Q4_K_M", "modified": 0.0, "size": 1, "loaded": False,
+           "source": "", "layers": 2, "fits": True, "fit": "", "error": ""}  # fmt: skip
+    names = ["base", "ollama:smolk:135m-q4km", "tiny-a", "someone/Tiny-GGUF:Q4_0", "ollama:tiny-a:latest"]
+    spelled = [m["name"] for m in ollama_models([row | {"name": n} for n in names])]
+    # tiny-a and Ollama's tiny-a:latest would share a name: each keeps its own, which finds it exactly.
+    assert spelled == ["base:latest", "smolk:135m-q4km", "tiny-a", "someone/Tiny-GGUF:Q4_0", "ollama:tiny-a:latest"]
