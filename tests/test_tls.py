@@ -6,6 +6,8 @@ import asyncio
 import datetime
 import ipaddress
 import ssl
+import tempfile
+from pathlib import Path
 
 import pytest
 from cryptography import x509
@@ -56,8 +58,9 @@ def test_another_cluster_name_gives_another_ca():
 
 def test_a_leaf_verifies_under_the_ca_for_each_of_its_names():
     ca = tlsca.derive_ca(b"x" * 32, "ringd")
-    names = tlsca.san_names("mini1", "mini1.lan", ["192.168.1.20", "fe80::1", "0.0.0.0"])
-    assert names == ["mini1", "mini1.lan", "mini1.local", "192.168.1.20", "fe80::1", "localhost", "127.0.0.1", "::1"]
+    names, left_out = tlsca.san_names("mini1", "mini1.lan", ["192.168.1.20", "fe80::1", "0.0.0.0", "203.0.113.7"])
+    assert names == ["mini1.lan", "mini1.local", "192.168.1.20", "fe80::1", "localhost", "127.0.0.1", "::1"]
+    assert left_out == ["mini1", "203.0.113.7"]  # a bare name, a public address: outside the CA's constraints
     leaf = tlsca.issue(ca, "mini1", names, NOW)
     for name in names:
         _verify(ca, leaf.cert_pem, name)
@@ -65,6 +68,32 @@ def test_a_leaf_verifies_under_the_ca_for_each_of_its_names():
         _verify(ca, leaf.cert_pem, "other.local")
     cert = x509.load_pem_x509_certificate(leaf.cert_pem)
     assert cert.not_valid_after_utc - cert.not_valid_before_utc <= datetime.timedelta(days=398)
+
+
+def test_whoever_holds_the_secret_cannot_mint_a_certificate_a_client_takes_for_a_public_site():
+    """The CA a user may add to a system's trust store vouches for LAN names and private addresses
+    only (critical name constraints): a certificate its key signs for a public name or address
+    (as anyone with the secret could sign) fails, in cryptography's verifier and in OpenSSL's."""
+    ca = tlsca.derive_ca(b"x" * 32, "ringd")
+    (constraints,) = [e for e in ca.cert.extensions if isinstance(e.value, x509.NameConstraints)]
+    assert constraints.critical
+    for name in ("www.example.com", "8.8.8.8", "2001:db8::1", "evil.local.example.com", "localhost.com"):
+        forged = tlsca.issue(ca, "x", [name], NOW)
+        with pytest.raises(VerificationError):
+            _verify(ca, forged.cert_pem, name)
+    for name in ("mini1.local", "nas.home.arpa", "10.1.2.3", "100.101.102.103", "fd00::5"):
+        _verify(ca, tlsca.issue(ca, "x", [name], NOW).cert_pem, name)
+    # OpenSSL, as Python's ssl and aiohttp check a server: the forged certificate is refused.
+    forged = tlsca.issue(ca, "x", ["www.example.com"], NOW)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "c.pem").write_bytes(forged.cert_pem)
+        (Path(d) / "k.pem").write_bytes(forged.key_pem)
+        server.load_cert_chain(Path(d) / "c.pem", Path(d) / "k.pem")
+    with pytest.raises(ssl.SSLCertVerificationError, match="constraint|permitted"):
+        asyncio.run(_handshake(server, tls.trusting(ca.pem), "www.example.com"))
+    # The CA lives ten years (a node warns in its last).
+    assert ca.cert.not_valid_after_utc - ca.cert.not_valid_before_utc <= datetime.timedelta(days=3653)
 
 
 async def _handshake(server: ssl.SSLContext, client: ssl.SSLContext, host: str) -> None:

@@ -19,6 +19,7 @@ client certificates (API keys and signed control requests do that job).
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import ssl
 import tempfile
@@ -28,6 +29,8 @@ from pathlib import Path
 from ringd.security import tlsca
 
 MODES = ("off", "auto", "cert")
+
+log = logging.getLogger(__name__)
 
 
 def trust_hint(cluster: str) -> str:
@@ -71,7 +74,20 @@ def server_context(s: TlsSettings, node: str, host: str, addresses: list[str]) -
     if s.mode == "cert":
         _load_chain(ctx, s.cert_file, s.key_file)
         return ctx
-    leaf = tlsca.issue(tlsca.derive_ca(s.secret, s.cluster), node, tlsca.san_names(node, host, addresses), datetime.datetime.now(datetime.timezone.utc))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    names, left_out = tlsca.san_names(node, host, addresses)
+    if left_out:
+        log.warning(
+            "tls: auto: this node's certificate leaves out %s: the cluster CA vouches for LAN names and private "
+            "addresses only (tlsca.PERMITTED_DOMAINS, PERMITTED_NETWORKS); reach it by its .local name or a private "
+            "address, or serve your own certificate (tls_cert, tls_key)", ", ".join(left_out),
+        )  # fmt: skip
+    if now > tlsca.CA_NOT_AFTER - tlsca.CA_RENEW_BEFORE:
+        log.warning(
+            "tls: auto: the cluster CA expires on %s: change the cluster secret on every node, then export the new CA (%s)",
+            tlsca.CA_NOT_AFTER.date(), trust_hint(s.cluster),
+        )  # fmt: skip
+    leaf = tlsca.issue(tlsca.derive_ca(s.secret, s.cluster), node, names, now)
     # ssl loads a certificate chain from files only: a directory of the owner's alone, gone
     # once loaded (the key never outlives this call on disk).
     with tempfile.TemporaryDirectory(prefix="ringd-tls-") as d:

@@ -11,6 +11,14 @@ its own certificate and a client trusts one exported file
 the CA is exactly as strong as the secret, which already lets its holder join
 the ring.
 
+A user may put that file in a system's trust store, so the CA vouches for a LAN's
+names only: its (critical) name constraints permit the names of special-use and
+private-use domains (``.local``, ``localhost``, ``.home.arpa``, ``.internal``, and the
+``.lan``, ``.home``, ``.localdomain`` that routers hand out) and private, loopback,
+link-local and shared (CGNAT, Tailscale's) addresses. Whoever holds the secret cannot
+mint a certificate a client would take for a public site. A node's certificate leaves
+out its names outside them (a bare ``mini1``, a public address), and the node says so.
+
 Sans-I/O: bytes in, PEM bytes out; what loads them into ``ssl`` contexts is
 ``tls.py``. What this ignores: revocation (change the secret, and every
 certificate and the CA change with it), client certificates.
@@ -36,14 +44,27 @@ _P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 _KDF_BYTES = 48
 # The CA certificate's fixed validity: the same on every node and in every
 # ringctl, so the exported file never changes while the secret does not.
-# Twenty years: the CA is replaced by changing the secret, not by expiry.
-CA_NOT_BEFORE = datetime.datetime(2025, 1, 1, tzinfo=datetime.timezone.utc)
-CA_NOT_AFTER = datetime.datetime(2045, 1, 1, tzinfo=datetime.timezone.utc)
+# Ten years, as mkcert's CA: no cluster is cut off by surprise (a node warns in the CA's last
+# year: CA_RENEW_BEFORE), and a file trusted somewhere and forgotten does not vouch forever.
+# Before then, changing the secret replaces it.
+CA_NOT_BEFORE = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+CA_NOT_AFTER = datetime.datetime(2036, 1, 1, tzinfo=datetime.timezone.utc)
+CA_RENEW_BEFORE = datetime.timedelta(days=365)
 # A node's certificate is issued at every start; it stays valid for 397 days,
 # under the 398 that Apple's and browsers' TLS stacks accept for a server
 # certificate. Backdated an hour so a peer whose clock is a little behind accepts it.
 LEAF_VALIDITY = datetime.timedelta(days=397)
 LEAF_BACKDATE = datetime.timedelta(hours=1)
+# The DNS names the CA may vouch for (each with every name under it): RFC 6762's, 6761's and
+# 8375's special-use domains, ICANN's private-use .internal, and names home routers give out
+# that ICANN will not delegate.
+PERMITTED_DOMAINS = ("local", "localhost", "home.arpa", "internal", "lan", "home", "localdomain")
+# The addresses it may vouch for: private (RFC 1918, IPv6 unique local), loopback, link-local,
+# and shared address space (RFC 6598: carrier NAT, and Tailscale's addresses).
+PERMITTED_NETWORKS = tuple(
+    ipaddress.ip_network(n)
+    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16", "127.0.0.0/8", "::1/128", "fc00::/7", "fe80::/10")
+)  # fmt: skip
 
 
 def ca_subject(cluster: str) -> str:
@@ -80,6 +101,13 @@ def derive_ca(secret: bytes, cluster: str) -> ClusterCA:
         .not_valid_after(CA_NOT_AFTER)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(_key_usage(signs_certificates=True), critical=True)
+        .add_extension(
+            x509.NameConstraints(
+                permitted_subtrees=[*(x509.DNSName(d) for d in PERMITTED_DOMAINS), *(x509.IPAddress(n) for n in PERMITTED_NETWORKS)],
+                excluded_subtrees=None,
+            ),
+            critical=True,
+        )
         .add_extension(ski, critical=False)
         # RFC 6979: the signature, and so the certificate's bytes, depend on the key and the content only.
         .sign(key, hashes.SHA256(), ecdsa_deterministic=True)
@@ -102,15 +130,24 @@ def _san(name: str) -> x509.GeneralName:
         return x509.DNSName(name.lower().rstrip("."))
 
 
-def san_names(node: str, host: str, addresses: list[str]) -> list[str]:
+def permitted(name: str) -> bool:
+    """Whether the CA's name constraints let it vouch for ``name`` (a host name or an address)."""
+    general = _san(name)
+    if isinstance(general, x509.IPAddress):
+        return any(general.value in n for n in PERMITTED_NETWORKS)
+    return any(general.value == d or general.value.endswith("." + d) for d in PERMITTED_DOMAINS)
+
+
+def san_names(node: str, host: str, addresses: list[str]) -> tuple[list[str], list[str]]:
     """What a node's certificate is valid for: its name, the host's name and its ``.local`` (Bonjour)
-    name, its addresses, and loopback, without repeats, in that order."""
+    name, its addresses, and loopback, without repeats, in that order; and, apart, those of them
+    the CA may not vouch for (``permitted``), which the certificate leaves out."""
     names = [node, host, host.split(".")[0] + ".local", *addresses, "localhost", "127.0.0.1", "::1"]
     seen: dict[str, None] = {}
     for n in names:
         if n and n not in ("0.0.0.0", "::"):
             seen.setdefault(n.lower(), None)
-    return list(seen)
+    return [n for n in seen if permitted(n)], [n for n in seen if not permitted(n)]
 
 
 @dataclass(frozen=True)
