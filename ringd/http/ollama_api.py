@@ -53,7 +53,6 @@ import json
 import logging
 import math
 import os
-from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
@@ -77,7 +76,7 @@ from ringd.http.fields import (
 from ringd.http.framing import NDJSON
 from ringd.http.request import Output, Request, ResponseFormat, ToolCall, given_fields
 from ringd.models.naming import ollama_spelling, same_model, tagged
-from ringd.models.catalogue import mlx_quant
+from ringd.models.catalogue import gguf_quant, mlx_quant
 from ringd.models.checkpoint import load_tokenizer, text_config
 from ringd.models.ollama.params import (
     OPTION_TYPES,
@@ -724,8 +723,7 @@ def describe(info: "ModelInfo") -> dict:
             g = GgufFile.open(info.path)
             tensors = [t for t in g.tensors.values() if t.name not in CONFIG_TENSORS]
             params = sum(math.prod(t.shape) for t in tensors)
-            kinds = Counter(t.type for t in tensors if len(t.shape) >= 2)
-            quant = kinds.most_common(1)[0][0] if kinds else quant
+            quant = gguf_quant(g)  # the model list's answer (its file type), as Ollama's
         except (OSError, ValueError) as e:
             log.warning("cannot read %s for /api/tags: %s", info.path, e)
     if params is None:

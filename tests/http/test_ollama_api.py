@@ -182,6 +182,21 @@ def test_the_model_is_described_as_ollama_lists_models(smollm2_gguf):
     assert parameter_size(8_030_261_248) == "8.0B"
 
 
+def test_a_gguf_s_quant_has_one_answer_its_file_type_in_the_model_list_and_in_ollama_s_description(tiny_model, tmp_path):
+    """A Q8_0 file most of whose matrices were written Q4_0 (as llama.cpp's mixes keep some
+    tensors apart): the model list and /api/tags' description both say Q8_0, its file type."""
+    from devkit.ggufmake import write_gguf
+    from ringd.models.catalogue import Catalogue
+    from ringd.models.source import model_info
+
+    model = tiny_model(arch="llama", layers=2)
+    types = {f"blk.{i}.{t}.weight": "q4_0" for i in range(2) for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")}
+    path = write_gguf(model, tmp_path / "mixed.gguf", qtype="q8_0", types=types)
+    (entry,) = Catalogue(tmp_path, hf_cache=tmp_path / "no-hf", ollama_store=tmp_path / "no-ollama").scan().entries
+    assert entry.facts.quant == "Q8_0"
+    assert describe(model_info(str(path)))["details"]["quantization_level"] == "Q8_0"
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
