@@ -159,6 +159,9 @@ def test_top_draws_live_figures_and_loading_progress_when_the_document_has_them(
             {
                 "node": "studio", "role": "follower", "stage": 1, "layers": [14, 28], "ready": False, "term": 7,
                 "progress": {"phase": "download", "bytes": 45 * 2**20, "total_bytes": 100 * 2**20, "rate_bytes_s": 12.5 * 2**20, "file": "model-00002.safetensors"},
+                # A model loaded on demand beside it, its layers being read; another's entry garbled.
+                "instance_stages": [{"instance": "qwen3-4b", "progress": {"phase": "load", "bytes": 3 * 2**20, "total_bytes": 4 * 2**20}},
+                                    {"instance": "done", "progress": None}, "junk"],
             },
             {"node": "air", "ready": False, "error": "no answer: timed out", "progress": None, "stats": "not a mapping"},
         ],
@@ -167,6 +170,7 @@ def test_top_draws_live_figures_and_loading_progress_when_the_document_has_them(
     assert "leader mini1 · not ready: waiting for studio to load its layers · term 7" in text
     assert "tokens/s 41.2 · active 1 · queued 3 · requests 1,200 · tokens out 98,765 · micro-batches 2 · drafts kept 80%" in text and "TTFT" not in text
     assert re.search(r"studio\s+downloading\s+\S+\s+45%\s+45\.0 / 100\.0 MiB\s+12\.5 MiB/s\s+model-00002\.safetensors", text), text
+    assert re.search(r"studio \(qwen3-4b\)\s+loading\s+\S+\s+75%\s+3\.0 / 4\.0 MiB", text), text
     assert "no answer: timed out" in text and "3,072.0" in text and "1.0 / 4,096.0" in text
 
     # `ringctl status` prints the same figures and progress once, under its table, and the

@@ -216,14 +216,16 @@ def stats_line(doc: ClusterStatus) -> str | None:
 
 
 def progress_grid(doc: ClusterStatus):
-    """One line per node that is downloading or loading its layers, or None."""
+    """One line per load under way: each node's of the configured model's layers, and of any
+    other instance's (a model loaded on demand, a replica; named beside the node), or None."""
     from rich.progress_bar import ProgressBar
     from rich.table import Table
 
     grid = Table.grid(padding=(0, 1))
-    for n in doc.nodes:
-        p = n.progress
-        if p is None:
+    loads = [(n.node, n.progress) for n in doc.nodes]
+    loads += [(f"{n.node} ({s.get('instance')})", s.get("progress")) for n in doc.nodes for s in n.instance_stages if isinstance(s, dict)]
+    for who, p in loads:
+        if not isinstance(p, dict):
             continue
         done, total, rate = number(p.get("bytes")), number(p.get("total_bytes")), number(p.get("rate_bytes_s"))
         figures = [f"{done / total:.0%}" if done is not None and total else "", f"{mib(done)} / {mib(total)} MiB"]
@@ -233,5 +235,5 @@ def progress_grid(doc: ClusterStatus):
             figures.append(p["file"])
         # No total yet: rich draws an indeterminate bar.
         bar = ProgressBar(total=total if total else None, completed=done or 0, width=24)
-        grid.add_row(n.node, progress.verb(p.get("phase")), bar, "  ".join(f for f in figures if f))
+        grid.add_row(who, progress.verb(p.get("phase")), bar, "  ".join(f for f in figures if f))
     return grid if grid.row_count else None
