@@ -33,7 +33,7 @@ from ringd.cluster.discovery import Advert, Discovery, DiscoveryError, dial_orde
 from ringd.cluster.election import Term
 from ringd.cluster.memberinfo import MemberInfo
 from ringd.cluster.members import Cluster, DrainError
-from ringd.cluster.messages import MessageError, parse_loaded
+from ringd.cluster.messages import MessageError, PoolModel, parse_loaded
 from ringd.cluster.placement import ModelCost, NodeSpec, shortfall
 from ringd.cluster.reconcile import Report
 from ringd.node.config import Config, ConfigError
@@ -318,7 +318,9 @@ class Node:
         if leading:
             parts = NodeParts(self.cfg, self.cluster, self.stages, self.supervisor, self.metrics, self._started)
             configured = ServedModel("", "", self.info, self.tokenizer, self.r.drafter)
-            self.pool = Pool(parts, configured, self.model_id, self.catalogue, planned_before=self.stage.plan is not None)
+            self.pool = Pool(
+                parts, configured, self.model_id, self.catalogue, planned_before=self.stage.plan is not None, restore=self.cluster.pool or (),
+            )  # fmt: skip
         elif self.pool is not None:
             self.pool.close(f"leadership moved to {self.cluster.leader or 'another node'}; retry")
             self.pool = None
@@ -326,7 +328,7 @@ class Node:
     def on_change(self) -> None:
         self.stages.check_links({p: peer.number for p, peer in self.cluster.peers.items()})
         if self.cluster.leader is not None:
-            self.stages.leader_is(self.cluster.leader)
+            self.stages.leader_is(self.cluster.leader, {i for m in self.cluster.pool or () for i in m.instances})
         if self.pool is not None:
             self.pool.changed()
 
@@ -335,6 +337,9 @@ class Node:
 
     def serving(self) -> tuple[Term | None, str]:
         return self.coordinator.serving() if self.coordinator is not None else (None, "not leading")
+
+    def kept_models(self) -> tuple[PoolModel, ...]:
+        return self.pool.manifest() if self.pool is not None else ()
 
     def sent(self, seconds: float) -> None:
         self.metrics.link_send.observe(seconds)
@@ -478,6 +483,8 @@ class Node:
             "instances": self.instances(),
             # This node's stages of those instances (their layers, sessions, load progress).
             "instance_stages": self.stages.status(),
+            # The models the leader keeps loaded (its own, or as its heartbeats say): what a next leader loads again.
+            "kept_models": [m.to_wire() for m in (self.pool.manifest() if self.pool is not None else self.cluster.pool or ())],
         }
 
     def _kv_capacity(self, start: int, end: int) -> int | None:

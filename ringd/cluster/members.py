@@ -33,7 +33,7 @@ from ringd.cluster.election import Election, ElectionError, Pin, Term
 from ringd.cluster.linkcost import LinkMeter, Measured
 from ringd.cluster.links import DEAD_AFTER_S, HEARTBEAT_INTERVAL_S, LinkError, Links
 from ringd.cluster.memberinfo import MemberInfo
-from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, MAX_INSTANCES, MAX_LINK_REPORTS, Heartbeat, MessageError, clip, parse_control
+from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, MAX_INSTANCES, MAX_LINK_REPORTS, Heartbeat, MessageError, PoolModel, clip, parse_control
 from ringd.ring.plan import MAX_ADDR_CHARS
 from ringd.cluster.reconcile import Report
 from ringd.base.names import natural_key, parse_hostport
@@ -96,6 +96,9 @@ class Owner(Protocol):
     def serving(self) -> tuple[Term | None, str]:
         """While leading: the term of the ring that serves, or None and why not."""
 
+    def kept_models(self) -> tuple[PoolModel, ...]:
+        """While leading: the models it keeps loaded besides the configured one (heartbeats tell them)."""
+
     def sent(self, seconds: float) -> None:
         """A frame took ``seconds`` to hand to its link (for metrics)."""
 
@@ -114,6 +117,9 @@ class Cluster:
         # ... and of its stages of the leader's other instances: peer -> instance -> report.
         self.instance_reports: dict[str, dict[str, Report]] = {}
         self.leader_serving: tuple[Term | None, str] = (None, "no word from the leader yet")
+        # The models the leader keeps loaded (its heartbeats say; kept when it dies, so the next
+        # leader, whichever node it is, loads them again): None until a leader said.
+        self.pool: tuple[PoolModel, ...] | None = None
         self._leader_moved = asyncio.Event()  # set, then replaced, whenever the leader changes
         self._last_leader: str | None = None
         self.leader_changes = 0  # elections this node saw decided (for metrics)
@@ -275,6 +281,9 @@ class Cluster:
         if peer == self.election.leader and beat.drained is not None:
             self.drained = set(beat.drained)
             self.leader_serving = (beat.serving, beat.reason)
+            if beat.pool is not None and beat.pool != self.pool:
+                self.pool = beat.pool
+                self._owner.on_change()  # stages of instances the leader no longer keeps may go
         others = {r.instance: r for r in beat.instances}
         changed = self.reports.get(peer) != beat.report or self.instance_reports.get(peer, {}) != others
         self.reports[peer] = beat.report
@@ -366,7 +375,7 @@ class Cluster:
         if self.leading:
             serving, reason = self._owner.serving()
             drained = tuple(sorted(self.drained, key=natural_key))
-            beat = dataclasses.replace(beat, drained=drained, serving=serving, reason=clip(reason))
+            beat = dataclasses.replace(beat, drained=drained, serving=serving, reason=clip(reason), pool=self._owner.kept_models())
         return beat.to_wire()
 
     def claim_plan_term(self) -> Term:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from ringd.cluster.election import Announce, ElectionError, Term
 from ringd.cluster.linkcost import Clock, Measured
-from ringd.ring.plan import MAX_ADDR_CHARS
+from ringd.cluster.sharing import MAX_REPLICAS
+from ringd.ring.plan import MAX_ADDR_CHARS, MAX_INSTANCE_CHARS
 from ringd.cluster.reconcile import Report, ReportError
 from ringd.base.names import check_name, parse_hostport
 
@@ -36,12 +37,49 @@ MAX_INSTANCES = 32
 MAX_LINK_REPORTS = MAX_GOSSIPED_PEERS
 # A measured RTT a report may carry, in microseconds: an hour; a link slower than that is dead.
 MAX_RTT_US = 3_600_000_000
+# A keep_alive a pool model may carry: a year (Ollama's -1, forever, is null).
+MAX_KEEP_ALIVE_S = 365 * 86400.0
 # Why the leader does not serve, as followers repeat it in /health: one line.
 MAX_REASON_CHARS = 300
 
 
 class MessageError(ValueError):
     """A malformed message from a peer; the message says what. Ignore it, keep the link."""
+
+
+@dataclass(frozen=True)
+class PoolModel:
+    """One model the leader keeps loaded besides the configured one (or the configured model's
+    replicas), as its heartbeats tell followers, so that a leader elected after it loads them
+    again: ``model`` what it was loaded by ("": the configured model), ``keep_alive`` how long it
+    stays once idle (None: for good), ``instances`` its instances' names (its replicas)."""
+
+    model: str
+    keep_alive: float | None
+    instances: tuple[str, ...]
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or len(self.model) > MAX_INSTANCE_CHARS or not self.model.isprintable():
+            raise MessageError(f"a pool model's name is a printable string of at most {MAX_INSTANCE_CHARS} characters")
+        if self.keep_alive is not None and (
+            not isinstance(self.keep_alive, (int, float)) or isinstance(self.keep_alive, bool) or not 0 <= self.keep_alive <= MAX_KEEP_ALIVE_S
+        ):
+            raise MessageError(f"a pool model's keep_alive is null or seconds from 0 to {MAX_KEEP_ALIVE_S:.0f}, got {self.keep_alive!r:.40}")
+        if not isinstance(self.instances, tuple) or not 1 <= len(self.instances) <= MAX_REPLICAS:
+            raise MessageError(f"a pool model has 1 to {MAX_REPLICAS} instances")
+        for name in self.instances:
+            if not isinstance(name, str) or len(name) > MAX_INSTANCE_CHARS or not name.isprintable():
+                raise MessageError(f"a pool instance's name is a printable string of at most {MAX_INSTANCE_CHARS} characters")
+
+    def to_wire(self) -> dict:
+        return {"model": self.model, "keep_alive": self.keep_alive, "instances": list(self.instances)}
+
+    @classmethod
+    def from_wire(cls, d: object) -> "PoolModel":
+        if not isinstance(d, dict) or set(d) != {"model", "keep_alive", "instances"} or not isinstance(d["instances"], list):
+            raise MessageError(f"a pool model is {{model, keep_alive, instances: [...]}}, got {d!r:.200}")
+        keep_alive = d["keep_alive"]
+        return cls(d["model"], float(keep_alive) if isinstance(keep_alive, int) and not isinstance(keep_alive, bool) else keep_alive, tuple(d["instances"]))
 
 
 def _node(what: str, v: object) -> str:
@@ -79,8 +117,12 @@ class Heartbeat:
     # links, which the leader places the ring by.
     clock: Clock | None = None
     links: dict[str, Measured] = field(default_factory=dict)
+    # From the leader (optional too): the models it keeps loaded besides the configured one.
+    pool: tuple[PoolModel, ...] | None = None
 
     def __post_init__(self):
+        if self.pool is not None and sum(len(m.instances) for m in self.pool) > MAX_INSTANCES:
+            raise MessageError(f"a heartbeat's pool names at most {MAX_INSTANCES} instances")
         if len(self.instances) > MAX_INSTANCES:
             raise MessageError(f"a heartbeat reports at most {MAX_INSTANCES} instances, not {len(self.instances)}")
         if len(self.knows) > MAX_GOSSIPED_PEERS:
@@ -102,6 +144,8 @@ class Heartbeat:
             d["links"] = {p: [m.rtt_us, m.bandwidth] for p, m in self.links.items()}
         if self.drained is not None:
             d.update(drained=list(self.drained), serving=self.serving.to_wire() if self.serving else None, reason=self.reason)
+        if self.pool is not None:
+            d["pool"] = [m.to_wire() for m in self.pool]
         return d
 
     @classmethod
@@ -109,7 +153,7 @@ class Heartbeat:
         if not isinstance(d, dict):
             raise MessageError(f"a heartbeat is an object, got {type(d).__name__}")
         required, leader_keys = {"election", "report", "knows"}, {"drained", "serving", "reason"}
-        if not required <= set(d) <= required | leader_keys | {"instances", "clock", "links"} or (set(d) & leader_keys and not leader_keys <= set(d)):
+        if not required <= set(d) <= required | leader_keys | {"instances", "clock", "links", "pool"} or (set(d) & leader_keys and not leader_keys <= set(d)):
             raise MessageError(f"a heartbeat has keys election, report, knows (and from a leader drained, serving, reason); got {sorted(map(str, d))!r:.200}")
         try:
             election = Announce.from_wire(d["election"])
@@ -141,7 +185,12 @@ class Heartbeat:
                 raise MessageError(f"heartbeat reason must be a string of at most {MAX_REASON_CHARS} characters")
         clock = _clock(d["clock"]) if "clock" in d else None
         links = _links(d["links"]) if "links" in d else {}
-        return cls(election, report, dict(knows), drained, serving, d.get("reason", ""), others, clock, links)
+        pool = None
+        if "pool" in d:
+            if not isinstance(d["pool"], list) or len(d["pool"]) > MAX_INSTANCES:
+                raise MessageError(f"heartbeat pool must be a list of at most {MAX_INSTANCES} models")
+            pool = tuple(PoolModel.from_wire(m) for m in d["pool"])
+        return cls(election, report, dict(knows), drained, serving, d.get("reason", ""), others, clock, links, pool)
 
 
 def _seconds(what: str, v: object) -> float:

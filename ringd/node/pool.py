@@ -41,6 +41,7 @@ from ringd.models.errors import ModelError
 from ringd.models.naming import same_model, tagged
 from ringd.models.source import model_info
 from ringd.cluster.memberinfo import MemberInfo
+from ringd.cluster.messages import MAX_INSTANCES, PoolModel
 from ringd.node.coordinator import Coordinator, NodeParts, ServedModel
 from ringd.models.ollama.keepalive import format_keep_alive
 from ringd.ring.plan import MAX_INSTANCE_CHARS
@@ -122,9 +123,14 @@ class Instance:
 class Pool:
     """Exists while this node leads; ``close`` when it stops."""
 
-    def __init__(self, parts: NodeParts, configured: ServedModel, model_id: str, catalogue: Catalogue | None, planned_before: bool):
+    def __init__(
+        self, parts: NodeParts, configured: ServedModel, model_id: str, catalogue: Catalogue | None, planned_before: bool,
+        restore: tuple[PoolModel, ...] = (),
+    ):  # fmt: skip
         """``configured``: the model the cluster was started with, served as ``model_id``; its
-        first plan waits for nodes unless ``planned_before`` (a leader taking over a running ring)."""
+        first plan waits for nodes unless ``planned_before`` (a leader taking over a running ring).
+        ``restore``: the models the leader before this one kept loaded (its heartbeats said),
+        loaded again once the configured model serves."""
         self.cfg = cfg = parts.cfg
         self.parts = parts
         self.catalogue = catalogue
@@ -138,12 +144,61 @@ class Pool:
         # Each model loaded on demand alone: the nodes it is placed over, and why.
         self.homes: dict[str, tuple[frozenset[str], str]] = {}
         self._closed = False
+        # The models being loaded again after a leader change, by key: told in heartbeats as kept
+        # (their stages on followers are kept for them) until they serve or fail.
+        self._restoring: dict[str, PoolModel] = {}
         first = Coordinator(parts, configured, self, planned_before)
         self.default = Instance("", "", model_id, first, pinned=True, keep_alive=None)
         self.instances[""] = self.default
         self._task = parts.supervisor.forever("keep_alive", self._expire_loop)
         if cfg.replicas > 1:
             parts.supervisor.once("replicas", self._configured_replicas(cfg.replicas))
+        for m in restore:
+            if m.model or len(m.instances) > cfg.replicas:  # the configured replicas are loaded above
+                self._restoring[tagged(m.model or model_id)] = m
+                parts.supervisor.once(f"restore {m.model or model_id}", self._restore(m))
+
+    async def _restore(self, m: PoolModel) -> None:
+        """A model the last leader kept loaded, loaded again (its replicas, its keep_alive) once the
+        configured model serves; its stages on the followers are still there, and kept when they
+        are placed alike. A request naming it meanwhile starts (or waits on) the same load."""
+        name, key = m.model or self.default.model_id, tagged(m.model or self.default.model_id)
+        try:
+            await self.default.coordinator.wait_ready(LOAD_TIMEOUT_S)
+            for _ in range(2):  # a request's load of one replica may have been the one joined
+                await self.load(name, len(m.instances), m.keep_alive if m.model else False)
+                if len(self.replicas_of(name)) >= len(m.instances):
+                    break
+            if m.model:
+                for inst in self.replicas_of(name):
+                    inst.keep_alive = m.keep_alive
+            log.info("%s loaded again, as the leader before this one kept it", name)
+        except EngineError as e:
+            if not self._closed:
+                log.error("%s, which the leader before this one kept loaded, could not be loaded again: %s", name, e)
+        finally:
+            self._restoring.pop(key, None)
+
+    def manifest(self) -> tuple[PoolModel, ...]:
+        """The models this leader keeps loaded besides the configured one (and the configured
+        model's replicas past the first), with those being loaded again: what heartbeats tell."""
+        out: dict[str, PoolModel] = {}
+        for inst in self.instances.values():
+            if inst.keep_alive == 0.0 or (inst.pinned and len(self.replicas_of(inst.model_id)) < 2):
+                continue  # going, or the configured model alone
+            key = tagged(inst.model_id)
+            had = out.get(key)
+            names = (*had.instances, inst.name) if had else (inst.name,)
+            out[key] = PoolModel(inst.model_id if not inst.pinned else "", None if inst.pinned else inst.keep_alive, names[:MAX_REPLICAS])
+        for key, m in self._restoring.items():
+            out.setdefault(key, m)
+        kept, count = [], 0
+        for m in out.values():
+            count += len(m.instances)
+            if count > MAX_INSTANCES:  # what a heartbeat carries (the pool holds no more anyway)
+                break
+            kept.append(m)
+        return tuple(kept)
 
     async def _configured_replicas(self, n: int) -> None:
         """``replicas: n``: once the configured model serves, its other n - 1 instances."""

@@ -5,7 +5,8 @@ one ``StageHost`` a node had before instances). Each other instance the leader
 places gets a ``StageHost`` here when its first PLAN arrives (the plan names the
 instance and the model: each node finds the model in its own model list,
 ``resolve``), and loses it on UNLOAD, or when the leader that placed it is no
-longer the leader (a new leader loads again what its requests ask for).
+longer the leader and the leaders' heartbeats no longer name it among the models they keep
+(a new leader loads those again, and its plan finds the stage with its layers).
 
 Frames are routed by the ring they name: a FORWARD or RELEASE carries its
 plan's term, and terms are unique across the leader's plans (every plan claims
@@ -97,10 +98,12 @@ class Stages:
             return  # not held, or placed again since
         self._drop(u.instance, "the leader unloaded it")
 
-    def leader_is(self, leader: str | None) -> None:
-        """The election follows ``leader`` now: stages placed by another leader go."""
+    def leader_is(self, leader: str | None, kept: set[str] = frozenset()) -> None:
+        """The election follows ``leader`` now: stages placed by another leader go, but those of
+        the instances in ``kept`` (the models the leaders keep loaded, as their heartbeats say):
+        the new leader loads them again, and a stage placed alike keeps its layers."""
         for instance, host in list(self.others.items()):
-            if host.plan is None or host.plan.leader != leader:
+            if (host.plan is None or host.plan.leader != leader) and instance not in kept:
                 self._drop(instance, f"its leader {host.plan.leader if host.plan else '?'} no longer leads")
 
     def _drop(self, instance: str, why: str) -> None:

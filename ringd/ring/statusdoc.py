@@ -36,6 +36,8 @@ class NodeStatus:
     tls: str = "off"
     instances: list[dict] = dataclasses.field(default_factory=list)  # the leader's models now (ringctl ps)
     instance_stages: list[dict] = dataclasses.field(default_factory=list)  # its stages of those
+    # The models the leader keeps loaded, as its heartbeats say: what the next leader loads again.
+    kept_models: list[dict] = dataclasses.field(default_factory=list)
     budget: int | None = None  # bytes for weights + KV cache
     task_restarts: dict = dataclasses.field(default_factory=dict)  # supervised task -> restarts
     # Its stage of the configured model.

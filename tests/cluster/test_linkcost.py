@@ -115,6 +115,8 @@ class Quiet:
         return Report(), ()
     def serving(self):
         return None, ""
+    def kept_models(self):
+        return ()
     def sent(self, seconds): ...
 
 

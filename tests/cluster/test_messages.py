@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringd.cluster.election import Announce, Pin, Term
-from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, Heartbeat, MessageError, parse_control, parse_loaded
+from ringd.cluster.messages import MAX_DRAINED, MAX_GOSSIPED_PEERS, MAX_INSTANCES, Heartbeat, MessageError, PoolModel, parse_control, parse_loaded
+from ringd.ring.plan import MAX_INSTANCE_CHARS
 from ringd.ring.steps import Failure, parse_release
 from ringd.ring.plan import Plan, PlacementError, make_plan
 from ringd.cluster.reconcile import LOADED, Report
@@ -36,12 +37,19 @@ heartbeats = st.builds(
     st.just(Report(Term(3, "a"), LOADED)) | st.just(Report()),
     st.dictionaries(names, st.builds(lambda a, p: f"10.0.{a}.1:{p}", st.integers(0, 255), st.integers(1, 65535)), max_size=MAX_GOSSIPED_PEERS),
     st.none() | st.lists(names, max_size=MAX_DRAINED, unique=True).map(tuple),
+    pool=st.none() | st.just(()) | st.just(tuple(  # the most a leader tells: MAX_INSTANCES instances of the longest names
+        PoolModel("m" * MAX_INSTANCE_CHARS, 300.0, tuple(f"{i:04d}".ljust(MAX_INSTANCE_CHARS, "i") for i in range(k, k + 8)))
+        for k in range(0, MAX_INSTANCES, 8)
+    )),
 )
 
 
 def valid_messages():
     """kind -> (a valid document, what its parser makes of it)."""
-    beat = Heartbeat(Announce(Term(4, "node1"), "node1", Pin()), Report(Term(4, "node1"), LOADED), {"node2": "10.0.0.2:50051"}, ("node3",), Term(4, "node1"), "")
+    beat = Heartbeat(
+        Announce(Term(4, "node1"), "node1", Pin()), Report(Term(4, "node1"), LOADED), {"node2": "10.0.0.2:50051"}, ("node3",), Term(4, "node1"), "",
+        pool=(PoolModel("tiny-b", 300.0, ("tiny-b", "tiny-b#2")), PoolModel("", None, ("", "base#2"))),
+    )  # fmt: skip
     plan = make_plan(7, "node1", "fp", 6, [("node1", "10.0.0.1:50051"), ("node2", "10.0.0.2:50051")])
     failure = Failure(3, 7, "node2", "no stage loaded here", 503)  # 3: the frame's id, as PARSERS sends it
     return {
@@ -121,6 +129,14 @@ def test_heartbeats_round_trip_and_always_fit_a_frame(beat):
 
 def test_heartbeats_refuse_what_a_node_would_never_build():
     good = valid_docs()["heartbeat"]
+    too_many = [{"model": f"m{i}", "keep_alive": None, "instances": [f"m{i}", f"m{i}#2"]} for i in range(MAX_INSTANCES // 2 + 1)]
+    for pool, why in [
+        (too_many, "at most 32 instances"), ([{"model": "m", "keep_alive": -1, "instances": ["m"]}], "keep_alive"),
+        ([{"model": "m", "keep_alive": None, "instances": []}], "1 to 16 instances"), ({"m": 1}, "list"),
+        ([{"model": "m\n", "keep_alive": None, "instances": ["m"]}], "printable"),
+    ]:  # fmt: skip
+        with pytest.raises(MessageError, match=why):
+            Heartbeat.from_wire({**good, "pool": pool})
     with pytest.raises(MessageError, match="at most 64 node"):
         Heartbeat.from_wire({**good, "knows": {f"n{i}": "10.0.0.1:1" for i in range(MAX_GOSSIPED_PEERS + 1)}})
     with pytest.raises(MessageError, match="drained node"):
