@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 class Served(Protocol):
     """One model the leader serves (an instance of its pool): what a request naming it runs on."""
 
+    name: str  # the instance ("": the configured model's first; a replica's "MODEL#N")
     model_id: str  # what requests name it by, and answers call it
 
     @property

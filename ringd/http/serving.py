@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, AsyncIterator
@@ -31,6 +32,12 @@ from ringd.http.render import Rendered, RenderError, render
 from ringd.http.request import Output, Request, Usage, with_model_defaults
 from ringd.leader.errors import EngineError
 from ringd.ring.sampling import SamplingError
+
+log = logging.getLogger(__name__)
+
+# How many times one request may move to another replica whose ring serves (each move after its
+# own ring was lost for good): more than a cluster has replicas to lose.
+MAX_REPLICA_HANDOFFS = 4
 
 if TYPE_CHECKING:
     from ringd.http.node import ApiNode, Served
@@ -139,8 +146,42 @@ class Serving:
             raise ApiError(400, f"the stream carried over already holds max_tokens ({max_tokens}) tokens")
         params = req.params if rendered.grammar is None else dataclasses.replace(req.params, grammar=rendered.grammar)
         self.d.metrics.prompt_tokens.inc(len(prompt))
-        events = engine.generate(prompt, params, max_tokens, req.stop, list(resumed), request_id, emit_resumed=True, ignore_eos=req.ignore_eos)
+        events = self._generate(served, engine, prompt, params, max_tokens, req.stop, list(resumed), request_id, req.ignore_eos)
         return Generation(req, rendered, events, served.tokenizer, len(resumed), received_ns)
+
+    async def _generate(self, served: "Served", engine: "Engine", prompt, params, max_tokens, stop, resumed, request_id, ignore_eos) -> AsyncIterator:
+        """``engine``'s events for the request; should its replica's ring be lost for good (a 503:
+        every Mac of its share gone, so it cannot re-form), the rest from another replica of the
+        same model that serves, which replays the prompt and what was streamed, as a new leader does."""
+        produced: list[int] = []
+        events = engine.generate(prompt, params, max_tokens, stop, resumed, request_id, emit_resumed=True, ignore_eos=ignore_eos)
+        try:
+            for _ in range(MAX_REPLICA_HANDOFFS + 1):
+                try:
+                    async for ev in events:
+                        if not ev.resumed:
+                            produced.append(ev.token)
+                        yield ev
+                    return
+                except EngineError as e:
+                    other = self._other_replica(served, e)
+                    if other is None:
+                        raise
+                    log.warning("its ring is lost (%s); %d tokens in, the request goes on on %s", e, len(produced), other.name or other.model_id)
+                    await events.aclose()
+                    served = other
+                    events = other.engine.generate(prompt, params, max_tokens, stop, [*resumed, *produced], request_id, ignore_eos=ignore_eos)
+            raise EngineError(f"the request's ring was lost {MAX_REPLICA_HANDOFFS + 1} times", 503)
+        finally:
+            await events.aclose()
+
+    def _other_replica(self, served: "Served", error: EngineError) -> "Served | None":
+        """Another replica of ``served``'s model that serves, when ``error`` says ``served``'s ring
+        cannot (a 503 while it is not ready); else None."""
+        if error.status != 503 or served.readiness()[0]:
+            return None
+        other = self.d.loaded(served.model_id)
+        return other if other is not None and other is not served and other.readiness()[0] else None
 
     async def ready(self, served: "Served") -> "Engine":
         """The engine, once a ring serves (a ring lost a moment ago: waiting for the next, as the

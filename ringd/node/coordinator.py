@@ -369,6 +369,8 @@ class Coordinator:
             plan = self._place(term.number, specs, split)
         except PlacementError as e:
             reason = f"cannot place {self.label}: {e}"
+            if self._share.nodes_for(self.instance) == frozenset():  # a replica whose share of the Macs is gone
+                reason = f"cannot place {self.label}: every Mac of its share of the cluster is gone; the model's other replicas serve its requests"
             log.error(reason)
             self.failure = reason
             self.reconciler.placement_failed(now, over, reason)

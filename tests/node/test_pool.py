@@ -280,7 +280,8 @@ def test_idle_models_go_least_recently_used_first_never_a_busy_one_and_after_the
 def test_two_replicas_on_four_nodes_share_the_streams_and_a_kill_9_loses_nothing(tiny_model, cluster_factory):
     """replicas: 2 on four Macs: two rings of two, requests to the one with the least work
     outstanding; kill -9 of a node of one replica mid-stream: it re-plans on its survivor, the
-    other keeps serving, and every stream ends with mlx-lm's greedy tokens."""
+    other keeps serving, and every stream ends with mlx-lm's greedy tokens; then kill -9 of that
+    survivor: the replicas back each other, and its streams end whole on the other."""
     import os
     import signal
 
@@ -326,6 +327,23 @@ def test_two_replicas_on_four_nodes_share_the_streams_and_a_kill_9_loses_nothing
     assert sorted(served.values()) == [streams // 2] * 2, f"the replicas' shares of the burst: {served}"
     print(f"requests per replica: {served}; tiny#2 now on {after['tiny#2']['stages']}")
     assert victim not in {s[0] for r in after.values() for s in r["stages"]}
+
+    # Then every Mac of tiny#2 goes (its survivor killed mid-stream): its ring cannot re-form, and
+    # its streams go on on the other replica, ending whole as mlx-lm's.
+    (last,) = {s[0] for s in after["tiny#2"]["stages"]}
+    got.clear()
+    flowing = threading.Barrier(streams + 1, timeout=LOAD_DEADLINE_S)
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    flowing.wait()
+    os.kill(c.procs[int(last.removeprefix("node"))].pid, signal.SIGKILL)
+    for t in threads:
+        t.join(LOAD_DEADLINE_S)
+    assert not errors, errors
+    for i in range(streams):
+        assert got[i] == reference(a, prompts[i], tokens)[0], f"stream {i} changed when every Mac of tiny#2 went"
+    assert sum(r["ringd"]["served"] for r in ps(c.url(0)) if r["ringd"]["instance"] == "tiny#2") > streams // 2  # it had streams of this burst to hand over
 
 
 def stages_held(cluster, n: int, instance: str) -> list[int]:
