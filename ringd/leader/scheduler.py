@@ -22,7 +22,9 @@ same path), which is what keeps each stage's caches right.
 - A row is one request's step: a prompt chunk (``sample`` false), the prompt's
   last token (sampled, as mlx-lm's ``generate_step``), or a token fed back.
 - The ready requests wait in two queues (a prompt's chunk next, or a decode step),
-  heaps ordered by when each last got a row, kept as requests change, so a
+  heaps ordered by when each last got a row (a prompt that one full chunk finishes before
+  longer ones: a new short chat's first token does not wait for a round of long prompts'
+  chunks), kept as requests change, so a
   micro-batch costs the same whether 1 request runs or 64 (as vLLM keeps its
   waiting and running queues), not a sort of every request per token.
 - Decode rows of ready requests fill a micro-batch, longest-waiting first, up
@@ -141,7 +143,7 @@ class _Request:
     draft: tuple[int, ...] | None = None  # proposals for its next decode row
     drafting: bool = False  # a Draft is out for it
     joined: int = 0  # its place among the requests, in the order they joined (Drafts go in it)
-    queued_as: tuple[bool, int] | None = None  # (prefilling, waited) of its entry in a ready queue
+    queued_as: tuple[bool, int, int] | None = None  # (prefilling, rank, waited) of its entry in a ready queue
 
     def draft_size(self, num_draft: int) -> int:
         """Proposals its next row may carry: never past max_tokens, whatever is accepted."""
@@ -194,7 +196,8 @@ class Scheduler:
         self._batches = itertools.count(1)
         self._clock = itertools.count(1)
         self._prefill_turn = False  # the next micro-batch is a prompt's chunk, if one is waiting
-        # The ready requests, (waited, rid), longest-waiting first: [decode steps, prompts' chunks].
+        # The ready requests, (rank, waited, rid), longest-waiting first within a rank: [decode
+        # steps, prompts' chunks] (a prompt's rank: 0 if one full chunk finishes it, else 1).
         # An entry counts while it is its request's ``queued_as`` and the request is ready; others
         # are dropped when they reach the top.
         self._queues: tuple[list, list] = ([], [])
@@ -372,19 +375,27 @@ class Scheduler:
             self._decoding.add(req.rid)
         if req.speculative:
             self._touched[req.rid] = None
-        if done or req.queued_as == (prefilling, req.waited):
+        rank = self.rank(req)
+        if done or req.queued_as == (prefilling, rank, req.waited):
             return  # not ready, or queued already as it is
         if req.queued < len(req.prompt) + len(req.generated) and not (req.speculative and req.waits_for_draft(self.num_draft)):  # ready()
-            req.queued_as = (prefilling, req.waited)
-            heapq.heappush(self._queues[prefilling], (req.waited, req.rid))
+            req.queued_as = (prefilling, rank, req.waited)
+            heapq.heappush(self._queues[prefilling], (rank, req.waited, req.rid))
+
+    def rank(self, req: _Request) -> int:
+        """Which requests go first: a prompt that one full chunk finishes (0) before longer ones (1)
+        (each waits for its first token, and theirs take many chunks anyway), so a new short chat
+        does not wait for a round of long prompts' chunks. By what its caches held when it last
+        got a row back, which changes only with ``waited``."""
+        return int(req.prefilling and len(req.prompt) - 1 - req.sent > self.prefill_chunk)
 
     def _head(self, prefill: bool) -> _Request | None:
         """The ready request that waited longest for a prompt's chunk (or a decode step), left queued."""
         queue = self._queues[prefill]
         while queue:
-            waited, rid = queue[0]
+            rank, waited, rid = queue[0]
             req = self._requests.get(rid)
-            current = req is not None and req.queued_as == (prefill, waited)
+            current = req is not None and req.queued_as == (prefill, rank, waited)
             if current and req.ready(self.num_draft):
                 return req
             heapq.heappop(queue)  # stale: its request moved on, left, or waits (it is queued again when ready)

@@ -59,10 +59,10 @@ def reference(rid: int, prompt: list[int], n: int) -> list[int]:
 
 class Oracle(Scheduler):
     """The schedule's order as it was decided before the ready queues: every request looked at,
-    and the ready ones sorted by when they last got a row, for each micro-batch."""
+    and the ready ones sorted by rank, then by when they last got a row, for each micro-batch."""
 
     def _ready(self) -> list[_Request]:
-        return sorted((r for r in self._requests.values() if r.ready(self.num_draft)), key=lambda r: r.waited)
+        return sorted((r for r in self._requests.values() if r.ready(self.num_draft)), key=lambda r: (self.rank(r), r.waited))
 
     def _fill(self) -> list:
         out = []
@@ -445,6 +445,23 @@ def test_a_prompts_chunks_go_around_together_leaving_decoding_a_slot():
     [decode] = [s for s in out if s.rows[0].sample]
     again = sched.tokens(decode.batch, 1, {1: 3})
     assert [s.rows for s in again if isinstance(s, Send)] == [(Row(1, 1, (3,), True),)]
+
+
+def test_a_short_prompt_goes_in_the_next_free_slot_ahead_of_a_round_of_long_prompts():
+    """Three long prompts prefill (each many chunks); a short one joins: its chunk takes the next
+    slot that frees, before the long prompts' next chunks, and its first token follows at once.
+    (Longest-waiting first alone would have it wait for a chunk of each long prompt.)"""
+    sched = Scheduler(max_in_flight=2, prefill_chunk=4)
+    out = sched.ring_up(1)
+    for rid in (1, 2, 3):
+        out += sched.join(rid, list(range(40)), 5)
+    assert [s.rows[0].rid for s in out] == [1, 1]  # the first long prompt fills both slots
+    assert sched.tokens(out[0].batch, 1, {})[0].rows[0].rid == 2  # the others take turns, longest-waiting first
+    assert sched.join(9, [5, 6, 7], 4) == []  # no slot free
+    [short] = sched.tokens(out[1].batch, 1, {})
+    assert short.rows == (Row(9, 0, (5, 6), False),)
+    [first_token] = [s for s in sched.tokens(short.batch, 1, {}) if s.rows[0].rid == 9]
+    assert first_token.rows == (Row(9, 2, (7,), True),)
 
 
 def test_beside_running_streams_a_prompt_goes_in_smaller_chunks():
