@@ -29,6 +29,9 @@ class HolderNode:
     metrics: Metrics
     files: Holding | None
 
+    def holding(self, fingerprint: str) -> Holding | None:
+        return None  # one model's files only
+
 
 @contextlib.asynccontextmanager
 async def holder(name: str, path: Path, cache: Path, fingerprint: str | None = None, sealed: bool = False, tls: bool = False):

@@ -198,3 +198,43 @@ def test_a_node_waiting_for_a_holder_says_so_and_stops_on_a_signal(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+class OnDemandCluster(Cluster):
+    """node0 leads and has a model list (models/node0); node1 has an empty one, model_from_peers,
+    and the more memory: a model loaded on demand is placed on node1 alone."""
+
+    def flags(self, i: int, secret: Path | None = None, name: str | None = None) -> dict:
+        flags = super().flags(i, secret, name)
+        if i == 0:
+            return {**flags, "models_dir": self.tmp / "models" / "node0", "memory_budget_gb": 1}
+        return {**flags, "model_from_peers": True, "models_dir": self.tmp / "models" / "node1", "memory_budget_gb": 4}
+
+
+def test_a_node_without_a_model_s_files_fetches_its_layers_of_a_model_loaded_on_demand_from_the_leader(tiny_model, tmp_path):
+    """A request names a model only the leader's list holds; the placement puts its layers on
+    node1, whose list lacks it: node1 fetches them from the leader (model_from_peers), checked,
+    and the answer is mlx-lm's; node1's list does not show the fetched copy as a model of its own."""
+    from devkit.reference import reference
+
+    a, b = tiny_model(arch="llama", layers=2), tiny_model(arch="qwen3", layers=4)
+    (tmp_path / "models" / "node1").mkdir(parents=True)
+    (tmp_path / "models" / "node0").mkdir(parents=True)
+    (tmp_path / "models" / "node0" / "tiny-b").symlink_to(b, target_is_directory=True)
+    c = OnDemandCluster(a, 2, tmp_path)
+    try:
+        c.wait(lambda: c.leader_ready(0) == "node0", RING_START_TIMEOUT_S, "node0 to lead a ring that serves")
+        prompt = [4, 8, 15, 16, 23, 42]
+        status, body = post(c.url(0) + "/v1/completions", {"model": "tiny-b", "prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 1,
+                                                            "return_tokens_as_token_ids": True}, timeout=180)  # fmt: skip
+        assert status == 200, (body, c.log_tails())
+        got = [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
+        assert got == reference(b, prompt, 10)[0]
+        rows = {r["ringd"]["instance"]: r["ringd"] for r in c.get(0, "/api/ps")["models"]}
+        assert [s[0] for s in rows["tiny-b"]["stages"]] == ["node1"], rows
+        (fetched,) = [d for d in (tmp_path / "models" / "node1").iterdir() if d.is_dir()]
+        assert PeerModel.open(fetched, b"", "node1") is not None  # checked against the leader's manifest
+        listed = c.get(1, "/cluster/models")["models"]
+        assert not any(str(fetched) in r["path"] for r in listed), listed
+    finally:
+        c.stop()

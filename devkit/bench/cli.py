@@ -15,7 +15,7 @@ from devkit.bench.decode import decode, report
 from devkit.bench.draft import early_exit_pair
 from devkit.bench.embeddings import embeddings
 from devkit.bench.links import link_arguments, links
-from devkit.bench.prefill import prefill_pause
+from devkit.bench.prefill import prefill_pause, short_behind
 from devkit.bench.reference import converted, single_process
 from devkit.bench.replicas import replicas_against_one, wait_for_replicas
 from devkit.bench.rings import Started, follower_url, ring_concurrent, ring_decode, start_ring, stream_prompts
@@ -40,6 +40,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=7, help="interleaved runs per configuration")
     parser.add_argument("--json-schema", action="store_true", help="also measure each ring with a response_format JSON schema (the mask's cost)")
     parser.add_argument("--concurrency", help="measure aggregate tokens/s of this many streams at once instead, e.g. 1,2,4,8,16")
+    parser.add_argument("--short-behind", type=int, metavar="TOKENS", help="measure a short chat's time to first token alone and behind long prompts (one of this many tokens, then six of half) instead")
     parser.add_argument("--prefill-pause", type=int, metavar="TOKENS", help="measure running streams' longest pause while a prompt of this many tokens prefills instead")
     parser.add_argument("--rate", type=float, metavar="REQ_PER_S", help="measure TTFT and inter-token latency at this steady request rate instead, against mlx_lm.server")
     parser.add_argument("--requests", type=int, default=32, help="requests per run with --rate")
@@ -144,6 +145,11 @@ def measured_instead(args, model, tok, started: Started, sizes: list[int], model
         tls_cost(args, prompt, no_eos, rings, started.secured)
     elif args.embeddings:
         embeddings(args, model, tok, {f"ringd local, {n} node(s)": rings[n] for n in sizes})
+    elif args.short_behind:
+        words = tok.encode(" ".join(["the ring of small computers shares one mind"] * args.short_behind), add_special_tokens=False)
+        for name, (_, url) in [*((f"ringd local, {n} node(s)", r) for n, r in rings.items()), *((f"baseline, {n} node(s)", r) for n, r in started.baselines.items())]:
+            print(f"{name}:")
+            short_behind(url, prompt, words[: args.short_behind], args.repeats)
     elif args.prefill_pause:
         words = tok.encode(" ".join(["the ring of small computers shares one mind"] * args.prefill_pause), add_special_tokens=False)
         for nodes, (_, url) in rings.items():

@@ -54,3 +54,47 @@ def prefill_pause(url: str, prompt: list[int], long_prompt: list[int], no_eos: l
     from statistics import median
 
     print(f"longest pause / prefill time, median of {repeats}: {median(shares):.3f}")
+
+
+# Long prompts the second case sends at once (as a batch of embedding inputs, or several agents'
+# long contexts): the short chat waited for a chunk of each of them before its turn came.
+LONG_PROMPTS_AT_ONCE = 6
+
+
+def short_behind(url: str, short: list[int], long_prompt: list[int], repeats: int) -> dict[str, list[float]]:
+    """A short chat's time to first token alone, behind one long prompt of ``long_prompt``'s length,
+    and behind LONG_PROMPTS_AT_ONCE prompts of half that length sent at once; each run's figures
+    printed, then the medians. The long requests are in flight (0.3 s after they were sent) when
+    the short one is sent."""
+    import threading
+    from statistics import median
+
+    def first_token(prompt: list[int]) -> float:
+        body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}).encode()
+        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        started = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                if line.startswith(b"data: {"):
+                    return time.perf_counter() - started
+        raise RuntimeError("the stream ended without a token")
+
+    figures: dict[str, list[float]] = {"alone": [], "behind one long prompt": [], f"behind {LONG_PROMPTS_AT_ONCE} long prompts": []}
+    half = len(long_prompt) // 2
+    for run in range(repeats):
+        tweak = [10 + run, 20 + run]  # no run reuses another's cached prefix
+        figures["alone"].append(first_token(tweak + short))
+        for name, longs in [
+            ("behind one long prompt", [tweak + long_prompt]),
+            (f"behind {LONG_PROMPTS_AT_ONCE} long prompts", [[30 + run, 40 + k] + long_prompt[k * 7 :][:half] for k in range(LONG_PROMPTS_AT_ONCE)]),
+        ]:  # fmt: skip
+            threads = [threading.Thread(target=first_token, args=(p,)) for p in longs]
+            for t in threads:
+                t.start()
+            time.sleep(0.3)  # the long prompts are in: their chunks go round the ring
+            figures[name].append(first_token([50 + run] + short))
+            for t in threads:
+                t.join(600)
+        print(f"run {run + 1}/{repeats}: short chat's first token " + ", ".join(f"{name} {v[-1]:.3f} s" for name, v in figures.items()), flush=True)
+    print(f"median of {repeats}: " + ", ".join(f"{name} {median(v):.3f} s" for name, v in figures.items()))
+    return figures

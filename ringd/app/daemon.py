@@ -36,6 +36,7 @@ from ringd.cluster.members import Cluster, DrainError
 from ringd.cluster.messages import MessageError, PoolModel, parse_loaded
 from ringd.cluster.placement import ModelCost, NodeSpec, shortfall
 from ringd.cluster.reconcile import Report
+from ringd.ring.plan import Plan
 from ringd.node.config import Config, ConfigError
 from ringd.base.device import DeviceProfile, default_cache_dir, probe_speed, read_profile
 from ringd.http.api import Api
@@ -48,7 +49,7 @@ from ringd.models.catalogue import Catalogue
 from ringd.models.checkpoint import ModelInfo, load_tokenizer, weights_complete
 from ringd.models.errors import ModelError
 from ringd.models.ollama.store import PREFIX as OLLAMA_PREFIX
-from ringd.models.peers import Holder
+from ringd.models.peers import FetchError, Holder, PeerModel
 from ringd.models.source import model_info
 from ringd.base.names import check_name, parse_hostport
 from ringd.node.coordinator import Coordinator, NodeParts, ServedModel
@@ -157,6 +158,7 @@ class Node:
         self.supervisor = Supervisor(log)
         self.compute = compute
         self.metrics = metrics
+        self._fetched: set[str] = set()  # fingerprints of models loaded on demand fetched from the leader (model_from_peers)
         # What the API reads of the node (http/node.ApiNode).
         self.info, self.tokenizer = r.model.info, r.tokenizer
         self.model_id = cfg.model_id or r.model.info.name
@@ -356,21 +358,60 @@ class Node:
         self.cluster.links.dial(host, port)
 
     def holders(self, fingerprint: str) -> list[Holder]:
-        """The linked peers that serve the files of the model ``fingerprint``."""
-        found = (holder_of(p, peer.info, fingerprint) for p, peer in self.cluster.peers.items())
-        return [h for h in found if h is not None]
+        """The linked peers that serve the files of the model ``fingerprint``: those whose configured
+        model it is, and the leader for a model it loaded on demand."""
+        found = [h for p, peer in self.cluster.peers.items() if (h := holder_of(p, peer.info, fingerprint)) is not None]
+        leader = self.cluster.peers.get(self.cluster.leader or "")
+        if fingerprint in self._fetched and leader is not None and all(h.node != self.cluster.leader for h in found):
+            try:
+                parse_hostport(leader.info.http)
+            except ValueError:
+                return found
+            found.append(Holder(self.cluster.leader, leader.info.http, fingerprint, https=leader.info.https))
+        return found
 
-    async def resolve(self, name: str) -> StageSource:
+    def holding(self, fingerprint: str) -> Holding | None:
+        """While leading, the files of a model it loaded on demand (from its own model list, whole),
+        served to the nodes that fetch their layers of it."""
+        pool = self.pool
+        inst = next((i for i in pool.instances.values() if i.name and i.info.fingerprint == fingerprint), None) if pool else None
+        if inst is None:
+            return None
+        info = inst.info
+        return Holding(info.path, fingerprint, info.name, default_cache_dir(), sealed=self.cfg.ring_encryption)
+
+    async def resolve(self, plan: Plan) -> StageSource:
         """The model the leader's plan names, as this node's model list holds it ("": this node's
-        configured model, of which the leader keeps replicas)."""
+        configured model, of which the leader keeps replicas); with ``model_from_peers``, one its
+        list lacks is fetched from the leader, which serves the files of what it loaded: its
+        config, tokenizer and headers now, the layers of each plan before they load."""
+        name = plan.source
         if not name:
             return self.r.model
         entry = await self.catalogue.lookup(name)
-        if entry is None or entry.facts.info is None:
-            why = entry.facts.error if entry is not None else "no model by that name in its model list (models_dir, the Ollama store, the Hugging Face cache)"
-            raise ModelError(f"{self.name} cannot load model {name}: {why}; every node that holds its layers needs its files")
-        info = await asyncio.get_running_loop().run_in_executor(None, model_info, entry.ref)
-        return StageSource(entry.ref, info)
+        if entry is not None and entry.facts.info is not None:
+            info = await asyncio.get_running_loop().run_in_executor(None, model_info, entry.ref)
+            return StageSource(entry.ref, info)
+        why = entry.facts.error if entry is not None else "no model by that name in its model list (models_dir, the Ollama store, the Hugging Face cache)"
+        if not self.cfg.model_from_peers or plan.leader == self.name:
+            raise ModelError(
+                f"{self.name} cannot load model {name}: {why}; every node that holds its layers needs its files "
+                "(or model_from_peers, to fetch them from the leader)"
+            )  # fmt: skip
+        self._fetched.add(plan.model)
+        holders = self.holders(plan.model)
+        if not holders:
+            raise ModelError(f"{self.name} cannot load model {name}: {why}, and its leader {plan.leader} is not linked to fetch it from")
+        log.info("%s is not in this node's model list: fetching it from %s", name, ", ".join(h.node for h in holders))
+        try:
+            fetched = await PeerModel.bootstrap(
+                self.cfg.models_path, holders, self.secret, self.name, self.metrics, fingerprint=plan.model, sealed=self.cfg.ring_encryption,
+                ssl=self.client_ssl,
+            )  # fmt: skip
+        except FetchError as e:
+            raise ModelError(f"{self.name} cannot fetch model {name} from {plan.leader}: {e}") from None
+        info = await asyncio.get_running_loop().run_in_executor(None, model_info, str(fetched.path))
+        return StageSource(str(fetched.path), info, fetched)
 
     def tokenizer_of(self, info: ModelInfo) -> Any:
         return self.tokenizer if info is self.info else load_tokenizer(info)

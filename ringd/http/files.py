@@ -1,7 +1,8 @@
 """A holder's side of weights between peers: the model's files, to members of the cluster only.
 
 A node that holds its model whole (a directory or GGUF file of its own, not one
-fetched from peers) answers, on its HTTP port:
+fetched from peers), and a leader the models it loaded on demand from its own model
+list, answers, on its HTTP port:
 
     GET /cluster/files/{fingerprint}/manifest     the manifest (models/peers/manifest.py), signed
                                                   ("any" for a fingerprint: the model it holds)
@@ -79,16 +80,29 @@ class FilesNode(Protocol):
     name: str
     secret: bytes
     metrics: "Metrics"
-    files: Holding | None  # None: this node serves no files (it holds none whole)
+    files: Holding | None  # its configured model's (None: it holds none whole)
+
+    def holding(self, fingerprint: str) -> Holding | None:
+        """Another model it serves the files of (a leader's model loaded on demand), or None."""
+        ...
+
+
+@dataclass
+class _Built:
+    """One holding's manifest: built once, when first asked for."""
+
+    manifest: manifests.Manifest | None = None
+    signed: bytes | None = None  # the manifest's body as sent
+    building: asyncio.Task | None = None
 
 
 class FileServer:
     def __init__(self, node: FilesNode):
         self.d = node
         self._auth: FilesAuth | None = None
-        self._manifest: manifests.Manifest | None = None
-        self._signed: bytes | None = None  # the manifest's body as sent
-        self._building: asyncio.Task | None = None
+        # By fingerprint: the configured model's, and those of models a leader loaded on demand
+        # (a handful: each is a model in the pool, MAX_POOL_INSTANCES at most).
+        self._built: dict[str, _Built] = {}
         self._streams = asyncio.Semaphore(MAX_FILE_STREAMS)
 
     def routes(self) -> list[web.RouteDef]:
@@ -102,28 +116,37 @@ class FileServer:
         if self._auth is None:
             self._auth = FilesAuth(self.d.secret, self.d.name)
         fetcher = self._auth.verify(request.method, request.path, request.headers, b"", time.time())  # AuthError: 401, 403
-        holding = self.d.files
         asked = request.match_info["fingerprint"]
+        holding = self.d.files
         if holding is None or asked != holding.fingerprint and not (any_model and asked == "any"):
+            holding = self.d.holding(asked)
+        if holding is None:
             raise ApiError(404, f"node {self.d.name} serves no files of model {asked!r:.80}", code="not_found")
         log.debug("%s asks for %s", fetcher, request.path)
         return holding
 
+    def _state(self, holding: Holding) -> _Built:
+        built = self._built.get(holding.fingerprint)
+        if built is None:
+            built = self._built[holding.fingerprint] = _Built()
+        return built
+
     async def manifest(self, request: web.Request) -> web.Response:
         holding = self._check(request, any_model=True)
-        if self._signed is None:
-            if self._building is None:
-                self._building = asyncio.ensure_future(self._build(holding))
-            if not self._building.done():
+        built = self._state(holding)
+        if built.signed is None:
+            if built.building is None:
+                built.building = asyncio.ensure_future(self._build(holding, built))
+            if not built.building.done():
                 raise ApiError(503, "the holder is reading and hashing the model's files for its manifest; retry shortly", retry_after=MANIFEST_RETRY_S)
-            if self._building.exception() is not None:
-                self._building = None  # tried again by the next request
+            if built.building.exception() is not None:
+                built.building = None  # tried again by the next request
                 raise ApiError(500, "the holder could not build its manifest; its log says why")
-        body = self._signed
+        body = built.signed
         signature = files_body_signature(self.d.secret, request.headers[FILES_NONCE_HEADER], body_sha256(body))
         return web.Response(body=body, content_type="application/json", headers={"X-Ringd-Files-Body-Signature": signature})
 
-    async def _build(self, holding: Holding) -> None:
+    async def _build(self, holding: Holding, state: _Built) -> None:
         import json
 
         started = time.monotonic()
@@ -133,19 +156,20 @@ class FileServer:
         except Exception:
             log.exception("could not build the manifest of %s", holding.path)
             raise
-        self._manifest = built
-        self._signed = json.dumps(built.to_wire(), separators=(",", ":")).encode()
+        state.manifest = built
+        state.signed = json.dumps(built.to_wire(), separators=(",", ":")).encode()
         log.info("manifest of %s ready: %d files, %.1f GB, in %.1f s", holding.label, len(built.files), built.total_bytes / 1e9, time.monotonic() - started)
 
     async def data(self, request: web.Request) -> web.StreamResponse:
         holding = self._check(request)
-        if self._manifest is None:
-            if self._building is None or self._building.done():
-                self._building = asyncio.ensure_future(self._build(holding))
+        built = self._state(holding)
+        if built.manifest is None:
+            if built.building is None or built.building.done():
+                built.building = asyncio.ensure_future(self._build(holding, built))
             raise ApiError(503, "the holder is reading and hashing the model's files for its manifest; retry shortly", retry_after=MANIFEST_RETRY_S)
         name = request.match_info["name"]
         try:
-            entry = self._manifest.file(name)
+            entry = built.manifest.file(name)
         except manifests.ManifestError:
             raise ApiError(404, f"the model has no file {name!r:.80}", code="not_found") from None
         try:

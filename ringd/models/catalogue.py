@@ -45,7 +45,7 @@ from ringd.models.checkpoint import ModelInfo, WeightBytes, check_supported, rea
 from ringd.models.errors import ModelError
 from ringd.models.naming import LATEST, gguf_stem, ollama_key
 from ringd.models.gguf.reader import GgufFile, is_gguf
-from ringd.models.source import hf_snapshot
+from ringd.models.source import PEER_RECORD, hf_snapshot
 
 # Directory entries one scan looks at, over all three places: a models_dir of 10k files or a store
 # of thousands of names costs a bounded few hundred milliseconds, not a stall.
@@ -252,6 +252,8 @@ class Catalogue:
         for path in self._walk(root, out, MAX_DEPTH, stop_at_models=True):
             if not self._room(out):
                 return
+            if ((path if path.is_dir() else path.parent) / PEER_RECORD).exists():
+                continue  # layers fetched from peers, the rest holes: its fetch serves it, never the list
             # Named as a user names it in a request: relative to models_dir, "/" between folders.
             name = path.relative_to(root).as_posix()
             if path.is_dir():

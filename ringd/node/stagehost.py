@@ -115,8 +115,9 @@ class StageOwner(Protocol):
     def holders(self, fingerprint: str) -> list[Holder]:
         """The linked peers that serve the files of the model ``fingerprint``."""
 
-    async def resolve(self, name: str) -> StageSource:
-        """The model a plan names, as this node holds it ("": the node's configured model)."""
+    async def resolve(self, plan: Plan) -> StageSource:
+        """The model ``plan`` names (its ``source``, ``model`` its fingerprint), as this node holds
+        it ("": the node's configured model), or fetched from the plan's leader."""
 
     def tokenizer_of(self, info: ModelInfo) -> Any:
         """The model's tokenizer (mlx-lm's TokenizerWrapper): the last stage follows grammars with it."""
@@ -259,7 +260,7 @@ class StageHost:
         # another model (its stage is kept while the leader's instance of that name lives).
         if self.source is None or (self.instance and plan.model != self.source.info.fingerprint):
             self.shard = None
-            self.source = await self._owner.resolve(plan.source)
+            self.source = await self._owner.resolve(plan)
         source = self.source
         if plan.model != source.info.fingerprint:
             raise ModelError(

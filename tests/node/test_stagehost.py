@@ -53,7 +53,7 @@ class Node:
     def holders(self, fingerprint):
         return []
 
-    async def resolve(self, name):
+    async def resolve(self, plan):
         return self.source
 
     def tokenizer_of(self, info):

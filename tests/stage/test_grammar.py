@@ -242,7 +242,7 @@ def test_the_stage_host_gives_its_last_stage_the_tokenizer(model, tokenizer):
         def departed(self, node): return False
         def dial(self, host, port): ...
         def holders(self, fingerprint): return []
-        async def resolve(self, name): return StageSource(str(model), info)
+        async def resolve(self, plan): return StageSource(str(model), info)
         def tokenizer_of(self, info): return tokenizer
 
     async def main():
