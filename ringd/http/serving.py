@@ -149,12 +149,15 @@ class Serving:
         events = self._generate(served, engine, prompt, params, max_tokens, req.stop, list(resumed), request_id, req.ignore_eos)
         return Generation(req, rendered, events, served.tokenizer, len(resumed), received_ns)
 
-    async def _generate(self, served: "Served", engine: "Engine", prompt, params, max_tokens, stop, resumed, request_id, ignore_eos) -> AsyncIterator:
-        """``engine``'s events for the request; should its replica's ring be lost for good (a 503:
-        every Mac of its share gone, so it cannot re-form), the rest from another replica of the
-        same model that serves, which replays the prompt and what was streamed, as a new leader does."""
-        produced: list[int] = []
+    def _generate(self, served: "Served", engine: "Engine", prompt, params, max_tokens, stop, resumed, request_id, ignore_eos) -> AsyncIterator:
+        """``engine``'s events for the request (asked for now); should its replica's ring be lost for
+        good (a 503: every Mac of its share gone, so it cannot re-form), the rest from another replica
+        of the same model that serves, which replays the prompt and what was streamed, as a new leader does."""
         events = engine.generate(prompt, params, max_tokens, stop, resumed, request_id, emit_resumed=True, ignore_eos=ignore_eos)
+        return self._carried(served, events, prompt, params, max_tokens, stop, resumed, request_id, ignore_eos)
+
+    async def _carried(self, served: "Served", events: AsyncIterator, prompt, params, max_tokens, stop, resumed, request_id, ignore_eos) -> AsyncIterator:
+        produced: list[int] = []
         try:
             for _ in range(MAX_REPLICA_HANDOFFS + 1):
                 try:

@@ -41,7 +41,7 @@ from ringd.models.errors import ModelError
 from ringd.models.naming import same_model, tagged
 from ringd.models.source import model_info
 from ringd.cluster.memberinfo import MemberInfo
-from ringd.cluster.messages import MAX_INSTANCES, PoolModel
+from ringd.cluster.messages import MAX_INSTANCES, MAX_KEEP_ALIVE_S, MessageError, PoolModel
 from ringd.node.coordinator import Coordinator, NodeParts, ServedModel
 from ringd.models.ollama.keepalive import format_keep_alive
 from ringd.ring.plan import MAX_INSTANCE_CHARS
@@ -189,7 +189,11 @@ class Pool:
             key = tagged(inst.model_id)
             had = out.get(key)
             names = (*had.instances, inst.name) if had else (inst.name,)
-            out[key] = PoolModel(inst.model_id if not inst.pinned else "", None if inst.pinned else inst.keep_alive, names[:MAX_REPLICAS])
+            keep_alive = None if inst.pinned or inst.keep_alive is None else min(inst.keep_alive, MAX_KEEP_ALIVE_S)
+            try:
+                out[key] = PoolModel(inst.model_id if not inst.pinned else "", keep_alive, names[:MAX_REPLICAS])
+            except MessageError as e:  # a name no heartbeat carries (a file name with a control character): not kept
+                log.debug("not telling %s in heartbeats: %s", inst.name, e)
         for key, m in self._restoring.items():
             out.setdefault(key, m)
         kept, count = [], 0
@@ -399,6 +403,11 @@ class Pool:
 
         def short(removed: frozenset[str]) -> str | None:
             nodes = [NodeSpec(n, "", room_left(i.budget, self.held(n, removed).values()), api_only=i.api_only) for n, i in sorted(members.items())]
+            # It fits if the fewest Macs it would be placed over hold it (``_home``): a 2-layer
+            # model on three Macs is placed on one or two, not refused for want of a layer each.
+            holders = {s.node: s for s in nodes if not s.api_only}
+            if fewest_nodes([(n, s.budget) for n, s in holders.items()], lambda chosen: shortfall([holders[n] for n in chosen], cost) is None):
+                return None
             return shortfall(nodes, cost)
 
         order = eviction_order(self._usages())
@@ -493,15 +502,18 @@ class Pool:
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(KEEP_ALIVE_TICK_S)
-            now = time.monotonic()
-            usages = self._usages()
-            for usage in usages:
-                if usage.active:
-                    self.instances[usage.name].last_used = now  # busy: its idle time starts when its last request ends
-            # An instance busy now is never expired: the snapshot's last_used of the rest is current.
-            for name in expired(usages, now):
-                inst = self.instances[name]
-                self.unload(name, f"idle for its keep_alive ({format_keep_alive(inst.keep_alive)})")
+            self.expire(time.monotonic())
+
+    def expire(self, now: float) -> None:
+        """Unload the instances idle past their keep_alive at ``now`` (monotonic seconds)."""
+        usages = self._usages()
+        for usage in usages:
+            if usage.active:
+                self.instances[usage.name].last_used = now  # busy: its idle time starts when its last request ends
+        # An instance busy now is never expired: the snapshot's last_used of the rest is current.
+        for name in expired(usages, now):
+            inst = self.instances[name]
+            self.unload(name, f"idle for its keep_alive ({format_keep_alive(inst.keep_alive)})")
 
     def status(self) -> list[dict]:
         now = time.monotonic()
