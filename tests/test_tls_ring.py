@@ -77,6 +77,19 @@ def test_openai_sdk_streams_through_a_follower_trusting_only_the_exported_ca(tls
     assert text  # the tiny model says something: the comparison is not of two empty strings
 
 
+def test_the_exported_ca_vouches_for_lan_names_only_and_a_node_serves_a_certificate_within_them(tls_ring):
+    """The file a user may put in a system's trust store: critical name constraints (a secret's
+    holder cannot pass for a public site with it), and the node's certificate within them."""
+    from cryptography import x509
+
+    ca = x509.load_pem_x509_certificate(open(tls_ring.ca, "rb").read())
+    constraints = ca.extensions.get_extension_for_class(x509.NameConstraints)
+    assert constraints.critical and x509.DNSName("local") in constraints.value.permitted_subtrees
+    served = x509.load_pem_x509_certificate(ssl.get_server_certificate(("127.0.0.1", tls_ring.http_ports[0])).encode())
+    names = served.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert all(tlsca.permitted(str(n.value)) for n in names), names
+
+
 def test_a_client_trusting_another_secrets_ca_fails_on_the_certificate(tls_ring, tmp_path):
     other = tmp_path / "other-ca.pem"
     other.write_bytes(tlsca.derive_ca(b"another secret, 32 bytes long...", tls_ring.cluster).pem)

@@ -130,6 +130,12 @@ def test_three_models_at_once_each_answer_as_mlx_lm_alone(tiny_model, smollm2_gg
     assert one.id == "tiny-b" and one.model_extra["loaded"], one
     status, shown = post(url + "/api/show", {"model": "tiny-b"})
     assert status == 200 and "serves as tiny-b" in shown["modelfile"], shown
+    # /api/tags spells every name as Ollama's clients do, and each finds its model again.
+    with urllib.request.urlopen(url + "/api/tags", timeout=30) as r:
+        tags = [m["name"] for m in json.loads(r.read())["models"]]
+    assert {"tiny:latest", "tiny-b:latest", "smollm2.gguf:latest"} <= set(tags) and all(":" in t for t in tags), tags
+    for name in tags:
+        assert post(url + "/api/show", {"model": name})[0] == 200, name
     assert post(url + "/api/pull", {"model": "tiny-b", "stream": False}) == (200, {"status": "success"})
     status, body = post(url + "/api/pull", {"model": "llama3.2"})
     assert status == 404 and "does not download" in body["error"], body
@@ -259,6 +265,7 @@ def test_idle_models_go_least_recently_used_first_never_a_busy_one_and_after_the
     # A model that could never fit beside the busy or pinned: a 503 that says what is short.
     status, body = ollama(url, "big", "Hello")
     assert status == 503 and "does not fit" in body["error"], body
+    assert "tiny (the configured model)" in body["error"] and "the configured model:" not in body["error"], body  # named, not just "the configured model"
     status, body = ollama(url, "no-such-model", "Hello")
     assert status == 404 and "model list" in body["error"], body
 
