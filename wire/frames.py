@@ -38,7 +38,9 @@ MAGIC = b"RNGD"
 # 6: a sampled proposal's draft distribution travels as its most likely tokens' ids and
 #    probabilities, not a whole vocabulary of them (FORWARD's payload).
 # 7: REDUCE, a tensor-parallel group member's partial sum (binary descriptor).
-PROTOCOL_VERSION = 7
+# 8: a leader's heartbeat names the models it keeps loaded (its "pool"), which a node of 7
+#    refuses as a malformed heartbeat: the versions must not meet.
+PROTOCOL_VERSION = 8
 
 HEADER = struct.Struct("<4sBBHQII")
 HEADER_BYTES = HEADER.size
