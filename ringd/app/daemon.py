@@ -330,7 +330,7 @@ class Node:
     def on_change(self) -> None:
         self.stages.check_links({p: peer.number for p, peer in self.cluster.peers.items()})
         if self.cluster.leader is not None:
-            self.stages.leader_is(self.cluster.leader, {i for m in self._kept_models() for i in m.instances})
+            self.stages.leader_is(self.cluster.leader, {i for m in self.kept_models() for i in m.instances})
         if self.pool is not None:
             self.pool.changed()
 
@@ -341,9 +341,6 @@ class Node:
         return self.coordinator.serving() if self.coordinator is not None else (None, "not leading")
 
     def kept_models(self) -> tuple[PoolModel, ...]:
-        return self.pool.manifest() if self.pool is not None else ()
-
-    def _kept_models(self) -> tuple[PoolModel, ...]:
         """The models the leader keeps: this node's own while it leads, else as the leader's heartbeats say."""
         return self.pool.manifest() if self.pool is not None else self.cluster.pool or ()
 
@@ -529,7 +526,7 @@ class Node:
             # This node's stages of those instances (their layers, sessions, load progress).
             "instance_stages": self.stages.status(),
             # The models the leader keeps loaded (its own, or as its heartbeats say): what a next leader loads again.
-            "kept_models": [m.to_wire() for m in self._kept_models()],
+            "kept_models": [m.to_wire() for m in self.kept_models()],
         }
 
     def _kv_capacity(self, start: int, end: int) -> int | None:

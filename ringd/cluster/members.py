@@ -97,7 +97,8 @@ class Owner(Protocol):
         """While leading: the term of the ring that serves, or None and why not."""
 
     def kept_models(self) -> tuple[PoolModel, ...]:
-        """While leading: the models it keeps loaded besides the configured one (heartbeats tell them)."""
+        """The models the leader keeps loaded besides the configured one: its own while it leads
+        (its heartbeats tell them), else as the leader said."""
 
     def sent(self, seconds: float) -> None:
         """A frame took ``seconds`` to hand to its link (for metrics)."""

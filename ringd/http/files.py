@@ -125,15 +125,9 @@ class FileServer:
         log.debug("%s asks for %s", fetcher, request.path)
         return holding
 
-    def _state(self, holding: Holding) -> _Built:
-        built = self._built.get(holding.fingerprint)
-        if built is None:
-            built = self._built[holding.fingerprint] = _Built()
-        return built
-
     async def manifest(self, request: web.Request) -> web.Response:
         holding = self._check(request, any_model=True)
-        built = self._state(holding)
+        built = self._built.setdefault(holding.fingerprint, _Built())
         if built.signed is None:
             if built.building is None:
                 built.building = asyncio.ensure_future(self._build(holding, built))
@@ -162,7 +156,7 @@ class FileServer:
 
     async def data(self, request: web.Request) -> web.StreamResponse:
         holding = self._check(request)
-        built = self._state(holding)
+        built = self._built.setdefault(holding.fingerprint, _Built())
         if built.manifest is None:
             if built.building is None or built.building.done():
                 built.building = asyncio.ensure_future(self._build(holding, built))

@@ -76,7 +76,7 @@ from ringd.http.fields import (
 from ringd.http.framing import NDJSON
 from ringd.http.request import Output, Request, ResponseFormat, ToolCall, given_fields
 from ringd.models.naming import ollama_spelling, same_model, tagged
-from ringd.models.catalogue import gguf_quant, mlx_quant
+from ringd.models.catalogue import Entry, gguf_quant, mlx_quant
 from ringd.models.checkpoint import load_tokenizer, text_config
 from ringd.models.ollama.params import (
     OPTION_TYPES,
@@ -547,6 +547,13 @@ def check_model(name: Any, served: str) -> None:
         raise ApiError(404, f"model {brief_repr(name)} not found; this ring serves {served!r}")
 
 
+def servable(name: str, found: Entry) -> "ModelInfo":
+    """What the model list's ``found`` (which ``name`` names) is, or a 400 saying why ringd cannot serve it."""
+    if found.facts.info is None:
+        raise ApiError(400, f"{name!r} is in the model list, but ringd cannot serve it: {found.facts.error}")
+    return found.facts.info
+
+
 class Models:
     """Ollama's descriptions of the one model the ring serves: ``GET /api/tags``, ``POST /api/show``,
     ``GET /api/ps``, ``GET /api/version``. Any node answers them, about the model it serves."""
@@ -621,9 +628,7 @@ class Models:
             found = await self.d.catalogue.lookup(name) if self.d.catalogue is not None else None
             if found is None:
                 check_model(name, self.d.model_id)  # a 404 that names what is served
-            if found.facts.info is None:
-                raise ApiError(400, f"{name!r} is in the model list, but ringd cannot serve it: {found.facts.error}")
-            info, shown = found.facts.info, found.name
+            info, shown = servable(name, found), found.name
             tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, info)
         d = await self._description(info)
         template = getattr(tokenizer, "chat_template", None)
@@ -670,8 +675,7 @@ class Models:
                     f"(the Ollama store, the Hugging Face cache, models_dir): `ollama pull {name}` on every node, or copy it "
                     "into models_dir on every node; then name it in a request (GET /api/tags lists what is there)",
                 )  # fmt: skip
-            if found.facts.info is None:
-                raise ApiError(400, f"{name!r} is in the model list, but ringd cannot serve it: {found.facts.error}")
+            servable(name, found)
             status = f"{name} is in the model list as {found.name}"
         if body.get("stream") is False:
             return web.json_response(done)

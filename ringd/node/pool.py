@@ -120,6 +120,17 @@ class Instance:
         }  # fmt: skip
 
 
+def holds(rooms: dict[str, int | None], cost: ModelCost) -> bool:
+    """Whether nodes with these rooms (bytes each may give it; None: no limit), in this order, hold the model."""
+    return shortfall([NodeSpec(n, "", room) for n, room in rooms.items()], cost) is None
+
+
+def fewest_holding(rooms: dict[str, int | None], cost: ModelCost) -> list[str] | None:
+    """The fewest of these nodes that hold the model, those with the most room first
+    (``sharing.fewest_nodes``): where a model loaded on demand goes. None if not all of them do."""
+    return fewest_nodes(list(rooms.items()), lambda chosen: holds({n: rooms[n] for n in chosen}, cost))
+
+
 class Pool:
     """Exists while this node leads; ``close`` when it stops."""
 
@@ -405,8 +416,7 @@ class Pool:
             nodes = [NodeSpec(n, "", room_left(i.budget, self.held(n, removed).values()), api_only=i.api_only) for n, i in sorted(members.items())]
             # It fits if the fewest Macs it would be placed over hold it (``_home``): a 2-layer
             # model on three Macs is placed on one or two, not refused for want of a layer each.
-            holders = {s.node: s for s in nodes if not s.api_only}
-            if fewest_nodes([(n, s.budget) for n, s in holders.items()], lambda chosen: shortfall([holders[n] for n in chosen], cost) is None):
+            if fewest_holding({s.node: s.budget for s in nodes if not s.api_only}, cost) is not None:
                 return None
             return shortfall(nodes, cost)
 
@@ -445,14 +455,11 @@ class Pool:
         """The nodes of a model loaded on demand: the fewest that hold it, those with the most room
         first (``sharing.fewest_nodes``), kept while they live and still hold it."""
         cost = self._cost(inst.info)
-
-        def holds(nodes) -> bool:
-            return shortfall([NodeSpec(n, "", self.room(inst.name, n)) for n in nodes], cost) is None
-
+        rooms = {n: self.room(inst.name, n) for n in live}
         home = self.homes.get(inst.name)
-        if home is not None and home[0] <= set(live) and holds(sorted(home[0])):
+        if home is not None and home[0] <= set(live) and holds({n: rooms[n] for n in sorted(home[0])}, cost):
             return home[0]
-        chosen = fewest_nodes([(n, self.room(inst.name, n)) for n in live], holds)
+        chosen = fewest_holding(rooms, cost)
         if chosen is None:
             self.homes.pop(inst.name, None)
             return None  # no set holds it: placement over all of them says by how much
