@@ -55,6 +55,7 @@ from ringd.ring import steps
 from ringd.ring.plan import Plan
 from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S, Admission, KvLedger
 from ringd.leader.draft import Drafter, Proposal
+from ringd.leader.pacing import DEFAULT_PREFILL_CHUNK_S, ChunkPacer
 from ringd.leader.errors import RETRY_AFTER_S, EngineError
 from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES, MIN_REUSE_TOKENS, PrefixIndex, common_prefix
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, Deliver, Draft, Fail, Release, Scheduler, Send
@@ -184,6 +185,7 @@ class EngineSettings:
     these from a Config; tests and benches set only what they change)."""
 
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK
+    prefill_chunk_s: float = DEFAULT_PREFILL_CHUNK_S  # a chunk's time at the slowest stage (0: chunks by count alone)
     max_active: int = MAX_ACTIVE_REQUESTS
     step_timeout_s: float = STEP_TIMEOUT_S
     kv: KvOptions | None = None  # a bounded or quantized KV cache; None: mlx-lm's default cache
@@ -234,8 +236,12 @@ class Engine:
         # that arrive then wait for it (``ring_back``), as the requests it held do.
         self._settled = asyncio.Event()
         self._settled.set()
-        # When each micro-batch around the ring was sent (term, time), for ``watch``.
-        self._sent_at: dict[int, tuple[int, float]] = {}
+        # When each micro-batch around the ring was sent (term, time, its prompt chunk's tokens),
+        # for ``watch`` and the pacer.
+        self._sent_at: dict[int, tuple[int, float, int]] = {}
+        # Prompt chunks sized to a time at the ring's slowest stage, so a new request's first
+        # token never waits long behind a long prompt's chunks (pacing.py).
+        self.pacer = ChunkPacer(settings.prefill_chunk_s, settings.prefill_chunk_tokens) if settings.prefill_chunk_s > 0 else None
         self.micro_batches = settings.micro_batches  # 0: one in flight per stage of the ring
         self.kv = kv = settings.kv
         # Who may enter now: KV room booked on the ring's ledger, or a place in line for it.
@@ -572,7 +578,7 @@ class Engine:
                 probs.append(steps.pack_draft(proposal.ids[:k], proposal.probs[:k], proposal.tails[:k]))
             rows.append(row)
         self.metrics.micro_batch_rows.observe(len(rows))
-        self._sent_at[send.batch] = (send.term, time.monotonic())
+        self._sent_at[send.batch] = (send.term, time.monotonic(), 0 if send.rows[0].sample else len(send.rows[0].tokens))
         first, forward = self.plan.stages[0].node, steps.Forward(send.batch, send.term, tuple(rows))
         try:
             # This node's own stage 0 takes the micro-batch as it is; a peer, as the frame's bytes.
@@ -650,9 +656,12 @@ class Engine:
                 "its last stage" if frame.type == MsgType.TOKEN else "a stage", plan.term,
             )  # fmt: skip
             return
-        self._sent_at.pop(frame.request_id, None)
+        sent = self._sent_at.pop(frame.request_id, None)
         try:
             if frame.type == MsgType.TOKEN:
+                if self.pacer is not None and sent is not None and sent[0] == plan.term:
+                    trip = time.monotonic() - sent[1]
+                    self.scheduler.chunk_cap = self.pacer.came_back(trip, sent[2], len(self._sent_at) + 1)
                 answer = steps.Tokens.parse(frame)
                 by_rid = {s.rid: s for s in answer.rows}
                 sampled = {rid: s.token for rid, s in by_rid.items()}
@@ -677,7 +686,7 @@ class Engine:
         get a 503), so a micro-batch lost on a ring that is still up never holds its slot and its
         requests forever. The coordinator calls this every heartbeat; returns how many failed."""
         now = time.monotonic() if now is None else now
-        late = [(batch, term) for batch, (term, sent) in self._sent_at.items() if now - sent > self.step_timeout_s]
+        late = [(batch, term) for batch, (term, sent, _) in self._sent_at.items() if now - sent > self.step_timeout_s]
         for batch, term in late:
             del self._sent_at[batch]
             why = f"micro-batch {batch:x} did not come back from the ring within {self.step_timeout_s:.0f} s (STEP_TIMEOUT_S)"
@@ -739,6 +748,9 @@ class Engine:
         if self._prefix_term != plan.term:
             self.prefix.clear()  # new stages, empty stores
             self._prefix_term = plan.term
+            if self.pacer is not None:  # other Macs, other layers: their speed is measured anew
+                self.pacer.reset()
+                self.scheduler.chunk_cap = None
         self.admission.ledger = ledger
         if ledger is not None:
             for flight in self._flights.values():

@@ -189,6 +189,9 @@ class Scheduler:
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
         self.interleaved_chunk = interleaved_chunk
+        # The most tokens a prompt's chunk takes now, whichever of the two above applies: the
+        # engine sizes chunks to a time (pacing.py); None: the counts alone.
+        self.chunk_cap: int | None = None
         self.num_draft = num_draft  # proposals per verify row (0: no speculative decoding)
         self.term: int | None = None  # None: no ring (lost, or not yet up)
         self._requests: dict[int, _Request] = {}
@@ -440,6 +443,8 @@ class Scheduler:
         if prefill is not None and (self._prefill_turn or self._head(False) is None):
             self._prefill_turn = False
             chunk = min(self.prefill_chunk, self.interleaved_chunk) if decoding else self.prefill_chunk
+            if self.chunk_cap is not None:
+                chunk = max(1, min(chunk, self.chunk_cap))
             return (self._next_row(prefill, chunk),)
         self._prefill_turn = True
         # An even share of the decoding requests per slot: every stage gets a micro-batch.

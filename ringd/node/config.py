@@ -33,6 +33,7 @@ from ringd.base.device import default_cache_dir
 from ringd.leader.engine import EngineSettings
 from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S
 from ringd.leader.prefix import DEFAULT_PREFIX_CACHE_ENTRIES
+from ringd.leader.pacing import DEFAULT_PREFILL_CHUNK_S
 from ringd.leader.scheduler import DEFAULT_INTERLEAVED_CHUNK, DEFAULT_MAX_ROWS, DEFAULT_NUM_DRAFT, DEFAULT_PREFILL_CHUNK, MAX_NUM_DRAFT
 from ringd.base.logs import LOG_FORMATS
 from ringd.base.names import check_host as _host
@@ -75,6 +76,12 @@ def _int(v: Any) -> int:
 def _positive_float(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
         raise ValueError("must be a positive number")
+    return float(v)
+
+
+def _seconds_or_off(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+        raise ValueError("must be a number of seconds >= 0 (0: off)")
     return float(v)
 
 
@@ -305,6 +312,7 @@ KEYS: list[Key] = [
     Key("tensor_engine", _choice(*ENGINES), "auto", "what a tensor-parallel group's all-reduces run on (its first member's setting counts): auto (MLX's jaccl RDMA where every member has it and rdma_devices names each peer, else ringd), ringd (the ring's own sealed links), jaccl (RDMA or refuse), mlx-ring (MLX's TCP ring backend, for comparison)"),
     Key("rdma_devices", _rdma_devices, {}, "for jaccl: per peer node, this Mac's RDMA device on the Thunderbolt 5 cable to it (ibv_devices lists them), e.g. mini2=rdma_en3,mini3=rdma_en4"),
     Key("prefill_chunk_tokens", _positive_int, DEFAULT_PREFILL_CHUNK, "prompt tokens per prefill frame", int),
+    Key("prefill_chunk_s", _seconds_or_off, DEFAULT_PREFILL_CHUNK_S, "seconds the slowest stage may spend on one prompt chunk: chunks shrink (to 32 tokens at least) where 512 tokens take longer, so a new request's first token waits about three such chunks behind a long prompt; 0: chunks by token count alone", float),
     Key("interleaved_chunk_tokens", _positive_int, DEFAULT_INTERLEAVED_CHUNK, "prompt tokens per prefill frame while other requests decode (their pause is about one such chunk)", int),
     Key("micro_batches", _non_negative_int, 0, "micro-batches around the ring at once (0: one per stage, which keeps every stage busy)", int),
     Key("max_batch_rows", _int_between(1, MAX_ROWS), DEFAULT_MAX_ROWS, f"requests decoding together in one micro-batch (1 to {MAX_ROWS})", int),
@@ -369,6 +377,7 @@ class Config:
     tensor_engine: str  # stage/groupengine.py
     rdma_devices: dict[str, str]
     prefill_chunk_tokens: int
+    prefill_chunk_s: float
     interleaved_chunk_tokens: int
     micro_batches: int
     max_batch_rows: int
@@ -428,7 +437,7 @@ class Config:
         if self.max_kv_size is not None or self.kv_bits is not None:
             kv = KvOptions(self.max_kv_size, self.kv_bits, self.kv_group_size, self.quantized_kv_start)
         return EngineSettings(
-            prefill_chunk_tokens=self.prefill_chunk_tokens, kv=kv, prefix_cache_entries=self.prefix_cache_entries,
+            prefill_chunk_tokens=self.prefill_chunk_tokens, prefill_chunk_s=self.prefill_chunk_s, kv=kv, prefix_cache_entries=self.prefix_cache_entries,
             max_queued=self.max_queued_requests, queue_timeout_s=self.queue_timeout_s, micro_batches=self.micro_batches,
             max_batch_rows=self.max_batch_rows, interleaved_chunk_tokens=self.interleaved_chunk_tokens,
             num_draft=self.num_draft_tokens, failover_wait_s=self.failover_wait_s,

@@ -97,6 +97,8 @@ class Oracle(Scheduler):
         if prefill and (self._prefill_turn or not decode):
             self._prefill_turn = False
             chunk = min(self.prefill_chunk, self.interleaved_chunk) if decoding else self.prefill_chunk
+            if self.chunk_cap is not None:
+                chunk = max(1, min(chunk, self.chunk_cap))
             return (self._next_row(prefill[0], chunk),)
         self._prefill_turn = True
         share = -(-decoding // self.max_in_flight)
@@ -248,6 +250,7 @@ EVENTS = st.one_of(
     st.tuples(st.just("lose")),
     st.tuples(st.just("fail")),
     st.tuples(st.just("draft"), st.integers(0, 10), st.booleans()),
+    st.tuples(st.just("pace"), st.none() | st.integers(1, 4)),  # the engine's pacer sizes the chunks anew
 )
 
 
@@ -287,6 +290,8 @@ def test_any_interleaving_delivers_every_token_once_in_order_as_the_uninterrupte
             ring.lose()
         elif ev[0] == "fail":
             ring.fail_next = True
+        elif ev[0] == "pace":
+            sched.sched.chunk_cap = sched.oracle.chunk_cap = ev[1]
     for _ in range(DRAIN_STEPS):  # the ring runs on: every other request must finish
         if not any(rid in sched for rid in joined):
             break
