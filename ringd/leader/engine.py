@@ -660,8 +660,10 @@ class Engine:
         try:
             if frame.type == MsgType.TOKEN:
                 if self.pacer is not None and sent is not None and sent[0] == plan.term:
-                    trip = time.monotonic() - sent[1]
+                    trip, was = time.monotonic() - sent[1], self.pacer.chunk
                     self.scheduler.chunk_cap = self.pacer.came_back(trip, sent[2], len(self._sent_at) + 1)
+                    if self.pacer.chunk != was:
+                        log.debug("prompt chunks of %d tokens now (%.0f us a prompt token at the ring's slowest stage)", self.pacer.chunk, self.pacer.token_s * 1e6)
                 answer = steps.Tokens.parse(frame)
                 by_rid = {s.rid: s for s in answer.rows}
                 sampled = {rid: s.token for rid, s in by_rid.items()}

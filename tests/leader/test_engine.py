@@ -574,3 +574,52 @@ def test_the_next_turn_finds_the_prefix_of_an_answer_its_client_stopped_reading(
     assert asyncio.run(main()) >= len(prompt)
     monkeypatch.setattr(engine_module, "LEAVING_WAIT_S", 0)
     assert asyncio.run(main()) == 0
+
+
+def test_on_a_slow_ring_a_long_prompt_s_chunks_shrink_to_the_paced_size_and_still_give_mlx_lms_tokens(tiny_model, monkeypatch):
+    """A ring whose chunks come back slowly (the engine's clock made to run 0.25 s a reading) gets
+    chunks sized to ``prefill_chunk_s``: the first ones full, then the pacer's, whole multiples of
+    32 tokens; the answer is still mlx-lm's. With ``prefill_chunk_s`` 0 the count alone decides."""
+    import time as real_time
+
+    from mlx_lm.utils import load as mlx_load
+
+    from ringd.leader import engine as engine_module
+    from ringd.leader.pacing import CHUNK_QUANTUM, MIN_PACED_CHUNK
+
+    class SlowClock:  # every reading a quarter second after the last: each chunk seems to take long
+        now = 0.0
+
+        @classmethod
+        def monotonic(cls) -> float:
+            cls.now += 0.25
+            return cls.now
+
+        def __getattr__(self, name):
+            return getattr(real_time, name)
+
+    monkeypatch.setattr(engine_module, "time", SlowClock())
+    path = tiny_model(arch="llama", layers=4, dtype="float32")
+    tokenizer = load_tokenizer(model_info(str(path)))
+    prompt = tokenizer.encode("the ring of small computers shares one mind " * 60, add_special_tokens=False)
+
+    def chunks_of(settings: EngineSettings) -> tuple[list[int], list[int]]:
+        async def main():
+            ring = StageRing(path, [2], tokenizer)
+            engine = ring.lead(Engine("node0", tokenizer, None, settings))
+            sizes, send_batch = [], engine._send_batch
+            engine._send_batch = lambda send: (sizes.append(len(send.rows[0].tokens)) if not send.rows[0].sample else None, send_batch(send))
+            try:
+                got = [e.token async for e in engine.generate(prompt, SamplingParams(temperature=0), 4)]
+                return sizes, got
+            finally:
+                await ring.stop()
+
+        return asyncio.run(main())
+
+    paced, got = chunks_of(EngineSettings(prefill_chunk_tokens=128, prefill_chunk_s=0.2, prefix_cache_entries=0))
+    assert len(prompt) > 6 * 128 and paced[0] == 128, paced
+    assert min(paced[:-1]) == MIN_PACED_CHUNK and all(n == 128 or n % CHUNK_QUANTUM == 0 for n in paced[:-1]), paced
+    assert got == greedy_tokens(path, prompt, 4, set(tokenizer.eos_token_ids)), "; ".join(teacher_forced_mismatches(mlx_load(str(path))[0], prompt, got))
+    counted, _ = chunks_of(EngineSettings(prefill_chunk_tokens=128, prefill_chunk_s=0, prefix_cache_entries=0))
+    assert set(counted[:-1]) == {128}, counted
