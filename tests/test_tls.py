@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import datetime
 import ipaddress
 import ssl
@@ -216,3 +217,11 @@ def test_the_https_listener_caps_connections_being_opened_with_those_served():
             await runner.cleanup()
 
     uvloop.run(main())
+
+
+def test_a_bare_name_left_out_of_the_certificate_is_said_quietly_a_public_address_loudly(caplog):
+    s = tls.TlsSettings("auto", "ringd", b"k" * 32)
+    with caplog.at_level(logging.INFO, logger=tls.log.name):
+        tls.server_context(s, "mini1", "mini1", ["192.168.1.5", "8.8.8.8"])
+    said = {(r.levelno, r.getMessage().split(" leaves out ")[1].split(":")[0]) for r in caplog.records if "leaves out" in r.getMessage()}
+    assert said == {(logging.INFO, "mini1"), (logging.WARNING, "8.8.8.8")}, said

@@ -76,12 +76,16 @@ def server_context(s: TlsSettings, node: str, host: str, addresses: list[str]) -
         return ctx
     now = datetime.datetime.now(datetime.timezone.utc)
     names, left_out = tlsca.san_names(node, host, addresses)
-    if left_out:
-        log.warning(
-            "tls: auto: this node's certificate leaves out %s: the cluster CA vouches for LAN names and private "
-            "addresses only (tlsca.PERMITTED_DOMAINS, PERMITTED_NETWORKS); reach it by its .local name or a private "
-            "address, or serve your own certificate (tls_cert, tls_key)", ", ".join(left_out),
-        )  # fmt: skip
+    # A bare name (a Mac's "mini1") is left out on most Macs at every start, its .local name kept:
+    # said once, quietly; a public name or address a client may well use, loudly.
+    bare = [n for n in left_out if "." not in n and ":" not in n]
+    for level, which in ((logging.INFO, bare), (logging.WARNING, [n for n in left_out if n not in bare])):
+        if which:
+            log.log(
+                level, "tls: auto: this node's certificate leaves out %s: the cluster CA vouches for LAN names and "
+                "private addresses only (tlsca.PERMITTED_DOMAINS, PERMITTED_NETWORKS); reach it by its .local name or "
+                "a private address, or serve your own certificate (tls_cert, tls_key)", ", ".join(which),
+            )  # fmt: skip
     if now > tlsca.CA_NOT_AFTER - tlsca.CA_RENEW_BEFORE:
         log.warning(
             "tls: auto: the cluster CA expires on %s: change the cluster secret on every node, then export the new CA (%s)",
