@@ -152,8 +152,8 @@ def measured_instead(args, model, tok, started: Started, sizes: list[int], model
             short_behind(url, prompt, words[: args.short_behind], args.repeats)
     elif args.prefill_pause:
         words = tok.encode(" ".join(["the ring of small computers shares one mind"] * args.prefill_pause), add_special_tokens=False)
-        for nodes, (_, url) in rings.items():
-            print(f"ringd local, {nodes} node(s):")
+        for name, (_, url) in [*((f"ringd local, {n} node(s)", r) for n, r in rings.items()), *((f"baseline, {n} node(s)", r) for n, r in started.baselines.items())]:
+            print(f"{name}:")
             prefill_pause(url, prompt, words[: args.prefill_pause], no_eos, args.repeats)
     else:
         return False
