@@ -110,7 +110,9 @@ def test_moe_mla_sliding_and_hybrid_rings_match_mlx_lm(tiny_model, arch, bits, n
         prompt = chat_prompt(model, "Tell me a story about a ring of small computers.")
         assert_matches_reference(model, ring, prompt)
         # Prefix reuse: off where caches cannot be trimmed, limited where they stop at a window, and the status says so.
-        note = _get(ring.url + "/health")[1]["prefix_reuse"]
+        health = _get(ring.url + "/health")[1]
+        note = health["prefix_reuse"]
+        assert health["prefill_chunk"] == TEST_PREFILL_CHUNK  # the configured count: paced chunks are 32 tokens or more
         if arch == "qwen3_next":
             assert "off" in note and "linear-attention state" in note, note
             again = ring_greedy(ring, prompt, 5)[3]

@@ -257,6 +257,11 @@ class Engine:
         self._ids = itertools.count(secrets.randbits(62) + 1)
 
     @property
+    def prefill_chunk(self) -> int:
+        """The most prompt tokens a chunk takes now: the pacer's size, or the configured count."""
+        return self.pacer.chunk if self.pacer is not None else self.prefill_chunk_tokens
+
+    @property
     def active(self) -> int:
         return sum(not f.finished for f in self._flights.values())
 

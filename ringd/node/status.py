@@ -85,6 +85,7 @@ class Status:
             **stage,
             kv_capacity=None if layers is None else self._kv_capacity(*layers),
             prefix_reuse=coordinator.engine.prefix_note if coordinator else "",
+            prefill_chunk=coordinator.engine.prefill_chunk if coordinator else None,
             queued_requests=coordinator.engine.queued if coordinator else 0,
             active_requests=coordinator.engine.active if coordinator else 0,
             peers=sorted(cluster.peers, key=natural_key),

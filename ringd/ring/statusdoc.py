@@ -54,6 +54,7 @@ class NodeStatus:
     kv_capacity: int | None = None  # KV bytes its budget leaves beside its layers
     # The leader's.
     prefix_reuse: str = ""  # why cached prefixes are off or limited for this model, else ""
+    prefill_chunk: int | None = None  # prompt tokens a chunk takes now (sized to prefill_chunk_s)
     queued_requests: int | None = None
     active_requests: int | None = None
     peers: list[str] = dataclasses.field(default_factory=list)
