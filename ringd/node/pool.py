@@ -20,7 +20,8 @@ outstanding.
 
 What it ignores: how a request is checked and rendered (``http/``), how a
 ring is planned and reconciled (``coordinator.py``), the rules of sharing
-(``cluster/sharing.py``).
+(``cluster/sharing.py``), which loads are under way and who waits on each
+(``loads.py``, whose commands it carries out).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from ringd.models.source import model_info
 from ringd.cluster.memberinfo import MemberInfo
 from ringd.cluster.messages import MAX_INSTANCES, MAX_KEEP_ALIVE_S, MessageError, PoolModel
 from ringd.node.coordinator import Coordinator, NodeParts, ServedModel
+from ringd.node.loads import Loads
 from ringd.models.ollama.keepalive import format_keep_alive
 from ringd.ring.plan import MAX_INSTANCE_CHARS
 from ringd.base.names import natural_key
@@ -146,10 +148,11 @@ class Pool:
         self.parts = parts
         self.catalogue = catalogue
         self.instances: dict[str, Instance] = {}
-        self._loading: dict[str, asyncio.Future] = {}  # name -> its load under way
-        # name -> requests waiting for its load: work on it from their first wait until each
-        # counts as routed (a load that ends is not idle before its waiters are served).
-        self._waiting: dict[str, int] = {}
+        # Which models load and who waits on each (loads.py: the state machine); here, the
+        # task of each load under way and the future each waiting request is answered by.
+        self.loads = Loads()
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._answers: dict[int, asyncio.Future] = {}
         # Each model with replicas: which nodes each replica places its ring over (sticky).
         self._groups: dict[str, list[frozenset[str]]] = {}
         # Each model loaded on demand alone: the nodes it is placed over, and why.
@@ -251,7 +254,7 @@ class Pool:
         self._task.cancel()
         for c in self.coordinators():
             c.close(reason)
-        for task in self._loading.values():
+        for task in self._tasks.values():
             task.cancel()  # its waiters see the pool closed: the coordinators failed their requests with reason
 
     # --- routing ------------------------------------------------------------------------
@@ -271,8 +274,8 @@ class Pool:
         as its outstanding work until the caller's ``release()``. EngineError 404/400/503 says why
         it cannot serve."""
         inst = self.find(name) if name is not None else self.default
-        pending = self._loading.get(tagged(name)) if name is not None else None
-        if inst is None or (pending is not None and not inst.coordinator.ready):
+        pending = name is not None and self.loads.loading(tagged(name))
+        if inst is None or (pending and not inst.coordinator.ready):
             inst = await self.load(name)  # or waits for the load under way
         if keep_alive is not False and not inst.pinned:
             inst.keep_alive = keep_alive
@@ -290,33 +293,37 @@ class Pool:
         if len(name) > MAX_INSTANCE_CHARS or REPLICA_MARK in name:
             raise EngineError(f"model {name[:80]!r} is not a model name (at most {MAX_INSTANCE_CHARS} characters, no {REPLICA_MARK!r})", 400)
         key = tagged(name)
-        pending = self._loading.get(key)
-        if pending is None:
+        waiter, start = self.loads.ask(key)
+        answer = self._answers[waiter] = asyncio.get_running_loop().create_future()
+        for s in start:
             # A task of its own: the client that asked first may go away; the others wait on it still.
-            pending = self._loading[key] = asyncio.ensure_future(self._load(name, replicas, keep_alive))
-            pending.add_done_callback(lambda done: self._loaded(key, done))
-        self._waiting[key] = self._waiting.get(key, 0) + 1
+            task = self._tasks[s.key] = asyncio.ensure_future(self._load(name, replicas, keep_alive))
+            task.add_done_callback(lambda done, key=s.key: self._loaded(key, done))
         try:
-            return await asyncio.shield(pending)
-        except asyncio.CancelledError:
-            if pending.cancelled() and not asyncio.current_task().cancelling():
-                raise EngineError(f"the load of {name} was given up: this node stopped leading or is stopping; retry", 503) from None
-            raise
+            done = await answer  # the load's task, once it has ended
+            if done.cancelled():
+                raise EngineError(f"the load of {name} was given up: this node stopped leading or is stopping; retry", 503)
+            return done.result()
         except EngineError:
+            raise
+        except asyncio.CancelledError:  # this request's client went: the load goes on for the others
             raise
         except Exception as e:  # a bug, not a reason: said in one line to the client, whole in the log
             raise EngineError(f"could not load {name}: {type(e).__name__}: {e}", 503) from None
         finally:
-            if self._waiting[key] == 1:
-                del self._waiting[key]
-            else:
-                self._waiting[key] -= 1
+            del self._answers[waiter]
+            self.loads.done(waiter)
 
-    def _loaded(self, key: str, done: asyncio.Future) -> None:
-        if self._loading.get(key) is done:
-            del self._loading[key]
+    def _loaded(self, key: str, done: asyncio.Task) -> None:
+        """A load's task ended: every request waiting on it is answered with it."""
+        if self._tasks.get(key) is done:
+            del self._tasks[key]
         if not done.cancelled() and done.exception() is not None and not isinstance(done.exception(), EngineError):
             log.error("loading %s failed", key, exc_info=done.exception())
+        for waiter in self.loads.ended(key):
+            answer = self._answers.get(waiter)
+            if answer is not None and not answer.done():
+                answer.set_result(done)
 
     async def _load(self, name: str, replicas: int, keep_alive: float | None | bool) -> Instance:
         holders = sum(not info.api_only for info in self._members().values())
@@ -504,7 +511,7 @@ class Pool:
         return going
 
     def _usages(self) -> list[Usage]:
-        return [i.usage(loading=(key := tagged(i.model_id)) in self._loading or key in self._waiting) for i in self.instances.values()]
+        return [i.usage(loading=self.loads.busy(tagged(i.model_id))) for i in self.instances.values()]
 
     async def _expire_loop(self) -> None:
         while True:
