@@ -62,13 +62,16 @@ class ImagePart:
     """One image of a request: its base64 text (not decoded yet) and where in the body it is."""
 
     where: str  # e.g. "messages[0].content[1].image_url"
-    data: str  # base64, as the body carried it
+    data: str  # base64 from ``start`` on (a data URL's header before it), as the body carried it
+    start: int = 0
 
     def __post_init__(self):
-        # Checked on the loop, where it costs the same whatever the size.
-        if len(self.data) > MAX_IMAGE_BYTES * _BASE64_PER_BYTE + 4:
+        # Checked on the loop, where it costs the same whatever the size (the base64 is not even
+        # cut out of a data URL here: that is a copy of what the client sent).
+        size = len(self.data) - self.start
+        if size > MAX_IMAGE_BYTES * _BASE64_PER_BYTE + 4:
             raise ImageError(f"{self.where}: the image is over {MAX_IMAGE_BYTES // (1024 * 1024)} MiB")
-        if not self.data:
+        if size <= 0:
             raise ImageError(f"{self.where}: the image is empty")
 
 
@@ -85,7 +88,7 @@ def from_data_url(url: str, where: str) -> ImagePart:
         raise ImageError(f"{where}: a data URL of {kind or 'text/plain'!r}, not an image (data:image/png;base64,...)")
     if "base64" not in (p.lower() for p in params):
         raise ImageError(f"{where}: an image's data URL must be base64 (data:{kind};base64,...)")
-    return ImagePart(where, url[len(head) + 1 :])
+    return ImagePart(where, url, len(head) + 1)
 
 
 def from_base64(data: object, where: str) -> ImagePart:
@@ -117,7 +120,7 @@ def decode(part: ImagePart):
     from PIL import ImageOps, UnidentifiedImageError
 
     try:
-        raw = base64.b64decode(part.data, validate=True)
+        raw = base64.b64decode(part.data[part.start :], validate=True)
     except (binascii.Error, ValueError):
         raise ImageError(f"{part.where}: the image is not valid base64") from None
     if len(raw) > MAX_IMAGE_BYTES:
@@ -139,8 +142,8 @@ def decode(part: ImagePart):
         try:
             upright = ImageOps.exif_transpose(image)  # decodes: a damaged body fails here
             return upright.convert("RGB")
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            raise ImageError(f"{part.where}: the image is damaged or cut short ({e})") from None
+        except Exception as e:  # OSError for a body cut short; whatever else a damaged file makes Pillow raise
+            raise ImageError(f"{part.where}: the image is damaged or cut short ({type(e).__name__}: {e})") from None
 
 
 _pool: ThreadPoolExecutor | None = None

@@ -51,7 +51,7 @@ from ringd.ring.sampling import SamplingError, SamplingParams
 from ringd.stage.sampling import RequestSampler, draw_greedy
 from ringd.stage.sessions import SessionError, Sessions
 from ringd.stage.shard import Shard
-from ringd.stage.tensorgroup import GroupError
+from ringd.stage.tensorgroup import GroupError, lost_member
 from ringd.ring.steps import Embedded, Failure, Forward, KvOptions, Row, Sampled, Tokens, draft_distribution, parse_release, term_of
 from wire.frames import Frame, FrameError, MsgType
 from wire.tensors import tensor_to_buffer, wire_bits
@@ -155,8 +155,12 @@ class StageRunner:
             # the leader replays the micro-batch's requests on its next plan.
             out = []
         except Exception as e:  # MLX errors (memory, shapes) fail the micro-batch, not the node
-            log.exception("batch=%x: stage computation failed", frame.request_id)
-            out = self._fail_batch(frame, f"{type(e).__name__}: {e}", self._parsed)
+            if lost_member(e):  # MLX's own collective lost a member: the group broke, as above
+                log.warning("batch=%x: the group's collective broke (%s); the ring is re-planned without answering", frame.request_id, e)
+                out = []
+            else:
+                log.exception("batch=%x: stage computation failed", frame.request_id)
+                out = self._fail_batch(frame, f"{type(e).__name__}: {e}", self._parsed)
         if self.send_now is not None:
             while out and self.send_now(*out[0]):
                 out = out[1:]
@@ -252,6 +256,8 @@ class StageRunner:
             except GroupError:
                 raise  # the stage's, not the request's
             except Exception as e:  # MLX errors (memory, shapes) fail the request, not the node
+                if lost_member(e):
+                    raise GroupError(str(e)) from e  # the stage's, not the request's
                 log.exception("req=%x: stage computation failed", row.rid, extra=self.describe(row.rid, row))
                 failed.append(self._fail_row(row, f"{type(e).__name__}: {e}"))
         return done

@@ -62,6 +62,17 @@ class GroupError(Exception):
     stage is broken and its requests go back to the leader to replay."""
 
 
+# MLX's distributed backends name themselves at the head of their errors ("[ring] connection
+# to a peer was lost"): in a group process (MLX's own collective) that is a member gone mid-step.
+MLX_BACKEND_ERRORS = ("[ring]", "[jaccl]")
+
+
+def lost_member(e: BaseException) -> bool:
+    """Whether ``e`` is MLX's own collective failing (a member of a group process's group gone):
+    the group is broken, as a GroupError says, not the request."""
+    return isinstance(e, RuntimeError) and str(e).startswith(MLX_BACKEND_ERRORS)
+
+
 _mlx_all_sum = mx.distributed.all_sum
 _mlx_all_gather = mx.distributed.all_gather
 

@@ -248,3 +248,40 @@ def test_verify_rows_of_several_requests_go_batched_and_keep_mlx_lms_tokens(mode
     for rid, prompt in enumerate(prompts):
         bad = teacher_forced_mismatches(mlx_model, prompt, out[rid])
         assert not bad, f"request {rid}:\n" + "\n".join(bad)
+
+
+def test_mlx_s_collective_losing_a_member_answers_nothing_so_the_leader_replays(model):
+    """In a group process, MLX's own collective raises "[ring] connection to a peer was lost" when
+    a member dies mid-step: the group is broken (its daemon re-plans and the leader replays), so
+    the stage answers nothing; before, it failed the micro-batch's requests with that message.
+    Any other MLX error still fails the request, saying why."""
+
+    class Broken:
+        def __init__(self, shard, why):
+            self._shard, self._why = shard, why
+
+        def __getattr__(self, name):
+            return getattr(self._shard, name)
+
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError(self._why)
+
+    async def main():
+        ring = StageRing(model, [])
+        runner = ring.runners[ring.first]
+        shard = runner.shard
+        try:
+            answers = []
+            for why in ("[ring] connection to a peer was lost", "[metal] out of memory"):
+                runner.shard = Broken(shard, why)
+                ring.forward([Row(len(answers) + 1, 0, (1, 2, 3), True, open=Open(SamplingParams(temperature=0).to_wire()))])
+                await ring.compute.run(lambda: None)  # after the micro-batch's computation
+                await asyncio.sleep(0)  # and what it handed the loop to send
+                answers.append(None if ring.to_leader.empty() else await ring.answer())
+            return answers
+        finally:
+            await ring.stop()
+
+    lost, other = asyncio.run(main())
+    assert lost is None, lost
+    assert isinstance(other, Tokens) and [why for _, why in other.failed] == ["node node0: RuntimeError: [metal] out of memory"], other
