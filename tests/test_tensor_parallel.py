@@ -100,7 +100,12 @@ def test_groups_on_mlx_s_own_collective_answer_alike_and_survive_their_process(t
         again = all_at_once(kill_at)
         assert kill_at.fired.is_set()
         assert again == whole, "streams after a group process's death differ from their uninterrupted runs"
-        assert "its group process ended" in ring.logs()
+        # Said once the daemon has heard its process end, which may come after the streams
+        # (their last tokens can be computed before the kill lands): waited for, not assumed.
+        deadline = time.monotonic() + 60
+        while "its group process ended" not in (logs := ring.logs()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "its group process ended" in logs, logs[-3000:]
     finally:
         ring.stop()
 

@@ -92,6 +92,9 @@ async def serve(sock: socket.socket) -> None:
         return grammar.ll_tokenizer(load_tokenizer(model_info(spec["model"])), shard.info.vocab_size)
 
     runner = StageRunner(node, plan, shard, compute, send, Metrics(node), grammar)
+    loop = asyncio.get_running_loop()
+    # MLX's group cannot heal: the process ends, saying why, and its daemon's stage is broken.
+    runner.group_broken = lambda why: loop.call_soon_threadsafe(fail, f"MLX's collective lost a member: {why}")
 
     async def report() -> None:
         last = None

@@ -116,6 +116,9 @@ class StageRunner:
         self._parsed: Forward | None = None  # the micro-batch being computed, once it parsed
         self.predecessor = plan.predecessor(node)
         self._loop = asyncio.get_running_loop()
+        # A group process's (groupworker.py): told, on the compute thread, that MLX's collective
+        # lost a member, so the process ends saying why and its daemon's stage is broken.
+        self.group_broken: Callable[[str], None] | None = None
 
     def handle(self, frame: Frame) -> None:
         """Called on the event loop, in arrival order, for FORWARD and RELEASE frames."""
@@ -150,14 +153,16 @@ class StageRunner:
                 self._tidy_memory(prefill)
         except (FrameError, BatchError) as e:
             out = self._fail_batch(frame, str(e), getattr(e, "batch", None))
-        except GroupError:
+        except GroupError as e:
             # The tensor-parallel group broke (its stage host says so): nothing is answered, and
             # the leader replays the micro-batch's requests on its next plan.
             out = []
+            if lost_member(e.__cause__):
+                self._collective_lost(frame, e.__cause__)
         except Exception as e:  # MLX errors (memory, shapes) fail the micro-batch, not the node
             if lost_member(e):  # MLX's own collective lost a member: the group broke, as above
-                log.warning("batch=%x: the group's collective broke (%s); the ring is re-planned without answering", frame.request_id, e)
                 out = []
+                self._collective_lost(frame, e)
             else:
                 log.exception("batch=%x: stage computation failed", frame.request_id)
                 out = self._fail_batch(frame, f"{type(e).__name__}: {e}", self._parsed)
@@ -166,6 +171,13 @@ class StageRunner:
                 out = out[1:]
         if out:  # in order: once one frame takes the loop's way, the rest follow it
             self._loop.call_soon_threadsafe(self._deliver, out)
+
+    def _collective_lost(self, frame: Frame, e: BaseException) -> None:
+        """MLX's own collective (a group process's) lost a member mid-step: the group cannot heal,
+        so the process is told to end (``group_broken``) and its daemon's stage is broken."""
+        log.warning("batch=%x: the group's collective broke (%s); the ring is re-planned without answering", frame.request_id, e)
+        if self.group_broken is not None:
+            self.group_broken(str(e))
 
     def _release(self, frame: Frame) -> list:
         rid = frame.request_id

@@ -270,6 +270,8 @@ def test_mlx_s_collective_losing_a_member_answers_nothing_so_the_leader_replays(
         ring = StageRing(model, [])
         runner = ring.runners[ring.first]
         shard = runner.shard
+        told = []
+        runner.group_broken = told.append  # a group process ends, saying why
         try:
             answers = []
             for why in ("[ring] connection to a peer was lost", "[metal] out of memory"):
@@ -278,10 +280,10 @@ def test_mlx_s_collective_losing_a_member_answers_nothing_so_the_leader_replays(
                 await ring.compute.run(lambda: None)  # after the micro-batch's computation
                 await asyncio.sleep(0)  # and what it handed the loop to send
                 answers.append(None if ring.to_leader.empty() else await ring.answer())
-            return answers
+            return answers, told
         finally:
             await ring.stop()
 
-    lost, other = asyncio.run(main())
-    assert lost is None, lost
+    (lost, other), told = asyncio.run(main())
+    assert lost is None and told == ["[ring] connection to a peer was lost"], (lost, told)
     assert isinstance(other, Tokens) and [why for _, why in other.failed] == ["node node0: RuntimeError: [metal] out of memory"], other
