@@ -53,7 +53,7 @@ from ringd.models.peers import FetchError, Holder, PeerModel
 from ringd.models.source import model_info
 from ringd.base.names import check_name, parse_hostport
 from ringd.node.coordinator import Coordinator, NodeParts, ServedModel
-from ringd.node.holders import holder_of, model_from_peers
+from ringd.node.holders import holder_of, model_from_peers, serving
 from ringd.node.pool import Pool
 from ringd.stage.groupengine import GroupSettings
 from ringd.node.stagehost import StageHost, StageSource
@@ -364,11 +364,7 @@ class Node:
         found = [h for p, peer in self.cluster.peers.items() if (h := holder_of(p, peer.info, fingerprint)) is not None]
         leader = self.cluster.peers.get(self.cluster.leader or "")
         if fingerprint in self._fetched and leader is not None and all(h.node != self.cluster.leader for h in found):
-            try:
-                parse_hostport(leader.info.http)
-            except ValueError:
-                return found
-            found.append(Holder(self.cluster.leader, leader.info.http, fingerprint, https=leader.info.https))
+            found += [h for h in [serving(self.cluster.leader, leader.info, fingerprint)] if h is not None]
         return found
 
     def holding(self, fingerprint: str) -> Holding | None:

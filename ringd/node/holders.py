@@ -105,12 +105,18 @@ def holder_of(node: str, info: MemberInfo, model: str | None = None) -> Holder |
     """The peer as a holder if its INFO says it serves the files of ``model`` (None: any model)."""
     if not info.files or not info.model or model not in (None, info.model):
         return None
+    return serving(node, info, info.model)
+
+
+def serving(node: str, info: MemberInfo, model: str) -> Holder | None:
+    """The peer as a holder of the files of ``model`` (its configured model's, or a leader's
+    loaded on demand), if its name and HTTP address are sound."""
     try:
         check_name(node)
         parse_hostport(info.http)
     except ValueError:
         return None
-    return Holder(node, info.http, info.model, https=info.https)
+    return Holder(node, info.http, model, https=info.https)
 
 
 async def probe(addrs: Iterable[tuple[str, int]], *, secret: bytes, node: str, cluster: str, encrypt: bool) -> list[Holder]:
