@@ -65,6 +65,8 @@ class ChunkPacer:
         if prompt_tokens < MIN_PACED_CHUNK or not trip_s > 0 or in_flight < 1:
             return self.chunk  # a prompt's short tail measures mostly the fixed costs; a clock that did not move, nothing
         per = trip_s / in_flight / prompt_tokens
+        if not per > 0:
+            return self.chunk  # a trip too short to say anything (its time a token rounds to 0)
         self.token_s = per if self.token_s is None else SMOOTHING * per + (1 - SMOOTHING) * self.token_s
         fit = self.target_s / self.token_s  # may be inf: a measure of almost nothing
         want = self.most if fit >= self.most else int(fit) // CHUNK_QUANTUM * CHUNK_QUANTUM
