@@ -78,6 +78,7 @@ class MsgType(enum.IntEnum):
     LEAVE = 15  # a node is stopping: take it out of the ring now, do not wait for its heartbeats to stop
     UNLOAD = 16  # leader -> node: drop the layers of one of the leader's instances
     REDUCE = 17  # tensor-parallel group member -> the others: its partial sum of one all-reduce
+    MEDIA = 18  # leader -> the ring's first stage: a request's images, before its first FORWARD
 
 
 # Types whose descriptor is bytes in a fixed binary layout of the layer above's

@@ -286,7 +286,7 @@ class Node:
     def on_frame(self, peer: str, frame: Frame) -> None:
         """A frame from ``peer`` (heartbeats and election notes are the cluster's own)."""
         t = frame.type
-        if t in (MsgType.FORWARD, MsgType.RELEASE):
+        if t in (MsgType.FORWARD, MsgType.RELEASE, MsgType.MEDIA):
             self.stages.route(frame).on_frame(peer, frame)
         elif t == MsgType.REDUCE:
             self.stages.route(frame).on_reduce(peer, frame)

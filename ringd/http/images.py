@@ -23,27 +23,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import functools
-import io
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
-# Images in one request: each is hundreds to thousands of a model's positions, and a
-# request's images are decoded before its first token.
-MAX_IMAGES = 16
-# One image's file, decoded from base64: a phone's photo is 2-6 MB; the body's own bound
-# (bodies.MAX_BODY_BYTES, 16 MiB of base64) allows about 12.
-MAX_IMAGE_BYTES = 12 * 1024 * 1024
-# Pixels of one image, read from its header before any is decoded: 8K (7680 x 4320) and a
-# little; the models' processors scale far below it. As RGB this is at most ~100 MB.
-MAX_IMAGE_PIXELS = 34_000_000
-# Either side, in pixels: a 1 x 30,000,000 strip is within the count and no picture.
-MAX_IMAGE_SIDE = 16_384
-# What a request may send: what browsers and phones write, and what the models' own
-# processors are tested on.
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+from ringd.ring.media import MAX_IMAGE_BYTES, MAX_IMAGES, ImageError, Picture, picture
+
 # A data URL's header ("data:image/png;base64,") is read up to this many characters.
 MAX_DATA_URL_HEADER_CHARS = 100
 # Threads decoding images at once: decoding is CPU work beside the stages' compute; more
@@ -51,10 +36,6 @@ MAX_DATA_URL_HEADER_CHARS = 100
 DECODE_THREADS = 2
 
 _BASE64_PER_BYTE = 4 / 3
-
-
-class ImageError(ValueError):
-    """An image the request carries cannot be used: the message names the part and why (a 400)."""
 
 
 @dataclass(frozen=True)
@@ -103,47 +84,14 @@ def check_count(parts: Sequence[ImagePart]) -> None:
         raise ImageError(f"{len(parts)} images in one request; at most {MAX_IMAGES} (MAX_IMAGES)")
 
 
-@functools.cache
-def _pillow():
-    """Pillow, imported once: its warning for an image over 89 million pixels is ours to refuse
-    (MAX_IMAGE_PIXELS, lower), not a line in the log for every client that sends one."""
-    from PIL import Image
-
-    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
-    return Image
-
-
-def decode(part: ImagePart):
-    """The picture of ``part``: a Pillow RGB image, upright. Off the event loop (it costs what the
-    client sent); an ImageError for anything that is not an image within the bounds."""
-    Image = _pillow()
-    from PIL import ImageOps, UnidentifiedImageError
-
+def decode(part: ImagePart) -> Picture:
+    """The picture of ``part``, and its file's bytes. Off the event loop (it costs what the client
+    sent); an ImageError for anything that is not an image within the bounds."""
     try:
         raw = base64.b64decode(part.data[part.start :], validate=True)
     except (binascii.Error, ValueError):
         raise ImageError(f"{part.where}: the image is not valid base64") from None
-    if len(raw) > MAX_IMAGE_BYTES:
-        raise ImageError(f"{part.where}: the image is over {MAX_IMAGE_BYTES // (1024 * 1024)} MiB")
-    try:
-        image = Image.open(io.BytesIO(raw), formats=FORMATS)  # reads the header only
-    except UnidentifiedImageError:
-        raise ImageError(f"{part.where}: not an image in a format ringd reads ({', '.join(FORMATS)})") from None
-    except Image.DecompressionBombError as e:  # Pillow's own bound, far above ours (its message has the size)
-        raise ImageError(f"{part.where}: far over {MAX_IMAGE_PIXELS:,} pixels: {e}") from None
-    except Exception as e:  # a header Pillow cannot make sense of
-        raise ImageError(f"{part.where}: not a readable image ({type(e).__name__}: {e})") from None
-    with image:
-        width, height = image.size
-        if width < 1 or height < 1 or max(width, height) > MAX_IMAGE_SIDE or width * height > MAX_IMAGE_PIXELS:
-            raise ImageError(
-                f"{part.where}: {width} x {height} pixels; at most {MAX_IMAGE_PIXELS:,} pixels and {MAX_IMAGE_SIDE:,} a side"
-            )  # fmt: skip
-        try:
-            upright = ImageOps.exif_transpose(image)  # decodes: a damaged body fails here
-            return upright.convert("RGB")
-        except Exception as e:  # OSError for a body cut short; whatever else a damaged file makes Pillow raise
-            raise ImageError(f"{part.where}: the image is damaged or cut short ({type(e).__name__}: {e})") from None
+    return picture(raw, part.where)
 
 
 _pool: ThreadPoolExecutor | None = None

@@ -26,7 +26,9 @@ from ringd.http.fields import (
     is_bool, is_int, is_object, listed, model_name, optional, sampling_fields, sampling_params, template_kwargs,
     valid_text,
 )
+from ringd.http.images import ImageError, ImagePart, from_data_url
 from ringd.http.request import Request, ResponseFormat, Tool, given_fields
+from ringd.ring.media import MAX_IMAGES
 from ringd.ring.sampling import MAX_TOP_LOGPROBS, SamplingParams, brief_repr
 
 # Legacy completions take logprobs as a count, at most 5 (OpenAI's limit).
@@ -70,6 +72,7 @@ class CompletionRequest:
     response_format: ResponseFormat | None = None
     template_kwargs: dict = field(default_factory=dict)
     given: frozenset[str] = frozenset()  # Request.given: what the client set
+    images: list[ImagePart] = field(default_factory=list)  # a chat's, in order
 
     def to_request(self) -> Request:
         """The internal request (``request.py``) that every API becomes."""
@@ -77,26 +80,54 @@ class CompletionRequest:
             model=self.model, params=self.params, max_tokens=self.max_tokens, messages=self.messages, prompt=self.prompt,
             stop=self.stop, tools=self.tools, tool_choice=self.tool_choice, tool_name=self.tool_name,
             parallel_tool_calls=self.parallel_tool_calls, response_format=self.response_format,
-            template_kwargs=self.template_kwargs, ignore_eos=self.ignore_eos, given=self.given,
+            template_kwargs=self.template_kwargs, ignore_eos=self.ignore_eos, given=self.given, images=self.images,
         )  # fmt: skip
 
 
-def _text_content(content: Any, where: str) -> str:
+def _content(content: Any, where: str, images: list[ImagePart]) -> str | list[dict]:
+    """A message's content as a template takes it: its text, or where it holds images, its parts
+    in order (``{"type": "text", "text"}``, ``{"type": "image"}``), each image added to ``images``."""
     if content is None:
         return ""
     if isinstance(content, str):
         return valid_text(content, where)
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"{where}[{i}] must be a text part {{'type': 'text', 'text': ...}}; only text is supported", where)
-            parts.append(valid_text(part["text"], f"{where}[{i}].text"))
-        return "".join(parts)
-    raise bad(f"{where} must be a string or a list of text parts", where)
+    if not isinstance(content, list):
+        raise bad(f"{where} must be a string or a list of text and image parts", where)
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": valid_text(part["text"], f"{where}[{i}].text")})
+        elif kind == "image_url":
+            images.append(image_url(part.get("image_url"), f"{where}[{i}].image_url"))
+            parts.append({"type": "image"})
+        else:
+            raise bad(
+                f"{where}[{i}] must be a text part {{'type': 'text', 'text': ...}} or an image part "
+                "{'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}}",
+                f"{where}[{i}]",
+            )  # fmt: skip
+    if any(part["type"] == "image" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
 
 
-def _messages(v: Any) -> list[dict]:
+def image_url(v: Any, where: str) -> ImagePart:
+    """An ``image_url`` (``{"url": ...}``, or the URL itself as some clients send it): a data URL.
+    A URL of the web is refused: a server that fetches what a client names is a door into the
+    network it sits in."""
+    url = v.get("url") if isinstance(v, dict) else v
+    if not isinstance(url, str):
+        raise bad(f"{where} must be {{'url': 'data:image/png;base64,...'}}", where)
+    if url[:8].lower().startswith(("http://", "https://")):
+        raise bad(f"{where}: ringd does not fetch images from the web; send the image itself, as a data URL (data:image/png;base64,...)", where)
+    try:
+        return from_data_url(url, where)
+    except ImageError as e:
+        raise bad(str(e), where) from None
+
+
+def _messages(v: Any, images: list[ImagePart]) -> list[dict]:
     if not isinstance(v, list) or not v:
         raise bad("messages must be a non-empty list", "messages")
     if len(v) > MAX_MESSAGES:
@@ -111,7 +142,7 @@ def _messages(v: Any) -> list[dict]:
         if role not in CHAT_ROLES:
             raise bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {brief_repr(role)}", f"{where}.role")
         # Chat templates know "system"; "developer" is OpenAI's newer name for it.
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _text_content(m.get("content"), f"{where}.content")}
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _content(m.get("content"), f"{where}.content", images)}
         if role == "assistant":
             calls = m.get("tool_calls")
             if calls:
@@ -127,6 +158,8 @@ def _messages(v: Any) -> list[dict]:
             msg["tool_call_id"] = call_id
             msg["name"] = m.get("name") if isinstance(m.get("name"), str) else names.get(call_id, "")
         out.append(msg)
+    if len(images) > MAX_IMAGES:
+        raise bad(f"{len(images)} images in one request; at most {MAX_IMAGES}", "messages")
     return out
 
 
@@ -267,6 +300,7 @@ def parse_request(body: dict, chat: bool) -> CompletionRequest:
     tools = function_tools(body.get("tools")) if chat else []
     tool_choice, tool_name = _tool_choice(body.get("tool_choice"), tools) if chat else ("auto", None)
     parallel = opt("parallel_tool_calls", is_bool, "a boolean")
+    images: list[ImagePart] = []
     return CompletionRequest(
         tools=tools,
         tool_choice=tool_choice,
@@ -276,7 +310,8 @@ def parse_request(body: dict, chat: bool) -> CompletionRequest:
         template_kwargs=template_kwargs(body.get("chat_template_kwargs")) if chat else {},
         chat=chat,
         model=model,
-        messages=_messages(body.get("messages")) if chat else None,
+        messages=_messages(body.get("messages"), images) if chat else None,
+        images=images,
         prompt=None if chat else _prompt(body.get("prompt")),
         max_tokens=max_tokens,
         params=params,

@@ -67,6 +67,7 @@ class Rendered:
     prompt: list[int]
     grammar: str | None
     read: ReadPlan
+    text: str | None = None  # a prompt with images: its text, which the model's processor reads with them
 
 
 def tool_mode(req: Request, tokenizer) -> str | None:
@@ -75,8 +76,12 @@ def tool_mode(req: Request, tokenizer) -> str | None:
     return "native" if getattr(tokenizer, "has_tool_calling", False) else "generic"
 
 
-def render(req: Request, tokenizer, default_template_kwargs: dict | None = None) -> Rendered:
-    """The request's prompt ids, the grammar its answer must follow (None: free), and its ReadPlan."""
+def render(req: Request, tokenizer, default_template_kwargs: dict | None = None, prepare=None) -> Rendered:
+    """The request's prompt ids, the grammar its answer must follow (None: free), and its ReadPlan.
+
+    A chat with images is rendered to text (the template writes a marker for each image part)
+    and ``prepare`` (the model's processor, with the request's pictures) makes its ids: each
+    marker expanded to the positions its image takes."""
     if not req.chat:
         return _render_completion(req, tokenizer)
     mode = tool_mode(req, tokenizer)
@@ -105,16 +110,19 @@ def render(req: Request, tokenizer, default_template_kwargs: dict | None = None)
         # model's mouth, tokenized together (as the model would have written it); any
         # template works, with no continue_final_message of its own.
         prefill, messages = messages[-1].get("content") or "", messages[:-1]
+    text = None
     try:
         prompt = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=prefill is None,
+            messages, add_generation_prompt=True, tokenize=prefill is None and not req.images,
             **({"tools": template_tools} if template_tools else {}), **kwargs,
         )  # fmt: skip
-        if prefill is not None:
+        if req.images:
+            text = prompt + (prefill or "")
+        elif prefill is not None:
             prompt = tokenizer.encode(prompt + prefill, add_special_tokens=False)
     except Exception as e:  # jinja raises for conversations its template rejects
         raise RenderError(f"the model's chat template rejected these messages: {e}", req.name("messages")) from None
-    prompt = list(prompt)
+    prompt = list(prompt) if text is None else _with_images(text, prepare, req)
 
     read = ReadPlan(tools=mode, template_tools=template_tools, forced=req.tool_choice in ("required", "function"))
     thinks = getattr(tokenizer, "has_thinking", False)
@@ -135,12 +143,24 @@ def render(req: Request, tokenizer, default_template_kwargs: dict | None = None)
     elif mode == "native" and read.forced:
         body = _native_calls(req, tokenizer)
     if body is None:
-        return Rendered(prompt, None, read)
+        return Rendered(prompt, None, read, text)
     lark = _with_thinking(body, tokenizer, read) if thinks else f"start: {body}\n"
-    return Rendered(prompt, _lark(lark, req.name(_grammar_field(req))), read)
+    return Rendered(prompt, _lark(lark, req.name(_grammar_field(req))), read, text)
+
+
+def _with_images(text: str, prepare, req: Request) -> list[int]:
+    """The ids of a chat's ``text`` with its images, made by the model's processor (``prepare``)."""
+    if prepare is None:
+        raise RenderError("this model does not take images", req.images[0].where)
+    try:
+        return prepare(text)
+    except Exception as e:  # the processor's own refusal (an image marker the template did not write, ...)
+        raise RenderError(f"the model's processor could not read the prompt with its images: {type(e).__name__}: {e}", req.name("messages")) from None
 
 
 def _render_completion(req: Request, tokenizer) -> Rendered:
+    if req.images:
+        raise RenderError("images come in a chat's messages; a completion's prompt is text", req.images[0].where)
     if isinstance(req.prompt, list):
         prompt = req.prompt
     else:

@@ -88,6 +88,9 @@ class Request:
     # Tokens prompt and answer may take together, as the client asked (Ollama's options.num_ctx);
     # None: the model's default context.
     context: int | None = None
+    # The images of a chat, in the order their parts come (images.ImagePart: where in the body,
+    # still encoded); each is an {"type": "image"} part of its message's content for the template.
+    images: list = field(default_factory=list)
 
     @property
     def chat(self) -> bool:

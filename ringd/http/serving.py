@@ -21,12 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, AsyncIterator
 
 from ringd.http.errors import ApiError
+from ringd.http.images import ImageError, decode_all
+from ringd.models.errors import ModelError
+from ringd.models.vision import Processor, image_token_id, sees
+from ringd.ring.media import Picture, PromptImages, prefix_key
 from ringd.http.reader import Reader
 from ringd.http.render import Rendered, RenderError, render
 from ringd.http.request import Output, Request, Usage, with_model_defaults
@@ -49,6 +54,9 @@ MAX_CONCURRENT_RENDERS = 2
 # Grammars already checked against this model's tokenizer, by their text: an
 # agent sends the same tools and schema with every turn.
 CHECKED_GRAMMARS = 256
+# Processors kept of models that see (each a tokenizer and an image processor, some MB): more
+# than a pool holds models at once.
+MAX_PROCESSORS = 8
 
 
 class Generation:
@@ -117,6 +125,8 @@ class Serving:
         self._renders = asyncio.Semaphore(MAX_CONCURRENT_RENDERS)
         self._checked: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._chars_per_token: dict[str, int] = {}  # by model: its tokenizer's longest entry
+        self._processors: dict[str, Processor] = {}  # by model: a model that sees, its processor (loaded by its first image)
+        self._processor_load = asyncio.Lock()
 
     async def open(
         self, req: Request, served: "Served", request_id: str | None, resumed: list[int] = (), received_ns: int | None = None
@@ -131,8 +141,13 @@ class Serving:
             req.params.check_vocab(served.info.vocab_size)
         except SamplingError as e:
             raise ApiError(400, str(e), req.name(e.field) if e.field else None) from None
-        rendered = await self._rendered(req, served)
+        seen = await self._seen(req, served)
+        rendered = await self._rendered(req, served, seen)
         prompt = rendered.prompt
+        images = None
+        if seen is not None:
+            files = tuple(p.raw for p in seen[1])
+            images = PromptImages(rendered.text, files, prefix_key(prompt, image_token_id(served.info.config), files))
         context = self._context(req, served)
         max_tokens = req.max_tokens if req.max_tokens is not None else context - len(prompt)
         if len(prompt) + max_tokens > context:
@@ -146,17 +161,19 @@ class Serving:
             raise ApiError(400, f"the stream carried over already holds max_tokens ({max_tokens}) tokens")
         params = req.params if rendered.grammar is None else dataclasses.replace(req.params, grammar=rendered.grammar)
         self.d.metrics.prompt_tokens.inc(len(prompt))
-        events = self._generate(served, engine, prompt, params, max_tokens, req.stop, list(resumed), request_id, req.ignore_eos)
+        events = self._generate(served, engine, prompt, params, max_tokens, req.stop, list(resumed), request_id, req.ignore_eos, images)
         return Generation(req, rendered, events, served.tokenizer, len(resumed), received_ns)
 
-    def _generate(self, served: "Served", engine: "Engine", prompt, params, max_tokens, stop, resumed, request_id, ignore_eos) -> AsyncIterator:
+    def _generate(self, served: "Served", engine: "Engine", prompt, params, max_tokens, stop, resumed, request_id, ignore_eos, images) -> AsyncIterator:
         """``engine``'s events for the request (asked for now); should its replica's ring be lost for
         good (a 503: every Mac of its share gone, so it cannot re-form), the rest from another replica
         of the same model that serves, which replays the prompt and what was streamed, as a new leader does."""
-        events = engine.generate(prompt, params, max_tokens, stop, resumed, request_id, emit_resumed=True, ignore_eos=ignore_eos)
-        return self._carried(served, events, prompt, params, max_tokens, stop, resumed, request_id, ignore_eos)
+        events = engine.generate(prompt, params, max_tokens, stop, resumed, request_id, emit_resumed=True, ignore_eos=ignore_eos, images=images)
+        return self._carried(served, events, prompt, params, max_tokens, stop, resumed, request_id, ignore_eos, images)
 
-    async def _carried(self, served: "Served", events: AsyncIterator, prompt, params, max_tokens, stop, resumed, request_id, ignore_eos) -> AsyncIterator:
+    async def _carried(
+        self, served: "Served", events: AsyncIterator, prompt, params, max_tokens, stop, resumed, request_id, ignore_eos, images
+    ) -> AsyncIterator:
         produced: list[int] = []
         try:
             for _ in range(MAX_REPLICA_HANDOFFS + 1):
@@ -173,7 +190,7 @@ class Serving:
                     log.warning("its ring is lost (%s); %d tokens in, the request goes on on %s", e, len(produced), other.name or other.model_id)
                     await events.aclose()
                     served = other
-                    events = other.engine.generate(prompt, params, max_tokens, stop, [*resumed, *produced], request_id, ignore_eos=ignore_eos)
+                    events = other.engine.generate(prompt, params, max_tokens, stop, [*resumed, *produced], request_id, ignore_eos=ignore_eos, images=images)
             raise EngineError(f"the request's ring was lost {MAX_REPLICA_HANDOFFS + 1} times", 503)
         finally:
             await events.aclose()
@@ -201,7 +218,33 @@ class Serving:
 
     async def count_tokens(self, req: Request, served: "Served") -> int:
         """The prompt tokens ``req`` would take (Anthropic's count_tokens): checked and rendered, not run."""
-        return len((await self._rendered(with_model_defaults(req, served.info.defaults), served)).prompt)
+        return len((await self._rendered(with_model_defaults(req, served.info.defaults), served, await self._seen(req, served))).prompt)
+
+    async def _seen(self, req: Request, served: "Served") -> "tuple[Processor, list[Picture]] | None":
+        """A request's images, decoded (off the loop, bounded before work), and the model's processor
+        that reads them with the prompt; None for a request without images. A 400 for a model
+        that does not see, or an image that cannot be used, naming the part."""
+        if not req.images:
+            return None
+        if not sees(served.info.config):
+            raise ApiError(400, f"{served.model_id} does not take images: it has no vision tower", req.images[0].where)
+        try:
+            pictures = await decode_all(req.images)
+        except ImageError as e:
+            raise ApiError(400, str(e), str(e).partition(":")[0]) from None
+        processor = self._processors.get(served.model_id)
+        if processor is None:
+            async with self._processor_load:
+                processor = self._processors.get(served.model_id)
+                if processor is None:
+                    try:
+                        processor = await asyncio.get_running_loop().run_in_executor(None, Processor.load, served.info.path, served.info.config)
+                    except ModelError as e:
+                        raise ApiError(503, f"{served.model_id}: images cannot be read here: {e}") from None
+                    self._processors[served.model_id] = processor
+                    while len(self._processors) > MAX_PROCESSORS:
+                        self._processors.pop(next(iter(self._processors)))
+        return processor, pictures
 
     def _context(self, req: Request, served: "Served") -> int:
         """The tokens ``req``'s prompt and answer may take together: the model's context length,
@@ -213,7 +256,7 @@ class Serving:
     def _context_name(self, req: Request, served: "Served") -> str:
         return "model's context" if self._context(req, served) == served.info.context_length else "context asked for (num_ctx)"
 
-    async def _rendered(self, req: Request, served: "Served") -> Rendered:
+    async def _rendered(self, req: Request, served: "Served", seen: "tuple[Processor, list[Picture]] | None" = None) -> Rendered:
         """The prompt (that fits the context) and the grammar (that compiles) of ``req``."""
         context = self._context(req, served)
         where = req.name("messages" if req.chat else "prompt")
@@ -235,7 +278,7 @@ class Serving:
                 "context_length_exceeded",
             )
         async with self._renders:
-            rendered = await asyncio.get_running_loop().run_in_executor(None, self._render, req, served)
+            rendered = await asyncio.get_running_loop().run_in_executor(None, self._render, req, served, seen)
         if rendered.grammar is not None:
             self._remember((served.model_id, rendered.grammar))
         prompt = rendered.prompt
@@ -247,10 +290,14 @@ class Serving:
             raise ApiError(400, f"the prompt is {len(prompt)} tokens; the {self._context_name(req, served)} is {context}", where, "context_length_exceeded")
         return rendered
 
-    def _render(self, req: Request, served: "Served") -> Rendered:
+    def _render(self, req: Request, served: "Served", seen: "tuple[Processor, list[Picture]] | None" = None) -> Rendered:
         """On an executor thread: the prompt and grammar, the grammar checked against the tokenizer."""
+        prepare = None
+        if seen is not None:
+            processor, pictures = seen
+            prepare = functools.partial(_ids_with, processor, [p.image for p in pictures])
         try:
-            rendered = render(req, served.tokenizer, getattr(self.d, "chat_template_kwargs", None))
+            rendered = render(req, served.tokenizer, getattr(self.d, "chat_template_kwargs", None), prepare)
         except RenderError as e:
             raise ApiError(400, str(e), e.field) from None
         if rendered.grammar is not None and (served.model_id, rendered.grammar) not in self._checked:
@@ -268,6 +315,10 @@ class Serving:
         self._checked.move_to_end(grammar)
         while len(self._checked) > CHECKED_GRAMMARS:
             self._checked.popitem(last=False)
+
+
+def _ids_with(processor: Processor, images: list, text: str) -> list[int]:
+    return processor.prepare(text, images).ids
 
 
 def _grammar_field(req: Request) -> str:

@@ -52,6 +52,7 @@ import numpy as np
 from mlx_lm.generate import TextStateMachine
 
 from ringd.ring import steps
+from ringd.ring.media import PromptImages
 from ringd.ring.plan import Plan
 from ringd.leader.admission import FAILOVER_WAIT_S, MAX_QUEUED_REQUESTS, QUEUE_TIMEOUT_S, Admission, KvLedger
 from ringd.leader.draft import Drafter, Proposal
@@ -121,12 +122,18 @@ class _Flight:
     outcome: str = "ended by its client"  # unless it finishes or fails
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``released``
     pool: str | None = None  # an embedding: pooled on the last stage (steps.POOLINGS), not sampled
+    images: PromptImages | None = None  # its prompt's images: sent to the first stage before its first row on each ring
     waiting_since: float | None = None  # when its consumer began waiting for the ring's answer (loop time)
     watchdog: asyncio.TimerHandle | None = None  # fails that wait at step_timeout_s (``_overdue``)
 
     def about(self, term: int | None = None, **fields) -> dict:
         """``extra`` for a log line about this request."""
         return about(self.request_id, term, rid=f"{self.rid:x}", **fields)
+
+    @property
+    def key(self) -> list[int]:
+        """Its prompt and answer so far as the prefix cache keys them (an image's positions by its bytes)."""
+        return [*(self.images.key if self.images is not None else self.prompt), *self.generated]
 
 
 class _Text:
@@ -319,6 +326,7 @@ class Engine:
         request_id: str | None = None,
         emit_resumed: bool = False,
         ignore_eos: bool = False,
+        images: PromptImages | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Generate up to ``max_tokens`` after ``prompt``.
 
@@ -330,9 +338,9 @@ class Engine:
         ``resumed``, so a consumer that reads the text (tool calls, reasoning) can
         bring its own state to where the stream was. ``ignore_eos``: the end-of-sequence
         tokens do not end it (vLLM's option; a benchmark's fixed length): it runs to
-        ``max_tokens`` or a ``stop`` string.
+        ``max_tokens`` or a ``stop`` string. ``images``: the prompt's, for the first stage's vision tower.
         """
-        flight = await self._enter(prompt, params, max_tokens, resume, request_id)
+        flight = await self._enter(prompt, params, max_tokens, resume, request_id, images=images)
         try:
             text = _Text(self.tokenizer.detokenizer, stop, self.eos_ids, max_tokens, ignore_eos)
             finish = None
@@ -376,7 +384,14 @@ class Engine:
             self._leave(flight)
 
     async def _enter(
-        self, prompt: list[int], params: SamplingParams, max_tokens: int, resume: list[int], request_id: str | None, pool: str | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        resume: list[int],
+        request_id: str | None,
+        pool: str | None = None,
+        images: PromptImages | None = None,
     ) -> _Flight:
         """Admit a request on the ring that serves (waiting for room, or for the next ring) and
         open its flight, from a cached prefix where one shares its start."""
@@ -385,14 +400,17 @@ class Engine:
             raise EngineError("the prompt is empty", 400)
         if self.active >= self.max_active:
             raise EngineError(f"{self.max_active} requests are already generating; retry shortly", 429, RETRY_AFTER_S)
+        key = list(images.key) if images is not None else prompt
         if pool is None:  # before its booking: from the booking on, nothing awaits until its flight is open
-            await self._kept_by_those_leaving(prompt)
+            await self._kept_by_those_leaving(key)
         rid = next(self._ids)
         await self._admit_on_ring(rid, len(prompt) + max_tokens, request_id)
         self.metrics.queue_wait.observe(time.monotonic() - arrived)
-        flight = _Flight(rid, list(prompt), params, max_tokens, asyncio.Queue(), generated=list(resume), request_id=request_id, arrived=arrived, pool=pool)
+        flight = _Flight(
+            rid, list(prompt), params, max_tokens, asyncio.Queue(), generated=list(resume), request_id=request_id, arrived=arrived, pool=pool, images=images,
+        )  # fmt: skip
         if self._prefix_term == self.plan.term and pool is None:
-            flight.reuse = self.prefix.take(flight.prompt)
+            flight.reuse = self.prefix.take(key)
             if flight.reuse is not None:
                 flight.cached = flight.reuse[1]
                 self.admission.release(flight.reuse[0])  # its positions are now part of this request's booking
@@ -422,7 +440,7 @@ class Engine:
         for flight in list(self._flights.values()):
             if (
                 flight.finished and not flight.released and not flight.failed and flight.pool is None
-                and flight.rid in self.scheduler and common_prefix(flight.prompt + flight.generated, prompt) >= MIN_REUSE_TOKENS
+                and flight.rid in self.scheduler and common_prefix(flight.key, prompt) >= MIN_REUSE_TOKENS
             ):  # fmt: skip
                 try:
                     async with asyncio.timeout(LEAVING_WAIT_S):
@@ -565,14 +583,18 @@ class Engine:
                 self._release(c)
 
     def _send_batch(self, send: Send) -> None:
-        """A micro-batch to the ring's first stage; a request's first row there opens it."""
-        rows, probs = [], []
+        """A micro-batch to the ring's first stage; a request's first row there opens it (and a prompt's
+        images go there before it)."""
+        rows, probs, media = [], [], []
         for row in send.rows:
             flight = self._flights[row.rid]
             if flight.opened != send.term:  # its first row on this ring opens it on every stage
                 flight.opened = send.term
-                row = replace(row, open=steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id, flight.pool))
+                images = len(flight.images.files) if flight.images is not None else 0
+                row = replace(row, open=steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id, flight.pool, images))
                 flight.reuse = None  # a replay on another ring starts cold
+                if images:
+                    media.append(flight.images.media(flight.rid, send.term).frame())
             if row.verify and flight.params.temperature > 0:
                 # Speculative sampling: the last stage tests each proposal against the draft's q.
                 proposal = self._proposals.pop(row.rid, None)
@@ -589,6 +611,8 @@ class Engine:
             # This node's own stage 0 takes the micro-batch as it is; a peer, as the frame's bytes.
             # The payload: the drafts' distributions of sampled verify rows.
             payload = b"".join(probs)
+            for frame in media:
+                self.send(first, frame)
             self.send(first, forward.handed(payload) if first == self.node else forward.frame(payload=payload))
         except ConnectionError as e:
             # The ring is breaking: the leader re-plans (reconcile.py) and the next ring replays it.
@@ -627,7 +651,7 @@ class Engine:
             log.warning("req=%x: could not send RELEASE: %s", rid, e, extra=about(None, plan.term, rid=f"{rid:x}"))
             keep = False
         if keep:
-            tokens = (flight.prompt + flight.generated)[: release.sent]
+            tokens = flight.key[: release.sent]
             self.admission.book(rid, len(tokens))  # now the entry's, no longer the request's
             for old in self.prefix.add(rid, tokens):
                 self._evict(old, "entries")

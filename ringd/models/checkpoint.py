@@ -37,6 +37,7 @@ from ringd.models.gguf.reader import GgufFile
 SUPPORTED_ARCHITECTURES = frozenset(
     {
         "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mistral3",  # dense
+        "gemma3",  # multimodal (text path; vision.py: its images)
         "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax",  # MoE
         "qwen3_next",  # hybrid: linear and full attention, MoE
     }

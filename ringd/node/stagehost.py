@@ -42,12 +42,14 @@ from ringd.models.checkpoint import ModelInfo
 from ringd.models.errors import ModelError, ModelFileError
 from ringd.models.peers import Holder, PeerModel
 from ringd.models.progress import LoadProgress
+from ringd.models.vision import sees
 from ringd.base.names import parse_hostport
 from ringd.stage.compute import ComputeThread, Reading
 from ringd.stage.groupengine import MLX_BACKEND, RINGD, Choice, EngineError, GroupSettings, Offer, choose
 from ringd.stage.groupproc import GroupProcess, GroupProcessError, RemoteShard, backend_env, free_port, jaccl_available
 from ringd.stage.runner import StageRunner
 from ringd.stage.shard import Shard
+from ringd.stage.vision import Vision
 from ringd.stage.tensorgroup import AHEAD, GroupError, TensorGroup
 from ringd.ring.steps import Failure, Partial, term_of
 from wire.frames import Frame, FrameError, MsgType
@@ -138,6 +140,7 @@ class StageHost:
         self.compute = compute
         self.plan: Plan | None = None  # the plan taken last
         self.shard: Shard | RemoteShard | None = None
+        self.vision: Vision | None = None  # a model that sees, on its first stage: its vision tower
         self.stage: StageRunner | GroupProcess | None = None
         self.group: TensorGroup | None = None  # the tensor-parallel group the shard is a slice for
         self.engine: Choice | None = None  # what the group runs on, as its members chose
@@ -254,12 +257,12 @@ class StageHost:
             await self._end_process()
         i = plan.index_of(self.node)
         if self.instance and i is None:
-            self.shard = self.group = self.engine = None
+            self.shard = self.vision = self.group = self.engine = None
             return
         # The configured model's is resolved once; another instance's again when a plan names
         # another model (its stage is kept while the leader's instance of that name lives).
         if self.source is None or (self.instance and plan.model != self.source.info.fingerprint):
-            self.shard = None
+            self.shard = self.vision = None
             self.source = await self._owner.resolve(plan)
         source = self.source
         if plan.model != source.info.fingerprint:
@@ -293,7 +296,7 @@ class StageHost:
             # A group's other members compute as its first does, but only the first passes frames on.
             self.stage = StageRunner(
                 self.node, plan, self.shard, self.compute, self._pass_on if first else self._drop, self.metrics, self._grammar_tokenizer(),
-                self._pass_on_now if first else None,
+                self._pass_on_now if first else None, self.vision,
             )  # fmt: skip
         successor = plan.successor(self.node)
         if successor is not None and first:
@@ -304,7 +307,7 @@ class StageHost:
         the layers already loaded are kept when the range and group are the same (``keep``)."""
         if keep and self.shard is not None and (self.shard.start, self.shard.end) == (want.start, want.end):
             return
-        self.shard = None  # free the old layers before loading new ones
+        self.shard = self.vision = None  # free the old layers before loading new ones
         if self.unreadable is not None:
             raise ModelFileError(self.unreadable)
         t0 = time.monotonic()
@@ -325,6 +328,13 @@ class StageHost:
             "loaded layers [%d, %d) in %.1f s: %.1f MiB of parameters",
             want.start, want.end, time.monotonic() - t0, self.shard.parameter_bytes / 2**20,
         )  # fmt: skip
+        if self.shard.is_first and sees(self.shard.info.config):
+            # Where the ring starts, a model that sees runs its vision tower; without it, requests
+            # with images fail as they open (saying why) and the rest are served.
+            try:
+                self.vision = await self.compute.run(Vision.load, self.shard.info.path, self.shard.info.config, self.shard)
+            except ModelError as e:
+                log.warning("images cannot be seen on this node: %s", e)
 
     async def _choose_engine(self, plan: Plan, want) -> Choice:
         """The group's engine: every member's offer, gathered over the ringd engine (as the
@@ -347,7 +357,7 @@ class StageHost:
 
     async def _load_process(self, plan: Plan, want, source: StageSource, first: bool) -> None:
         """This node's slice loaded and run by a group process of MLX's backend (``groupproc``)."""
-        self.shard = None  # the daemon holds no layers of this stage; the process does
+        self.shard = self.vision = None  # the daemon holds no layers of this stage; the process does
         if self.unreadable is not None:
             raise ModelFileError(self.unreadable)
         if source.peer_model is not None:
@@ -498,7 +508,7 @@ class StageHost:
         would have handed it to this stage (``on_frame``); False leaves it to the loop."""
         stage = self.stage
         if (
-            frame.type not in (MsgType.FORWARD, MsgType.RELEASE)
+            frame.type not in (MsgType.FORWARD, MsgType.RELEASE, MsgType.MEDIA)
             or not isinstance(stage, StageRunner)
             or self.stopping
             or self.group is not None

@@ -46,6 +46,7 @@ import mlx.core as mx
 import numpy as np
 
 from ringd.base.logs import RequestIdError, check_request_id
+from ringd.ring.media import MAX_IMAGES
 from wire.frames import MAX_REQUEST_ID, Frame, FrameError, MsgType
 from wire.tensors import CODE_DTYPES, DTYPE_CODES, tensor_from_bits
 
@@ -273,11 +274,14 @@ class Open:
     reuse: tuple[int, int] | None = None
     request_id: str | None = None
     pool: str | None = None  # an embedding: how the last stage pools (POOLINGS)
+    images: int = 0  # the prompt's images, which came before in a MEDIA frame (media.py)
 
     def to_wire(self) -> dict:
         d: dict = {"params": self.params}
         if self.pool is not None:
             d["pool"] = self.pool
+        if self.images:
+            d["images"] = self.images
         if self.kv is not None:
             d["kv"] = self.kv.to_wire()
         if self.reuse is not None:
@@ -288,8 +292,11 @@ class Open:
 
     @classmethod
     def from_wire(cls, d: object, offset: int) -> "Open":
-        if not isinstance(d, dict) or not {"params"} <= set(d) <= {"params", "kv", "reuse", "request_id", "pool"}:
-            raise FrameError(f"a row's 'open' must be {{params, kv?, reuse?, request_id?, pool?}}, got {d!r:.200}")
+        if not isinstance(d, dict) or not {"params"} <= set(d) <= {"params", "kv", "reuse", "request_id", "pool", "images"}:
+            raise FrameError(f"a row's 'open' must be {{params, kv?, reuse?, request_id?, pool?, images?}}, got {d!r:.200}")
+        images = d.get("images", 0)
+        if type(images) is not int or not 0 <= images <= MAX_IMAGES:
+            raise FrameError(f"open 'images' must be an integer in [0, {MAX_IMAGES}], got {images!r:.40}")
         pool = d.get("pool")
         if pool is not None and pool not in POOLINGS:
             raise FrameError(f"open 'pool' must be one of {POOLINGS}, got {pool!r:.40}")
@@ -313,7 +320,7 @@ class Open:
                 raise FrameError(f"open 'request_id': {e}") from None
         if pool is not None and reuse is not None:
             raise FrameError("an embedding ('pool') pools every position of its input: it cannot start from a cached prefix ('reuse')")
-        return cls(d["params"], KvOptions.from_wire(d.get("kv")), reuse, request_id, pool)
+        return cls(d["params"], KvOptions.from_wire(d.get("kv")), reuse, request_id, pool, images)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ from ringd.stage.sampling import RequestSampler, draw_greedy
 from ringd.stage.sessions import SessionError, Sessions
 from ringd.stage.shard import Shard
 from ringd.stage.tensorgroup import GroupError, lost_member
+from ringd.stage.vision import Vision, VisionError
+from ringd.ring.media import Media
 from ringd.ring.steps import Embedded, Failure, Forward, KvOptions, Row, Sampled, Tokens, draft_distribution, parse_release, term_of
 from wire.frames import Frame, FrameError, MsgType
 from wire.tensors import tensor_to_buffer, wire_bits
@@ -64,6 +66,11 @@ log = logging.getLogger(__name__)
 # mlx-lm's generate_step clears MLX's buffer cache every 256 tokens (and after each
 # prefill chunk); a stage does the same, counting the frames it computes.
 CLEAR_CACHE_EVERY_STEPS = 256
+# Prompts' images held on the first stage for rows that have not opened yet (each MEDIA
+# frame comes just before its request's first row, so one or two wait at a time); past
+# either bound the oldest go, and their requests fail as they open, saying so.
+MAX_WAITING_MEDIA = 64
+MAX_WAITING_MEDIA_BYTES = 512 * 2**20
 
 Send = Callable[[str, Frame], None]
 # From the compute thread: a frame to its node at once, over its link (True), or False where
@@ -97,6 +104,7 @@ class StageRunner:
         metrics: Metrics,
         grammar_tokenizer: Callable[[], LLTokenizer] | None = None,
         send_now: SendNow | None = None,
+        vision: Vision | None = None,
     ):
         self.node = node
         self.grammar_tokenizer = grammar_tokenizer
@@ -109,6 +117,10 @@ class StageRunner:
         # event loop (a wake-up of it each hop) and the loop's routing of it.
         self.send_now = send_now
         self.sessions = Sessions()
+        # On the first stage of a model that sees: its vision tower, and the images of requests
+        # whose first row has not come yet (MEDIA), by request, oldest first.
+        self.vision = vision
+        self._media: dict[int, tuple[float, Media]] = {}
         successor = plan.successor(node)
         self.next_node = successor.node if successor else None
         self.leader = plan.leader
@@ -146,6 +158,8 @@ class StageRunner:
         try:
             if frame.type == MsgType.RELEASE:
                 out = self._release(frame)
+            elif frame.type == MsgType.MEDIA:
+                out = self._keep_media(frame)
             else:
                 started = time.perf_counter()
                 out, prefill = self._forward(frame)
@@ -185,10 +199,30 @@ class StageRunner:
         # A RELEASE of an older ring must not free this ring's session of the same id.
         if term != self.plan.term:
             return []
+        self._media.pop(rid, None)
         what = {"evict": "evicted", "keep": "kept for prefix reuse", "release": "released"}[action]
         log.debug("req=%x: %s on this stage", rid, what, extra=self.describe(rid))
         {"evict": self.sessions.evict, "keep": self.sessions.keep, "release": self.sessions.release}[action](rid)
         return [(self.next_node, frame)] if self.next_node else []
+
+    def _keep_media(self, frame: Frame) -> list:
+        """A request's images (MEDIA), kept for its first row; one of another ring, or at a stage
+        that is not the first, is dropped (the request fails as it opens, saying its images are missing)."""
+        media = Media.parse(frame)
+        if media.term != self.plan.term or not self.shard.is_first:
+            log.warning("req=%x: dropping the images of a request of ring %d at layers [%d, %d) of ring %d",
+                        media.rid, media.term, self.shard.start, self.shard.end, self.plan.term)  # fmt: skip
+            return []
+        self._media.pop(media.rid, None)
+        self._media[media.rid] = (time.monotonic(), media)
+        held = sum(m.nbytes for _, m in self._media.values())
+        while len(self._media) > MAX_WAITING_MEDIA or held > MAX_WAITING_MEDIA_BYTES:
+            rid, (_, old) = next(iter(self._media.items()))
+            del self._media[rid]
+            held -= old.nbytes
+            log.warning("req=%x: its images are dropped: more wait for their first rows than %d (%d MiB)",
+                        rid, MAX_WAITING_MEDIA, MAX_WAITING_MEDIA_BYTES // 2**20)  # fmt: skip
+        return []
 
     def _tidy_memory(self, prefill: bool) -> None:
         """Give MLX's buffer cache back after each prefill chunk and every few hundred steps,
@@ -203,8 +237,10 @@ class StageRunner:
         (ERROR). A FORWARD that did not parse frees nothing: its sessions expire if they were meant."""
         term = term_of(frame)
         log.warning("batch=%x: failed on this stage: %s", frame.request_id, reason, extra=about(None, self.plan.term, batch=f"{frame.request_id:x}", reason=reason))
-        if frame.type == MsgType.RELEASE:
-            return []  # a malformed RELEASE frees nothing; the session expires if it was meant
+        if frame.type in (MsgType.RELEASE, MsgType.MEDIA):
+            # A malformed RELEASE frees nothing (the session expires if it was meant); a malformed
+            # MEDIA is not kept (its request fails as it opens, its images missing).
+            return []
         if batch is not None and term == self.plan.term:  # the leader ignores errors of a ring it has left
             for row in batch.rows:
                 self.sessions.release(row.rid)
@@ -263,7 +299,7 @@ class StageRunner:
             try:
                 done.append(((row,), self._row(row, x)))
                 self.metrics.batch_rows.observe(1)
-            except (FrameError, SessionError, SamplingError) as e:
+            except (FrameError, SessionError, SamplingError, VisionError) as e:
                 failed.append(self._fail_row(row, str(e)))
             except GroupError:
                 raise  # the stage's, not the request's
@@ -280,7 +316,7 @@ class StageRunner:
         together (a block each, in the order their first rows come); None where the rows must go
         one by one."""
         if not self.shard.batchable or len(rows) < 2 or any(
-            (len(row.tokens) != 1 and not row.verify) or row.open is not None or self._pools(row) for row in rows
+            (len(row.tokens) != 1 and not row.verify) or row.open is not None or self._pools(row) or self._sees(row) for row in rows
         ):
             return None
         starts, at = {}, 0
@@ -357,6 +393,13 @@ class StageRunner:
         except SessionError:
             return False  # it fails where it is computed, with its reason
 
+    def _sees(self, row: Row) -> bool:
+        """Whether ``row`` starts from its prompt's embeddings (a prompt with images, on the first stage)."""
+        try:
+            return self.sessions.get(row.rid).prompt is not None
+        except SessionError:
+            return False
+
     def _fail_row(self, row: Row, reason: str) -> tuple[int, str]:
         log.warning("req=%x: failed on this stage: %s", row.rid, reason, extra=self.describe(row.rid, row, reason=reason))
         self.sessions.release(row.rid)
@@ -380,9 +423,14 @@ class StageRunner:
             session = self.sessions.solo(rid)
         session = self._at_row(session, row)
         tokens = mx.array(row.tokens, dtype=mx.int32)[None]
+        embeddings = None
+        if session.prompt is not None:  # a prompt with images: its chunks start from its embeddings
+            embeddings = session.prompt.chunk(row.offset, row.tokens, self.vision.embed)
+            if session.prompt.done_after(row.offset, len(row.tokens)):
+                session.prompt = None
         # The last stage gets the model's logits (computed only if sampled: MLX is lazy), or for an
         # embedding the final hidden states, pooled as they come.
-        h = shard(tokens, hidden, session.cache, head=session.pool is None)
+        h = shard(tokens, hidden, session.cache, head=session.pool is None, embeddings=embeddings)
         if session.pool is not None and shard.is_last:
             session.pool.add(h)
         session.offset += len(row.tokens)
@@ -411,12 +459,25 @@ class StageRunner:
             session = self.sessions.open(rid, shard.make_cache(kv.max_size), sampler, kv=kv, name=opened.request_id)
             if opened.pool is not None and shard.is_last:
                 session.pool = Pooling(opened.pool)
+        if opened.images and shard.is_first:
+            session.prompt = self._prompt(row)
         log.debug(
             "req=%x: opened on layers [%d, %d)%s", rid, shard.start, shard.end,
             f" from a cached prefix of {opened.reuse[1]} positions" if opened.reuse else "",
             extra=self.describe(rid, reused=opened.reuse[1] if opened.reuse else 0),
         )  # fmt: skip
         return session
+
+    def _prompt(self, row: Row):
+        """The input embeddings of a prompt with images (its MEDIA came before its first row)."""
+        _, media = self._media.pop(row.rid, (None, None))
+        if media is None:
+            raise SessionError(f"its {row.open.images} images did not arrive before its first row (or waited too long)")
+        if len(media.images) != row.open.images:
+            raise SessionError(f"its first row says {row.open.images} images; {len(media.images)} came")
+        if self.vision is None:
+            raise SessionError("this stage holds no vision tower for the model's images (is mlx-vlm installed on every Mac?)")
+        return self.vision.prompt(media)
 
     def _sample(
         self, blocks: list[tuple[tuple[Row, ...], mx.array]], failed: list, drafts: dict[int, memoryview]
@@ -475,6 +536,10 @@ class StageRunner:
         return tuple(sampled), embedded
 
     def _expire(self) -> None:
+        now = time.monotonic()
+        for rid, (since, _) in list(self._media.items()):
+            if now - since > self.sessions.idle_timeout_s:
+                del self._media[rid]
         for session in self.sessions.expire():
             rid = session.request_id
             log.info(

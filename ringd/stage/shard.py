@@ -366,7 +366,9 @@ class Shard:
         n = len(self._kinds)
         return [stand_in(i) for i in range(self.start)] + list(cache) + [stand_in(i) for i in range(self.end, n)]
 
-    def __call__(self, tokens: mx.array, hidden: mx.array | None, cache: list[Any], head: bool = True) -> mx.array:
+    def __call__(
+        self, tokens: mx.array, hidden: mx.array | None, cache: list[Any], head: bool = True, embeddings: mx.array | None = None
+    ) -> mx.array:
         """One step of the ring on this stage.
 
         ``tokens``: the step's token ids [B, L] (every stage gets them: some models use
@@ -374,11 +376,16 @@ class Shard:
         (None on the first stage). Returns this stage's hidden states, or on the last
         stage the model's logits; without the ``head``, the last stage's final hidden
         states (the decoder's own output, its norm applied: what an embedding pools).
+        ``embeddings``: on the first stage, the input embeddings [B, L, D] to start from instead
+        of the tokens' (a prompt's images in their tokens' places, ``vision.py``); the model's
+        own code goes on from them as from its own (Gemma's scaling included).
         """
         if self._first is not None:
             self._first.set_hidden(hidden)
         try:
             model = self.model if head or not self.is_last else inner_model(self.model)[1]
+            if embeddings is not None:
+                return model(tokens, cache=self._all_caches(cache), input_embeddings=embeddings)
             return model(tokens, cache=self._all_caches(cache))
         except _StageOutput as out:
             return out.value

@@ -48,7 +48,9 @@ def png_claiming(width: int, height: int) -> bytes:
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "BMP"])
 def test_a_data_url_of_each_format_decodes_to_rgb_of_its_size(fmt):
-    picture = decode(from_data_url(f"data:image/{fmt.lower()};base64,{encoded(gradient(), fmt)}", "messages[0].content[1].image_url"))
+    decoded = decode(from_data_url(f"data:image/{fmt.lower()};base64,{encoded(gradient(), fmt)}", "messages[0].content[1].image_url"))
+    assert decoded.raw == base64.b64decode(encoded(gradient(), fmt))  # the file, as it travels to the ring
+    picture = decoded.image
     assert picture.mode == "RGB" and picture.size == (48, 32)
     if fmt in ("PNG", "BMP"):  # lossless: the very pixels
         assert picture.tobytes() == gradient().tobytes()
@@ -57,12 +59,12 @@ def test_a_data_url_of_each_format_decodes_to_rgb_of_its_size(fmt):
 def test_an_exif_orientation_turns_the_picture_upright_and_a_gif_gives_its_first_frame():
     exif = Image.Exif()
     exif[0x0112] = 6  # rotated: the camera was held on its side
-    upright = decode(from_base64(encoded(gradient(48, 32), "JPEG", exif=exif), "images[0]"))
+    upright = decode(from_base64(encoded(gradient(48, 32), "JPEG", exif=exif), "images[0]")).image
     assert upright.size == (32, 48)
     frames = [Image.new("RGB", (8, 8), c) for c in ((255, 0, 0), (0, 0, 255))]
     out = io.BytesIO()
     frames[0].save(out, "GIF", save_all=True, append_images=frames[1:])
-    first = decode(from_base64(base64.b64encode(out.getvalue()).decode(), "images[0]"))
+    first = decode(from_base64(base64.b64encode(out.getvalue()).decode(), "images[0]")).image
     assert first.getpixel((0, 0)) == (255, 0, 0)
 
 
@@ -136,7 +138,7 @@ def test_a_request_s_images_decode_off_the_loop_in_order_and_the_first_bad_one_i
         assert loop_thread not in seen
         return pictures
 
-    assert [p.size for p in asyncio.run(main())] == [(8 + i, 8) for i in range(5)]
+    assert [p.image.size for p in asyncio.run(main())] == [(8 + i, 8) for i in range(5)]
     bad = [*parts[:2], from_base64("bm90IGFuIGltYWdl", "images[2]"), *parts[3:]]
     with pytest.raises(ImageError, match="images\\[2\\]"):
         asyncio.run(decode_all(bad))
@@ -158,7 +160,7 @@ def test_any_damage_to_a_real_png_is_a_picture_or_an_image_error(noise, at):
     whole = bytearray(base64.b64decode(encoded(gradient(16, 16), "PNG")))
     whole[at : at + len(noise)] = noise
     try:
-        picture = decode(from_base64(base64.b64encode(bytes(whole)).decode(), "images[0]"))
+        picture = decode(from_base64(base64.b64encode(bytes(whole)).decode(), "images[0]")).image
     except ImageError as e:
         assert str(e).startswith("images[0]: ")
     else:

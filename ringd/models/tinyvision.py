@@ -1,0 +1,184 @@
+"""Tiny vision-language model directories for tests: real mlx-vlm families, seeded random weights.
+
+Like ``tinymodel.py`` for text models, there is no hub here: tests of images need
+checkpoints that mlx-vlm's own ``load`` reads and generates with, on the CPU, in
+a second. ``write_tiny_vision_model(out, family)`` writes one of FAMILIES: the
+family's config (a text decoder of a few layers, a vision tower of two), mlx-vlm's
+own model built from it with seeded random weights (under the names its loader
+expects), the processor's files, and a byte-level tokenizer holding the family's
+special tokens with a chat template that writes the family's image marker.
+``ensure_tiny_vision_model(cache_dir, family)`` writes it once.
+
+Its tokenizer spells only ASCII, so any id a random model emits decodes to text;
+tests compare token ids, not words. Embeddings are tied, as in the real
+checkpoints of these families (a separate head would be read by mlx-vlm and
+not by mlx-lm's text path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+# Bump when the bytes written for the same family change (cache folder names use it).
+GENERATOR_VERSION = 1
+
+_GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for c in message['content'] %}"
+    "{% if c['type'] == 'image' %}<start_of_image>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's byte-to-character map, which a ByteLevel tokenizer spells bytes with."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _write_tokenizer(out: Path, leading: list[str], specials: list[str], template: str, extra: dict) -> dict[str, int]:
+    """A byte-level BPE tokenizer without merges: ``leading`` tokens, the 128 ASCII bytes, then
+    ``specials``; saved by transformers as a checkpoint's. Returns every special token's id."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(leading)}
+    for b, ch in sorted(_byte_symbols().items()):
+        if b < 128:
+            vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in leading + specials])
+    named = {k: v for k, v in extra.items() if k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **named)
+    fast.chat_template = template
+    fast.save_pretrained(str(out))
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=template, add_bos_token=False, model_max_length=4096)
+    config.update({k: v for k, v in extra.items() if k not in named})
+    config_path.write_text(json.dumps(config, indent=2))
+    return {t: tok.token_to_id(t) for t in leading + specials}
+
+
+def _write_weights(model_type: str, config: dict, out: Path, seed: int) -> None:
+    """mlx-vlm's model of ``config``, built as its ``load_model`` builds it, with seeded random
+    weights; saved under its own names, the head left out (tied to the embeddings)."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import update_module_configs
+
+    mx.random.seed(seed)
+    module = importlib.import_module(f"mlx_vlm.models.{model_type}")
+    raw = json.loads(json.dumps(config))  # from_dict changes what it is given
+    model_config = update_module_configs(module.ModelConfig.from_dict(raw), module, raw, ["text", "vision", "perceiver", "projector", "audio"])
+    weights = {k: v for k, v in tree_flatten(module.Model(model_config).parameters()) if not k.endswith("lm_head.weight")}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+def _gemma3(out: Path, seed: int) -> None:
+    """Gemma 3: a SigLIP tower, 32 x 32 pixels in patches of 8, pooled to 4 tokens an image; a
+    decoder of 4 layers alternating sliding (window 16) and global attention."""
+    ids = _write_tokenizer(
+        out, ["<pad>", "<eos>", "<bos>", "<unk>"],
+        ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"],
+        _GEMMA_TEMPLATE,
+        {
+            "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+            # The processor finds its markers by these names.
+            "extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"},
+        },
+    )  # fmt: skip
+    vocab, hidden, image_size, tokens = len(ids) + 128, 64, 32, 4
+    eos = [ids["<eos>"], ids["<end_of_turn>"]]
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "image_token_index": ids["<image_soft_token>"],
+        "boi_token_index": ids["<start_of_image>"],
+        "eoi_token_index": ids["<end_of_image>"],
+        "mm_tokens_per_image": tokens,
+        "hidden_size": hidden,  # scales the image features: the decoder's width (mlx-vlm's default is 2048)
+        "vocab_size": vocab,
+        "pad_token_id": ids["<pad>"],
+        "eos_token_id": eos,
+        "text_config": {
+            "model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": 4, "intermediate_size": 128,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 32,
+            "rms_norm_eps": 1e-6, "vocab_size": vocab, "sliding_window": 16, "sliding_window_pattern": 2,
+            "rope_global_base_freq": 1000000.0, "rope_local_base_freq": 10000.0, "mm_tokens_per_image": tokens,
+            "max_position_embeddings": 4096,
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "patch_size": 8, "image_size": image_size, "num_channels": 3, "layer_norm_eps": 1e-6,
+        },
+    }  # fmt: skip
+    _json(out / "config.json", config)
+    _json(out / "preprocessor_config.json", {
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "size": {"height": image_size, "width": image_size}, "resample": 2, "do_resize": True, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+    })  # fmt: skip
+    _json(out / "processor_config.json", {"processor_class": "Gemma3Processor", "image_seq_length": tokens})
+    _json(out / "generation_config.json", {"bos_token_id": ids["<bos>"], "eos_token_id": eos, "pad_token_id": ids["<pad>"]})
+    _write_weights("gemma3", config, out, seed)
+
+
+FAMILIES = {"gemma3": _gemma3}
+
+
+def _json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2))
+
+
+def write_tiny_vision_model(out_dir: str | os.PathLike, family: str, seed: int = 0) -> Path:
+    """A tiny checkpoint of ``family`` (one of FAMILIES) in ``out_dir``, which mlx-vlm loads."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    FAMILIES[family](out, seed)
+    return out
+
+
+def ensure_tiny_vision_model(cache_dir: str | os.PathLike, family: str, seed: int = 0) -> Path:
+    """``write_tiny_vision_model`` once per family and seed under ``cache_dir``; written aside and
+    moved in, so a reader never sees half of one."""
+    final = Path(cache_dir) / f"tiny-vlm-{family}-s{seed}-g{GENERATOR_VERSION}"
+    if (final / "model.safetensors").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        write_tiny_vision_model(tmp, family, seed)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process wrote it first
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
