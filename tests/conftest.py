@@ -30,7 +30,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Tests that talk to one shared ring run in one pytest-xdist worker (``--dist loadgroup``), so
 # it starts once: the first of these fixtures a test uses (directly or through others) names
 # its group. Tests with rings of their own go wherever a worker is free.
-RING_GROUPS = [("think_model", "think"), ("tiny_smollm2", "tiny-smollm2"), ("observed_ring", "observed"), ("tls_ring", "tls")]
+RING_GROUPS = [("think_model", "think"), ("tiny_smollm2", "tiny-smollm2"), ("observed_ring", "observed"), ("tls_ring", "tls"), ("vision_ring", "vision")]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the marks into the test ids
@@ -85,6 +85,21 @@ def tiny_model(model_cache):
 
 
 @pytest.fixture(scope="session")
+def tiny_vision_model():
+    """tiny_vision_model(family) -> a tiny checkpoint of a family that sees, which mlx-vlm loads
+    (ringd/models/tinyvision.py), written once for its builder's sources and mlx-vlm's version."""
+    from importlib.metadata import version
+
+    from devkit.buildcache import built, sources
+    from ringd.models.tinyvision import write_tiny_vision_model
+
+    def make(family: str) -> Path:
+        return built(f"tiny-vlm-{family}", sources("ringd/models/tinyvision.py"), lambda out: write_tiny_vision_model(out, family), family, version("mlx-vlm"))
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def ring_pool():
     """ring_pool(model, nodes, split=None) -> a running Ring, shared by shape."""
     rings: dict = {}
@@ -113,6 +128,12 @@ def tiny_smollm2_ring(tiny_smollm2, ring_pool) -> Ring:
     """Three nodes of the tiny SmolLM2 (model id ``tiny-smollm2``): the OpenAI, Responses,
     Anthropic, Ollama and embeddings tests' ring."""
     return ring_pool(tiny_smollm2, 3, env=SHARED_RING_ENV, model_id="tiny-smollm2")
+
+
+@pytest.fixture(scope="module")
+def vision_ring(tiny_vision_model, ring_pool) -> Ring:
+    """Three nodes of a tiny Gemma 3, which sees (model id ``see``): layers 0 | 1-2 | 3."""
+    return ring_pool(tiny_vision_model("gemma3"), 3, [1, 2, 1], env=SHARED_RING_ENV, model_id="see")
 
 
 @pytest.fixture(scope="module")

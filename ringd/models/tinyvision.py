@@ -7,7 +7,7 @@ family's config (a text decoder of a few layers, a vision tower of two), mlx-vlm
 own model built from it with seeded random weights (under the names its loader
 expects), the processor's files, and a byte-level tokenizer holding the family's
 special tokens with a chat template that writes the family's image marker.
-``ensure_tiny_vision_model(cache_dir, family)`` writes it once.
+The tests keep what it writes (devkit/buildcache.py).
 
 Its tokenizer spells only ASCII, so any id a random model emits decodes to text;
 tests compare token ids, not words. Embeddings are tied, as in the real
@@ -19,12 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
-
-# Bump when the bytes written for the same family change (cache folder names use it).
-GENERATOR_VERSION = 1
 
 _GEMMA_TEMPLATE = (
     "{{ bos_token }}"
@@ -163,22 +158,3 @@ def write_tiny_vision_model(out_dir: str | os.PathLike, family: str, seed: int =
     out.mkdir(parents=True, exist_ok=True)
     FAMILIES[family](out, seed)
     return out
-
-
-def ensure_tiny_vision_model(cache_dir: str | os.PathLike, family: str, seed: int = 0) -> Path:
-    """``write_tiny_vision_model`` once per family and seed under ``cache_dir``; written aside and
-    moved in, so a reader never sees half of one."""
-    final = Path(cache_dir) / f"tiny-vlm-{family}-s{seed}-g{GENERATOR_VERSION}"
-    if (final / "model.safetensors").exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        write_tiny_vision_model(tmp, family, seed)
-        try:
-            tmp.rename(final)
-        except OSError:  # another process wrote it first
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final

@@ -210,6 +210,16 @@ def test_bad_tool_and_format_requests_are_400s(tiny_smollm2_client, extra, param
     assert e.value.body["param"] == param
 
 
+def test_an_image_for_a_model_that_does_not_see_is_a_400_naming_the_part(tiny_smollm2_client):
+    from devkit.pictures import data_url, gradient
+
+    image = {"type": "image_url", "image_url": {"url": data_url(gradient(8, 8))}}
+    with pytest.raises(openai.BadRequestError) as e:
+        create(tiny_smollm2_client, messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
+    assert e.value.body["message"] == f"{MODEL_ID} does not take images: it has no vision tower"
+    assert e.value.body["param"] == "messages[0].content[1].image_url"
+
+
 # --- reasoning and native tool calls: the tiny qwen3 that thinks ------------------------
 
 

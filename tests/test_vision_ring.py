@@ -1,0 +1,76 @@
+"""Images through a ring of real daemons: a model that sees answers as mlx-vlm's own generate does
+in one process, plain and streamed, beside text-only requests in the same micro-batches."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from devkit.pictures import data_url, gradient
+
+PROMPT = "Describe the image."
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def gemma3(tiny_vision_model):
+    return tiny_vision_model("gemma3")
+
+
+@pytest.fixture(scope="module")
+def reference(gemma3):
+    """mlx-vlm in one process: its greedy tokens for PROMPT with a picture (None: text alone)."""
+    from mlx_vlm import apply_chat_template, generate, load
+
+    model, processor = load(str(gemma3))
+
+    def tokens(image=None) -> list[int]:
+        prompt = apply_chat_template(processor, model.config, PROMPT, num_images=0 if image is None else 1)
+        return list(generate(model, processor, prompt, image=[image] if image else None, max_tokens=TOKENS, temperature=0.0).token_ids)
+
+    return tokens
+
+
+def chat(client, image=None, stream=False) -> list[int]:
+    """The ring's greedy token ids for PROMPT (with ``image``), through the official openai client."""
+    content = PROMPT if image is None else [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+    answer = client.chat.completions.create(
+        model="see", messages=[{"role": "user", "content": content}], max_tokens=TOKENS, temperature=0, logprobs=True,
+        stream=stream, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(answer) if stream else [answer]
+    return [int(t.token.removeprefix("token_id:")) for c in chunks for choice in c.choices if choice.logprobs for t in choice.logprobs.content]
+
+
+def test_a_ring_that_sees_answers_as_mlx_vlm_plain_streamed_and_beside_text(vision_ring, reference):
+    client = vision_ring.client()
+    pictures = [gradient(), gradient(turn=1), gradient(48, 80)]
+    expected = [reference(p) for p in pictures]
+    assert len({tuple(e) for e in expected}) == 3  # each picture its own answer: the test could fail
+    assert chat(client, pictures[0]) == expected[0]
+    assert chat(client, pictures[1], stream=True) == expected[1]
+    # Image and text-only requests at once: their rows share the ring's micro-batches.
+    asks = [(pictures[2], False), (None, True), (pictures[0], True), (None, False)]
+    with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+        got = list(pool.map(lambda a: chat(client, *a), asks))
+    assert got == [expected[2], reference(), expected[0], reference()]
+
+
+def test_a_web_url_a_damaged_image_and_too_many_are_refused_saying_which_part(vision_ring):
+    import openai
+
+    client = vision_ring.client()
+
+    def refusal(content) -> str:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="see", messages=[{"role": "user", "content": content}], max_tokens=2)
+        return e.value.body["message"]
+
+    url = {"type": "image_url", "image_url": {"url": "http://192.168.1.1/admin.png"}}
+    assert "ringd does not fetch images from the web" in refusal([url])
+    damaged = {"type": "image_url", "image_url": {"url": data_url(gradient())[:200]}}
+    assert refusal([{"type": "text", "text": "hi"}, damaged]).startswith("messages[0].content[1].image_url: ")
+    many = [{"type": "image_url", "image_url": {"url": data_url(gradient(8, 8))}}] * 17
+    assert "17 images in one request; at most 16" in refusal(many)
+    assert chat(client) == chat(client)  # the ring serves on
