@@ -37,7 +37,8 @@ from ringd.models.gguf.reader import GgufFile
 SUPPORTED_ARCHITECTURES = frozenset(
     {
         "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mistral3",  # dense
-        "gemma3",  # multimodal (text path; vision.py: its images)
+        "gemma3",  # multimodal: mlx-lm's text path; stage/vision.py sees its images
+        "qwen2_vl",  # multimodal (Qwen2-VL, Qwen2.5-VL): mlx-vlm's language model (stage/vlmtext.py)
         "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax",  # MoE
         "qwen3_next",  # hybrid: linear and full attention, MoE
     }
@@ -118,6 +119,13 @@ class ModelInfo:
     @property
     def is_gguf(self) -> bool:
         return self.path.is_file()
+
+    @property
+    def three_axis(self) -> bool:
+        """Whether the decoder places a position by three numbers (Qwen-VL's multimodal RoPE): its
+        stages run mlx-vlm's language model (``stage/vlmtext.py``)."""
+        scaling = text_config(self.config).get("rope_scaling")
+        return isinstance(scaling, dict) and "mrope_section" in scaling
 
     @property
     def pooling(self) -> str:

@@ -76,9 +76,11 @@ def _write_tokenizer(out: Path, leading: list[str], specials: list[str], templat
     return {t: tok.token_to_id(t) for t in leading + specials}
 
 
-def _write_weights(model_type: str, config: dict, out: Path, seed: int) -> None:
+def _write_weights(model_type: str, config: dict, out: Path, seed: int, scale: float = 1.0, tied: bool = True) -> None:
     """mlx-vlm's model of ``config``, built as its ``load_model`` builds it, with seeded random
-    weights; saved under its own names, the head left out (tied to the embeddings)."""
+    weights; saved under its own names, the head left out where it is ``tied`` to the embeddings.
+    ``scale`` multiplies the decoder's projections: with MLX's initialization a small Qwen's
+    residual stream is its token embedding's, and its greedy answer one token repeated."""
     import importlib
 
     import mlx.core as mx
@@ -89,7 +91,11 @@ def _write_weights(model_type: str, config: dict, out: Path, seed: int) -> None:
     module = importlib.import_module(f"mlx_vlm.models.{model_type}")
     raw = json.loads(json.dumps(config))  # from_dict changes what it is given
     model_config = update_module_configs(module.ModelConfig.from_dict(raw), module, raw, ["text", "vision", "perceiver", "projector", "audio"])
-    weights = {k: v for k, v in tree_flatten(module.Model(model_config).parameters()) if not k.endswith("lm_head.weight")}
+    weights = {
+        k: v * scale if k.startswith("language_model.") and k.endswith("proj.weight") else v
+        for k, v in tree_flatten(module.Model(model_config).parameters())
+        if not (tied and k.endswith("lm_head.weight"))
+    }
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
 
@@ -142,7 +148,66 @@ def _gemma3(out: Path, seed: int) -> None:
     _write_weights("gemma3", config, out, seed)
 
 
-FAMILIES = {"gemma3": _gemma3}
+_QWEN_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for c in message['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _qwen2_5_vl(out: Path, seed: int) -> None:
+    """Qwen2.5-VL: a windowed vision tower on patches of 14 merged 2 x 2, images scaled to between
+    56 x 56 and 112 x 112 pixels (4 to 16 tokens, their grid by the picture's shape); a decoder of
+    4 layers with multimodal RoPE (an image's tokens placed by time, row and column)."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+    ids = _write_tokenizer(out, [], specials, _QWEN_TEMPLATE, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    vocab, hidden, patch, merge = len(ids) + 128, 64, 14, 2
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    text = {
+        "hidden_size": hidden, "num_hidden_layers": 4, "intermediate_size": 128, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "vocab_size": vocab, "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},  # sums to head_dim / 2
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+    config = {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"],
+        "eos_token_id": eos,
+        # mlx-vlm's Qwen config reads the decoder's settings at the top level (Hugging Face's older layout).
+        **text,
+        "text_config": {"model_type": "qwen2_5_vl", **text},
+        "vision_config": {
+            "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": hidden,
+            "num_heads": 2, "patch_size": patch, "spatial_patch_size": patch, "spatial_merge_size": merge,
+            "temporal_patch_size": 2, "in_channels": 3, "window_size": 112, "fullatt_block_indexes": [1], "tokens_per_second": 2,
+        },
+    }  # fmt: skip
+    _json(out / "config.json", config)
+    _json(out / "preprocessor_config.json", {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor", "patch_size": patch,
+        "temporal_patch_size": 2, "merge_size": merge, "min_pixels": 56 * 56, "max_pixels": 112 * 112,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+    })  # fmt: skip
+    _json(out / "processor_config.json", {"processor_class": "Qwen2_5_VLProcessor"})
+    _json(out / "chat_template.json", {"chat_template": _QWEN_TEMPLATE})
+    _json(out / "generation_config.json", {"eos_token_id": eos, "pad_token_id": ids["<|endoftext|>"]})
+    _write_weights("qwen2_5_vl", config, out, seed, scale=3.0, tied=False)
+
+
+FAMILIES = {"gemma3": _gemma3, "qwen2_5_vl": _qwen2_5_vl}
 
 
 def _json(path: Path, obj: dict) -> None:

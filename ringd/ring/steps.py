@@ -81,7 +81,14 @@ SAMPLE = 1  # the last stage samples after this row
 SILENT = 2  # a replayed step: sample (the key advances) but send nothing back
 VERIFY = 4  # tokens[1:] are a draft's proposals: sample after each position, keep those that agree
 PROBS = 8  # the payload carries the draft's distribution for each proposal (a sampled request's)
-FLAGS = (0, SAMPLE, SAMPLE | SILENT, SAMPLE | VERIFY, SAMPLE | VERIFY | PROBS)
+# The payload carries the row's three-axis positions ([3, n] int32, after the drafts'
+# distributions): a prompt with images on a decoder that places positions by time, row and
+# column (stage/vlmtext.py). The first stage sets it; every stage after reads them.
+ROPE = 16
+FLAGS = tuple(f | rope for f in (0, SAMPLE, SAMPLE | SILENT, SAMPLE | VERIFY, SAMPLE | VERIFY | PROBS) for rope in (0, ROPE))
+# A three-axis position's largest value: past any context (a position grows by one a token
+# at most), so a peer's numbers stay within what RoPE computes in float32 without loss.
+MAX_ROPE_POSITION = 2**24
 # A sampled proposal's distribution q travels as the DRAFT_SUPPORT tokens the draft finds likeliest
 # (ids, and their probabilities) and one more probability, its tail's: the rest of q's mass
 # spread evenly over the other tokens. The draft draws from that q' (``cut_draft``, then
@@ -335,10 +342,11 @@ class Row:
     open: Open | None = None
     verify: bool = False
     probs: bool = False  # the frame's payload carries the draft's distribution for each proposal
+    rope: bool = False  # the frame's payload carries its positions' three numbers (ROPE)
 
     @property
     def flags(self) -> int:
-        return SAMPLE * self.sample | SILENT * self.silent | VERIFY * self.verify | PROBS * self.probs
+        return SAMPLE * self.sample | SILENT * self.silent | VERIFY * self.verify | PROBS * self.probs | ROPE * self.rope
 
     def write(self, out: list) -> None:
         opened = json.dumps(self.open.to_wire(), separators=(",", ":"), allow_nan=False).encode() if self.open is not None else b""
@@ -355,7 +363,8 @@ class Row:
         if flags not in FLAGS:
             raise FrameError(
                 f"row {rid:x}'s flags must be 0, {SAMPLE} (sample), {SAMPLE | SILENT} (sample silently), {SAMPLE | VERIFY} (verify proposals) "
-                f"or {SAMPLE | VERIFY | PROBS} (verify proposals drawn from the distributions in the payload), got {flags}"
+                f"or {SAMPLE | VERIFY | PROBS} (verify proposals drawn from the distributions in the payload), each with {ROPE} "
+                f"(three-axis positions in the payload) or without, got {flags}"
             )
         if flags & VERIFY and n < 2:
             raise FrameError(f"row {rid:x} verifies proposals but carries none")
@@ -366,7 +375,7 @@ class Row:
             except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, NaN, too deep
                 raise FrameError(f"row {rid:x}'s open is not JSON: {e}") from None
             open_ = Open.from_wire(d, offset)
-        return cls(rid, offset, tokens, bool(flags & SAMPLE), bool(flags & SILENT), open_, bool(flags & VERIFY), bool(flags & PROBS))
+        return cls(rid, offset, tokens, bool(flags & SAMPLE), bool(flags & SILENT), open_, bool(flags & VERIFY), bool(flags & PROBS), bool(flags & ROPE))
 
 
 @dataclass(frozen=True)
@@ -393,6 +402,11 @@ class Forward:
     @property
     def hidden_bytes(self) -> int:
         return self.positions * self.hidden_size * CODE_DTYPES[self.dtype_code].size if self.dtype_code else 0
+
+    @property
+    def rope_bytes(self) -> int:
+        """Bytes of the three-axis positions the payload carries last: [3, n] int32 for each ROPE row."""
+        return 3 * 4 * sum(len(r.tokens) for r in self.rows if r.rope)
 
     def frame(self, hidden: mx.array | None = None, payload=b"") -> Frame:
         """The FORWARD frame; ``hidden``: the hidden states whose bytes ``payload`` holds."""
@@ -435,17 +449,17 @@ class Forward:
         if code and code not in CODE_DTYPES:
             raise FrameError(f"FORWARD hidden states' dtype code {code} is not one of {sorted(CODE_DTYPES)}")
         forward = cls(frame.request_id, term, parsed, failures, code, size)
-        probs = draft_bytes(forward.drafted, vocab_size)
-        if not code and len(frame.payload) != probs:
+        probs, ropes = draft_bytes(forward.drafted, vocab_size), forward.rope_bytes
+        if not code and len(frame.payload) != probs + ropes:
             raise FrameError(
-                "FORWARD has a payload but declares no hidden states" if not probs
+                "FORWARD has a payload but declares no hidden states" if not probs + ropes
                 else f"FORWARD's payload must be its {forward.drafted} draft distributions of {draft_support(vocab_size)} "
-                f"token ids and probabilities ({probs} bytes), not {len(frame.payload)}"
+                f"token ids and probabilities ({probs} bytes) and three-axis positions ({ropes} bytes), not {len(frame.payload)}"
             )  # fmt: skip
-        if code and len(frame.payload) != forward.hidden_bytes + probs:
+        if code and len(frame.payload) != forward.hidden_bytes + probs + ropes:
             raise FrameError(
-                f"FORWARD's payload must be its hidden states [1, {forward.positions}, {size}] ({forward.hidden_bytes} bytes) "
-                f"and {forward.drafted} draft distributions ({probs} bytes), not {len(frame.payload)} bytes"
+                f"FORWARD's payload must be its hidden states [1, {forward.positions}, {size}] ({forward.hidden_bytes} bytes), "
+                f"{forward.drafted} draft distributions ({probs} bytes) and three-axis positions ({ropes} bytes), not {len(frame.payload)} bytes"
             )
         return forward
 
@@ -465,6 +479,27 @@ class Forward:
                 out[row.rid] = view[at : at + n]
                 at += n
         return out
+
+
+    def ropes(self, payload) -> dict[int, np.ndarray]:
+        """Each ROPE row's three-axis positions [3, n] (int32), the payload's last bytes, by request;
+        a FrameError for a negative one or one past MAX_ROPE_POSITION."""
+        view, out = memoryview(payload), {}
+        at = len(view) - self.rope_bytes
+        for row in self.rows:
+            if row.rope:
+                n = len(row.tokens)
+                rope = np.frombuffer(view[at : at + 12 * n], dtype="<i4").reshape(3, n)
+                if n and not (0 <= rope.min() and rope.max() <= MAX_ROPE_POSITION):
+                    raise FrameError(f"row {row.rid:x}'s three-axis positions must be in [0, {MAX_ROPE_POSITION}]")
+                out[row.rid] = rope
+                at += 12 * n
+        return out
+
+
+def pack_ropes(rows: tuple[Row, ...], ropes: dict[int, np.ndarray]) -> bytes:
+    """The ROPE rows' three-axis positions as the payload ends with them, in the rows' order."""
+    return b"".join(np.ascontiguousarray(ropes[row.rid], dtype="<i4").tobytes() for row in rows if row.rope)
 
 
 def draft_distribution(raw, proposals: int, vocab_size: int) -> mx.array:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
@@ -54,7 +55,7 @@ from ringd.stage.shard import Shard
 from ringd.stage.tensorgroup import GroupError, lost_member
 from ringd.stage.vision import Vision, VisionError
 from ringd.ring.media import Media
-from ringd.ring.steps import Embedded, Failure, Forward, KvOptions, Row, Sampled, Tokens, draft_distribution, parse_release, term_of
+from ringd.ring.steps import Embedded, Failure, Forward, KvOptions, Row, Sampled, Tokens, draft_distribution, pack_ropes, parse_release, term_of
 from wire.frames import Frame, FrameError, MsgType
 from wire.tensors import tensor_to_buffer, wire_bits
 
@@ -121,6 +122,7 @@ class StageRunner:
         # whose first row has not come yet (MEDIA), by request, oldest first.
         self.vision = vision
         self._media: dict[int, tuple[float, Media]] = {}
+        self._ropes: dict[int, np.ndarray] = {}  # the micro-batch's rows' three-axis positions, by request
         successor = plan.successor(node)
         self.next_node = successor.node if successor else None
         self.leader = plan.leader
@@ -264,12 +266,14 @@ class StageRunner:
                 raise BatchError(f"hidden states of size {batch.hidden_size}, {hidden.dtype}; expected {shard.info.hidden_size}, floating", batch)
         failed = list(batch.failed)
         drafts = batch.draft_probs(frame.payload, shard.info.vocab_size) if batch.drafted else {}
+        # Three-axis positions: those the rows brought; the first stage adds its prompts' (``_rope``).
+        self._ropes = batch.ropes(frame.payload) if batch.rope_bytes else {}
         # Blocks of rows computed together: (rows, their outputs [rows, positions, H or V]).
         blocks = self._batched(batch.rows, hidden, failed)
         if blocks is None:
             blocks = self._one_by_one(batch.rows, hidden, failed)
         prefill = any(not row.sample for row in batch.rows)
-        rows = tuple(row for block, _ in blocks for row in block)
+        rows = tuple(replace(row, rope=True) if row.rid in self._ropes else row for block, _ in blocks for row in block)
         if not shard.is_last:
             out = Forward(batch.batch, batch.term, rows, tuple(failed))
             if not rows:
@@ -282,8 +286,8 @@ class StageRunner:
             # step's are part of its output's graph already.
             mx.eval(bits, self.sessions.states(row.rid for row in rows) if prefill else [])
             payload = tensor_to_buffer(bits)
-            if drafts:  # the draft's distributions go on with their rows, in the rows' order now
-                payload = b"".join([payload, *(drafts[row.rid] for row in rows if row.probs)])
+            if drafts or self._ropes:  # the draft's distributions and positions go on with their rows, in the rows' order now
+                payload = b"".join([payload, *(drafts[row.rid] for row in rows if row.probs), pack_ropes(rows, self._ropes)])
             return [(self.next_node, out.frame(h, payload))], prefill
         sampled, embedded = self._sample(blocks, failed, drafts)
         return [(self.leader, Tokens(batch.batch, batch.term, sampled, tuple(failed), embedded).frame())], prefill
@@ -356,13 +360,17 @@ class StageRunner:
         if cache is None:
             return alone(tuple(fit), where)
         tokens = mx.array([row.tokens for row in fit], dtype=mx.int32)  # [B, L]
+        positions = None
+        if self.shard.three_axis:  # [3, B, L]: each row's own, or its index three times
+            ropes = [self._rope(row, self.sessions.get(row.rid)) for row in fit]
+            positions = mx.array(np.stack([r if r is not None else np.broadcast_to(np.arange(row.offset, row.offset + L), (3, L)) for r, row in zip(ropes, fit)], axis=1))
         x = None
         if hidden is not None:  # [B, L, H]: every row's, or those that fit
             if len(fit) * L == hidden.shape[1]:
                 x = hidden.reshape(len(fit), L, hidden.shape[-1])
             else:
                 x = mx.concatenate([hidden[:, i : i + L] for i in where], axis=0)
-        h = self.shard(tokens, x, cache)
+        h = self.shard(tokens, x, cache, positions=positions)
         self.metrics.batch_rows.observe(len(fit))
         for i, row in enumerate(fit):
             session = self.sessions.get(row.rid)
@@ -423,6 +431,7 @@ class StageRunner:
             session = self.sessions.solo(rid)
         session = self._at_row(session, row)
         tokens = mx.array(row.tokens, dtype=mx.int32)[None]
+        rope = self._rope(row, session)
         embeddings = None
         if session.prompt is not None:  # a prompt with images: its chunks start from its embeddings
             embeddings = session.prompt.chunk(row.offset, row.tokens, self.vision.embed)
@@ -430,7 +439,8 @@ class StageRunner:
                 session.prompt = None
         # The last stage gets the model's logits (computed only if sampled: MLX is lazy), or for an
         # embedding the final hidden states, pooled as they come.
-        h = shard(tokens, hidden, session.cache, head=session.pool is None, embeddings=embeddings)
+        positions = None if rope is None else mx.array(rope)[:, None, :]
+        h = shard(tokens, hidden, session.cache, head=session.pool is None, embeddings=embeddings, positions=positions)
         if session.pool is not None and shard.is_last:
             session.pool.add(h)
         session.offset += len(row.tokens)
@@ -461,12 +471,28 @@ class StageRunner:
                 session.pool = Pooling(opened.pool)
         if opened.images and shard.is_first:
             session.prompt = self._prompt(row)
+            if session.prompt.positions is not None:
+                session.shift = session.prompt.shift
         log.debug(
             "req=%x: opened on layers [%d, %d)%s", rid, shard.start, shard.end,
             f" from a cached prefix of {opened.reuse[1]} positions" if opened.reuse else "",
             extra=self.describe(rid, reused=opened.reuse[1] if opened.reuse else 0),
         )  # fmt: skip
         return session
+
+    def _rope(self, row: Row, session) -> np.ndarray | None:
+        """``row``'s three-axis positions [3, n] where they are not its index three times: those the
+        row brought, or on the first stage, for a prompt with images, the prompt's (its images'
+        tokens placed by time, row and column) and past it each index plus the prompt's shift."""
+        got = self._ropes.get(row.rid)
+        if got is None and session.shift is not None:
+            n = len(row.tokens)
+            if session.prompt is not None:
+                got = session.prompt.rope(row.offset, n)
+            else:
+                got = np.broadcast_to(np.arange(row.offset, row.offset + n, dtype=np.int32) + session.shift, (3, n))
+            self._ropes[row.rid] = got
+        return got
 
     def _prompt(self, row: Row):
         """The input embeddings of a prompt with images (its MEDIA came before its first row)."""

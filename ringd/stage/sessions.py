@@ -115,6 +115,7 @@ class Session:
     provisional: int = 0  # positions at the end a next row may cut: the proposals of a verify row
     pool: Pooling | None = None  # an embedding's, on the last stage: pooled, not sampled
     prompt: Any = None  # on the first stage, a prompt with images: its input embeddings (vision.Prompt) until its last chunk
+    shift: int | None = None  # on the first stage, a three-axis prompt with images: what positions after it add (vision.Prompt.shift)
 
     @property
     def kv_bytes(self) -> int:

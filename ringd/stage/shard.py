@@ -46,6 +46,7 @@ from ringd.models.gguf.reader import GgufFile
 from ringd.models.progress import LOAD, LoadProgress
 from ringd.models.source import model_info, resolve_model_path
 from ringd.stage.sessions import mergeable_kind
+from ringd.stage.vlmtext import VlmText, plain_positions
 
 # A stage's parameters are read in groups of about this many bytes (a group ends with
 # the tensor that reaches it): progress then moves within a multi-GB weight file, and
@@ -114,9 +115,21 @@ class _Absent(nn.Module):
         for k, v in vars(layer).items():
             if isinstance(v, (bool, int, float, str, type(None))) and not k.startswith("_"):
                 object.__setattr__(self, k, v)
+        # Its rotary embedding, which holds no weights: Qwen-VL's decoder computes every layer's
+        # from its first layer's, whichever stage holds that.
+        rotary = getattr(getattr(layer, "self_attn", None), "rotary_emb", None)
+        if rotary is not None:
+            object.__setattr__(self, "self_attn", _Rotary(rotary))
 
     def __call__(self, x, *args, **kwargs):
         return x
+
+
+class _Rotary:
+    """What an absent layer's attention shows of itself: its rotary embedding."""
+
+    def __init__(self, rotary_emb: nn.Module):
+        self.rotary_emb = rotary_emb
 
 
 # How far one row's output of a batched step may be from the same row's alone, relative to
@@ -171,6 +184,8 @@ class Shard:
         self._protos = protos  # one empty cache per layer of the whole model, as the model makes them
         self._kept = kept  # (checkpoint name, array) of every parameter this stage materializes
         self.rotating_allowed = not hasattr(model, "make_cache")
+        # A decoder that places positions by three numbers (vlmtext.py): each call is given them.
+        self.three_axis = isinstance(model, VlmText)
         self.kv_cost = KvCost()  # measured at load
         self.batchable = False  # decode rows of several requests in one pass: tried at load
         _, inner = inner_model(model)
@@ -232,7 +247,10 @@ class Shard:
 
         # Lazy: mx.load maps the files and reads a tensor only when it is evaluated,
         # so the layers other stages hold are never read into memory.
-        model, _ = load_model(path, lazy=True, strict=False)
+        if info.three_axis:
+            model = VlmText.load(path)
+        else:
+            model, _ = load_model(path, lazy=True, strict=False)
         _cut_for(model, info, group)
         protos = _protos(model, info)
         kept = _stage_parameters(model, info, start, end)
@@ -367,7 +385,13 @@ class Shard:
         return [stand_in(i) for i in range(self.start)] + list(cache) + [stand_in(i) for i in range(self.end, n)]
 
     def __call__(
-        self, tokens: mx.array, hidden: mx.array | None, cache: list[Any], head: bool = True, embeddings: mx.array | None = None
+        self,
+        tokens: mx.array,
+        hidden: mx.array | None,
+        cache: list[Any],
+        head: bool = True,
+        embeddings: mx.array | None = None,
+        positions: mx.array | None = None,
     ) -> mx.array:
         """One step of the ring on this stage.
 
@@ -378,8 +402,13 @@ class Shard:
         states (the decoder's own output, its norm applied: what an embedding pools).
         ``embeddings``: on the first stage, the input embeddings [B, L, D] to start from instead
         of the tokens' (a prompt's images in their tokens' places, ``vision.py``); the model's
-        own code goes on from them as from its own (Gemma's scaling included).
+        own code goes on from them as from its own (Gemma's scaling included). ``positions``: for a
+        three-axis decoder, each position's three numbers [3, B, L]; by default, text's (each row's
+        cache offset on), which is what every other decoder computes from its caches itself.
         """
+        if self.three_axis:
+            offsets = cache[0].offset if cache else 0
+            self.model.positions = positions if positions is not None else plain_positions(offsets, tokens.shape[1])
         if self._first is not None:
             self._first.set_hidden(hidden)
         try:
@@ -392,6 +421,8 @@ class Shard:
         finally:
             if self._first is not None:
                 self._first.set_hidden(None)
+            if self.three_axis:
+                self.model.positions = None
 
 
 @functools.cache

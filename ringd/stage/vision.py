@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from ringd.models.errors import ModelError
@@ -38,10 +39,21 @@ class VisionError(Exception):
 
 @dataclass
 class Prompt:
-    """A prompt's input embeddings [1, L, D] on the first stage, for its chunks to start from."""
+    """A prompt's input embeddings [1, L, D] on the first stage, for its chunks to start from; for a
+    three-axis decoder (``vlmtext.py``), its positions [3, L] and ``shift``: what the positions
+    after it add to their index (negative: an image's tokens span fewer positions than tokens)."""
 
     ids: list[int]
     embeddings: mx.array
+    positions: np.ndarray | None = None
+    shift: int = 0
+
+    def rope(self, offset: int, n: int) -> np.ndarray:
+        """The three-axis positions [3, n] of positions [offset, offset + n): the prompt's, and past
+        its end each index plus ``shift``, the three numbers equal."""
+        inside = self.positions[:, offset : offset + n]
+        past = np.arange(offset + inside.shape[1], offset + n, dtype=np.int32) + self.shift
+        return np.concatenate([inside, np.broadcast_to(past, (3, len(past)))], axis=1).astype(np.int32)
 
     def chunk(self, offset: int, tokens: Sequence[int], embed) -> mx.array:
         """The input embeddings of positions [offset, offset + len(tokens)): the prompt's, which must
@@ -105,4 +117,8 @@ class Vision:
         if pixels is None:
             raise VisionError("the model's processor made no pixels of the images")
         out = self.model.get_input_embeddings(mx.array([prepared.ids]), pixels, mask=mask, **arrays)
-        return Prompt(prepared.ids, out.inputs_embeds)
+        positions = getattr(out, "position_ids", None)
+        if positions is None:
+            return Prompt(prepared.ids, out.inputs_embeds)
+        shift = getattr(out, "rope_deltas", None)
+        return Prompt(prepared.ids, out.inputs_embeds, np.array(positions[:, 0], dtype=np.int32), int(shift.item()) if shift is not None else 0)
