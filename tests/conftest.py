@@ -130,10 +130,18 @@ def tiny_smollm2_ring(tiny_smollm2, ring_pool) -> Ring:
     return ring_pool(tiny_smollm2, 3, env=SHARED_RING_ENV, model_id="tiny-smollm2")
 
 
-@pytest.fixture(scope="module")
-def vision_ring(tiny_vision_model, ring_pool) -> Ring:
-    """Three nodes of a tiny Gemma 3, which sees (model id ``see``): layers 0 | 1-2 | 3."""
-    return ring_pool(tiny_vision_model("gemma3"), 3, [1, 2, 1], env=SHARED_RING_ENV, model_id="see")
+# The families of models that see which the tests run through rings: Gemma 3 (mlx-lm's text path)
+# and Qwen2.5-VL (mlx-vlm's, its positions by time, row and column).
+VISION_FAMILIES = ["gemma3", "qwen2_5_vl"]
+
+
+@pytest.fixture(scope="module", params=VISION_FAMILIES)
+def vision_ring(request, tiny_vision_model, ring_pool) -> Ring:
+    """Three nodes of a tiny model of each family that sees (model id ``see``): layers 0 | 1-2 | 3.
+    ``ring.family`` names it, ``ring.model`` is its folder."""
+    ring = ring_pool(tiny_vision_model(request.param), 3, [1, 2, 1], env=SHARED_RING_ENV, model_id="see")
+    ring.family = request.param
+    return ring
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,10 @@ PROMPT = "Describe the image."
 TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def gemma3(tiny_vision_model):
-    return tiny_vision_model("gemma3")
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl"])
+def family(request, tiny_vision_model):
+    """A tiny checkpoint of each family: Gemma 3 (mlx-lm's text path), Qwen2.5-VL (mlx-vlm's, three-axis positions)."""
+    return tiny_vision_model(request.param)
 
 
 def reference(path, image) -> tuple[str, list[int]]:
@@ -39,9 +40,11 @@ def ring_tokens(stages: list[Shard], vision: Vision, media: Media, chunk: int, r
 
     def step(tokens: list[int], offset: int) -> int:
         h = None
+        # A three-axis decoder's positions: the prompt's, past it each index plus its shift (every stage's the same).
+        positions = None if prompt.positions is None else mx.array(prompt.rope(offset, len(tokens)))[:, None, :]
         for stage, cache in zip(stages, caches):
             embeddings = prompt.chunk(offset, tokens, vision.embed) if stage.is_first and offset < len(prompt.ids) else None
-            h = stage(mx.array([tokens]), h, cache, embeddings=embeddings)
+            h = stage(mx.array([tokens]), h, cache, embeddings=embeddings, positions=positions)
         return h[0, -1].argmax().item()
 
     ids = prompt.ids
@@ -59,22 +62,25 @@ def ring_tokens(stages: list[Shard], vision: Vision, media: Media, chunk: int, r
     return out[:replay] + again
 
 
-def test_a_model_that_sees_split_anywhere_answers_as_mlx_vlm_generate(gemma3):
-    image, other = gradient(), gradient(turn=1)
-    text, expected = reference(gemma3, image)
-    assert expected != reference(gemma3, other)[1]  # the picture decides the answer: a test that could fail
-    info = model_info(str(gemma3))
+def test_a_model_that_sees_split_anywhere_answers_as_mlx_vlm_generate(family):
+    # Not square: Qwen's image takes a grid of 3 x 2 tokens, its rows and columns apart in its positions.
+    image, other = gradient(48, 80), gradient(turn=1)
+    text, expected = reference(family, image)
+    assert expected != reference(family, other)[1]  # the picture decides the answer: a test that could fail
+    assert len(set(expected)) > 2
+    info = model_info(str(family))
     for cut in range(1, info.num_layers):
-        first, last = Shard.load(str(gemma3), 0, cut), Shard.load(str(gemma3), cut, info.num_layers)
+        first, last = Shard.load(str(family), 0, cut), Shard.load(str(family), cut, info.num_layers)
         vision = Vision.load(info.path, info.config, first)
         media = Media(1, 1, text, (png(image),))
-        # Chunks of 5 split the image's 4 tokens (positions 29-32) between two chunks.
-        assert ring_tokens([first, last], vision, media, chunk=5) == expected, f"cut at layer {cut}"
+        # Chunks of 3 cut the image's tokens (4 or more, in a row) between chunks.
+        assert ring_tokens([first, last], vision, media, chunk=3) == expected, f"cut at layer {cut}"
     assert ring_tokens([first, last], vision, media, chunk=64, replay=3) == expected
     assert ring_tokens([first, last], vision, Media(1, 1, text, (png(other),)), chunk=64) != expected
 
 
-def test_a_prompt_s_embeddings_hold_only_its_own_ids_and_damaged_images_are_its_own_failure(gemma3):
+def test_a_prompt_s_embeddings_hold_only_its_own_ids_and_damaged_images_are_its_own_failure(tiny_vision_model):
+    gemma3 = tiny_vision_model("gemma3")
     info = model_info(str(gemma3))
     first = Shard.load(str(gemma3), 0, 2)
     vision = Vision.load(info.path, info.config, first)
