@@ -31,3 +31,22 @@ def base64_png(image) -> str:
 
 def data_url(image) -> str:
     return "data:image/png;base64," + base64_png(image)
+
+
+def bomb(width: int, height: int, whole: bool = True) -> bytes:
+    """A PNG of ``width`` x ``height`` black pixels: ``whole``, every row compressed (a real
+    decompression bomb: a few hundred KB that inflate to width x height x 3 bytes); else its
+    header and a few bytes of data (what a bomb looks like before it is inflated)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    if whole:
+        packer, row = zlib.compressobj(9), b"\0" * (1 + 3 * width)
+        data = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    else:
+        data = zlib.compress(b"\0" * 64)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b"")

@@ -17,8 +17,12 @@ Mapped:
   template's ``tool_calls`` and ``tool`` messages; ``thinking`` blocks, whose
   text is the assistant turn's ``reasoning_content`` (templates that render
   past thinking see it); ``redacted_thinking`` is dropped (only Anthropic can
-  read it). Images, documents and other blocks are refused: ringd serves text
-  models. Consecutive turns of one role are joined, as Anthropic joins them.
+  read it). ``image`` blocks of a user message (``source``: base64 of a PNG,
+  JPEG, WebP or GIF) are the request's images (``images.py``), each an
+  ``{"type": "image"}`` part of its turn's content where it came; a URL source
+  is refused (ringd fetches nothing from the web), and so are images in a
+  tool_result, documents and the other blocks ringd cannot read. Consecutive
+  turns of one role are joined, as Anthropic joins them.
 - A final ``assistant`` message is a prefill: the answer continues its text.
 - ``tools`` (custom tools: ``name``, ``description``, ``input_schema``,
   ``strict``; Anthropic's server tools such as web search are refused, naming
@@ -63,8 +67,10 @@ from ringd.http.fields import (
     tool_list, valid_text,
 )
 from ringd.http.framing import NamedEvents
+from ringd.http.images import ImageError, ImagePart, from_base64
 from ringd.http.segments import Segments
 from ringd.http.request import CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage, given_fields
+from ringd.ring.media import MAX_IMAGES
 from ringd.ring.sampling import brief_repr
 
 if TYPE_CHECKING:
@@ -92,8 +98,15 @@ REFUSED = {
     "mcp_servers": "ringd connects to no MCP servers; run the tools yourself and send their results as tool_result blocks",
     "container": "ringd runs no code containers",
 }
-# Blocks that carry what a text model cannot read.
-MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
+# Blocks that carry what ringd does not read (it reads text and images), and what to send instead.
+UNREAD_BLOCKS = {
+    "document": "send the document's text in a text block",
+    "search_result": "send the result's text in a text block",
+    "container_upload": "ringd runs no code containers",
+}
+# An image source's media types, as Anthropic's API takes them (the file's own header decides how
+# it is decoded: images.py).
+MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
 
 
 def error_body(e: ApiError) -> dict:
@@ -137,7 +150,8 @@ def parse(body: dict, count_only: bool = False) -> MessagesRequest:
     sampling = sampling_fields(body)
     params = sampling_params(sampling, negative_top_k_is_off=False)
 
-    messages, prefill = _messages(body.get("messages"))
+    images: list[ImagePart] = []
+    messages, prefill = _messages(body.get("messages"), images)
     system = _system(body.get("system"))
     if system:
         messages.insert(0, {"role": "system", "content": system})
@@ -150,7 +164,7 @@ def parse(body: dict, count_only: bool = False) -> MessagesRequest:
         model=model, params=params, max_tokens=max_tokens, messages=messages, stop=_stop_sequences(body.get("stop_sequences")),
         tools=tools, tool_choice=choice, tool_name=tool_name, parallel_tool_calls=parallel, response_format=fmt,
         prefill=prefill, template_kwargs=kwargs, names={**NAMES, "response_format": fmt_field},
-        given=given_fields(sampling, body.get("stop_sequences")),
+        given=given_fields(sampling, body.get("stop_sequences")), images=images,
     )  # fmt: skip
     return MessagesRequest(req, stream, show_thinking)
 
@@ -175,8 +189,9 @@ def _text_block(b: Any, where: str) -> str:
     return valid_text(b["text"], f"{where}.text")
 
 
-def _messages(v: Any) -> tuple[list[dict], bool]:
-    """The conversation in the form templates take, and whether it ends in a prefill."""
+def _messages(v: Any, images: list[ImagePart]) -> tuple[list[dict], bool]:
+    """The conversation in the form templates take, and whether it ends in a prefill; the user
+    turns' images are added to ``images``, in order."""
     if not isinstance(v, list) or not v:
         raise bad("messages is required: a non-empty list of {role, content}", "messages")
     if len(v) > MAX_MESSAGES:
@@ -205,9 +220,11 @@ def _messages(v: Any) -> tuple[list[dict], bool]:
                 f"{where}.content",
             )
         if role == "user":
-            _user(blocks, where, out, names, pending)
+            _user(blocks, where, out, names, pending, images)
         else:
             _assistant(blocks, where, out, names, pending)
+    if len(images) > MAX_IMAGES:
+        raise bad(f"{len(images)} images in one request; at most {MAX_IMAGES}", "messages")
     last = _joined(out)[-1]
     prefill = last["role"] == "assistant"
     if prefill and last.get("tool_calls"):
@@ -242,24 +259,79 @@ def _append(out: list[dict], msg: dict) -> None:
 
 
 def _joined(out: list[dict]) -> list[dict]:
-    """The turns ``_append`` joined, each text one string again."""
+    """The turns ``_append`` joined, each text one string again (a turn with images: its parts, in order)."""
     for m in out:
         for key, parts in m.pop(PARTS, {}).items():
-            m[key] = JOINED_BY[key].join(parts)
+            if all(isinstance(p, str) for p in parts):
+                m[key] = JOINED_BY[key].join(parts)
+            else:  # a user turn with images
+                m[key] = _turn([q for p in parts for q in ([{"type": "text", "text": p}] if isinstance(p, str) else p)])
     return out
 
 
-def _user(blocks: list, where: str, out: list[dict], names: dict[str, str], pending: set[str]) -> None:
+def _turn(parts: list[dict]) -> str | list[dict]:
+    """A user turn's content: its texts as one, joined as Anthropic joins them (paragraphs); where it
+    holds images, its parts in order, each run of texts between them one text part."""
+    if not any(p["type"] == "image" for p in parts):
+        return "\n\n".join(p["text"] for p in parts)
+    out: list[dict] = []
     texts: list[str] = []
+    for p in parts:
+        if p["type"] == "text":
+            texts.append(p["text"])
+            continue
+        if texts:
+            out.append({"type": "text", "text": "\n\n".join(texts)})
+            texts = []
+        out.append(p)
+    if texts:
+        out.append({"type": "text", "text": "\n\n".join(texts)})
+    return out
+
+
+def _image(b: dict, at: str) -> ImagePart:
+    """An image block's picture: its source's base64, not decoded yet (``images.py``)."""
+    source = b.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "url":
+        raise bad(
+            f"{at}.source is a URL: ringd does not fetch images from the web; send the image itself, as base64 "
+            "(source: {'type': 'base64', 'media_type': 'image/png', 'data': ...})",
+            f"{at}.source",
+        )  # fmt: skip
+    if kind == "file":
+        raise bad(f"{at}.source names a file: ringd keeps no files; send the image itself, as base64", f"{at}.source")
+    if not isinstance(source, dict):
+        raise bad(f"{at}.source must be {{'type': 'base64', 'media_type', 'data'}}; got {brief_repr(source)}", f"{at}.source")
+    if kind != "base64":
+        raise bad(f"{at}.source.type must be 'base64' (with media_type and data); got {brief_repr(kind)}", f"{at}.source.type")
+    media = source.get("media_type")
+    if media not in MEDIA_TYPES:
+        raise bad(f"{at}.source.media_type must be one of {', '.join(MEDIA_TYPES)}; got {brief_repr(media)}", f"{at}.source.media_type")
+    try:
+        return from_base64(source.get("data"), f"{at}.source.data")
+    except ImageError as e:
+        raise bad(str(e), f"{at}.source.data") from None
+
+
+def _unread(kind: str, at: str) -> ApiError:
+    return bad(f"{at} is a {kind} block, which ringd does not read: {UNREAD_BLOCKS[kind]}", f"{at}.type")
+
+
+def _user(blocks: list, where: str, out: list[dict], names: dict[str, str], pending: set[str], images: list[ImagePart]) -> None:
+    parts: list[dict] = []  # the turn's text and image parts, in order
     for j, b in enumerate(blocks):
         at = f"{where}.content[{j}]"
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text":
-            texts.append(_text_block(b, at))
+            parts.append({"type": "text", "text": _text_block(b, at)})
+        elif kind == "image":
+            images.append(_image(b, at))
+            parts.append({"type": "image"})
         elif kind == "tool_result":
-            if texts:  # Anthropic puts results first; text before one is its own turn
-                _append(out, {"role": "user", "content": "\n\n".join(texts)})
-                texts = []
+            if parts:  # Anthropic puts results first; what comes before one is its own turn
+                _append(out, {"role": "user", "content": _turn(parts)})
+                parts = []
             call_id = b.get("tool_use_id")
             if not isinstance(call_id, str) or call_id not in names:
                 raise bad(
@@ -273,7 +345,7 @@ def _user(blocks: list, where: str, out: list[dict], names: dict[str, str], pend
             elif isinstance(result, str):
                 text = valid_text(result, f"{at}.content")
             elif isinstance(result, list):
-                text = "\n\n".join(_text_block(p, f"{at}.content[{k}]") for k, p in enumerate(result))
+                text = "\n\n".join(_result_text(p, f"{at}.content[{k}]") for k, p in enumerate(result))
             else:
                 raise bad(
                     f"{at}.content must be a string or a list of text blocks",
@@ -289,14 +361,11 @@ def _user(blocks: list, where: str, out: list[dict], names: dict[str, str], pend
                     "name": names[call_id],
                 }
             )
-        elif kind in MEDIA_BLOCKS:
-            raise bad(
-                f"{at} is an {kind} block: ringd serves text models, which cannot read it",
-                f"{at}.type",
-            )
+        elif kind in UNREAD_BLOCKS:
+            raise _unread(kind, at)
         else:
             raise bad(
-                f"{at} must be a text or tool_result block; got {brief_repr(kind)}",
+                f"{at} must be a text, image or tool_result block; got {brief_repr(kind)}",
                 f"{at}.type",
             )
     if pending:
@@ -304,8 +373,20 @@ def _user(blocks: list, where: str, out: list[dict], names: dict[str, str], pend
             f"{where} must answer every tool_use of the message before it; missing: {', '.join(sorted(pending))}",
             where,
         )
-    if texts or not blocks:
-        _append(out, {"role": "user", "content": "\n\n".join(texts)})
+    if parts or not blocks:
+        _append(out, {"role": "user", "content": _turn(parts)})
+
+
+def _result_text(b: Any, at: str) -> str:
+    """A part of a tool_result's content: text. An image there is refused: a template that knows
+    no tools writes a result as JSON text (``render.py``), where an image has no place."""
+    if isinstance(b, dict) and b.get("type") == "image":
+        raise bad(
+            f"{at} is an image in a tool_result, which ringd does not take; send it as an image block of the "
+            "user message, after the tool_result",
+            f"{at}.type",
+        )  # fmt: skip
+    return _text_block(b, at)
 
 
 def _assistant(blocks: list, where: str, out: list[dict], names: dict[str, str], pending: set[str]) -> None:
@@ -346,8 +427,10 @@ def _assistant(blocks: list, where: str, out: list[dict], names: dict[str, str],
                     "function": {"name": name, "arguments": args},
                 }
             )
-        elif kind in MEDIA_BLOCKS:
-            raise bad(f"{at} is an {kind} block: ringd serves text models", f"{at}.type")
+        elif kind == "image":
+            raise bad(f"{at} is an image block: images go in user messages, not the assistant's", f"{at}.type")
+        elif kind in UNREAD_BLOCKS:
+            raise _unread(kind, at)
         else:
             raise bad(
                 f"{at} must be a text, thinking or tool_use block; got {brief_repr(kind)}",

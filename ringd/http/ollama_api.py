@@ -34,7 +34,13 @@ Ollama's request, mapped:
   off; true on a model that does not think is refused, as Ollama refuses it.
 - ``tools``: OpenAI-style function tools; Ollama has no way to force a call,
   so the model decides (tool_choice "auto").
-- Refused: images (ringd serves text models), generate's ``suffix`` and
+- ``images``: a user message's list of base64 images (chat), or generate's
+  with its prompt, become the request's images (``images.py``), each an
+  ``{"type": "image"}`` part of the message's content before its text, as
+  Ollama's own templates place them; generate's images go in the one user
+  message its prompt makes, so a ``raw`` prompt cannot carry them. null and
+  [] are no images, as clients send them.
+- Refused: generate's ``suffix`` and
   ``template`` (no fill-in-the-middle, no Go templates), and its ``context``
   (the old token memory: ringd never hands one out, so a client that sends one
   is keeping a conversation ringd cannot continue; send messages to /api/chat).
@@ -74,6 +80,7 @@ from ringd.http.fields import (
     valid_text,
 )
 from ringd.http.framing import NDJSON
+from ringd.http.images import ImageError, ImagePart, from_base64
 from ringd.http.request import Output, Request, ResponseFormat, ToolCall, given_fields
 from ringd.models.naming import ollama_spelling, same_model, tagged
 from ringd.models.catalogue import Entry, gguf_quant, mlx_quant
@@ -88,6 +95,7 @@ from ringd.models.ollama.params import (
     integral,
     sampling_of,
 )
+from ringd.ring.media import MAX_IMAGES
 from ringd.ring.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr
 from ringd.models.ollama.keepalive import KeepAliveError, parse_keep_alive
 
@@ -155,12 +163,13 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
     # The answers name the model as the client did (Ollama's do); the engine knows one name.
     served = model_id if model == tagged(model_id) else model
     stream = _optional(body, "stream", bool, True)
+    images: list[ImagePart] = []
     if chat:
-        messages, prompt, raw = _messages(body.get("messages")), None, False
+        messages, prompt, raw = _messages(body.get("messages"), images), None, False
         if not messages:
             return Parsed(model, stream, None)
     else:
-        prompt, raw, messages = _generate_input(body)
+        prompt, raw, messages = _generate_input(body, images)
         if not prompt:
             return Parsed(model, stream, None)
 
@@ -184,6 +193,7 @@ def parse(body: dict, chat: bool, model_id: str, context_length: int, thinks: bo
         prompt=prompt if raw else None, stop=options.stop, tools=tools, tool_choice="auto",
         response_format=response_format, template_kwargs=template_kwargs, names=dict(NAMES),
         given=given_fields(options.sampling, options.stop if options.stop_given else None), context=options.context,
+        images=images,
     )  # fmt: skip
     return Parsed(model, stream, req, logprobs)
 
@@ -194,37 +204,67 @@ def _optional(body: dict, name: str, kind: type, default: Any) -> Any:
     return default if v is None else v
 
 
-def _generate_input(body: dict) -> tuple[str, bool, list[dict] | None]:
-    """/api/generate's prompt, whether it is raw, and the chat it makes unless raw ("" is the load call)."""
+def _generate_input(body: dict, images: list[ImagePart]) -> tuple[str, bool, list[dict] | None]:
+    """/api/generate's prompt, whether it is raw, and the chat it makes unless raw ("" is the load call);
+    its images are added to ``images`` (they go in the chat's user message, as Ollama puts them)."""
     for name, why in (("suffix", "fill-in-the-middle is not supported"), ("template", "ringd renders prompts with the model's own chat template")):
         if body.get(name) not in (None, ""):
             raise bad(f"{name} is not supported: {why}")
     if body.get("context") not in (None, []):
         raise bad("context (the token memory of an earlier answer) is not supported: send the conversation as messages to /api/chat")
-    _no_images(body.get("images"), "images")
+    given = _image_list(body.get("images"), "images")
+    _count(len(given))
     prompt = valid_text(_optional(body, "prompt", str, ""), "prompt")
     raw = _optional(body, "raw", bool, False)
     system = valid_text(_optional(body, "system", str, ""), "system")
     if raw:
         if system:
             raise bad("system has no place in a raw prompt, which goes to the model as it is; put it in the prompt")
+        if given:
+            raise bad("images need the model's template to place them; a raw prompt goes to the model as it is and cannot carry them: leave raw false")
         return prompt, True, None
-    return prompt, False, ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    user = {"role": "user", "content": _with_images(prompt, given, "images", images)}
+    return prompt, False, ([{"role": "system", "content": system}] if system else []) + [user]
 
 
-def _no_images(v: Any, where: str) -> None:
-    if v not in (None, []):
-        raise bad(f"{where}: images are not supported; ringd serves text models")
+def _image_list(v: Any, where: str) -> list:
+    """A field of images: a list (null or [] when there are none)."""
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise bad(f"{where} must be a list of base64 images; got {brief_repr(v)}")
+    return v
 
 
-def _messages(v: Any) -> list[dict]:
-    """Ollama's messages in the form templates take (``request.py``): calls get ids, results name their call."""
+def _count(n: int) -> None:
+    """Refused before a part is made: each costs little, but a body of one-character images holds millions."""
+    if n > MAX_IMAGES:
+        raise bad(f"{n} images in one request; at most {MAX_IMAGES}")
+
+
+def _with_images(text: str, given: list, where: str, images: list[ImagePart]) -> str | list[dict]:
+    """A message's content as a template takes it: its text, or with images, an ``{"type": "image"}``
+    part for each (added to ``images``) before its text, as Ollama's own templates place them."""
+    if not given:
+        return text
+    for j, data in enumerate(given):
+        try:
+            images.append(from_base64(data, f"{where}[{j}]"))
+        except ImageError as e:
+            raise bad(str(e)) from None
+    return [{"type": "image"} for _ in given] + ([{"type": "text", "text": text}] if text else [])
+
+
+def _messages(v: Any, images: list[ImagePart]) -> list[dict]:
+    """Ollama's messages in the form templates take (``request.py``): calls get ids, results name
+    their call, a user message's images are parts of its content (and added to ``images``)."""
     if v is None:
         return []
     if not isinstance(v, list):
         raise bad("messages must be a list")
     if len(v) > MAX_MESSAGES:
         raise bad(f"at most {MAX_MESSAGES} messages are accepted")
+    _count(sum(len(m["images"]) for m in v if isinstance(m, dict) and isinstance(m.get("images"), list)))
     out: list[dict] = []
     unanswered: list[tuple[str, str]] = []  # (call id, name) of calls no result has answered yet
     for i, m in enumerate(v):
@@ -239,8 +279,10 @@ def _messages(v: Any) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise bad(f"{where}.content must be a string; got {brief_repr(content)}")
-        _no_images(m.get("images"), f"{where}.images")
-        msg: dict[str, Any] = {"role": role, "content": valid_text(content, f"{where}.content")}
+        given = _image_list(m.get("images"), f"{where}.images")
+        if given and role != "user":
+            raise bad(f"{where}.images: images go in user messages, not in a {role} message")
+        msg: dict[str, Any] = {"role": role, "content": _with_images(valid_text(content, f"{where}.content"), given, f"{where}.images", images)}
         if role == "assistant":
             thinking = m.get("thinking")
             if thinking not in (None, ""):

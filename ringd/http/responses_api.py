@@ -27,8 +27,11 @@ Mapped:
 
 - ``input``: a string (one user message) or items: messages (user, assistant,
   system, developer; content as a string or ``input_text`` / ``output_text``
-  / ``refusal`` parts; images and files are refused: ringd serves text
-  models), ``function_call`` and ``function_call_output`` items (a call joins
+  / ``refusal`` parts, and a user message's ``input_image`` parts: a data URL
+  in ``image_url``, which becomes one of the request's images (``images.py``)
+  and an ``{"type": "image"}`` part where it came; a web URL or a
+  ``file_id`` is refused, as are files), ``function_call`` and
+  ``function_call_output`` items (a call joins
   the assistant message just before it), and ``reasoning`` items, whose text
   (their ``content``, else their ``summary``) becomes the
   ``reasoning_content`` of the assistant message or call that follows them:
@@ -72,8 +75,11 @@ from ringd.http.fields import (
     model_name, optional, sampling_fields, sampling_params, template_kwargs, tool_list, valid_text,
 )
 from ringd.http.framing import NamedEvents
+from ringd.http.images import ImagePart
+from ringd.http.openai_types import image_url
 from ringd.http.segments import Segments
 from ringd.http.request import CallOpened, Output, Request, ResponseFormat, Tool, Usage, given_fields
+from ringd.ring.media import MAX_IMAGES
 from ringd.ring.sampling import SamplingParams, brief_repr
 
 if TYPE_CHECKING:
@@ -140,7 +146,8 @@ def parse(body: dict) -> ResponsesRequest:
     params = sampling_params(sampling)
 
     instructions = opt("instructions", lambda v: isinstance(v, str), "a string")
-    messages = _input(body.get("input"))
+    images: list[ImagePart] = []
+    messages = _input(body.get("input"), images)
     if instructions:
         messages.insert(0, {"role": "system", "content": valid_text(instructions, "instructions")})
 
@@ -155,7 +162,7 @@ def parse(body: dict) -> ResponsesRequest:
     req = Request(
         model=model, params=params, max_tokens=max_tokens, messages=messages, tools=tools, tool_choice=choice,
         tool_name=tool_name, parallel_tool_calls=True if parallel is None else parallel, response_format=fmt,
-        template_kwargs=kwargs, names=NAMES, given=given_fields(sampling, None),
+        template_kwargs=kwargs, names=NAMES, given=given_fields(sampling, None), images=images,
     )  # fmt: skip
     metadata = body.get("metadata")
     user = body.get("user")
@@ -191,7 +198,8 @@ def parse(body: dict) -> ResponsesRequest:
     return ResponsesRequest(req, stream, echo, "reasoning.encrypted_content" in (include or ()))
 
 
-def _input(v: Any) -> list[dict]:
+def _input(v: Any, images: list[ImagePart]) -> list[dict]:
+    """The conversation in the form templates take; the user messages' images are added to ``images``, in order."""
     if isinstance(v, str):
         return [{"role": "user", "content": valid_text(v, "input")}]
     if not isinstance(v, list) or not v:
@@ -210,7 +218,8 @@ def _input(v: Any) -> list[dict]:
             role = item.get("role")
             if role not in MESSAGE_ROLES:
                 raise bad(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}; got {brief_repr(role)}", f"{where}.role")
-            msg = {"role": "system" if role == "developer" else role, "content": _content(item.get("content"), f"{where}.content")}
+            content = _content(item.get("content"), f"{where}.content", images if role == "user" else None)
+            msg = {"role": "system" if role == "developer" else role, "content": content}
             if role == "assistant" and reasoning:
                 msg["reasoning_content"], reasoning = reasoning, ""
             out.append(msg)
@@ -251,6 +260,8 @@ def _input(v: Any) -> list[dict]:
             )
     if not out:
         raise bad("input holds no message: reasoning items alone give the model nothing to answer", "input")
+    if len(images) > MAX_IMAGES:
+        raise bad(f"{len(images)} images in one request; at most {MAX_IMAGES}", "input")
     return out
 
 
@@ -261,7 +272,10 @@ def _string(item: dict, key: str, where: str) -> str:
     return valid_text(v, f"{where}.{key}")
 
 
-def _content(content: Any, where: str) -> str:
+def _content(content: Any, where: str, images: list[ImagePart] | None = None) -> str | list[dict]:
+    """Content as a template takes it: its text, or where it holds images, its parts in order
+    (``{"type": "text", "text"}``, ``{"type": "image"}``), each image added to ``images``. Only a
+    user message's content (``images`` given) may hold images."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -271,14 +285,32 @@ def _content(content: Any, where: str) -> str:
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            if images is None:
+                raise bad(f"{where}[{j}] is an input_image part: ringd takes images in user messages only", f"{where}[{j}]")
+            images.append(_image(part, f"{where}[{j}]"))
+            parts.append({"type": "image"})
+            continue
         key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None or not isinstance(part.get(key), str):
             raise bad(
-                f"{where}[{j}] must be a text part ({', '.join(TEXT_PARTS)}); got {brief_repr(kind)}: ringd serves text models",
+                f"{where}[{j}] must be a text part ({', '.join(TEXT_PARTS)}) or an input_image part; got {brief_repr(kind)}",
                 f"{where}[{j}]",
             )
-        parts.append(valid_text(part[key], f"{where}[{j}].{key}"))
-    return "".join(parts)
+        parts.append({"type": "text", "text": valid_text(part[key], f"{where}[{j}].{key}")})
+    if any(part["type"] == "image" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
+
+
+def _image(part: dict, where: str) -> ImagePart:
+    """An input_image part's picture: its ``image_url``, a data URL (chat's rule: ``openai_types.image_url``)."""
+    if part.get("file_id") is not None:
+        raise bad(f"{where}.file_id: ringd keeps no files; send the image as a data URL in image_url (data:image/png;base64,...)", f"{where}.file_id")
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise bad(f"{where}.image_url is required: the image as a data URL (data:image/png;base64,...)", f"{where}.image_url")
+    return image_url(url, f"{where}.image_url")
 
 
 def _reasoning_text(item: dict, where: str) -> str:

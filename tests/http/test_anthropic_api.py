@@ -1,7 +1,8 @@
 """Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``), with the official SDK.
 
 Fast tests first, without a ring: bodies become the one internal request or a
-400 (Hypothesis: any JSON body), and the events ringd streams validate as the
+400 (Hypothesis: any JSON body), image blocks (a real, tiny PNG) the request's
+images and the image parts of their turns, and the events ringd streams validate as the
 SDK's own models and accumulate, with the SDK's own ``accumulate_event``, into
 the message ringd sends whole.
 
@@ -10,7 +11,8 @@ and template (``tiny_smollm2``, tests/kit/tinysmol.py): greedy answers equal cha
 completions' for the same conversation (plain, with a system prompt,
 multi-turn, streamed); stop sequences and max_tokens end it with their
 stop_reason; tools (generic, ``render.py``) give tool_use blocks whose input
-validates, streamed or not, and a tool_result gets an answer;
+validates, streamed or not, and a tool_result gets an answer; an image to this
+model, which has no vision tower, is an Anthropic 400;
 output_config.format constrains the answer; count_tokens counts what a message
 bills. That a prefill is continued, in words, is the real SmolLM2's to show
 (the ring test_smollm2.py shares). Reasoning and native calls use the tiny
@@ -19,6 +21,8 @@ qwen3 trained to think (``think_model``).
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 
 import anthropic
@@ -30,10 +34,12 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 from ringd.http.anthropic_api import Blocks, message, parse
 from ringd.http.errors import ApiError
 from ringd.http.request import CallArguments, CallDone, CallOpened, Output, ToolCall, Usage, whole_call
+from ringd.ring.media import MAX_IMAGES
 
 MODEL_ID = "tiny-smollm2"
 FRANCE = "What is the capital of France?"
@@ -56,6 +62,19 @@ PERSON = {
 DESCRIBE = "Describe a French person as JSON with name, age and languages."
 EVENTS = pydantic.TypeAdapter(RawMessageStreamEvent)
 GREEDY = {"temperature": 0}  # the SDK's 2.x sends sampling as extra body fields
+
+
+def png_base64() -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(out, "PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+PNG = png_base64()
+
+
+def image(data=PNG, media_type: str = "image/png") -> dict:
+    return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
 
 
 # --- bodies -> the internal request (no ring) --------------------------------------------
@@ -120,6 +139,41 @@ def test_blocks_become_the_templates_messages():
     assert r.template_kwargs == {"enable_thinking": True} and not r.prefill and not p.stream
 
 
+def test_image_blocks_are_the_requests_images_in_order_and_parts_of_their_turns():
+    body = {
+        "model": "m",
+        "max_tokens": 50,
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "What differs?"}, image(), {"type": "text", "text": "and"}, image(media_type="image/jpeg")]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}, image(), {"type": "text", "text": "This?"}]},
+            {"role": "user", "content": "In Celsius."},  # joined to the turn before, its text to that turn's last text
+            {"role": "user", "content": [image("not base64, but a decoder's to refuse, not the parser's")]},
+        ],
+        "tools": [WEATHER],
+    }
+    for r in (parse(body).request, parse(body, count_only=True).request):
+        assert [p.where for p in r.images] == [
+            "messages[0].content[1].source.data", "messages[0].content[3].source.data", "messages[2].content[1].source.data",
+            "messages[4].content[0].source.data",
+        ]  # fmt: skip
+        assert [p.data for p in r.images[:3]] == [PNG] * 3
+        assert r.messages == [
+            {"role": "user", "content": [{"type": "text", "text": "What differs?"}, {"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+            },
+            {"role": "tool", "content": "18 C", "tool_call_id": "toolu_1", "name": "get_weather"},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "This?\n\nIn Celsius."}, {"type": "image"}]},
+        ]
+    two = [image(), {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert parse({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": two}]}).request.messages == [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a\n\nb"}]}
+    ]  # text blocks are paragraphs, with an image as without
+
+
 def test_a_final_assistant_message_is_a_prefill_and_settings_map():
     r = parse({"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}).request
     assert r.prefill and r.messages[-1] == {"role": "assistant", "content": "Hello"}
@@ -148,7 +202,7 @@ def test_a_final_assistant_message_is_a_prefill_and_settings_map():
         ({"max_tokens": None}, "max_tokens", "max_tokens is required"),
         ({"messages": []}, "messages", "non-empty"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "system"),
-        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type", "text models"),
+        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages[0].content[0].type", "document block"),
         (
             {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope"}]}]},
             "messages[0].content[0].tool_use_id",
@@ -186,6 +240,34 @@ def test_a_final_assistant_message_is_a_prefill_and_settings_map():
         ({"temperature": 3}, "temperature", "temperature"),
         ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format", "json_schema"),
         ({"mcp_servers": [{"url": "x"}]}, "mcp_servers", "MCP"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}]},
+            "messages[0].content[0].source",
+            "ringd does not fetch images from the web; send the image itself, as base64",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]}, "messages[0].content[0].source", "keeps no files"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "text", "data": "x"}}]}]}, "messages[0].content[0].source.type", "'text'"),
+        ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages[0].content[0].source", "'base64'"),
+        ({"messages": [{"role": "user", "content": [image(media_type="image/tiff")]}]}, "messages[0].content[0].source.media_type", "image/tiff"),
+        ({"messages": [{"role": "user", "content": [image("")]}]}, "messages[0].content[0].source.data", "messages[0].content[0].source.data: the image is empty"),
+        ({"messages": [{"role": "user", "content": [image(None)]}]}, "messages[0].content[0].source.data", "base64 text"),
+        (
+            {"messages": [{"role": "user", "content": [image()] * (MAX_IMAGES - 1)}, {"role": "user", "content": [image(), image()]}]},
+            "messages",
+            f"{MAX_IMAGES + 1} images in one request; at most {MAX_IMAGES}",
+        ),
+        ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [image()]}]}, "messages[1].content[0].type", "user messages"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [image()]}]},
+                ]
+            },
+            "messages[2].content[0].content[0].type",
+            "image block of the user message, after the tool_result",
+        ),
     ],
 )
 def test_bad_bodies_are_400s_naming_anthropics_fields(extra, param, needle):
@@ -466,6 +548,8 @@ def test_count_tokens_counts_what_a_message_bills(client):
         ({"max_tokens": 10**9}, "context"),
         ({"tools": [WEATHER], "output_config": {"format": {"type": "json_schema", "schema": PERSON}}}, "output_config.format"),
         ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "string", "pattern": "(unclosed"}}}}, "output_config.format"),
+        # Taken by the parser; the model has no vision tower (serving.py).
+        ({"messages": [{"role": "user", "content": [image(), {"type": "text", "text": "What is it?"}]}]}, f"{MODEL_ID} does not take images: it has no vision tower"),
     ],
 )
 def test_bad_requests_are_anthropic_errors(client, kw, needle):

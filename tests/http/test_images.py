@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import struct
-import zlib
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
+
+from devkit.pictures import bomb
 
 from ringd.http import images
 from ringd.http.images import MAX_IMAGES, ImageError, ImagePart, decode, decode_all, from_base64, from_data_url
@@ -36,14 +36,7 @@ def gradient(width: int = 48, height: int = 32) -> Image.Image:
 
 
 def png_claiming(width: int, height: int) -> bytes:
-    """A PNG whose header says ``width`` x ``height`` and whose data is a few bytes: what a
-    decompression bomb looks like before it is inflated."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    return bomb(width, height, whole=False)
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "BMP"])

@@ -12,11 +12,16 @@ metadata. The tiny qwen3 trained to think and call (``think_model``) shows
 reasoning and a call that comes back parsed, in Ollama's shape.
 
 The first part needs no ring: the body -> Request translation, property-tested
-(any JSON body is a Request or a 4xx ApiError, never anything else).
+(any JSON body is a Request or a 4xx ApiError, never anything else), and images
+(a real, tiny PNG) as the request's images and image parts before their
+message's text. On the ring, an image to this model, which has no vision tower,
+is an Ollama 400.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import string
 
@@ -26,9 +31,11 @@ import ollama
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 from ringd.http.errors import ApiError
 from ringd.http.ollama_api import describe, error_body, parameter_size, parse
+from ringd.ring.media import MAX_IMAGES
 
 MODEL_ID = "tiny-smollm2"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -52,6 +59,15 @@ PERSON = {
     "additionalProperties": False,
 }
 DESCRIBE = [{"role": "user", "content": "Describe a French person as JSON with name, age and languages."}]
+
+
+def png_base64() -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(out, "PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+PNG = png_base64()
 
 
 # --- the translation, without a ring ----------------------------------------------------
@@ -148,7 +164,11 @@ def test_generate_is_a_chat_of_one_user_message_unless_raw():
     [
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x", "context": [1, 2, 3]}, "/api/chat"),
-        ({"prompt": "x", "images": ["aGk="]}, "images are not supported"),
+        ({"prompt": "x", "raw": True, "images": [PNG]}, "a raw prompt goes to the model as it is and cannot carry them"),
+        ({"prompt": "x", "images": [""]}, "images[0]: the image is empty"),
+        ({"prompt": "x", "images": [PNG, 3]}, "images[1]: an image is base64 text"),
+        ({"prompt": "x", "images": PNG}, "images must be a list"),
+        ({"prompt": "x", "images": [PNG] * (MAX_IMAGES + 1)}, f"{MAX_IMAGES + 1} images in one request; at most {MAX_IMAGES}"),
         ({"prompt": "x", "template": "{{ .Prompt }}"}, "template"),
         ({"prompt": "x", "raw": True, "system": "s"}, "raw"),
         ({"prompt": 3}, "prompt must be a string"),
@@ -159,8 +179,43 @@ def test_what_generate_cannot_do_is_refused(body, says):
     assert says in refused({"model": "m", **body}, chat=False)
 
 
-def test_chat_refuses_images_and_strange_messages():
-    assert "images are not supported" in refused(chat_body(messages=[{"role": "user", "content": "x", "images": ["aGk="]}]))
+def test_images_are_parts_before_their_messages_text():
+    garbage = "not base64, but a decoder's to refuse, not the parser's"
+    body = chat_body(
+        messages=[
+            {"role": "system", "content": "Be brief.", "images": None},
+            {"role": "user", "content": "What differs?", "images": [PNG, garbage]},
+            {"role": "assistant", "content": "The colour.", "images": []},
+            {"role": "user", "content": "", "images": [PNG]},
+            {"role": "user", "content": "And now?", "images": None},
+        ]
+    )
+    r = parsed(body).request
+    assert [p.where for p in r.images] == ["messages[1].images[0]", "messages[1].images[1]", "messages[3].images[0]"]
+    assert [p.data for p in r.images] == [PNG, garbage, PNG]
+    assert r.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "What differs?"}]},
+        {"role": "assistant", "content": "The colour."},
+        {"role": "user", "content": [{"type": "image"}]},
+        {"role": "user", "content": "And now?"},
+    ]
+    # Generate's images go in the user message its prompt makes.
+    r = parsed({"model": "m", "prompt": "What is it?", "system": "Be brief.", "images": [PNG]}, chat=False).request
+    assert [p.where for p in r.images] == ["images[0]"] and r.prompt is None
+    assert r.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    for none in (None, []):
+        r = parsed({"model": "m", "prompt": "Hi", "images": none}, chat=False).request
+        assert r.images == [] and r.messages == [{"role": "user", "content": "Hi"}]
+        assert parsed({"model": "m", "prompt": "Hi", "raw": True, "images": none}, chat=False).request.prompt == "Hi"
+
+
+def test_chat_refuses_strange_images_and_messages():
+    assert "messages[1].images[0]: the image is empty" in refused(chat_body(messages=[{"role": "user", "content": "x"}, {"role": "user", "content": "x", "images": [""]}]))
+    assert "messages[0].images must be a list" in refused(chat_body(messages=[{"role": "user", "content": "x", "images": {"a": 1}}]))
+    assert "images go in user messages" in refused(chat_body(messages=[{"role": "assistant", "content": "x", "images": [PNG]}]))
+    many = [{"role": "user", "content": "x", "images": [PNG] * (MAX_IMAGES // 2 + 1)}] * 2
+    assert f"{2 * (MAX_IMAGES // 2 + 1)} images in one request; at most {MAX_IMAGES}" in refused(chat_body(messages=many))
     assert "role" in refused(chat_body(messages=[{"role": "robot", "content": "x"}]))
     assert "content must be a string" in refused(chat_body(messages=[{"role": "user", "content": ["x"]}]))
     assert "model is required" == refused({"messages": FRANCE})
@@ -243,7 +298,9 @@ def test_any_json_body_is_a_request_or_a_4xx(chat, body):
     if p.request is not None:
         assert p.request.prompt_chars(1 << 30) >= 0
         for m in p.request.messages or ():
-            m["content"].encode("utf-8")  # valid Unicode only reaches the tokenizer
+            parts = [m["content"]] if isinstance(m["content"], str) else m["content"]
+            for part in parts:  # valid Unicode only reaches the tokenizer
+                (part if isinstance(part, str) else part.get("text", "")).encode("utf-8")
 
 
 # --- through the official client, on the ring ---------------------------------------------
@@ -416,13 +473,21 @@ def test_a_follower_forwards_what_generates_and_answers_the_rest(tiny_smollm2_ri
         (json.dumps({"model": MODEL_ID, "messages": FRANCE, "options": {"temperature": "hot"}}).encode(), 400),
         (json.dumps({"model": MODEL_ID, "messages": FRANCE, "options": {"top_k": [1]}}).encode(), 400),
         (json.dumps({"model": MODEL_ID, "messages": FRANCE, "think": True}).encode(), 400),
-        (json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}).encode(), 400),
         (json.dumps([1, 2]).encode(), 400),
     ],
 )
 def test_bad_input_is_an_ollama_error(tiny_smollm2_ring, body, status):
     r = httpx.post(tiny_smollm2_ring.url + "/api/chat", content=body, headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == status and set(r.json()) == {"error"} and isinstance(r.json()["error"], str)
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [("/api/chat", {"messages": [{"role": "user", "content": "What is it?", "images": [PNG]}]}), ("/api/generate", {"prompt": "What is it?", "images": [PNG]})],
+)
+def test_an_image_to_a_model_that_does_not_see_is_an_ollama_400(tiny_smollm2_ring, route, body):
+    r = httpx.post(tiny_smollm2_ring.url + route, json={"model": MODEL_ID, **body}, timeout=60)
+    assert r.status_code == 400 and r.json() == {"error": f"{MODEL_ID} does not take images: it has no vision tower"}
 
 
 def test_the_client_raises_on_bad_options(client):

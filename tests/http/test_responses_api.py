@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``/v1/responses``), with the official SDK.
 
 Fast tests first, without a ring: bodies become the one internal request or a
-400 (Hypothesis: any JSON body), and the events ringd streams validate as the
+400 (Hypothesis: any JSON body), input_image parts (a real, tiny PNG) the
+request's images and the image parts of their messages, and the events ringd streams validate as the
 SDK's own pydantic models and accumulate, in the SDK's own stream state, into
 the response ringd sends whole.
 
@@ -11,12 +12,15 @@ completions' for the same conversation (plain, with
 instructions, as input items, streamed); max_output_tokens cuts an answer to
 "incomplete"; function tools go the generic way (``render.py``) and their
 calls validate, streamed or not, and a call's output sent back gets an answer;
-text.format constrains the answer. Reasoning uses the tiny qwen3 trained to
+text.format constrains the answer; an image to this model, which has no vision
+tower, is an OpenAI 400. Reasoning uses the tiny qwen3 trained to
 think (``think_model``).
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 
 import jsonschema
@@ -25,12 +29,14 @@ import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
 from ringd.http.errors import ApiError
 from ringd.http.request import CallArguments, CallDone, CallOpened, Output, ToolCall, Usage, whole_call
 from ringd.http.responses_api import OutputItems, parse, response_object
+from ringd.ring.media import MAX_IMAGES
 
 MODEL_ID = "tiny-smollm2"
 FRANCE = "What is the capital of France?"
@@ -53,6 +59,19 @@ PERSON = {
 DESCRIBE = "Describe a French person as JSON with name, age and languages."
 PERSON_FORMAT = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
 EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
+
+
+def png_data_url() -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+PNG_URL = png_data_url()
+
+
+def image(url: str = PNG_URL) -> dict:
+    return {"type": "input_image", "image_url": url, "detail": "auto"}
 
 
 # --- bodies -> the internal request (no ring) --------------------------------------------
@@ -98,6 +117,28 @@ def test_input_items_become_the_templates_messages():
     assert not p.stream
 
 
+def test_input_images_are_the_requests_images_in_order_and_parts_of_their_messages():
+    r = parse(
+        {
+            "model": "m",
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "What differs?"}, image(), {"type": "input_text", "text": "and"}, image()]},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "The colour.", "annotations": []}]},
+                {"role": "user", "content": [image("data:image/webp;base64,bm90IGEgd2VicA==")]},  # the decoder's to refuse, not the parser's
+                {"role": "user", "content": [{"type": "input_text", "text": "Thanks"}]},
+            ],
+        }
+    ).request
+    assert [p.where for p in r.images] == ["input[0].content[1].image_url", "input[0].content[3].image_url", "input[2].content[0].image_url"]
+    assert [p.data[p.start :] for p in r.images[:2]] == [PNG_URL.partition(",")[2]] * 2
+    assert r.messages == [
+        {"role": "user", "content": [{"type": "text", "text": "What differs?"}, {"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]},
+        {"role": "assistant", "content": "The colour."},
+        {"role": "user", "content": [{"type": "image"}]},
+        {"role": "user", "content": "Thanks"},
+    ]
+
+
 def test_fields_map_onto_the_request_and_errors_use_responses_names():
     p = parse(
         {
@@ -138,7 +179,15 @@ def test_fields_map_onto_the_request_and_errors_use_responses_names():
         ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),
         ({"input": []}, "input", "input"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "send the item itself"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]", "text"),
+        ({"input": [{"role": "user", "content": [image("https://example.com/cat.png")]}]}, "input[0].content[0].image_url", "ringd does not fetch images from the web; send the image itself, as a data URL"),
+        ({"input": [{"role": "user", "content": [image("x")]}]}, "input[0].content[0].image_url", "takes a data URL"),
+        ({"input": [{"role": "user", "content": [image("data:image/png;base64,")]}]}, "input[0].content[0].image_url", "the image is empty"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]}, "input[0].content[0].file_id", "ringd keeps no files; send the image as a data URL"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].image_url", "image_url is required"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_data": "x"}]}]}, "input[0].content[0]", "'input_file'"),
+        ({"input": [{"role": "assistant", "content": [image()]}]}, "input[0].content[0]", "user messages only"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": [image()]}]}, "input[0].output[0]", "user messages only"),
+        ({"input": [{"role": "user", "content": [image()] * (MAX_IMAGES + 1)}]}, "input", f"{MAX_IMAGES + 1} images in one request; at most {MAX_IMAGES}"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments", "JSON object"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 100_000}]}, "input[0].arguments", "JSON object"),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type", "xml"),
@@ -392,6 +441,8 @@ def test_json_object_parses(tiny_smollm2_client):
         ({"max_output_tokens": 10**9}, "max_output_tokens", "context"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "pattern": "(unclosed"}}}}, "text.format", "text.format"),
         ({"tools": [WEATHER], "text": {"format": {"type": "json_object"}}}, "text.format", "text.format"),
+        # Taken by the parser; the model has no vision tower (serving.py).
+        ({"input": [{"role": "user", "content": [image()]}]}, "input[0].content[0].image_url", f"{MODEL_ID} does not take images: it has no vision tower"),
     ],
 )
 def test_bad_requests_are_openai_400s_naming_responses_fields(tiny_smollm2_client, extra, param, needle):
