@@ -130,9 +130,9 @@ def tiny_smollm2_ring(tiny_smollm2, ring_pool) -> Ring:
     return ring_pool(tiny_smollm2, 3, env=SHARED_RING_ENV, model_id="tiny-smollm2")
 
 
-# The families of models that see which the tests run through rings: Gemma 3 (mlx-lm's text path)
-# and Qwen2.5-VL (mlx-vlm's, its positions by time, row and column).
-VISION_FAMILIES = ["gemma3", "qwen2_5_vl"]
+# The families of models that see which the tests run through rings: Gemma 3 and Mistral Small 3.1
+# (mlx-lm's text path), Qwen2.5-VL (mlx-vlm's, its positions by time, row and column).
+VISION_FAMILIES = ["gemma3", "qwen2_5_vl", "mistral3"]
 
 
 @pytest.fixture(scope="module", params=VISION_FAMILIES)

@@ -3,18 +3,23 @@ in one process, plain and streamed, beside text-only requests in the same micro-
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
+import json
+import threading
+import time
+import urllib.request
 
 import pytest
 
-from devkit.pictures import data_url, gradient
+from devkit.pictures import bomb, data_url, gradient, png
 
 PROMPT = "Describe the image."
 TOKENS = 8
 
 
 # Where mlx-vlm's chat template puts an image: before the prompt's text (Qwen) or after it (Gemma).
-IMAGE_FIRST = {"gemma3": False, "qwen2_5_vl": True}
+IMAGE_FIRST = {"gemma3": False, "qwen2_5_vl": True, "mistral3": True}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +58,7 @@ def chat(client, image=None, stream=False, family: str = "gemma3") -> list[int]:
 
 def test_a_ring_that_sees_answers_as_mlx_vlm_plain_streamed_and_beside_text(vision_ring, reference):
     client, family = vision_ring.client(), vision_ring.family
-    pictures = [gradient(), gradient(turn=1), gradient(48, 80)]
+    pictures = [gradient(), gradient(turn=1), gradient(48, 80, turn=2)]  # the last not square: Qwen takes it as 3 x 2 tokens
     expected = [reference(p) for p in pictures]
     assert len({tuple(e) for e in expected}) == 3  # each picture its own answer: the test could fail
     assert same(chat(client, pictures[0], family=family), expected[0])
@@ -66,20 +71,53 @@ def test_a_ring_that_sees_answers_as_mlx_vlm_plain_streamed_and_beside_text(visi
         assert same(g, e), (g, e)
 
 
-def test_a_web_url_a_damaged_image_and_too_many_are_refused_saying_which_part(vision_ring):
+def test_bad_images_are_refused_saying_which_part_while_every_node_stays_healthy(vision_ring):
+    """A web URL, a decompression bomb, 50,000 x 50,000 pixels, a damaged file, a data URL of text,
+    100 images: each a 400 naming the part, with every node's /health polled throughout."""
     import openai
 
     client = vision_ring.client()
+    nodes = [n["http"] for n in json.load(urllib.request.urlopen(vision_ring.url + "/cluster/status", timeout=30))["nodes"]]
+    assert len(nodes) == 3
+    polls, failures, done = [], [], threading.Event()
 
-    def refusal(content) -> str:
+    def poll() -> None:
+        while not done.is_set():
+            for node in nodes:
+                started = time.monotonic()
+                try:
+                    with urllib.request.urlopen(f"http://{node}/health", timeout=30) as r:
+                        r.read()
+                    polls.append(time.monotonic() - started)
+                except Exception as e:  # every way a node can fail to answer counts
+                    failures.append(f"{node}: {e}")
+
+    def refusal(*parts) -> tuple[str, str]:
+        content = [{"type": "text", "text": PROMPT}, *({"type": "image_url", "image_url": {"url": url}} for url in parts)]
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="see", messages=[{"role": "user", "content": content}], max_tokens=2)
-        return e.value.body["message"]
+        return e.value.body["param"], e.value.body["message"]
 
-    url = {"type": "image_url", "image_url": {"url": "http://192.168.1.1/admin.png"}}
-    assert "ringd does not fetch images from the web" in refusal([url])
-    damaged = {"type": "image_url", "image_url": {"url": data_url(gradient())[:200]}}
-    assert refusal([{"type": "text", "text": "hi"}, damaged]).startswith("messages[0].content[1].image_url: ")
-    many = [{"type": "image_url", "image_url": {"url": data_url(gradient(8, 8))}}] * 17
-    assert "17 images in one request; at most 16" in refusal(many)
-    assert chat(client) == chat(client)  # the ring serves on
+    def url(raw: bytes, kind: str = "image/png") -> str:
+        return f"data:{kind};base64," + base64.b64encode(raw).decode()
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        whole = png(gradient())
+        cases = [
+            (("http://192.168.1.1/admin.png",), "messages[0].content[1].image_url", "ringd does not fetch images from the web"),
+            ((url(bomb(6000, 6000)),), "messages[0].content[1].image_url", "6000 x 6000 pixels; at most 34,000,000"),
+            ((url(whole), url(bomb(50_000, 50_000, whole=False))), "messages[0].content[2].image_url", "far over 34,000,000 pixels"),
+            ((url(whole[: len(whole) // 2]),), "messages[0].content[1].image_url", "damaged or cut short"),
+            ((url(b"hello", "text/plain"),), "messages[0].content[1].image_url", "a data URL of 'text/plain', not an image"),
+            ((url(whole),) * 100, "messages", "100 images in one request; at most 16"),
+        ]
+        for parts, param, said in cases:
+            got = refusal(*parts)
+            assert got[0] == param and said in got[1], got
+        assert same(chat(client, family=vision_ring.family), chat(client, family=vision_ring.family))  # the ring serves on
+    finally:
+        done.set()
+        poller.join(timeout=60)
+    assert not failures and len(polls) >= 3, (failures, len(polls))

@@ -207,7 +207,84 @@ def _qwen2_5_vl(out: Path, seed: int) -> None:
     _write_weights("qwen2_5_vl", config, out, seed, scale=3.0, tied=False)
 
 
-FAMILIES = {"gemma3": _gemma3, "qwen2_5_vl": _qwen2_5_vl}
+# Mistral Small 3.1's template without its default system prompt: one <s>, each user turn in
+# [INST] ... [/INST] with [IMG] where an image goes, each answer closed by </s>; no generation
+# prompt (the model answers right after [/INST]).
+_MISTRAL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{% set parts = [{'type': 'text', 'text': message['content']}] %}"
+    "{% else %}{% set parts = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'system' %}[SYSTEM_PROMPT]"
+    "{% elif message['role'] == 'user' %}[INST]{% endif %}"
+    "{% for c in parts %}"
+    "{% if c['type'] in ['image', 'image_url'] %}[IMG]"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}"
+    "{% if message['role'] == 'system' %}[/SYSTEM_PROMPT]"
+    "{% elif message['role'] == 'user' %}[/INST]"
+    "{% else %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def _mistral3(out: Path, seed: int) -> None:
+    """Mistral Small 3.1: a Pixtral tower on patches of 8 (images scaled to at most 32 pixels a
+    side, in steps of 16), its patches merged 2 x 2 and projected: a 32 x 32 picture is 4 [IMG]
+    in 2 rows ([IMG][IMG][IMG_BREAK][IMG][IMG][IMG_END]); a Mistral decoder of 4 layers, a
+    separate head (not tied, as the real one), RoPE theta 1e9 set in the config (mlx-vlm's
+    mistral3 text config has no default, mlx-lm's llama a different one). Projections scaled by 3:
+    unscaled, greedy answers fall into two tokens repeated."""
+    # The first 14 ids as in Mistral's tekken tokenizer: [IMG] is 10 there too.
+    leading = [
+        "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+        "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
+    ]  # fmt: skip
+    ids = _write_tokenizer(
+        out, leading, ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"], _MISTRAL_TEMPLATE,
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"},
+    )  # fmt: skip
+    vocab, hidden, image_size, patch, merge = len(ids) + 128, 64, 32, 8, 2
+    config = {
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "model_type": "mistral3",
+        "image_token_index": ids["[IMG]"],
+        "spatial_merge_size": merge,
+        "multimodal_projector_bias": False,
+        "projector_hidden_act": "gelu",
+        "vision_feature_layer": -1,
+        "vocab_size": vocab,
+        "eos_token_id": ids["</s>"],
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "mistral", "hidden_size": hidden, "num_hidden_layers": 4, "intermediate_size": 128,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-5,
+            "vocab_size": vocab, "max_position_embeddings": 4096, "rope_theta": 1000000000.0,
+            "sliding_window": None, "hidden_act": "silu", "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            "model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "head_dim": 16, "patch_size": patch, "image_size": image_size,
+            "num_channels": 3, "rope_theta": 10000.0, "hidden_act": "silu",
+        },
+    }  # fmt: skip
+    _json(out / "config.json", config)
+    _json(out / "preprocessor_config.json", {
+        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+        "size": {"longest_edge": image_size}, "patch_size": {"height": patch, "width": patch}, "resample": 3,
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    })  # fmt: skip
+    _json(out / "processor_config.json", {
+        "processor_class": "PixtralProcessor", "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
+        "image_end_token": "[IMG_END]", "patch_size": patch, "spatial_merge_size": merge,
+    })  # fmt: skip
+    _json(out / "chat_template.json", {"chat_template": _MISTRAL_TEMPLATE})
+    _json(out / "generation_config.json", {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"], "pad_token_id": ids["<pad>"]})
+    _write_weights("mistral3", config, out, seed, scale=3.0, tied=False)
+
+
+FAMILIES = {"gemma3": _gemma3, "qwen2_5_vl": _qwen2_5_vl, "mistral3": _mistral3}
 
 
 def _json(path: Path, obj: dict) -> None:

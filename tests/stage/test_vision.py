@@ -7,6 +7,7 @@ import mlx.core as mx
 import pytest
 
 from devkit.pictures import gradient, png
+from tests.conftest import VISION_FAMILIES
 from ringd.models.source import model_info
 from ringd.ring.media import Media
 from ringd.stage.shard import Shard
@@ -16,9 +17,10 @@ PROMPT = "Describe the image."
 TOKENS = 8
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=VISION_FAMILIES)
 def family(request, tiny_vision_model):
-    """A tiny checkpoint of each family: Gemma 3 (mlx-lm's text path), Qwen2.5-VL (mlx-vlm's, three-axis positions)."""
+    """A tiny checkpoint of each family: Gemma 3 and Mistral Small 3.1 (mlx-lm's text path), Qwen2.5-VL
+    (mlx-vlm's, three-axis positions)."""
     return tiny_vision_model(request.param)
 
 
