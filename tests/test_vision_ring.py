@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from devkit.pictures import bomb, data_url, gradient, png
+from devkit.pictures import base64_png, bomb, data_url, gradient, png
 
 PROMPT = "Describe the image."
 TOKENS = 8
@@ -69,6 +69,74 @@ def test_a_ring_that_sees_answers_as_mlx_vlm_plain_streamed_and_beside_text(visi
         got = list(pool.map(lambda a: chat(client, *a, family=family), asks))
     for g, e in zip(got, [expected[2], reference(), expected[0], reference()]):
         assert same(g, e), (g, e)
+
+
+@pytest.fixture(scope="module")
+def reference_text(vision_ring):
+    """mlx-vlm in one process, its greedy text for PROMPT with a picture, the picture before the
+    text (``first``) or after, in the chat template's prompt: each API places it its own way."""
+    from mlx_vlm import generate, load
+
+    model, processor = load(str(vision_ring.model))
+    tokenizer = processor.tokenizer
+
+    def text(image, first: bool) -> str:
+        parts = [{"type": "image"}, {"type": "text", "text": PROMPT}]
+        messages = [{"role": "user", "content": parts if first else parts[::-1]}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = generate(model, processor, prompt, image=[image], max_tokens=TOKENS, temperature=0.0).token_ids
+        return tokenizer.decode([t for t in ids if t not in tokenizer.all_special_ids])
+
+    return text
+
+
+def test_every_api_answers_with_images_as_mlx_vlm_plain_streamed_and_beside_text(vision_ring, reference_text):
+    """Anthropic's image blocks, Ollama's images (chat and generate), Responses' input_image: each
+    plain and streamed, all at once and beside text-only chats (their rows share micro-batches)."""
+    import anthropic
+    import ollama
+
+    picture, first = gradient(48, 80, turn=2), IMAGE_FIRST[vision_ring.family]
+    b64 = base64_png(picture)
+    claude = anthropic.Anthropic(base_url=vision_ring.url, api_key="not-needed", max_retries=0, timeout=120)
+    llama = ollama.Client(host=vision_ring.url, timeout=120)
+    openai_client = vision_ring.client()
+    options = {"temperature": 0, "num_predict": TOKENS}
+
+    def ordered(image: dict, text: dict, image_first: bool) -> list:
+        return [image, text] if image_first else [text, image]
+
+    def messages_api(stream: bool) -> str:
+        content = ordered({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}, {"type": "text", "text": PROMPT}, first)
+        kwargs = {"model": "see", "max_tokens": TOKENS, "extra_body": {"temperature": 0}, "messages": [{"role": "user", "content": content}]}  # the SDK sends sampling as extra fields
+        if not stream:
+            return "".join(b.text for b in claude.messages.create(**kwargs).content if b.type == "text")
+        with claude.messages.stream(**kwargs) as s:
+            return "".join(s.text_stream)
+
+    def responses_api(stream: bool) -> str:
+        content = ordered({"type": "input_image", "image_url": data_url(picture)}, {"type": "input_text", "text": PROMPT}, first)
+        kwargs = {"model": "see", "max_output_tokens": TOKENS, "temperature": 0, "input": [{"role": "user", "content": content}]}
+        if not stream:
+            return openai_client.responses.create(**kwargs).output_text
+        return "".join(e.delta for e in openai_client.responses.create(stream=True, **kwargs) if e.type == "response.output_text.delta")
+
+    def ollama_chat(stream: bool) -> str:
+        out = llama.chat(model="see", messages=[{"role": "user", "content": PROMPT, "images": [b64]}], options=options, stream=stream)
+        return "".join(c.message.content for c in out) if stream else out.message.content
+
+    def ollama_generate(stream: bool) -> str:
+        out = llama.generate(model="see", prompt=PROMPT, images=[b64], options=options, stream=stream)
+        return "".join(c.response for c in out) if stream else out.response
+
+    asks = [(f, s) for f in (messages_api, responses_api, ollama_chat, ollama_generate) for s in (False, True)]
+    asks += [(lambda s: chat(openai_client, stream=s, family=vision_ring.family), s) for s in (False, True)]
+    with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+        got = list(pool.map(lambda a: a[0](a[1]), asks))
+    # Ollama puts a message's images before its text, as its own templates do.
+    expected = [reference_text(picture, first)] * 4 + [reference_text(picture, True)] * 4
+    assert len(set(expected[0])) > 2 and expected[0] != reference_text(gradient(), first)
+    assert got[:8] == expected, list(zip(asks, got))
 
 
 def test_bad_images_are_refused_saying_which_part_while_every_node_stays_healthy(vision_ring):
