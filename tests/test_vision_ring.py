@@ -139,6 +139,31 @@ def test_every_api_answers_with_images_as_mlx_vlm_plain_streamed_and_beside_text
     assert got[:8] == expected, list(zip(asks, got))
 
 
+def test_an_image_counts_in_usage_and_a_prefix_is_reused_through_it_only_for_the_same_picture(vision_ring, reference):
+    client, family = vision_ring.client(), vision_ring.family
+
+    def ask(image) -> tuple[list[int], object]:
+        parts = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+        r = client.chat.completions.create(
+            model="see", messages=[{"role": "user", "content": parts[::-1] if IMAGE_FIRST[family] else parts}], max_tokens=TOKENS,
+            temperature=0, logprobs=True, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+        )  # fmt: skip
+        return [int(t.token.removeprefix("token_id:")) for t in r.choices[0].logprobs.content], r.usage
+
+    first, usage = ask(gradient())
+    assert usage.prompt_tokens_details.image_tokens == {"gemma3": 4, "qwen2_5_vl": 4, "mistral3": 4}[family]
+    again, reused = ask(gradient())
+    other, fresh = ask(gradient(turn=1))
+    assert again == first and other != first
+    if family == "gemma3":  # its sliding window cannot be cut back to a prefix once it has wrapped: nothing is reused
+        assert reused.prompt_tokens_details.cached_tokens == 0
+        return
+    # The same picture: the whole prompt but its last token comes from the cache; another picture:
+    # at most the text before it (nothing, where the image comes first).
+    assert reused.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    assert fresh.prompt_tokens_details.cached_tokens < 10
+
+
 def test_bad_images_are_refused_saying_which_part_while_every_node_stays_healthy(vision_ring):
     """A web URL, a decompression bomb, 50,000 x 50,000 pixels, a damaged file, a data URL of text,
     100 images: each a 400 naming the part, with every node's /health polled throughout."""

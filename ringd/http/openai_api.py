@@ -31,7 +31,7 @@ def usage(u: Usage) -> dict:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens, **({"image_tokens": u.image_tokens} if u.image_tokens else {})},
     }
     if u.reasoning_tokens:
         out["completion_tokens_details"] = {"reasoning_tokens": u.reasoning_tokens}

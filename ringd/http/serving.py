@@ -162,7 +162,11 @@ class Serving:
         params = req.params if rendered.grammar is None else dataclasses.replace(req.params, grammar=rendered.grammar)
         self.d.metrics.prompt_tokens.inc(len(prompt))
         events = self._generate(served, engine, prompt, params, max_tokens, req.stop, list(resumed), request_id, req.ignore_eos, images)
-        return Generation(req, rendered, events, served.tokenizer, len(resumed), received_ns)
+        gen = Generation(req, rendered, events, served.tokenizer, len(resumed), received_ns)
+        if images is not None:
+            token = image_token_id(served.info.config)
+            gen.usage.image_tokens = sum(1 for t in prompt if t == token)
+        return gen
 
     def _generate(self, served: "Served", engine: "Engine", prompt, params, max_tokens, stop, resumed, request_id, ignore_eos, images) -> AsyncIterator:
         """``engine``'s events for the request (asked for now); should its replica's ring be lost for
