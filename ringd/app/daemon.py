@@ -164,6 +164,7 @@ class Node:
         self.model_id = cfg.model_id or r.model.info.name
         self.secret, self.api_keys, self.client_ssl, self.files = r.secret, r.api_keys, r.client_ssl, r.files
         self.chat_template_kwargs = cfg.chat_template_kwargs
+        self.fetch_image_urls = cfg.fetch_image_urls
         self.failover_wait_s = cfg.failover_wait_s
         self.budget = r.budget
         # The models on this machine that the model list shows (scanned at start, then as asked).

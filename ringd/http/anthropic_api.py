@@ -67,7 +67,7 @@ from ringd.http.fields import (
     tool_list, valid_text,
 )
 from ringd.http.framing import NamedEvents
-from ringd.http.images import ImageError, ImagePart, from_base64
+from ringd.http.images import ImageError, ImagePart, from_base64, from_web, is_web_url
 from ringd.http.segments import Segments
 from ringd.http.request import CallOpened, CallPiece, Output, Request, ResponseFormat, Tool, Usage, given_fields
 from ringd.ring.media import MAX_IMAGES
@@ -293,12 +293,14 @@ def _image(b: dict, at: str) -> ImagePart:
     """An image block's picture: its source's base64, not decoded yet (``images.py``)."""
     source = b.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
-    if kind == "url":
-        raise bad(
-            f"{at}.source is a URL: ringd does not fetch images from the web; send the image itself, as base64 "
-            "(source: {'type': 'base64', 'media_type': 'image/png', 'data': ...})",
-            f"{at}.source",
-        )  # fmt: skip
+    if kind == "url":  # fetched only where the leader's config allows it (images.decode_all)
+        url = source.get("url")
+        if not isinstance(url, str) or not is_web_url(url):
+            raise bad(f"{at}.source.url must be an http(s) URL; got {brief_repr(url)}", f"{at}.source.url")
+        try:
+            return from_web(url, f"{at}.source.url")
+        except ImageError as e:
+            raise bad(str(e), f"{at}.source.url") from None
     if kind == "file":
         raise bad(f"{at}.source names a file: ringd keeps no files; send the image itself, as base64", f"{at}.source")
     if not isinstance(source, dict):

@@ -29,6 +29,20 @@ from typing import Sequence
 
 from ringd.ring.media import MAX_IMAGE_BYTES, MAX_IMAGES, ImageError, Picture, picture
 
+# An image's web URL, at most: what browsers take; the body's own bound is far above it.
+MAX_URL_CHARS = 8192
+# Fetching one image from the web (where fetch_image_urls allows it), connecting and reading it all.
+FETCH_TIMEOUT_S = 20.0
+# Redirects a fetch follows: a CDN's one or two.
+MAX_REDIRECTS = 3
+# Bytes read at a time from a fetched image's body, each checked against MAX_IMAGE_BYTES.
+FETCH_CHUNK_BYTES = 64 * 1024
+# How to turn fetching on, in the refusal of a request that names a web URL.
+FETCH_HINT = (
+    "set fetch_image_urls: true in the leader's config to have ringd fetch it (a server that fetches what a client "
+    "names is a door into the network it sits in: only where every client is trusted), or send the image itself "
+    "as a data URL (data:image/png;base64,...)"
+)
 # A data URL's header ("data:image/png;base64,") is read up to this many characters.
 MAX_DATA_URL_HEADER_CHARS = 100
 # Threads decoding images at once: decoding is CPU work beside the stages' compute; more
@@ -45,8 +59,13 @@ class ImagePart:
     where: str  # e.g. "messages[0].content[1].image_url"
     data: str  # base64 from ``start`` on (a data URL's header before it), as the body carried it
     start: int = 0
+    url: str | None = None  # an image named by its http(s) URL instead (``data`` empty): fetched where allowed
 
     def __post_init__(self):
+        if self.url is not None:
+            if len(self.url) > MAX_URL_CHARS:
+                raise ImageError(f"{self.where}: an image's URL of over {MAX_URL_CHARS} characters")
+            return
         # Checked on the loop, where it costs the same whatever the size (the base64 is not even
         # cut out of a data URL here: that is a copy of what the client sent).
         size = len(self.data) - self.start
@@ -70,6 +89,15 @@ def from_data_url(url: str, where: str) -> ImagePart:
     if "base64" not in (p.lower() for p in params):
         raise ImageError(f"{where}: an image's data URL must be base64 (data:{kind};base64,...)")
     return ImagePart(where, url, len(head) + 1)
+
+
+def from_web(url: str, where: str) -> ImagePart:
+    """An image named by its http(s) URL: fetched only where ``fetch_image_urls`` allows (``fetch``)."""
+    return ImagePart(where, "", url=url)
+
+
+def is_web_url(url: str) -> bool:
+    return url[:8].lower().startswith(("http://", "https://"))
 
 
 def from_base64(data: object, where: str) -> ImagePart:
@@ -104,9 +132,46 @@ def _executor() -> ThreadPoolExecutor:
     return _pool
 
 
-async def decode_all(parts: Sequence[ImagePart]) -> list:
+async def decode_all(parts: Sequence[ImagePart], fetch_urls: bool = False) -> list[Picture]:
     """Every image of a request, decoded off the event loop, in order; the first ImageError (of the
-    first bad part) if any is bad. Refused before any work past MAX_IMAGES."""
+    first bad part) if any is bad. Refused before any work past MAX_IMAGES, or where a part names
+    a web URL and ``fetch_urls`` is off; with it on, such a part is fetched first (``fetch``)."""
     check_count(parts)
+    for part in parts:
+        if part.url is not None and not fetch_urls:
+            raise ImageError(f"{part.where}: ringd does not fetch images from the web unless told to: {FETCH_HINT}")
     loop = asyncio.get_running_loop()
-    return list(await asyncio.gather(*(loop.run_in_executor(_executor(), decode, part) for part in parts)))
+
+    async def one(part: ImagePart) -> Picture:
+        if part.url is None:
+            return await loop.run_in_executor(_executor(), decode, part)
+        raw = await fetch(part)
+        return await loop.run_in_executor(_executor(), picture, raw, part.where)
+
+    return list(await asyncio.gather(*(one(part) for part in parts)))
+
+
+async def fetch(part: ImagePart) -> bytes:
+    """The file at a part's web URL: within FETCH_TIMEOUT_S, MAX_REDIRECTS and MAX_IMAGE_BYTES (read
+    a chunk at a time, so a server that sends more is cut off, not held). An ImageError naming the
+    part and the URL for anything else."""
+    import aiohttp
+
+    url = part.url
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)) as session:
+            async with session.get(url, max_redirects=MAX_REDIRECTS, headers={"Accept": "image/*"}) as r:
+                if r.status != 200:
+                    raise ImageError(f"{part.where}: fetching {url[:200]} answered HTTP {r.status}")
+                if (r.content_length or 0) > MAX_IMAGE_BYTES:
+                    raise ImageError(f"{part.where}: {url[:200]} is over {MAX_IMAGE_BYTES // (1024 * 1024)} MiB")
+                out = bytearray()
+                async for chunk in r.content.iter_chunked(FETCH_CHUNK_BYTES):
+                    out += chunk
+                    if len(out) > MAX_IMAGE_BYTES:
+                        raise ImageError(f"{part.where}: {url[:200]} is over {MAX_IMAGE_BYTES // (1024 * 1024)} MiB")
+                return bytes(out)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        if isinstance(e, ImageError):
+            raise
+        raise ImageError(f"{part.where}: could not fetch {url[:200]}: {type(e).__name__}: {e}") from None

@@ -47,6 +47,7 @@ class ApiNode(Protocol):
     api_keys: frozenset[str]
     metrics: "Metrics"
     chat_template_kwargs: dict  # what every chat template gets unless a request sets it
+    fetch_image_urls: bool  # images named by an http(s) URL are fetched (else a 400)
     failover_wait_s: float  # how long a request waits for the next ring when the last was lost
     files: "Holding | None"  # the model this node serves to peers fetching theirs (http/files.py)
     client_ssl: ssl.SSLContext | None  # whom this node trusts when it calls a peer's https API (tls.client_context)

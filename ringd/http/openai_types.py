@@ -26,7 +26,7 @@ from ringd.http.fields import (
     is_bool, is_int, is_object, listed, model_name, optional, sampling_fields, sampling_params, template_kwargs,
     valid_text,
 )
-from ringd.http.images import ImageError, ImagePart, from_data_url
+from ringd.http.images import ImageError, ImagePart, from_data_url, from_web, is_web_url
 from ringd.http.request import Request, ResponseFormat, Tool, given_fields
 from ringd.ring.media import MAX_IMAGES
 from ringd.ring.sampling import MAX_TOP_LOGPROBS, SamplingParams, brief_repr
@@ -113,16 +113,13 @@ def _content(content: Any, where: str, images: list[ImagePart]) -> str | list[di
 
 
 def image_url(v: Any, where: str) -> ImagePart:
-    """An ``image_url`` (``{"url": ...}``, or the URL itself as some clients send it): a data URL.
-    A URL of the web is refused: a server that fetches what a client names is a door into the
-    network it sits in."""
+    """An ``image_url`` (``{"url": ...}``, or the URL itself as some clients send it): a data URL, or
+    a web URL, which is fetched only where the leader's config allows it (``images.decode_all``)."""
     url = v.get("url") if isinstance(v, dict) else v
     if not isinstance(url, str):
         raise bad(f"{where} must be {{'url': 'data:image/png;base64,...'}}", where)
-    if url[:8].lower().startswith(("http://", "https://")):
-        raise bad(f"{where}: ringd does not fetch images from the web; send the image itself, as a data URL (data:image/png;base64,...)", where)
     try:
-        return from_data_url(url, where)
+        return from_web(url, where) if is_web_url(url) else from_data_url(url, where)
     except ImageError as e:
         raise bad(str(e), where) from None
 

@@ -240,5 +240,5 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
-    image_tokens: int = 0  # of the prompt's: the positions its images' features take
     reasoning_tokens: int = 0
+    image_tokens: int = 0  # of the prompt's: the positions its images' features take

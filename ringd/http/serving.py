@@ -233,7 +233,7 @@ class Serving:
         if not sees(served.info.config):
             raise ApiError(400, f"{served.model_id} does not take images: it has no vision tower", req.images[0].where)
         try:
-            pictures = await decode_all(req.images)
+            pictures = await decode_all(req.images, getattr(self.d, "fetch_image_urls", False))
         except ImageError as e:
             raise ApiError(400, str(e), str(e).partition(":")[0]) from None
         processor = self._processors.get(served.model_id)

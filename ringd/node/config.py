@@ -327,6 +327,7 @@ KEYS: list[Key] = [
     Key("kv_group_size", _int_in(*KV_GROUP_SIZES), DEFAULT_KV_GROUP_SIZE, "mlx-lm kv_group_size for a quantized KV cache", int),
     Key("quantized_kv_start", _non_negative_int, 5000, "mlx-lm quantized_kv_start: positions kept unquantized", int),
     Key("chat_template_kwargs", _template_kwargs, {}, 'variables every chat template gets unless a request sets them (chat_template_kwargs), e.g. {"enable_thinking": false}'),
+    Key("fetch_image_urls", _bool, False, "fetch images a request names by an http(s) URL (off: such a request is a 400; a server that fetches what a client names is a door into the network it sits in: turn on only where every client is trusted)"),
     Key("replicas", _int_between(1, MAX_REPLICAS), 1, f"instances of the configured model (1 to {MAX_REPLICAS}), each a ring over its share of the nodes: a token of a short ring crosses fewer hops, which pays with few streams (with many, one long ring batches as wide; docs/benchmarks.md)", int),
     Key("keep_alive", _keep_alive, DEFAULT_KEEP_ALIVE_S, "how long a model loaded on demand stays loaded once idle, as Ollama's keep_alive: 5m, 1h, 0 (unload at once), -1 (forever); a request's keep_alive sets its model's (the configured model always stays)"),
     Key("prefix_cache_entries", _non_negative_int, DEFAULT_PREFIX_CACHE_ENTRIES, "finished requests whose KV caches stay for prefix reuse (0: off)", int),
@@ -392,6 +393,7 @@ class Config:
     kv_group_size: int
     quantized_kv_start: int
     chat_template_kwargs: dict
+    fetch_image_urls: bool
     replicas: int
     keep_alive: float | None
     prefix_cache_entries: int

@@ -240,11 +240,7 @@ def test_a_final_assistant_message_is_a_prefill_and_settings_map():
         ({"temperature": 3}, "temperature", "temperature"),
         ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format", "json_schema"),
         ({"mcp_servers": [{"url": "x"}]}, "mcp_servers", "MCP"),
-        (
-            {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}]},
-            "messages[0].content[0].source",
-            "ringd does not fetch images from the web; send the image itself, as base64",
-        ),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "file:///etc/passwd"}}]}]}, "messages[0].content[0].source.url", "an http(s) URL"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]}, "messages[0].content[0].source", "keeps no files"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "text", "data": "x"}}]}]}, "messages[0].content[0].source.type", "'text'"),
         ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages[0].content[0].source", "'base64'"),

@@ -158,3 +158,57 @@ def test_any_damage_to_a_real_png_is_a_picture_or_an_image_error(noise, at):
         assert str(e).startswith("images[0]: ")
     else:
         assert picture.mode == "RGB"
+
+
+def test_a_web_url_is_refused_unless_fetching_is_on_then_fetched_within_its_bounds():
+    """Off (the default), a part naming a web URL is refused saying how to turn fetching on; on, the
+    file is fetched (redirects followed), and a 404, a file past MAX_IMAGE_BYTES, a server that
+    does not answer, a page that is no image each an ImageError naming the part."""
+    from aiohttp import web
+
+    from devkit.pictures import png
+
+    picture = png(gradient(20, 10))
+
+    async def main():
+        async def cat(request):
+            return web.Response(body=picture, content_type="image/png")
+
+        async def moved(request):
+            raise web.HTTPFound("/cat.png")
+
+        async def page(request):
+            return web.Response(text="<html>no picture</html>", content_type="text/html")
+
+        app = web.Application()
+        for path, handler in (("/cat.png", cat), ("/moved", moved), ("/page", page)):
+            app.router.add_get(path, handler)
+
+        async def huge(request):
+            r = web.StreamResponse()
+            await r.prepare(request)
+            for _ in range(14):  # no length declared: cut off as it comes
+                await r.write(b"\0" * 2**20)
+            return r
+
+        app.router.add_get("/huge", huge)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            part = images.from_web(base + "/cat.png", "messages[0].content[1].image_url")
+            with pytest.raises(ImageError, match=r"^messages\[0\].content\[1\].image_url: ringd does not fetch images from the web unless told to: set fetch_image_urls: true"):
+                await decode_all([part])
+            (got,) = await decode_all([images.from_web(base + "/moved", "x")], fetch_urls=True)
+            assert got.raw == picture and got.image.size == (20, 10)
+            for path, said in (("/nothing", "answered HTTP 404"), ("/huge", "is over 12 MiB"), ("/page", "not an image in a format")):
+                with pytest.raises(ImageError, match=f"^images\\[1\\]: .*{said}"):
+                    await decode_all([images.from_web(base + path, "images[1]")], fetch_urls=True)
+            with pytest.raises(ImageError, match=r"^images\[0\]: could not fetch http://127.0.0.1:9/"):
+                await decode_all([images.from_web("http://127.0.0.1:9/x.png", "images[0]")], fetch_urls=True)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())

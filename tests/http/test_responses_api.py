@@ -179,7 +179,6 @@ def test_fields_map_onto_the_request_and_errors_use_responses_names():
         ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),
         ({"input": []}, "input", "input"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "send the item itself"),
-        ({"input": [{"role": "user", "content": [image("https://example.com/cat.png")]}]}, "input[0].content[0].image_url", "ringd does not fetch images from the web; send the image itself, as a data URL"),
         ({"input": [{"role": "user", "content": [image("x")]}]}, "input[0].content[0].image_url", "takes a data URL"),
         ({"input": [{"role": "user", "content": [image("data:image/png;base64,")]}]}, "input[0].content[0].image_url", "the image is empty"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]}, "input[0].content[0].file_id", "ringd keeps no files; send the image as a data URL"),
