@@ -14,6 +14,7 @@ from devkit.bench.concurrency import concurrency
 from devkit.bench.decode import decode, report
 from devkit.bench.draft import early_exit_pair
 from devkit.bench.embeddings import embeddings
+from devkit.bench.images import image_ttft
 from devkit.bench.links import link_arguments, links
 from devkit.bench.prefill import prefill_pause, short_behind
 from devkit.bench.reference import converted, single_process
@@ -49,6 +50,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (a fixed seed) instead of greedy decoding")
     parser.add_argument("--embeddings", type=int, metavar="TOKENS", help="measure inputs embedded per second (/v1/embeddings, inputs of this many tokens) instead, against mlx-lm in one process")
     parser.add_argument("--embed-batch", type=int, default=16, help="inputs per request with --embeddings")
+    parser.add_argument("--image-ttft", action="store_true", help="measure an image prompt's time to first token instead, against mlx-vlm in one process (--model: a vision-language checkpoint; default: a generated Gemma 3)")
     parser.add_argument("--tls", action="store_true", help="measure the cost of TLS per streamed token instead: each ring beside one with --tls auto, through a follower")
     parser.add_argument("--replicas", type=int, default=1, help="with --concurrency: each ring of N also as N/R-node replicas (ringd local --replicas R), against the one ring of N")
     parser.add_argument("--pin-cores", type=int, metavar="K", help="each process of a ring on its own K cores, and this one (mlx-lm, the client) on the first K: a machine with room measured as separate Macs (Linux)")
@@ -162,6 +164,9 @@ def measured_instead(args, model, tok, started: Started, sizes: list[int], model
 
 def main() -> int:
     args = checked_arguments(parser())
+    if args.image_ttft:
+        image_ttft(args)
+        return 0
     from mlx_lm import load
     from mlx_lm.utils import load_tokenizer
 

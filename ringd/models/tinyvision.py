@@ -99,9 +99,20 @@ def _write_weights(model_type: str, config: dict, out: Path, seed: int, scale: f
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
 
-def _gemma3(out: Path, seed: int) -> None:
+# Gemma 3's sizes: "tiny" for the tests; "bench" for tools/bench --image-ttft, large enough that the
+# tower and the layers cost what the ring and its messages do (a 224-pixel image in patches of 14,
+# pooled to 64 tokens, as the real one's 896 pixels are to 256).
+_GEMMA_SIZES = {
+    "tiny": {"hidden": 64, "layers": 4, "heads": 2, "kv_heads": 1, "head_dim": 32, "window": 16, "vision": 32, "vision_layers": 2, "vision_heads": 2, "image": 32, "patch": 8, "tokens": 4},
+    "bench": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 2, "head_dim": 64, "window": 512, "vision": 256, "vision_layers": 6, "vision_heads": 4, "image": 224, "patch": 14, "tokens": 64},
+}
+
+
+def _gemma3(out: Path, seed: int, size: str = "tiny") -> None:
     """Gemma 3: a SigLIP tower, 32 x 32 pixels in patches of 8, pooled to 4 tokens an image; a
-    decoder of 4 layers alternating sliding (window 16) and global attention."""
+    decoder of 4 layers alternating sliding (window 16) and global attention (``size`` "tiny";
+    "bench": _GEMMA_SIZES')."""
+    s = _GEMMA_SIZES[size]
     ids = _write_tokenizer(
         out, ["<pad>", "<eos>", "<bos>", "<unk>"],
         ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"],
@@ -112,7 +123,7 @@ def _gemma3(out: Path, seed: int) -> None:
             "extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"},
         },
     )  # fmt: skip
-    vocab, hidden, image_size, tokens = len(ids) + 128, 64, 32, 4
+    vocab, hidden, image_size, tokens = len(ids) + 128, s["hidden"], s["image"], s["tokens"]
     eos = [ids["<eos>"], ids["<end_of_turn>"]]
     config = {
         "architectures": ["Gemma3ForConditionalGeneration"],
@@ -126,15 +137,15 @@ def _gemma3(out: Path, seed: int) -> None:
         "pad_token_id": ids["<pad>"],
         "eos_token_id": eos,
         "text_config": {
-            "model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": 4, "intermediate_size": 128,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 32,
-            "rms_norm_eps": 1e-6, "vocab_size": vocab, "sliding_window": 16, "sliding_window_pattern": 2,
+            "model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": s["layers"], "intermediate_size": 2 * hidden,
+            "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"], "query_pre_attn_scalar": s["head_dim"],
+            "rms_norm_eps": 1e-6, "vocab_size": vocab, "sliding_window": s["window"], "sliding_window_pattern": 2,
             "rope_global_base_freq": 1000000.0, "rope_local_base_freq": 10000.0, "mm_tokens_per_image": tokens,
             "max_position_embeddings": 4096,
         },
         "vision_config": {
-            "model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "patch_size": 8, "image_size": image_size, "num_channels": 3, "layer_norm_eps": 1e-6,
+            "model_type": "siglip_vision_model", "hidden_size": s["vision"], "intermediate_size": 2 * s["vision"], "num_hidden_layers": s["vision_layers"],
+            "num_attention_heads": s["vision_heads"], "patch_size": s["patch"], "image_size": image_size, "num_channels": 3, "layer_norm_eps": 1e-6,
         },
     }  # fmt: skip
     _json(out / "config.json", config)
@@ -291,12 +302,18 @@ def _json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2))
 
 
-def write_tiny_vision_model(out_dir: str | os.PathLike, family: str, seed: int = 0) -> Path:
-    """A tiny checkpoint of ``family`` (one of FAMILIES) in ``out_dir``, which mlx-vlm loads."""
+def write_tiny_vision_model(out_dir: str | os.PathLike, family: str, seed: int = 0, size: str = "tiny") -> Path:
+    """A tiny checkpoint of ``family`` (one of FAMILIES) in ``out_dir``, which mlx-vlm loads; ``size``
+    "bench" (Gemma 3 only): one a benchmark measures (_GEMMA_SIZES)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    if size != "tiny" and family != "gemma3":
+        raise ValueError(f"size {size!r} is Gemma 3's only; {family} comes tiny")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    FAMILIES[family](out, seed)
+    if size == "tiny":
+        FAMILIES[family](out, seed)
+    else:
+        _gemma3(out, seed, size)
     return out
