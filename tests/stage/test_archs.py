@@ -11,8 +11,10 @@ reference must wander (at least MIN_DISTINCT_TOKENS distinct of 40), or equality
 would prove little. Quantized checkpoints (mlx-lm's 4- and 8-bit) of a dense and
 a MoE model too.
 
-``checkpoint.SUPPORTED_ARCHITECTURES`` must be exactly the mlx-lm modules tested here:
-the list in the code is this test's result, not a reading of source.
+``checkpoint.SUPPORTED_ARCHITECTURES`` must be exactly the mlx-lm modules tested here and the
+families that see tested in ``test_vision.py`` (``tinyvision.FAMILIES``: split anywhere, with an
+image, each computes what mlx-vlm computes): the list in the code is these tests' result, not a
+reading of source.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ringd.models.errors import ModelError
 from ringd.stage.shard import Shard
 from devkit.stagering import greedy, reference, ring
 from ringd.models.tinyarchs import ARCHS
+from ringd.models.tinyvision import FAMILIES
 
 LAYERS = 6
 TOKENS = 40
@@ -69,7 +72,8 @@ def test_quantized_checkpoints_too(tiny_model, arch, bits):
 
 
 def test_the_supported_list_is_what_passed_here():
-    assert SUPPORTED_ARCHITECTURES == {_model_module({"model_type": arch}) for arch in ARCHS}
+    tested = {_model_module({"model_type": arch}) for arch in ARCHS} | {_model_module({"model_type": f}) for f in FAMILIES}
+    assert SUPPORTED_ARCHITECTURES == tested
 
 
 def test_model_types_mlx_lm_maps_onto_a_tested_module_are_supported():
