@@ -30,7 +30,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Tests that talk to one shared ring run in one pytest-xdist worker (``--dist loadgroup``), so
 # it starts once: the first of these fixtures a test uses (directly or through others) names
 # its group. Tests with rings of their own go wherever a worker is free.
-RING_GROUPS = [("think_model", "think"), ("tiny_smollm2", "tiny-smollm2"), ("observed_ring", "observed"), ("tls_ring", "tls"), ("vision_ring", "vision")]
+RING_GROUPS = [("think_model", "think"), ("tiny_smollm2", "tiny-smollm2"), ("observed_ring", "observed"), ("tls_ring", "tls"), ("vision_ring", "vision"), ("vision_gguf_ring", "vision")]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the marks into the test ids
@@ -100,6 +100,23 @@ def tiny_vision_model():
 
 
 @pytest.fixture(scope="session")
+def tiny_vision_gguf(tiny_vision_model) -> Path:
+    """The tiny Gemma 3 as llama.cpp keeps a model that sees: its text decoder's GGUF (F32) and,
+    beside it, its projector file (``mmproj-*.gguf``), both written as llama.cpp's converter writes
+    them (devkit/ggufmake.py), once. Returns the text GGUF's path."""
+    from devkit.buildcache import built, sources
+    from devkit.ggufmake import write_gguf, write_mmproj
+
+    checkpoint = tiny_vision_model("gemma3")
+
+    def build(out: Path) -> None:
+        write_gguf(checkpoint, out / "tiny-gemma3-F32.gguf", qtype="f32")
+        write_mmproj(checkpoint, out / "mmproj-tiny-gemma3-F32.gguf", qtype="f32")
+
+    return built("tiny-vlm-gemma3-gguf", sources("ringd/models/tinyvision.py", "devkit/ggufmake.py"), build) / "tiny-gemma3-F32.gguf"
+
+
+@pytest.fixture(scope="session")
 def ring_pool():
     """ring_pool(model, nodes, split=None) -> a running Ring, shared by shape."""
     rings: dict = {}
@@ -137,11 +154,17 @@ VISION_FAMILIES = ["gemma3", "qwen2_5_vl", "mistral3"]
 
 @pytest.fixture(scope="module", params=VISION_FAMILIES)
 def vision_ring(request, tiny_vision_model, ring_pool) -> Ring:
-    """Three nodes of a tiny model of each family that sees (model id ``see``): layers 0 | 1-2 | 3.
-    ``ring.family`` names it, ``ring.model`` is its folder."""
-    ring = ring_pool(tiny_vision_model(request.param), 3, [1, 2, 1], env=SHARED_RING_ENV, model_id="see")
+    """Three nodes of a tiny model of each family that sees (model id ``see``), its layers split
+    evenly. ``ring.family`` names it, ``ring.model`` is its folder."""
+    ring = ring_pool(tiny_vision_model(request.param), 3, env=SHARED_RING_ENV, model_id="see")
     ring.family = request.param
     return ring
+
+
+@pytest.fixture(scope="module")
+def vision_gguf_ring(tiny_vision_gguf, ring_pool) -> Ring:
+    """Three nodes of the tiny Gemma 3 from its GGUF and projector files (model id ``see-gguf``)."""
+    return ring_pool(tiny_vision_gguf, 3, env=SHARED_RING_ENV, model_id="see-gguf")
 
 
 @pytest.fixture(scope="module")

@@ -214,3 +214,24 @@ def test_bad_images_are_refused_saying_which_part_while_every_node_stays_healthy
         done.set()
         poller.join(timeout=60)
     assert not failures and len(polls) >= 3, (failures, len(polls))
+
+
+def test_a_gguf_and_its_projector_file_answer_through_a_ring_as_mlx_vlm_on_the_checkpoint(vision_gguf_ring, tiny_vision_model):
+    """llama.cpp's layout (a text GGUF, an mmproj file beside it): the leader's processor and the first
+    stage's vision tower come from the projector file, and the answers are mlx-vlm's on the checkpoint
+    the two files were converted from."""
+    from mlx_vlm import apply_chat_template, generate, load
+
+    model, processor = load(str(tiny_vision_model("gemma3")))
+    prompt = apply_chat_template(processor, model.config, PROMPT, num_images=1)
+    client = vision_gguf_ring.client()
+    for picture, stream in ((gradient(), False), (gradient(48, 80, turn=2), True)):
+        expected = list(generate(model, processor, prompt, image=[picture], max_tokens=TOKENS, temperature=0.0).token_ids)
+        content = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": data_url(picture)}}]
+        answer = client.chat.completions.create(
+            model="see-gguf", messages=[{"role": "user", "content": content}], max_tokens=TOKENS, temperature=0, logprobs=True,
+            stream=stream, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+        )  # fmt: skip
+        chunks = list(answer) if stream else [answer]
+        got = [int(t.token.removeprefix("token_id:")) for c in chunks for choice in c.choices if choice.logprobs for t in choice.logprobs.content]
+        assert same(got, expected), (got, expected)

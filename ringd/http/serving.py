@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from ringd.http.errors import ApiError
 from ringd.http.images import ImageError, decode_all
 from ringd.models.errors import ModelError
+from ringd.models import vision
 from ringd.models.vision import Processor, image_token_id, sees
 from ringd.ring.media import Picture, PromptImages, prefix_key
 from ringd.http.reader import Reader
@@ -147,7 +148,7 @@ class Serving:
         images = None
         if seen is not None:
             files = tuple(p.raw for p in seen[1])
-            images = PromptImages(rendered.text, files, prefix_key(prompt, image_token_id(served.info.config), files))
+            images = PromptImages(rendered.text, files, prefix_key(prompt, image_token_id(seen[0].config), files))
         context = self._context(req, served)
         max_tokens = req.max_tokens if req.max_tokens is not None else context - len(prompt)
         if len(prompt) + max_tokens > context:
@@ -164,7 +165,7 @@ class Serving:
         events = self._generate(served, engine, prompt, params, max_tokens, req.stop, list(resumed), request_id, req.ignore_eos, images)
         gen = Generation(req, rendered, events, served.tokenizer, len(resumed), received_ns)
         if images is not None:
-            token = image_token_id(served.info.config)
+            token = image_token_id(seen[0].config)
             gen.usage.image_tokens = sum(1 for t in prompt if t == token)
         return gen
 
@@ -230,7 +231,7 @@ class Serving:
         that does not see, or an image that cannot be used, naming the part."""
         if not req.images:
             return None
-        if not sees(served.info.config):
+        if not sees(served.info):
             raise ApiError(400, f"{served.model_id} does not take images: it has no vision tower", req.images[0].where)
         try:
             pictures = await decode_all(req.images, getattr(self.d, "fetch_image_urls", False))
@@ -242,7 +243,7 @@ class Serving:
                 processor = self._processors.get(served.model_id)
                 if processor is None:
                     try:
-                        processor = await asyncio.get_running_loop().run_in_executor(None, Processor.load, served.info.path, served.info.config)
+                        processor = await asyncio.get_running_loop().run_in_executor(None, _processor_of, served.info)
                     except ModelError as e:
                         raise ApiError(503, f"{served.model_id}: images cannot be read here: {e}") from None
                     self._processors[served.model_id] = processor
@@ -319,6 +320,11 @@ class Serving:
         self._checked.move_to_end(grammar)
         while len(self._checked) > CHECKED_GRAMMARS:
             self._checked.popitem(last=False)
+
+
+def _processor_of(info) -> Processor:
+    """The processor of a model that sees (its files where ``vision.source`` finds them). Reads files: off the loop."""
+    return Processor.load(*vision.source(info))
 
 
 def _ids_with(processor: Processor, images: list, text: str) -> list[int]:

@@ -111,6 +111,8 @@ class ModelInfo:
     defaults: ModelDefaults = field(default_factory=ModelDefaults)
     # A Jinja chat template for a GGUF without one (an Ollama model's Go template, translated).
     chat_template: str | None = None
+    # A GGUF model's projector file (llama.cpp's mmproj, beside it): its vision tower (gguf/mmproj.py).
+    mmproj: Path | None = None
 
     @property
     def name(self) -> str:

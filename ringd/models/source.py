@@ -30,6 +30,7 @@ from ringd.models.ollama import store
 from ringd.models.checkpoint import NON_WEIGHT_PATTERNS, ModelInfo, WeightBytes, check_supported, read_config, weight_bytes
 from ringd.models.errors import ModelError
 from ringd.models.fingerprint import model_fingerprint, weights_digest
+from ringd.models.gguf import mmproj
 from ringd.models.gguf.reader import GgufFile, is_gguf
 from ringd.models.gguf.vocab import adds_bos
 from ringd.models.progress import DOWNLOAD, LoadCancelled, LoadProgress
@@ -85,6 +86,7 @@ def _ollama_info(model: store.OllamaModel) -> ModelInfo:
 
 
 def _gguf_info(file: Path, label: str) -> ModelInfo:
+    """A GGUF file's model (and the projector file beside it, if any: a model that sees)."""
     g = GgufFile.open(file)
     text = check_supported(g.config, file)
     layers, embed, norm, head = g.part_bytes()
@@ -100,6 +102,7 @@ def _gguf_info(file: Path, label: str) -> ModelInfo:
         fingerprint=record["fingerprint"] if record else model_fingerprint(g.config, g.fingerprint),
         weights=WeightBytes(tuple(layers), embed, norm, head),
         label=record["label"] if record else label,
+        mmproj=mmproj.beside(g.path),
     )
 
 

@@ -37,6 +37,12 @@ _GEMMA_TEMPLATE = (
 )
 
 
+# A few merges, as every real BPE vocabulary has (llama.cpp refuses a GGUF's BPE without them).
+_MERGES = [("t", "h"), ("e", "r"), ("i", "n")]
+# Tokens besides the leading and special ones: the ASCII bytes and the merges.
+_PLAIN = 128 + len(_MERGES)
+
+
 def _byte_symbols() -> dict[int, str]:
     """GPT-2's byte-to-character map, which a ByteLevel tokenizer spells bytes with."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -50,7 +56,7 @@ def _byte_symbols() -> dict[int, str]:
 
 
 def _write_tokenizer(out: Path, leading: list[str], specials: list[str], template: str, extra: dict) -> dict[str, int]:
-    """A byte-level BPE tokenizer without merges: ``leading`` tokens, the 128 ASCII bytes, then
+    """A byte-level BPE tokenizer: ``leading`` tokens, the 128 ASCII bytes and three merges, then
     ``specials``; saved by transformers as a checkpoint's. Returns every special token's id."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -59,7 +65,9 @@ def _write_tokenizer(out: Path, leading: list[str], specials: list[str], templat
     for b, ch in sorted(_byte_symbols().items()):
         if b < 128:
             vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    for a, b in _MERGES:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_MERGES, unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -96,6 +104,12 @@ def _write_weights(model_type: str, config: dict, out: Path, seed: int, scale: f
         for k, v in tree_flatten(module.Model(model_config).parameters())
         if not (tied and k.endswith("lm_head.weight"))
     }
+    for k, v in weights.items():
+        if k.endswith("mm_input_projection_weight"):
+            # Gemma 3's projection starts as ones (every feature the same in each of the text's
+            # dimensions): made random, so a test sees it, and rounded through float16, which is how
+            # llama.cpp's converter keeps it whatever the file's type (a GGUF pair holds it exactly).
+            weights[k] = (mx.random.normal(v.shape) * 0.2).astype(mx.float16).astype(v.dtype)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
 
@@ -103,15 +117,15 @@ def _write_weights(model_type: str, config: dict, out: Path, seed: int, scale: f
 # tower and the layers cost what the ring and its messages do (a 224-pixel image in patches of 14,
 # pooled to 64 tokens, as the real one's 896 pixels are to 256).
 _GEMMA_SIZES = {
-    "tiny": {"hidden": 64, "layers": 4, "heads": 2, "kv_heads": 1, "head_dim": 32, "window": 16, "vision": 32, "vision_layers": 2, "vision_heads": 2, "image": 32, "patch": 8, "tokens": 4},
+    "tiny": {"hidden": 64, "layers": 6, "heads": 2, "kv_heads": 1, "head_dim": 32, "window": 16, "vision": 32, "vision_layers": 2, "vision_heads": 2, "image": 32, "patch": 8, "tokens": 4},
     "bench": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 2, "head_dim": 64, "window": 512, "vision": 256, "vision_layers": 6, "vision_heads": 4, "image": 224, "patch": 14, "tokens": 64},
 }
 
 
 def _gemma3(out: Path, seed: int, size: str = "tiny") -> None:
     """Gemma 3: a SigLIP tower, 32 x 32 pixels in patches of 8, pooled to 4 tokens an image; a
-    decoder of 4 layers alternating sliding (window 16) and global attention (``size`` "tiny";
-    "bench": _GEMMA_SIZES')."""
+    decoder of 6 layers, 5 sliding (window 16) then a global one, the pattern llama.cpp fixes for
+    every gemma3 file (``size`` "tiny"; "bench": _GEMMA_SIZES')."""
     s = _GEMMA_SIZES[size]
     ids = _write_tokenizer(
         out, ["<pad>", "<eos>", "<bos>", "<unk>"],
@@ -123,7 +137,7 @@ def _gemma3(out: Path, seed: int, size: str = "tiny") -> None:
             "extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"},
         },
     )  # fmt: skip
-    vocab, hidden, image_size, tokens = len(ids) + 128, s["hidden"], s["image"], s["tokens"]
+    vocab, hidden, image_size, tokens = len(ids) + _PLAIN, s["hidden"], s["image"], s["tokens"]
     eos = [ids["<eos>"], ids["<end_of_turn>"]]
     config = {
         "architectures": ["Gemma3ForConditionalGeneration"],
@@ -139,7 +153,7 @@ def _gemma3(out: Path, seed: int, size: str = "tiny") -> None:
         "text_config": {
             "model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": s["layers"], "intermediate_size": 2 * hidden,
             "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"], "query_pre_attn_scalar": s["head_dim"],
-            "rms_norm_eps": 1e-6, "vocab_size": vocab, "sliding_window": s["window"], "sliding_window_pattern": 2,
+            "rms_norm_eps": 1e-6, "vocab_size": vocab, "sliding_window": s["window"], "sliding_window_pattern": 6,
             "rope_global_base_freq": 1000000.0, "rope_local_base_freq": 10000.0, "mm_tokens_per_image": tokens,
             "max_position_embeddings": 4096,
         },
@@ -179,7 +193,7 @@ def _qwen2_5_vl(out: Path, seed: int) -> None:
     4 layers with multimodal RoPE (an image's tokens placed by time, row and column)."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
     ids = _write_tokenizer(out, [], specials, _QWEN_TEMPLATE, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
-    vocab, hidden, patch, merge = len(ids) + 128, 64, 14, 2
+    vocab, hidden, patch, merge = len(ids) + _PLAIN, 64, 14, 2
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     text = {
         "hidden_size": hidden, "num_hidden_layers": 4, "intermediate_size": 128, "num_attention_heads": 2,
@@ -255,7 +269,7 @@ def _mistral3(out: Path, seed: int) -> None:
         out, leading, ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"], _MISTRAL_TEMPLATE,
         {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"},
     )  # fmt: skip
-    vocab, hidden, image_size, patch, merge = len(ids) + 128, 64, 32, 8, 2
+    vocab, hidden, image_size, patch, merge = len(ids) + _PLAIN, 64, 32, 8, 2
     config = {
         "architectures": ["Mistral3ForConditionalGeneration"],
         "model_type": "mistral3",

@@ -328,11 +328,11 @@ class StageHost:
             "loaded layers [%d, %d) in %.1f s: %.1f MiB of parameters",
             want.start, want.end, time.monotonic() - t0, self.shard.parameter_bytes / 2**20,
         )  # fmt: skip
-        if self.shard.is_first and sees(self.shard.info.config):
+        if self.shard.is_first and sees(self.shard.info):
             # Where the ring starts, a model that sees runs its vision tower; without it, requests
             # with images fail as they open (saying why) and the rest are served.
             try:
-                self.vision = await self.compute.run(Vision.load, self.shard.info.path, self.shard.info.config, self.shard)
+                self.vision = await self.compute.run(Vision.load, self.shard.info, self.shard)
             except ModelError as e:
                 log.warning("images cannot be seen on this node: %s", e)
 

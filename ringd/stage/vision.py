@@ -19,18 +19,41 @@ the leader renders (``models/vision.py``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ringd.models import vision
+from ringd.models.checkpoint import ModelInfo
 from ringd.models.errors import ModelError
+from ringd.models.gguf.mmproj import Mmproj
 from ringd.models.vision import Processor, mlx_vlm
 from ringd.ring.media import ImageError, Media, picture
 from ringd.stage.shard import Shard, inner_model
+
+
+def _from_projector(info: ModelInfo, config: dict, embed_tokens) -> nn.Module:
+    """mlx-vlm's model of ``config`` (built as its ``load_model`` builds one), its vision tower and
+    projector read from the GGUF model's projector file, in the dtype of the model's embeddings."""
+    import importlib
+
+    from mlx_vlm.utils import update_module_configs
+
+    module = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
+    raw = json.loads(json.dumps(config))  # from_dict changes what it is given
+    model = module.Model(update_module_configs(module.ModelConfig.from_dict(raw), module, raw, ["text", "vision", "perceiver", "projector", "audio"]))
+    weight = embed_tokens.weight if "weight" in embed_tokens else None
+    dtype = weight.dtype if weight is not None and mx.issubdtype(weight.dtype, mx.floating) else mx.float16
+    if "scales" in embed_tokens:  # quantized embeddings: their scales' dtype is the model's
+        dtype = embed_tokens.scales.dtype
+    model.load_weights(Mmproj.open(info.mmproj).weights(model, dtype), strict=False)
+    return model
 
 
 class VisionError(Exception):
@@ -84,21 +107,25 @@ class Vision:
         self.processor = processor
 
     @classmethod
-    def load(cls, path: Path, config: dict, shard: Shard) -> "Vision":
-        """mlx-vlm's model of the checkpoint in ``path``, lazily, with ``shard``'s token embeddings;
-        its tower and projector read into memory. On the compute thread."""
-        utils = mlx_vlm().utils
+    def load(cls, info: ModelInfo, shard: Shard) -> "Vision":
+        """mlx-vlm's model of ``info``'s model, lazily, with ``shard``'s token embeddings; its tower and
+        projector read into memory (from a GGUF model's projector file: ``gguf/mmproj.py``). On the
+        compute thread."""
+        path, config = vision.source(info)
+        embed_tokens = inner_model(shard.model)[1].embed_tokens
         try:
-            model = utils.load_model(Path(path), lazy=True, strict=False)
+            model = _from_projector(info, config, embed_tokens) if info.mmproj is not None else mlx_vlm().utils.load_model(Path(path), lazy=True, strict=False)
+        except ModelError:
+            raise
         except Exception as e:
-            raise ModelError(f"{path}: mlx-vlm cannot load the model's vision tower: {type(e).__name__}: {e}") from None
+            raise ModelError(f"{info.name}: mlx-vlm cannot load the model's vision tower: {type(e).__name__}: {e}") from None
         language = getattr(model, "language_model", None)
         inner = getattr(language, "model", None)
         if inner is None or not hasattr(inner, "embed_tokens"):
-            raise ModelError(f"{path}: mlx-vlm's {type(model).__module__} has no language_model.model.embed_tokens")
-        inner.embed_tokens = inner_model(shard.model)[1].embed_tokens
+            raise ModelError(f"{info.name}: mlx-vlm's {type(model).__module__} has no language_model.model.embed_tokens")
+        inner.embed_tokens = embed_tokens
         mx.eval([v for name, v in tree_flatten(model.parameters()) if not name.startswith("language_model.")])
-        return cls(model, Processor.load(Path(path), config))
+        return cls(model, Processor.load(path, config))
 
     def embed(self, tokens: mx.array) -> mx.array:
         """The tokens' own input embeddings (the model's table, as its code reads it before scaling)."""

@@ -73,7 +73,7 @@ def test_a_model_that_sees_split_anywhere_answers_as_mlx_vlm_generate(family):
     info = model_info(str(family))
     for cut in range(1, info.num_layers):
         first, last = Shard.load(str(family), 0, cut), Shard.load(str(family), cut, info.num_layers)
-        vision = Vision.load(info.path, info.config, first)
+        vision = Vision.load(info, first)
         media = Media(1, 1, text, (png(image),))
         # Chunks of 3 cut the image's tokens (4 or more, in a row) between chunks.
         assert ring_tokens([first, last], vision, media, chunk=3) == expected, f"cut at layer {cut}"
@@ -85,7 +85,7 @@ def test_a_prompt_s_embeddings_hold_only_its_own_ids_and_damaged_images_are_its_
     gemma3 = tiny_vision_model("gemma3")
     info = model_info(str(gemma3))
     first = Shard.load(str(gemma3), 0, 2)
-    vision = Vision.load(info.path, info.config, first)
+    vision = Vision.load(info, first)
     text, _ = reference(gemma3, gradient())
     prompt = vision.prompt(Media(1, 1, text, (png(gradient()),)))
     with pytest.raises(VisionError, match=r"positions \[3, 6\) of the prompt are not those"):

@@ -1,0 +1,98 @@
+"""ringd.models.gguf.mmproj: a GGUF model and its projector file (llama.cpp's mmproj, written here as
+llama.cpp's converter writes them) see as the mlx-vlm checkpoint they were converted from, and a
+projector ringd cannot read is refused in one line that names what is wrong."""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import mlx.core as mx
+import pytest
+
+from devkit.pictures import gradient, png
+from ringd.models.errors import ModelError
+from ringd.models.gguf.mmproj import Mmproj, beside
+from ringd.models.source import model_info
+from ringd.ring.media import Media
+from ringd.stage.shard import Shard
+from ringd.stage.vision import Vision
+
+PROMPT = "Describe the image."
+TOKENS = 8
+
+
+def test_a_gguf_and_its_projector_split_in_two_answer_as_mlx_vlm_does_on_the_checkpoint(tiny_vision_model, tiny_vision_gguf):
+    from mlx_vlm import apply_chat_template, generate, load
+
+    checkpoint = tiny_vision_model("gemma3")
+    model, processor = load(str(checkpoint))
+    info = model_info(str(tiny_vision_gguf))
+    assert info.mmproj == tiny_vision_gguf.parent / "mmproj-tiny-gemma3-F32.gguf"
+    first, last = Shard.load(str(tiny_vision_gguf), 0, 3), Shard.load(str(tiny_vision_gguf), 3, info.num_layers)
+    vision = Vision.load(info, first)
+    answers = []
+    for picture in (gradient(), gradient(turn=1)):
+        prompt = apply_chat_template(processor, model.config, PROMPT, num_images=1)
+        expected = list(generate(model, processor, prompt, image=[picture], max_tokens=TOKENS, temperature=0.0).token_ids)
+        seen = vision.prompt(Media(1, 1, prompt, (png(picture),)))
+        caches = [first.make_cache(), last.make_cache()]
+
+        def step(tokens: list[int], offset: int) -> int:
+            embeddings = seen.chunk(offset, tokens, vision.embed) if offset < len(seen.ids) else None
+            h = first(mx.array([tokens]), None, caches[0], embeddings=embeddings)
+            return last(mx.array([tokens]), h, caches[1])[0, -1].argmax().item()
+
+        ids = seen.ids
+        step(ids[:20], 0)
+        got = [step(ids[20:], 20)]
+        while len(got) < len(expected):
+            got.append(step([got[-1]], len(ids) + len(got) - 1))
+        assert got == expected
+        answers.append(expected)
+    assert answers[0] != answers[1] and len(set(answers[0])) > 2  # the picture decides: the test could fail
+
+
+def test_a_projector_ringd_cannot_read_is_refused_naming_what_is_wrong(tiny_vision_gguf, tmp_path):
+    text, projector = tiny_vision_gguf, tiny_vision_gguf.parent / "mmproj-tiny-gemma3-F32.gguf"
+    here = tmp_path / "model.gguf"
+    shutil.copy(text, here)
+    assert beside(here) is None  # no projector: a model that reads text
+    shutil.copy(projector, tmp_path / "mmproj-a.gguf")
+    shutil.copy(projector, tmp_path / "mmproj-b.gguf")
+    with pytest.raises(ModelError, match="several projector files .mmproj-a.gguf, mmproj-b.gguf. beside model.gguf"):
+        beside(here)
+
+    def rewritten(name: str, **changes) -> Mmproj:
+        """The projector file with some of its metadata changed (or removed: None), or without some tensors."""
+        reader = gguf.GGUFReader(projector)
+        out = tmp_path / name
+        writer = gguf.GGUFWriter(str(out), "clip")
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture":
+                continue
+            value = changes.get(key, field.contents())
+            if value is not None:
+                writer.add_key_value(key, value, field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+        for t in reader.tensors:
+            if changes.get("drop") is None or changes["drop"] not in t.name:
+                writer.add_tensor(t.name, t.data, raw_shape=list(reversed(t.shape)), raw_dtype=t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return out
+
+    with pytest.raises(ModelError, match="a projector of type 'qwen2.5vl_merger'; ringd reads gemma3's"):
+        Mmproj.open(rewritten("qwen.gguf", **{"clip.projector_type": "qwen2.5vl_merger"}))
+    with pytest.raises(ModelError, match="not a projector file with a vision tower"):
+        Mmproj.open(rewritten("audio.gguf", **{"clip.has_vision_encoder": None}))
+    info = model_info(str(text))
+    with pytest.raises(ModelError, match="projects to 48 wide; the model's text is 64: not its projector"):
+        Mmproj.open(rewritten("narrow.gguf", **{"clip.vision.projection_dim": 48})).config(info.config, {})
+    with pytest.raises(ModelError, match="the model's vocabulary has no <start_of_image>, <image_soft_token>, <end_of_image>"):
+        Mmproj.open(projector).config(info.config, {"<bos>": 2})
+    lacking = Mmproj.open(rewritten("lacking.gguf", drop="v.blk.1.attn_q"))
+    first = Shard.load(str(text), 0, 3)
+    with pytest.raises(ModelError, match=r"lacks 2 tensors of the vision tower, e.g. v.blk.1.attn_q.weight \(vision_tower.vision_model.encoder.layers.1.self_attn.q_proj.weight\)"):
+        Vision.load(info.__class__(**{**info.__dict__, "mmproj": lacking.path}), first)
