@@ -343,7 +343,8 @@ def weight_files_for(path: Path, start: int, end: int) -> list[str] | None:
 
     None when the model has no index (a single file, fetched whole). Every stage
     takes the non-layer files: they are small next to the layers, and which of
-    embeddings, norm and head a stage needs is decided after loading.
+    embeddings, norm and head a stage needs is decided after loading. A multimodal
+    model's vision tower and projector go to the first stage, which runs them.
     """
     index = path / "model.safetensors.index.json"
     if not index.is_file():
@@ -352,6 +353,8 @@ def weight_files_for(path: Path, start: int, end: int) -> list[str] | None:
     files = set()
     for key, file in weight_map.items():
         if any(part in key for part in _NOT_THE_DECODER):
+            if start == 0:
+                files.add(file)
             continue
         m = _LAYER_KEY.search(key)
         if m is None or start <= int(m.group(1)) < end:

@@ -74,15 +74,17 @@ def model_info(path_or_repo: str) -> ModelInfo:
 
 
 def _ollama_info(model: store.OllamaModel) -> ModelInfo:
-    """An Ollama model: its GGUF, with the defaults its params and system layers make and, for a
-    GGUF without a chat template, its Go template's translation (ModelError where there is none)."""
+    """An Ollama model: its GGUF, with the defaults its params and system layers make, its projector
+    layer (a model that sees) and, for a GGUF without a chat template, its Go template's translation
+    (ModelError where there is none)."""
     info = _gguf_info(model.blob, model.ref.removeprefix(store.PREFIX))
     defaults, warnings = model.defaults()
     for warning in warnings:
         log.warning("%s", warning)
     meta = GgufFile.open(model.blob).meta
     template = model.chat_template(meta.get("tokenizer.chat_template"), lambda: adds_bos(meta))
-    return dataclasses.replace(info, defaults=defaults, chat_template=template)
+    # A vision model's projector is a layer of it (Ollama keeps llama.cpp's mmproj file so).
+    return dataclasses.replace(info, defaults=defaults, chat_template=template, mmproj=model.projector)
 
 
 def _gguf_info(file: Path, label: str) -> ModelInfo:

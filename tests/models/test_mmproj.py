@@ -96,3 +96,32 @@ def test_a_projector_ringd_cannot_read_is_refused_naming_what_is_wrong(tiny_visi
     first = Shard.load(str(text), 0, 3)
     with pytest.raises(ModelError, match=r"lacks 2 tensors of the vision tower, e.g. v.blk.1.attn_q.weight \(vision_tower.vision_model.encoder.layers.1.self_attn.q_proj.weight\)"):
         Vision.load(info.__class__(**{**info.__dict__, "mmproj": lacking.path}), first)
+
+
+def test_an_ollama_model_s_projector_layer_is_its_projector_file(tiny_vision_gguf, tmp_path, monkeypatch):
+    """Ollama keeps a vision model's mmproj as a layer of it (application/vnd.ollama.image.projector):
+    its blob is the projector ringd reads, and the model sees as it does from the files."""
+    import hashlib
+    import json
+
+    from ringd.models.ollama.store import MODEL_MEDIA_TYPE, PROJECTOR_MEDIA_TYPE
+
+    store = tmp_path / "ollama"
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    (store / "blobs").mkdir(parents=True)
+
+    def blob(path) -> dict:
+        data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        (store / "blobs" / f"sha256-{digest}").write_bytes(data)
+        return {"digest": f"sha256:{digest}", "size": len(data)}
+
+    layers = [{"mediaType": MODEL_MEDIA_TYPE, **blob(tiny_vision_gguf)}, {"mediaType": PROJECTOR_MEDIA_TYPE, **blob(tiny_vision_gguf.parent / "mmproj-tiny-gemma3-F32.gguf")}]
+    manifest = store / "manifests/registry.ollama.ai/library/tinysee/latest"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
+    info = model_info("ollama:tinysee")
+    assert info.mmproj is not None and info.mmproj.name == "sha256-" + layers[1]["digest"].removeprefix("sha256:")
+    first = Shard.load("ollama:tinysee", 0, 3)
+    seen = Vision.load(info, first).prompt(Media(1, 1, "<bos><start_of_turn>user\nHi<start_of_image><end_of_turn>\n<start_of_turn>model\n", (png(gradient()),)))
+    assert seen.embeddings.shape == (1, len(seen.ids), info.hidden_size) and len(seen.ids) > 20

@@ -24,8 +24,7 @@ template only where the GGUF has none of its own (``gotemplates.py`` says which
 Go templates it knows).
 
 It deliberately ignores the rest of an Ollama model: the license and messages
-layers (a Modelfile's MESSAGE turns are not prepended to chats), a vision model's
-projector, adapters, and the newer ``kind`` segment of names (skills, agents: not
+layers (a Modelfile's MESSAGE turns are not prepended to chats), adapters, and the newer ``kind`` segment of names (skills, agents: not
 models). It checks a blob's size against its manifest (an interrupted pull) but
 does not hash it: Ollama did at pull time, and reading tens of GB at every start
 is not worth it.
@@ -61,6 +60,8 @@ MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
 GGUF_MAGIC = b"GGUF"
 # The layers beside it that ringd applies (Ollama's template layer went by "prompt" once).
 PARAMS_MEDIA_TYPE = "application/vnd.ollama.image.params"
+# A vision model's projector: llama.cpp's mmproj file (models/gguf/mmproj.py).
+PROJECTOR_MEDIA_TYPE = "application/vnd.ollama.image.projector"
 SYSTEM_MEDIA_TYPE = "application/vnd.ollama.image.system"
 TEMPLATE_MEDIA_TYPES = ("application/vnd.ollama.image.template", "application/vnd.ollama.image.prompt")
 # A system prompt or a template is text of a few kilobytes (the longest Jinja templates, 30 KB);
@@ -164,6 +165,7 @@ class OllamaModel:
     options: dict | None = None  # the params layers' options, merged in the manifest's order
     system: str | None = None
     template: str | None = None  # a Go template
+    projector: Path | None = None  # a vision model's projector layer (llama.cpp's mmproj file)
 
     def defaults(self) -> tuple[ModelDefaults, list[str]]:
         """The defaults of requests its params and system layers make, and a warning for each
@@ -236,9 +238,11 @@ def find(ref: str, models_dir: Path | None = None) -> OllamaModel:
         if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
             raise ModelError(f"{what}: its model blob {blob} is not a GGUF file (it does not start with 'GGUF'); ringd serves GGUF models")
     options: dict | None = None
-    system = template = None
+    system = template = projector = None
     for layer in layers:
         kind = layer.get("mediaType")
+        if kind == PROJECTOR_MEDIA_TYPE:
+            projector = _blob(store, layer, f"{what}: its projector layer", manifest_path, pull)
         if kind == PARAMS_MEDIA_TYPE:
             where = f"{what}: its params layer"
             options = {**(options or {}), **layer_options(_layer_bytes(store, layer, MAX_PARAMS_BYTES, where, manifest_path, pull), where)}
@@ -246,7 +250,7 @@ def find(ref: str, models_dir: Path | None = None) -> OllamaModel:
             system = _layer_text(store, layer, MAX_SYSTEM_BYTES, f"{what}: its system layer", manifest_path, pull)
         elif kind in TEMPLATE_MEDIA_TYPES:
             template = _layer_text(store, layer, MAX_TEMPLATE_BYTES, f"{what}: its template layer", manifest_path, pull)
-    return OllamaModel(what, blob, options, system, template)
+    return OllamaModel(what, blob, options, system, template, projector)
 
 
 def _blob(store: Path, layer: dict, where: str, manifest_path: Path, pull: str) -> Path:
