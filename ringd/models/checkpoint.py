@@ -81,13 +81,14 @@ class WeightBytes:
     embed: int
     norm: int
     head: int  # 0 with tied embeddings: the last stage then holds `embed` again
+    vision: int = 0  # a model that sees: its vision tower and projector, which the first stage runs
 
     def stage(self, start: int, end: int) -> int:
         """What a stage holding layers [start, end) materializes."""
         n = sum(self.layers[start:end])
         last = end == len(self.layers)
         if start == 0:
-            n += self.embed
+            n += self.embed + self.vision
         if last:
             n += self.norm + (self.head or (self.embed if start != 0 else 0))
         return n
@@ -213,7 +214,7 @@ def weight_bytes(path: Path, num_layers: int) -> WeightBytes:
     """
     files = sorted(path.glob("model*.safetensors"))
     layers = [0] * num_layers
-    parts = {"embed": 0, "norm": 0, "head": 0}
+    parts = {"embed": 0, "norm": 0, "head": 0, "vision": 0}
     if not files:
         index = path / "model.safetensors.index.json"
         metadata = _json_file(index).get("metadata") if index.is_file() else None
@@ -224,7 +225,8 @@ def weight_bytes(path: Path, num_layers: int) -> WeightBytes:
     for file in files:
         for key, size in _safetensors_sizes(file).items():
             if any(part in key for part in _NOT_THE_DECODER):
-                continue  # a multimodal checkpoint's vision tower: the ring serves the text path
+                parts["vision"] += size  # a multimodal checkpoint's vision tower: the first stage runs it
+                continue
             m = _LAYER_KEY.search(key)
             if m is not None:
                 if int(m.group(1)) < num_layers:  # extra layers (MTP heads) are dropped on load
@@ -235,7 +237,7 @@ def weight_bytes(path: Path, num_layers: int) -> WeightBytes:
                 parts["head"] += size
             else:  # the final norm, and whatever else the last stage runs after the layers
                 parts["norm"] += size
-    return WeightBytes(tuple(layers), parts["embed"], parts["norm"], parts["head"])
+    return WeightBytes(tuple(layers), parts["embed"], parts["norm"], parts["head"], parts["vision"])
 
 
 def _model_module(config: dict) -> str:

@@ -84,7 +84,8 @@ def _ollama_info(model: store.OllamaModel) -> ModelInfo:
     meta = GgufFile.open(model.blob).meta
     template = model.chat_template(meta.get("tokenizer.chat_template"), lambda: adds_bos(meta))
     # A vision model's projector is a layer of it (Ollama keeps llama.cpp's mmproj file so).
-    return dataclasses.replace(info, defaults=defaults, chat_template=template, mmproj=model.projector)
+    weights = dataclasses.replace(info.weights, vision=model.projector.stat().st_size) if model.projector else info.weights
+    return dataclasses.replace(info, defaults=defaults, chat_template=template, mmproj=model.projector, weights=weights)
 
 
 def _gguf_info(file: Path, label: str) -> ModelInfo:
@@ -92,6 +93,7 @@ def _gguf_info(file: Path, label: str) -> ModelInfo:
     g = GgufFile.open(file)
     text = check_supported(g.config, file)
     layers, embed, norm, head = g.part_bytes()
+    projector = mmproj.beside(g.path)
     record = read_record(file)  # fetched from peers: the file is sparse
     return ModelInfo(
         path=g.path,
@@ -102,9 +104,9 @@ def _gguf_info(file: Path, label: str) -> ModelInfo:
         vocab_size=text["vocab_size"],
         context_length=int(text.get("max_position_embeddings") or 4096),
         fingerprint=record["fingerprint"] if record else model_fingerprint(g.config, g.fingerprint),
-        weights=WeightBytes(tuple(layers), embed, norm, head),
+        weights=WeightBytes(tuple(layers), embed, norm, head, projector.stat().st_size if projector else 0),
         label=record["label"] if record else label,
-        mmproj=mmproj.beside(g.path),
+        mmproj=projector,
     )
 
 

@@ -125,3 +125,12 @@ def test_an_ollama_model_s_projector_layer_is_its_projector_file(tiny_vision_ggu
     first = Shard.load("ollama:tinysee", 0, 3)
     seen = Vision.load(info, first).prompt(Media(1, 1, "<bos><start_of_turn>user\nHi<start_of_image><end_of_turn>\n<start_of_turn>model\n", (png(gradient()),)))
     assert seen.embeddings.shape == (1, len(seen.ids), info.hidden_size) and len(seen.ids) > 20
+
+
+def test_the_first_stage_counts_the_vision_tower_in_its_memory(tiny_vision_model, tiny_vision_gguf):
+    """Placement gives the first stage room for the tower it runs: a checkpoint's vision tensors, a
+    GGUF model's projector file."""
+    for info, vision in ((model_info(str(tiny_vision_model("gemma3"))), None), (model_info(str(tiny_vision_gguf)), tiny_vision_gguf.parent / "mmproj-tiny-gemma3-F32.gguf")):
+        w = info.weights
+        assert w.vision > 0 and (vision is None or w.vision == vision.stat().st_size)
+        assert w.stage(0, 3) == sum(w.layers[:3]) + w.embed + w.vision and w.stage(3, 6) == sum(w.layers[3:]) + w.norm + (w.head or w.embed)
