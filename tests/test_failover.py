@@ -161,3 +161,24 @@ def test_kill_9_of_a_middle_stage_with_8_batched_streams_in_flight_loses_nothing
         assert count > alone, "no micro-batch held more than one row"
     finally:
         ring.stop()
+
+
+def test_kill_9_of_a_stage_mid_stream_with_an_image_loses_nothing(tiny_vision_model):
+    """A prompt with an image on Qwen2.5-VL (its positions by time, row and column): the ring that
+    replays it sends the image to its first stage again, whose tower sees it again, and every
+    position is placed as before, so the stream goes on as it would have."""
+    from devkit.pictures import data_url, gradient
+
+    ring = Ring(tiny_vision_model("qwen2_5_vl"), nodes=3, model_id="see")
+    content = [{"type": "image_url", "image_url": {"url": data_url(gradient(48, 80))}}, {"type": "text", "text": "Describe the image."}]
+    messages = [{"role": "user", "content": content}]
+    try:
+        whole, finish = stream_text(ring.base_url, messages, 60, model="see", extra_body={"ignore_eos": True})
+        assert finish == "length" and len(set(whole)) > 5
+        kill_at = SignalAt(node_pid(ring, "node1"), signal.SIGKILL, 10)
+        again, finish = stream_text(ring.base_url, messages, 60, kill_at, model="see", extra_body={"ignore_eos": True})
+        assert kill_at.fired.is_set() and finish == "length"
+        assert again == whole, "the stream after failover differs from the uninterrupted run"
+        assert cluster(ring)["plan"]["term"] >= 2
+    finally:
+        ring.stop()
