@@ -50,4 +50,4 @@ def test_an_unsupported_architecture_is_refused_at_start_with_the_supported_list
     r = serve(tmp_path, model, http_port=0, ring_port=0)
     assert r.returncode == 1, r.stderr
     assert "model_type 'olmo2' (mlx_lm.models.olmo2) is not supported by the ring" in r.stderr
-    assert "supported: deepseek_v2, deepseek_v3, gemma2, gemma3_text, glm4_moe, gpt_oss, llama" in r.stderr
+    assert "supported: deepseek_v2, deepseek_v3, gemma2, gemma3, gemma3_text, glm4_moe, gpt_oss, llama" in r.stderr

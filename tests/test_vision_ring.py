@@ -85,7 +85,8 @@ def reference_text(vision_ring):
         messages = [{"role": "user", "content": parts if first else parts[::-1]}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = generate(model, processor, prompt, image=[image], max_tokens=TOKENS, temperature=0.0).token_ids
-        return tokenizer.decode([t for t in ids if t not in tokenizer.all_special_ids])
+        ends = set(model.config.eos_token_id if isinstance(model.config.eos_token_id, list) else [model.config.eos_token_id])
+        return tokenizer.decode([t for t in ids if t not in ends])  # the end token is no text; other special tokens are
 
     return text
 

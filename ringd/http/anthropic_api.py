@@ -363,7 +363,7 @@ def _user(blocks: list, where: str, out: list[dict], names: dict[str, str], pend
                     "name": names[call_id],
                 }
             )
-        elif kind in UNREAD_BLOCKS:
+        elif isinstance(kind, str) and kind in UNREAD_BLOCKS:
             raise _unread(kind, at)
         else:
             raise bad(
@@ -431,7 +431,7 @@ def _assistant(blocks: list, where: str, out: list[dict], names: dict[str, str],
             )
         elif kind == "image":
             raise bad(f"{at} is an image block: images go in user messages, not the assistant's", f"{at}.type")
-        elif kind in UNREAD_BLOCKS:
+        elif isinstance(kind, str) and kind in UNREAD_BLOCKS:
             raise _unread(kind, at)
         else:
             raise bad(

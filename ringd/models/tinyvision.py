@@ -323,7 +323,6 @@ def write_tiny_vision_model(out_dir: str | os.PathLike, family: str, seed: int =
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     if size != "tiny" and family != "gemma3":
         raise ValueError(f"size {size!r} is Gemma 3's only; {family} comes tiny")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if size == "tiny":

@@ -88,7 +88,6 @@ def image_token_id(config: dict) -> int | None:
 @functools.cache
 def mlx_vlm():
     """mlx-vlm's package, imported once; a ModelError saying how to install it where it is not."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint's processor never asks the Hub
     try:
         import mlx_vlm.utils
     except ImportError:
