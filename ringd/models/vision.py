@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,6 +25,8 @@ from typing import Any, Sequence
 from ringd.base.device import default_cache_dir
 from ringd.models.checkpoint import ModelInfo
 from ringd.models.errors import ModelError
+from ringd.models.gguf.mmproj import GEMMA3_MARKERS, Mmproj
+from ringd.models.gguf.reader import GgufFile, written_once
 
 # How to get mlx-vlm, in the refusal of a node without it.
 INSTALL_HINT = "install ringd's vision extra (uv sync --extra vision, or pip install 'ringd[vision]')"
@@ -45,35 +45,23 @@ def source(info: ModelInfo, cache_dir: Path | None = None) -> tuple[Path, dict]:
     processor files the projector's settings make: ``gguf/mmproj.py``)."""
     if info.mmproj is None:
         return info.path, info.config
-    from ringd.models.gguf.mmproj import GEMMA3_MARKERS, Mmproj
-    from ringd.models.gguf.reader import GgufFile
-
     projector = Mmproj.open(info.mmproj)
     text = GgufFile.open(info.path).sidecar(cache_dir or default_cache_dir())
     tokenizer = json.loads((text / "tokenizer.json").read_text())
     vocab = {**tokenizer["model"]["vocab"], **{t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}}
     config = projector.config(info.config, vocab)
     st = info.mmproj.stat()
-    directory = text.parent / f"{text.name}-vision-{info.mmproj.stem[:40]}-{st.st_size}-{st.st_mtime_ns}"
-    if (directory / "config.json").is_file():
-        return directory, config
-    tmp = Path(tempfile.mkdtemp(prefix=".vision-", dir=text.parent))
-    try:
+
+    def write(out: Path) -> None:
         for f in text.iterdir():
-            shutil.copy(f, tmp / f.name)
+            shutil.copy(f, out / f.name)
         files = {"config.json": config, **projector.processor_files(config)}
-        tokenizer_config = json.loads((tmp / "tokenizer_config.json").read_text())
+        tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
         files["tokenizer_config.json"] = {**tokenizer_config, "extra_special_tokens": GEMMA3_MARKERS}
         for name, content in files.items():
-            (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
-        try:
-            os.rename(tmp, directory)
-        except OSError:
-            if not (directory / "config.json").is_file():  # not another node's win: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return directory, config
+            (out / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+
+    return written_once(text.parent / f"{text.name}-vision-{info.mmproj.stem[:40]}-{st.st_size}-{st.st_mtime_ns}", write), config
 
 
 def image_token_id(config: dict) -> int | None:

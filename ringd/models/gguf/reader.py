@@ -366,20 +366,7 @@ class GgufFile:
         nodes of one machine may start at the same moment)."""
         config = hashlib.sha256(json.dumps(self.mlx_config(), sort_keys=True).encode()).hexdigest()[:8]
         directory = cache_dir / "gguf" / f"{self.name}-{self.fingerprint.removeprefix('gguf:')[:16]}-{config}-v{SIDECAR_VERSION}"
-        if (directory / "config.json").is_file():
-            return directory
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".sidecar-", dir=directory.parent))
-        try:
-            self.write_sidecar(tmp)
-            try:
-                os.rename(tmp, directory)
-            except OSError:
-                if not (directory / "config.json").is_file():  # not another node's win: a real failure
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return directory
+        return written_once(directory, self.write_sidecar)
 
     def convert(self, out_dir: Path, on_tensor: Callable[[Tensor], None] | None = None) -> None:
         """Write an mlx-lm checkpoint directory (config, tokenizer, safetensors in MLX's format) that
@@ -428,6 +415,26 @@ CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "ro
 
 
 @functools.lru_cache(maxsize=8)
+def written_once(directory: Path, write: Callable[[Path], None]) -> Path:
+    """``directory``, ``write`` having filled it once: into a folder beside it, then renamed into
+    place (several nodes of one machine may start at the same moment; the first rename wins and
+    a reader never sees half of it). Its ``config.json`` says it is there."""
+    if (directory / "config.json").is_file():
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".written-", dir=directory.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, directory)
+        except OSError:
+            if not (directory / "config.json").is_file():  # not another node's win: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
 def _open_cached(path: Path, size: int, mtime_ns: int, siblings: tuple = ()) -> GgufFile:
     meta, tensors, data_offset = _parse(path, size)
     count = meta.get("split.count")
