@@ -32,6 +32,7 @@ import json
 from dataclasses import dataclass, field
 
 from ringd.http.request import Request, ResponseFormat, Tool
+from ringd.ring.media import PromptImages
 
 # The JSON a grammar makes: one line, the separators people write, so the
 # model's usual tokens fit it.
@@ -68,6 +69,7 @@ class Rendered:
     grammar: str | None
     read: ReadPlan
     text: str | None = None  # a prompt with images: its text, which the model's processor reads with them
+    images: PromptImages | None = None  # and the images as the leader keeps them (set by serving.py, off the loop)
 
 
 def tool_mode(req: Request, tokenizer) -> str | None:

@@ -32,7 +32,7 @@ from ringd.http.images import ImageError, decode_all
 from ringd.models.errors import ModelError
 from ringd.models import vision
 from ringd.models.vision import Processor, image_token_id, sees
-from ringd.ring.media import Picture, PromptImages, prefix_key
+from ringd.ring.media import Picture, PromptImages
 from ringd.http.reader import Reader
 from ringd.http.render import Rendered, RenderError, render
 from ringd.http.request import Output, Request, Usage, with_model_defaults
@@ -145,10 +145,7 @@ class Serving:
         seen = await self._seen(req, served)
         rendered = await self._rendered(req, served, seen)
         prompt = rendered.prompt
-        images = None
-        if seen is not None:
-            files = tuple(p.raw for p in seen[1])
-            images = PromptImages(rendered.text, files, prefix_key(prompt, image_token_id(seen[0].config), files))
+        images = rendered.images
         context = self._context(req, served)
         max_tokens = req.max_tokens if req.max_tokens is not None else context - len(prompt)
         if len(prompt) + max_tokens > context:
@@ -165,8 +162,7 @@ class Serving:
         events = self._generate(served, engine, prompt, params, max_tokens, req.stop, list(resumed), request_id, req.ignore_eos, images)
         gen = Generation(req, rendered, events, served.tokenizer, len(resumed), received_ns)
         if images is not None:
-            token = image_token_id(seen[0].config)
-            gen.usage.image_tokens = sum(1 for t in prompt if t == token)
+            gen.usage.image_tokens = sum(1 for t in images.key if t < 0)
         return gen
 
     def _generate(self, served: "Served", engine: "Engine", prompt, params, max_tokens, stop, resumed, request_id, ignore_eos, images) -> AsyncIterator:
@@ -305,6 +301,9 @@ class Serving:
             rendered = render(req, served.tokenizer, getattr(self.d, "chat_template_kwargs", None), prepare)
         except RenderError as e:
             raise ApiError(400, str(e), e.field) from None
+        if seen is not None:  # the images as the leader keeps them: hashed and joined here, off the loop
+            files = tuple(p.raw for p in pictures)
+            rendered.images = PromptImages.of(rendered.text, files, rendered.prompt, image_token_id(processor.config))
         if rendered.grammar is not None and (served.model_id, rendered.grammar) not in self._checked:
             from ringd.stage import grammar as grammars  # llguidance: loaded by the first request with a grammar
 

@@ -594,7 +594,7 @@ class Engine:
                 row = replace(row, open=steps.Open(flight.params.to_wire(), self.kv, flight.reuse, flight.request_id, flight.pool, images))
                 flight.reuse = None  # a replay on another ring starts cold
                 if images:
-                    media.append(flight.images.media(flight.rid, send.term).frame())
+                    media.append(flight.images.frame(flight.rid, send.term))
             if row.verify and flight.params.temperature > 0:
                 # Speculative sampling: the last stage tests each proposal against the draft's q.
                 proposal = self._proposals.pop(row.rid, None)

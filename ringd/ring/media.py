@@ -103,15 +103,28 @@ def picture(raw: bytes, where: str) -> Picture:
 @dataclass(frozen=True, eq=False)
 class PromptImages:
     """A request's images as its leader keeps them: the prompt's ``text`` that the first stage's
-    processor reads with them, their ``files``, and ``key``: the prompt's ids as the prefix cache
-    keys them (``prefix_key``)."""
+    processor reads with them, their ``files``, ``key``: the prompt's ids as the prefix cache
+    keys them (``prefix_key``), and ``payload``: their MEDIA frame's, joined once (``of``, off
+    the event loop: it costs what the client sent), sent again on every ring as it is."""
 
     text: str
     files: tuple[bytes, ...]
     key: tuple[int, ...]
+    payload: bytes
+    text_bytes: int
 
-    def media(self, rid: int, term: int) -> "Media":
-        return Media(rid, term, self.text, self.files)
+    @classmethod
+    def of(cls, text: str, files: tuple[bytes, ...], ids: list[int], image_token: int | None) -> "PromptImages":
+        encoded = text.encode()
+        return cls(text, files, prefix_key(ids, image_token, files), b"".join([encoded, *files]), len(encoded))
+
+    def frame(self, rid: int, term: int) -> Frame:
+        """Their MEDIA frame for request ``rid`` on ring ``term``."""
+        return Frame(MsgType.MEDIA, rid, _descriptor(term, self.text_bytes, self.files), self.payload)
+
+
+def _descriptor(term: int, text_bytes: int, files: tuple[bytes, ...]) -> dict:
+    return {"term": term, "text": text_bytes, "images": [len(f) for f in files]}
 
 
 def prefix_key(ids: list[int], image_token: int | None, files: tuple[bytes, ...]) -> tuple[int, ...]:
@@ -150,8 +163,7 @@ class Media:
 
     def frame(self) -> Frame:
         text = self.text.encode()
-        d = {"term": self.term, "text": len(text), "images": [len(i) for i in self.images]}
-        return Frame(MsgType.MEDIA, self.rid, d, b"".join([text, *self.images]))
+        return Frame(MsgType.MEDIA, self.rid, _descriptor(self.term, len(text), self.images), b"".join([text, *self.images]))
 
     @classmethod
     def parse(cls, frame: Frame) -> "Media":
