@@ -95,3 +95,46 @@ def test_a_prompt_s_embeddings_hold_only_its_own_ids_and_damaged_images_are_its_
     whole = png(gradient())
     with pytest.raises(VisionError, match="image 1: the image is damaged or cut short"):
         vision.prompt(Media(1, 1, text, (whole, whole[: len(whole) // 2])))
+
+
+_HUB_SEE = """
+import json, sys
+import mlx.core as mx
+from ringd.models.source import model_info
+from ringd.ring.media import Media
+from ringd.stage.shard import Shard
+from ringd.stage.vision import Vision
+repo, text, picture = sys.argv[1], sys.argv[2], bytes.fromhex(sys.stdin.read())
+info = model_info(repo)
+first = Shard.load(repo, 0, 2)
+seen = Vision.load(info, first).prompt(Media(1, 1, text, (picture,)))
+print(json.dumps({"ids": seen.ids, "embeddings": mx.array(seen.embeddings).astype(mx.float32).tolist()}))
+"""
+
+
+def test_a_model_that_sees_from_the_hub_sees_as_from_its_directory(tiny_vision_model, tmp_path):
+    """The Hub path (``--model OWNER/REPO``, here a local fake of the Hub): the first stage fetches the
+    processor's files and the vision tower with its layers, and a prompt's embeddings are the ones
+    the same checkpoint in a directory gives."""
+    import json
+    import subprocess
+    import sys
+
+    from devkit.fakehub import FakeHub
+
+    path = tiny_vision_model("gemma3")
+    text, _ = reference(path, gradient())
+    picture = png(gradient())
+    info = model_info(str(path))
+    local = Vision.load(info, Shard.load(str(path), 0, 2)).prompt(Media(1, 1, text, (picture,)))
+    with FakeHub({"ringd-test/see": path}) as hub:
+        r = subprocess.run(
+            [sys.executable, "-c", _HUB_SEE, "ringd-test/see", text], input=picture.hex(),
+            env=hub.env(tmp_path / "hf"), capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-4000:]
+        fetched = hub.fetched()
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["ids"] == local.ids
+    assert mx.array_equal(mx.array(got["embeddings"]), local.embeddings.astype(mx.float32))
+    assert {"preprocessor_config.json", "processor_config.json", "model.safetensors"} <= set(fetched)
