@@ -189,3 +189,16 @@ def batched_passes(ring) -> float:
     [family] = [f for f in text_string_to_metric_families(text) if f.name == "ringd_stage_batch_rows"]
     count = next(s.value for s in family.samples if s.name.endswith("_count"))
     return count - next(s.value for s in family.samples if s.name.endswith("_bucket") and s.labels["le"] == "1.0")
+
+
+def test_an_image_to_a_gguf_model_without_its_projector_says_where_the_projector_was_looked_for(smollm2_ring, smollm2_gguf):
+    """A GGUF model keeps its vision tower in a file of its own (llama.cpp's mmproj): a request with
+    an image to one without it is a 400 that names the file it lacks, and where."""
+    import openai
+
+    from devkit.pictures import data_url, gradient
+
+    image = {"type": "image_url", "image_url": {"url": data_url(gradient(8, 8))}}
+    with pytest.raises(openai.BadRequestError) as e:
+        smollm2_ring.client().chat.completions.create(model="smollm2", messages=[{"role": "user", "content": [image]}], max_tokens=2)
+    assert e.value.body["message"] == f"smollm2 does not take images: it has no vision tower (nor a projector file, mmproj*.gguf, beside {smollm2_gguf.name})"

@@ -228,7 +228,9 @@ class Serving:
         if not req.images:
             return None
         if not sees(served.info):
-            raise ApiError(400, f"{served.model_id} does not take images: it has no vision tower", req.images[0].where)
+            # A GGUF model keeps its tower in a file of its own (llama.cpp's mmproj): say where it was looked for.
+            where = f" (nor a projector file, mmproj*.gguf, beside {served.info.path.name})" if served.info.is_gguf else ""
+            raise ApiError(400, f"{served.model_id} does not take images: it has no vision tower{where}", req.images[0].where)
         try:
             pictures = await decode_all(req.images, getattr(self.d, "fetch_image_urls", False))
         except ImageError as e:
