@@ -236,3 +236,34 @@ def test_a_gguf_and_its_projector_file_answer_through_a_ring_as_mlx_vlm_on_the_c
         chunks = list(answer) if stream else [answer]
         got = [int(t.token.removeprefix("token_id:")) for c in chunks for choice in c.choices if choice.logprobs for t in choice.logprobs.content]
         assert same(got, expected), (got, expected)
+
+
+def test_speculative_decoding_with_an_image_answers_as_mlx_vlm(tiny_vision_model):
+    """A draft model (the checkpoint's own text path, on the leader, which sees no image) proposes;
+    the ring, which sees it, keeps what it would have sampled: the answer is mlx-vlm's."""
+    from mlx_vlm import apply_chat_template, generate, load
+
+    from devkit.rings import Ring
+
+    path = tiny_vision_model("mistral3")  # no sliding window: its proposals can be cut back
+    model, processor = load(str(path))
+    prompt = apply_chat_template(processor, model.config, PROMPT, num_images=1)
+    picture = gradient(turn=3)
+    expected = list(generate(model, processor, prompt, image=[picture], max_tokens=24, temperature=0.0).token_ids)
+    ring = Ring(path, 2, model_id="see", extra=["--draft-model", str(path)])
+    try:
+        content = [{"type": "image_url", "image_url": {"url": data_url(picture)}}, {"type": "text", "text": PROMPT}]
+        # No logprobs: the ring sends none for the proposals it keeps, so a request that asks for them is not speculated.
+        answer = ring.client().chat.completions.create(
+            model="see", messages=[{"role": "user", "content": content}], max_tokens=24, temperature=0, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        ends = {model.config.eos_token_id} if isinstance(model.config.eos_token_id, int) else set(model.config.eos_token_id)
+        want = processor.tokenizer.decode([t for t in expected if t not in ends])
+        assert len(expected) >= 8 and answer.choices[0].message.content.startswith(want), (answer.choices[0].message.content, want)
+        # The last stage counts the proposals it verified.
+        nodes = [n["http"] for n in json.load(urllib.request.urlopen(ring.url + "/cluster/status", timeout=30))["nodes"]]
+        metrics = "".join(urllib.request.urlopen(f"http://{n}/metrics", timeout=30).read().decode() for n in nodes)
+        verified = [line for line in metrics.splitlines() if line.startswith("ringd_draft_tokens_total") and not line.endswith(" 0.0")]
+        assert verified, "no proposal was verified: the draft did not run"
+    finally:
+        ring.stop()
