@@ -202,11 +202,16 @@ def test_three_daemons_with_no_peers_find_each_other_by_bonjour_and_serve(tiny_m
 # then print it and the cluster status as one JSON line.
 NS_CLIENT = r"""
 import json, sys, time, urllib.request
-url = sys.argv[1]
+url, stages = sys.argv[1], int(sys.argv[3]) if len(sys.argv) > 3 else 0
 body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0}).encode()
 deadline, last = time.monotonic() + float(sys.argv[2]), None
 while time.monotonic() < deadline:
     try:
+        # A chat answered by a plan of ``stages`` nodes: a node found after the first plan joins the next.
+        with urllib.request.urlopen(url + "/cluster/status", timeout=5) as r:
+            plan = json.loads(r.read()).get("plan") or {}
+        if len(plan.get("stages") or ()) < stages:
+            raise RuntimeError(f"the plan has not every node yet: {plan}")
         req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=5) as r:
             chat = json.loads(r.read())
@@ -242,7 +247,7 @@ def test_three_daemons_in_three_network_namespaces_discover_each_other_and_serve
             )  # fmt: skip
         api = f"http://{net.hosts[2].ip}:8100"  # a follower's API, reached from host 0
         done = subprocess.run(
-            net.exec_prefix(0) + [sys.executable, "-c", NS_CLIENT, api, "60"], capture_output=True, text=True, timeout=90
+            net.exec_prefix(0) + [sys.executable, "-c", NS_CLIENT, api, "60", "3"], capture_output=True, text=True, timeout=90
         )
         tails = "\n".join(f"--- host{i}\n{p.read_text()[-2500:]}" for i, p in enumerate(logs))
         assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{tails}"
