@@ -130,6 +130,7 @@ def test_every_api_answers_with_images_as_mlx_vlm_plain_streamed_and_beside_text
         out = llama.generate(model="see", prompt=PROMPT, images=[b64], options=options, stream=stream)
         return "".join(c.response for c in out) if stream else out.response
 
+    assert "vision" in llama.show("see").capabilities  # Ollama's clients offer images by it
     asks = [(f, s) for f in (messages_api, responses_api, ollama_chat, ollama_generate) for s in (False, True)]
     asks += [(lambda s: chat(openai_client, stream=s, family=vision_ring.family), s) for s in (False, True)]
     with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:

@@ -95,6 +95,7 @@ from ringd.models.ollama.params import (
     integral,
     sampling_of,
 )
+from ringd.models.vision import sees
 from ringd.ring.media import MAX_IMAGES
 from ringd.ring.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, brief_repr
 from ringd.models.ollama.keepalive import KeepAliveError, parse_keep_alive
@@ -677,6 +678,8 @@ class Models:
         capabilities = ["completion", "tools"]  # ringd calls tools with any model (render.py)
         if getattr(tokenizer, "has_thinking", False):
             capabilities.append("thinking")
+        if sees(info):  # as Ollama says it, which clients read to offer images (Open WebUI)
+            capabilities.append("vision")
         params = parameters(info)
         system = info.defaults.system
         modelfile = f"# Modelfile of the model ringd serves as {shown}\nFROM {info.name}\n"
