@@ -128,8 +128,11 @@ CONVERTERS: dict[str, Converter] = {
     "Phi3ForCausalLM": Converter(MODEL_ARCH.PHI3, parameters="phi3"),  # Phi3MiniModel
     "Gemma2ForCausalLM": Converter(MODEL_ARCH.GEMMA2, norm_shift=True, skip=("lm_head.weight",), parameters="gemma2"),  # Gemma2Model
     "Gemma3ForCausalLM": Converter(MODEL_ARCH.GEMMA3, norm_shift=True, trim_vocab=True, parameters="gemma3"),  # Gemma3Model
+    # Qwen2VLModel: Qwen2's decoder, its multimodal RoPE's sections written; the vision tower goes to
+    # the mmproj file (devkit/mmprojmake.py)
+    "Qwen2_5_VLForConditionalGeneration": Converter(MODEL_ARCH.QWEN2VL, text_of_multimodal=True, params=lambda *a: _qwen2vl_parameters(*a)),
     # Gemma3Model for a multimodal checkpoint: its text decoder ("language_model." dropped); the
-    # vision tower and projector go to the mmproj file (``write_mmproj``)
+    # vision tower and projector go to the mmproj file (devkit/mmprojmake.py)
     "Gemma3ForConditionalGeneration": Converter(MODEL_ARCH.GEMMA3, norm_shift=True, trim_vocab=True, text_of_multimodal=True, parameters="gemma3"),
 }
 
@@ -590,6 +593,15 @@ def _gemma2_parameters(writer, hparams: dict, ftype: LlamaFileType) -> None:
     writer.add_sliding_window(hparams.get("sliding_window", GEMMA2_SLIDING_WINDOW))
 
 
+def _qwen2vl_parameters(writer, hparams: dict) -> None:
+    """TextModel.set_gguf_parameters for a multimodal RoPE: ``mrope_section`` padded to 4 with zeros,
+    as ``rope.dimension_sections`` (Qwen2VLModel adds nothing else)."""
+    rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
+    if "mrope_section" in rope:
+        sections = list(rope["mrope_section"])
+        writer.add_rope_dimension_sections((sections + [0] * 4)[:4])
+
+
 def _gemma3_parameters(writer, hparams: dict) -> None:
     """What Gemma3Model.set_gguf_parameters writes after TextModel's (the same keys again, with
     Gemma 3's defaults; the RoPE base of the global layers). It writes no window pattern and no
@@ -624,6 +636,8 @@ def _text_parameters(writer, hparams: dict, conv: Converter, ftype: LlamaFileTyp
         writer.add_head_count_kv(n_head_kv)
     rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
     rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type == "mrope":  # transformers' Qwen2.5-VL config makes it "default"; its sections: _qwen2vl_parameters
+        rope_type = "default"
     if rope_type not in (None, "default", "linear", "yarn", *(("llama3",) if conv.llama else ())):
         raise ValueError(f"rope scaling {rope} is not written by this helper")
     if rope_type == "yarn" and rope.get("factor") is not None:
@@ -1028,73 +1042,3 @@ def _rewrite(reader, out: Path, choose, file_type: LlamaFileType, dequantized: P
         writer.close()
     return out
 
-
-def write_mmproj(model_dir: Path, out: Path, *, qtype: str = "f16") -> Path:
-    """The vision tower and projector of the mlx-vlm checkpoint in ``model_dir`` as ``convert_hf_to_gguf.py
-    --mmproj`` writes them (``MmprojModel``, and for Gemma 3 ``Gemma3VisionModel``): arch ``clip``,
-    the ``clip.vision.*`` keys of ``MmprojModel.set_gguf_parameters`` (sizes from the vision config,
-    the projection's width the text's, image mean and std from the preprocessor's config) and
-    the projector's own (its type, layer-norm epsilon, GELU, the pooling factor where it is not 4);
-    tensors of the vision tower and projector only (``filter_tensors``), ``_weight`` names made
-    ``.weight`` ones, the soft-embedding norm stored plus one, named by gguf-py's ``TensorNameMap``
-    for MMPROJ, typed by ``tensor_force_quant`` (the input projection F16 whatever ``qtype``, the
-    embeddings F32, the patch embedding as the file). The checkpoint is mlx-vlm's (MLX names, which
-    are Hugging Face's; its patch convolution channels-last, turned back to torch's layout first)."""
-    model_dir, out = Path(model_dir), Path(out)
-    hparams = json.loads((model_dir / "config.json").read_text())
-    if hparams["architectures"][0] != "Gemma3ForConditionalGeneration":
-        raise ValueError(f"{model_dir}: writes Gemma 3's projector only, not {hparams['architectures'][0]}'s")
-    vision, text = hparams["vision_config"], {**hparams, **hparams.get("text_config", {})}
-    pre: dict = {}
-    for name in ("preprocessor_config.json", "processor_config.json"):  # MmprojModel.__init__: merged, processor's last
-        if (model_dir / name).is_file():
-            pre.update(json.loads((model_dir / name).read_text()))
-    ftype, default = QTYPES[qtype]
-    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[MODEL_ARCH.MMPROJ])
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_file_type(ftype)
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_vision_projection_dim(text["hidden_size"])
-    writer.add_vision_image_size(vision["image_size"])
-    writer.add_vision_patch_size(vision["patch_size"])
-    writer.add_vision_embedding_length(vision["hidden_size"])
-    writer.add_vision_feed_forward_length(vision["intermediate_size"])
-    writer.add_vision_block_count(vision["num_hidden_layers"])
-    writer.add_vision_head_count(vision["num_attention_heads"])
-    writer.add_vision_image_mean(pre["image_mean"])
-    writer.add_vision_image_std(pre["image_std"])
-    writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
-    writer.add_vision_attention_layernorm_eps(vision.get("layer_norm_eps", 1e-6))
-    writer.add_vision_use_gelu(True)
-    n_per_side = int(pre.get("image_seq_length", 256) ** 0.5)
-    scale = (vision["image_size"] // vision["patch_size"]) // n_per_side
-    if scale > 0 and scale != 4:
-        writer.add_vision_projector_scale_factor(scale)
-    tensor_map = gguf.get_tensor_name_map(MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
-    for name, x in _source_tensors(model_dir):
-        if "language_model." in name or not name.startswith(("multi_modal_projector.", "vision_tower.")):
-            continue
-        if name.endswith("patch_embedding.weight"):
-            x = x.transpose(0, 3, 1, 2)  # MLX's [out, kh, kw, in] back to torch's [out, in, kh, kw]
-        name = name.replace("_weight", ".weight")
-        if "soft_emb_norm.weight" in name:
-            x = x + 1
-        new_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
-        if new_name is None:
-            raise ValueError(f"{model_dir}: gguf-py names no MMPROJ tensor for {name}")
-        x = x.squeeze()
-        if "input_projection" in name:
-            t = Q.F16
-        elif ".embeddings." in name and not new_name.endswith("patch_embd.weight"):
-            t = Q.F32
-        elif x.ndim <= 1:
-            t = Q.F32
-        else:
-            t = default
-        data, t = _encode(x, t, asked=False)
-        writer.add_tensor(new_name, data, raw_dtype=t)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out

@@ -100,20 +100,25 @@ def tiny_vision_model():
 
 
 @pytest.fixture(scope="session")
-def tiny_vision_gguf(tiny_vision_model) -> Path:
-    """The tiny Gemma 3 as llama.cpp keeps a model that sees: its text decoder's GGUF (F32) and,
-    beside it, its projector file (``mmproj-*.gguf``), both written as llama.cpp's converter writes
-    them (devkit/ggufmake.py), once. Returns the text GGUF's path."""
+def tiny_vision_gguf(tiny_vision_model):
+    """tiny_vision_gguf(family) -> the tiny model (Gemma 3 or Qwen2.5-VL) as llama.cpp keeps a model
+    that sees: its text decoder's GGUF (F32, the path returned) and, beside it, its projector file
+    (``mmproj-*.gguf``), both written as llama.cpp's converter writes them (devkit/ggufmake.py,
+    devkit/mmprojmake.py), once."""
     from devkit.buildcache import built, sources
-    from devkit.ggufmake import write_gguf, write_mmproj
+    from devkit.ggufmake import write_gguf
+    from devkit.mmprojmake import write_mmproj
 
-    checkpoint = tiny_vision_model("gemma3")
+    def make(family: str) -> Path:
+        checkpoint = tiny_vision_model(family)
 
-    def build(out: Path) -> None:
-        write_gguf(checkpoint, out / "tiny-gemma3-F32.gguf", qtype="f32")
-        write_mmproj(checkpoint, out / "mmproj-tiny-gemma3-F32.gguf", qtype="f32")
+        def build(out: Path) -> None:
+            write_gguf(checkpoint, out / f"tiny-{family}-F32.gguf", qtype="f32")
+            write_mmproj(checkpoint, out / f"mmproj-tiny-{family}-F32.gguf", qtype="f32")
 
-    return built("tiny-vlm-gemma3-gguf", sources("ringd/models/tinyvision.py", "devkit/ggufmake.py"), build) / "tiny-gemma3-F32.gguf"
+        return built(f"tiny-vlm-{family}-gguf", sources("ringd/models/tinyvision.py", "devkit/ggufmake.py", "devkit/mmprojmake.py"), build, family) / f"tiny-{family}-F32.gguf"
+
+    return make
 
 
 @pytest.fixture(scope="session")
@@ -161,10 +166,13 @@ def vision_ring(request, tiny_vision_model, ring_pool) -> Ring:
     return ring
 
 
-@pytest.fixture(scope="module")
-def vision_gguf_ring(tiny_vision_gguf, ring_pool) -> Ring:
-    """Three nodes of the tiny Gemma 3 from its GGUF and projector files (model id ``see-gguf``)."""
-    return ring_pool(tiny_vision_gguf, 3, env=SHARED_RING_ENV, model_id="see-gguf")
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl"])
+def vision_gguf_ring(request, tiny_vision_gguf, ring_pool) -> Ring:
+    """Three nodes of a tiny model that sees from its GGUF and projector files (model id ``see-gguf``),
+    of each family ringd reads such a pair of; ``ring.family`` names it."""
+    ring = ring_pool(tiny_vision_gguf(request.param), 3, env=SHARED_RING_ENV, model_id="see-gguf")
+    ring.family = request.param
+    return ring
 
 
 @pytest.fixture(scope="module")

@@ -224,12 +224,14 @@ def test_a_gguf_and_its_projector_file_answer_through_a_ring_as_mlx_vlm_on_the_c
     the two files were converted from."""
     from mlx_vlm import apply_chat_template, generate, load
 
-    model, processor = load(str(tiny_vision_model("gemma3")))
+    family = vision_gguf_ring.family
+    model, processor = load(str(tiny_vision_model(family)))
     prompt = apply_chat_template(processor, model.config, PROMPT, num_images=1)
     client = vision_gguf_ring.client()
-    for picture, stream in ((gradient(), False), (gradient(48, 80, turn=2), True)):
+    for picture, stream in ((gradient(), False), (gradient(48, 80, turn=1), True)):
         expected = list(generate(model, processor, prompt, image=[picture], max_tokens=TOKENS, temperature=0.0).token_ids)
         content = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": data_url(picture)}}]
+        content = content[::-1] if IMAGE_FIRST[family] else content
         answer = client.chat.completions.create(
             model="see-gguf", messages=[{"role": "user", "content": content}], max_tokens=TOKENS, temperature=0, logprobs=True,
             stream=stream, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},

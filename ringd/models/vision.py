@@ -56,12 +56,24 @@ def source(info: ModelInfo, cache_dir: Path | None = None) -> tuple[Path, dict]:
         for f in text.iterdir():
             shutil.copy(f, out / f.name)
         files = {"config.json": config, **projector.processor_files(config)}
-        tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
-        files["tokenizer_config.json"] = {**tokenizer_config, "extra_special_tokens": GEMMA3_MARKERS}
+        if projector.projector == "gemma3":  # Gemma 3's processor finds its markers by these names
+            tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+            files["tokenizer_config.json"] = {**tokenizer_config, "extra_special_tokens": GEMMA3_MARKERS}
         for name, content in files.items():
             (out / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
 
     return written_once(text.parent / f"{text.name}-vision-{info.mmproj.stem[:40]}-{st.st_size}-{st.st_mtime_ns}", write), config
+
+
+def model_of(config: dict):
+    """mlx-vlm's model of ``config``, built as its ``load_model`` builds one, its weights not read
+    (MLX initializes them lazily: what is never evaluated costs nothing)."""
+    import importlib
+
+    utils = mlx_vlm().utils
+    module = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
+    raw = json.loads(json.dumps(config))  # from_dict changes what it is given
+    return module.Model(utils.update_module_configs(module.ModelConfig.from_dict(raw), module, raw, ["text", "vision", "perceiver", "projector", "audio"]))
 
 
 def image_token_id(config: dict) -> int | None:

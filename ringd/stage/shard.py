@@ -276,6 +276,13 @@ class Shard:
         progress.start_file(file)
         kept = source.read(names, on_tensor=lambda t: progress.advance(file, t.mlx_bytes))
         model.load_weights(kept, strict=False)
+        if info.three_axis and info.mmproj is not None:
+            # A decoder that places positions by three numbers, and its projector: mlx-vlm's language
+            # model computes it (vlmtext.py), with the same tensors under its names.
+            model = VlmText.of(info)
+            kept = [("language_model." + name, v) for name, v in kept]
+            model.load_weights(kept, strict=False)
+            protos = _protos(model, info)
         if group is not None:
             _cut_for(model, info, group)
             kept = _stage_parameters(model, info, start, end)

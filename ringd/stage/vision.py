@@ -19,7 +19,6 @@ the leader renders (``models/vision.py``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -39,15 +38,9 @@ from ringd.stage.shard import Shard, inner_model
 
 
 def _from_projector(info: ModelInfo, config: dict, embed_tokens) -> nn.Module:
-    """mlx-vlm's model of ``config`` (built as its ``load_model`` builds one), its vision tower and
-    projector read from the GGUF model's projector file, in the dtype of the model's embeddings."""
-    import importlib
-
-    from mlx_vlm.utils import update_module_configs
-
-    module = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
-    raw = json.loads(json.dumps(config))  # from_dict changes what it is given
-    model = module.Model(update_module_configs(module.ModelConfig.from_dict(raw), module, raw, ["text", "vision", "perceiver", "projector", "audio"]))
+    """mlx-vlm's model of ``config``, its vision tower and projector read from the GGUF model's
+    projector file, in the dtype of the model's embeddings."""
+    model = vision.model_of(config)
     weight = embed_tokens.weight if "weight" in embed_tokens else None
     dtype = weight.dtype if weight is not None and mx.issubdtype(weight.dtype, mx.floating) else mx.float16
     if "scales" in embed_tokens:  # quantized embeddings: their scales' dtype is the model's

@@ -45,6 +45,14 @@ class VlmText(nn.Module):
             raise ModelError(f"{path}: mlx-vlm cannot load the model: {type(e).__name__}: {e}") from None
         return cls(model.language_model)
 
+    @classmethod
+    def of(cls, info) -> "VlmText":
+        """The language model of a GGUF model and its projector file (``models/vision.source``), its
+        weights not read (a stage loads its own)."""
+        from ringd.models import vision
+
+        return cls(vision.model_of(vision.source(info)[1]).language_model)
+
     @property
     def layers(self) -> list:
         return self.language_model.model.layers

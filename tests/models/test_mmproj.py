@@ -22,17 +22,21 @@ PROMPT = "Describe the image."
 TOKENS = 8
 
 
-def test_a_gguf_and_its_projector_split_in_two_answer_as_mlx_vlm_does_on_the_checkpoint(tiny_vision_model, tiny_vision_gguf):
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_a_gguf_and_its_projector_split_in_two_answer_as_mlx_vlm_does_on_the_checkpoint(tiny_vision_model, tiny_vision_gguf, family):
+    """Gemma 3 (mlx-lm's text path; a pooled SigLIP tower), Qwen2.5-VL (mlx-vlm's language model, its
+    positions by time, row and column; q, k and v and the patch convolution's two frames put back)."""
     from mlx_vlm import apply_chat_template, generate, load
 
-    checkpoint = tiny_vision_model("gemma3")
+    checkpoint, gguf_file = tiny_vision_model(family), tiny_vision_gguf(family)
     model, processor = load(str(checkpoint))
-    info = model_info(str(tiny_vision_gguf))
-    assert info.mmproj == tiny_vision_gguf.parent / "mmproj-tiny-gemma3-F32.gguf"
-    first, last = Shard.load(str(tiny_vision_gguf), 0, 3), Shard.load(str(tiny_vision_gguf), 3, info.num_layers)
+    info = model_info(str(gguf_file))
+    assert info.mmproj == gguf_file.parent / f"mmproj-tiny-{family}-F32.gguf"
+    cut = info.num_layers // 2
+    first, last = Shard.load(str(gguf_file), 0, cut), Shard.load(str(gguf_file), cut, info.num_layers)
     vision = Vision.load(info, first)
     answers = []
-    for picture in (gradient(), gradient(turn=1)):
+    for picture in (gradient(), gradient(48, 80, turn=1)):
         prompt = apply_chat_template(processor, model.config, PROMPT, num_images=1)
         expected = list(generate(model, processor, prompt, image=[picture], max_tokens=TOKENS, temperature=0.0).token_ids)
         seen = vision.prompt(Media(1, 1, prompt, (png(picture),)))
@@ -40,8 +44,9 @@ def test_a_gguf_and_its_projector_split_in_two_answer_as_mlx_vlm_does_on_the_che
 
         def step(tokens: list[int], offset: int) -> int:
             embeddings = seen.chunk(offset, tokens, vision.embed) if offset < len(seen.ids) else None
-            h = first(mx.array([tokens]), None, caches[0], embeddings=embeddings)
-            return last(mx.array([tokens]), h, caches[1])[0, -1].argmax().item()
+            positions = None if seen.positions is None else mx.array(seen.rope(offset, len(tokens)))[:, None, :]
+            h = first(mx.array([tokens]), None, caches[0], embeddings=embeddings, positions=positions)
+            return last(mx.array([tokens]), h, caches[1], positions=positions)[0, -1].argmax().item()
 
         ids = seen.ids
         step(ids[:20], 0)
@@ -54,7 +59,8 @@ def test_a_gguf_and_its_projector_split_in_two_answer_as_mlx_vlm_does_on_the_che
 
 
 def test_a_projector_ringd_cannot_read_is_refused_naming_what_is_wrong(tiny_vision_gguf, tmp_path):
-    text, projector = tiny_vision_gguf, tiny_vision_gguf.parent / "mmproj-tiny-gemma3-F32.gguf"
+    text = tiny_vision_gguf("gemma3")
+    projector = text.parent / "mmproj-tiny-gemma3-F32.gguf"
     here = tmp_path / "model.gguf"
     shutil.copy(text, here)
     assert beside(here) is None  # no projector: a model that reads text
@@ -83,8 +89,8 @@ def test_a_projector_ringd_cannot_read_is_refused_naming_what_is_wrong(tiny_visi
         writer.close()
         return out
 
-    with pytest.raises(ModelError, match="a projector of type 'qwen2.5vl_merger'; ringd reads gemma3's"):
-        Mmproj.open(rewritten("qwen.gguf", **{"clip.projector_type": "qwen2.5vl_merger"}))
+    with pytest.raises(ModelError, match="a projector of type 'pixtral'; ringd reads gemma3, qwen2.5vl_merger's"):
+        Mmproj.open(rewritten("pixtral.gguf", **{"clip.projector_type": "pixtral"}))
     with pytest.raises(ModelError, match="not a projector file with a vision tower"):
         Mmproj.open(rewritten("audio.gguf", **{"clip.has_vision_encoder": None}))
     info = model_info(str(text))
@@ -116,7 +122,8 @@ def test_an_ollama_model_s_projector_layer_is_its_projector_file(tiny_vision_ggu
         (store / "blobs" / f"sha256-{digest}").write_bytes(data)
         return {"digest": f"sha256:{digest}", "size": len(data)}
 
-    layers = [{"mediaType": MODEL_MEDIA_TYPE, **blob(tiny_vision_gguf)}, {"mediaType": PROJECTOR_MEDIA_TYPE, **blob(tiny_vision_gguf.parent / "mmproj-tiny-gemma3-F32.gguf")}]
+    text = tiny_vision_gguf("gemma3")
+    layers = [{"mediaType": MODEL_MEDIA_TYPE, **blob(text)}, {"mediaType": PROJECTOR_MEDIA_TYPE, **blob(text.parent / "mmproj-tiny-gemma3-F32.gguf")}]
     manifest = store / "manifests/registry.ollama.ai/library/tinysee/latest"
     manifest.parent.mkdir(parents=True)
     manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
@@ -130,7 +137,8 @@ def test_an_ollama_model_s_projector_layer_is_its_projector_file(tiny_vision_ggu
 def test_the_first_stage_counts_the_vision_tower_in_its_memory(tiny_vision_model, tiny_vision_gguf):
     """Placement gives the first stage room for the tower it runs: a checkpoint's vision tensors, a
     GGUF model's projector file."""
-    for info, vision in ((model_info(str(tiny_vision_model("gemma3"))), None), (model_info(str(tiny_vision_gguf)), tiny_vision_gguf.parent / "mmproj-tiny-gemma3-F32.gguf")):
+    text = tiny_vision_gguf("gemma3")
+    for info, vision in ((model_info(str(tiny_vision_model("gemma3"))), None), (model_info(str(text)), text.parent / "mmproj-tiny-gemma3-F32.gguf")):
         w = info.weights
         assert w.vision > 0 and (vision is None or w.vision == vision.stat().st_size)
         assert w.stage(0, 3) == sum(w.layers[:3]) + w.embed + w.vision and w.stage(3, 6) == sum(w.layers[3:]) + w.norm + (w.head or w.embed)

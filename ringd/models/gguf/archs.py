@@ -12,7 +12,7 @@ kv_b), and float tensors stored otherwise (Gemma's norms plus one, Qwen2-MoE's s
 shared-expert gate). Phi-3's fused attn_qkv and ffn_up need nothing: mlx-lm's phi3 keeps
 HF's fused qkv_proj and gate_up_proj too.
 
-Served: llama (and Mixtral, a llama with experts), mistral3, qwen2, qwen2moe, qwen3,
+Served: llama (and Mixtral, a llama with experts), mistral3, qwen2, qwen2vl, qwen2moe, qwen3,
 qwen3moe, phi3, gemma2, gemma3. A family with no entry, or a file of one that mlx-lm
 cannot compute as llama.cpp does (a YaRN Phi-3, Ministral 3's attention temperature,
 Gemma 3 with a final soft-cap, experts with gate and up fused), is refused at start
@@ -135,6 +135,10 @@ ARCHITECTURES = {
     # Mistral Small 3.x's text decoder, as llama.cpp's Mistral3Model writes it (a llama)
     "mistral3": Arch("llama", "MISTRAL3", rope_interleaved=True, extra=lambda f: _mistral3(f)),
     "qwen2": Arch("qwen2", "QWEN2", rope_interleaved=False),  # Qwen2, Qwen2.5, QwQ, DeepSeek-R1-Distill-Qwen
+    # Qwen2-VL, Qwen2.5-VL: Qwen2's decoder, its positions by time, row and column (the sections of its
+    # multimodal RoPE); text alone is Qwen2's, and with its projector file the ring runs mlx-vlm's
+    # language model (stage/vlmtext.py) with the same tensors.
+    "qwen2vl": Arch("qwen2", "QWEN2VL", rope_interleaved=False, extra=lambda f: _qwen2vl(f)),
     # Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B
     "qwen2moe": Arch("qwen2_moe", "QWEN2MOE", rope_interleaved=False, extra=lambda f: _qwen2_moe(f), fix=lambda n, a: _shared_expert_gate_fix(n, a)),
     "qwen3": Arch("qwen3", "QWEN3", rope_interleaved=False),
@@ -536,6 +540,18 @@ def _mistral3(g: Facts) -> dict:
     if f"{g.arch}.attention.temperature_scale" in g.meta or f"{g.arch}.rope.scaling.yarn_log_multiplier" in g.meta:
         raise _refuse(g, "a Ministral 3 file (mistral3 with attention temperature scaling), which is mlx-lm's ministral3, not proven in the ring")
     return {}
+
+
+def _qwen2vl(g: Facts) -> dict:
+    """Qwen2-VL's and Qwen2.5-VL's decoder as llama.cpp's Qwen2VLModel writes it: Qwen2's, and
+    ``rope.dimension_sections`` (the multimodal RoPE's, padded to 4 with zeros): mlx-lm's and
+    mlx-vlm's ``rope_scaling`` of type mrope, its three sections."""
+    sections = g.meta.get(f"{g.arch}.rope.dimension_sections")
+    if not isinstance(sections, (list, tuple)) or len(sections) < 3 or any(type(s) is not int or s < 0 for s in sections):
+        raise _refuse(g, f"a qwen2vl file whose rope.dimension_sections ({sections!r:.60}) are not its multimodal RoPE's")
+    if any(sections[3:]):
+        raise _refuse(g, f"a qwen2vl file with a fourth RoPE section ({list(sections)}), which mlx-vlm's Qwen2.5-VL does not have")
+    return {"rope_scaling": {"type": "mrope", "mrope_section": list(sections[:3])}}
 
 
 def _qwen2_moe(g: Facts) -> dict:

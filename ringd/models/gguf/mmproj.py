@@ -14,6 +14,7 @@ names it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,20 @@ from ringd.models.gguf.blocks import GROUP_SIZE
 from ringd.models.gguf.reader import Tensor, _parse, read_tensor
 
 # What llama.cpp's converter calls each family's projector (clip.projector_type) and ringd reads.
-PROJECTORS = ("gemma3",)
+PROJECTORS = ("gemma3", "qwen2.5vl_merger")
 # Gemma 3's markers of an image in its vocabulary: where it starts, each of its tokens, where it ends.
 GEMMA3_MARKERS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+# Qwen2.5-VL's, by the config key mlx-vlm reads each from.
+QWEN_MARKERS = {
+    "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>", "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>", "vision_token_id": "<|vision_pad|>",
+}  # fmt: skip
+# What Qwen2.5-VL's vision tower has that its projector file does not keep (llama.cpp fixes the same):
+# patches merged 2 x 2, two frames a patch in time, attention windows of 112 pixels; and the bounds
+# on an image's pixels of its own preprocessor_config.json (llama.cpp's default bounds differ).
+QWEN_FIXED = {"spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112, "tokens_per_second": 2}
+QWEN_PIXELS = (3136, 12845056)
+_QWEN_MERGER = re.compile(r"^visual\.merger\.mlp\.(\d+)\.(weight|bias)$")
 
 
 def beside(model: Path) -> Path | None:
@@ -68,14 +80,22 @@ class Mmproj:
             raise ModelError(f"{self.path}: {key} must be a positive integer, got {v!r:.40}")
         return v
 
+    @property
+    def projector(self) -> str:
+        return self.meta["clip.projector_type"]
+
     def config(self, text: dict, vocab: dict[str, int]) -> dict:
         """mlx-vlm's config of the model: the text decoder's settings (``text``, as the GGUF's reader
         made them) and the vision tower's from this file; the markers' ids from ``vocab``."""
         if text.get("hidden_size") != self._int("clip.vision.projection_dim"):
             raise ModelError(f"{self.path}: projects to {self.meta.get('clip.vision.projection_dim')} wide; the model's text is {text.get('hidden_size')}: not its projector")
-        missing = [t for t in GEMMA3_MARKERS.values() if t not in vocab]
+        markers = QWEN_MARKERS if self.projector == "qwen2.5vl_merger" else GEMMA3_MARKERS
+        missing = [t for t in markers.values() if t not in vocab]
         if missing:
-            raise ModelError(f"{self.path}: a Gemma 3 projector, but the model's vocabulary has no {', '.join(missing)}")
+            family = "Qwen2.5-VL" if markers is QWEN_MARKERS else "Gemma 3"
+            raise ModelError(f"{self.path}: a {family} projector, but the model's vocabulary has no {', '.join(missing)}")
+        if markers is QWEN_MARKERS:
+            return self._qwen_config(text, vocab)
         image, patch = self._int("clip.vision.image_size"), self._int("clip.vision.patch_size")
         scale = self.meta.get("clip.vision.projector.scale_factor", 4)  # the converter writes it where it is not 4
         tokens = (image // patch // scale) ** 2
@@ -105,17 +125,57 @@ class Mmproj:
             "eos_token_id": text.get("eos_token_id"),
         }
 
+    def _qwen_config(self, text: dict, vocab: dict[str, int]) -> dict:
+        """Qwen2.5-VL's: mlx-vlm reads the decoder's settings at the top level (Hugging Face's older
+        layout) and in text_config; the tower's full-attention blocks from llama.cpp's pattern
+        (every ``n_wa_pattern``-th block); what the file does not keep, QWEN_FIXED."""
+        depth, pattern = self._int("clip.vision.block_count"), self._int("clip.vision.n_wa_pattern")
+        decoder = {**text, "model_type": "qwen2_5_vl"}
+        return {
+            **decoder,
+            "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+            "text_config": decoder,
+            "vision_config": {
+                "model_type": "qwen2_5_vl",
+                "depth": depth,
+                "hidden_size": self._int("clip.vision.embedding_length"),
+                "intermediate_size": self._int("clip.vision.feed_forward_length"),
+                "num_heads": self._int("clip.vision.attention.head_count"),
+                "out_hidden_size": self._int("clip.vision.projection_dim"),
+                "patch_size": self._int("clip.vision.patch_size"),
+                "spatial_patch_size": self._int("clip.vision.patch_size"),
+                "in_channels": 3,
+                "fullatt_block_indexes": [i for i in range(depth) if (i + 1) % pattern == 0],
+                **QWEN_FIXED,
+            },
+            **{key: vocab[token] for key, token in QWEN_MARKERS.items()},
+        }
+
     def processor_files(self, config: dict) -> dict[str, dict]:
         """The processor's files mlx-vlm reads (its image processor's settings from this file; the
         tokenizer's markers named as Gemma 3's processor looks them up)."""
+        mean = list(self.meta.get("clip.vision.image_mean", [0.5] * 3))
+        std = list(self.meta.get("clip.vision.image_std", [0.5] * 3))
+        if self.projector == "qwen2.5vl_merger":
+            vision = config["vision_config"]
+            return {
+                "preprocessor_config.json": {
+                    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+                    "patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
+                    "merge_size": vision["spatial_merge_size"], "min_pixels": QWEN_PIXELS[0], "max_pixels": QWEN_PIXELS[1],
+                    "image_mean": mean, "image_std": std, "do_rescale": True, "rescale_factor": 1 / 255,
+                    "do_normalize": True, "do_convert_rgb": True,
+                },
+                "processor_config.json": {"processor_class": "Qwen2_5_VLProcessor"},
+            }  # fmt: skip
         image = config["vision_config"]["image_size"]
         return {
             "preprocessor_config.json": {
                 "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
                 "size": {"height": image, "width": image}, "resample": 2, "do_resize": True, "do_rescale": True,
                 "rescale_factor": 1 / 255, "do_normalize": True,
-                "image_mean": list(self.meta.get("clip.vision.image_mean", [0.5] * 3)),
-                "image_std": list(self.meta.get("clip.vision.image_std", [0.5] * 3)),
+                "image_mean": mean,
+                "image_std": std,
             },
             "processor_config.json": {"processor_class": "Gemma3Processor", "image_seq_length": config["mm_tokens_per_image"]},
         }  # fmt: skip
@@ -129,6 +189,8 @@ class Mmproj:
 
         names = [n for n, _ in tree_flatten(model.parameters()) if n.startswith(("vision_tower.", "multi_modal_projector."))]
         tensor_map = get_tensor_name_map(MODEL_ARCH.MMPROJ, self._int("clip.vision.block_count"))
+        if self.projector == "qwen2.5vl_merger":
+            return self._qwen_weights(names, tensor_map, dtype)
         out, missing = [], []
         for name in names:
             hf = name.replace("_weight", ".weight")
@@ -143,6 +205,39 @@ class Mmproj:
             if name.endswith("patch_embedding.weight"):
                 x = x.transpose(0, 2, 3, 1)  # torch's [out, in, kh, kw] as MLX's convolution takes it
             out.append((name, x.astype(dtype)))
+        if missing:
+            raise ModelError(f"{self.path}: the projector file lacks {len(missing)} tensors of the vision tower, e.g. {', '.join(missing[:3])}")
+        return out
+
+
+    def _qwen_weights(self, names: list[str], tensor_map, dtype: mx.Dtype) -> list[tuple[str, mx.array]]:
+        """Qwen2.5-VL's tower as llama.cpp's Qwen2VLVisionModel wrote it, put back: q, k and v joined
+        into mlx-vlm's fused qkv (rows q, then k, then v), the two frames of the patch convolution
+        (``v.patch_embd.weight`` and ``.weight.1``, torch's [out, in, kh, kw] each) stacked in time
+        and turned channels-last, the merger's MLP ``mm.N``."""
+        out, missing = [], []
+
+        def read(gguf_name: str | None, name: str) -> mx.array | None:
+            t = self.tensors.get(gguf_name) if gguf_name else None
+            if t is None:
+                missing.append(f"{gguf_name} ({name})")
+                return None
+            return _float(t)
+
+        for name in names:
+            hf = "visual." + name.removeprefix("vision_tower.")
+            if hf.endswith("patch_embed.proj.weight"):
+                frames = [read(f"v.patch_embd.weight{suffix}", name) for suffix in ("", ".1")]
+                x = None if any(f is None for f in frames) else mx.stack(frames, axis=2).transpose(0, 2, 3, 4, 1)
+            elif ".qkv." in hf:
+                parts = [read(tensor_map.get_name(hf.replace("qkv", p), try_suffixes=(".weight", ".bias")), name) for p in "qkv"]
+                x = None if any(q is None for q in parts) else mx.concatenate(parts, axis=0)
+            elif m := _QWEN_MERGER.match(hf):
+                x = read(f"mm.{m[1]}.{m[2]}", name)
+            else:
+                x = read(tensor_map.get_name(hf, try_suffixes=(".weight", ".bias")), name)
+            if x is not None:
+                out.append((name, x.astype(dtype)))
         if missing:
             raise ModelError(f"{self.path}: the projector file lacks {len(missing)} tensors of the vision tower, e.g. {', '.join(missing[:3])}")
         return out
