@@ -50,9 +50,14 @@ def _close(writer, out: Path) -> Path:
     return out
 
 
-def _vision_sizes(writer, hparams: dict, vision: dict, pre: dict, blocks: int, heads: int) -> None:
-    """MmprojModel.set_gguf_parameters: the clip.vision.* sizes, image mean and std."""
+def _writer(out: Path, model_dir: Path, hparams: dict, ftype: LlamaFileType, blocks: int, heads: int) -> gguf.GGUFWriter:
+    """A projector file's writer with what every family's has (MmprojModel.set_type and
+    set_gguf_parameters: the clip.vision.* sizes, image mean and std)."""
+    vision, pre = hparams["vision_config"], _preprocessor_config(model_dir)
     text = {**hparams, **hparams.get("text_config", {})}
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[MODEL_ARCH.MMPROJ])
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_file_type(ftype)
     writer.add_clip_has_vision_encoder(True)
     writer.add_vision_projection_dim(text["hidden_size"])
     writer.add_vision_image_size(vision.get("image_size", 560))  # Qwen2VLVisionModel: 560, a placeholder
@@ -63,6 +68,7 @@ def _vision_sizes(writer, hparams: dict, vision: dict, pre: dict, blocks: int, h
     writer.add_vision_head_count(heads)
     writer.add_vision_image_mean(pre["image_mean"])
     writer.add_vision_image_std(pre["image_std"])
+    return writer
 
 
 def _gemma3(model_dir: Path, out: Path, hparams: dict, qtype: str) -> Path:
@@ -73,16 +79,12 @@ def _gemma3(model_dir: Path, out: Path, hparams: dict, qtype: str) -> Path:
     for MMPROJ, typed by ``tensor_force_quant`` (the input projection F16 whatever ``qtype``, the
     embeddings F32, the patch embedding as the file)."""
     vision = hparams["vision_config"]
-    pre = _preprocessor_config(model_dir)
     ftype, default = QTYPES[qtype]
-    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[MODEL_ARCH.MMPROJ])
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_file_type(ftype)
-    _vision_sizes(writer, hparams, vision, pre, vision["num_hidden_layers"], vision["num_attention_heads"])
+    writer = _writer(out, model_dir, hparams, ftype, vision["num_hidden_layers"], vision["num_attention_heads"])
     writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
     writer.add_vision_attention_layernorm_eps(vision.get("layer_norm_eps", 1e-6))
     writer.add_vision_use_gelu(True)
-    n_per_side = int(pre.get("image_seq_length", 256) ** 0.5)
+    n_per_side = int(_preprocessor_config(model_dir).get("image_seq_length", 256) ** 0.5)
     scale = (vision["image_size"] // vision["patch_size"]) // n_per_side
     if scale > 0 and scale != 4:
         writer.add_vision_projector_scale_factor(scale)
@@ -123,12 +125,8 @@ def _qwen2_5_vl(model_dir: Path, out: Path, hparams: dict, qtype: str) -> Path:
     Conv3D patch embedding cut along time into ``v.patch_embd.weight`` and ``.weight.1`` (the
     converter allows a temporal patch of 2 only), the rest by gguf-py's TensorNameMap."""
     vision = hparams["vision_config"]
-    pre = _preprocessor_config(model_dir)
     ftype, default = QTYPES[qtype]
-    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[MODEL_ARCH.MMPROJ])
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_file_type(ftype)
-    _vision_sizes(writer, hparams, vision, pre, vision["depth"], vision["num_heads"])
+    writer = _writer(out, model_dir, hparams, ftype, vision["depth"], vision["num_heads"])
     writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
     writer.add_vision_use_silu(True)
     full = vision["fullatt_block_indexes"]

@@ -42,14 +42,14 @@ def same(got: list[int], expected: list[int]) -> bool:
     return len(expected) >= 4 and got[: len(expected)] == expected
 
 
-def chat(client, image=None, stream=False, family: str = "gemma3") -> list[int]:
+def chat(client, image=None, stream=False, family: str = "gemma3", model: str = "see") -> list[int]:
     """The ring's greedy token ids for PROMPT (with ``image``), through the official openai client."""
     content: str | list = PROMPT
     if image is not None:
         content = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
         content = content[::-1] if IMAGE_FIRST[family] else content
     answer = client.chat.completions.create(
-        model="see", messages=[{"role": "user", "content": content}], max_tokens=TOKENS, temperature=0, logprobs=True,
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=TOKENS, temperature=0, logprobs=True,
         stream=stream, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
     )  # fmt: skip
     chunks = list(answer) if stream else [answer]
@@ -230,14 +230,7 @@ def test_a_gguf_and_its_projector_file_answer_through_a_ring_as_mlx_vlm_on_the_c
     client = vision_gguf_ring.client()
     for picture, stream in ((gradient(), False), (gradient(48, 80, turn=1), True)):
         expected = list(generate(model, processor, prompt, image=[picture], max_tokens=TOKENS, temperature=0.0).token_ids)
-        content = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": data_url(picture)}}]
-        content = content[::-1] if IMAGE_FIRST[family] else content
-        answer = client.chat.completions.create(
-            model="see-gguf", messages=[{"role": "user", "content": content}], max_tokens=TOKENS, temperature=0, logprobs=True,
-            stream=stream, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
-        )  # fmt: skip
-        chunks = list(answer) if stream else [answer]
-        got = [int(t.token.removeprefix("token_id:")) for c in chunks for choice in c.choices if choice.logprobs for t in choice.logprobs.content]
+        got = chat(client, picture, stream, family, model="see-gguf")
         assert same(got, expected), (got, expected)
 
 
