@@ -97,8 +97,11 @@ class Mmproj:
         if markers is QWEN_MARKERS:
             return self._qwen_config(text, vocab)
         image, patch = self._int("clip.vision.image_size"), self._int("clip.vision.patch_size")
-        scale = self.meta.get("clip.vision.projector.scale_factor", 4)  # the converter writes it where it is not 4
+        # The converter writes the pooling factor where it is not 4.
+        scale = self._int("clip.vision.projector.scale_factor") if "clip.vision.projector.scale_factor" in self.meta else 4
         tokens = (image // patch // scale) ** 2
+        if not tokens:
+            raise ModelError(f"{self.path}: {image}-pixel images in patches of {patch} pooled by {scale} leave no token")
         return {
             "model_type": "gemma3",
             "architectures": ["Gemma3ForConditionalGeneration"],
