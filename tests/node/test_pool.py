@@ -330,8 +330,11 @@ def test_two_replicas_on_four_nodes_share_the_streams_and_a_kill_9_loses_nothing
         assert got[i] == want, f"stream {i} changed by the kill of {victim}:\nring {got[i]}\nref  {want}"
     after = {r["ringd"]["instance"] or "tiny": r["ringd"] for r in ps(c.url(0))}
     served = {name: r["served"] for name, r in after.items()}
-    # Routed as they came, each to the replica with the least work outstanding: a burst splits evenly.
-    assert sorted(served.values()) == [streams // 2] * 2, f"the replicas' shares of the burst: {served}"
+    # Routed as they came, each to the replica with the least work outstanding: a burst splits about
+    # evenly (before the routing counted a request from the moment it was routed, every one of a
+    # burst went to the first replica). Not exactly: a replica whose ring is a moment from ready
+    # (its plan re-forming as the links are measured) is passed over, rightly; CI met 5 and 3 once.
+    assert sum(served.values()) == streams and min(served.values()) >= streams // 2 - 1, f"the replicas' shares of the burst: {served}"
     print(f"requests per replica: {served}; tiny#2 now on {after['tiny#2']['stages']}")
     assert victim not in {s[0] for r in after.values() for s in r["stages"]}
 
