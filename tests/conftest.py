@@ -166,12 +166,13 @@ def vision_ring(request, tiny_vision_model, ring_pool) -> Ring:
     return ring
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl"])
-def vision_gguf_ring(request, tiny_vision_gguf, ring_pool) -> Ring:
-    """Three nodes of a tiny model that sees from its GGUF and projector files (model id ``see-gguf``),
-    of each family ringd reads such a pair of; ``ring.family`` names it."""
-    ring = ring_pool(tiny_vision_gguf(request.param), 3, env=SHARED_RING_ENV, model_id="see-gguf")
-    ring.family = request.param
+@pytest.fixture(scope="module")
+def vision_gguf_ring(tiny_vision_gguf, ring_pool) -> Ring:
+    """Three nodes of the tiny Qwen2.5-VL from its GGUF and projector files (model id ``see-gguf``):
+    the family whose GGUF path differs most (mlx-vlm's language model from the text GGUF's tensors).
+    Gemma 3's pair is shown in process (tests/models/test_mmproj.py), its processor's files too."""
+    ring = ring_pool(tiny_vision_gguf("qwen2_5_vl"), 3, env=SHARED_RING_ENV, model_id="see-gguf")
+    ring.family = "qwen2_5_vl"
     return ring
 
 
