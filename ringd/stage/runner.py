@@ -54,6 +54,7 @@ from ringd.stage.sessions import SessionError, Sessions
 from ringd.stage.shard import Shard
 from ringd.stage.tensorgroup import GroupError, lost_member
 from ringd.stage.vision import Vision, VisionError
+from ringd.stage.vlmtext import text_rope
 from ringd.ring.media import Media
 from ringd.ring.steps import Embedded, Failure, Forward, KvOptions, Row, Sampled, Tokens, draft_distribution, pack_ropes, parse_release, term_of
 from wire.frames import Frame, FrameError, MsgType
@@ -363,7 +364,7 @@ class StageRunner:
         positions = None
         if self.shard.three_axis:  # [3, B, L]: each row's own, or its index three times
             ropes = [self._rope(row, self.sessions.get(row.rid)) for row in fit]
-            positions = mx.array(np.stack([r if r is not None else np.broadcast_to(np.arange(row.offset, row.offset + L), (3, L)) for r, row in zip(ropes, fit)], axis=1))
+            positions = mx.array(np.stack([r if r is not None else text_rope(row.offset, L) for r, row in zip(ropes, fit)], axis=1))
         x = None
         if hidden is not None:  # [B, L, H]: every row's, or those that fit
             if len(fit) * L == hidden.shape[1]:
@@ -490,7 +491,7 @@ class StageRunner:
             if session.prompt is not None:
                 got = session.prompt.rope(row.offset, n)
             else:
-                got = np.broadcast_to(np.arange(row.offset, row.offset + n, dtype=np.int32) + session.shift, (3, n))
+                got = text_rope(row.offset + session.shift, n)
             self._ropes[row.rid] = got
         return got
 

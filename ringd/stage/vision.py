@@ -35,6 +35,7 @@ from ringd.models.gguf.mmproj import Mmproj
 from ringd.models.vision import Processor, mlx_vlm
 from ringd.ring.media import ImageError, Media, picture
 from ringd.stage.shard import Shard, inner_model
+from ringd.stage.vlmtext import text_rope
 
 
 def _from_projector(info: ModelInfo, config: dict, embed_tokens) -> nn.Module:
@@ -68,8 +69,8 @@ class Prompt:
         """The three-axis positions [3, n] of positions [offset, offset + n): the prompt's, and past
         its end each index plus ``shift``, the three numbers equal."""
         inside = self.positions[:, offset : offset + n]
-        past = np.arange(offset + inside.shape[1], offset + n, dtype=np.int32) + self.shift
-        return np.concatenate([inside, np.broadcast_to(past, (3, len(past)))], axis=1).astype(np.int32)
+        past = text_rope(offset + inside.shape[1] + self.shift, n - inside.shape[1])
+        return np.concatenate([inside, past], axis=1).astype(np.int32)
 
     def chunk(self, offset: int, tokens: Sequence[int], embed) -> mx.array:
         """The input embeddings of positions [offset, offset + len(tokens)): the prompt's, which must

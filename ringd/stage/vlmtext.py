@@ -23,6 +23,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+import numpy as np
+
+from ringd.models import vision
 from ringd.models.errors import ModelError
 from ringd.models.vision import mlx_vlm
 
@@ -49,8 +52,6 @@ class VlmText(nn.Module):
     def of(cls, info) -> "VlmText":
         """The language model of a GGUF model and its projector file (``models/vision.source``), its
         weights not read (a stage loads its own)."""
-        from ringd.models import vision
-
         return cls(vision.model_of(vision.source(info)[1]).language_model)
 
     @property
@@ -62,6 +63,11 @@ class VlmText(nn.Module):
             raise RuntimeError("a three-axis model's call needs its positions")
         out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, position_ids=self.positions)
         return out.logits
+
+
+def text_rope(start: int, n: int) -> np.ndarray:
+    """[3, n] positions of ``n`` text positions from ``start`` on: the three numbers equal."""
+    return np.broadcast_to(np.arange(start, start + n, dtype=np.int32), (3, n))
 
 
 def plain_positions(offsets: mx.array | int, length: int) -> mx.array:
